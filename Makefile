@@ -1,0 +1,31 @@
+# make demo / make test work on a fresh machine: each creates .venv and installs
+# TensorFlow 2.21 (CPU wheel) and this package with its compiled extension.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench build clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+$(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib setuptools wheel
+	$(VPY) -m pip install -q --no-build-isolation -e .
+	touch $(STAMP)
+
+build: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/quickstart.py
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -ra tests
+
+bench: $(STAMP)
+	$(VPY) benchmarks/overhead.py
+
+clean:
+	rm -rf build *.egg-info tf_ophandlers/_C*.so

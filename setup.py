@@ -1,0 +1,58 @@
+"""Builds tf_ophandlers._C against the TensorFlow 2.21 found at build time.
+
+The extension links libtensorflow_cc.so.2 (TFE_* C API), libtensorflow_framework.so.2
+(TF_Status, op registration) and python/lib_pywrap_tensorflow_common.so (EagerTensor
+helpers, private symbols: hence the exact version pin), as DESIGN.md records. It never
+links libpython. TensorFlow is located without importing it (importing TF takes seconds
+and is not needed for a build).
+"""
+import importlib.util
+import os
+import sysconfig
+
+from setuptools import Extension, setup
+
+SUPPORTED_TF = "2.21"
+
+
+def _tensorflow_dir():
+    spec = importlib.util.find_spec("tensorflow")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "tf-ophandlers builds against an installed TensorFlow %s.x: install "
+            "'tensorflow==%s.*' or 'tensorflow-cpu==%s.*' first "
+            "(pip install --no-build-isolation .), or let pip use the build "
+            "requirements in pyproject.toml." % (SUPPORTED_TF, SUPPORTED_TF, SUPPORTED_TF))
+    return list(spec.submodule_search_locations)[0]
+
+
+tf_dir = _tensorflow_dir()
+tf_python = os.path.join(tf_dir, "python")
+
+common = dict(
+    include_dirs=["cc", "cc/include", os.path.join(tf_dir, "include"),
+                  sysconfig.get_paths()["include"]],
+    define_macros=[("_GLIBCXX_USE_CXX11_ABI", "1"), ("EIGEN_MAX_ALIGN_BYTES", "64")],
+    extra_compile_args=["--std=c++17", "-O2", "-fvisibility=hidden",
+                        "-Wno-sign-compare", "-Wno-unused-function", "-Wno-deprecated-declarations"],
+    extra_link_args=[
+        "-L" + tf_dir,
+        "-l:libtensorflow_framework.so.2",
+        "-l:libtensorflow_cc.so.2",
+        os.path.join(tf_python, "lib_pywrap_tensorflow_common.so"),
+        # Installed next to tensorflow/ in site-packages; the absolute paths serve
+        # editable installs. TensorFlow is imported first, so these libraries are
+        # normally already loaded.
+        "-Wl,-rpath,$ORIGIN/../tensorflow:$ORIGIN/../tensorflow/python",
+        "-Wl,-rpath," + tf_dir + ":" + tf_python,
+    ],
+    language="c++",
+)
+
+setup(ext_modules=[
+    # The Python extension: the dispatcher device and the handler-tensor payloads.
+    Extension("tf_ophandlers._C", sources=["cc/dispatcher.cc"], **common),
+    # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
+    # TensorFlow generates the op wrappers and records them on tapes.
+    Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc"], **common),
+])

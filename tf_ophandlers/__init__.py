@@ -1,0 +1,59 @@
+"""tf-ophandlers: TensorFlow transformations as composable front-end op handlers.
+
+    import tensorflow as tf
+    import tf_ophandlers as oh
+
+    log = oh.OpLogHandler()
+    with log:
+        y = tf.sin(tf.constant([1.0, 2.0])) * 2.0
+    [r.op_type for r in log.records]   # ['Sin', 'Mul']
+
+See README.md and docs/guide.md.
+"""
+SUPPORTED_TENSORFLOW = "2.21"
+
+import tensorflow as _tf  # noqa: E402
+
+if not _tf.__version__.startswith(SUPPORTED_TENSORFLOW + "."):
+    raise ImportError(
+        "tf-ophandlers %s supports TensorFlow %s.x only (its C++ extension uses private "
+        "symbols of that release); found TensorFlow %s. Install 'tensorflow==%s.*' or "
+        "'tensorflow-cpu==%s.*'." % ("0.1.0", SUPPORTED_TENSORFLOW, _tf.__version__,
+                                     SUPPORTED_TENSORFLOW, SUPPORTED_TENSORFLOW))
+
+from tf_ophandlers import _C  # noqa: E402,F401  (after TensorFlow: needs its libraries)
+from tf_ophandlers.core import copies as _copies  # noqa: E402
+from tf_ophandlers.core import dispatch as _dispatch  # noqa: E402
+from tf_ophandlers.core import errors as _errors  # noqa: E402
+from tf_ophandlers.core import scope as _scope  # noqa: E402
+from tf_ophandlers.core import tensor as _tensor  # noqa: E402
+from tf_ophandlers.core.errors import (  # noqa: E402
+    CopyOffError, HandlerError, HandlerOutputError, PlacementError)
+from tf_ophandlers.core.handler import OpHandler  # noqa: E402
+from tf_ophandlers.core.op import Op  # noqa: E402
+from tf_ophandlers.core.scope import (  # noqa: E402
+    DISPATCHER_DEVICE, current_stack, handler, handler_of)
+from tf_ophandlers.core.stack import PHYSICAL, HandlerStack  # noqa: E402
+from tf_ophandlers.core.copies import copy_off, copy_on  # noqa: E402
+from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
+from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
+
+__version__ = "0.1.0"
+
+_errors.install()
+_tensor.install()
+_scope.install_device_scopes()
+_dispatch.initialize()
+
+
+def install():
+    """Also exposes the scope as `tf.handler` (the RFC's spelling)."""
+    _scope.install_tf_handler()
+
+
+__all__ = [
+    "OpHandler", "Op", "HandlerStack", "PHYSICAL", "DISPATCHER_DEVICE", "handler",
+    "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
+    "OpRecord", "CheckNumericsHandler", "HandlerError", "PlacementError",
+    "HandlerOutputError", "CopyOffError",
+]

@@ -1,0 +1,65 @@
+"""The copy ops and their gradients (RFC "Copies and their gradients").
+
+CopyOn/CopyOnGrad and CopyOff/CopyOffGrad live in the op library `_copy_ops`
+(cc/copy_ops.cc), loaded with `tf.load_op_library` so TensorFlow generates their
+wrappers and records them on tapes. Their gradients are each other, so higher-order
+gradients work and CopyOn must be linear: d CopyOn = CopyOnGrad, d CopyOnGrad = CopyOn,
+d CopyOff = CopyOffGrad, d CopyOffGrad = CopyOff.
+
+Run under a handler scope, `copy_on(x)` puts `x` on the current stack and
+`copy_off(x, device)` takes a handler tensor off its stack; on a physical device all four
+are the identity.
+"""
+import glob
+import os
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_lib = tf.load_op_library(sorted(glob.glob(os.path.join(_PACKAGE_DIR, "_copy_ops*.so")))[0])
+
+
+def copy_on(x):
+    """CopyOn: `x` copied onto the stack the op runs on."""
+    return _lib.copy_on(x)
+
+
+def copy_on_grad(dcopied, original_device=""):
+    """CopyOnGrad: the gradient of CopyOn, mapped back to `original_device`."""
+    return _lib.copy_on_grad(dcopied, original_device=original_device)
+
+
+def copy_off(x, new_device=""):
+    """CopyOff: `x` copied off its handler stack to `new_device`."""
+    return _lib.copy_off(x, new_device=new_device)
+
+
+def copy_off_grad(dcopied, original_device=""):
+    """CopyOffGrad: the gradient of CopyOff."""
+    return _lib.copy_off_grad(dcopied, original_device=original_device)
+
+
+def _string_attr(op, name):
+    value = op.get_attr(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@_ops.RegisterGradient("CopyOn")
+def _copy_on_gradient(op, grad):
+    return copy_on_grad(grad, original_device=op.inputs[0].device)
+
+
+@_ops.RegisterGradient("CopyOnGrad")
+def _copy_on_grad_gradient(op, grad):
+    return copy_on(grad)
+
+
+@_ops.RegisterGradient("CopyOff")
+def _copy_off_gradient(op, grad):
+    return copy_off_grad(grad, original_device=_string_attr(op, "new_device"))
+
+
+@_ops.RegisterGradient("CopyOffGrad")
+def _copy_off_grad_gradient(op, grad):
+    return copy_off(grad, new_device=_string_attr(op, "original_device"))

@@ -1,0 +1,97 @@
+"""The dispatcher: entry points called by the C++ device callbacks (cc/dispatcher.cc).
+
+`execute` applies the RFC placement policy: an op placed by a handler scope runs on the
+current stack; an op reaching the device by type-based dispatch runs on the stack of its
+handler inputs, which must be related (one stack containing the others); inputs from
+unrelated stacks are an error naming both stacks and the op.
+"""
+import tensorflow as tf
+from tensorflow.python.eager import context as _context
+
+from tf_ophandlers import _C
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.scope import DISPATCHER_DEVICE
+from tf_ophandlers.core.stack import PHYSICAL
+from tf_ophandlers.core.state import state
+
+
+def _stack_for(op, inputs):
+    if op.requested_device == DISPATCHER_DEVICE:
+        return state.current
+    stacks = []
+    for t in inputs:
+        s = _C.stack_of(t)
+        if s is not None and not any(s is x for x in stacks):
+            stacks.append(s)
+    if len(stacks) == 1:
+        return stacks[0]
+    if not stacks:
+        return state.current
+    best = max(stacks, key=lambda s: len(s.handlers))
+    if all(best.contains(s) for s in stacks):
+        return best
+    others = [s for s in stacks if not best.contains(s)]
+    raise errors.PlacementError(
+        "tf_ophandlers: op %s has inputs on two unrelated handler stacks, %r and %r; "
+        "copy one of them off its stack or run the op inside a scope of one of them "
+        "(with oh.handler(...))" % (op.type, best, others[0]))
+
+
+def execute(op, inputs):
+    if op.type == "_EagerConst":
+        # TensorFlow's way of placing a Python constant on the current device; the result
+        # goes into its C++ scalar cache keyed by device name. Constants therefore stay
+        # physical (as in copy_to_device below) and are copied on where they are used.
+        return inputs
+    stack = _stack_for(op, inputs)
+    state.last_stack = stack
+    return stack.execute(op, inputs)
+
+
+def copy_to_device(tensor):
+    # TensorFlow calls this to create constants under a handler scope. They stay
+    # physical: a handler copies them on when an op uses them, and TensorFlow's scalar
+    # cache then never holds a handler tensor of a stack that is gone.
+    return tensor
+
+
+def copy_from_device(tensor, device):
+    stack = _C.stack_of(tensor)
+    return stack.copy_off(tensor, device)
+
+
+def num_dims(stack, value):
+    return stack.handler.num_dims(value)
+
+
+def dim(stack, value, index):
+    return stack.handler.dim(value, index)
+
+
+def summarize(stack, value):
+    return stack.handler.tensor_debug_string(value)
+
+
+def output_error(op, kind, detail):
+    stack = getattr(state, "last_stack", None)
+    exc = errors.HandlerOutputError(
+        "tf_ophandlers: %s returned invalid outputs for op %s (%s mismatch: %s; the "
+        "OpDef requires dtypes %s)" % (
+            stack if stack is not None else "a handler", op.type, kind, detail,
+            [d.name for d in (op.output_dtypes or [])]))
+    return errors.stash_error(exc)[1]
+
+
+_initialized = False
+
+
+def initialize():
+    global _initialized
+    if _initialized:
+        return
+    ctx = _context.context()
+    ctx.ensure_initialized()
+    _C.init(ctx._handle, DISPATCHER_DEVICE, Op, execute, copy_to_device,  # pylint: disable=protected-access
+            copy_from_device, errors.stash_error, num_dims, dim, summarize, output_error)
+    _initialized = True

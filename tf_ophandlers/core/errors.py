@@ -1,0 +1,102 @@
+"""Error types and the mapping of handler exceptions through TensorFlow.
+
+A handler's exception raised inside a dispatcher callback cannot cross TensorFlow's C
+API as a Python object: only a status (code, message) can. The C++ callback therefore
+*stashes* the exception here and puts a marker ``[tf_ophandlers#N]`` into the status
+message. TensorFlow's status-to-exception conversion is wrapped (`install`) so that when
+the status reaches Python again, the user receives the original exception object, with
+its type, message and traceback.
+"""
+import collections
+import re
+import threading
+
+from tensorflow.python.eager import core as _tf_core
+from tensorflow.python.framework import errors as _tf_errors
+
+_MARKER = re.compile(r"\[tf_ophandlers#(\d+)\]")
+_MAX_STASHED = 256  # exceptions whose status TensorFlow dropped must not pile up
+
+_lock = threading.Lock()
+_stash = collections.OrderedDict()
+_counter = [0]
+
+
+class HandlerError(RuntimeError):
+    """Base class of errors raised by the tf-ophandlers runtime itself."""
+
+
+class PlacementError(HandlerError, ValueError):
+    """An op's inputs live on handler stacks that cannot be combined."""
+
+
+class HandlerOutputError(HandlerError, TypeError):
+    """A handler returned outputs that do not satisfy the op's OpDef."""
+
+
+class CopyOffError(HandlerError):
+    """A handler refused to copy a tensor off its stack."""
+
+
+def _tf_code_for(exc):
+    if isinstance(exc, _tf_errors.OpError):
+        return exc.error_code
+    if isinstance(exc, (ValueError, TypeError, IndexError, KeyError)):
+        return _tf_errors.INVALID_ARGUMENT
+    if isinstance(exc, NotImplementedError):
+        return _tf_errors.UNIMPLEMENTED
+    return _tf_errors.UNKNOWN
+
+
+def stash_error(exc):
+    """Called by the C++ boundary: keeps `exc`, returns (TF code, status message)."""
+    with _lock:
+        _counter[0] += 1
+        key = _counter[0]
+        _stash[key] = exc
+        while len(_stash) > _MAX_STASHED:
+            _stash.popitem(last=False)
+    return _tf_code_for(exc), "%s: %s [tf_ophandlers#%d]" % (type(exc).__name__, exc, key)
+
+
+def original_error(message):
+    """Returns the stashed exception a status message refers to, or None."""
+    if not message or "tf_ophandlers#" not in message:
+        return None
+    m = _MARKER.search(message)
+    if m is None:
+        return None
+    with _lock:
+        return _stash.pop(int(m.group(1)), None)
+
+
+def raise_from_code(code, message):
+    """Raises the exception for a failed TFE_Execute (used by the C++ boundary)."""
+    exc = original_error(message)
+    if exc is not None:
+        raise exc
+    try:
+        cls = _tf_errors.exception_type_from_error_code(code)
+        raise cls(None, None, message)
+    except KeyError:
+        raise _tf_errors.UnknownError(None, None, message, code) from None
+
+
+_installed = False
+
+
+def install():
+    """Wraps TensorFlow's status-to-exception conversion (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    original = _tf_core._status_to_exception
+
+    def _status_to_exception(status):
+        exc = original_error(getattr(status, "message", None))
+        if exc is not None:
+            return exc
+        return original(status)
+
+    _tf_core._status_to_exception = _status_to_exception
+    _installed = True

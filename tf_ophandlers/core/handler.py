@@ -1,0 +1,147 @@
+"""`OpHandler`: the base class of every handler (RFC "Available hooks").
+
+A handler has a *state* (the object itself, or what `merge` returns) and a *tensor
+representation* (any Python value; by default a tensor of the next stack). Every hook has
+a default, so ``OpHandler()`` is a pass-through handler and a subclass overrides only
+what it changes:
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> class Doubler(oh.OpHandler):
+...     def execute(self, op, inputs):
+...         outputs = self.next.execute(op, inputs)
+...         return [o * 2. if o.dtype.is_floating else o for o in outputs]
+>>> with Doubler():
+...     y = tf.add(1., 2.)
+>>> float(y)
+6.0
+
+Inside a hook, `self.next` is the stack this handler executes on, and ops the hook runs
+with ordinary TensorFlow calls (``tf.sin(x)``) are placed there too.
+"""
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.state import state as _state
+
+
+class OpHandler:
+    """Pass-through op handler; subclass and override hooks to transform ops."""
+
+    #: A transient handler (tapes, logs) leaves resource handles (variables) on the next
+    #: stack so that a variable created under it does not keep it alive (RFC "Placement
+    #: of resource handles"). Handlers that own per-variable state set this to False.
+    transient = True
+
+    #: A transparent handler shows the next stack's device in ``tensor.device`` (as
+    #: GradientTape does); otherwise ``tensor.device`` is the stack's name.
+    transparent = False
+
+    #: Set to a function ``needs_copy(op, index) -> bool`` to receive some inputs of
+    #: some ops as they are, without copy-on (e.g. a parallel handler's pack op).
+    needs_copy = None
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @classmethod
+    def type_name(cls):
+        """Device type in stack names ``/job:localhost/replica:0/task:0/device:TYPE:N``."""
+        return getattr(cls, "TYPE_NAME", None) or cls.__name__.upper()
+
+    def debug_string(self):
+        """How this handler is named in error messages."""
+        return "%s()" % type(self).__name__
+
+    def __repr__(self):
+        return "<%s>" % self.debug_string()
+
+    @property
+    def next(self):
+        """The stack this handler executes on; valid inside its hooks."""
+        for stack in reversed(_state.frames):
+            if stack.handler is self:
+                return stack.next
+        raise errors.HandlerError(
+            "%s.next is only defined inside one of its hooks" % self.debug_string())
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def execute(self, op, inputs):
+        """Runs `op` on `inputs` (this handler's representations) -> representations.
+
+        The default forwards the op to the next stack unchanged.
+        """
+        return self.next.execute(op, inputs)
+
+    def copy_on(self, tensor):
+        """Representation of `tensor`, which lives elsewhere (RFC CopyOn).
+
+        `tensor` is a physical tensor or one from another stack. The default moves it onto
+        the next stack. A tensor of this handler from an earlier merge is taken directly
+        (RFC "Re-entering a merged handler stack"): its representation is moved onto
+        this merge's next stack without a copy off this handler.
+        """
+        from tf_ophandlers import _C  # pylint: disable=import-outside-toplevel
+        source = _C.stack_of(tensor)
+        if source is not None and source.handler is self:
+            return self.next.copy_on(source.unwrap(tensor))
+        return self.next.copy_on(tensor)
+
+    def copy_off(self, value, device):
+        """A tensor on the next stack for `value`, on its way to physical `device`.
+
+        Raise (e.g. `oh.CopyOffError`) to refuse copies off this handler.
+        """
+        return value
+
+    def copy_on_grad(self, value, original_device):
+        """CopyOnGrad: maps a gradient back off this handler. Default: as copy_off."""
+        return self.copy_off(value, original_device)
+
+    def merge(self, next_stack):
+        """The handler state for this handler executing on `next_stack` (default: self)."""
+        return self
+
+    def value_dtype(self, value):
+        """The dtype of a representation."""
+        return value.dtype
+
+    def num_dims(self, value):
+        """Rank of a representation that is not a tensor (-1 if unknown)."""
+        rank = value.shape.rank
+        return -1 if rank is None else rank
+
+    def dim(self, value, index):
+        """Axis length of a representation that is not a tensor (-1 if unknown)."""
+        d = value.shape[index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        """A numpy value known without running anything, or None (tf.get_static_value)."""
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        return tf.get_static_value(value) if isinstance(value, tf.Tensor) else None
+
+    def device_string(self, value, stack):
+        """What ``tensor.device`` shows for a tensor of this handler."""
+        if self.transparent and hasattr(value, "device"):
+            return value.device
+        return stack.name
+
+    def tensor_debug_string(self, value):
+        """Text shown for the value by ``repr``/``str`` of a tensor of this handler.
+
+        Transparent handlers show the value as TensorFlow would; others prefix their
+        type name.
+        """
+        from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+        text = ops.value_text(value) if hasattr(value, "_id") else repr(value)
+        return text if self.transparent else "%s: %s" % (self.type_name(), text)
+
+    # -- scopes -----------------------------------------------------------------------------
+
+    def __enter__(self):
+        from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
+        scope.enter(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
+        scope.exit()
+        return False

@@ -1,0 +1,149 @@
+"""`Op`: what a handler's `execute` hook is asked to run.
+
+An Op carries the op type, its attributes (decoded on first access), the number and
+dtypes of outputs TensorFlow's OpDef requires, and the device that was requested. It is
+backed by the C++ boundary (`cc/dispatcher.h`): during a dispatcher callback it borrows
+TensorFlow's op, and it keeps its own copy of the attributes only if a handler holds on
+to it, so forwarding an op costs nothing for its attributes.
+"""
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import tensor_shape_pb2
+from tensorflow.python.framework import dtypes as _dtypes
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import tensor_shape
+from tensorflow.python.framework import tensor_util
+
+from tf_ophandlers import _C
+
+
+def _decode(value):
+    kind = value.WhichOneof("value")
+    if kind == "list":
+        lst = value.list
+        for field in ("s", "i", "f", "b", "type", "shape", "tensor", "func"):
+            items = getattr(lst, field)
+            if items:
+                return [_decode_scalar(field, x) for x in items]
+        return []
+    if kind is None:
+        return None
+    return _decode_scalar(kind, getattr(value, kind))
+
+
+def _decode_scalar(kind, x):
+    if kind == "type":
+        return _dtypes.as_dtype(x)
+    if kind == "shape":
+        return tensor_shape.TensorShape(x)
+    if kind == "tensor":
+        return tensor_util.MakeNdarray(x)
+    if kind == "func":
+        return x.name
+    return x
+
+
+def _encode(attr_type, value):
+    """Encodes a Python value as an AttrValue for an OpDef attr of `attr_type`."""
+    out = attr_value_pb2.AttrValue()
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    if attr_type.startswith("list("):
+        inner = attr_type[5:-1]
+        for v in value:
+            _encode_into(out.list, inner, v, repeated=True)
+    else:
+        _encode_into(out, attr_type, value, repeated=False)
+    return out
+
+
+def _encode_into(msg, attr_type, v, repeated):
+    def put(field, x):
+        if repeated:
+            getattr(msg, field).append(x)
+        else:
+            setattr(msg, field, x)
+
+    if attr_type == "type":
+        put("type", _dtypes.as_dtype(v).as_datatype_enum)
+    elif attr_type == "int":
+        put("i", int(v))
+    elif attr_type == "float":
+        put("f", float(v))
+    elif attr_type == "bool":
+        put("b", bool(v))
+    elif attr_type == "string":
+        put("s", v.encode() if isinstance(v, str) else bytes(v))
+    elif attr_type == "shape":
+        proto = tensor_shape.as_shape(v).as_proto()
+        if repeated:
+            msg.shape.add().CopyFrom(proto)
+        else:
+            msg.shape.CopyFrom(proto)
+    elif attr_type == "tensor":
+        proto = tensor_util.make_tensor_proto(v)
+        if repeated:
+            msg.tensor.add().CopyFrom(proto)
+        else:
+            msg.tensor.CopyFrom(proto)
+    elif attr_type == "func":
+        if repeated:
+            msg.func.add().name = v
+        else:
+            msg.func.name = v
+    else:
+        raise TypeError("tf_ophandlers.Op: cannot encode attr of type %r" % attr_type)
+
+
+class Op(_C.OpBase):
+    """One operation to execute: `type`, `attrs`, `num_outputs`, `output_dtypes`.
+
+    Handlers receive Ops in `execute(op, inputs)` and forward them unchanged
+    (`self.next.execute(op, inputs)`), or build new ones:
+
+    >>> op = Op.create("AddV2", T=tf.float32)
+    >>> oh.PHYSICAL.execute(op, [tf.constant(1.), tf.constant(2.)])
+    [<tf.Tensor: shape=(), dtype=float32, numpy=3.0>]
+    """
+
+    @classmethod
+    def create(cls, op_type, **attrs):
+        """Builds an Op from its type and attributes given as Python values."""
+        op_def = op_def_registry.get(op_type)
+        types = {a.name: a.type for a in op_def.attr} if op_def is not None else {}
+        protos = {}
+        for name, value in attrs.items():
+            if name not in types and not isinstance(value, attr_value_pb2.AttrValue):
+                raise TypeError("tf_ophandlers.Op.create: op %s has no attr %r" % (op_type, name))
+            protos[name] = _encode(types.get(name, ""), value).SerializeToString()
+        return _C.new_op(op_type, protos)
+
+    @property
+    def attrs(self):
+        """The op's attributes as a dict of Python values (dtypes as tf.DType)."""
+        cached = self.__dict__.get("_attrs")
+        if cached is None:
+            proto = attr_value_pb2.NameAttrList.FromString(self._attrs_proto())
+            cached = {k: _decode(v) for k, v in proto.attr.items()}
+            self.__dict__["_attrs"] = cached
+        return cached
+
+    @property
+    def output_dtypes(self):
+        """Output dtypes as `tf.DType`s per the OpDef, or None (function calls)."""
+        enums = self.output_dtype_enums
+        return None if enums is None else [_dtypes.as_dtype(e) for e in enums]
+
+    def replace(self, **attrs):
+        """A new Op of the same type with some attributes replaced."""
+        merged = dict(self.attrs)
+        merged.update(attrs)
+        merged = {k: v for k, v in merged.items() if v is not None}
+        return Op.create(self.type, **merged)
+
+    def __repr__(self):
+        try:
+            attrs = ", ".join("%s=%s" % (k, getattr(v, "name", v))
+                              for k, v in sorted(self.attrs.items()))
+        except Exception:  # pylint: disable=broad-except
+            attrs = "?"
+        return "Op(%s%s)" % (self.type, ", " + attrs if attrs else "")

@@ -1,0 +1,203 @@
+"""Handler stacks: the merged handler states ops are placed on (RFC "Composition").
+
+A `HandlerStack` is one handler merged onto the stack it executes on (`next`). Stacks are
+linked toward the bottom, `PHYSICAL`, which runs ops on TensorFlow's devices. Opening
+`with h:` inside stack S merges h onto S; the same (handler, S) pair always yields the
+same stack object while it is alive, so tensors produced by two scopes of the same tape
+at the same level are on one stack.
+
+Each stack's public operations take and return ordinary tensors:
+  execute(op, inputs)   -> outputs on this stack
+  copy_on(tensor)       -> the tensor on this stack
+  copy_off(tensor, dev) -> a physical tensor
+Inputs that live elsewhere are copied on first (RFC placement policy); inputs already on
+this stack are unwrapped to the handler's own representation.
+"""
+import itertools
+import threading
+import weakref
+
+from tensorflow.python.framework import dtypes as _dtypes
+
+from tf_ophandlers import _C
+from tf_ophandlers.core import errors
+
+_COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
+_DT_RESOURCE = _dtypes.resource.as_datatype_enum
+
+_indices = {}  # handler type name -> itertools.count
+_merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
+
+
+class Stack:
+    """Common interface of PHYSICAL and HandlerStack."""
+
+    handler = None
+    next = None
+    handlers = ()  # handlers from the outermost (bottom) to this one
+
+    def contains(self, other):
+        """Whether `other`'s handlers appear in this stack in the same order."""
+        mine = iter(self.handlers)
+        return all(any(h is m for m in mine) for h in other.handlers)
+
+
+class PhysicalStack(Stack):
+    """The bottom of every stack: TensorFlow's physical devices."""
+
+    name = ""
+
+    def device(self):
+        return state.device
+
+    def execute(self, op, inputs):
+        inputs = [self.copy_on(t) for t in inputs]
+        if op.type in _COPY_OPS:
+            # On a physical device every copy op is the identity (cc/copy_ops.cc).
+            return inputs[:1]
+        return _C.execute(op, inputs, state.device)
+
+    def copy_on(self, tensor):
+        stack = _C.stack_of(tensor)
+        if stack is None:
+            return tensor
+        return stack.copy_off(tensor, state.device)
+
+    def copy_off(self, tensor, device):
+        return self.copy_on(tensor)
+
+    def __repr__(self):
+        return "PHYSICAL"
+
+
+PHYSICAL = PhysicalStack()
+
+
+class HandlerStack(Stack):
+    """A handler merged onto the stack it executes on."""
+
+    def __init__(self, handler, next_stack):
+        self.handler = handler
+        self.next = next_stack
+        self.handlers = next_stack.handlers + (handler,)
+        type_name = handler.type_name()
+        index = next(_indices.setdefault(type_name, itertools.count()))
+        self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
+
+    @staticmethod
+    def merged(handler, next_stack):
+        """The stack of `handler` executing on `next_stack` (memoized while alive)."""
+        key = (id(handler), id(next_stack))
+        stack = _merges.get(key)
+        if stack is None or stack.next is not next_stack:
+            state = handler.merge(next_stack)
+            stack = HandlerStack(state if state is not None else handler, next_stack)
+            _merges[key] = stack
+        return stack
+
+    # -- the handler's view -------------------------------------------------------------
+
+    def _call(self, fn, *args):
+        """Runs a hook with `self.next` as the place for ops the hook runs."""
+        st = state
+        saved = st.current
+        st.frames.append(self)
+        st.current = self.next
+        try:
+            return fn(*args)
+        finally:
+            st.current = saved
+            st.frames.pop()
+
+    def unwrap(self, tensor):
+        """The handler's representation of a tensor on this stack."""
+        p = _C.payload(tensor)
+        if p is None or p[0] is not self:
+            raise errors.PlacementError(
+                "tf_ophandlers: %r does not live on %s" % (tensor, self.name))
+        return p[1]
+
+    def wrap(self, value):
+        """A tensor on this stack whose representation is `value`."""
+        return _C.wrap(self, value, self.handler.value_dtype(value).as_datatype_enum)
+
+    def _wrap_outputs(self, op, values):
+        handler = self.handler
+        transient = handler.transient
+        out = []
+        dtype_of = handler.value_dtype
+        for v in values:
+            dt = dtype_of(v).as_datatype_enum
+            if transient and dt == _DT_RESOURCE:
+                # RFC "Placement of resource handles": a transient handler leaves resource
+                # handles on the next stack, so a variable does not keep it alive.
+                out.append(v)
+            else:
+                out.append(_C.wrap(self, v, dt))
+        return out
+
+    # -- public operations ----------------------------------------------------------------
+
+    def execute(self, op, inputs):
+        if op.type in _COPY_OPS:
+            return self._execute_copy(op, inputs)
+        handler = self.handler
+        needs_copy = handler.needs_copy
+        values = []
+        for i, t in enumerate(inputs):
+            p = _C.payload(t)
+            if p is not None and p[0] is self:
+                values.append(p[1])
+            elif needs_copy is None or needs_copy(op, i):
+                values.append(self._call(handler.copy_on, t))
+            else:
+                values.append(t)
+        outputs = self._call(handler.execute, op, values)
+        if outputs is None:
+            raise errors.HandlerOutputError(
+                "%s.execute returned None for op %s; it must return a list of outputs"
+                % (handler.debug_string(), op.type))
+        return self._wrap_outputs(op, outputs)
+
+    def _execute_copy(self, op, inputs):
+        (t,) = inputs
+        if op.type in ("CopyOn", "CopyOffGrad"):
+            return [self.copy_on(t)]
+        device = op.attrs.get("new_device" if op.type == "CopyOff" else "original_device", b"")
+        device = device.decode() if isinstance(device, bytes) else device
+        if _C.stack_of(t) is not self:
+            t = self.copy_on(t)
+        hook = self.handler.copy_off if op.type == "CopyOff" else self.handler.copy_on_grad
+        value = self._call(hook, self.unwrap(t), device)
+        return [self.next.copy_off(value, device)]
+
+    def copy_on(self, tensor):
+        p = _C.payload(tensor)
+        if p is not None and p[0] is self:
+            return tensor
+        return self.wrap(self._call(self.handler.copy_on, tensor))
+
+    def copy_off(self, tensor, device):
+        value = self._call(self.handler.copy_off, self.unwrap(tensor), device)
+        return self.next.copy_off(value, device)
+
+    # -- presentation ---------------------------------------------------------------------
+
+    def __repr__(self):
+        return "<HandlerStack %s: %s>" % (
+            self.name, " -> ".join(h.debug_string() for h in reversed(self.handlers)))
+
+
+class _State(threading.local):
+    """Per-thread dispatch state (see tf_ophandlers/core/state.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = PHYSICAL
+        self.device = ""
+        self.frames = []
+        self.scopes = []
+        self.last_stack = None
+
+
+state = _State()

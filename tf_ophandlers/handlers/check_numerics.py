@@ -1,0 +1,97 @@
+"""`CheckNumericsHandler`: raises on the first NaN or Inf an op produces.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> with oh.CheckNumericsHandler():
+...     tf.math.log(tf.constant([1.0, 0.0]))      # log(0) = -inf
+Traceback (most recent call last):
+  ...
+tensorflow.python.framework.errors_impl.InvalidArgumentError: CheckNumericsHandler: op Log
+produced Inf in output 0 (float32), at example.py:3 in <module> ...
+
+The check runs TensorFlow's own `CheckNumericsV2` kernel on every floating-point output
+on the next stack (as `tf.debugging.enable_check_numerics` does), so it raises the same
+error class, `tf.errors.InvalidArgumentError`, and names the op type and the line of the
+user's code that ran it. Under asynchronous execution the error surfaces at the next
+synchronization point, as TensorFlow's own checks do.
+"""
+import os
+import sys
+
+import tensorflow as tf
+
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
+
+_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (tf,) + tuple(
+    sys.modules[n] for n in ("keras", "tf_ophandlers", "contextlib") if n in sys.modules))
+
+
+def user_location(skip_dirs=None):
+    """'file:line in function' of the innermost frame outside TF, Keras and this package."""
+    skip = _SKIP_DIRS + tuple(skip_dirs or ())
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(skip + (here,)) and "/tensorflow/" not in filename \
+                and "/keras/" not in filename and not filename.endswith("contextlib.py"):
+            return "%s:%d in %s" % (frame.f_code.co_filename, frame.f_lineno,
+                                    frame.f_code.co_name)
+        frame = frame.f_back
+    return "<unknown location>"
+
+
+class CheckNumericsHandler(OpHandler):
+    """Checks every floating-point output of every op for NaN and Inf.
+
+    Args:
+      op_types_to_skip: op types not checked (e.g. ops that legitimately produce Inf).
+    """
+
+    transparent = True
+    TYPE_NAME = "CHECKNUMERICS"
+
+    def __init__(self, op_types_to_skip=()):
+        self.op_types_to_skip = frozenset(op_types_to_skip)
+        self._check_ops = {}
+
+    def _check_op(self, dtype, op_type, index):
+        key = (dtype, op_type, index)
+        op = self._check_ops.get(key)
+        if op is None:
+            op = Op.create("CheckNumericsV2", T=dtype, message=(
+                "CheckNumericsHandler: op %s produced NaN or Inf in output %d (%s)"
+                % (op_type, index, dtype.name)))
+            self._check_ops[key] = op
+        return op
+
+    def execute(self, op, inputs):
+        outputs = self.next.execute(op, inputs)
+        if op.type in self.op_types_to_skip:
+            return outputs
+        nxt = self.next
+        for i, out in enumerate(outputs):
+            dtype = out.dtype
+            if not (dtype.is_floating or dtype.is_complex):
+                continue
+            try:
+                nxt.execute(self._check_op(dtype, op.type, i), [out])
+            except tf.errors.InvalidArgumentError as e:
+                raise tf.errors.InvalidArgumentError(
+                    None, None, "%s, at %s" % (_first_line(e.message), user_location())) from None
+        return outputs
+
+    def debug_string(self):
+        return "CheckNumericsHandler()"
+
+
+def _first_line(message):
+    return message.split(" : Tensor had")[0].split("\n")[0] + _kind(message)
+
+
+def _kind(message):
+    if "Tensor had NaN" in message or "NaN values" in message:
+        return " [NaN]"
+    if "Inf" in message:
+        return " [Inf]"
+    return ""

@@ -1,0 +1,75 @@
+"""`OpLogHandler`: records every op it sees (the op-callback / tfdbg use case).
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> log = oh.OpLogHandler()
+>>> with log:
+...     y = tf.sin(tf.constant([1.0, 2.0])) * 2.0
+>>> [r.op_type for r in log.records]
+['Sin', 'Mul']
+>>> log.records[0].input_shapes, log.records[0].input_dtypes
+([TensorShape([2])], [tf.float32])
+
+It is transparent: tensors keep showing their physical device, and values are those of
+plain TensorFlow. Like `tf.debugging.experimental.enable_dump_debug_info`'s op records,
+each record holds metadata only (no tensor values), so logging long loops stays cheap.
+"""
+import dataclasses
+from typing import List, Optional
+
+import tensorflow as tf
+
+from tf_ophandlers.core.handler import OpHandler
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """One op seen by an OpLogHandler."""
+    op_type: str
+    input_shapes: List[tf.TensorShape]
+    input_dtypes: List[tf.DType]
+    output_shapes: List[tf.TensorShape]
+    output_dtypes: List[tf.DType]
+    stack: str               # name of the handler stack the op ran on
+    device: str              # physical placement requested for it ('' if none)
+    attrs: Optional[dict] = None
+
+
+class OpLogHandler(OpHandler):
+    """Logs each op (type, input/output shapes and dtypes, stack) into `records`.
+
+    Args:
+      record_attrs: also keep each op's decoded attributes (slower).
+      op_types: if given, only ops of these types are recorded.
+    """
+
+    transparent = True
+    TYPE_NAME = "OPLOG"
+
+    def __init__(self, record_attrs=False, op_types=None):
+        self.records = []
+        self.record_attrs = record_attrs
+        self.op_types = frozenset(op_types) if op_types is not None else None
+
+    def execute(self, op, inputs):
+        outputs = self.next.execute(op, inputs)
+        if self.op_types is None or op.type in self.op_types:
+            from tf_ophandlers.core.state import state  # pylint: disable=import-outside-toplevel
+            self.records.append(OpRecord(
+                op_type=op.type,
+                input_shapes=[t.shape for t in inputs],
+                input_dtypes=[t.dtype for t in inputs],
+                output_shapes=[t.shape for t in outputs],
+                output_dtypes=[t.dtype for t in outputs],
+                stack=state.frames[-1].name,
+                device=state.device,
+                attrs=dict(op.attrs) if self.record_attrs else None))
+        return outputs
+
+    def clear(self):
+        self.records = []
+
+    def op_types_seen(self):
+        return [r.op_type for r in self.records]
+
+    def debug_string(self):
+        return "OpLogHandler(%d records)" % len(self.records)

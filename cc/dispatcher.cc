@@ -5,6 +5,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -42,6 +43,31 @@ PyObject* g_error_text = nullptr;      // dispatch.output_error(op, kind, detail
 // executor that runs the deallocator.
 std::mutex g_pending_mu;
 std::vector<TFOH_Payload*> g_pending;  // guarded by g_pending_mu
+
+// One reusable status per thread for hot paths (payload checks).
+TF_Status* ThreadStatus() {
+  thread_local TF_Status* s = TF_NewStatus();
+  TF_SetStatus(s, TF_OK, "");
+  return s;
+}
+
+// Op type and device strings are few and repeat on every op: intern them. GIL: held.
+PyObject* InternedString(const char* text) {
+  static std::unordered_map<std::string, PyObject*>* cache =
+      new std::unordered_map<std::string, PyObject*>();
+  auto it = cache->find(text);
+  if (it != cache->end()) {
+    Py_INCREF(it->second);
+    return it->second;
+  }
+  PyObject* s = PyUnicode_FromString(text);
+  if (s == nullptr) return nullptr;
+  if (cache->size() < 100000) {
+    Py_INCREF(s);
+    (*cache)[text] = s;
+  }
+  return s;
+}
 
 bool PythonAlive() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
 
@@ -207,7 +233,16 @@ void PayloadDeallocate(void* data) {
   }
   if (PyGILState_Check()) {
     FreePayloadWithGil(p);
+  } else if (PyGILState_GetThisThreadState() != nullptr) {
+    // A Python thread that released the GIL around TFE_DeleteTensorHandle (as
+    // EagerTensor's dealloc does so that destructors may call into Python): taking it
+    // back here is what TensorFlow intends, and nothing waits on this thread.
+    PyGILState_STATE g = PyGILState_Ensure();
+    FreePayloadWithGil(p);
+    PyGILState_Release(g);
   } else {
+    // A TensorFlow executor thread: a Python thread may hold the GIL while waiting for
+    // this executor, so never wait for the GIL here.
     std::lock_guard<std::mutex> l(g_pending_mu);
     g_pending.push_back(p);
   }
@@ -242,8 +277,8 @@ OpObject* NewOpObject(const char* type, const char* device, int num_outputs) {
   if (op == nullptr) return nullptr;
   op->borrowed = nullptr;
   op->owned = nullptr;
-  op->type = PyUnicode_FromString(type);
-  op->device = PyUnicode_FromString(device ? device : "");
+  op->type = InternedString(type);
+  op->device = InternedString(device ? device : "");
   op->num_outputs = num_outputs;
   op->output_dtypes = nullptr;
   op->dict = nullptr;
@@ -277,7 +312,8 @@ void EndBorrow(OpObject* op, TFE_Context* ctx) {
 bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_outputs,
                  TFE_TensorHandle** outputs, TF_Status* status) {
   auto fail = [&](const char* kind, const std::string& detail) {
-    PyObject* text = PyObject_CallFunction(g_error_text, "Oss", op, kind, detail.c_str());
+    PyObject* text = PyObject_CallFunction(g_error_text, "OssO", op, kind, detail.c_str(),
+                                           PyList_Check(result) ? result : Py_None);
     const char* m = text ? PyUnicode_AsUTF8(text) : nullptr;
     if (m == nullptr) PyErr_Clear();
     TF_SetStatus(status, TF_INVALID_ARGUMENT, m ? m : detail.c_str());
@@ -308,7 +344,7 @@ bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_
     if (known && TFE_TensorHandleDataType(h) != expected[i]) {
       Py_DECREF(seq);
       return fail("dtype", "output " + std::to_string(i) + ": expected dtype enum " +
-                               std::to_string(expected[i]) + ", got " +
+                               std::to_string(expected[i]) + ", got dtype enum " +
                                std::to_string(TFE_TensorHandleDataType(h)));
     }
   }
@@ -581,6 +617,94 @@ PyObject* PyNewOp(PyObject* self, PyObject* args) {
   return reinterpret_cast<PyObject*>(op);
 }
 
+// unwrap_inputs(stack, inputs) -> (values, foreign): tensors on `stack` replaced by their
+// representation; `foreign` lists the indices of the others (to be copied on).
+PyObject* PyUnwrapInputs(PyObject* self, PyObject* args) {
+  PyObject *stack, *inputs;
+  if (!PyArg_ParseTuple(args, "OO", &stack, &inputs)) return nullptr;
+  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject* values = PyList_New(n);
+  PyObject* foreign = PyList_New(0);
+  if (values == nullptr || foreign == nullptr) {
+    Py_XDECREF(values);
+    Py_XDECREF(foreign);
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    TFOH_Payload* p = EagerTensor_CheckExact(item) ? PayloadOf(EagerTensor_Handle(item)) : nullptr;
+    if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
+        reinterpret_cast<PyObject*>(p->stack) == stack) {
+      item = reinterpret_cast<PyObject*>(p->value);
+    } else {
+      PyObject* idx = PyLong_FromSsize_t(i);
+      PyList_Append(foreign, idx);
+      Py_DECREF(idx);
+    }
+    Py_INCREF(item);
+    PyList_SET_ITEM(values, i, item);
+  }
+  Py_DECREF(seq);
+  PyObject* r = PyTuple_Pack(2, values, foreign);
+  Py_DECREF(values);
+  Py_DECREF(foreign);
+  return r;
+}
+
+// wrap_outputs(stack, values, transient, value_dtype) -> list of tensors on `stack`.
+// A tensor value gives its own dtype; other representations ask `value_dtype(value)`.
+// With `transient`, resource-dtype tensor values are returned as they are (RFC
+// "Placement of resource handles").
+PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
+  PyObject *stack, *values, *value_dtype;
+  int transient;
+  if (!PyArg_ParseTuple(args, "OOpO", &stack, &values, &transient, &value_dtype))
+    return nullptr;
+  PyObject* seq = PySequence_Fast(values, "a handler's execute must return a sequence");
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) {
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = items[i];
+    PyObject* t = nullptr;
+    if (EagerTensor_CheckExact(v)) {
+      TF_DataType dt = TFE_TensorHandleDataType(EagerTensor_Handle(v));
+      if (transient && dt == TF_RESOURCE) {
+        Py_INCREF(v);
+        t = v;
+      } else {
+        t = WrapHandlerTensor(stack, v, dt);
+      }
+    } else {
+      PyObject* d = PyObject_CallOneArg(value_dtype, v);
+      PyObject* e = d ? PyObject_GetAttrString(d, "as_datatype_enum") : nullptr;
+      Py_XDECREF(d);
+      if (e != nullptr) {
+        long dt = PyLong_AsLong(e);
+        Py_DECREF(e);
+        if (!PyErr_Occurred()) t = WrapHandlerTensor(stack, v, static_cast<TF_DataType>(dt));
+      }
+    }
+    if (t == nullptr) {
+      Py_DECREF(out);
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, t);
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
 PyObject* PyDrain(PyObject* self, PyObject* unused) {
   DrainPending();
   Py_RETURN_NONE;
@@ -700,6 +824,10 @@ PyMethodDef kModuleMethods[] = {
     {"stack_of", PyStackOf, METH_O, "stack_of(t) -> stack or None."},
     {"execute", PyExecute, METH_VARARGS, "execute(op, inputs, device) -> list of tensors."},
     {"new_op", PyNewOp, METH_VARARGS, "new_op(type, {attr: AttrValue bytes}) -> Op."},
+    {"unwrap_inputs", PyUnwrapInputs, METH_VARARGS,
+     "unwrap_inputs(stack, inputs) -> (values, foreign_indices)."},
+    {"wrap_outputs", PyWrapOutputs, METH_VARARGS,
+     "wrap_outputs(stack, values, transient, value_dtype) -> tensors on stack."},
     {"drain", PyDrain, METH_NOARGS, "Frees payloads released off the GIL."},
     {"device_name", PyDeviceName, METH_O, "The TensorFlow device name of a tensor."},
     {nullptr}};
@@ -718,14 +846,13 @@ const TFE_Op* OpAttrSource(OpObject* op) {
 
 TFOH_Payload* PayloadOf(TFE_TensorHandle* handle) {
   if (g_ctx == nullptr) return nullptr;
-  TF_Status* s = TF_NewStatus();
+  TF_Status* s = ThreadStatus();
   const char* d = TFE_TensorHandleDeviceName(handle, s);
   TFOH_Payload* p = nullptr;
   if (TF_GetCode(s) == TF_OK && d != nullptr && g_device_name == d) {
     p = static_cast<TFOH_Payload*>(TFE_TensorHandleDevicePointer(handle, s));
     if (TF_GetCode(s) != TF_OK) p = nullptr;
   }
-  TF_DeleteStatus(s);
   return p;
 }
 
@@ -781,6 +908,7 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   PyObject* result = nullptr;
   int num = op->num_outputs;
   absl::InlinedVector<TFE_TensorHandle*, 4> rets;
+  absl::InlinedVector<PyObject*, 2> keep;  // copied-off inputs, owned
   if (TF_GetCode(s) != TF_OK) goto fail;
   TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
   for (Py_ssize_t i = 0; i < n_in; ++i) {
@@ -789,7 +917,22 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
                    type);
       goto cleanup;
     }
-    TFE_OpAddInput(tfe, EagerTensor_Handle(items[i]), s);
+    TFE_TensorHandle* h = EagerTensor_Handle(items[i]);
+    if (PayloadOf(h) != nullptr) {
+      // A handler tensor reaching a physical device: copy it off its stack (RFC: CopyOn
+      // on a physical device is the CopyOff of the tensor's own stack).
+      PyObject* off = PyObject_CallFunction(g_copy_from, "Os", items[i], device);
+      if (off == nullptr) goto cleanup;
+      if (!EagerTensor_CheckExact(off) || PayloadOf(EagerTensor_Handle(off)) != nullptr) {
+        Py_DECREF(off);
+        PyErr_Format(PyExc_TypeError, "tf_ophandlers: copy-off for input %zd of %s did not "
+                     "return a physical tensor", i, type);
+        goto cleanup;
+      }
+      keep.push_back(off);
+      h = EagerTensor_Handle(off);
+    }
+    TFE_OpAddInput(tfe, h, s);
     if (TF_GetCode(s) != TF_OK) goto fail;
   }
   TFE_OpSetDevice(tfe, device, s);
@@ -817,6 +960,7 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
 fail:
   RaiseFromStatus(s);
 cleanup:
+  for (PyObject* o : keep) Py_DECREF(o);
   if (tfe) TFE_DeleteOp(tfe);
   TF_DeleteStatus(s);
   Py_DECREF(seq);

@@ -5,6 +5,8 @@ current stack; an op reaching the device by type-based dispatch runs on the stac
 handler inputs, which must be related (one stack containing the others); inputs from
 unrelated stacks are an error naming both stacks and the op.
 """
+import re
+
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 
@@ -17,8 +19,7 @@ from tf_ophandlers.core.state import state
 
 
 def _stack_for(op, inputs):
-    if op.requested_device == DISPATCHER_DEVICE:
-        return state.current
+    """Type-based dispatch: the stack of the op's handler inputs."""
     stacks = []
     for t in inputs:
         s = _C.stack_of(t)
@@ -44,8 +45,7 @@ def execute(op, inputs):
         # goes into its C++ scalar cache keyed by device name. Constants therefore stay
         # physical (as in copy_to_device below) and are copied on where they are used.
         return inputs
-    stack = _stack_for(op, inputs)
-    state.last_stack = stack
+    stack = state.current if op.requested_device == DISPATCHER_DEVICE else _stack_for(op, inputs)
     return stack.execute(op, inputs)
 
 
@@ -73,8 +73,10 @@ def summarize(stack, value):
     return stack.handler.tensor_debug_string(value)
 
 
-def output_error(op, kind, detail):
-    stack = getattr(state, "last_stack", None)
+def output_error(op, kind, detail, outputs):
+    """Message for outputs the C++ boundary rejected (count or dtype mismatch)."""
+    stack = next((s for s in map(_C.stack_of, outputs or ()) if s is not None), None)
+    detail = re.sub(r"dtype enum (\d+)", lambda m: tf.dtypes.as_dtype(int(m.group(1))).name, detail)
     exc = errors.HandlerOutputError(
         "tf_ophandlers: %s returned invalid outputs for op %s (%s mismatch: %s; the "
         "OpDef requires dtypes %s)" % (

@@ -67,6 +67,7 @@ def exit():  # pylint: disable=redefined-builtin
     if device_scope is not None:
         device_scope.__exit__(None, None, None)
     _purge_tensor_caches()
+    _C.drain()
 
 
 @contextlib.contextmanager

@@ -25,6 +25,9 @@ from tf_ophandlers.core import errors
 _COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
 _DT_RESOURCE = _dtypes.resource.as_datatype_enum
 
+_execute = _C.execute
+_unwrap_inputs = _C.unwrap_inputs
+_wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
 _merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
 
@@ -51,11 +54,11 @@ class PhysicalStack(Stack):
         return state.device
 
     def execute(self, op, inputs):
-        inputs = [self.copy_on(t) for t in inputs]
         if op.type in _COPY_OPS:
             # On a physical device every copy op is the identity (cc/copy_ops.cc).
-            return inputs[:1]
-        return _C.execute(op, inputs, state.device)
+            return [self.copy_on(inputs[0])]
+        # Handler tensors among `inputs` are copied off by the C++ boundary.
+        return _execute(op, inputs, state.device)
 
     def copy_on(self, tensor):
         stack = _C.stack_of(tensor)
@@ -80,6 +83,11 @@ class HandlerStack(Stack):
         self.handler = handler
         self.next = next_stack
         self.handlers = next_stack.handlers + (handler,)
+        # Hooks left at their defaults take fast paths that skip the hook frame.
+        from tf_ophandlers.core.handler import OpHandler  # pylint: disable=import-outside-toplevel
+        cls = type(handler)
+        self._default_execute = cls.execute is OpHandler.execute
+        self._default_copy_on = cls.copy_on is OpHandler.copy_on
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -121,43 +129,39 @@ class HandlerStack(Stack):
         """A tensor on this stack whose representation is `value`."""
         return _C.wrap(self, value, self.handler.value_dtype(value).as_datatype_enum)
 
-    def _wrap_outputs(self, op, values):
-        handler = self.handler
-        transient = handler.transient
-        out = []
-        dtype_of = handler.value_dtype
-        for v in values:
-            dt = dtype_of(v).as_datatype_enum
-            if transient and dt == _DT_RESOURCE:
-                # RFC "Placement of resource handles": a transient handler leaves resource
-                # handles on the next stack, so a variable does not keep it alive.
-                out.append(v)
-            else:
-                out.append(_C.wrap(self, v, dt))
-        return out
-
     # -- public operations ----------------------------------------------------------------
 
     def execute(self, op, inputs):
         if op.type in _COPY_OPS:
             return self._execute_copy(op, inputs)
         handler = self.handler
-        needs_copy = handler.needs_copy
-        values = []
-        for i, t in enumerate(inputs):
-            p = _C.payload(t)
-            if p is not None and p[0] is self:
-                values.append(p[1])
-            elif needs_copy is None or needs_copy(op, i):
-                values.append(self._call(handler.copy_on, t))
-            else:
-                values.append(t)
-        outputs = self._call(handler.execute, op, values)
-        if outputs is None:
-            raise errors.HandlerOutputError(
-                "%s.execute returned None for op %s; it must return a list of outputs"
-                % (handler.debug_string(), op.type))
-        return self._wrap_outputs(op, outputs)
+        values, foreign = _unwrap_inputs(self, inputs)
+        if foreign:
+            needs_copy = handler.needs_copy
+            for i in foreign:
+                if needs_copy is None or needs_copy(op, i):
+                    values[i] = self._copy_on_value(values[i])
+        if self._default_execute:
+            # A pass-through execute runs no ops of its own: forward without a frame.
+            outputs = self.next.execute(op, values)
+        else:
+            outputs = self._call(handler.execute, op, values)
+            if outputs is None:
+                raise errors.HandlerOutputError(
+                    "%s.execute returned None for op %s; it must return a list of outputs"
+                    % (handler.debug_string(), op.type))
+        # RFC "Placement of resource handles": a transient handler leaves resource handles
+        # on the next stack, so a variable does not keep it alive.
+        return _wrap_outputs(self, outputs, handler.transient, handler.value_dtype)
+
+    def _copy_on_value(self, tensor):
+        """The handler's representation of `tensor`, which lives elsewhere."""
+        if self._default_copy_on:
+            source = _C.stack_of(tensor)
+            if source is not None and source.handler is self.handler:
+                return self.next.copy_on(source.unwrap(tensor))
+            return self.next.copy_on(tensor)
+        return self._call(self.handler.copy_on, tensor)
 
     def _execute_copy(self, op, inputs):
         (t,) = inputs
@@ -175,7 +179,7 @@ class HandlerStack(Stack):
         p = _C.payload(tensor)
         if p is not None and p[0] is self:
             return tensor
-        return self.wrap(self._call(self.handler.copy_on, tensor))
+        return self.wrap(self._copy_on_value(tensor))
 
     def copy_off(self, tensor, device):
         value = self._call(self.handler.copy_off, self.unwrap(tensor), device)
@@ -197,7 +201,6 @@ class _State(threading.local):
         self.device = ""
         self.frames = []
         self.scopes = []
-        self.last_stack = None
 
 
 state = _State()

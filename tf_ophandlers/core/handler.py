@@ -100,8 +100,14 @@ class OpHandler:
         return self
 
     def value_dtype(self, value):
-        """The dtype of a representation."""
-        return value.dtype
+        """The dtype of a representation (override for non-tensor representations)."""
+        dtype = getattr(value, "dtype", None)
+        if dtype is None:
+            raise errors.HandlerOutputError(
+                "%s produced %r, which is not a tensor: a handler whose representation is "
+                "not a tensor must override value_dtype (and num_dims/dim)"
+                % (self.debug_string(), value))
+        return dtype
 
     def num_dims(self, value):
         """Rank of a representation that is not a tensor (-1 if unknown)."""

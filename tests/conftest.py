@@ -1,0 +1,42 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_ophandlers as oh  # noqa: E402
+
+
+class RecordingHandler(oh.OpHandler):
+    """Pass-through handler that appends (name, op type) to a shared list."""
+
+    def __init__(self, name, seen):
+        self.name = name
+        self.seen = seen
+
+    def execute(self, op, inputs):
+        self.seen.append((self.name, op.type))
+        return self.next.execute(op, inputs)
+
+    def debug_string(self):
+        return "RecordingHandler(%s)" % self.name
+
+
+@pytest.fixture
+def x():
+    return tf.constant([[1.0, 2.0], [3.0, 4.0]])
+
+
+@pytest.fixture(autouse=True)
+def _no_scope_leaks():
+    """Every test must leave the thread outside all handler scopes."""
+    yield
+    from tf_ophandlers.core.state import state
+    assert state.current is oh.PHYSICAL, "a handler scope leaked out of the test"
+    assert not state.frames
+
+
+def assert_close(a, b, tol=1e-6):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)

@@ -1,0 +1,75 @@
+"""The Op object: type, attrs, outputs, creation, and keeping an Op past its callback."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from conftest import assert_close
+
+
+class Keeper(oh.OpHandler):
+    def __init__(self):
+        self.ops = []
+
+    def execute(self, op, inputs):
+        self.ops.append(op)
+        return self.next.execute(op, inputs)
+
+
+def test_op_fields_and_attrs(x):
+    k = Keeper()
+    with k:
+        tf.matmul(x, x, transpose_b=True)
+        tf.cast(x, tf.int32)
+        tf.unique(tf.constant([3, 1, 3]))
+    matmul, cast, unique = k.ops
+    assert matmul.type == "MatMul" and matmul.num_outputs == 1
+    assert matmul.attrs["transpose_b"] is True and matmul.attrs["transpose_a"] is False
+    assert matmul.attrs["T"] == tf.float32
+    assert cast.attrs["DstT"] == tf.int32 and cast.output_dtypes == [tf.int32]
+    assert unique.num_outputs == 2 and unique.output_dtypes == [tf.int32, tf.int32]
+    assert matmul.requested_device == oh.DISPATCHER_DEVICE
+    assert "MatMul" in repr(matmul)
+
+
+def test_kept_op_detaches_and_can_be_replayed(x):
+    k = Keeper()
+    with k:
+        tf.matmul(x, x, transpose_a=True)
+    (op,) = k.ops
+    assert not op._borrowed  # the borrow ended when the callback returned
+    (again,) = oh.PHYSICAL.execute(op, [x, x])
+    assert_close(again, tf.matmul(x, x, transpose_a=True))
+
+
+def test_create_and_replace():
+    op = oh.Op.create("AddV2", T=tf.float32)
+    (y,) = oh.PHYSICAL.execute(op, [tf.constant(1.0), tf.constant(2.0)])
+    assert float(y) == 3.0
+    mm = oh.Op.create("MatMul", T=tf.float32, transpose_a=False, transpose_b=False)
+    mm_t = mm.replace(transpose_b=True)
+    a = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    (r,) = oh.PHYSICAL.execute(mm_t, [a, a])
+    assert_close(r, tf.matmul(a, a, transpose_b=True))
+    with pytest.raises(TypeError, match="no attr"):
+        oh.Op.create("AddV2", T=tf.float32, bogus=1)
+    with pytest.raises(ValueError):
+        oh.Op.create("NoSuchOpAnywhere")
+
+
+def test_physical_execute_of_a_bad_op_raises_tf_error():
+    op = oh.Op.create("MatMul", T=tf.float32, transpose_a=False, transpose_b=False)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        oh.PHYSICAL.execute(op, [tf.ones([2, 3]), tf.ones([2, 3])])
+
+
+def test_handler_can_rewrite_an_op(x):
+    class FlipTranspose(oh.OpHandler):
+        def execute(self, op, inputs):
+            if op.type == "MatMul":
+                op = op.replace(transpose_b=not op.attrs["transpose_b"])
+            return self.next.execute(op, inputs)
+
+    with FlipTranspose():
+        y = tf.matmul(x, x)
+    assert_close(y, np.matmul(x.numpy(), x.numpy().T))

@@ -1,0 +1,188 @@
+"""Scopes, stacks, merge order, re-entering, tf.device inside scopes, tf.handler."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from conftest import RecordingHandler, assert_close
+
+
+def test_pass_through_handler_gives_plain_results(x):
+    with oh.OpHandler():
+        y = tf.matmul(x, x) + tf.sin(x)
+        s = tf.reduce_sum(y, axis=1)
+    assert oh.handler_of(y) is not None
+    assert_close(y, tf.matmul(x, x) + tf.sin(x))
+    assert_close(s, tf.reduce_sum(tf.matmul(x, x) + tf.sin(x), axis=1))
+    assert y.shape == (2, 2) and y.dtype == tf.float32
+    assert s.shape == (2,)
+
+
+def test_three_nested_handlers_see_ops_inner_first(x):
+    seen = []
+    with RecordingHandler("outer", seen):
+        with RecordingHandler("middle", seen):
+            with RecordingHandler("inner", seen):
+                y = tf.sin(x)
+    assert seen == [("inner", "Sin"), ("middle", "Sin"), ("outer", "Sin")]
+    stack = oh.handler_of(y)
+    assert [h.name for h in stack.handlers] == ["outer", "middle", "inner"]
+    assert stack.next.next.next is oh.PHYSICAL
+    assert_close(y, tf.sin(x))
+
+
+def test_stack_names_are_device_strings(x):
+    h = RecordingHandler("a", [])
+    with h:
+        y = tf.sin(x)
+    name = oh.handler_of(y).name
+    assert name.startswith("/job:localhost/replica:0/task:0/device:RECORDINGHANDLER:")
+    int(name.rsplit(":", 1)[1])
+
+
+def test_same_handler_same_level_gives_same_stack(x):
+    tape_like = oh.OpLogHandler()
+    with tape_like:
+        a = tf.sin(x)
+    with tape_like:
+        b = tf.cos(x)
+    assert oh.handler_of(a) is oh.handler_of(b)
+    c = a + b  # type-based dispatch: one stack
+    assert oh.handler_of(c) is oh.handler_of(a)
+
+
+def test_reentering_a_stack_skips_open_handlers(x):
+    seen = []
+    outer, inner = RecordingHandler("outer", seen), RecordingHandler("inner", seen)
+    with outer:
+        with inner:
+            y = tf.sin(x)
+        with oh.handler(oh.handler_of(y)):  # outer already open: only inner is added
+            z = y * 2.0
+        assert oh.handler_of(z) is oh.handler_of(y)
+    seen.clear()
+    with oh.handler(oh.handler_of(y)):  # from outside: both re-open in their order
+        w = z + 1.0
+    assert seen == [("inner", "AddV2"), ("outer", "AddV2")]
+    assert oh.handler_of(w) is oh.handler_of(y)
+    with outer:
+        with outer:  # entering an open handler again does nothing
+            v = tf.sin(x)
+    assert len(oh.handler_of(v).handlers) == 1
+
+
+def test_handler_none_is_a_no_op(x):
+    with oh.handler(None):
+        y = tf.sin(x)
+    assert oh.handler_of(y) is None
+
+
+def test_tf_device_inside_handler_scope_keeps_handlers(x):
+    log = oh.OpLogHandler()
+    with log:
+        with tf.device("CPU:0"):
+            y = tf.sin(x)
+            with tf.device(None):
+                z = tf.cos(x)
+        w = tf.exp(x)
+    assert [r.op_type for r in log.records] == ["Sin", "Cos", "Exp"]
+    assert [r.device for r in log.records] == ["/device:CPU:0", "", ""]
+    assert oh.handler_of(y) is not None and oh.handler_of(z) is not None
+    assert "CPU:0" in y.device  # OpLogHandler is transparent
+    assert_close(w, tf.exp(x))
+
+
+def test_tf_device_with_a_stack_name_enters_the_stack(x):
+    log = oh.OpLogHandler()
+    with log:
+        y = tf.sin(x)
+    stack = oh.handler_of(y)
+    with tf.device(stack.name):
+        z = tf.cos(x)
+    assert oh.handler_of(z) is stack
+    assert [r.op_type for r in log.records] == ["Sin", "Cos"]
+
+
+def test_install_provides_tf_handler(x):
+    oh.install()
+    log = oh.OpLogHandler()
+    with tf.handler(log):
+        tf.sin(x)
+    assert [r.op_type for r in log.records] == ["Sin"]
+
+
+def test_device_string_hook(x):
+    with oh.OpHandler():
+        y = tf.sin(x)
+    assert y.device == oh.handler_of(y).name  # opaque handler: its stack name
+    with oh.OpLogHandler():
+        z = tf.sin(x)
+    assert z.device.endswith("CPU:0")  # transparent handler: the next device
+
+    class Custom(oh.OpHandler):
+        def device_string(self, value, stack):
+            return "custom:" + stack.name
+
+    with Custom():
+        w = tf.sin(x)
+    assert w.device == "custom:" + oh.handler_of(w).name
+    assert x.device.endswith("CPU:0")  # ordinary tensors unchanged
+
+
+def test_next_is_only_defined_inside_hooks():
+    with pytest.raises(oh.HandlerError, match="only defined inside"):
+        oh.OpHandler().next  # pylint: disable=expression-not-assigned
+
+
+def test_hook_ops_run_on_next_stack(x):
+    """Ops a hook runs with plain TF calls land on the handler's next stack."""
+    seen = []
+
+    class AddsOne(oh.OpHandler):
+        def execute(self, op, inputs):
+            outs = self.next.execute(op, inputs)
+            return [tf.add(o, 1.0) if o.dtype.is_floating else o for o in outs]
+
+    with RecordingHandler("outer", seen):
+        with AddsOne():
+            y = tf.sin(x)
+    assert_close(y, tf.sin(x) + 1.0)
+    assert seen == [("outer", "Sin"), ("outer", "AddV2")]
+
+
+def test_scope_inside_tf_function_is_a_clear_error(x):
+    @tf.function
+    def f(t):
+        with oh.OpHandler():
+            return tf.sin(t)
+
+    # Autograph re-raises it as a StagingError carrying the message.
+    with pytest.raises(Exception, match="tracing a tf.function is not supported yet"):
+        f(x)
+
+
+def test_tf_function_call_passes_through(x):
+    @tf.function
+    def f(t):
+        return tf.sin(t) * 2.0
+
+    log = oh.OpLogHandler()
+    with log:
+        y = f(x)
+    assert_close(y, np.sin(x.numpy()) * 2.0)
+    assert len(log.records) == 1 and log.records[0].op_type.startswith("__inference_f")
+
+
+def test_variables_under_transient_handler_stay_physical():
+    log = oh.OpLogHandler()
+    with log:
+        v = tf.Variable([1.0, 2.0])
+        v.assign_add([1.0, 1.0])
+        r = v * 2.0
+    # RFC "Placement of resource handles": the variable does not keep the handler alive.
+    assert oh.handler_of(v) is None
+    assert_close(r, [4.0, 6.0])
+    types = [rec.op_type for rec in log.records]
+    assert "VarHandleOp" in types and "ReadVariableOp" in types
+    assert "AssignAddVariableOp" in types
+    assert_close(v, [2.0, 3.0])

@@ -1,0 +1,59 @@
+"""CheckNumericsHandler against plain TensorFlow and tf.debugging.check_numerics."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from conftest import assert_close
+
+
+def test_finite_program_is_unchanged(x):
+    with oh.CheckNumericsHandler():
+        y = tf.math.log(x) * tf.exp(-x)
+    assert_close(y, np.log(x.numpy()) * np.exp(-x.numpy()))
+
+
+def test_inf_raises_naming_op_and_user_line(x):
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        with oh.CheckNumericsHandler():
+            tf.math.log(x - 1.0)  # log(0) = -inf
+    message = str(info.value)
+    assert "op Log" in message and "Inf" in message
+    assert "test_check_numerics.py" in message and "test_inf_raises_naming_op" in message
+
+
+def test_nan_raises(x):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="op Sqrt.*NaN"):
+        with oh.CheckNumericsHandler():
+            tf.sqrt(-x)
+
+
+def test_integer_outputs_are_not_checked(x):
+    with oh.CheckNumericsHandler():
+        y = tf.cast(x, tf.int32) // 2
+    assert y.numpy().tolist() == [[0, 1], [1, 2]]
+
+
+def test_skip_list(x):
+    with oh.CheckNumericsHandler(op_types_to_skip=["Log"]):
+        y = tf.math.log(x - 1.0)
+    assert np.isinf(y.numpy()[0, 0])
+
+
+def test_raises_on_first_bad_op_only(x):
+    log = oh.OpLogHandler()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="op RealDiv"):
+        with log:
+            with oh.CheckNumericsHandler():
+                a = x / 0.0
+                tf.sin(a)  # never reached
+    assert "Sin" not in log.op_types_seen()
+
+
+def test_keras_layer_divergence_is_caught():
+    layer = keras.layers.Dense(2, kernel_initializer="ones")
+    data = tf.constant([[3e38, 3e38]])  # the sum overflows float32
+    with pytest.raises(tf.errors.InvalidArgumentError, match="op (MatMul|BiasAdd|AddV2)"):
+        with oh.CheckNumericsHandler():
+            layer(data)

@@ -66,8 +66,17 @@ def machine_info():
         "os": "%s %s" % (platform.system(), platform.release()),
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
+        "load": load_average(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
+
+
+def load_average():
+    """1-minute load average as a string ('n/a' where unavailable)."""
+    try:
+        return "%.2f" % os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return "n/a"
 
 
 def write_section(path, name, body):

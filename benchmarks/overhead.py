@@ -13,7 +13,7 @@ Configurations are interleaved (shuffled order every round) and repeated; the re
 time is the median over rounds of the mean per-op time of N back-to-back ops.
 Writes the `overhead` section of docs/benchmarks.md and docs/overhead.png.
 
-    python benchmarks/overhead.py             # full run (~15 s on 2 cores)
+    python benchmarks/overhead.py             # full run (~1 min on 2 cores)
     python benchmarks/overhead.py --quick     # smoke run (< 30 s, noisy numbers)
 """
 import argparse
@@ -163,7 +163,9 @@ def render_md(summary, info, args, png_name, elapsed):
     L.append("")
     L.append(
         "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s (CPU, eager)." % info
+        "TensorFlow %(tensorflow)s (CPU, eager); 1-min load average %(load)s before the "
+        "run, %(load_end)s after it (other processes share these cores: a high load "
+        "widens the ranges)." % info
         + " Run on %s; %d configurations, %.0f s total." % (info["date"], 4 * len(CASES),
                                                           elapsed))
     L.append("")
@@ -267,19 +269,20 @@ def main(argv=None):
     p.add_argument("--out", default=_common.DEFAULT_MD,
                    help="markdown file to update (default: docs/benchmarks.md); the plot "
                         "is written next to it as overhead.png")
-    p.add_argument("--rounds", type=int, help="rounds (default 11, quick 3)")
+    p.add_argument("--rounds", type=int, help="rounds (default 15, quick 3)")
     p.add_argument("--n-small", type=int, help="timed ops per round, 2x2 adds "
                                                "(default 3000, quick 300)")
     p.add_argument("--n-matmul", type=int, help="timed ops per round, matmul "
                                                 "(default 300, quick 30)")
     args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 11)
+    args.rounds = args.rounds or (3 if args.quick else 15)
     args.n_small = args.n_small or (300 if args.quick else 3000)
     args.n_matmul = args.n_matmul or (30 if args.quick else 300)
 
     start = time.perf_counter()
     info = _common.machine_info()
     times = measure(args.rounds, args.n_small, args.n_matmul)
+    info["load_end"] = _common.load_average()
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 

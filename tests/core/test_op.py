@@ -73,3 +73,26 @@ def test_handler_can_rewrite_an_op(x):
     with FlipTranspose():
         y = tf.matmul(x, x)
     assert_close(y, np.matmul(x.numpy(), x.numpy().T))
+
+
+def test_guide_autocast_handler_runs_matmul_in_bfloat16():
+    class Autocast(oh.OpHandler):
+        def __init__(self):
+            self.cast = 0
+
+        def execute(self, op, inputs):
+            if op.type == "MatMul" and op.attrs["T"] == tf.float32:
+                self.cast += 1
+                low = [tf.cast(t, tf.bfloat16) for t in inputs]
+                (out,) = self.next.execute(op.replace(T=tf.bfloat16), low)
+                return [tf.cast(out, tf.float32)]
+            return self.next.execute(op, inputs)
+
+    a = tf.random.stateless_normal([8, 8], seed=[0, 0])
+    h = Autocast()
+    with h:
+        y = tf.matmul(a, a)
+    low = tf.cast(tf.matmul(tf.cast(a, tf.bfloat16), tf.cast(a, tf.bfloat16)), tf.float32)
+    assert y.dtype == tf.float32 and h.cast == 1
+    assert_close(y, low)
+    assert not np.allclose(y.numpy(), tf.matmul(a, a).numpy(), atol=1e-6)

@@ -6,7 +6,7 @@
 Traceback (most recent call last):
   ...
 tensorflow.python.framework.errors_impl.InvalidArgumentError: CheckNumericsHandler: op Log
-produced Inf in output 0 (float32), at example.py:3 in <module> ...
+produced Inf in output 0 (float32), at example.py:3 in <module>
 
 The check runs TensorFlow's own `CheckNumericsV2` kernel on every floating-point output
 on the next stack (as `tf.debugging.enable_check_numerics` does), so it raises the same
@@ -77,21 +77,20 @@ class CheckNumericsHandler(OpHandler):
             try:
                 nxt.execute(self._check_op(dtype, op.type, i), [out])
             except tf.errors.InvalidArgumentError as e:
-                raise tf.errors.InvalidArgumentError(
-                    None, None, "%s, at %s" % (_first_line(e.message), user_location())) from None
+                raise tf.errors.InvalidArgumentError(None, None, (
+                    "CheckNumericsHandler: op %s produced %s in output %d (%s), at %s"
+                    % (op.type, _kind(e.message), i, dtype.name, user_location()))) from None
         return outputs
 
     def debug_string(self):
         return "CheckNumericsHandler()"
 
 
-def _first_line(message):
-    return message.split(" : Tensor had")[0].split("\n")[0] + _kind(message)
-
-
 def _kind(message):
-    if "Tensor had NaN" in message or "NaN values" in message:
-        return " [NaN]"
-    if "Inf" in message:
-        return " [Inf]"
-    return ""
+    """'NaN', 'Inf' or 'NaN or Inf' from a CheckNumericsV2 error message."""
+    tail = message.rsplit("Tensor had", 1)[-1]
+    if "NaN" in tail:
+        return "NaN"
+    if "Inf" in tail:
+        return "Inf"
+    return "NaN or Inf"

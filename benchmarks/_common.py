@@ -66,17 +66,37 @@ def machine_info():
         "os": "%s %s" % (platform.system(), platform.release()),
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
-        "load": load_average(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
 
 
-def load_average():
-    """1-minute load average as a string ('n/a' where unavailable)."""
+def _busy_seconds():
+    """Busy CPU seconds of the whole machine (incl. VM steal) from /proc/stat, or None."""
     try:
-        return "%.2f" % os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return "n/a"
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """CPU used by everything except this process between start and stop (in cores)."""
+
+    def __init__(self):
+        self.busy, self.wall = _busy_seconds(), time.perf_counter()
+        t = os.times()
+        self.own = t.user + t.system
+
+    def cores(self):
+        busy = _busy_seconds()
+        if busy is None or self.busy is None:
+            return None
+        t = os.times()
+        own = t.user + t.system - self.own
+        return max(0.0, (busy - self.busy - own) / (time.perf_counter() - self.wall))
 
 
 def write_section(path, name, body):

@@ -163,9 +163,9 @@ def render_md(summary, info, args, png_name, elapsed):
     L.append("")
     L.append(
         "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s (CPU, eager); 1-min load average %(load)s before the "
-        "run, %(load_end)s after it (other processes share these cores: a high load "
-        "widens the ranges)." % info
+        "TensorFlow %(tensorflow)s (CPU, eager). Other processes (and VM steal) used "
+        "%(other)s CPU cores on average during the measurement; load there widens the "
+        "ranges." % info
         + " Run on %s; %d configurations, %.0f s total." % (info["date"], 4 * len(CASES),
                                                           elapsed))
     L.append("")
@@ -281,8 +281,10 @@ def main(argv=None):
 
     start = time.perf_counter()
     info = _common.machine_info()
+    other = _common.OtherLoad()
     times = measure(args.rounds, args.n_small, args.n_matmul)
-    info["load_end"] = _common.load_average()
+    other = other.cores()
+    info["other"] = "n/a" if other is None else "%.2f" % other
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 

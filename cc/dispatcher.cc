@@ -3,6 +3,7 @@
 #include "dispatcher.h"
 
 #include <cstring>
+#include <atomic>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -69,7 +70,24 @@ PyObject* InternedString(const char* text) {
   return s;
 }
 
-bool PythonAlive() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
+// Set by an atexit hook (tf_ophandlers/__init__.py): from then on callbacks do not enter
+// Python, which closes the window between the PythonAlive() check and taking the GIL.
+std::atomic<bool> g_shutdown{false};
+
+bool PythonAlive() {
+  return !g_shutdown.load(std::memory_order_acquire) && Py_IsInitialized() &&
+         !_Py_IsFinalizing();
+}
+
+// Raises unless init() registered the dispatcher. GIL: held.
+bool RequireInit() {
+  if (g_ctx == nullptr || g_op_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "tf_ophandlers: the dispatcher is not initialized (import tf_ophandlers)");
+    return false;
+  }
+  return true;
+}
 
 void FreePayloadWithGil(TFOH_Payload* p) {
   Py_XDECREF(reinterpret_cast<PyObject*>(p->stack));
@@ -105,6 +123,10 @@ void StatusFromPyErr(TF_Status* status) {
   const char* msg = nullptr;
   if (r != nullptr && PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2) {
     code = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(r, 0)));
+    if (PyErr_Occurred() || code <= TF_OK || code > TF_UNAUTHENTICATED) {
+      PyErr_Clear();
+      code = TF_UNKNOWN;  // a failure must never be reported as OK
+    }
     msg = PyUnicode_AsUTF8(PyTuple_GET_ITEM(r, 1));
   }
   if (msg == nullptr) {
@@ -320,12 +342,13 @@ bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_
     Py_XDECREF(text);
     return false;
   };
-  PyObject* seq = PySequence_Fast(result, "handler outputs must be a sequence");
+  // A tuple copy: handler code run below cannot resize it under us.
+  PyObject* seq = PySequence_Tuple(result);
   if (seq == nullptr) {
     PyErr_Clear();
     return fail("type", "the dispatcher returned a non-sequence");
   }
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
   std::vector<TF_DataType> expected;
   bool known = ExpectedOutputs(tfe_op, &expected);
   int want = known ? static_cast<int>(expected.size()) : *num_outputs;
@@ -334,7 +357,7 @@ bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_
     return fail("count", "expected " + std::to_string(want) + " outputs, got " +
                              std::to_string(n));
   }
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject** items = &PyTuple_GET_ITEM(seq, 0);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!EagerTensor_CheckExact(items[i])) {
       Py_DECREF(seq);
@@ -342,10 +365,11 @@ bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_
     }
     TFE_TensorHandle* h = EagerTensor_Handle(items[i]);
     if (known && TFE_TensorHandleDataType(h) != expected[i]) {
+      std::string detail = "output " + std::to_string(i) + ": expected dtype enum " +
+                           std::to_string(expected[i]) + ", got dtype enum " +
+                           std::to_string(TFE_TensorHandleDataType(h));
       Py_DECREF(seq);
-      return fail("dtype", "output " + std::to_string(i) + ": expected dtype enum " +
-                               std::to_string(expected[i]) + ", got dtype enum " +
-                               std::to_string(TFE_TensorHandleDataType(h)));
+      return fail("dtype", detail);
     }
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -393,8 +417,9 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
     if (TF_GetCode(status) != TF_OK) goto done;
     TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, status);
     if (TF_GetCode(status) != TF_OK) goto done;
-    PyObject* t = EagerTensorFromHandle(copy, false);  // takes ownership of `copy`
+    PyObject* t = EagerTensorFromHandle(copy, false);  // owns `copy` on success
     if (t == nullptr) {
+      TFE_DeleteTensorHandle(copy);
       StatusFromPyErr(status);
       goto done;
     }
@@ -454,6 +479,7 @@ TFE_TensorHandle* DeviceCopyTo(TFE_Context* context, TFE_TensorHandle* tensor,
   if (TF_GetCode(status) == TF_OK) {
     PyObject* t = EagerTensorFromHandle(copy, false);
     if (t == nullptr) {
+      TFE_DeleteTensorHandle(copy);
       StatusFromPyErr(status);
     } else {
       PyObject* r = PyObject_CallOneArg(g_copy_to, t);
@@ -479,6 +505,7 @@ TFE_TensorHandle* DeviceCopyFrom(TFE_Context* context, TFE_TensorHandle* tensor,
   if (TF_GetCode(status) == TF_OK) {
     PyObject* t = EagerTensorFromHandle(copy, false);
     if (t == nullptr) {
+      TFE_DeleteTensorHandle(copy);
       StatusFromPyErr(status);
     } else {
       PyObject* r = PyObject_CallFunction(g_copy_from, "Os", t, target_device_name);
@@ -494,6 +521,8 @@ void DeviceDelete(void* device_info) {}
 
 // ---- Python-visible functions ---------------------------------------------------------
 
+extern PyTypeObject OpBaseType;  // defined below
+
 PyObject* PyInit(PyObject* self, PyObject* args) {
   PyObject* capsule;
   const char* device_name;
@@ -508,8 +537,9 @@ PyObject* PyInit(PyObject* self, PyObject* args) {
   }
   auto* ctx = static_cast<TFE_Context*>(PyCapsule_GetPointer(capsule, nullptr));
   if (ctx == nullptr) return nullptr;
-  if (!PyType_Check(op_type)) {
-    PyErr_SetString(PyExc_TypeError, "op_type must be a type");
+  if (!PyType_Check(op_type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(op_type), &OpBaseType)) {
+    PyErr_SetString(PyExc_TypeError, "op_type must be a subclass of _C.OpBase");
     return nullptr;
   }
   for (PyObject* o : {op_type, execute, copy_to, copy_from, stash, num_dims, dim, summarize, err})
@@ -544,6 +574,7 @@ PyObject* PyInit(PyObject* self, PyObject* args) {
 }
 
 PyObject* PyWrap(PyObject* self, PyObject* args) {
+  if (!RequireInit()) return nullptr;
   PyObject *stack, *value;
   int dtype;
   if (!PyArg_ParseTuple(args, "OOi", &stack, &value, &dtype)) return nullptr;
@@ -568,6 +599,7 @@ PyObject* PyStackOf(PyObject* self, PyObject* t) {
 }
 
 PyObject* PyExecute(PyObject* self, PyObject* args) {
+  if (!RequireInit()) return nullptr;
   PyObject *op, *inputs;
   const char* device;
   if (!PyArg_ParseTuple(args, "O!Os", g_op_type, &op, &inputs, &device)) return nullptr;
@@ -575,6 +607,7 @@ PyObject* PyExecute(PyObject* self, PyObject* args) {
 }
 
 PyObject* PyNewOp(PyObject* self, PyObject* args) {
+  if (!RequireInit()) return nullptr;
   const char* type;
   PyObject* attrs;  // dict[str, bytes]: serialized AttrValue protos
   if (!PyArg_ParseTuple(args, "sO!", &type, &PyDict_Type, &attrs)) return nullptr;
@@ -642,7 +675,13 @@ PyObject* PyUnwrapInputs(PyObject* self, PyObject* args) {
       item = reinterpret_cast<PyObject*>(p->value);
     } else {
       PyObject* idx = PyLong_FromSsize_t(i);
-      PyList_Append(foreign, idx);
+      if (idx == nullptr || PyList_Append(foreign, idx) < 0) {
+        Py_XDECREF(idx);
+        Py_DECREF(values);
+        Py_DECREF(foreign);
+        Py_DECREF(seq);
+        return nullptr;
+      }
       Py_DECREF(idx);
     }
     Py_INCREF(item);
@@ -664,10 +703,11 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
   int transient;
   if (!PyArg_ParseTuple(args, "OOpO", &stack, &values, &transient, &value_dtype))
     return nullptr;
-  PyObject* seq = PySequence_Fast(values, "a handler's execute must return a sequence");
+  if (!RequireInit()) return nullptr;
+  PyObject* seq = PySequence_Tuple(values);  // a copy: value_dtype hooks cannot resize it
   if (seq == nullptr) return nullptr;
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  PyObject** items = n ? &PyTuple_GET_ITEM(seq, 0) : nullptr;
   PyObject* out = PyList_New(n);
   if (out == nullptr) {
     Py_DECREF(seq);
@@ -703,6 +743,11 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
   }
   Py_DECREF(seq);
   return out;
+}
+
+PyObject* PyShutdown(PyObject* self, PyObject* unused) {
+  g_shutdown.store(true, std::memory_order_release);
+  Py_RETURN_NONE;
 }
 
 PyObject* PyDrain(PyObject* self, PyObject* unused) {
@@ -766,8 +811,14 @@ PyObject* OpGetOutputDtypes(OpObject* op, void*) {
     } else {
       PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(dtypes.size()));
       if (t == nullptr) return nullptr;
-      for (size_t i = 0; i < dtypes.size(); ++i)
-        PyTuple_SET_ITEM(t, i, PyLong_FromLong(static_cast<long>(dtypes[i])));
+      for (size_t i = 0; i < dtypes.size(); ++i) {
+        PyObject* v = PyLong_FromLong(static_cast<long>(dtypes[i]));
+        if (v == nullptr) {
+          Py_DECREF(t);
+          return nullptr;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+      }
       op->output_dtypes = t;
     }
   }
@@ -828,6 +879,8 @@ PyMethodDef kModuleMethods[] = {
      "unwrap_inputs(stack, inputs) -> (values, foreign_indices)."},
     {"wrap_outputs", PyWrapOutputs, METH_VARARGS,
      "wrap_outputs(stack, values, transient, value_dtype) -> tensors on stack."},
+    {"shutdown", PyShutdown, METH_NOARGS,
+     "Stops callbacks from entering Python (atexit; irreversible)."},
     {"drain", PyDrain, METH_NOARGS, "Frees payloads released off the GIL."},
     {"device_name", PyDeviceName, METH_O, "The TensorFlow device name of a tensor."},
     {nullptr}};
@@ -892,16 +945,19 @@ PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype)
     return nullptr;
   }
   TF_DeleteStatus(s);
-  return EagerTensorFromHandle(h, false);
+  PyObject* t = EagerTensorFromHandle(h, false);
+  if (t == nullptr) TFE_DeleteTensorHandle(h);  // frees the payload through its deallocator
+  return t;
 }
 
 PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   const TFE_Op* src = OpAttrSource(op);
   if (src == nullptr) return nullptr;
-  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence of tensors");
+  if (!RequireInit()) return nullptr;
+  PyObject* seq = PySequence_Tuple(inputs);  // a copy: copy-off hooks cannot resize it
   if (seq == nullptr) return nullptr;
-  Py_ssize_t n_in = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  Py_ssize_t n_in = PyTuple_GET_SIZE(seq);
+  PyObject** items = n_in ? &PyTuple_GET_ITEM(seq, 0) : nullptr;
   TF_Status* s = TF_NewStatus();
   const char* type = PyUnicode_AsUTF8(op->type);
   TFE_Op* tfe = TFE_NewOp(g_ctx, type, s);
@@ -948,9 +1004,9 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   if (TF_GetCode(s) != TF_OK) goto fail;
   result = PyList_New(num);
   for (int i = 0; i < num; ++i) {
-    PyObject* t = EagerTensorFromHandle(rets[i], false);
+    PyObject* t = result ? EagerTensorFromHandle(rets[i], false) : nullptr;
     if (t == nullptr) {
-      for (int j = i + 1; j < num; ++j) TFE_DeleteTensorHandle(rets[j]);
+      for (int j = i; j < num; ++j) TFE_DeleteTensorHandle(rets[j]);
       Py_CLEAR(result);
       break;
     }

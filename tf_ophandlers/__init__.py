@@ -40,6 +40,10 @@ from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: 
 
 __version__ = "0.1.0"
 
+import atexit as _atexit  # noqa: E402
+
+# At exit, callbacks must stop entering Python before the interpreter finalizes.
+_atexit.register(_C.shutdown)
 _errors.install()
 _tensor.install()
 _scope.install_device_scopes()

@@ -9,8 +9,12 @@
    C/C++ plugs into the same dispatcher with kind TFOH_PAYLOAD_C and a methods table, so
    the dispatcher never needs to know which language a handler is written in.
 
-   Ownership: the payload is owned by the TFE_TensorHandle that carries it and is freed
-   by the handle's deallocator (TFOH_PayloadRelease). Nothing else may free it.
+   Ownership: the dispatcher allocates every payload (C++ new) when it creates a handler
+   tensor, the TFE_TensorHandle that carries it owns it, and the handle's deallocator
+   frees it (C++ delete), after releasing `stack`/`value` (Python, with the GIL) or
+   calling `c_methods->release(c_value)` (C). A C handler therefore never allocates or
+   frees a TFOH_Payload itself: it hands `c_value` and `c_methods` to the dispatcher's
+   creation function (exported with the C handler API) and receives them back in hooks.
 */
 #ifndef TF_OPHANDLERS_PAYLOAD_H_
 #define TF_OPHANDLERS_PAYLOAD_H_

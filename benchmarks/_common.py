@@ -44,6 +44,14 @@ def median(xs):
     return statistics.median(xs)
 
 
+def quartiles(xs):
+    """(first quartile, third quartile) of `xs`."""
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
 def machine_info():
     """Dict of the facts a reader needs to interpret absolute times."""
     import tensorflow as tf

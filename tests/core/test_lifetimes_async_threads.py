@@ -188,3 +188,37 @@ def test_100k_short_lived_handlers_keep_memory_flat(x):
     gc.collect()
     growth = _rss_kb() - before
     assert growth < 20_000, "RSS grew by %d KiB over 100k handlers" % growth
+
+
+def test_non_transient_handler_owns_variables_it_places():
+    """RFC "Placement of resource handles": a handler that keeps resource handles owns
+    the variable, and the variable keeps it alive. (TF 2.21 frees an eager variable's
+    resource with its last handle; no DestroyResourceOp runs.)"""
+
+    class Owner(oh.OpHandler):
+        transient = False
+
+        def __init__(self, seen):
+            self.seen = seen
+
+        def execute(self, op, inputs):
+            self.seen.append(op.type)
+            return self.next.execute(op, inputs)
+
+    seen = []
+    h = Owner(seen)
+    ref = weakref.ref(h)
+    with h:
+        v = tf.Variable([1.0, 2.0])
+    assert oh.handler_of(v) is not None and oh.handler_of(v).handler is h
+    r = v.read_value()  # type-based dispatch through the resource handle
+    v.assign_add([1.0, 1.0])
+    assert oh.handler_of(r) is not None
+    assert_close(v.read_value(), [2.0, 3.0])
+    assert "ReadVariableOp" in seen and "AssignAddVariableOp" in seen
+    del h, r
+    gc.collect()
+    assert ref() is not None
+    del v
+    gc.collect()
+    assert ref() is None

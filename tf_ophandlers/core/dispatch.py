@@ -45,7 +45,14 @@ def execute(op, inputs):
         # goes into its C++ scalar cache keyed by device name. Constants therefore stay
         # physical (as in copy_to_device below) and are copied on where they are used.
         return inputs
-    stack = state.current if op.requested_device == DISPATCHER_DEVICE else _stack_for(op, inputs)
+    if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
+                                                     or state.frames):
+        stack = state.current  # scope placement (or a hook's ops, placed on its next)
+    else:
+        # Type-based dispatch; also for code that re-places an op on a handler tensor's
+        # device outside any scope (TensorFlow's variable deleter does
+        # `with tf.device(handle.device)`).
+        stack = _stack_for(op, inputs)
     return stack.execute(op, inputs)
 
 

@@ -960,7 +960,23 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   PyObject** items = n_in ? &PyTuple_GET_ITEM(seq, 0) : nullptr;
   TF_Status* s = TF_NewStatus();
   const char* type = PyUnicode_AsUTF8(op->type);
-  TFE_Op* tfe = TFE_NewOp(g_ctx, type, s);
+  // Reuse this thread's TFE_Op (as TensorFlow's own Python fast path does): TFE_OpReset
+  // keeps the allocation and skips re-parsing an unchanged device name. A nested
+  // ExecuteOp on the same thread (a copy-off hook) takes the op out of the cache first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* tfe = cached_op;
+  cached_op = nullptr;
+  if (tfe != nullptr) {
+    TFE_OpReset(tfe, type, device, s);
+    if (TF_GetCode(s) != TF_OK) {
+      TFE_DeleteOp(tfe);
+      tfe = nullptr;
+    }
+  }
+  if (tfe == nullptr) {
+    TF_SetStatus(s, TF_OK, "");
+    tfe = TFE_NewOp(g_ctx, type, s);
+  }
   PyObject* result = nullptr;
   int num = op->num_outputs;
   absl::InlinedVector<TFE_TensorHandle*, 4> rets;
@@ -1017,7 +1033,13 @@ fail:
   RaiseFromStatus(s);
 cleanup:
   for (PyObject* o : keep) Py_DECREF(o);
-  if (tfe) TFE_DeleteOp(tfe);
+  if (tfe) {
+    if (cached_op == nullptr && TF_GetCode(s) == TF_OK) {
+      cached_op = tfe;  // inputs and attrs are cleared by the next TFE_OpReset
+    } else {
+      TFE_DeleteOp(tfe);
+    }
+  }
   TF_DeleteStatus(s);
   Py_DECREF(seq);
   return result;

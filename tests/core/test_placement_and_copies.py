@@ -199,3 +199,20 @@ def test_needs_copy_hook_receives_raw_inputs(x):
         y = tf.identity(x)
     assert raw == [None]
     assert_close(y, x)
+
+
+def test_static_value_hook_answers_get_static_value(x):
+    class Opaque(oh.OpHandler):
+        def copy_off(self, value, device):
+            raise oh.CopyOffError("Opaque cannot copy off")
+
+        def static_value(self, value):
+            return np.full([2, 2], 7.0, np.float32)
+
+    with Opaque():
+        y = tf.sin(x)
+    assert tf.get_static_value(y).tolist() == [[7.0, 7.0], [7.0, 7.0]]
+    with oh.OpLogHandler():
+        z = tf.sin(x)
+    assert_close(tf.get_static_value(z), np.sin(x.numpy()))  # default: the value's
+    assert tf.get_static_value(x).tolist() == x.numpy().tolist()  # ordinary tensors unchanged

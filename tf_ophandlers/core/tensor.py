@@ -1,11 +1,14 @@
-"""What handler tensors show in Python: `tensor.device` (RFC "Available hooks").
+"""What handler tensors show in Python: `tensor.device` and `tf.get_static_value`
+(RFC "Available hooks").
 
 `EagerTensor.device` is a C getset on a heap type; it is replaced by a property that asks
 the tensor's handler (`OpHandler.device_string`) and falls back to TensorFlow's getter
 for ordinary tensors. Transparent handlers (tapes) show the next stack's device, others
 their stack name.
 """
+import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework import tensor_util as _tensor_util
 
 from tf_ophandlers import _C
 
@@ -28,4 +31,20 @@ def install():
         return stack.handler.device_string(value, stack)
 
     eager_tensor.device = property(device, doc=tf_device.__doc__)
+
+    # tf.get_static_value / tensor_util.constant_value: gradient functions use it to
+    # short-circuit. A handler tensor answers through its handler's `static_value` hook
+    # instead of a copy-off (which a handler may refuse).
+    original_constant_value = _tensor_util.constant_value
+
+    def constant_value(tensor, partial=False):
+        p = _C.payload(tensor) if isinstance(tensor, eager_tensor) else None
+        if p is None:
+            return original_constant_value(tensor, partial)
+        stack, value = p
+        return stack.handler.static_value(value)
+
+    constant_value.__doc__ = original_constant_value.__doc__
+    _tensor_util.constant_value = constant_value
+    tf.get_static_value = constant_value
     _installed = True

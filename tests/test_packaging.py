@@ -1,0 +1,28 @@
+"""Import-time version check and the benchmark script's smoke run."""
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def test_other_tensorflow_version_is_refused_with_a_clear_message():
+    code = ("import tensorflow as tf; tf.__version__ = '2.20.1'\n"
+            "import tf_ophandlers")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env=ENV)
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr
+    assert "supports TensorFlow 2.21.x only" in proc.stderr and "2.20.1" in proc.stderr
+
+
+def test_overhead_benchmark_quick_run(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--quick",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- overhead:begin -->" in text and "ratio to plain" in text

@@ -17,13 +17,11 @@ import itertools
 import threading
 import weakref
 
-from tensorflow.python.framework import dtypes as _dtypes
 
 from tf_ophandlers import _C
 from tf_ophandlers.core import errors
 
 _COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
-_DT_RESOURCE = _dtypes.resource.as_datatype_enum
 
 _execute = _C.execute
 _unwrap_inputs = _C.unwrap_inputs

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+    [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
 def test_other_tensorflow_version_is_refused_with_a_clear_message():

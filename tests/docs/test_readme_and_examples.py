@@ -11,7 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(code_or_path, timeout=240):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # The checkout on the path: the scripts must work installed or not.
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     args = [sys.executable, str(code_or_path)] if isinstance(code_or_path, pathlib.Path) \
         else [sys.executable, "-c", code_or_path]
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,

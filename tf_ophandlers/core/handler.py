@@ -19,6 +19,7 @@ Inside a hook, `self.next` is the stack this handler executes on, and ops the ho
 with ordinary TensorFlow calls (``tf.sin(x)``) are placed there too.
 """
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.stack import move_onto
 from tf_ophandlers.core.state import state as _state
 
 
@@ -78,11 +79,7 @@ class OpHandler:
         (RFC "Re-entering a merged handler stack"): its representation is moved onto
         this merge's next stack without a copy off this handler.
         """
-        from tf_ophandlers import _C  # pylint: disable=import-outside-toplevel
-        source = _C.stack_of(tensor)
-        if source is not None and source.handler is self:
-            return self.next.copy_on(source.unwrap(tensor))
-        return self.next.copy_on(tensor)
+        return move_onto(self, self.next, tensor)
 
     def copy_off(self, value, device):
         """A tensor on the next stack for `value`, on its way to physical `device`.

@@ -141,19 +141,15 @@ class _PhysicalPlacement:
 
 
 def _context_device(self, name):
-    if state.current is not PHYSICAL and (name is None or isinstance(name, str)):
-        if name == DISPATCHER_DEVICE:
-            return _original_context_device(self, name)
-        stack = _stacks_by_name.get(name) if name else None
-        if stack is not None:
-            return handler(stack)
-        return _PhysicalPlacement(name)
-    if isinstance(name, str) and name in _stacks_by_name:
+    if isinstance(name, str) and name:
         # tf.device(stack_name) behaves as oh.handler(stack): a stack name is never a
         # physical device (it would silently run on CPU under soft placement).
         stack = _stacks_by_name.get(name)
         if stack is not None:
             return handler(stack)
+    if state.current is not PHYSICAL and (name is None or isinstance(name, str)) \
+            and name != DISPATCHER_DEVICE:
+        return _PhysicalPlacement(name)
     return _original_context_device(self, name)
 
 

@@ -30,6 +30,18 @@ _indices = {}  # handler type name -> itertools.count
 _merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
 
 
+def move_onto(handler, next_stack, tensor):
+    """The default copy-on of `handler` merged onto `next_stack` (OpHandler.copy_on).
+
+    Moves `tensor` onto `next_stack`; a tensor of the same handler from an earlier merge
+    is taken directly (its representation is moved, no copy off the handler).
+    """
+    source = _C.stack_of(tensor)
+    if source is not None and source.handler is handler:
+        return next_stack.copy_on(source.unwrap(tensor))
+    return next_stack.copy_on(tensor)
+
+
 class Stack:
     """Common interface of PHYSICAL and HandlerStack."""
 
@@ -47,9 +59,6 @@ class PhysicalStack(Stack):
     """The bottom of every stack: TensorFlow's physical devices."""
 
     name = ""
-
-    def device(self):
-        return state.device
 
     def execute(self, op, inputs):
         if op.type in _COPY_OPS:
@@ -155,10 +164,7 @@ class HandlerStack(Stack):
     def _copy_on_value(self, tensor):
         """The handler's representation of `tensor`, which lives elsewhere."""
         if self._default_copy_on:
-            source = _C.stack_of(tensor)
-            if source is not None and source.handler is self.handler:
-                return self.next.copy_on(source.unwrap(tensor))
-            return self.next.copy_on(tensor)
+            return move_onto(self.handler, self.next, tensor)  # no frame needed
         return self._call(self.handler.copy_on, tensor)
 
     def _execute_copy(self, op, inputs):

@@ -22,19 +22,18 @@ import tensorflow as tf
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 
-_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (tf,) + tuple(
-    sys.modules[n] for n in ("keras", "tf_ophandlers", "contextlib") if n in sys.modules))
+_LIBRARY_PARTS = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep,
+                  os.sep + "tf_ophandlers" + os.sep)
 
 
-def user_location(skip_dirs=None):
-    """'file:line in function' of the innermost frame outside TF, Keras and this package."""
-    skip = _SKIP_DIRS + tuple(skip_dirs or ())
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+def user_location():
+    """'file:line in function' of the innermost frame outside TF, Keras, this package and
+    contextlib (only computed on the error path)."""
     frame = sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(skip + (here,)) and "/tensorflow/" not in filename \
-                and "/keras/" not in filename and not filename.endswith("contextlib.py"):
+        if not any(part in filename for part in _LIBRARY_PARTS) \
+                and not filename.endswith("contextlib.py"):
             return "%s:%d in %s" % (frame.f_code.co_filename, frame.f_lineno,
                                     frame.f_code.co_name)
         frame = frame.f_back

@@ -589,6 +589,16 @@ PyObject* PyPayload(PyObject* self, PyObject* t) {
                       reinterpret_cast<PyObject*>(p->value));
 }
 
+// tensor_key(t) -> int: the identity of the TensorFlow tensor behind an EagerTensor.
+// TensorFlow hands a callback a new Python wrapper for the same tensor each time
+// (TFE_TensorHandleCopySharingTensor returns the same, re-referenced handle), so tapes
+// key tensors by handle, not by Python object. The key is stable while `t` (or any
+// wrapper of its handle) is alive. Other objects get id(t). GIL: held; never fails.
+PyObject* PyTensorKey(PyObject* self, PyObject* t) {
+  if (EagerTensor_CheckExact(t)) return PyLong_FromVoidPtr(EagerTensor_Handle(t));
+  return PyLong_FromVoidPtr(t);
+}
+
 PyObject* PyStackOf(PyObject* self, PyObject* t) {
   if (!EagerTensor_CheckExact(t)) Py_RETURN_NONE;
   TFOH_Payload* p = PayloadOf(EagerTensor_Handle(t));
@@ -873,6 +883,8 @@ PyMethodDef kModuleMethods[] = {
     {"wrap", PyWrap, METH_VARARGS, "wrap(stack, value, dtype_enum) -> handler tensor."},
     {"payload", PyPayload, METH_O, "payload(t) -> (stack, value) or None."},
     {"stack_of", PyStackOf, METH_O, "stack_of(t) -> stack or None."},
+    {"tensor_key", PyTensorKey, METH_O,
+     "tensor_key(t) -> int identity of t's TensorFlow handle (stable across wrappers)."},
     {"execute", PyExecute, METH_VARARGS, "execute(op, inputs, device) -> list of tensors."},
     {"new_op", PyNewOp, METH_VARARGS, "new_op(type, {attr: AttrValue bytes}) -> Op."},
     {"unwrap_inputs", PyUnwrapInputs, METH_VARARGS,

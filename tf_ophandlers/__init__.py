@@ -37,6 +37,8 @@ from tf_ophandlers.core.stack import PHYSICAL, HandlerStack  # noqa: E402
 from tf_ophandlers.core.copies import copy_off, copy_on  # noqa: E402
 from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
 from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
+from tf_ophandlers.handlers import gradient_tape as _gradient_tape  # noqa: E402
+from tf_ophandlers.handlers.gradient_tape import GradientTape  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -47,6 +49,7 @@ _atexit.register(_C.shutdown)
 _errors.install()
 _tensor.install()
 _scope.install_device_scopes()
+_gradient_tape.install()
 _dispatch.initialize()
 
 
@@ -58,6 +61,6 @@ def install():
 __all__ = [
     "OpHandler", "Op", "HandlerStack", "PHYSICAL", "DISPATCHER_DEVICE", "handler",
     "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
-    "OpRecord", "CheckNumericsHandler", "HandlerError", "PlacementError",
+    "OpRecord", "CheckNumericsHandler", "GradientTape", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
 ]

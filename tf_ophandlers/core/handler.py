@@ -139,6 +139,16 @@ class OpHandler:
 
     # -- scopes -----------------------------------------------------------------------------
 
+    def scope_entered(self):
+        """Called when a scope opens this handler (`with h:`, `oh.handler(...)`).
+
+        Scopes that re-enter a stack already containing the handler do not call it. A
+        tape uses it to record only inside its scopes, as `tf.GradientTape` does.
+        """
+
+    def scope_exited(self):
+        """Called when the scope that opened this handler closes."""
+
     def __enter__(self):
         from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
         scope.enter(self)

@@ -47,23 +47,29 @@ def enter(target):
             "otherwise silently run on CPU).")
     previous = state.current
     stack = previous
+    opened = []
     for h in _handlers_of(target):
         if not any(h is x for x in stack.handlers):
             stack = HandlerStack.merged(h, stack)
             _stacks_by_name[stack.name] = stack
+            opened.append(stack.handler)
     ctx = _context.context()
     device_scope = None
     if stack is not previous and ctx.device_name != DISPATCHER_DEVICE:
         device_scope = _original_context_device(ctx, DISPATCHER_DEVICE)
         device_scope.__enter__()
-    state.scopes.append((previous, device_scope))
+    state.scopes.append((previous, device_scope, opened))
     state.current = stack
+    for h in opened:
+        h.scope_entered()
     return stack
 
 
 def exit():  # pylint: disable=redefined-builtin
-    previous, device_scope = state.scopes.pop()
+    previous, device_scope, opened = state.scopes.pop()
     state.current = previous
+    for h in reversed(opened):
+        h.scope_exited()
     if device_scope is not None:
         device_scope.__exit__(None, None, None)
     _purge_tensor_caches()

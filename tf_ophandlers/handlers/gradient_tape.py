@@ -1,0 +1,599 @@
+"""`GradientTape`: reverse-mode autodiff as an op handler (the RFC's running example).
+
+The tape's tensor representation is the tensor of the next stack (a tape changes no
+values); its state is the tape. Every op placed on the tape runs on the next stack and,
+when one of its inputs is watched or derived from a watched tensor, is recorded with the
+stack it ran on. `gradient` walks the records backward and runs each op's gradient
+function from TensorFlow's gradient registry on the stack of its forward op (RFC
+"Re-entering a merged handler stack, gradient function placement"), so tapes nest with
+each other, with `tf.GradientTape` (in either order) and with every other handler.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> x = tf.constant(3.0)
+>>> with oh.GradientTape() as tape:
+...     tape.watch(x)
+...     y = x * x
+>>> float(tape.gradient(y, x))
+6.0
+
+The API is `tf.GradientTape`'s: `persistent`, `watch_accessed_variables`, `watch`,
+`watched_variables`, `gradient` (nested targets and sources, `output_gradients`,
+`unconnected_gradients`), `stop_recording`, `reset`, `jacobian`, `batch_jacobian`.
+"""
+import contextlib
+import logging
+
+import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import backprop as _tf_backprop
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import record as _record
+from tensorflow.python.eager import tape as _tf_tape
+from tensorflow.python.framework import composite_tensor_gradient
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import gradients_util
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest
+
+from tf_ophandlers import _C
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.stack import PHYSICAL
+from tf_ophandlers.core.state import state as _state
+
+_log = logging.getLogger("tf_ophandlers")
+_stack_of = _C.stack_of
+_key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see cc/dispatcher.cc)
+_tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
+_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
+
+# Gradient functions that accept None for these output gradients; TensorFlow's tape
+# (pywrap_tfe_src.cc, FunctionsAcceptingNoneForIndicesMap) skips building zeros for them.
+_ACCEPTS_NONE = {
+    "SoftmaxCrossEntropyWithLogits": (1,),
+    "SparseSoftmaxCrossEntropyWithLogits": (1,),
+    "FusedBatchNorm": (1, 2, 3, 4),
+}
+
+
+def _trainable(dtype):
+    return dtype in _TRAINABLE_DTYPES
+
+
+_TRAINABLE_DTYPES = frozenset(
+    d for d in (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64,
+                tf.complex128, tf.resource, tf.variant) if backprop_util.IsTrainable(d))
+
+
+class _Record:
+    """One recorded operation: what its gradient function needs, and where it ran."""
+
+    __slots__ = ("seq", "op_type", "op", "backward", "inputs", "outputs", "stack", "skip")
+
+    def __init__(self, seq, op_type, op, backward, inputs, outputs, stack, skip):
+        self.seq = seq
+        self.op_type = op_type
+        self.op = op  # oh.Op (attrs decoded only if the gradient function reads them)
+        self.backward = backward  # a Python backward function (custom gradients) or None
+        self.inputs = inputs
+        self.outputs = outputs
+        self.stack = stack  # the stack the forward op ran on; its gradient runs there
+        self.skip = skip  # input indices that need no gradient (as TensorFlow passes)
+
+
+def _raw_attr(value):
+    """An attr value in the form TensorFlow's eager tape stores it (backprop.make_attr)."""
+    if isinstance(value, tf.DType):
+        return value.as_datatype_enum
+    if isinstance(value, tf.TensorShape):
+        return None if value.rank is None else value.as_list()
+    if isinstance(value, list):
+        return [_raw_attr(v) for v in value]
+    return value
+
+
+def _attr_tuple(op):
+    flat = []
+    for name, value in op.attrs.items():
+        flat.append(name)
+        flat.append(_raw_attr(value))
+    return tuple(flat)
+
+
+def _active_tapes():
+    """The recording oh.GradientTapes of this thread's current scope, innermost first."""
+    if _tape_set_is_stopped():
+        return ()
+    return tuple(h for h in reversed(_state.current.handlers)
+                 if isinstance(h, GradientTape) and h._recording())  # pylint: disable=protected-access
+
+
+class GradientTape(OpHandler):
+    """Records operations for automatic differentiation (`tf.GradientTape` as a handler).
+
+    Operations are recorded if they run inside the tape's scope and at least one of
+    their inputs is watched (`watch`, or a trainable variable read inside the scope) or
+    was computed from a watched tensor. Gradient functions come from TensorFlow's
+    registry (`tf.RegisterGradient`, `tf.custom_gradient`, `tf.recompute_grad`).
+
+    >>> v = tf.Variable(2.0)
+    >>> with oh.GradientTape() as tape:
+    ...     loss = (v - 5.0) ** 2
+    >>> float(tape.gradient(loss, v))
+    -6.0
+    """
+
+    transparent = True  # tensor.device shows the physical device, as with tf.GradientTape
+    TYPE_NAME = "GRADIENT_TAPE"
+
+    def __init__(self, persistent=False, watch_accessed_variables=True):
+        self._persistent = persistent
+        self._watch_accessed_variables = watch_accessed_variables
+        self._depth = 0  # open scopes of this tape
+        self._paused = 0  # stop_recording() scopes
+        self._used = False  # a non-persistent tape after its one gradient call
+        self._clear()
+
+    def _clear(self):
+        self._records = []
+        self._producer = {}  # _key(tensor) -> _Record that produced it
+        self._tracked = {}  # _key(tensor) -> tensor, for watched and recorded tensors
+        self._variables = {}  # _key(handle) -> variable watched
+        self._seq = 0
+
+    def debug_string(self):
+        return "GradientTape(persistent=%s)" % self._persistent
+
+    def _recording(self):
+        return self._depth > 0 and not self._paused and not self._used
+
+    # -- scopes ---------------------------------------------------------------------------
+
+    def __enter__(self):
+        if self._recording():
+            raise ValueError("oh.GradientTape: the tape is still recording; this happens "
+                             "when re-entering an already-active tape.")
+        return super().__enter__()
+
+    def scope_entered(self):
+        self._depth += 1
+
+    def scope_exited(self):
+        self._depth -= 1
+
+    @contextlib.contextmanager
+    def stop_recording(self):
+        """Temporarily stops recording operations on this tape (as tf.GradientTape)."""
+        if not self._recording():
+            raise RuntimeError("oh.GradientTape: trying to stop recording a tape which is "
+                               "not recording.")
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def reset(self):
+        """Clears everything recorded; recording continues if inside the tape's scope."""
+        self._clear()
+        self._used = False
+
+    # -- the handler ----------------------------------------------------------------------
+
+    def execute(self, op, inputs):
+        next_stack = self.next
+        outputs = next_stack.execute(op, inputs)
+        if self._depth and not self._paused and not self._used:
+            tracked = self._tracked
+            for t in inputs:
+                if _key(t) in tracked:
+                    if not _tape_set_is_stopped():
+                        self._record_op(op, inputs, outputs, next_stack)
+                    break
+        return outputs
+
+    def copy_on(self, tensor):
+        # The default move, recorded when it creates a new tensor from a tracked one, so
+        # gradients flow back through CopyOnGrad (RFC "Copies and their gradients").
+        source = _stack_of(tensor)
+        if source is not None and source.handler is self:
+            tensor = source.unwrap(tensor)  # our tensor from an earlier merge
+        next_stack = self.next
+        value = next_stack.copy_on(tensor)
+        known = self._tracked.get(_key(tensor))
+        if (known is not None and _key(value) != _key(tensor) and self._recording()
+                and not _tape_set_is_stopped()):
+            tensor = known
+            op = _ops_create("CopyOn", T=value.dtype)
+            self._record("CopyOn", op, None, [tensor], [value], next_stack, ())
+            self._bridge_to_tf_tapes(op, [tensor], [value])
+        return value
+
+    def _record_op(self, op, inputs, outputs, stack):
+        # TensorFlow hands us a new Python wrapper of a tensor at each use; the tape keeps
+        # the first object it saw (the user's, for watched tensors), so that gradient
+        # functions and tf.GradientTapes (which key by Python object) see one tensor.
+        tracked = self._tracked
+        canonical, skip = [], []
+        for i, t in enumerate(inputs):
+            known = tracked.get(_key(t))
+            if known is None:
+                skip.append(i)
+                canonical.append(t)
+            else:
+                canonical.append(known)
+        if self._record(op.type, op, None, canonical, outputs, stack, tuple(skip)):
+            self._bridge_to_tf_tapes(op, canonical, outputs)
+
+    def _record(self, op_type, op, backward, inputs, outputs, stack, skip):
+        """Appends a record if an output is differentiable; returns whether it did."""
+        trainable = [o for o in outputs if o is not None and _trainable(o.dtype)]
+        if not trainable:
+            return False
+        self._seq += 1
+        record = _Record(self._seq, op_type, op, backward, inputs, list(outputs), stack, skip)
+        self._records.append(record)
+        tracked, producer = self._tracked, self._producer
+        for o in trainable:
+            tracked[_key(o)] = o
+            producer[_key(o)] = record
+        return True
+
+    @staticmethod
+    def _bridge_to_tf_tapes(op, inputs, outputs):
+        # When a tf.GradientTape (or ForwardAccumulator) is active, it must also see the
+        # ops on our representations, which our gradient functions use: otherwise a
+        # tf.GradientTape around this tape would treat them as constants.
+        if not _tape_set_is_empty():
+            pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), _attr_tuple(op),
+                                             list(outputs), "")
+
+    # -- tensors at this tape's level -----------------------------------------------------
+
+    def _level_of(self, tensor):
+        """`tensor` as this tape sees it: its representation if it lives on a stack of
+        this tape (looking through tensor-valued handlers above it), else itself."""
+        while True:
+            stack = _stack_of(tensor)
+            if stack is None or not any(h is self for h in stack.handlers):
+                return tensor
+            value = stack.unwrap(tensor)
+            if stack.handler is self:
+                return value
+            if not isinstance(value, tf.Tensor):
+                return tensor  # a handler above us has a non-tensor representation
+            tensor = value
+
+    def watch(self, tensor):
+        """Ensures that `tensor` (tensors, variables, or nested structures) is traced."""
+        for t in _tf_backprop._extract_tensors_and_variables(tensor):  # pylint: disable=protected-access
+            if not backprop_util.IsTrainable(t):
+                _log.warning("oh.GradientTape.watch: the dtype of the watched tensor must be "
+                             "floating (e.g. tf.float32), got %r", t.dtype)
+                continue
+            if hasattr(t, "handle"):
+                self._watch_variable(t)
+            else:
+                value = self._level_of(t)
+                self._tracked[_key(value)] = value
+
+    def _watch_variable(self, variable):
+        handle = variable.handle
+        value = self._level_of(handle)
+        self._tracked[_key(value)] = value
+        self._variables.setdefault(_key(handle), variable)
+
+    def watched_variables(self):
+        """Variables watched by this tape, in order of construction."""
+        variables = list(self._variables.values())
+        return tuple(sorted(variables, key=lambda v: getattr(v, "_unique_id", 0)))
+
+    # -- gradients ------------------------------------------------------------------------
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=UnconnectedGradients.NONE):
+        """Gradients of `target` with respect to `sources` (see tf.GradientTape.gradient).
+
+        Returns the structure of `sources` with a tensor (or IndexedSlices, or None) for
+        each; the gradients live where the sources do.
+        """
+        self._check_usable()
+        if target is None:
+            raise TypeError("oh.GradientTape.gradient: argument `target` should be a list or "
+                            "nested structure of Tensors, Variables or CompositeTensors to "
+                            "be differentiated, but received None.")
+        self._stop_if_non_persistent_in_scope()
+        flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
+            nest.flatten(target))
+        flat_targets = [_tf_backprop._handle_or_self(t) for t in flat_targets]  # pylint: disable=protected-access
+        flat_sources_raw = nest.flatten(sources)
+        flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
+            [_tf_backprop._handle_or_self(t) for t in flat_sources_raw])  # pylint: disable=protected-access
+        if output_gradients is not None:
+            from tensorflow.python.ops import variable_utils  # pylint: disable=import-outside-toplevel
+            output_gradients = composite_tensor_gradient.get_flat_tensors_for_gradients(
+                nest.flatten(variable_utils.convert_variables_to_tensors(output_gradients)))
+            output_gradients = [None if g is None else _ops.convert_to_tensor(g)
+                                for g in output_gradients]
+            if len(output_gradients) != len(flat_targets):
+                raise ValueError("oh.GradientTape.gradient: got %d output_gradients for %d "
+                                 "targets" % (len(output_gradients), len(flat_targets)))
+        flat_grads = self._backprop(flat_targets, flat_sources, output_gradients,
+                                    flat_sources_raw, unconnected_gradients)
+        self._release_if_non_persistent()
+        flat_sources_raw = [_tf_backprop._handle_or_self(s) for s in flat_sources_raw]  # pylint: disable=protected-access
+        flat_grads = composite_tensor_gradient.replace_flat_tensors_for_gradients(
+            flat_sources_raw, flat_grads)
+        return nest.pack_sequence_as(sources, flat_grads)
+
+    def _check_usable(self):
+        if self._used:
+            raise RuntimeError("oh.GradientTape: a non-persistent GradientTape can only be "
+                               "used to compute one set of gradients (or jacobians)")
+
+    def _stop_if_non_persistent_in_scope(self):
+        if self._recording() and not self._persistent:
+            # As tf.GradientTape: a non-persistent tape stops recording when asked for
+            # gradients inside its scope; a persistent one records the gradient ops too
+            # (for higher-order gradients).
+            self._used = True
+
+    def _release_if_non_persistent(self):
+        if not self._persistent:
+            self._used = True
+            variables = self._variables
+            self._clear()  # free what was recorded once gradients are computed
+            self._variables = variables
+
+    def _backprop(self, targets, sources, output_gradients, sources_raw, unconnected):
+        unconnected = UnconnectedGradients(unconnected)
+        targets = [self._level_of(t) for t in targets]
+        sources = [self._level_of(s) for s in sources]
+        producer = self._producer
+        source_ids = {_key(s) for s in sources}
+
+        # Records on a path from a source to a target, in recording order.
+        needed, pending, seen = {}, [_key(t) for t in targets], set()
+        while pending:
+            i = pending.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            record = producer.get(i)
+            if record is not None and i not in source_ids and record.seq not in needed:
+                needed[record.seq] = record
+                pending.extend(_key(x) for x in record.inputs)
+        live = set(source_ids)
+        path = []
+        for seq in sorted(needed):
+            record = needed[seq]
+            if any(_key(x) in live for x in record.inputs):
+                path.append(record)
+                live.update(_key(o) for o in record.outputs if o is not None)
+
+        grads = {}
+        for i, t in enumerate(targets):
+            if _key(t) not in live:
+                continue
+            g = output_gradients[i] if output_gradients is not None else None
+            if g is None:
+                with self._placed(_stack_of(t) or PHYSICAL):
+                    g = default_gradient.ones_like(t)
+            grads.setdefault(_key(t), []).append(g)
+
+        for record in reversed(path):
+            self._run_backward(record, grads, live, source_ids)
+
+        result = []
+        for s, raw in zip(sources, sources_raw):
+            parts = grads.get(_key(s))
+            if parts:
+                with self._placed(_stack_of(parts[0]) or PHYSICAL):
+                    result.append(_tf_backprop._aggregate_grads(parts))  # pylint: disable=protected-access
+            elif unconnected is UnconnectedGradients.ZERO:
+                result.append(default_gradient.zeros_like(raw))
+            else:
+                result.append(None)
+        return result
+
+    def _run_backward(self, record, grads, live, source_ids):
+        outputs = record.outputs
+        parts = [grads.get(_key(o)) if o is not None else None for o in outputs]
+        if not any(parts):
+            return
+        for o in outputs:
+            if o is not None and _key(o) not in source_ids:
+                grads.pop(_key(o), None)
+        with self._placed(record.stack):
+            accepts_none = _ACCEPTS_NONE.get(record.op_type, ())
+            out_grads = []
+            for k, (o, p) in enumerate(zip(outputs, parts)):
+                if p:
+                    out_grads.append(_tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
+                elif k in accepts_none or o is None or o.dtype in (tf.string, tf.resource):
+                    out_grads.append(None)
+                else:
+                    out_grads.append(default_gradient.zeros_like(o))
+            in_grads = self._call_gradient_function(record, out_grads)
+        for x, g in zip(record.inputs, in_grads):
+            if g is not None and _key(x) in live:
+                grads.setdefault(_key(x), []).append(g)
+
+    def _call_gradient_function(self, record, out_grads):
+        if record.backward is not None:
+            in_grads = record.backward(*out_grads)
+        else:
+            try:
+                grad_fn = _ops._gradient_registry.lookup(record.op_type)  # pylint: disable=protected-access
+            except LookupError as e:
+                raise LookupError(
+                    "oh.GradientTape: op %s has no registered gradient (%s); register one "
+                    "with tf.RegisterGradient or stop it with tf.stop_gradient"
+                    % (record.op_type, e)) from e
+            if grad_fn is None:  # tf.no_gradient / ops.NotDifferentiable
+                return [None] * len(record.inputs)
+            mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
+                _attr_tuple(record.op), record.inputs, record.outputs, record.op_type,
+                record.skip)
+            in_grads = grad_fn(mock, *out_grads)
+        if not isinstance(in_grads, (list, tuple)):
+            in_grads = [in_grads]
+        if len(in_grads) != len(record.inputs):
+            raise ValueError(
+                "oh.GradientTape: the gradient function of op %s returned %d gradients "
+                "for %d inputs" % (record.op_type, len(in_grads), len(record.inputs)))
+        return in_grads
+
+    @staticmethod
+    def _placed(stack):
+        """Runs gradient ops on `stack` (entered within the current scope, per the RFC)."""
+        if stack is _state.current:
+            return contextlib.nullcontext()
+        return _scope.handler(stack)
+
+    # -- jacobians (a loop of backward passes; vectorized with oh.vectorized_map) -----------
+
+    def jacobian(self, target, sources, unconnected_gradients=UnconnectedGradients.NONE,
+                 parallel_iterations=None, experimental_use_pfor=True):
+        """The Jacobian of `target` with respect to each of `sources`.
+
+        Each result has shape ``target.shape + source.shape``. Computed with one backward
+        pass per element of `target`, over the same records (so a non-persistent tape
+        allows it, as tf.GradientTape's default does).
+        """
+        del parallel_iterations, experimental_use_pfor  # a loop of backward passes
+        self._check_usable()
+        self._stop_if_non_persistent_in_scope()
+        flat_sources = nest.flatten(sources)
+        target = _ops.convert_to_tensor(target)
+        size = target.shape.num_elements()
+        if size is None:
+            raise ValueError("oh.GradientTape.jacobian: the target needs a static shape, "
+                             "got %s" % target.shape)
+        handles = [_tf_backprop._handle_or_self(s) for s in flat_sources]  # pylint: disable=protected-access
+        rows = [[] for _ in flat_sources]
+        with self._placed(_stack_of(target) or PHYSICAL):
+            seeds = tf.reshape(tf.eye(size, dtype=target.dtype), [size] + target.shape.as_list())
+        for i in range(size):
+            grads = self._backprop([target], handles, [seeds[i]], flat_sources,
+                                   unconnected_gradients)
+            for j, g in enumerate(grads):
+                rows[j].append(g)
+        self._release_if_non_persistent()
+        out = []
+        for j, source in enumerate(flat_sources):
+            if all(g is None for g in rows[j]):
+                out.append(None)
+                continue
+            shape = target.shape.concatenate(source.shape)
+            parts = [tf.zeros_like(source) if g is None else _ops.convert_to_tensor(g)
+                     for g in rows[j]]
+            out.append(tf.reshape(tf.stack(parts), shape))
+        return nest.pack_sequence_as(sources, out)
+
+    def batch_jacobian(self, target, source, unconnected_gradients=UnconnectedGradients.NONE,
+                       parallel_iterations=None, experimental_use_pfor=True):
+        """Per-example Jacobians: result ``[b, y1, ..., yn, x1, ..., xm]``.
+
+        `target[i, ...]` must depend only on `source[i, ...]` (as for tf.GradientTape).
+        """
+        del parallel_iterations, experimental_use_pfor
+        self._check_usable()
+        self._stop_if_non_persistent_in_scope()
+        target = _ops.convert_to_tensor(target)
+        handle = _tf_backprop._handle_or_self(source)  # pylint: disable=protected-access
+        t_shape, s_shape = target.shape, source.shape
+        if (t_shape.rank is None or t_shape.rank < 2 or s_shape.rank is None
+                or s_shape.rank < 2 or not t_shape[:1].is_compatible_with(s_shape[:1])):
+            raise ValueError("oh.GradientTape.batch_jacobian: need first dimension of target "
+                             "shape (%s) and source shape (%s) to match." % (t_shape, s_shape))
+        if not t_shape.is_fully_defined():
+            raise ValueError("oh.GradientTape.batch_jacobian: the target needs a static "
+                             "shape, got %s" % t_shape)
+        batch = int(t_shape[0])
+        row = t_shape.num_elements() // batch
+        with self._placed(_stack_of(target) or PHYSICAL):
+            seeds = tf.reshape(tf.tile(tf.eye(row, dtype=target.dtype)[:, None, :],
+                                       [1, batch, 1]), [row] + t_shape.as_list())
+        columns = []
+        for j in range(row):
+            (g,) = self._backprop([target], [handle], [seeds[j]], [source],
+                                  unconnected_gradients)
+            columns.append(g)
+        self._release_if_non_persistent()
+        if all(g is None for g in columns):
+            return None
+        parts = [tf.zeros_like(source) if g is None else _ops.convert_to_tensor(g)
+                 for g in columns]
+        out = tf.stack(parts, axis=1)  # [b, row, x...]
+        return tf.reshape(out, t_shape.concatenate(s_shape[1:]))
+
+
+def _ops_create(op_type, **attrs):
+    from tf_ophandlers.core.op import Op  # pylint: disable=import-outside-toplevel
+    return Op.create(op_type, **attrs)
+
+
+# -- integration with TensorFlow's Python-level tape hooks --------------------------------
+#
+# Some gradients are not attached to ops but recorded from Python: custom gradients
+# (tf.custom_gradient, tf.recompute_grad), tf.function calls, and variable reads, which
+# watch the variable. TensorFlow sends them to its own tape set; these patches also send
+# them to the oh.GradientTapes of the current scope, at each tape's level.
+
+_original_variable_accessed = _tf_tape.variable_accessed
+_original_record_operation = _record.record_operation
+_original_could_possibly_record = _record.could_possibly_record
+_original_possible_gradient_types = gradients_util.PossibleTapeGradientTypes
+
+
+def _variable_accessed(variable):
+    _original_variable_accessed(variable)
+    for tape in _active_tapes():
+        if tape._watch_accessed_variables:  # pylint: disable=protected-access
+            tape._watch_variable(variable)  # pylint: disable=protected-access
+
+
+def _record_operation(op_type, output_tensors, input_tensors, backward_function,
+                      forward_function=None):
+    _original_record_operation(op_type, output_tensors, input_tensors, backward_function,
+                               forward_function)
+    for tape in _active_tapes():
+        inputs = [tape._level_of(t) for t in input_tensors]  # pylint: disable=protected-access
+        tracked = tape._tracked  # pylint: disable=protected-access
+        if any(_key(t) in tracked for t in inputs):
+            outputs = [tape._level_of(t) for t in output_tensors]  # pylint: disable=protected-access
+            tape._record(op_type, None, backward_function, inputs, outputs,  # pylint: disable=protected-access
+                         _scope_below(tape), ())
+
+
+def _scope_below(tape):
+    """The stack `tape` executes on in the current scope."""
+    stack = _state.current
+    while stack.handler is not None and stack.handler is not tape:
+        stack = stack.next
+    return stack.next if stack.handler is tape else stack
+
+
+def _could_possibly_record():
+    return _original_could_possibly_record() or bool(_active_tapes())
+
+
+def _possible_gradient_types(tensors):
+    kind = _original_possible_gradient_types(tensors)
+    for tape in _active_tapes():
+        tracked = tape._tracked  # pylint: disable=protected-access
+        if any(_key(tape._level_of(t)) in tracked for t in tensors):  # pylint: disable=protected-access
+            kind = (gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER if kind == 0
+                    else gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER)
+    return kind
+
+
+def install():
+    """Routes TensorFlow's Python-level tape hooks to oh.GradientTape too (idempotent)."""
+    _tf_tape.variable_accessed = _variable_accessed
+    _record.record_operation = _record_operation
+    _record.could_possibly_record = _could_possibly_record
+    gradients_util.PossibleTapeGradientTypes = _possible_gradient_types

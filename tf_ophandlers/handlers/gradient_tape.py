@@ -58,13 +58,11 @@ _ACCEPTS_NONE = {
 }
 
 
-def _trainable(dtype):
-    return dtype in _TRAINABLE_DTYPES
-
-
-_TRAINABLE_DTYPES = frozenset(
-    d for d in (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64,
-                tf.complex128, tf.resource, tf.variant) if backprop_util.IsTrainable(d))
+# Differentiable dtypes (backprop_util.IsTrainable), as enums: cheaper than tensor.dtype.
+_TRAINABLE_ENUMS = frozenset(
+    d.as_datatype_enum for d in (tf.float16, tf.bfloat16, tf.float32, tf.float64,
+                                 tf.complex64, tf.complex128, tf.resource, tf.variant)
+    if backprop_util.IsTrainable(d))
 
 
 class _Record:
@@ -134,10 +132,13 @@ class GradientTape(OpHandler):
         self._depth = 0  # open scopes of this tape
         self._paused = 0  # stop_recording() scopes
         self._used = False  # a non-persistent tape after its one gradient call
+        self._live = False  # recording: inside a scope, not paused, not used
         self._clear()
 
+    def _update_live(self):
+        self._live = self._depth > 0 and not self._paused and not self._used
+
     def _clear(self):
-        self._records = []
         self._producer = {}  # _key(tensor) -> _Record that produced it
         self._tracked = {}  # _key(tensor) -> tensor, for watched and recorded tensors
         self._variables = {}  # _key(handle) -> variable watched
@@ -147,7 +148,7 @@ class GradientTape(OpHandler):
         return "GradientTape(persistent=%s)" % self._persistent
 
     def _recording(self):
-        return self._depth > 0 and not self._paused and not self._used
+        return self._live
 
     # -- scopes ---------------------------------------------------------------------------
 
@@ -159,9 +160,11 @@ class GradientTape(OpHandler):
 
     def scope_entered(self):
         self._depth += 1
+        self._update_live()
 
     def scope_exited(self):
         self._depth -= 1
+        self._update_live()
 
     @contextlib.contextmanager
     def stop_recording(self):
@@ -170,28 +173,44 @@ class GradientTape(OpHandler):
             raise RuntimeError("oh.GradientTape: trying to stop recording a tape which is "
                                "not recording.")
         self._paused += 1
+        self._update_live()
         try:
             yield
         finally:
             self._paused -= 1
+            self._update_live()
 
     def reset(self):
         """Clears everything recorded; recording continues if inside the tape's scope."""
         self._clear()
         self._used = False
+        self._update_live()
 
     # -- the handler ----------------------------------------------------------------------
 
     def execute(self, op, inputs):
-        next_stack = self.next
+        next_stack = _state.frames[-1].next  # self.next, without the search
         outputs = next_stack.execute(op, inputs)
-        if self._depth and not self._paused and not self._used:
-            tracked = self._tracked
-            for t in inputs:
-                if _key(t) in tracked:
-                    if not _tape_set_is_stopped():
-                        self._record_op(op, inputs, outputs, next_stack)
-                    break
+        if not self._live:
+            return outputs
+        # Record when an input is tracked. TensorFlow hands us a new Python wrapper of a
+        # tensor at each use; the record keeps the object the tape saw first (the user's,
+        # for watched tensors), so gradient functions and tf.GradientTapes (which key by
+        # Python object) see one tensor.
+        tracked = self._tracked
+        canonical = None
+        skip = []
+        for i, t in enumerate(inputs):
+            known = tracked.get(_key(t))
+            if known is None:
+                skip.append(i)
+            else:
+                if canonical is None:
+                    canonical = list(inputs)
+                canonical[i] = known
+        if canonical is not None and not _tape_set_is_stopped():
+            if self._record(op.type, op, None, canonical, outputs, next_stack, tuple(skip)):
+                self._bridge_to_tf_tapes(op, canonical, outputs)
         return outputs
 
     def copy_on(self, tensor):
@@ -211,30 +230,14 @@ class GradientTape(OpHandler):
             self._bridge_to_tf_tapes(op, [tensor], [value])
         return value
 
-    def _record_op(self, op, inputs, outputs, stack):
-        # TensorFlow hands us a new Python wrapper of a tensor at each use; the tape keeps
-        # the first object it saw (the user's, for watched tensors), so that gradient
-        # functions and tf.GradientTapes (which key by Python object) see one tensor.
-        tracked = self._tracked
-        canonical, skip = [], []
-        for i, t in enumerate(inputs):
-            known = tracked.get(_key(t))
-            if known is None:
-                skip.append(i)
-                canonical.append(t)
-            else:
-                canonical.append(known)
-        if self._record(op.type, op, None, canonical, outputs, stack, tuple(skip)):
-            self._bridge_to_tf_tapes(op, canonical, outputs)
-
     def _record(self, op_type, op, backward, inputs, outputs, stack, skip):
         """Appends a record if an output is differentiable; returns whether it did."""
-        trainable = [o for o in outputs if o is not None and _trainable(o.dtype)]
+        trainable = [o for o in outputs
+                     if o is not None and o._datatype_enum() in _TRAINABLE_ENUMS]  # pylint: disable=protected-access
         if not trainable:
             return False
         self._seq += 1
         record = _Record(self._seq, op_type, op, backward, inputs, list(outputs), stack, skip)
-        self._records.append(record)
         tracked, producer = self._tracked, self._producer
         for o in trainable:
             tracked[_key(o)] = o
@@ -339,10 +342,12 @@ class GradientTape(OpHandler):
             # gradients inside its scope; a persistent one records the gradient ops too
             # (for higher-order gradients).
             self._used = True
+            self._update_live()
 
     def _release_if_non_persistent(self):
         if not self._persistent:
             self._used = True
+            self._update_live()
             variables = self._variables
             self._clear()  # free what was recorded once gradients are computed
             self._variables = variables

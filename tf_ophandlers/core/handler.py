@@ -39,6 +39,12 @@ class OpHandler:
     #: some ops as they are, without copy-on (e.g. a parallel handler's pack op).
     needs_copy = None
 
+    #: Set to a function ``handles_copy(op) -> bool`` to receive copy ops (CopyOn,
+    #: CopyOnGrad, CopyOff, CopyOffGrad) placed on this handler's stack in `execute`,
+    #: like any op, instead of the stack running them through `copy_on`/`copy_off`.
+    #: A recording tape does, so that it records copies and their outputs stay on it.
+    handles_copy = None
+
     # -- identity ---------------------------------------------------------------------------
 
     @classmethod

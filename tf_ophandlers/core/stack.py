@@ -139,9 +139,11 @@ class HandlerStack(Stack):
     # -- public operations ----------------------------------------------------------------
 
     def execute(self, op, inputs):
-        if op.type in _COPY_OPS:
-            return self._execute_copy(op, inputs)
         handler = self.handler
+        if op.type in _COPY_OPS:
+            handles_copy = handler.handles_copy
+            if handles_copy is None or not handles_copy(op):
+                return self._execute_copy(op, inputs)
         values, foreign = _unwrap_inputs(self, inputs)
         if foreign:
             needs_copy = handler.needs_copy

@@ -28,7 +28,6 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import record as _record
-from tensorflow.python.eager import tape as _tf_tape
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops
@@ -48,6 +47,11 @@ _stack_of = _C.stack_of
 _key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see cc/dispatcher.cc)
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
+
+_COPY_OPS = frozenset(("CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad"))
+
+# Ops that read a variable: a read of a variable not yet watched asks the watcher first.
+_VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
 
 # Gradient functions that accept None for these output gradients; TensorFlow's tape
 # (pywrap_tfe_src.cc, FunctionsAcceptingNoneForIndicesMap) skips building zeros for them.
@@ -133,6 +137,7 @@ class GradientTape(OpHandler):
         self._paused = 0  # stop_recording() scopes
         self._used = False  # a non-persistent tape after its one gradient call
         self._live = False  # recording: inside a scope, not paused, not used
+        self._watcher = None  # TensorFlow's variable watcher while a scope is open
         self._clear()
 
     def _update_live(self):
@@ -161,10 +166,30 @@ class GradientTape(OpHandler):
     def scope_entered(self):
         self._depth += 1
         self._update_live()
+        if self._depth == 1 and self._watch_accessed_variables:
+            # TensorFlow reports every trainable variable read (from Python, and from
+            # the C++ fast path that reads variables passed straight to an op) to its
+            # variable watchers; the tape watches what its watcher saw.
+            self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
 
     def scope_exited(self):
         self._depth -= 1
         self._update_live()
+        if self._depth == 0 and self._watcher is not None:
+            self._harvest_variables()
+            pywrap_tfe.TFE_Py_VariableWatcherRemove(self._watcher)
+            self._watcher = None
+
+    def _harvest_variables(self):
+        """Watches the trainable variables read since the scope opened."""
+        if self._watcher is None or self._used:
+            return False
+        known = self._variables
+        new = [v for v in pywrap_tfe.TFE_Py_VariableWatcherWatchedVariables(self._watcher)
+               if _key(v.handle) not in known]
+        for v in new:
+            self._watch_variable(v)
+        return bool(new)
 
     @contextlib.contextmanager
     def stop_recording(self):
@@ -197,6 +222,23 @@ class GradientTape(OpHandler):
         # tensor at each use; the record keeps the object the tape saw first (the user's,
         # for watched tensors), so gradient functions and tf.GradientTapes (which key by
         # Python object) see one tensor.
+        canonical, skip = self._tracked_inputs(inputs)
+        if canonical is None and op.type in _VARIABLE_READS and self._harvest_variables():
+            canonical, skip = self._tracked_inputs(inputs)
+        if canonical is not None and not _tape_set_is_stopped():
+            if self._record(op.type, op, None, canonical, outputs, next_stack, skip):
+                self._bridge_to_tf_tapes(op, canonical, outputs)
+        return outputs
+
+    def handles_copy(self, op):
+        # While recording, copy ops on the tape's stack are recorded like other ops and
+        # their outputs stay on the tape (a tape's copies are identities), so enclosing
+        # tapes can differentiate through them: the gradient of CopyOn is CopyOnGrad.
+        return self._live
+
+    def _tracked_inputs(self, inputs):
+        """(inputs with the tape's own objects for tracked tensors, or None if no input
+        is tracked; indices of untracked inputs)."""
         tracked = self._tracked
         canonical = None
         skip = []
@@ -208,10 +250,7 @@ class GradientTape(OpHandler):
                 if canonical is None:
                     canonical = list(inputs)
                 canonical[i] = known
-        if canonical is not None and not _tape_set_is_stopped():
-            if self._record(op.type, op, None, canonical, outputs, next_stack, tuple(skip)):
-                self._bridge_to_tf_tapes(op, canonical, outputs)
-        return outputs
+        return canonical, tuple(skip)
 
     def copy_on(self, tensor):
         # The default move, recorded when it creates a new tensor from a tracked one, so
@@ -236,6 +275,13 @@ class GradientTape(OpHandler):
                      if o is not None and o._datatype_enum() in _TRAINABLE_ENUMS]  # pylint: disable=protected-access
         if not trainable:
             return False
+        if op_type in _COPY_OPS:
+            # A copy that returned its input (an identity copy on a physical device) made
+            # no new tensor: recording it would make the tensor its own producer.
+            same = {_key(t) for t in inputs}
+            trainable = [o for o in trainable if _key(o) not in same]
+            if not trainable:
+                return False
         self._seq += 1
         record = _Record(self._seq, op_type, op, backward, inputs, list(outputs), stack, skip)
         tracked, producer = self._tracked, self._producer
@@ -290,6 +336,7 @@ class GradientTape(OpHandler):
 
     def watched_variables(self):
         """Variables watched by this tape, in order of construction."""
+        self._harvest_variables()
         variables = list(self._variables.values())
         return tuple(sorted(variables, key=lambda v: getattr(v, "_unique_id", 0)))
 
@@ -315,7 +362,7 @@ class GradientTape(OpHandler):
         flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
             [_tf_backprop._handle_or_self(t) for t in flat_sources_raw])  # pylint: disable=protected-access
         if output_gradients is not None:
-            from tensorflow.python.ops import variable_utils  # pylint: disable=import-outside-toplevel
+            from tensorflow.python.util import variable_utils  # pylint: disable=import-outside-toplevel
             output_gradients = composite_tensor_gradient.get_flat_tensors_for_gradients(
                 nest.flatten(variable_utils.convert_variables_to_tensors(output_gradients)))
             output_gradients = [None if g is None else _ops.convert_to_tensor(g)
@@ -544,21 +591,13 @@ def _ops_create(op_type, **attrs):
 # -- integration with TensorFlow's Python-level tape hooks --------------------------------
 #
 # Some gradients are not attached to ops but recorded from Python: custom gradients
-# (tf.custom_gradient, tf.recompute_grad), tf.function calls, and variable reads, which
-# watch the variable. TensorFlow sends them to its own tape set; these patches also send
-# them to the oh.GradientTapes of the current scope, at each tape's level.
+# (tf.custom_gradient, tf.recompute_grad) and tf.function calls. TensorFlow sends them to
+# its own tape set; these patches also send them to the oh.GradientTapes of the current
+# scope, at each tape's level.
 
-_original_variable_accessed = _tf_tape.variable_accessed
 _original_record_operation = _record.record_operation
 _original_could_possibly_record = _record.could_possibly_record
 _original_possible_gradient_types = gradients_util.PossibleTapeGradientTypes
-
-
-def _variable_accessed(variable):
-    _original_variable_accessed(variable)
-    for tape in _active_tapes():
-        if tape._watch_accessed_variables:  # pylint: disable=protected-access
-            tape._watch_variable(variable)  # pylint: disable=protected-access
 
 
 def _record_operation(op_type, output_tensors, input_tensors, backward_function,
@@ -589,6 +628,7 @@ def _could_possibly_record():
 def _possible_gradient_types(tensors):
     kind = _original_possible_gradient_types(tensors)
     for tape in _active_tapes():
+        tape._harvest_variables()  # a function's captured variables were just read  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
         if any(_key(tape._level_of(t)) in tracked for t in tensors):  # pylint: disable=protected-access
             kind = (gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER if kind == 0
@@ -598,7 +638,6 @@ def _possible_gradient_types(tensors):
 
 def install():
     """Routes TensorFlow's Python-level tape hooks to oh.GradientTape too (idempotent)."""
-    _tf_tape.variable_accessed = _variable_accessed
     _record.record_operation = _record_operation
     _record.could_possibly_record = _could_possibly_record
     gradients_util.PossibleTapeGradientTypes = _possible_gradient_types

@@ -506,6 +506,22 @@ def test_tape_inside_check_numerics_and_log():
     assert_close(tape.gradient(y, a), np.log(a.numpy()) + 1., 1e-5)
 
 
+@pytest.mark.parametrize("order", ["tape-inside", "tape-outside"])
+def test_keras_gradients_with_the_tape_nested_among_other_handlers(order):
+    model, data = _keras_models()["mlp"]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(data) ** 2)
+    ref = tape.gradient(loss, model.trainable_variables)
+    log, check, tape = oh.OpLogHandler(), oh.CheckNumericsHandler(), oh.GradientTape()
+    scopes = (log, check, tape) if order == "tape-inside" else (tape, log, check)
+    with scopes[0], scopes[1], scopes[2]:
+        loss = tf.reduce_sum(model(data) ** 2)
+    _assert_same_gradients(ref, tape.gradient(loss, model.trainable_variables))
+    # Backward ops run on the stack the forward ops ran on: the log's when the tape is
+    # inside it; when the tape is outermost it runs them on the physical device.
+    assert ("ReluGrad" in log.op_types_seen()) == (order == "tape-inside")
+
+
 def test_re_entering_the_tape_on_another_stack():
     # RFC "Re-entering a merged handler stack": the tape records on two stacks; the
     # tensor moves from one merge to the other without a copy off the tape.

@@ -48,6 +48,7 @@ _key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see cc/dispatche
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
+_RESOURCE = tf.resource.as_datatype_enum
 _COPY_OPS = frozenset(("CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad"))
 
 # Ops that read a variable: a read of a variable not yet watched asks the watcher first.
@@ -261,6 +262,9 @@ class GradientTape(OpHandler):
         next_stack = self.next
         value = next_stack.copy_on(tensor)
         known = self._tracked.get(_key(tensor))
+        if (known is None and self._watcher is not None
+                and tensor._datatype_enum() == _RESOURCE and self._harvest_variables()):  # pylint: disable=protected-access
+            known = self._tracked.get(_key(tensor))  # a variable handle read just now
         if (known is not None and _key(value) != _key(tensor) and self._recording()
                 and not _tape_set_is_stopped()):
             tensor = known

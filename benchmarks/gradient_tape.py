@@ -394,7 +394,8 @@ def plot(summary, path):
                  label="target (training step): %.1fx" % TARGET_RATIO)
     for x, r, h in zip(xs, ratios, hi):
         ax_r.annotate("%.2fx" % r, (x, r + max(0.0, h)), textcoords="offset points",
-                      xytext=(0, 3), ha="center", fontsize=8)
+                      xytext=(0, 3), ha="center", fontsize=8,
+                      bbox=dict(fc="white", ec="none", pad=0.5))
     ax_r.set_xticks(xs)
     ax_r.set_xticklabels([g[2] for g in groups], fontsize=7)
     ax_r.set_ylabel("oh.GradientTape / tf.GradientTape")

@@ -659,3 +659,21 @@ def test_a_tape_per_iteration_keeps_memory_flat():
     gc.collect()
     growth_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert growth_kb < 30_000, "RSS grew by %d KB over 100k tapes" % growth_kb
+
+
+def test_persistent_tape_with_custom_gradient_is_freed_after_reset():
+    @tf.custom_gradient
+    def double(x):
+        return tf.identity(x) * 2., lambda dy: dy * 2.
+
+    a = tf.constant(1.)
+    tape = oh.GradientTape(persistent=True)
+    with tape:
+        tape.watch(a)
+        y = double(a)
+    assert float(tape.gradient(y, a)) == 2.
+    tape.reset()  # documented: breaks the cycle through TensorFlow's backward closure
+    ref = weakref.ref(tape)
+    del tape, y
+    gc.collect()
+    assert ref() is None

@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py
+	$(VPY) benchmarks/gradient_tape.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

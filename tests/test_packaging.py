@@ -1,4 +1,4 @@
-"""Import-time version check and the benchmark script's smoke run."""
+"""Import-time version check and the benchmark scripts' smoke runs."""
 import os
 import pathlib
 import subprocess
@@ -27,3 +27,15 @@ def test_overhead_benchmark_quick_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = out.read_text()
     assert "<!-- overhead:begin -->" in text and "ratio to plain" in text
+
+
+
+def test_gradient_tape_benchmark_quick_run(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gradient_tape.py"),
+                           "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- gradient_tape:begin -->" in text and "ratio to tf.GradientTape" in text
+    assert "keras-mlp-step" in text and "chain-100" in text

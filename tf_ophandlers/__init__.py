@@ -39,6 +39,7 @@ from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
 from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
 from tf_ophandlers.handlers import gradient_tape as _gradient_tape  # noqa: E402
 from tf_ophandlers.handlers.gradient_tape import GradientTape  # noqa: E402
+from tf_ophandlers.handlers.forward_accumulator import ForwardAccumulator  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,7 @@ def install():
 __all__ = [
     "OpHandler", "Op", "HandlerStack", "PHYSICAL", "DISPATCHER_DEVICE", "handler",
     "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
-    "OpRecord", "CheckNumericsHandler", "GradientTape", "HandlerError", "PlacementError",
+    "OpRecord", "CheckNumericsHandler", "GradientTape",
+    "ForwardAccumulator", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
 ]

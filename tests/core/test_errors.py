@@ -134,3 +134,17 @@ def test_tensorflow_errors_keep_their_type(x):
     with pytest.raises(tf.errors.InvalidArgumentError):
         with oh.OpLogHandler():
             tf.matmul(x, tf.ones([3, 3]))
+
+
+def test_handler_exception_from_a_tf_function_call_keeps_its_type():
+    # Function calls go through TFE_Py_Execute, which raises typed OpErrors itself.
+    class Refuses(oh.OpHandler):
+        def execute(self, op, inputs):
+            if op.output_dtypes is None:
+                raise KeyError("no functions here")
+            return self.next.execute(op, inputs)
+
+    f = tf.function(lambda a: a * 2.)
+    with pytest.raises(KeyError, match="no functions here"):
+        with Refuses():
+            f(tf.constant(1.))

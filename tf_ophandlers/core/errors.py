@@ -99,4 +99,26 @@ def install():
         return original(status)
 
     _tf_core._status_to_exception = _status_to_exception
+
+    # TFE_Py_Execute (function calls, slow-path op wrappers) raises the typed OpError
+    # itself instead of going through _status_to_exception: map those too.
+    from tensorflow.python.eager import execute as _tf_execute  # pylint: disable=import-outside-toplevel
+
+    def _wrap(fn):
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except _tf_errors.OpError as e:
+                exc = original_error(e.message)
+                if exc is None:
+                    raise
+                raise exc from None
+        run.__doc__, run.__name__ = fn.__doc__, fn.__name__
+        return run
+
+    quick = _wrap(_tf_execute.quick_execute)
+    if _tf_execute.execute is _tf_execute.quick_execute:
+        _tf_execute.execute = quick
+    _tf_execute.quick_execute = quick
+    _tf_execute.execute_with_cancellation = _wrap(_tf_execute.execute_with_cancellation)
     _installed = True

@@ -42,6 +42,27 @@ def move_onto(handler, next_stack, tensor):
     return next_stack.copy_on(tensor)
 
 
+def representation_of(handler, tensor):
+    """`handler`'s representation of `tensor`: ``(True, value)`` if `tensor` lives on a
+    stack containing `handler` (looking through the tensor representations of handlers
+    above it), else ``(False, tensor)``."""
+    while True:
+        stack = _C.stack_of(tensor)
+        if stack is None or not any(h is handler for h in stack.handlers):
+            return False, tensor
+        value = stack.unwrap(tensor)
+        if stack.handler is handler:
+            return True, value
+        if _C.stack_of(value) is None and not _is_tensor(value):
+            return False, tensor  # a handler above has a non-tensor representation
+        tensor = value
+
+
+def _is_tensor(value):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    return isinstance(value, tf.Tensor)
+
+
 class Stack:
     """Common interface of PHYSICAL and HandlerStack."""
 

@@ -39,7 +39,7 @@ from tensorflow.python.util import nest
 from tf_ophandlers import _C
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL
+from tf_ophandlers.core.stack import PHYSICAL, representation_of
 from tf_ophandlers.core.state import state as _state
 
 _log = logging.getLogger("tf_ophandlers")
@@ -308,16 +308,7 @@ class GradientTape(OpHandler):
     def _level_of(self, tensor):
         """`tensor` as this tape sees it: its representation if it lives on a stack of
         this tape (looking through tensor-valued handlers above it), else itself."""
-        while True:
-            stack = _stack_of(tensor)
-            if stack is None or not any(h is self for h in stack.handlers):
-                return tensor
-            value = stack.unwrap(tensor)
-            if stack.handler is self:
-                return value
-            if not isinstance(value, tf.Tensor):
-                return tensor  # a handler above us has a non-tensor representation
-            tensor = value
+        return representation_of(self, tensor)[1]
 
     def watch(self, tensor):
         """Ensures that `tensor` (tensors, variables, or nested structures) is traced."""

@@ -1,0 +1,268 @@
+"""oh.ForwardAccumulator against tf.autodiff.ForwardAccumulator."""
+import gc
+import logging
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from tf_ophandlers.handlers import forward_accumulator as fa
+from conftest import assert_close
+
+RNG = np.random.default_rng(0)
+
+
+def _rand(*shape, positive=False):
+    v = RNG.standard_normal(shape).astype(np.float32)
+    return tf.constant(np.abs(v) + 0.5 if positive else v)
+
+
+def _both(fn, primals, tangents):
+    out = []
+    for acc_type in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with acc_type(primals, tangents) as acc:
+            y = fn(*primals)
+        out.append((y, acc.jvp(y)))
+    return out
+
+
+def _assert_same(ref, got, tol=1e-5):
+    ref, got = tf.nest.flatten(ref), tf.nest.flatten(got)
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        if r is None:
+            assert g is None
+            continue
+        assert g is not None
+        assert r.dtype == g.dtype and r.shape == g.shape
+        assert_close(g, r, tol)
+
+
+PROGRAMS = {
+    # elementwise (closed-form rules)
+    "elementwise": (lambda a: tf.tanh(tf.exp(a) * tf.sin(a)) / (1. + a * a)
+                    + tf.nn.relu(a) * tf.sigmoid(a) - tf.cos(a) ** 2, [(3, 4)]),
+    "log_sqrt_rsqrt": (lambda a: tf.math.log(a) + tf.sqrt(a) + tf.math.rsqrt(a)
+                       + tf.math.reciprocal(a) + tf.nn.softplus(a) + tf.abs(a - 1.),
+                       [(5, "+")]),
+    # linear algebra and reductions
+    "matmul_softmax": (lambda a, b: tf.nn.softmax(a @ b) + tf.nn.log_softmax(a @ b),
+                       [(3, 4), (4, 5)]),
+    "batch_matmul_einsum": (lambda a, b: tf.einsum("bij,bjk->bik", a, b)
+                            + tf.matmul(a, b), [(2, 3, 4), (2, 4, 3)]),
+    "reductions_reshapes": (lambda a: tf.reduce_sum(tf.reshape(a, [2, 6]) ** 2, 0)[:4]
+                            + tf.reduce_mean(tf.transpose(a), 1)
+                            + tf.concat([a[0, :2], a[1, 1:3]], 0), [(3, 4)]),
+    "gather_tile_pad": (lambda a: tf.pad(tf.tile(tf.gather(a, [2, 0]), [2, 1]), [[1, 0], [0, 1]]),
+                        [(3, 2)]),
+    "linalg_fallback": (lambda a: tf.linalg.inv(a @ tf.transpose(a) + 3. * tf.eye(3))
+                        + tf.linalg.cholesky(a @ tf.transpose(a) + 3. * tf.eye(3)), [(3, 3)]),
+    "max_pow_erf_fallback": (lambda a, b: tf.maximum(a, b) ** 3 + tf.math.erf(a)
+                             + tf.reduce_max(a * b, 0), [(4, 2), (4, 2)]),
+    # convolution
+    "conv2d_pool": (lambda a, k: tf.nn.max_pool2d(tf.nn.conv2d(a, k, 1, "SAME"), 2, 2, "VALID")
+                    + tf.nn.bias_add(tf.nn.avg_pool2d(tf.nn.conv2d(a, k, 1, "SAME"), 2, 2,
+                                                      "VALID"), tf.ones([3])),
+                    [(1, 6, 6, 2), (3, 3, 2, 3)]),
+    # control flow (eager: Python control flow and tf.cond / tf.while_loop run op by op)
+    "cond_while": (lambda a: tf.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, tf.sin(x) * x),
+                                           (tf.constant(0), a))[1]
+                   + tf.cond(tf.reduce_sum(a) > 0, lambda: a * 2., lambda: a * 3.), [(4,)]),
+    "float64": (lambda a: tf.sin(tf.cast(a, tf.float64)) ** 2, [(3,)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_jvps_equal_tf_forward_accumulator(name):
+    fn, shapes = PROGRAMS[name]
+    primals = [_rand(*s[:-1], positive=True) if s[-1] == "+" else _rand(*s) for s in shapes]
+    tangents = [_rand(*p.shape) for p in primals]
+    (ref_y, ref_j), (y, j) = _both(fn, primals, tangents)
+    assert_close(y, ref_y, 1e-5)
+    _assert_same(ref_j, j)
+
+
+def test_closed_form_rules_do_not_trace():
+    a, t = _rand(3, 4), _rand(3, 4)
+    w = _rand(4, 2)
+    traced = dict(fa._tf_forwardprop._TRACE_COUNT)  # pylint: disable=protected-access
+    with oh.ForwardAccumulator(a, t) as acc:
+        y = tf.reduce_sum(tf.nn.softmax(tf.tanh(a @ w) * 2. + 1.), 1)
+    assert acc.jvp(y) is not None
+    assert fa._tf_forwardprop._TRACE_COUNT == traced  # pylint: disable=protected-access
+
+
+def test_fallback_traces_once_per_signature():
+    a, t = _rand(7), _rand(7)
+    before = fa._tf_forwardprop._TRACE_COUNT.get("Erf", 0)  # pylint: disable=protected-access
+    for _ in range(3):
+        with oh.ForwardAccumulator(a, t) as acc:
+            y = tf.math.erf(a)
+        assert_close(acc.jvp(y), 2. / np.sqrt(np.pi) * np.exp(-a.numpy() ** 2) * t.numpy(), 1e-5)
+    assert fa._tf_forwardprop._TRACE_COUNT["Erf"] == before + 1  # pylint: disable=protected-access
+
+
+def test_nested_structures_variables_and_unconnected():
+    v = tf.Variable(_rand(2, 3))
+    a, b = _rand(3), _rand(3)
+    tv, ta = _rand(2, 3), _rand(3)
+    results = []
+    for acc_type in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with acc_type({"v": v, "a": [a]}, {"v": tv, "a": [ta]}) as acc:
+            out = {"y": tf.linalg.matvec(v, a), "z": [b * 2.]}
+        results.append((acc.jvp(out), acc.jvp(out, unconnected_gradients="zero"),
+                        acc.jvp(v), acc.jvp(a)))
+    (ref, ref_zero, ref_v, ref_a), (got, got_zero, got_v, got_a) = results
+    assert got["z"][0] is None and ref["z"][0] is None
+    _assert_same(ref["y"], got["y"])
+    _assert_same(ref_zero, got_zero)
+    _assert_same([ref_v, ref_a], [got_v, got_a])
+
+
+def test_keras_layers_jvp_with_respect_to_weights_and_inputs():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, activation="relu"),
+        keras.layers.LayerNormalization(), keras.layers.Flatten(),
+        keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2, activation="softmax")])
+    x = _rand(2, 6, 6, 2)
+    # tf.autodiff.ForwardAccumulator needs the tf.Variables under Keras 3's variables;
+    # oh.ForwardAccumulator also takes the Keras variables themselves.
+    weights = [w.value for w in model.trainable_variables]
+    tangents = [_rand(*w.shape) for w in weights]
+    (_, ref), (_, got) = _both(lambda *w: model(x), weights, tangents)
+    _assert_same(ref, got)
+    with oh.ForwardAccumulator(model.trainable_variables, tangents) as acc:
+        y = model(x)
+    _assert_same(ref, acc.jvp(y))
+    (_, ref), (_, got) = _both(lambda xx: model(xx), [x], [_rand(*x.shape)])
+    _assert_same(ref, got)
+
+
+def _f(a):
+    return tf.reduce_sum(tf.sin(a) * a ** 2 + tf.tanh(a) * a[0])
+
+
+def test_forward_over_reverse_hessian_vector_product():
+    x, vec = _rand(4), _rand(4)
+    results = []
+    for acc_type, tape_type in ((tf.autodiff.ForwardAccumulator, tf.GradientTape),
+                                (oh.ForwardAccumulator, oh.GradientTape)):
+        with acc_type(x, vec) as acc:
+            with tape_type() as tape:
+                tape.watch(x)
+                y = _f(x)
+            g = tape.gradient(y, x)
+        results.append(acc.jvp(g))
+    _assert_same(*results)
+
+
+def test_reverse_over_forward():
+    x, vec = _rand(4), _rand(4)
+    results = []
+    for acc_type, tape_type in ((tf.autodiff.ForwardAccumulator, tf.GradientTape),
+                                (oh.ForwardAccumulator, oh.GradientTape)):
+        with tape_type() as tape:
+            tape.watch(x)
+            with acc_type(x, vec) as acc:
+                y = _f(x)
+            jvp = acc.jvp(y)
+        results.append(tape.gradient(jvp, x))
+    _assert_same(*results)
+
+
+def test_mixed_with_tensorflow_tape_and_keras_hvp():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    x = _rand(5, 3)
+    weights = [w.value for w in model.trainable_variables]
+    vecs = [_rand(*w.shape) for w in weights]
+    results = []
+    for acc_type, tape_type in ((tf.autodiff.ForwardAccumulator, tf.GradientTape),
+                                (oh.ForwardAccumulator, oh.GradientTape),
+                                (oh.ForwardAccumulator, tf.GradientTape)):
+        with acc_type(weights, vecs) as acc:
+            with tape_type() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            grads = tape.gradient(loss, weights)
+        results.append(acc.jvp(grads))
+    _assert_same(results[0], results[1])
+    _assert_same(results[0], results[2])
+
+
+def test_nested_accumulators_give_second_directional_derivative():
+    x, vec = _rand(3), _rand(3)
+    results = []
+    for acc_type in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with acc_type(x, vec) as outer:
+            with acc_type(x, vec) as inner:
+                y = _f(x)
+            first = inner.jvp(y)
+        results.append((first, outer.jvp(first)))
+    _assert_same(*results)
+
+
+def test_composes_with_other_handlers():
+    x, t = _rand(3), _rand(3)
+    log = oh.OpLogHandler()
+    with log:
+        with oh.ForwardAccumulator(x, t) as acc:
+            y = tf.exp(x)
+    assert_close(acc.jvp(y), np.exp(x.numpy()) * t.numpy(), 1e-5)
+    assert log.op_types_seen().count("Exp") == 1 and "Mul" in log.op_types_seen()
+    with oh.CheckNumericsHandler():
+        with oh.ForwardAccumulator(x, t) as acc:
+            y = tf.sin(x)
+    assert_close(acc.jvp(y), np.cos(x.numpy()) * t.numpy(), 1e-5)
+
+
+def test_errors():
+    a = _rand(2)
+    with pytest.raises(ValueError, match="multiple"):
+        oh.ForwardAccumulator([a, a], [a, a])
+    with pytest.raises(ValueError, match="shape"):
+        oh.ForwardAccumulator(a, tf.ones([3]))
+    acc = oh.ForwardAccumulator(a, a)
+    with acc:
+        with pytest.raises(ValueError, match="already recording"):
+            acc.__enter__()
+    with pytest.raises(NotImplementedError, match=r"ForwardAccumulator.*tf\.function"):
+        with oh.ForwardAccumulator(a, a):
+            tf.function(lambda x: x * 2.)(a)
+    with pytest.raises(LookupError, match="op Lu"):
+        m = _rand(2, 2)
+        with oh.ForwardAccumulator(m, m):
+            tf.linalg.lu(m)
+
+
+def test_integer_primal_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="tf_ophandlers"):
+        oh.ForwardAccumulator(tf.constant([1, 2]), tf.constant([1, 1]))
+    assert "must be floating" in caplog.text
+
+
+def test_ops_outside_the_scope_carry_no_tangent_and_tensors_print_like_tf():
+    x, t = _rand(2), _rand(2)
+    with oh.ForwardAccumulator(x, t) as acc:
+        y = x * 3.
+    z = y + 1.  # outside: TensorFlow's accumulator would not see it either
+    assert acc.jvp(z) is None
+    assert_close(acc.jvp(y), 3. * t.numpy())
+    assert repr(y.numpy()) in repr(y) or "3" in repr(y)
+    assert y.device == x.device
+
+
+def test_variable_created_inside_does_not_keep_the_accumulator_alive():
+    x, t = _rand(2), _rand(2)
+    acc = oh.ForwardAccumulator(x, t)
+    with acc:
+        v = tf.Variable(x * 2.)
+    ref = weakref.ref(acc)
+    del acc
+    gc.collect()
+    assert ref() is None
+    assert_close(v, 2. * x.numpy())

@@ -1,0 +1,371 @@
+"""`ForwardAccumulator`: forward-mode autodiff as an op handler (RFC "Proposal").
+
+The representation of a tensor pairs its primal (a tensor of the next stack) with its
+tangent (a tensor of the next stack, or None for zero). Every op placed on the
+accumulator runs on the primals; when an input has a tangent, the op's Jacobian-vector
+product runs next to it, on the next stack, so accumulators nest (higher order) and
+compose with tapes (forward-over-reverse and reverse-over-forward).
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> x = tf.constant(2.0)
+>>> with oh.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+...     y = x * x * x
+>>> float(acc.jvp(y))
+12.0
+
+JVP rules: linear ops (reshapes, slices, sums, concatenations, additions, copies) rerun
+the same op on the tangents; multilinear ops (Mul, MatMul, convolutions, einsum) apply the
+product rule with the same op; common elementwise and softmax ops have closed forms.
+Every other op with a registered gradient uses TensorFlow's own construction
+(`forwardprop._jvp_dispatch`: the transpose of the gradient function, traced once per op
+signature into a cached function).
+"""
+import logging
+
+import tensorflow as tf
+from tensorflow.python.eager import forwardprop as _tf_forwardprop
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest
+
+from tf_ophandlers import _C
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.handlers.gradient_tape import _attr_tuple
+
+_log = logging.getLogger("tf_ophandlers")
+_key = _C.tensor_key
+_stack_of = _C.stack_of
+_RESOURCE = tf.resource.as_datatype_enum
+_FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in (
+    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
+
+
+class Dual:
+    """The accumulator's representation: a primal and its tangent (None means zero)."""
+
+    __slots__ = ("primal", "tangent")
+
+    def __init__(self, primal, tangent):
+        self.primal = primal
+        self.tangent = tangent
+
+    def __repr__(self):
+        return "Dual(%r, %r)" % (self.primal, self.tangent)
+
+
+def _float(t):
+    return t._datatype_enum() in _FLOAT_ENUMS  # pylint: disable=protected-access
+
+
+# -- JVP rules: fn(execute, op, primals, tangents, outputs) -> output tangents -------------
+# `execute(op, inputs)` runs an op on the next stack; plain TensorFlow calls in a rule run
+# there too. A tangent of None is zero.
+
+def _zeros(p):
+    return tf.zeros_like(p)
+
+
+def _linear(positions):
+    """An op linear in the inputs at `positions` ("float": every float input)."""
+    def rule(execute, op, primals, tangents, outputs):
+        idx = [i for i, p in enumerate(primals) if _float(p)] if positions == "float" \
+            else positions
+        args = list(primals)
+        for i in idx:
+            if i < len(args):
+                args[i] = tangents[i] if tangents[i] is not None else _zeros(primals[i])
+        return execute(op, args)
+    return rule
+
+
+def _add_sub(sign):
+    def rule(execute, op, primals, tangents, outputs):
+        (a, b), (ta, tb), (y,) = primals, tangents, outputs
+        if tb is None and a.shape == y.shape:
+            return [ta]
+        if ta is None and b.shape == y.shape:
+            return [tb if sign > 0 else -tb]
+        return execute(op, [ta if ta is not None else _zeros(a),
+                            tb if tb is not None else _zeros(b)])
+    return rule
+
+
+def _multilinear(execute, op, primals, tangents, outputs):
+    """Product rule with the op itself: sum over i of op(..., t_i, ...)."""
+    total = None
+    for i, t in enumerate(tangents):
+        if t is None or not _float(primals[i]):
+            continue
+        args = list(primals)
+        args[i] = t
+        part = execute(op, args)
+        total = part if total is None else [a + b for a, b in zip(total, part)]
+    return total
+
+
+def _unary(fn):
+    def rule(execute, op, primals, tangents, outputs):
+        return [fn(primals[0], outputs[0], tangents[0])]
+    return rule
+
+
+def _real_div(execute, op, primals, tangents, outputs):
+    (a, b), (ta, tb), (y,) = primals, tangents, outputs
+    num = ta if ta is not None else _zeros(y)
+    if tb is not None:
+        num = num - tb * y
+    return [num / b]
+
+
+def _softmax(execute, op, primals, tangents, outputs):
+    (y,), (t,) = outputs, tangents
+    return [y * (t - tf.reduce_sum(y * t, axis=-1, keepdims=True))]
+
+
+def _log_softmax(execute, op, primals, tangents, outputs):
+    (y,), (t,) = outputs, tangents
+    return [t - tf.reduce_sum(tf.exp(y) * t, axis=-1, keepdims=True)]
+
+
+def _cast(execute, op, primals, tangents, outputs):
+    if not _float(outputs[0]):
+        return [None]
+    return execute(op, [tangents[0]])
+
+
+def _read_variable(execute, op, primals, tangents, outputs):
+    return [tangents[0]]
+
+
+def _resource_gather(execute, op, primals, tangents, outputs):
+    return [tf.gather(tangents[0], primals[1], batch_dims=op.attrs.get("batch_dims", 0))]
+
+
+def _no_tangent(execute, op, primals, tangents, outputs):
+    return [None] * len(outputs)
+
+
+_RULES = {
+    "AddV2": _add_sub(1), "Add": _add_sub(1), "Sub": _add_sub(-1),
+    "RealDiv": _real_div, "Div": _real_div,
+    "Mul": _multilinear, "MatMul": _multilinear, "BatchMatMul": _multilinear,
+    "BatchMatMulV2": _multilinear, "BatchMatMulV3": _multilinear, "Einsum": _multilinear,
+    "Conv2D": _multilinear, "Conv3D": _multilinear, "DepthwiseConv2dNative": _multilinear,
+    "Conv2DBackpropInput": _multilinear, "Conv2DBackpropFilter": _multilinear,
+    "Exp": _unary(lambda x, y, t: t * y),
+    "Log": _unary(lambda x, y, t: t / x),
+    "Log1p": _unary(lambda x, y, t: t / (1. + x)),
+    "Expm1": _unary(lambda x, y, t: t * (y + 1.)),
+    "Sin": _unary(lambda x, y, t: t * tf.cos(x)),
+    "Cos": _unary(lambda x, y, t: -t * tf.sin(x)),
+    "Tanh": _unary(lambda x, y, t: tf.raw_ops.TanhGrad(y=y, dy=t)),
+    "Sigmoid": _unary(lambda x, y, t: tf.raw_ops.SigmoidGrad(y=y, dy=t)),
+    "Relu": _unary(lambda x, y, t: tf.raw_ops.ReluGrad(gradients=t, features=x)),
+    "Relu6": _unary(lambda x, y, t: tf.raw_ops.Relu6Grad(gradients=t, features=x)),
+    "Softplus": _unary(lambda x, y, t: tf.raw_ops.SoftplusGrad(gradients=t, features=x)),
+    "Sqrt": _unary(lambda x, y, t: tf.raw_ops.SqrtGrad(y=y, dy=t)),
+    "Rsqrt": _unary(lambda x, y, t: tf.raw_ops.RsqrtGrad(y=y, dy=t)),
+    "Reciprocal": _unary(lambda x, y, t: tf.raw_ops.ReciprocalGrad(y=y, dy=t)),
+    "Square": _unary(lambda x, y, t: 2. * x * t),
+    "Abs": _unary(lambda x, y, t: t * tf.sign(x)),
+    "Softmax": _softmax, "LogSoftmax": _log_softmax,
+    "Cast": _cast, "ReadVariableOp": _read_variable, "ResourceGather": _resource_gather,
+    "StopGradient": _no_tangent, "PreventGradient": _no_tangent,
+    "ZerosLike": _no_tangent, "OnesLike": _no_tangent, "Shape": _no_tangent,
+    "Size": _no_tangent, "Rank": _no_tangent,
+}
+for _name in ("Neg", "Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Unpack",
+              "SplitV", "Slice", "StridedSlice", "GatherV2", "GatherNd", "Tile", "Pad",
+              "MirrorPad", "Sum", "Mean", "BroadcastTo", "ReverseV2", "Cumsum", "CopyOn",
+              "CopyOnGrad", "CopyOff", "CopyOffGrad", "Real", "Imag", "Conj",
+              "MatrixTranspose", "SpaceToDepth", "DepthToSpace", "MatrixDiagPartV3",
+              "DiagPart", "EnsureShape", "CheckNumerics", "CheckNumericsV2"):
+    _RULES[_name] = _linear((0,))
+for _name in ("AddN", "Pack", "ConcatV2", "BiasAdd", "IdentityN"):
+    _RULES[_name] = _linear("float")
+_RULES["Split"] = _linear((1,))
+_RULES["Fill"] = _linear((1,))
+_RULES["ScatterNd"] = _linear((1,))
+
+
+def _tensorflow_jvp(execute, op, primals, tangents, outputs):
+    """TensorFlow's own JVP: the transposed gradient function of the op."""
+    if op.output_dtypes is None:
+        # A function call (no OpDef). TensorFlow differentiates those through its function
+        # machinery, which does not see handlers; replaying functions through handlers
+        # is the functions issue. Never return a silently wrong (zero) tangent.
+        raise NotImplementedError(
+            "oh.ForwardAccumulator: op %s is a tf.function call with tangents on its "
+            "inputs; forward mode through tf.function calls is not supported yet. Call "
+            "the Python function without tf.function inside the accumulator."
+            % op.type)
+    filled = [t if t is not None or not _float(p) else _zeros(p)
+              for p, t in zip(primals, tangents)]
+    try:
+        if any(isinstance(h, ForwardAccumulator) for h in _state.current.handlers):
+            # An accumulator below must see the JVP op by op (higher order): run
+            # TensorFlow's construction eagerly instead of as one traced function call.
+            result = _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
+                op.type, _attr_tuple(op), list(primals), list(outputs), filled)
+        else:
+            # Traced once per op signature and cached by TensorFlow.
+            result = _tf_forwardprop._jvp_dispatch(  # pylint: disable=protected-access
+                op.type, _attr_tuple(op), list(primals), list(outputs), filled)
+    except LookupError as e:
+        raise LookupError(
+            "oh.ForwardAccumulator: op %s has no registered gradient, so no JVP (%s)"
+            % (op.type, e)) from e
+    return list(result)
+
+
+class ForwardAccumulator(OpHandler):
+    """Computes Jacobian-vector products of the ops run in its scope (forward mode).
+
+    The API is `tf.autodiff.ForwardAccumulator`'s: construct with `primals` and their
+    `tangents` (nested structures; variables allowed), run the computation inside
+    ``with acc:``, then ``acc.jvp(outputs)``.
+
+    >>> v = tf.Variable([1.0, 2.0])
+    >>> with oh.ForwardAccumulator(v, tf.constant([1.0, 0.0])) as acc:
+    ...     y = tf.reduce_sum(v * v)
+    >>> float(acc.jvp(y))
+    2.0
+    """
+
+    transparent = True
+    TYPE_NAME = "FORWARD_ACCUMULATOR"
+
+    def __init__(self, primals, tangents):
+        nest.assert_same_structure(primals, tangents)
+        self._watched = {}  # tensor key -> tangent
+        self._depth = 0
+        self._live = False
+        seen = set()
+        for primal in nest.flatten(primals):
+            if id(primal) in seen:
+                raise ValueError(
+                    "oh.ForwardAccumulator: tensor %s was specified as a primal multiple "
+                    "times; sum the corresponding tangents instead." % (primal,))
+            seen.add(id(primal))
+        nest.map_structure(self._watch, primals, tangents)
+
+    def debug_string(self):
+        return "ForwardAccumulator()"
+
+    def _watch(self, primal, tangent):
+        dtype = tf.as_dtype(primal.dtype)  # Keras variables give a string
+        if not dtype.is_floating and not dtype.is_complex:
+            _log.warning("oh.ForwardAccumulator: the dtype of the watched primal must be "
+                         "floating (e.g. tf.float32), got %r", dtype)
+        tangent = tf.convert_to_tensor(tangent, dtype=dtype.base_dtype)
+        if not tangent.shape.is_compatible_with(primal.shape):
+            raise ValueError("oh.ForwardAccumulator: tangent of shape %s for a primal of "
+                             "shape %s" % (tangent.shape, primal.shape))
+        if hasattr(primal, "handle"):
+            primal = primal.handle  # a variable: its reads get the tangent
+        found, value = representation_of(self, primal)
+        if found:
+            value.tangent = tangent if value.tangent is None else value.tangent + tangent
+            return
+        key = _key(primal)
+        old = self._watched.get(key)
+        self._watched[key] = tangent if old is None else old + tangent
+
+    # -- scopes ---------------------------------------------------------------------------
+
+    def __enter__(self):
+        if self._live:
+            raise ValueError("oh.ForwardAccumulator: the accumulator is already recording.")
+        return super().__enter__()
+
+    def scope_entered(self):
+        self._depth += 1
+        self._live = True
+
+    def scope_exited(self):
+        self._depth -= 1
+        self._live = self._depth > 0
+
+    # -- the handler ----------------------------------------------------------------------
+
+    def value_dtype(self, value):
+        return value.primal.dtype
+
+    def num_dims(self, value):
+        rank = value.primal.shape.rank
+        return -1 if rank is None else rank
+
+    def dim(self, value, index):
+        d = value.primal.shape[index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        return tf.get_static_value(value.primal)
+
+    def device_string(self, value, stack):
+        return value.primal.device
+
+    def tensor_debug_string(self, value):
+        from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+        return ops.value_text(value.primal)
+
+    def copy_on(self, tensor):
+        source = _stack_of(tensor)
+        next_stack = _state.frames[-1].next
+        if source is not None and source.handler is self:  # ours from an earlier merge
+            dual = source.unwrap(tensor)
+            tangent = dual.tangent
+            return Dual(next_stack.copy_on(dual.primal),
+                        None if tangent is None else next_stack.copy_on(tangent))
+        return Dual(next_stack.copy_on(tensor), self._watched.get(_key(tensor)))
+
+    def copy_off(self, value, device):
+        return value.primal
+
+    def handles_copy(self, op):
+        # While recording, copies on this stack carry tangents (copies are linear).
+        return self._live
+
+    def execute(self, op, inputs):
+        next_stack = _state.frames[-1].next
+        primals = [d.primal for d in inputs]
+        outputs = next_stack.execute(op, primals)
+        tangents = [d.tangent for d in inputs]
+        if self._live and any(t is not None for t in tangents):
+            rule = _RULES.get(op.type, _tensorflow_jvp)
+            out_tangents = rule(next_stack.execute, op, primals, tangents, outputs)
+            if out_tangents is None:
+                out_tangents = [None] * len(outputs)
+            if len(out_tangents) != len(outputs):
+                raise errors.HandlerError(
+                    "oh.ForwardAccumulator: the JVP of op %s gave %d tangents for %d outputs"
+                    % (op.type, len(out_tangents), len(outputs)))
+        else:
+            out_tangents = [None] * len(outputs)
+        # Resource handles stay on the next stack (transient handler): a variable created
+        # here must not keep the accumulator alive.
+        return [o if o._datatype_enum() == _RESOURCE else Dual(o, t)  # pylint: disable=protected-access
+                for o, t in zip(outputs, out_tangents)]
+
+    # -- results --------------------------------------------------------------------------
+
+    def jvp(self, primals, unconnected_gradients=UnconnectedGradients.NONE):
+        """The JVPs computed for `primals` (a structure of tensors or variables).
+
+        Tangents are tensors of the stack the accumulator executed on (ordinary tensors
+        unless it ran inside other handlers); None (or zeros with
+        ``unconnected_gradients="zero"``) where no JVP was computed.
+        """
+        unconnected = UnconnectedGradients(unconnected_gradients)
+
+        def fetch(tensor):
+            target = tensor.handle if hasattr(tensor, "handle") else tensor
+            found, value = representation_of(self, target)
+            tangent = value.tangent if found else self._watched.get(_key(target))
+            if tangent is None and unconnected is UnconnectedGradients.ZERO:
+                tangent = tf.zeros_like(tensor)
+            return tangent
+
+        return nest.map_structure(fetch, primals)

@@ -1,0 +1,513 @@
+"""`vectorized_map`: eager batching, op by op, as an op handler (RFC "Transformations
+which are currently graph-only").
+
+`tf.vectorized_map` converts a traced graph (pfor), so in eager mode it re-traces on every
+call. `oh.vectorized_map(fn, elems)` instead runs `fn` once, eagerly, under a
+`VectorizedMap` handler: `fn` sees per-example shapes while every op runs once on the
+whole batch.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> x = tf.constant([[1., 2.], [3., 4.], [5., 6.]])
+>>> oh.vectorized_map(lambda row: tf.reduce_sum(row * row), x).numpy()
+array([ 5., 25., 61.], dtype=float32)
+
+The representation of a tensor is a `Batched(value, batched)`: `value` is a tensor of the
+next stack whose leading axis is the batch when `batched` is true; unbatched values
+(captures, constants, variables) are used as they are. Batching rules:
+
+- direct rules for the hot ops (elementwise and broadcasting ops, matmuls, reductions,
+  reshapes, transposes, concatenation, gathers, shape queries, softmax), no tracing;
+- every other op is converted by TensorFlow's pfor converters on a one-op graph traced
+  once per op signature (cached);
+- an op pfor cannot convert runs once per example (a loop), with one warning naming it.
+"""
+import logging
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
+from tensorflow.python.util import nest
+
+from tf_ophandlers import _C
+from tf_ophandlers.core import errors
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.state import state as _state
+
+_log = logging.getLogger("tf_ophandlers")
+_stack_of = _C.stack_of
+_RESOURCE = tf.resource.as_datatype_enum
+
+
+class Batched:
+    """A value and whether its leading axis is the batch (the handler's representation)."""
+
+    __slots__ = ("value", "batched")
+
+    def __init__(self, value, batched):
+        self.value = value
+        self.batched = batched
+
+    def __repr__(self):
+        return "Batched(%r, batched=%s)" % (self.value, self.batched)
+
+
+def _rank(b):
+    """Per-example rank of a Batched."""
+    r = b.value.shape.rank
+    return r - 1 if b.batched else r
+
+
+def _static(t):
+    v = tf.get_static_value(t)
+    return None if v is None else np.asarray(v)
+
+
+def _broadcast_batch(b, size):
+    """`b` as a batched value (an unbatched one is broadcast along a new batch axis)."""
+    if b.batched:
+        return b.value
+    v = b.value
+    return tf.broadcast_to(v[None], tf.concat([[size], tf.shape(v)], 0))
+
+
+def _align(inputs, rank):
+    """Batched values expanded to per-example rank `rank` (for broadcasting ops)."""
+    out = []
+    for b in inputs:
+        v = b.value
+        if b.batched:
+            missing = rank - (v.shape.rank - 1)
+            if missing > 0:
+                v = tf.reshape(v, tf.concat([tf.shape(v)[:1], tf.ones([missing], tf.int32),
+                                             tf.shape(v)[1:]], 0))
+        out.append(v)
+    return out
+
+
+# -- direct rules: fn(handler, execute, op, inputs) -> list of Batched or None (no rule) ----
+
+def _elementwise(handler, execute, op, inputs):
+    """Ops that broadcast their inputs like numpy (and unary elementwise ops)."""
+    rank = max(_rank(b) for b in inputs)
+    if any(r is None for r in (b.value.shape.rank for b in inputs)):
+        return None
+    return [Batched(o, True) for o in execute(op, _align(inputs, rank))]
+
+
+def _same_shape(handler, execute, op, inputs):
+    """Elementwise ops whose inputs must have one shape (the *Grad kernels)."""
+    return [Batched(o, True) for o in execute(op, [_broadcast_batch(b, handler.size)
+                                                  for b in inputs])]
+
+
+def _matmul(handler, execute, op, inputs):
+    a, b = inputs
+    if _rank(a) != 2 or _rank(b) != 2:
+        return None
+    attrs = op.attrs
+    if a.batched and not b.batched and not attrs["transpose_a"]:
+        # [B, m, k] @ [k, n]: one MatMul on [B*m, k] (much faster than a broadcast
+        # batched matmul), as pfor's converter does.
+        shape = a.value.shape
+        if shape[1:].is_fully_defined():
+            m = int(shape[1])
+            flat = tf.reshape(a.value, [-1, int(shape[2])])
+            (out,) = execute(op, [flat, b.value])
+            return [Batched(tf.reshape(out, [handler.size, m, -1]), True)]
+    bmm = Op.create("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
+                    adj_y=attrs["transpose_b"])
+    return [Batched(o, True) for o in execute(bmm, [a.value, b.value])]
+
+
+def _batch_matmul(handler, execute, op, inputs):
+    rank = max(_rank(b) for b in inputs)
+    return [Batched(o, True) for o in execute(op, _align(inputs, rank))]
+
+
+def _shift_axes(axes, rank):
+    axes = np.atleast_1d(axes).astype(np.int64)
+    return [int(a) % rank + 1 for a in axes] if rank else []
+
+
+def _reduction(handler, execute, op, inputs):
+    x, axis = inputs
+    if not x.batched or axis.batched or _rank(x) is None:
+        return None
+    axes = _static(axis.value)
+    if axes is None:
+        return None
+    shifted = tf.constant(_shift_axes(axes, _rank(x)), dtype=axis.value.dtype)
+    return [Batched(o, True) for o in execute(op, [x.value, shifted])]
+
+
+def _reshape(handler, execute, op, inputs):
+    x, shape = inputs
+    if not x.batched or shape.batched:
+        return None
+    target = _static(shape.value)
+    if target is None:
+        return None
+    new_shape = tf.constant(np.concatenate([[handler.size], target]).astype(target.dtype))
+    return [Batched(o, True) for o in execute(op, [x.value, new_shape])]
+
+
+def _transpose(handler, execute, op, inputs):
+    x, perm = inputs
+    p = _static(perm.value)
+    if not x.batched or perm.batched or p is None:
+        return None
+    new = tf.constant([0] + [int(i) % _rank(x) + 1 for i in p], dtype=perm.value.dtype)
+    return [Batched(o, True) for o in execute(op, [x.value, new])]
+
+
+def _expand_dims(handler, execute, op, inputs):
+    x, axis = inputs
+    a = _static(axis.value)
+    if not x.batched or axis.batched or a is None:
+        return None
+    a = int(a)
+    a = a if a >= 0 else a + _rank(x) + 1
+    new = tf.constant(a + 1, dtype=axis.value.dtype)
+    return [Batched(o, True) for o in execute(op, [x.value, new])]
+
+
+def _squeeze(handler, execute, op, inputs):
+    (x,) = inputs
+    dims = op.attrs.get("squeeze_dims") or []
+    rank = _rank(x)
+    if not dims:
+        shape = x.value.shape[1:]
+        if not shape.is_fully_defined():
+            return None
+        dims = [i for i, d in enumerate(shape) if d == 1]
+    new = op.replace(squeeze_dims=[int(d) % rank + 1 for d in dims])
+    return [Batched(o, True) for o in execute(new, [x.value])]
+
+
+def _concat(handler, execute, op, inputs):
+    *values, axis = inputs
+    a = _static(axis.value)
+    if axis.batched or a is None:
+        return None
+    rank = _rank(next(b for b in values if b.batched))
+    new_axis = tf.constant(int(a) % rank + 1, dtype=axis.value.dtype)
+    vals = [_broadcast_batch(b, handler.size) for b in values]
+    return [Batched(o, True) for o in execute(op, vals + [new_axis])]
+
+
+def _pack(handler, execute, op, inputs):
+    rank = _rank(next(b for b in inputs if b.batched))
+    axis = op.attrs["axis"]
+    new = op.replace(axis=(axis if axis >= 0 else axis + rank + 1) + 1)
+    return [Batched(o, True) for o in execute(new, [_broadcast_batch(b, handler.size)
+                                                   for b in inputs])]
+
+
+def _shape(handler, execute, op, inputs):
+    (x,) = inputs
+    static = x.value.shape[1:]
+    if static.is_fully_defined():
+        return [Batched(tf.constant(static.as_list(), dtype=op.attrs["out_type"]), False)]
+    (out,) = execute(op, [x.value])
+    return [Batched(tf.raw_ops.Slice(input=out, begin=[1], size=[-1]), False)]
+
+
+def _strided_slice(handler, execute, op, inputs):
+    x, begin, end, strides = inputs
+    if not x.batched or begin.batched or end.batched or strides.batched:
+        return None
+    # A leading full slice over the batch axis; every mask moves up one bit.
+    def prepend(t, first):
+        v = _static(t.value)
+        if v is None:
+            return None
+        return tf.constant(np.concatenate([[first], v]).astype(v.dtype))
+    args = [prepend(begin, 0), prepend(end, 0), prepend(strides, 1)]
+    if any(a is None for a in args):
+        return None
+    attrs = op.attrs
+    new = op.replace(begin_mask=(attrs["begin_mask"] << 1) | 1,
+                     end_mask=(attrs["end_mask"] << 1) | 1,
+                     ellipsis_mask=attrs["ellipsis_mask"] << 1,
+                     new_axis_mask=attrs["new_axis_mask"] << 1,
+                     shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
+    return [Batched(o, True) for o in execute(new, [x.value] + args)]
+
+
+def _sparse_xent(handler, execute, op, inputs):
+    features, labels = inputs
+    if _rank(features) != 2 or _rank(labels) != 1:
+        return None
+    f = _broadcast_batch(features, handler.size)
+    lab = _broadcast_batch(labels, handler.size)
+    classes = tf.shape(f)[-1:]
+    loss, grad = execute(op, [tf.reshape(f, tf.concat([[-1], classes], 0)),
+                              tf.reshape(lab, [-1])])
+    return [Batched(tf.reshape(loss, [handler.size, -1]), True),
+            Batched(tf.reshape(grad, tf.shape(f)), True)]
+
+
+def _rank_op(handler, execute, op, inputs):
+    (x,) = inputs
+    (out,) = execute(op, [x.value])
+    return [Batched(out - 1, False)]
+
+
+def _gather(handler, execute, op, inputs):
+    params, indices, axis = inputs
+    a = _static(axis.value)
+    if axis.batched or a is None or op.attrs.get("batch_dims", 0) != 0:
+        return None
+    a = int(a) % max(_rank(params), 1)
+    if params.batched and not indices.batched:
+        new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
+        return [Batched(o, True) for o in execute(op, [params.value, indices.value, new_axis])]
+    if params.batched and indices.batched:
+        new = op.replace(batch_dims=1)
+        new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
+        return [Batched(o, True) for o in execute(new, [params.value, indices.value, new_axis])]
+    if a == 0:  # batched indices into unbatched params: the batch axis comes first
+        return [Batched(o, True) for o in execute(op, [params.value, indices.value, axis.value])]
+    return None
+
+
+def _last_axis(handler, execute, op, inputs):
+    (x,) = inputs
+    return [Batched(o, True) for o in execute(op, [x.value])]
+
+
+def _bias_add_grad(handler, execute, op, inputs):
+    (x,) = inputs
+    if op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC") or x.value.shape.rank is None:
+        return None
+    axes = list(range(1, x.value.shape.rank - 1))
+    return [Batched(tf.reduce_sum(x.value, axis=axes), True)]
+
+
+_BROADCASTING = (
+    "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+    "Pow", "SquaredDifference", "FloorDiv", "FloorMod", "Greater", "GreaterEqual", "Less",
+    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Atan2",
+    "MulNoNan", "Xdivy", "Xlogy", "BiasAdd",
+    # unary
+    "Neg", "Exp", "Log", "Log1p", "Expm1", "Sin", "Cos", "Tan", "Tanh", "Sigmoid", "Relu",
+    "Relu6", "Elu", "Selu", "Softplus", "Softsign", "Sqrt", "Rsqrt", "Square", "Abs", "Sign",
+    "Reciprocal", "Floor", "Ceil", "Round", "Erf", "Erfc", "Identity", "Cast", "LogicalNot",
+    "ZerosLike", "OnesLike", "IsNan", "IsInf", "IsFinite", "StopGradient", "LeakyRelu",
+    "Gelu", "CheckNumerics", "CheckNumericsV2", "Real", "Imag", "Conj", "Asin", "Acos",
+    "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
+    "CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad",
+)
+_RULES = {name: _elementwise for name in _BROADCASTING}
+_RULES.update({name: _same_shape for name in (
+    "ReluGrad", "Relu6Grad", "TanhGrad", "SigmoidGrad", "SoftplusGrad", "SqrtGrad",
+    "RsqrtGrad", "ReciprocalGrad", "EluGrad", "SeluGrad", "LeakyReluGrad", "AddN")})
+_RULES.update({name: _reduction for name in (
+    "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin")})
+_RULES.update({
+    "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
+    "Squeeze": _squeeze, "ConcatV2": _concat, "Pack": _pack, "Shape": _shape,
+    "Rank": _rank_op, "GatherV2": _gather, "Softmax": _last_axis, "LogSoftmax": _last_axis,
+    "BiasAddGrad": _bias_add_grad, "StridedSlice": _strided_slice,
+    "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
+})
+
+
+# -- the pfor fallback: one traced, converted graph per op signature ------------------------
+
+_converted = {}  # signature -> tf.function, or None when pfor cannot convert the op
+_warned = set()
+
+
+def _attrs_key(op):
+    # Deterministic bytes: the map order of TensorFlow's serialization is not stable.
+    proto = attr_value_pb2.NameAttrList.FromString(op._attrs_proto())  # pylint: disable=protected-access
+    return proto.SerializeToString(deterministic=True)
+
+
+def _signature(op, inputs):
+    return (op.type, _attrs_key(op), tuple(
+        (b.value.dtype, tuple(b.value.shape.as_list()) if b.value.shape.rank is not None
+         else None, b.batched) for b in inputs))
+
+
+def _pfor_function(op, inputs):
+    """A tf.function running `op` vectorized by TensorFlow's pfor converters."""
+    attrs = attr_value_pb2.NameAttrList.FromString(op._attrs_proto()).attr  # pylint: disable=protected-access
+    attrs = {k: v for k, v in attrs.items()}
+    op_type = op.type
+    mask = [b.batched for b in inputs]
+    dtypes = op.output_dtypes
+    specs = [tf.TensorSpec([None] + b.value.shape.as_list()[1:] if b.batched
+                           else b.value.shape, b.value.dtype) for b in inputs]
+
+    def run(*values):
+        first = next(v for v, m in zip(values, mask) if m)
+        size = tf.shape(first)[0]
+
+        def loop_fn(i):
+            args = [tf.gather(v, i) if m else v for v, m in zip(values, mask)]
+            node = _ops.get_default_graph().create_op(
+                op_type, args, dtypes=dtypes, attrs=attrs)
+            return node.outputs
+
+        return _pfor_ops.pfor(loop_fn, size, fallback_to_while_loop=False)
+
+    fn = tf.function(run, input_signature=specs, autograph=False)
+    fn.get_concrete_function()  # convert now: a failure means "use the loop"
+    return fn
+
+
+def _converted_by_pfor(handler, execute, op, inputs):
+    key = _signature(op, inputs)
+    fn = _converted.get(key, False)
+    if fn is False:
+        try:
+            fn = _pfor_function(op, inputs)
+        except Exception as e:  # pylint: disable=broad-except
+            if op.type not in _warned:
+                _warned.add(op.type)
+                _log.warning("oh.vectorized_map: no batching rule for op %s (%s: %s); it "
+                             "runs once per example", op.type, type(e).__name__,
+                             str(e).splitlines()[0][:200] if str(e) else "")
+            fn = None
+        _converted[key] = fn
+    if fn is None:
+        return None
+    outs = fn(*[b.value for b in inputs])
+    return [Batched(o, True) for o in nest.flatten(outs)]
+
+
+def _per_example_loop(handler, execute, op, inputs):
+    if op.type not in _warned:
+        _warned.add(op.type)
+        _log.warning("oh.vectorized_map: op %s runs once per example (a loop)", op.type)
+    rows = []
+    for i in range(handler.size):
+        rows.append(execute(op, [b.value[i] if b.batched else b.value for b in inputs]))
+    return [Batched(tf.stack(list(col)), True) for col in zip(*rows)]
+
+
+class VectorizedMap(OpHandler):
+    """Runs every op of its scope once on a batch of `size` examples.
+
+    Use it through `oh.vectorized_map(fn, elems)`; tensors entering as batched inputs are
+    made with `batch(stack, tensor)`.
+    """
+
+    transparent = False
+    TYPE_NAME = "VECTORIZED_MAP"
+
+    def __init__(self, size, fallback_to_while_loop=True):
+        self.size = int(size)
+        self.fallback_to_while_loop = fallback_to_while_loop
+
+    def debug_string(self):
+        return "VectorizedMap(size=%d)" % self.size
+
+    # Per-example view of a batched value.
+    def value_dtype(self, value):
+        return value.value.dtype
+
+    def num_dims(self, value):
+        r = value.value.shape.rank
+        return -1 if r is None else (r - 1 if value.batched else r)
+
+    def dim(self, value, index):
+        d = value.value.shape[index + 1 if value.batched else index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        return None if value.batched else tf.get_static_value(value.value)
+
+    def tensor_debug_string(self, value):
+        from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+        text = ops.value_text(value.value)
+        return "VectorizedMap(%s): %s" % ("batched" if value.batched else "unbatched", text)
+
+    def copy_on(self, tensor):
+        source = _stack_of(tensor)
+        next_stack = _state.frames[-1].next
+        if source is not None and source.handler is self:
+            b = source.unwrap(tensor)
+            return Batched(next_stack.copy_on(b.value), b.batched)
+        return Batched(next_stack.copy_on(tensor), False)
+
+    def copy_off(self, value, device):
+        if value.batched:
+            raise errors.CopyOffError(
+                "oh.vectorized_map: a per-example tensor cannot be copied off inside the "
+                "mapped function (it has one value per example); return it from the "
+                "function instead of calling .numpy() or using it in Python control flow")
+        return value.value
+
+    def handles_copy(self, op):
+        # Copy ops inside the map act per example: a gradient computed inside the mapped
+        # function (CopyOnGrad of a captured tensor) stays one value per example.
+        return True
+
+    def execute(self, op, inputs):
+        next_stack = _state.frames[-1].next
+        execute = next_stack.execute
+        if not any(b.batched for b in inputs):
+            outputs = execute(op, [b.value for b in inputs])
+        else:
+            result = None
+            rule = _RULES.get(op.type)
+            if rule is not None:
+                result = rule(self, execute, op, inputs)
+            if result is None and op.output_dtypes is not None:
+                result = _converted_by_pfor(self, execute, op, inputs)
+            if result is None:
+                if not self.fallback_to_while_loop:
+                    raise ValueError(
+                        "oh.vectorized_map: op %s has no batching rule and pfor cannot "
+                        "convert it; pass fallback_to_while_loop=True to run it once per "
+                        "example" % op.type)
+                result = _per_example_loop(self, execute, op, inputs)
+            return result
+        # Resource handles stay on the next stack (variables created inside).
+        return [o if o._datatype_enum() == _RESOURCE else Batched(o, False)  # pylint: disable=protected-access
+                for o in outputs]
+
+
+def vectorized_map(fn, elems, fallback_to_while_loop=True):
+    """`tf.vectorized_map`, eagerly: `fn` runs once, each op on the whole batch.
+
+    `elems` is a tensor or nested structure of tensors with a common leading (batch)
+    dimension; `fn` receives one example (the structure of `elems`, per-example shapes)
+    and may capture other tensors. Returns the structure of `fn`'s outputs with the
+    batch dimension first.
+    """
+    flat = [tf.convert_to_tensor(e) for e in nest.flatten(elems)]
+    if not flat:
+        raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
+    sizes = {int(e.shape[0]) for e in flat if e.shape.rank and e.shape[0] is not None}
+    if len(sizes) != 1:
+        raise ValueError("oh.vectorized_map: elems need one static leading dimension, got "
+                         "shapes %s" % [e.shape for e in flat])
+    size = sizes.pop()
+    handler = VectorizedMap(size, fallback_to_while_loop)
+    with _scope.handler(handler) as stack:
+        inputs = [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]
+        outputs = fn(nest.pack_sequence_as(elems, inputs))
+
+    def unbatch(t):
+        if t is None:
+            return None
+        t = tf.convert_to_tensor(t)
+        found, value = representation_of(handler, t)
+        if not found:
+            value = Batched(t, False)
+        if value.batched:
+            return value.value
+        v = value.value
+        return tf.broadcast_to(v[None], tf.concat([[size], tf.shape(v)], 0))
+
+    return nest.map_structure(unbatch, outputs)

@@ -496,8 +496,10 @@ class GradientTape(OpHandler):
     @staticmethod
     def _placed(stack):
         """Runs gradient ops on `stack` (entered within the current scope, per the RFC)."""
-        if stack is _state.current:
-            return contextlib.nullcontext()
+        current = _state.current
+        if stack is current or all(any(h is c for c in current.handlers)
+                                   for h in stack.handlers):
+            return contextlib.nullcontext()  # re-entering would open nothing
         return _scope.handler(stack)
 
     # -- jacobians (a loop of backward passes; vectorized with oh.vectorized_map) -----------
@@ -506,11 +508,13 @@ class GradientTape(OpHandler):
                  parallel_iterations=None, experimental_use_pfor=True):
         """The Jacobian of `target` with respect to each of `sources`.
 
-        Each result has shape ``target.shape + source.shape``. Computed with one backward
-        pass per element of `target`, over the same records (so a non-persistent tape
-        allows it, as tf.GradientTape's default does).
+        Each result has shape ``target.shape + source.shape``. One backward pass over the
+        recording, vectorized over the rows with `oh.vectorized_map` (with
+        ``experimental_use_pfor=False``, or when a recorded op ran under another handler,
+        one backward pass per row). A non-persistent tape allows it, as
+        tf.GradientTape's default does.
         """
-        del parallel_iterations, experimental_use_pfor  # a loop of backward passes
+        del parallel_iterations
         self._check_usable()
         self._stop_if_non_persistent_in_scope()
         flat_sources = nest.flatten(sources)
@@ -519,25 +523,15 @@ class GradientTape(OpHandler):
         if size is None:
             raise ValueError("oh.GradientTape.jacobian: the target needs a static shape, "
                              "got %s" % target.shape)
-        handles = [_tf_backprop._handle_or_self(s) for s in flat_sources]  # pylint: disable=protected-access
-        rows = [[] for _ in flat_sources]
         with self._placed(_stack_of(target) or PHYSICAL):
             seeds = tf.reshape(tf.eye(size, dtype=target.dtype), [size] + target.shape.as_list())
-        for i in range(size):
-            grads = self._backprop([target], handles, [seeds[i]], flat_sources,
-                                   unconnected_gradients)
-            for j, g in enumerate(grads):
-                rows[j].append(g)
+        rows = self._backprop_rows(target, flat_sources, seeds, unconnected_gradients,
+                                   experimental_use_pfor)
         self._release_if_non_persistent()
         out = []
-        for j, source in enumerate(flat_sources):
-            if all(g is None for g in rows[j]):
-                out.append(None)
-                continue
-            shape = target.shape.concatenate(source.shape)
-            parts = [tf.zeros_like(source) if g is None else _ops.convert_to_tensor(g)
-                     for g in rows[j]]
-            out.append(tf.reshape(tf.stack(parts), shape))
+        for source, g in zip(flat_sources, rows):
+            out.append(None if g is None else
+                       tf.reshape(g, target.shape.concatenate(source.shape)))
         return nest.pack_sequence_as(sources, out)
 
     def batch_jacobian(self, target, source, unconnected_gradients=UnconnectedGradients.NONE,
@@ -545,12 +539,12 @@ class GradientTape(OpHandler):
         """Per-example Jacobians: result ``[b, y1, ..., yn, x1, ..., xm]``.
 
         `target[i, ...]` must depend only on `source[i, ...]` (as for tf.GradientTape).
+        Vectorized over the target's per-example elements, as `jacobian`.
         """
-        del parallel_iterations, experimental_use_pfor
+        del parallel_iterations
         self._check_usable()
         self._stop_if_non_persistent_in_scope()
         target = _ops.convert_to_tensor(target)
-        handle = _tf_backprop._handle_or_self(source)  # pylint: disable=protected-access
         t_shape, s_shape = target.shape, source.shape
         if (t_shape.rank is None or t_shape.rank < 2 or s_shape.rank is None
                 or s_shape.rank < 2 or not t_shape[:1].is_compatible_with(s_shape[:1])):
@@ -564,18 +558,34 @@ class GradientTape(OpHandler):
         with self._placed(_stack_of(target) or PHYSICAL):
             seeds = tf.reshape(tf.tile(tf.eye(row, dtype=target.dtype)[:, None, :],
                                        [1, batch, 1]), [row] + t_shape.as_list())
-        columns = []
-        for j in range(row):
-            (g,) = self._backprop([target], [handle], [seeds[j]], [source],
-                                  unconnected_gradients)
-            columns.append(g)
+        (g,) = self._backprop_rows(target, [source], seeds, unconnected_gradients,
+                                   experimental_use_pfor)
         self._release_if_non_persistent()
-        if all(g is None for g in columns):
+        if g is None:
             return None
-        parts = [tf.zeros_like(source) if g is None else _ops.convert_to_tensor(g)
-                 for g in columns]
-        out = tf.stack(parts, axis=1)  # [b, row, x...]
+        out = tf.experimental.numpy.moveaxis(g, 0, 1)  # [b, row, x...]
         return tf.reshape(out, t_shape.concatenate(s_shape[1:]))
+
+    def _backprop_rows(self, target, sources, seeds, unconnected, use_pfor):
+        """For each source, the gradients for every seed, stacked: [len(seeds), ...]."""
+        handles = [_tf_backprop._handle_or_self(s) for s in sources]  # pylint: disable=protected-access
+
+        def one(seed):
+            grads = self._backprop([target], handles, [seed], sources, unconnected)
+            return [None if g is None else _ops.convert_to_tensor(g) for g in grads]
+
+        if use_pfor and all(r.stack is PHYSICAL for r in self._producer.values()):
+            from tf_ophandlers.handlers.vectorized_map import vectorized_map  # pylint: disable=import-outside-toplevel
+            return vectorized_map(one, seeds)
+        rows = [one(seeds[i]) for i in range(int(seeds.shape[0]))]
+        out = []
+        for j, source in enumerate(sources):
+            col = [r[j] for r in rows]
+            if all(g is None for g in col):
+                out.append(None)
+            else:
+                out.append(tf.stack([tf.zeros_like(source) if g is None else g for g in col]))
+        return out
 
 
 def _ops_create(op_type, **attrs):

@@ -1,0 +1,204 @@
+"""oh.vectorized_map against tf.vectorized_map and a Python loop."""
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from tf_ophandlers.handlers import vectorized_map as vm
+from conftest import assert_close
+
+RNG = np.random.default_rng(0)
+
+
+def _rand(*shape):
+    return tf.constant(RNG.standard_normal(shape).astype(np.float32))
+
+
+W = _rand(4, 3)
+
+FUNCTIONS = {
+    # direct rules
+    "elementwise": (lambda e: tf.tanh(e) * tf.exp(-e) + tf.maximum(e, 0.1) / (1. + e * e),
+                    [(5, 4)]),
+    "broadcast_with_capture": (lambda e: e[:, None] * W[None] + tf.reduce_mean(W, 0), [(6, 4)]),
+    "matmul_softmax": (lambda e: tf.nn.softmax(tf.matmul(e[None], W))[0], [(5, 4)]),
+    "reductions": (lambda e: tf.reduce_sum(e, 0) + tf.reduce_max(e, -1)[:1] * tf.reduce_mean(e),
+                   [(3, 2, 4)]),
+    "reshape_transpose_concat": (lambda e: tf.concat(
+        [tf.reshape(tf.transpose(e), [-1]), tf.squeeze(tf.expand_dims(e[0], 0))], 0), [(4, 2, 3)]),
+    "stack_gather": (lambda e: tf.stack([tf.gather(e, [2, 0]), tf.gather(W[:, 0], [1, 1])], 1),
+                     [(5, 3)]),
+    "shape_queries": (lambda e: tf.cast(tf.shape(e)[0] + tf.rank(e), tf.float32) * e,
+                      [(3, 5)]),
+    # pfor conversions of one-op graphs
+    "pfor_cumsum_conv": (lambda e: tf.nn.conv2d(e[None, :, :, None], tf.ones([2, 2, 1, 2]), 1,
+                                                "VALID")[0] + tf.cumsum(e, 0)[:-1, :-1, None],
+                         [(3, 4, 4)]),
+    "pfor_linalg": (lambda e: tf.linalg.inv(tf.matmul(e, e, transpose_b=True) + 3. * tf.eye(3)),
+                    [(4, 3, 3)]),
+    # nested elems and outputs, two inputs
+    "nested": (lambda args: {"sum": args[0] + args[1]["b"], "prod": [args[0] * 2.]},
+               "nested"),
+}
+
+
+def _elems(spec):
+    if spec == "nested":
+        return (_rand(4, 3), {"b": _rand(4, 3)})
+    return _rand(*spec[0])
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_matches_tf_vectorized_map_and_a_loop(name):
+    fn, spec = FUNCTIONS[name]
+    elems = _elems(spec)
+    got = oh.vectorized_map(fn, elems)
+    ref = tf.vectorized_map(fn, elems)
+    flat_elems = tf.nest.flatten(elems)
+    loop = [fn(tf.nest.pack_sequence_as(elems, [e[i] for e in flat_elems]))
+            for i in range(int(flat_elems[0].shape[0]))]
+    for g, r, *rows in zip(tf.nest.flatten(got), tf.nest.flatten(ref),
+                           *[tf.nest.flatten(x) for x in loop]):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert_close(g, r, 1e-5)
+        assert_close(g, tf.stack(rows), 1e-5)
+    tf.nest.assert_same_structure(got, ref)
+
+
+def test_function_sees_per_example_shapes():
+    seen = []
+
+    def fn(e):
+        seen.append((tuple(e.shape), e.dtype))
+        return e * 2.
+
+    out = oh.vectorized_map(fn, _rand(7, 2, 3))
+    assert seen == [((2, 3), tf.float32)]
+    assert out.shape == (7, 2, 3)
+
+
+def test_unbatched_outputs_are_broadcast():
+    out = oh.vectorized_map(lambda e: (tf.reduce_sum(W), e), _rand(3, 2))
+    assert out[0].shape == (3,) and out[1].shape == (3, 2)
+    assert_close(out[0], [float(tf.reduce_sum(W))] * 3)
+
+
+def test_no_rule_falls_back_to_a_loop_with_one_warning(caplog):
+    def fn(e):
+        m = tf.reshape(e, [2, 2]) + 3. * tf.eye(2)
+        return tf.linalg.lu(m)[0]  # pfor has no converter for Lu
+
+    x = _rand(4, 4)
+    vm._warned.discard("Lu")  # pylint: disable=protected-access
+    with caplog.at_level(logging.WARNING, logger="tf_ophandlers"):
+        got = oh.vectorized_map(fn, x)
+        oh.vectorized_map(fn, x)
+    assert caplog.text.count("op Lu") == 1
+    assert_close(got, tf.stack([fn(e) for e in x]), 1e-6)
+    with pytest.raises(ValueError, match="op Lu"):
+        oh.vectorized_map(fn, x, fallback_to_while_loop=False)
+
+
+def test_pfor_conversion_is_cached_per_signature():
+    x = _rand(3, 4)
+    oh.vectorized_map(lambda e: tf.cumsum(e), x)
+    n = len(vm._converted)  # pylint: disable=protected-access
+    for _ in range(3):
+        oh.vectorized_map(lambda e: tf.cumsum(e), x)
+    assert len(vm._converted) == n  # pylint: disable=protected-access
+
+
+def test_copy_off_inside_the_function_is_a_clear_error():
+    with pytest.raises(oh.CopyOffError, match="per-example"):
+        oh.vectorized_map(lambda e: e.numpy(), _rand(2, 2))
+
+
+def test_keras_layer_per_example():
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(5, activation="relu")
+    norm = keras.layers.LayerNormalization()
+    x = _rand(6, 4)
+    got = oh.vectorized_map(lambda e: norm(layer(e[None]))[0], x)
+    assert_close(got, norm(layer(x)), 1e-5)
+
+
+def _keras_model():
+    keras.utils.set_random_seed(2)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def test_per_example_gradients_of_a_keras_model():
+    model = _keras_model()
+    x, y = _rand(6, 4), tf.constant(RNG.integers(0, 3, 6))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def per_example(args):
+        e, label = args
+        with oh.GradientTape() as tape:
+            loss = loss_fn(label[None], model(e[None]))
+        return tape.gradient(loss, model.trainable_variables)
+
+    got = oh.vectorized_map(per_example, (x, y))
+    for i in range(6):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[i:i + 1], model(x[i:i + 1]))
+        for g, r in zip(got, tape.gradient(loss, model.trainable_variables)):
+            assert_close(g[i], r, 1e-5)
+    assert [g.shape for g in got] == [(6,) + tuple(v.shape) for v in model.trainable_variables]
+
+
+def test_tape_jacobians_are_vectorized_and_match_the_loop():
+    x = _rand(3, 2)
+    v = tf.Variable(_rand(2, 4))
+    results = []
+    for use_pfor in (True, False):
+        with oh.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            y = tf.tanh(x @ v)
+        results.append((tape.jacobian(y, [x, v], experimental_use_pfor=use_pfor),
+                        tape.batch_jacobian(y, x, experimental_use_pfor=use_pfor)))
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = tf.tanh(x @ v)
+    ref_j, ref_b = tape.jacobian(y, [x, v]), tape.batch_jacobian(y, x)
+    for got_j, got_b in results:
+        for g, r in zip(got_j, ref_j):
+            assert_close(g, r, 1e-5)
+        assert_close(got_b, ref_b, 1e-5)
+
+
+def test_nested_vectorized_map():
+    x = _rand(3, 4, 2)
+    got = oh.vectorized_map(lambda row: oh.vectorized_map(
+        lambda e: tf.reduce_sum(e * e) * W[0, 0], row), x)
+    assert_close(got, tf.reduce_sum(x * x, -1) * W[0, 0], 1e-5)
+
+
+def test_with_forward_accumulator_inside():
+    x, t = _rand(5, 3), _rand(3)
+
+    def jvp(e):
+        with oh.ForwardAccumulator(e, t) as acc:
+            y = tf.reduce_sum(tf.sin(e) * e)
+        return acc.jvp(y)
+
+    got = oh.vectorized_map(jvp, x)
+    ref = tf.reduce_sum((tf.cos(x) * x + tf.sin(x)) * t, -1)
+    assert_close(got, ref, 1e-5)
+
+
+def test_tape_outside_differentiates_through_the_map():
+    x = _rand(4, 3)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        y = oh.vectorized_map(lambda e: tf.reduce_sum(tf.sin(e) * tf.cumsum(e)), x)
+        total = tf.reduce_sum(y)
+    with tf.GradientTape() as ref_tape:
+        ref_tape.watch(x)
+        ref = tf.reduce_sum(tf.map_fn(lambda e: tf.reduce_sum(tf.sin(e) * tf.cumsum(e)), x))
+    assert_close(total, ref, 1e-5)
+    assert_close(tape.gradient(total, x), ref_tape.gradient(ref, x), 1e-5)

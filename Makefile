@@ -27,6 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py
 	$(VPY) benchmarks/gradient_tape.py
+	$(VPY) benchmarks/forward_accumulator.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

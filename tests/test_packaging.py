@@ -39,3 +39,15 @@ def test_gradient_tape_benchmark_quick_run(tmp_path):
     text = out.read_text()
     assert "<!-- gradient_tape:begin -->" in text and "ratio to tf.GradientTape" in text
     assert "keras-mlp-step" in text and "chain-100" in text
+
+
+def test_forward_accumulator_benchmark_quick_run(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable,
+                           str(ROOT / "benchmarks" / "forward_accumulator.py"),
+                           "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- forward_accumulator:begin -->" in text and "speedup (tf / this)" in text
+    assert "add-per-op" in text and "mlp-hvp" in text and "chain-50" in text

@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py
 	$(VPY) benchmarks/gradient_tape.py
 	$(VPY) benchmarks/forward_accumulator.py
+	$(VPY) benchmarks/vectorized_map.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

@@ -51,3 +51,14 @@ def test_forward_accumulator_benchmark_quick_run(tmp_path):
     text = out.read_text()
     assert "<!-- forward_accumulator:begin -->" in text and "speedup (tf / this)" in text
     assert "add-per-op" in text and "mlp-hvp" in text and "chain-50" in text
+
+
+def test_vectorized_map_benchmark_quick_run(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vectorized_map.py"),
+                           "--quick", "--rounds", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- vectorized_map:begin -->" in text and "time / oh" in text
+    assert "per-example-grads" in text and "forward-batch" in text

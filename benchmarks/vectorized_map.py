@@ -1,0 +1,549 @@
+"""`oh.vectorized_map` (auto-batching as an op handler) against TensorFlow's ways of
+computing eager per-example gradients.
+
+Times, in one process, on two cases:
+
+  per-example-grads  per-example gradients of an MLP loss (plain `tf.Variable`s,
+                     64 -> 128 relu -> 10, sparse softmax cross-entropy) for a batch of
+                     256 examples, four ways: `oh.vectorized_map` over a function
+                     using `oh.GradientTape`; a Python loop over the examples with
+                     `tf.GradientTape` then `tf.stack`; eager `tf.vectorized_map`
+                     (which converts the function again on every call); and
+                     `tf.function(tf.vectorized_map)` traced once in the warm-up
+  forward-batch      a forward-only per-example function (matmul, tanh, matmul,
+                     softmax) over the same batch: `oh.vectorized_map`, eager
+                     `tf.vectorized_map` and `tf.function(tf.vectorized_map)`
+                     (information, no target)
+
+Before timing, all methods must give the same results (allclose, 1e-5; the loop of
+`tf.GradientTape`s is the reference for the gradients, the plain batched computation
+for the forward case); the script exits non-zero otherwise. Configurations are
+interleaved (shuffled order every round) and repeated; the reported time is the median
+over rounds of the mean time per call of N back-to-back calls (N is small for the slow
+methods: 1 call of the eager loop per round).
+Writes the `vectorized_map` section of docs/benchmarks.md and docs/vectorized_map.png.
+
+    python benchmarks/vectorized_map.py            # full run (~2 min on 2 cores)
+    python benchmarks/vectorized_map.py --quick    # smoke run (< 30 s, noisy numbers)
+"""
+import argparse
+import logging
+import os
+import random
+import sys
+import time
+
+import _common  # also puts the repository on sys.path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_ophandlers as oh  # noqa: E402
+
+D, H, C, B = 64, 128, 10, 256  # inputs, hidden units, classes, batch size
+METHODS = (
+    # key, name, slow (few calls per round)
+    ("oh", "oh.vectorized_map", False),
+    ("loop", "eager loop of tf.GradientTape", True),
+    ("eager", "eager tf.vectorized_map", True),
+    ("tff", "tf.function(tf.vectorized_map)", False),
+)
+NAME = {key: name for key, name, _ in METHODS}
+CASES = (
+    # key, title, methods, description
+    ("per-example-grads", "Per-example gradients of an MLP 64-128-10, batch 256",
+     ("oh", "loop", "eager", "tff"),
+     "Plain `tf.Variable`s `W1` [64, 128], `b1` [128], `W2` [128, 10], `b2` [10]; "
+     "inputs `X` [256, 64] float32, integer labels `Y` [256]. Per-example loss "
+     "`loss(e, y)`: `h = tf.nn.relu(tf.matmul(e[None], W1) + b1)`, "
+     "`logits = tf.matmul(h, W2) + b2`, `tf.reduce_sum(tf.nn."
+     "sparse_softmax_cross_entropy_with_logits(y[None], logits))`. Every method returns "
+     "the 4 per-example gradients, shapes [256, 64, 128], [256, 128], [256, 128, 10], "
+     "[256, 10]. *oh.vectorized_map*: `oh.vectorized_map(pe, (X, Y))` where `pe((e, y))` "
+     "is `with oh.GradientTape() as t: l = loss(e, y)`, `return t.gradient(l, [W1, b1, "
+     "W2, b2])`. *eager loop*: the same function with `tf.GradientTape` called on "
+     "`(X[i], Y[i])` for the 256 examples in a Python loop, then `tf.stack` per variable. "
+     "*eager tf.vectorized_map*: `tf.vectorized_map(pe, (X, Y))` with the "
+     "`tf.GradientTape` function, called eagerly (TensorFlow converts the function to a "
+     "graph again on every call). *tf.function(tf.vectorized_map)*: "
+     "`tf.function(lambda: tf.vectorized_map(pe, (X, Y)))`, traced once in the warm-up, "
+     "so a timed call runs the already-built graph."),
+    ("forward-batch", "Forward-only per-example function, batch 256",
+     ("oh", "eager", "tff"),
+     "`f = lambda e: tf.nn.softmax(tf.tanh(tf.matmul(e[None], W1)) @ W2)[0]` over "
+     "`X` [256, 64] (output [256, 10]), same variables: `oh.vectorized_map(f, X)`, eager "
+     "`tf.vectorized_map(f, X)` and `tf.function(lambda: tf.vectorized_map(f, X))` "
+     "(traced once in the warm-up). Information only (no target): the batching cost "
+     "without autodiff."),
+)
+# Targets of the issue on per-example-grads (oh.vectorized_map's speed-up):
+TARGET_VS_LOOP = 50.0   # at least 50x faster than the eager loop
+TARGET_VS_EAGER = 10.0  # at least 10x faster than eager tf.vectorized_map
+TARGET_VS_TFF = 3.0     # at most 3x the time of tf.function(tf.vectorized_map)
+WARMUP_CALLS = {False: 2, True: 1}  # untimed per (round, configuration): fast, slow
+TOLERANCE = 1e-5
+
+
+class _DropRetracingWarning(logging.Filter):
+    """Eager `tf.vectorized_map` retraces on every call by design; TensorFlow logs a
+    retracing warning each time. Only that message is dropped (from the output)."""
+
+    def filter(self, record):
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+# -- the workload -----------------------------------------------------------------------
+
+class Workload:
+    """Variables, data and the per-example functions (shared by all configurations)."""
+
+    def __init__(self):
+        self.W1 = tf.Variable(tf.random.stateless_normal([D, H], seed=[1, 1]) / D ** 0.5)
+        self.b1 = tf.Variable(tf.random.stateless_normal([H], seed=[1, 2]) * 0.1)
+        self.W2 = tf.Variable(tf.random.stateless_normal([H, C], seed=[1, 3]) / H ** 0.5)
+        self.b2 = tf.Variable(tf.random.stateless_normal([C], seed=[1, 4]) * 0.1)
+        self.variables = [self.W1, self.b1, self.W2, self.b2]
+        self.X = tf.random.stateless_normal([B, D], seed=[2, 1])
+        self.Y = tf.random.stateless_uniform([B], seed=[2, 2], maxval=C, dtype=tf.int32)
+        self.tff_grads = tf.function(
+            lambda: tf.vectorized_map(self.pe_tf, (self.X, self.Y)))
+        self.tff_forward = tf.function(lambda: tf.vectorized_map(self.fwd, self.X))
+
+    def loss(self, e, y):
+        h = tf.nn.relu(tf.matmul(e[None], self.W1) + self.b1)
+        logits = tf.matmul(h, self.W2) + self.b2
+        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y[None],
+                                                                            logits))
+
+    def pe_oh(self, ey):
+        e, y = ey
+        with oh.GradientTape() as t:
+            l = self.loss(e, y)
+        return t.gradient(l, self.variables)
+
+    def pe_tf(self, ey):
+        e, y = ey
+        with tf.GradientTape() as t:
+            l = self.loss(e, y)
+        return t.gradient(l, self.variables)
+
+    def fwd(self, e):
+        return tf.nn.softmax(tf.tanh(tf.matmul(e[None], self.W1)) @ self.W2)[0]
+
+    # per-example-grads
+    def grads_oh(self):
+        return oh.vectorized_map(self.pe_oh, (self.X, self.Y))
+
+    def grads_loop(self):
+        X, Y, pe = self.X, self.Y, self.pe_tf
+        per = [pe((X[i], Y[i])) for i in range(B)]
+        return [tf.stack(g) for g in zip(*per)]
+
+    def grads_eager(self):
+        return tf.vectorized_map(self.pe_tf, (self.X, self.Y))
+
+    def grads_tff(self):
+        return self.tff_grads()
+
+    # forward-batch
+    def forward_oh(self):
+        return oh.vectorized_map(self.fwd, self.X)
+
+    def forward_eager(self):
+        return tf.vectorized_map(self.fwd, self.X)
+
+    def forward_tff(self):
+        return self.tff_forward()
+
+    def forward_reference(self):
+        return tf.nn.softmax(tf.tanh(tf.matmul(self.X, self.W1)) @ self.W2)
+
+
+class Config:
+    """One (case, method): its call, calls per round and per-round times."""
+
+    def __init__(self, case, method, call, n):
+        self.case, self.method, self.call, self.n = case, method, call, n
+        self.slow = dict((k, s) for k, _, s in METHODS)[method]
+        self.warm = WARMUP_CALLS[self.slow]
+        self.times = []
+
+
+def make_configs(w, args):
+    n_of = {"oh": args.n_fast, "tff": args.n_fast, "eager": args.n_eager,
+            "loop": args.n_loop}
+    calls = {("per-example-grads", "oh"): w.grads_oh,
+             ("per-example-grads", "loop"): w.grads_loop,
+             ("per-example-grads", "eager"): w.grads_eager,
+             ("per-example-grads", "tff"): w.grads_tff,
+             ("forward-batch", "oh"): w.forward_oh,
+             ("forward-batch", "eager"): w.forward_eager,
+             ("forward-batch", "tff"): w.forward_tff}
+    return [Config(case, m, calls[(case, m)], n_of[m])
+            for case, _, methods, _ in CASES for m in methods]
+
+
+class SanityError(Exception):
+    pass
+
+
+def _compare(case, name, got, want):
+    """Max abs difference of `got` vs `want` (lists of tensors); raises on mismatch."""
+    if len(got) != len(want):
+        raise SanityError("%s: %s returned %d tensors, expected %d"
+                          % (case, name, len(got), len(want)))
+    worst = 0.0
+    for a, b in zip(got, want):
+        if a is None:
+            raise SanityError("%s: %s returned None" % (case, name))
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            raise SanityError("%s: %s shape %s, expected %s" % (case, name, a.shape,
+                                                                b.shape))
+        if not np.allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE):
+            raise SanityError("%s: %s differs from the reference by up to %.3g"
+                              % (case, name, float(np.max(np.abs(a - b)))))
+        worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
+    return worst
+
+
+def check_results(w):
+    """Sanity (untimed): every method gives the same per-example gradients as the loop
+    of tf.GradientTapes (and the forward case the plain batched result), and
+    oh.vectorized_map / oh.GradientTape really are handlers on the stack inside fn."""
+    seen = {}
+
+    def probe(ey):
+        with oh.GradientTape() as t:
+            handlers = oh.current_stack().handlers
+            seen["vmap"] = any(isinstance(h, oh.VectorizedMap) for h in handlers)
+            seen["tape"] = any(h is t for h in handlers)
+            l = w.loss(*ey)
+        return t.gradient(l, w.variables)
+
+    oh.vectorized_map(probe, (w.X, w.Y))
+    if not (seen.get("vmap") and seen.get("tape")):
+        raise SanityError("oh.VectorizedMap / oh.GradientTape not on the handler stack "
+                          "inside the mapped function: %s" % seen)
+    want = w.grads_loop()
+    shapes = [tuple(g.shape) for g in want]
+    expected = [(B, D, H), (B, H), (B, H, C), (B, C)]
+    if shapes != expected:
+        raise SanityError("loop gradients have shapes %s, expected %s" % (shapes,
+                                                                          expected))
+    report = {"per-example-grads": {}, "forward-batch": {}}
+    for key, fn in (("oh", w.grads_oh), ("eager", w.grads_eager), ("tff", w.grads_tff)):
+        report["per-example-grads"][key] = _compare("per-example-grads", NAME[key],
+                                                    list(fn()), want)
+    ref = [w.forward_reference()]
+    for key, fn in (("oh", w.forward_oh), ("eager", w.forward_eager),
+                    ("tff", w.forward_tff)):
+        report["forward-batch"][key] = _compare("forward-batch", NAME[key], [fn()], ref)
+    return report
+
+
+# -- measurement ------------------------------------------------------------------------
+
+def measure(configs, rounds, seed=0):
+    def run(cfg, n):
+        for _ in range(cfg.warm):
+            cfg.call()
+        return _common.time_per_call(cfg.call, n)
+
+    for cfg in configs:  # warm-up: one untimed pass per configuration (traces tf.function)
+        run(cfg, max(1, cfg.n // 5))
+    rng = random.Random(seed)
+    for r in range(rounds):
+        order = list(configs)
+        rng.shuffle(order)
+        for cfg in order:
+            cfg.times.append(run(cfg, cfg.n))
+        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+    # milliseconds per call, one entry per round
+    return {(cfg.case, cfg.method): [t * 1e3 for t in cfg.times] for cfg in configs}
+
+
+def _stats(ts):
+    q1, q3 = _common.quartiles(ts)
+    return {"ms": _common.median(ts), "q1": q1, "q3": q3, "min": min(ts), "rounds": ts}
+
+
+def summarize(times):
+    """case -> {method: stats}; every non-oh method also gets its speed-up over oh:
+    "x" = method time / oh time (medians), its same-round IQR and the best-round one."""
+    out = {}
+    for (case, method), ts in times.items():
+        out.setdefault(case, {})[method] = _stats(ts)
+    for row in out.values():
+        o = row["oh"]
+        for key, s in row.items():
+            s["x"] = s["ms"] / o["ms"]
+            s["best_x"] = s["min"] / o["min"]
+            s["x_q"] = _common.quartiles([m / b for m, b in zip(s["rounds"], o["rounds"])])
+    return out
+
+
+def verdict(ok):
+    return "**PASS**" if ok else "**MISS**"
+
+
+def _fmt(x):
+    return "%.3f" % x if x < 100 else "%.1f" % x
+
+
+def targets(summary):
+    g = summary["per-example-grads"]
+    return [
+        ("loop", "at least %.0fx faster than the eager loop of `tf.GradientTape`"
+         % TARGET_VS_LOOP, g["loop"]["x"], g["loop"]["best_x"],
+         g["loop"]["x"] >= TARGET_VS_LOOP, "%.1fx faster" % g["loop"]["x"]),
+        ("eager", "at least %.0fx faster than eager `tf.vectorized_map`" % TARGET_VS_EAGER,
+         g["eager"]["x"], g["eager"]["best_x"], g["eager"]["x"] >= TARGET_VS_EAGER,
+         "%.1fx faster" % g["eager"]["x"]),
+        ("tff", "within %.0fx of `tf.function(tf.vectorized_map)` (oh / tf.function "
+         "<= %.0f)" % (TARGET_VS_TFF, TARGET_VS_TFF), 1.0 / g["tff"]["x"],
+         1.0 / g["tff"]["best_x"], 1.0 / g["tff"]["x"] <= TARGET_VS_TFF,
+         "oh takes %.2fx the time" % (1.0 / g["tff"]["x"])),
+    ]
+
+
+def render_md(summary, info, args, png_name, elapsed, checks):
+    L = []
+    L.append("## `oh.vectorized_map`: eager per-example gradients "
+             "(`benchmarks/vectorized_map.py`)")
+    L.append("")
+    if args.quick:
+        L.append("> **Quick (smoke) run**: few calls per round, numbers are noisy and not "
+                 "representative. Rerun without `--quick` for the real measurement.")
+        L.append("")
+    L.append(
+        "**Method.** One process times `oh.vectorized_map` (the auto-batching op handler: "
+        "the function runs once, eagerly, each op on the whole batch) and TensorFlow's "
+        "ways of batching the same eager function on each case below. All configurations "
+        "share the variables and the batch for the whole run; after a warm-up pass over "
+        "all configurations (which also traces the `tf.function`s), each of %d rounds runs "
+        "every configuration once, in a freshly shuffled order, as untimed + N timed "
+        "back-to-back calls timed with `time.perf_counter` with the garbage collector "
+        "off. The call counts differ by method so that the run stays short: N = %d for "
+        "`oh.vectorized_map` and `tf.function(tf.vectorized_map)` (%d untimed), N = %d for "
+        "eager `tf.vectorized_map` and N = %d for the eager loop (%d untimed each; one "
+        "loop call is 256 tapes). The table gives the median over rounds of the mean time "
+        "per call, the interquartile range (IQR) of the per-round means and the best "
+        "(lowest) round, which is the least disturbed by other processes; the targets use "
+        "the medians. *Time / oh* is the method's median over `oh.vectorized_map`'s (> 1: "
+        "oh is that many times faster); its IQR is that of the same-round ratios. Before "
+        "timing, the script checks that all methods agree (`np.allclose`, rtol = atol = "
+        "%g) with the reference (the loop of `tf.GradientTape`s; the plain batched "
+        "computation for the forward case): max abs difference %s. TensorFlow's "
+        "per-call retracing warning of eager `tf.vectorized_map` is filtered from the log "
+        "output (the retracing itself is part of what is measured)."
+        % (args.rounds, args.n_fast, WARMUP_CALLS[False], args.n_eager, args.n_loop,
+           WARMUP_CALLS[True], TOLERANCE,
+           "; ".join("%s: %s" % (case, ", ".join("%s %.1e" % (NAME[k], v)
+                                                 for k, v in per.items()))
+                     for case, per in checks.items())))
+    L.append("")
+    L.append(
+        "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
+        "TensorFlow %(tensorflow)s (CPU, eager). Other processes (and VM steal) used "
+        "%(other)s CPU cores on average during the measurement; load there widens the "
+        "ranges." % info
+        + " Run on %s; %d configurations, %.0f s total." % (info["date"], info["nconfigs"],
+                                                          elapsed))
+    L.append("")
+    L.append("![time per call and oh.vectorized_map's speed-up](%s)" % png_name)
+    L.append("")
+    for case, title, methods, desc in CASES:
+        L.append("### %s (`%s`)" % (title, case))
+        L.append("")
+        L.append(desc)
+        L.append("")
+        rows = []
+        for key in methods:
+            s = summary[case][key]
+            rows.append([
+                NAME[key], _fmt(s["ms"]),
+                "1.00x" if key == "oh" else "%.2fx (IQR %.2f – %.2f)"
+                % (s["x"], s["x_q"][0], s["x_q"][1]),
+                "%s – %s" % (_fmt(s["q1"]), _fmt(s["q3"])), _fmt(s["min"]),
+                len(s["rounds"]),
+            ])
+        L.append(_common.md_table(
+            ["method", "ms/call", "time / oh", "IQR ms/call (rounds)",
+             "best round ms/call", "rounds"], rows))
+        L.append("")
+
+    L.append("### Targets")
+    L.append("")
+    L.append("Targets of the issue for `per-example-grads`, checked against this run's "
+             "medians (not tuned):")
+    L.append("")
+    ok_all = True
+    g = summary["per-example-grads"]
+    for key, text, value, best, ok, how in targets(summary):
+        ok_all = ok_all and ok
+        L.append("- `oh.vectorized_map` %s: %s (%.3f vs %.3f ms) — %s  (best rounds: "
+                 "%.2fx)" % (text, how, g["oh"]["ms"], g[key]["ms"], verdict(ok), best))
+    fw = summary["forward-batch"]
+    L.append("- `forward-batch` has no target (information): eager `tf.vectorized_map` "
+             "takes %.1fx the time of `oh.vectorized_map`, `oh.vectorized_map` %.2fx that "
+             "of `tf.function(tf.vectorized_map)`."
+             % (fw["eager"]["x"], 1.0 / fw["tff"]["x"]))
+    L.append("")
+    L.append("The verdicts compare the medians with the targets as measured; the "
+             "best-round figures are context only. When other processes load the machine "
+             "(see *Machine*), rerun on an idle machine before reading a MISS as a "
+             "regression.")
+    L.append("")
+    L.append("Reproduce: `python benchmarks/vectorized_map.py%s` (writes this section and "
+             "`%s`)." % (" --quick" if args.quick else "", png_name))
+    return "\n".join(L), ok_all
+
+
+COLORS = {"oh": "tab:orange", "loop": "tab:red", "eager": "tab:purple",
+          "tff": "tab:blue"}
+
+
+def plot(summary, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written", file=sys.stderr)
+        return False
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(13, 4.6),
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.2
+    labelled = set()
+    for ci, (case, _, methods, _) in enumerate(CASES):
+        for mi, key in enumerate(methods):  # the case's bars centred on its tick
+            s = summary[case][key]
+            x = ci + (mi - (len(methods) - 1) / 2.0) * width
+            ax.bar(x, s["ms"], width,
+                   yerr=[[max(0.0, s["ms"] - s["q1"])], [max(0.0, s["q3"] - s["ms"])]],
+                   capsize=3, color=COLORS[key],
+                   label=None if key in labelled else NAME[key])
+            labelled.add(key)
+            ax.annotate(("%.0f" if s["ms"] >= 10 else "%.2f") % s["ms"],
+                        (x, max(s["ms"], s["q3"])), textcoords="offset points",
+                        xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(CASES)))
+    ax.set_xticklabels(["%s\n(%s)" % (c, "4 methods" if len(m) == 4 else "forward only")
+                        for c, _, m, _ in CASES], fontsize=8)
+    ax.set_ylabel("ms per call (log scale)")
+    ax.set_title("time per call, batch 256 (median, IQR of rounds)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper right")
+    top = max(s["q3"] for row in summary.values() for s in row.values())
+    bottom = min(s["q1"] for row in summary.values() for s in row.values())
+    ax.set_ylim(bottom / 2, top * 4)
+
+    # right: oh's speed-up over each method (method time / oh time), with the targets
+    bars = [("per-example-grads", "loop", TARGET_VS_LOOP),
+            ("per-example-grads", "eager", TARGET_VS_EAGER),
+            ("per-example-grads", "tff", 1.0 / TARGET_VS_TFF),
+            ("forward-batch", "eager", None), ("forward-batch", "tff", None)]
+    xs = np.arange(len(bars))
+    vals = [summary[c][k]["x"] for c, k, _ in bars]
+    lo = [max(0.0, v - summary[c][k]["x_q"][0]) for v, (c, k, _) in zip(vals, bars)]
+    hi = [max(0.0, summary[c][k]["x_q"][1] - v) for v, (c, k, _) in zip(vals, bars)]
+    ax_r.bar(xs, vals, 0.6, yerr=[lo, hi], capsize=3,
+             color=[COLORS[k] if t is not None else "tab:gray" for _, k, t in bars])
+    first = True
+    for x, (_, _, t) in zip(xs, bars):
+        if t is not None:
+            ax_r.hlines(t, x - 0.4, x + 0.4, colors="black", linestyles=":", lw=1.5,
+                        label="target (minimum speed-up)" if first else None)
+            first = False
+    ax_r.axhline(1.0, color="black", lw=0.8, label="parity with oh.vectorized_map")
+    for x, v, h in zip(xs, vals, hi):
+        ax_r.annotate("%.1fx" % v if v >= 1 else "%.2fx" % v, (x, v + h),
+                      textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8,
+                      bbox=dict(fc="white", ec="none", pad=0.5))
+    ax_r.set_yscale("log")
+    ax_r.set_xticks(xs)
+    ax_r.set_xticklabels(["grads\nvs loop", "grads\nvs eager vmap",
+                          "grads\nvs tf.function", "forward\nvs eager vmap",
+                          "forward\nvs tf.function"], fontsize=7)
+    ax_r.set_ylabel("method time / oh.vectorized_map time (log)")
+    ax_r.set_title("speed-up of oh.vectorized_map (IQR of same-round ratios)",
+                   fontsize=9)
+    ax_r.set_ylim(min(min(vals), 1.0 / TARGET_VS_TFF) / 2,
+                  max(max(v + h for v, h in zip(vals, hi)), TARGET_VS_LOOP) * 3)
+    ax_r.grid(axis="y", alpha=0.3, which="both")
+    ax_r.legend(fontsize=7, loc="upper right")
+    fig.suptitle("tf-ophandlers: oh.vectorized_map vs. TensorFlow's batching of eager "
+                 "functions (same run)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: fewer calls and rounds (< 30 s, noisy)")
+    p.add_argument("--out", default=_common.DEFAULT_MD,
+                   help="markdown file to update (default: docs/benchmarks.md); the plot "
+                        "is written next to it as vectorized_map.png")
+    p.add_argument("--rounds", type=int, help="rounds (default 30, quick 3)")
+    p.add_argument("--n-fast", type=int,
+                   help="timed calls per round of oh.vectorized_map and "
+                        "tf.function(tf.vectorized_map) (default 20, quick 5)")
+    p.add_argument("--n-eager", type=int, help="timed calls per round of eager "
+                                               "tf.vectorized_map (default 3, quick 1)")
+    p.add_argument("--n-loop", type=int, help="timed calls per round of the eager loop "
+                                              "(default 1, quick 1)")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (3 if args.quick else 30)
+    args.n_fast = args.n_fast or (5 if args.quick else 20)
+    args.n_eager = args.n_eager or (1 if args.quick else 3)
+    args.n_loop = args.n_loop or 1
+
+    start = time.perf_counter()
+    tf.get_logger().addFilter(_DropRetracingWarning())
+    info = _common.machine_info()
+    w = Workload()
+    configs = make_configs(w, args)
+    info["nconfigs"] = len(configs)
+    try:
+        checks = check_results(w)
+    except SanityError as e:
+        print("sanity check failed: %s" % e, file=sys.stderr)
+        return 1
+    other = _common.OtherLoad()
+    times = measure(configs, args.rounds)
+    other = other.cores()
+    info["other"] = "n/a" if other is None else "%.2f" % other
+    summary = summarize(times)
+    elapsed = time.perf_counter() - start
+
+    png_name = "vectorized_map.png"
+    png_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), png_name)
+    os.makedirs(os.path.dirname(png_path), exist_ok=True)
+    plotted = plot(summary, png_path)
+    body, ok = render_md(summary, info, args, png_name, elapsed, checks)
+    if not plotted:
+        body = body.replace(
+            "![time per call and oh.vectorized_map's speed-up](%s)" % png_name,
+            "(plot not written: matplotlib is not installed)")
+    _common.write_section(args.out, "vectorized_map", body)
+
+    for case, _, methods, _ in CASES:
+        for key in methods:
+            s = summary[case][key]
+            print("%-17s %-31s %9.3f ms  time/oh %7.2fx"
+                  % (case, NAME[key], s["ms"], s["x"]))
+    for key, text, value, best, t_ok, how in targets(summary):
+        print("target: oh %s: %s %s" % (text.replace("`", ""), how,
+                                        "PASS" if t_ok else "MISS"))
+    print("wrote %s%s (%.0f s)" % (args.out, " and " + png_path if plotted else "",
+                                   elapsed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,6 +62,21 @@ def _rank(b):
     return r - 1 if b.batched else r
 
 
+_shape_constants = {}
+
+
+def _int32(values):
+    """A (cached) int32 tensor: shape arguments as tensors keep TensorFlow's op wrappers
+    on their fast path (a Python list sends tf.reshape to its slow eager fallback)."""
+    key = tuple(values)
+    t = _shape_constants.get(key)
+    if t is None:
+        if len(_shape_constants) > 4096:
+            _shape_constants.clear()
+        t = _shape_constants[key] = tf.constant(key, dtype=tf.int32)
+    return t
+
+
 def _static(t):
     v = tf.get_static_value(t)
     return None if v is None else np.asarray(v)
@@ -116,9 +131,9 @@ def _matmul(handler, execute, op, inputs):
         shape = a.value.shape
         if shape[1:].is_fully_defined():
             m = int(shape[1])
-            flat = tf.reshape(a.value, [-1, int(shape[2])])
+            flat = tf.reshape(a.value, _int32((-1, int(shape[2]))))
             (out,) = execute(op, [flat, b.value])
-            return [Batched(tf.reshape(out, [handler.size, m, -1]), True)]
+            return [Batched(tf.reshape(out, _int32((handler.size, m, -1))), True)]
     bmm = Op.create("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
                     adj_y=attrs["transpose_b"])
     return [Batched(o, True) for o in execute(bmm, [a.value, b.value])]
@@ -245,11 +260,12 @@ def _sparse_xent(handler, execute, op, inputs):
         return None
     f = _broadcast_batch(features, handler.size)
     lab = _broadcast_batch(labels, handler.size)
-    classes = tf.shape(f)[-1:]
-    loss, grad = execute(op, [tf.reshape(f, tf.concat([[-1], classes], 0)),
-                              tf.reshape(lab, [-1])])
-    return [Batched(tf.reshape(loss, [handler.size, -1]), True),
-            Batched(tf.reshape(grad, tf.shape(f)), True)]
+    if not f.shape.is_fully_defined():
+        return None
+    loss, grad = execute(op, [tf.reshape(f, _int32((-1, int(f.shape[-1])))),
+                              tf.reshape(lab, _int32((-1,)))])
+    return [Batched(tf.reshape(loss, _int32((handler.size, -1))), True),
+            Batched(tf.reshape(grad, _int32(f.shape.as_list())), True)]
 
 
 def _rank_op(handler, execute, op, inputs):

@@ -41,6 +41,8 @@ from tf_ophandlers.handlers import gradient_tape as _gradient_tape  # noqa: E402
 from tf_ophandlers.handlers.gradient_tape import GradientTape  # noqa: E402
 from tf_ophandlers.handlers.forward_accumulator import ForwardAccumulator  # noqa: E402
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap, vectorized_map  # noqa: E402
+from tf_ophandlers.handlers.parallel import ParallelHandler, ParallelValue  # noqa: E402
+from tf_ophandlers.core.stack import OffStack  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -64,6 +66,7 @@ __all__ = [
     "OpHandler", "Op", "HandlerStack", "PHYSICAL", "DISPATCHER_DEVICE", "handler",
     "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
     "OpRecord", "CheckNumericsHandler", "GradientTape",
-    "ForwardAccumulator", "VectorizedMap", "vectorized_map", "HandlerError", "PlacementError",
+    "ForwardAccumulator", "VectorizedMap", "vectorized_map", "ParallelHandler",
+    "ParallelValue", "OffStack", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
 ]

@@ -24,6 +24,7 @@ from tf_ophandlers.core import errors
 _COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
 
 _execute = _C.execute
+from tensorflow.python.framework.ops import EagerTensor as _EagerTensor  # noqa: E402
 _unwrap_inputs = _C.unwrap_inputs
 _wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
@@ -61,6 +62,20 @@ def representation_of(handler, tensor):
 def _is_tensor(value):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     return isinstance(value, tf.Tensor)
+
+
+class OffStack:
+    """An output an `execute` hook returns as it is, instead of on the handler's stack.
+
+    For handler-specific ops whose results leave the handler, such as a parallel
+    handler's unpack (its components are ordinary tensors). Only handlers with
+    ``returns_off_stack = True`` may return it.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
 
 
 class Stack:
@@ -116,6 +131,7 @@ class HandlerStack(Stack):
         cls = type(handler)
         self._default_execute = cls.execute is OpHandler.execute
         self._default_copy_on = cls.copy_on is OpHandler.copy_on
+        self._off_stack = bool(getattr(handler, "returns_off_stack", False))
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -180,6 +196,22 @@ class HandlerStack(Stack):
                 raise errors.HandlerOutputError(
                     "%s.execute returned None for op %s; it must return a list of outputs"
                     % (handler.debug_string(), op.type))
+        next_stack = self.next
+        if next_stack is not PHYSICAL:
+            # An output that is not a tensor of the next stack left the stacks below
+            # (a parallel unpack's components, a transient handler's resource handle):
+            # it leaves this stack too.
+            for i, o in enumerate(outputs):
+                if type(o) is _EagerTensor and _C.stack_of(o) is not next_stack:
+                    if not isinstance(outputs, list):
+                        outputs = list(outputs)
+                    outputs[i] = OffStack(o)
+        if (self._off_stack or next_stack is not PHYSICAL) and any(
+                type(o) is OffStack for o in outputs):
+            wrapped = _wrap_outputs(self, [o for o in outputs if type(o) is not OffStack],
+                                    handler.transient, handler.value_dtype)
+            it = iter(wrapped)
+            return [o.tensor if type(o) is OffStack else next(it) for o in outputs]
         # RFC "Placement of resource handles": a transient handler leaves resource handles
         # on the next stack, so a variable does not keep it alive.
         return _wrap_outputs(self, outputs, handler.transient, handler.value_dtype)
@@ -209,6 +241,11 @@ class HandlerStack(Stack):
         return self.wrap(self._copy_on_value(tensor))
 
     def copy_off(self, tensor, device):
+        source = _C.stack_of(tensor)
+        if source is not self:
+            # A representation that already left this stack (a handler returned it with
+            # OffStack, e.g. a parallel unpack): copy it off from where it lives.
+            return (source or PHYSICAL).copy_off(tensor, device)
         value = self._call(self.handler.copy_off, self.unwrap(tensor), device)
         return self.next.copy_off(value, device)
 

@@ -1,0 +1,213 @@
+"""oh.ParallelHandler on two logical CPUs (configured in conftest.py) and on two
+tf.distribute.Server workers."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from conftest import assert_close
+
+CPUS = ["CPU:0", "CPU:1"]
+
+
+@pytest.fixture
+def parallel():
+    return oh.ParallelHandler(CPUS)
+
+
+def test_ops_run_once_per_component_on_its_device(parallel):
+    with parallel:
+        x = parallel.pack([tf.constant([1., 2.]), tf.constant([3., 4.])])
+        y = tf.reduce_sum(x * x) + 1.
+    parts = parallel.unpack(y)
+    assert [float(p) for p in parts] == [6., 26.]
+    assert [p.device.rsplit(":", 1)[-1] for p in parts] == ["0", "1"]
+    assert y.shape == () and y.dtype == tf.float32
+    assert "ParallelValue" in repr(y) and "CPU:1" in repr(y)
+
+
+def test_copy_on_broadcasts_and_device_ids(parallel):
+    with parallel:
+        y = tf.constant(2.) * tf.cast(parallel.device_ids, tf.float32)
+    assert [float(p) for p in parallel.unpack(y)] == [0., 2.]
+    with parallel:
+        same = tf.constant([1., 2.]) + 0.
+    assert_close(tf.get_static_value(same), [1., 2.])  # equal components: a static value
+
+
+def test_copy_off_is_an_error_explaining_unpack(parallel):
+    with parallel:
+        y = parallel.pack([tf.constant(1.), tf.constant(2.)])
+    with pytest.raises(oh.CopyOffError, match=r"unpack"):
+        y.numpy()
+    with pytest.raises(oh.CopyOffError, match=r"ParallelHandler"):
+        with tf.device("CPU:0"):
+            tf.identity(y)
+
+
+def test_pack_validates_its_inputs(parallel):
+    with pytest.raises(ValueError, match="3 tensors for 2 components"):
+        parallel.pack([tf.constant(1.)] * 3)
+
+
+def test_rfc_copies_and_their_gradients(parallel):
+    # RFC "Copies and their gradients": the gradient of component 1 of b is 0.
+    a = tf.constant(2.)
+    with parallel:
+        with oh.GradientTape() as tape:
+            tape.watch(a)
+            b = tf.fill(dims=[], value=3.)
+            tape.watch(b)
+            c = a * b
+            first_c = parallel.unpack(c)[0]
+    a_grad, b_grad = tape.gradient(first_c, [a, b])
+    assert oh.handler_of(a_grad) is None and float(a_grad) == 3.
+    assert [float(g) for g in parallel.unpack(b_grad)] == [2., 0.]
+
+
+def test_rfc_re_entering_a_merged_stack(parallel):
+    tape = oh.GradientTape()
+    with tape:
+        w = tf.constant(1.)
+        tape.watch(w)
+        x = tf.sin(w)
+    with parallel:
+        with tape:
+            y = tf.square(x)
+            y0, y1 = parallel.unpack(y)
+    with tape:
+        z = y0 + y1
+    assert_close(tape.gradient(z, w), 4. * np.sin(1.) * np.cos(1.), 1e-6)
+
+
+def test_pack_and_unpack_are_differentiable(parallel):
+    a, b = tf.constant(3.), tf.constant(4.)
+    with oh.GradientTape() as tape:
+        tape.watch([a, b])
+        with parallel:
+            x = parallel.pack([a, b])
+            y = x * x
+        total = tf.add_n(parallel.unpack(y))
+    assert [float(g) for g in tape.gradient(total, [a, b])] == [6., 8.]
+
+
+def test_all_reduce(parallel):
+    with parallel:
+        x = parallel.pack([tf.constant(1.), tf.constant(5.)])
+        total = parallel.all_reduce(x)
+    assert [float(p) for p in parallel.unpack(total)] == [6., 6.]
+
+
+def test_tf_function_runs_whole_on_each_component(parallel):
+    calls = []
+
+    @tf.function
+    def f(t):
+        calls.append(1)  # traced once
+        return tf.sin(t) * 2. + t
+
+    with parallel:
+        y = f(parallel.pack([tf.constant(0.5), tf.constant(1.5)]))
+        y = f(parallel.pack([tf.constant(0.5), tf.constant(1.5)]))
+    assert len(calls) == 1
+    assert_close([float(p) for p in parallel.unpack(y)],
+                 [np.sin(.5) * 2 + .5, np.sin(1.5) * 2 + 1.5], 1e-6)
+
+
+def test_variables_hold_one_buffer_per_component_and_checkpoint(parallel, tmp_path):
+    with parallel:
+        v = tf.Variable(1.)
+        v.assign_add(parallel.pack([tf.constant(0.5), tf.constant(1.5)]))
+    assert [float(p) for p in parallel.unpack(v.read_value())] == [1.5, 2.5]
+    ckpt = tf.train.Checkpoint(v=v)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    with parallel:
+        v.assign(parallel.pack([tf.constant(0.), tf.constant(0.)]))
+    ckpt.restore(path)
+    assert [float(p) for p in parallel.unpack(v.read_value())] == [1.5, 2.5]
+    names = [n for n, _ in tf.train.list_variables(path)]
+    assert any("component_1" in n for n in names)
+
+
+def test_data_parallel_keras_training_matches_single_device():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    y = (x @ rng.standard_normal((4, 1))).astype(np.float32)
+    parallel = oh.ParallelHandler(CPUS)
+    histories = []
+    for data_parallel in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        opt = keras.optimizers.SGD(0.05)
+        losses = []
+        for _ in range(5):
+            if data_parallel:
+                with parallel:
+                    with oh.GradientTape() as tape:
+                        xb = parallel.pack([x[:8], x[8:]])
+                        yb = parallel.pack([y[:8], y[8:]])
+                        loss = tf.reduce_sum((model(xb) - yb) ** 2) / 16.
+                    # The variables were broadcast (CopyOn); their gradients sum over
+                    # the components (CopyOnGrad): an all-reduce.
+                    grads = tape.gradient(loss, model.trainable_variables)
+                loss = tf.add_n(parallel.unpack(loss))
+            else:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum((model(x) - y) ** 2) / 16.
+                grads = tape.gradient(loss, model.trainable_variables)
+            assert all(oh.handler_of(g) is None for g in grads)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        histories.append(losses)
+    assert_close(histories[1], histories[0], 1e-5)
+    assert histories[1][-1] < histories[1][0]
+
+
+def test_a_tensor_of_another_parallel_handler_is_an_error():
+    p2, p1 = oh.ParallelHandler(CPUS), oh.ParallelHandler(["CPU:0"])
+    with p2:
+        x = p2.pack([tf.constant(1.), tf.constant(2.)])
+    with pytest.raises(oh.CopyOffError, match="ParallelHandler.*unpack"):
+        with p1:
+            x + 1.
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_REMOTE = r'''
+import socket, tensorflow as tf
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+cluster = tf.train.ClusterSpec({"worker": ["127.0.0.1:%d" % free_port() for _ in range(2)]})
+servers = [tf.distribute.Server(cluster, job_name="worker", task_index=i, start=True)
+           for i in range(2)]
+import tf_ophandlers as oh
+tf.config.experimental_connect_to_cluster(cluster)
+workers = ["/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)]
+parallel = oh.ParallelHandler(workers)
+w = tf.Variable([1., -1.])
+x = [tf.constant([1., 2.]), tf.constant([3., 4.])]
+with parallel:
+    with oh.GradientTape() as tape:
+        loss = tf.reduce_sum(w * parallel.pack(x)) ** 2
+    grad = tape.gradient(loss, w)
+print("devices", [t.device for t in parallel.unpack(loss)])
+print("grad", grad.numpy().tolist())
+'''
+
+
+def test_data_parallel_step_across_two_tensorflow_servers():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _REMOTE], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "task:0/device:CPU:0" in out and "task:1/device:CPU:0" in out
+    # loss_i = (w . x_i)^2 with w.x = -1 and -1: grad = sum_i 2 (w.x_i) x_i
+    assert "grad [-8.0, -12.0]" in out

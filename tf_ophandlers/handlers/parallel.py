@@ -1,0 +1,308 @@
+"""`ParallelHandler`: every op runs on several devices at once (the RFC's running
+parallel example; TensorFlow's experimental ParallelDevice is the prior art).
+
+The representation of a tensor is a `ParallelValue`: one tensor of the next stack per
+component device. An op placed on the handler runs once per component, on that
+component's device; a tensor copied on is broadcast (CopyOn), and the gradient of that
+broadcast sums the components back (CopyOnGrad), so a tape around or inside the handler
+gives data-parallel gradients. Copying a multi-component tensor off is an error: use
+`unpack`.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> parallel = oh.ParallelHandler(["CPU:0", "CPU:1"])   # two logical CPUs
+>>> with parallel:
+...     x = parallel.pack([tf.constant(1.), tf.constant(2.)])
+...     y = x * 10.
+>>> [float(t) for t in parallel.unpack(y)]
+[10.0, 20.0]
+
+Components are device names: logical devices of this process
+(`tf.config.set_logical_device_configuration`, configured before TensorFlow initializes)
+or devices of TensorFlow's distributed runtime (`/job:worker/replica:0/task:1/device:CPU:0`
+after `tf.config.experimental_connect_to_cluster`).
+"""
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import device_spec as _device_spec
+from tensorflow.python.framework import ops as _ops
+
+from tf_ophandlers import _C
+from tf_ophandlers.core import copies as _copies
+from tf_ophandlers.core import errors
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import OffStack, representation_of
+from tf_ophandlers.core.state import state as _state
+
+_stack_of = _C.stack_of
+_LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
+
+
+class ParallelValue:
+    """The handler's representation: one next-stack tensor per component device."""
+
+    __slots__ = ("components",)
+
+    def __init__(self, components):
+        self.components = tuple(components)
+
+    def __repr__(self):
+        return "ParallelValue(%r)" % (self.components,)
+
+
+def _full_device_name(name):
+    spec = _device_spec.DeviceSpecV2.from_string(name)
+    if spec.job is None:
+        spec = _LOCAL.make_merged_spec(spec)
+    if spec.device_type is None:
+        raise ValueError("oh.ParallelHandler: component %r names no device type" % name)
+    if spec.device_index is None:
+        spec = spec.replace(device_index=0)
+    return spec.to_string()
+
+
+_identity_ops = {}
+
+
+def _identity_op(dtype):
+    op = _identity_ops.get(dtype)
+    if op is None:
+        op = _identity_ops[dtype] = Op.create("Identity", T=dtype)
+    return op
+
+
+class _OnDevice:
+    """Sets the physical placement at the bottom of the stack (as tf.device does)."""
+
+    __slots__ = ("_device", "_saved")
+
+    def __init__(self, device):
+        self._device = device
+
+    def __enter__(self):
+        self._saved = _state.device
+        _state.device = self._device
+
+    def __exit__(self, *exc_info):
+        _state.device = self._saved
+        return False
+
+
+class ParallelHandler(OpHandler):
+    """Runs each op on every component device (`components`: device names)."""
+
+    transient = False  # variables created under it hold one buffer per component
+    returns_off_stack = True  # unpack's outputs are ordinary tensors
+    TYPE_NAME = "PARALLEL"
+
+    def __init__(self, components):
+        components = list(components)
+        if not components:
+            raise ValueError("oh.ParallelHandler: needs at least one component device")
+        self.components = tuple(_full_device_name(c) for c in components)
+        self._on = [_OnDevice(d) for d in self.components]
+
+    def debug_string(self):
+        return "ParallelHandler(%s)" % ", ".join(self.components)
+
+    # -- variables: one buffer per component, saved per component ------------------------
+
+    def scope_entered(self):
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth == 1:
+            self._creator_scope = tf.variable_creator_scope(self._variable_creator)
+            self._creator_scope.__enter__()
+
+    def scope_exited(self):
+        self._depth -= 1
+        if self._depth == 0:
+            scope, self._creator_scope = self._creator_scope, None
+            scope.__exit__(None, None, None)
+
+    def _variable_creator(self, next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        stack = _stack_of(variable.handle)
+        if stack is not None and any(h is self for h in stack.handlers):
+            # Checkpoints save and restore each component's buffer.
+            variable.__class__ = _parallel_variable_class(type(variable))
+            variable._oh_parallel = self  # pylint: disable=protected-access
+        return variable
+
+    @property
+    def device_ids(self):
+        """A tensor of this handler whose component i is i (int32)."""
+        return self.pack([tf.constant(i, tf.int32) for i in range(len(self.components))])
+
+    # -- handler-specific ops -------------------------------------------------------------
+
+    def _scope(self):
+        """This handler's scope: within the current one if it already contains us."""
+        if any(h is self for h in _state.current.handlers):
+            return _NullScope()
+        return _scope.handler(self)
+
+    def pack(self, tensors):
+        """One tensor of this handler whose component i is `tensors[i]` (differentiable)."""
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        if len(tensors) != len(self.components):
+            raise ValueError("oh.ParallelHandler.pack: got %d tensors for %d components"
+                             % (len(tensors), len(self.components)))
+        with self._scope():
+            return _copies._lib.parallel_pack(tensors)  # pylint: disable=protected-access
+
+    def unpack(self, tensor):
+        """The components of a tensor of this handler, as ordinary tensors."""
+        stack = _stack_of(tensor)
+        if stack is not None and any(h is self for h in stack.handlers):
+            # Runs where the tensor lives (re-entered within the current scope), so the
+            # handlers above this one (a tape) see the unpack too.
+            with _scope.handler(stack):
+                return _copies._lib.parallel_unpack(tensor, N=len(self.components))  # pylint: disable=protected-access
+        with self._scope():
+            return _copies._lib.parallel_unpack(tensor, N=len(self.components))  # pylint: disable=protected-access
+
+    def all_reduce(self, tensor):
+        """Sum over components, broadcast back to every component (differentiable)."""
+        parts = self.unpack(tensor)
+        total = tf.add_n(parts)
+        return self.pack([total] * len(self.components))
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def needs_copy(self, op, index):  # pylint: disable=method-hidden
+        return op.type != "ParallelPack"  # pack takes the per-component tensors as given
+
+    def value_dtype(self, value):
+        return value.components[0].dtype
+
+    def num_dims(self, value):
+        rank = value.components[0].shape.rank
+        return -1 if rank is None else rank
+
+    def dim(self, value, index):
+        d = value.components[0].shape[index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        # A value only if every component has the same static value (RFC).
+        values = [tf.get_static_value(c) for c in value.components]
+        if any(v is None for v in values):
+            return None
+        first = np.asarray(values[0])
+        return first if all(np.array_equal(first, v) for v in values[1:]) else None
+
+    def tensor_debug_string(self, value):
+        parts = []
+        for device, c in zip(self.components, value.components):
+            parts.append('"%s": %s' % (device.rsplit("/", 1)[-1], _ops.value_text(c) if
+                                       hasattr(c, "_id") else repr(c)))
+        return "ParallelValue({%s})" % ", ".join(parts)
+
+    def copy_on(self, tensor):
+        next_stack = _state.frames[-1].next
+        found, value = representation_of(self, tensor)
+        if found:  # ours, from an earlier merge or under transparent handlers above us
+            return ParallelValue(next_stack.copy_on(c) for c in value.components)
+        # A broadcast: one copy per component device.
+        op = _identity_op(tensor.dtype)
+        out = []
+        for on in self._on:
+            with on:
+                (c,) = next_stack.execute(op, [tensor])
+            out.append(c)
+        return ParallelValue(out)
+
+    def copy_on_grad(self, value, original_device):
+        # The gradient of a broadcast sums the components, on the original device.
+        next_stack = _state.frames[-1].next
+        op = Op.create("AddN", N=len(value.components), T=value.components[0].dtype)
+        with _OnDevice(original_device or self.components[0]):
+            (total,) = next_stack.execute(op, list(value.components))
+        return total
+
+    def copy_off(self, value, device):
+        raise errors.CopyOffError(
+            "oh.ParallelHandler: a tensor with %d components (one per device of %s) cannot "
+            "be copied off as one tensor; use parallel.unpack(t) to get the components"
+            % (len(value.components), ", ".join(self.components)))
+
+    def execute(self, op, inputs):
+        next_stack = _state.frames[-1].next
+        n = len(self.components)
+        if op.type == "ParallelPack":
+            out = []
+            for i, (on, t) in enumerate(zip(self._on, inputs)):
+                if isinstance(t, ParallelValue):  # already ours: its own component i
+                    out.append(t.components[i])
+                    continue
+                with on:
+                    (c,) = next_stack.execute(_identity_op(t.dtype), [t])
+                out.append(c)
+            return [ParallelValue(out)]
+        if op.type == "ParallelUnpack":
+            (value,) = inputs
+            return [OffStack(c) for c in value.components]
+        for v in inputs:
+            if len(v.components) != n:
+                raise errors.PlacementError(
+                    "oh.ParallelHandler: op %s got a tensor with %d components on a handler "
+                    "with %d" % (op.type, len(v.components), n))
+        per_device = []
+        for i, on in enumerate(self._on):
+            with on:
+                per_device.append(next_stack.execute(op, [v.components[i] for v in inputs]))
+        return [ParallelValue(outs) for outs in zip(*per_device)]
+
+
+_variable_classes = {}
+
+
+def _parallel_variable_class(base):
+    """`base` (a ResourceVariable class) saving one checkpoint entry per component."""
+    cls = _variable_classes.get(base)
+    if cls is not None:
+        return cls
+
+    def _serialize_to_tensors(self):
+        parts = self._oh_parallel.unpack(self.read_value())  # pylint: disable=protected-access
+        return {"component_%d" % i: t for i, t in enumerate(parts)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        parallel = self._oh_parallel  # pylint: disable=protected-access
+        parts = [restored_tensors["component_%d" % i] for i in range(len(parallel.components))]
+        return self.assign(parallel.pack(parts))
+
+    cls = type("Parallel" + base.__name__, (base,), {
+        "__doc__": "A variable of an oh.ParallelHandler: one buffer per component device.",
+        "_serialize_to_tensors": _serialize_to_tensors,
+        "_restore_from_tensors": _restore_from_tensors,
+    })
+    _variable_classes[base] = cls
+    return cls
+
+
+class _NullScope:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+@_ops.RegisterGradient("ParallelPack")
+def _parallel_pack_gradient(op, grad):
+    return _copies._lib.parallel_unpack(grad, N=op.get_attr("N"))  # pylint: disable=protected-access
+
+
+@_ops.RegisterGradient("ParallelUnpack")
+def _parallel_unpack_gradient(op, *grads):
+    grads = [tf.zeros_like(o) if g is None else g for o, g in zip(op.outputs, grads)]
+    # The gradients are ordinary tensors: pack them on the stack the forward input lived
+    # on (a tf.GradientTape may run this outside every scope).
+    stack = _stack_of(op.inputs[0])
+    if stack is None or all(any(h is c for c in _state.current.handlers)
+                            for h in stack.handlers):
+        return _copies._lib.parallel_pack(grads)  # pylint: disable=protected-access
+    with _scope.handler(stack):
+        return _copies._lib.parallel_pack(grads)  # pylint: disable=protected-access

@@ -13,6 +13,8 @@
 #include "tensorflow/c/eager/abstract_op_attrs.h"
 #include "tensorflow/c/eager/immediate_execution_operation.h"
 #include "tensorflow/c/eager/tfe_op_internal.h"
+#include "tensorflow/core/framework/attr_value.pb.h"
+#include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_def.pb.h"
 
 // Private symbols of lib_pywrap_tensorflow_common.so (TF 2.21; the Python package checks
@@ -166,22 +168,49 @@ void RaiseFromStatus(TF_Status* status) {
 bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
   const tensorflow::ImmediateExecutionOperation* iop = tensorflow::unwrap(op);
   const tensorflow::OpDef* def = iop->OpDef();
-  if (def == nullptr) return false;
+  if (def == nullptr) {
+    // TensorFlow leaves OpDef() unset for some ops (those with list inputs: AddN,
+    // ConcatV2, Pack, ...): ask the op registry. Not registered means a function call.
+    if (!tensorflow::OpRegistry::Global()->LookUpOpDef(iop->Name(), &def).ok()) return false;
+  }
   const tensorflow::AbstractOpAttrs* attrs = iop->GetOpAttrs();
+  // Attributes TensorFlow inferred from the inputs (the T and N of AddN, ConcatV2, Pack,
+  // ...) are not visible through the typed getters; read them from the full attr list.
+  tensorflow::NameAttrList all;
+  bool have_all = false;
+  auto lookup = [&](const std::string& name) -> const tensorflow::AttrValue* {
+    if (!have_all) {
+      attrs->GetNameAttrList(&all);
+      have_all = true;
+    }
+    auto it = all.attr().find(name);
+    return it == all.attr().end() ? nullptr : &it->second;
+  };
   for (const auto& arg : def->output_arg()) {
     int64_t n = 1;
-    if (!arg.number_attr().empty()) {
-      if (!attrs->GetInt(arg.number_attr(), &n)) return false;
+    if (!arg.number_attr().empty() && !attrs->GetInt(arg.number_attr(), &n)) {
+      const tensorflow::AttrValue* v = lookup(arg.number_attr());
+      if (v == nullptr || v->value_case() != tensorflow::AttrValue::kI) return false;
+      n = v->i();
     }
     if (arg.type() != tensorflow::DT_INVALID) {
       for (int64_t i = 0; i < n; ++i) dtypes->push_back(static_cast<TF_DataType>(arg.type()));
     } else if (!arg.type_attr().empty()) {
       tensorflow::DataType t;
-      if (!attrs->GetType(arg.type_attr(), &t)) return false;
+      if (!attrs->GetType(arg.type_attr(), &t)) {
+        const tensorflow::AttrValue* v = lookup(arg.type_attr());
+        if (v == nullptr || v->value_case() != tensorflow::AttrValue::kType) return false;
+        t = v->type();
+      }
       for (int64_t i = 0; i < n; ++i) dtypes->push_back(static_cast<TF_DataType>(t));
     } else if (!arg.type_list_attr().empty()) {
       absl::InlinedVector<tensorflow::DataType, 4> list;
-      if (!attrs->GetTypeList(arg.type_list_attr(), &list).ok()) return false;
+      if (!attrs->GetTypeList(arg.type_list_attr(), &list).ok()) {
+        const tensorflow::AttrValue* v = lookup(arg.type_list_attr());
+        if (v == nullptr) return false;
+        list.clear();
+        for (int t : v->list().type()) list.push_back(static_cast<tensorflow::DataType>(t));
+      }
       for (auto t : list) dtypes->push_back(static_cast<TF_DataType>(t));
     } else {
       return false;

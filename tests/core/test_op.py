@@ -96,3 +96,18 @@ def test_guide_autocast_handler_runs_matmul_in_bfloat16():
     assert y.dtype == tf.float32 and h.cast == 1
     assert_close(y, low)
     assert not np.allclose(y.numpy(), tf.matmul(a, a).numpy(), atol=1e-6)
+
+
+def test_replace_keeps_empty_list_attrs():
+    # Conv2D has explicit_paddings=[]: an empty list must stay a list attr.
+    x, k = tf.ones([1, 4, 4, 1]), tf.ones([2, 2, 1, 1])
+
+    class Replace(oh.OpHandler):
+        def execute(self, op, inputs):
+            if op.type == "Conv2D":
+                op = op.replace(use_cudnn_on_gpu=True)
+            return self.next.execute(op, inputs)
+
+    with Replace():
+        y = tf.nn.conv2d(x, k, 1, "VALID")
+    assert_close(y, tf.nn.conv2d(x, k, 1, "VALID"))

@@ -266,3 +266,37 @@ def test_variable_created_inside_does_not_keep_the_accumulator_alive():
     gc.collect()
     assert ref() is None
     assert_close(v, 2. * x.numpy())
+
+
+# -- regressions found in review ---------------------------------------------------------------
+
+def test_list_input_and_string_ops():
+    x = _rand(2)
+    (_, ref), (_, got) = _both(lambda a: tf.add_n([a, a * 2.]) + tf.concat([a, a], 0)[:2]
+                               + tf.stack([a, a])[0], [x], [tf.ones_like(x)])
+    _assert_same(ref, got)
+    with oh.ForwardAccumulator(x, tf.ones_like(x)):
+        tf.print(x, output_stream="file:///dev/null")  # a string op: no tangent, no error
+
+
+def test_a_freed_primal_does_not_give_its_tangent_to_new_tensors():
+    acc = oh.ForwardAccumulator(tf.constant([1., 2.]) * 3., tf.constant([100., 100.]))
+    with acc:
+        for _ in range(20):
+            y = tf.constant([0., 1.]) * 2. + 1.
+            assert acc.jvp(y) is None
+
+
+def test_complex_closed_forms_match_tensorflow():
+    c = tf.constant([1 + 2j, -0.5 + 1j], tf.complex64)
+    t = tf.constant([0.3 - 1j, 1 + 1j], tf.complex64)
+    (_, ref), (_, got) = _both(lambda a: tf.sqrt(a) + tf.math.rsqrt(a) + tf.math.reciprocal(a)
+                               + tf.tanh(a), [c], [t])
+    _assert_same(ref, got)
+
+
+def test_diag_part_padding_has_no_tangent():
+    x = _rand(2, 3)
+    (_, ref), (_, got) = _both(lambda a: tf.linalg.diag_part(a, k=(-1, 1), padding_value=5.),
+                               [x], [tf.ones([2, 3])])
+    _assert_same(ref, got)

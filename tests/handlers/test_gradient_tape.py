@@ -677,3 +677,61 @@ def test_persistent_tape_with_custom_gradient_is_freed_after_reset():
     del tape, y
     gc.collect()
     assert ref() is None
+
+
+# -- regressions found in review ---------------------------------------------------------------
+
+def test_source_upstream_of_another_source():
+    x = tf.constant([[1., 2., 3.]])
+    results = []
+    for tape_type in (tf.GradientTape, oh.GradientTape):
+        with tape_type() as tape:
+            tape.watch(x)
+            y = x * x
+            z = tf.reduce_sum(tf.sin(y))
+        results.append(tape.gradient(z, [y, x]))
+    _assert_same_gradients(*results)
+
+
+def test_non_persistent_tape_is_fresh_when_re_entered():
+    x = tf.constant(2.)
+    tape = oh.GradientTape()
+    with tape:
+        tape.watch(x)
+        y = x * x
+    assert float(tape.gradient(y, x)) == 4.
+    with tape:
+        tape.watch(x)
+        y = x * x * x
+    assert float(tape.gradient(y, x)) == 12.
+
+
+def test_failed_gradient_inside_the_scope_can_be_retried():
+    @tf.custom_gradient
+    def flaky(x):
+        calls = []
+
+        def grad(dy):
+            calls.append(1)
+            if len(calls) == 1:
+                raise ValueError("first call fails")
+            return dy * 3.
+        return tf.identity(x), grad
+
+    x = tf.constant(1.)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        y = flaky(x)
+        with pytest.raises(ValueError, match="first call fails"):
+            tape.gradient(y, x)
+        assert float(tape.gradient(y, x)) == 3.
+
+
+def test_gradient_through_a_forward_accumulator_inside():
+    # (tf.GradientTape around tf.autodiff.ForwardAccumulator returns None here.)
+    x = tf.constant([1., 2.])
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with oh.ForwardAccumulator(x, tf.ones_like(x)):
+            y = tf.reduce_sum(tf.sin(x) * x)
+    assert_close(tape.gradient(y, x), np.cos(x.numpy()) * x.numpy() + np.sin(x.numpy()), 1e-6)

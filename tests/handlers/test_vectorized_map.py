@@ -202,3 +202,37 @@ def test_tape_outside_differentiates_through_the_map():
         ref = tf.reduce_sum(tf.map_fn(lambda e: tf.reduce_sum(tf.sin(e) * tf.cumsum(e)), x))
     assert_close(total, ref, 1e-5)
     assert_close(tape.gradient(total, x), ref_tape.gradient(ref, x), 1e-5)
+
+
+# -- regressions found in review ---------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [
+    lambda r: tf.squeeze(r),
+    lambda r: tf.argmax(r) + tf.argmin(r, axis=-1),
+    lambda r: tf.nn.bias_add(tf.reshape(r, [1, 3, 1, 1]), W[0], data_format="NCHW"),
+    lambda r: tf.nn.bias_add(W[:2, :3], r),
+], ids=["squeeze", "argmax", "bias_add_nchw", "bias_add_batched_bias"])
+def test_ops_fixed_in_review(fn):
+    x = _rand(4, 3)
+    got = oh.vectorized_map(fn, x)
+    assert_close(got, tf.stack([fn(e) for e in x]), 1e-6)
+
+
+def test_complex_matmul_with_transposes():
+    c = tf.complex(_rand(4, 3, 3), _rand(4, 3, 3))
+    m = tf.complex(_rand(3, 3), _rand(3, 3))
+    for kw in ({"transpose_a": True}, {"adjoint_b": True}):
+        fn = lambda a: tf.matmul(a, m, **kw)  # noqa: E731
+        assert_close(oh.vectorized_map(fn, c), tf.stack([fn(e) for e in c]), 1e-5)
+
+
+def test_random_ops_draw_per_example():
+    d = oh.vectorized_map(lambda r: tf.nn.dropout(r, 0.5) + tf.random.normal([3]),
+                          tf.ones([4, 3]))
+    assert d.shape == (4, 3)
+    assert not bool(tf.reduce_all(d[0] == d[1]))
+
+
+def test_scalar_elems_are_refused():
+    with pytest.raises(ValueError, match="leading"):
+        oh.vectorized_map(lambda a: a, tf.constant(1.))

@@ -49,6 +49,7 @@ def _encode(attr_type, value):
         return value
     if attr_type.startswith("list("):
         inner = attr_type[5:-1]
+        out.list.SetInParent()  # an empty list is still a list
         for v in value:
             _encode_into(out.list, inner, v, repeated=True)
     else:

@@ -55,7 +55,15 @@ def representation_of(handler, tensor):
         if stack.handler is handler:
             return True, value
         if _C.stack_of(value) is None and not _is_tensor(value):
-            return False, tensor  # a handler above has a non-tensor representation
+            # A handler above with its own representation (a forward accumulator's
+            # primal and tangent): step down through its copy_off, which gives the
+            # tensor of the next stack, or give up if it refuses.
+            try:
+                value = stack._call(stack.handler.copy_off, value, "")  # pylint: disable=protected-access
+            except Exception:  # pylint: disable=broad-except
+                return False, tensor
+            if not _is_tensor(value):
+                return False, tensor
         tensor = value
 
 

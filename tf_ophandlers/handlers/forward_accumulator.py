@@ -180,12 +180,15 @@ for _name in ("Neg", "Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"
               "SplitV", "Slice", "StridedSlice", "GatherV2", "GatherNd", "Tile", "Pad",
               "MirrorPad", "Sum", "Mean", "BroadcastTo", "ReverseV2", "Cumsum", "CopyOn",
               "CopyOnGrad", "CopyOff", "CopyOffGrad", "Real", "Imag", "Conj",
-              "MatrixTranspose", "SpaceToDepth", "DepthToSpace", "MatrixDiagPartV3",
-              "DiagPart", "EnsureShape", "CheckNumerics", "CheckNumericsV2"):
+              "MatrixTranspose", "SpaceToDepth", "DepthToSpace", "DiagPart", "EnsureShape", "CheckNumerics", "CheckNumericsV2"):
     _RULES[_name] = _linear((0,))
 for _name in ("AddN", "Pack", "ConcatV2", "BiasAdd", "IdentityN"):
     _RULES[_name] = _linear("float")
 _RULES["Split"] = _linear((1,))
+# Rules that use TensorFlow's *Grad kernels, which conjugate complex inputs.
+_REAL_ONLY = frozenset(_RULES[n] for n in (
+    "Tanh", "Sigmoid", "Relu", "Relu6", "Softplus", "Sqrt", "Rsqrt", "Reciprocal"))
+_COMPLEX_ENUMS = frozenset((tf.complex64.as_datatype_enum, tf.complex128.as_datatype_enum))
 _RULES["Fill"] = _linear((1,))
 _RULES["ScatterNd"] = _linear((1,))
 
@@ -239,7 +242,7 @@ class ForwardAccumulator(OpHandler):
 
     def __init__(self, primals, tangents):
         nest.assert_same_structure(primals, tangents)
-        self._watched = {}  # tensor key -> tangent
+        self._watched = {}  # tensor key -> (primal, tangent)
         self._depth = 0
         self._live = False
         seen = set()
@@ -271,7 +274,8 @@ class ForwardAccumulator(OpHandler):
             return
         key = _key(primal)
         old = self._watched.get(key)
-        self._watched[key] = tangent if old is None else old + tangent
+        # The primal is kept with its tangent: the key (its handle) must not be reused.
+        self._watched[key] = (primal, tangent if old is None else old[1] + tangent)
 
     # -- scopes ---------------------------------------------------------------------------
 
@@ -319,7 +323,8 @@ class ForwardAccumulator(OpHandler):
             tangent = dual.tangent
             return Dual(next_stack.copy_on(dual.primal),
                         None if tangent is None else next_stack.copy_on(tangent))
-        return Dual(next_stack.copy_on(tensor), self._watched.get(_key(tensor)))
+        watched = self._watched.get(_key(tensor))
+        return Dual(next_stack.copy_on(tensor), None if watched is None else watched[1])
 
     def copy_off(self, value, device):
         return value.primal
@@ -333,8 +338,12 @@ class ForwardAccumulator(OpHandler):
         primals = [d.primal for d in inputs]
         outputs = next_stack.execute(op, primals)
         tangents = [d.tangent for d in inputs]
-        if self._live and any(t is not None for t in tangents):
+        if self._live and any(t is not None for t in tangents) and any(
+                o._datatype_enum() in _FLOAT_ENUMS for o in outputs):  # pylint: disable=protected-access
             rule = _RULES.get(op.type, _tensorflow_jvp)
+            if rule in _REAL_ONLY and any(p._datatype_enum() in _COMPLEX_ENUMS  # pylint: disable=protected-access
+                                          for p in primals):
+                rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
             out_tangents = rule(next_stack.execute, op, primals, tangents, outputs)
             if out_tangents is None:
                 out_tangents = [None] * len(outputs)
@@ -363,7 +372,11 @@ class ForwardAccumulator(OpHandler):
         def fetch(tensor):
             target = tensor.handle if hasattr(tensor, "handle") else tensor
             found, value = representation_of(self, target)
-            tangent = value.tangent if found else self._watched.get(_key(target))
+            if found:
+                tangent = value.tangent
+            else:
+                watched = self._watched.get(_key(target))
+                tangent = None if watched is None else watched[1]
             if tangent is None and unconnected is UnconnectedGradients.ZERO:
                 tangent = tf.zeros_like(tensor)
             return tangent

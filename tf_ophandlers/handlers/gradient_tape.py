@@ -137,12 +137,14 @@ class GradientTape(OpHandler):
         self._depth = 0  # open scopes of this tape
         self._paused = 0  # stop_recording() scopes
         self._used = False  # a non-persistent tape after its one gradient call
-        self._live = False  # recording: inside a scope, not paused, not used
+        self._stopped = False  # a non-persistent tape asked for gradients in its scope
+        self._live = False  # recording: inside a scope, not paused, stopped or used
         self._watcher = None  # TensorFlow's variable watcher while a scope is open
         self._clear()
 
     def _update_live(self):
-        self._live = self._depth > 0 and not self._paused and not self._used
+        self._live = (self._depth > 0 and not self._paused and not self._used
+                      and not self._stopped)
 
     def _clear(self):
         self._producer = {}  # _key(tensor) -> _Record that produced it
@@ -165,6 +167,11 @@ class GradientTape(OpHandler):
         return super().__enter__()
 
     def scope_entered(self):
+        if self._depth == 0:
+            if self._used:
+                self._clear()  # as tf.GradientTape: re-entering starts a fresh tape
+                self._used = False
+            self._stopped = False
         self._depth += 1
         self._update_live()
         if self._depth == 1 and self._watch_accessed_variables:
@@ -210,6 +217,7 @@ class GradientTape(OpHandler):
         """Clears everything recorded; recording continues if inside the tape's scope."""
         self._clear()
         self._used = False
+        self._stopped = False
         self._update_live()
 
     # -- the handler ----------------------------------------------------------------------
@@ -382,8 +390,8 @@ class GradientTape(OpHandler):
         if self._recording() and not self._persistent:
             # As tf.GradientTape: a non-persistent tape stops recording when asked for
             # gradients inside its scope; a persistent one records the gradient ops too
-            # (for higher-order gradients).
-            self._used = True
+            # (for higher-order gradients). A failed gradient call may be retried.
+            self._stopped = True
             self._update_live()
 
     def _release_if_non_persistent(self):
@@ -409,7 +417,7 @@ class GradientTape(OpHandler):
                 continue
             seen.add(i)
             record = producer.get(i)
-            if record is not None and i not in source_ids and record.seq not in needed:
+            if record is not None and record.seq not in needed:
                 needed[record.seq] = record
                 pending.extend(_key(x) for x in record.inputs)
         live = set(source_ids)

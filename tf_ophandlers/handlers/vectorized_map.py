@@ -125,6 +125,8 @@ def _matmul(handler, execute, op, inputs):
     if _rank(a) != 2 or _rank(b) != 2:
         return None
     attrs = op.attrs
+    if attrs["T"].is_complex and (attrs["transpose_a"] or attrs["transpose_b"]):
+        return None  # BatchMatMul's adj_x/adj_y would also conjugate: leave it to pfor
     if a.batched and not b.batched and not attrs["transpose_a"]:
         # [B, m, k] @ [k, n]: one MatMul on [B*m, k] (much faster than a broadcast
         # batched matmul), as pfor's converter does.
@@ -156,7 +158,10 @@ def _reduction(handler, execute, op, inputs):
     axes = _static(axis.value)
     if axes is None:
         return None
-    shifted = tf.constant(_shift_axes(axes, _rank(x)), dtype=axis.value.dtype)
+    shifted = _shift_axes(axes, _rank(x))
+    if axes.ndim == 0:
+        shifted = shifted[0]  # ArgMax/ArgMin take a scalar axis
+    shifted = tf.constant(shifted, dtype=axis.value.dtype)
     return [Batched(o, True) for o in execute(op, [x.value, shifted])]
 
 
@@ -200,6 +205,8 @@ def _squeeze(handler, execute, op, inputs):
         if not shape.is_fully_defined():
             return None
         dims = [i for i, d in enumerate(shape) if d == 1]
+        if not dims:
+            return [Batched(x.value, True)]  # nothing to squeeze (never the batch axis)
     new = op.replace(squeeze_dims=[int(d) % rank + 1 for d in dims])
     return [Batched(o, True) for o in execute(new, [x.value])]
 
@@ -297,6 +304,22 @@ def _last_axis(handler, execute, op, inputs):
     return [Batched(o, True) for o in execute(op, [x.value])]
 
 
+def _bias_add(handler, execute, op, inputs):
+    value, bias = inputs
+    if bias.batched or op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC"):
+        return None  # pfor
+    return [Batched(o, True) for o in execute(op, [value.value, bias.value])]
+
+
+def _random(handler, execute, op, inputs):
+    """A stateful random op inside the map draws independently for every example."""
+    shape = _static(inputs[0].value)
+    if inputs[0].batched or shape is None:
+        return None
+    new_shape = tf.constant(np.concatenate([[handler.size], shape]).astype(shape.dtype))
+    return [Batched(o, True) for o in execute(op, [new_shape] + [b.value for b in inputs[1:]])]
+
+
 def _bias_add_grad(handler, execute, op, inputs):
     (x,) = inputs
     if op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC") or x.value.shape.rank is None:
@@ -309,7 +332,7 @@ _BROADCASTING = (
     "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
     "Pow", "SquaredDifference", "FloorDiv", "FloorMod", "Greater", "GreaterEqual", "Less",
     "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Atan2",
-    "MulNoNan", "Xdivy", "Xlogy", "BiasAdd",
+    "MulNoNan", "Xdivy", "Xlogy",
     # unary
     "Neg", "Exp", "Log", "Log1p", "Expm1", "Sin", "Cos", "Tan", "Tanh", "Sigmoid", "Relu",
     "Relu6", "Elu", "Selu", "Softplus", "Softsign", "Sqrt", "Rsqrt", "Square", "Abs", "Sign",
@@ -323,6 +346,11 @@ _RULES = {name: _elementwise for name in _BROADCASTING}
 _RULES.update({name: _same_shape for name in (
     "ReluGrad", "Relu6Grad", "TanhGrad", "SigmoidGrad", "SoftplusGrad", "SqrtGrad",
     "RsqrtGrad", "ReciprocalGrad", "EluGrad", "SeluGrad", "LeakyReluGrad", "AddN")})
+# Stateful random ops whose first input is the output shape: they run even without a
+# batched input, one draw per example.
+_RANDOM = frozenset(("RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+                     "RandomUniformInt"))
+_RULES.update({name: _random for name in _RANDOM})
 _RULES.update({name: _reduction for name in (
     "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin")})
 _RULES.update({
@@ -330,7 +358,7 @@ _RULES.update({
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "ConcatV2": _concat, "Pack": _pack, "Shape": _shape,
     "Rank": _rank_op, "GatherV2": _gather, "Softmax": _last_axis, "LogSoftmax": _last_axis,
-    "BiasAddGrad": _bias_add_grad, "StridedSlice": _strided_slice,
+    "BiasAddGrad": _bias_add_grad, "StridedSlice": _strided_slice, "BiasAdd": _bias_add,
     "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
 })
 
@@ -396,7 +424,16 @@ def _converted_by_pfor(handler, execute, op, inputs):
         _converted[key] = fn
     if fn is None:
         return None
-    outs = fn(*[b.value for b in inputs])
+    try:
+        outs = fn(*[b.value for b in inputs])
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+        # Some converted graphs fail only when run; use the loop from now on.
+        _converted[key] = None
+        if op.type not in _warned:
+            _warned.add(op.type)
+            _log.warning("oh.vectorized_map: the pfor conversion of op %s failed (%s); it "
+                         "runs once per example", op.type, str(e).splitlines()[0][:200])
+        return None
     return [Batched(o, True) for o in nest.flatten(outs)]
 
 
@@ -471,7 +508,7 @@ class VectorizedMap(OpHandler):
     def execute(self, op, inputs):
         next_stack = _state.frames[-1].next
         execute = next_stack.execute
-        if not any(b.batched for b in inputs):
+        if not any(b.batched for b in inputs) and op.type not in _RANDOM:
             outputs = execute(op, [b.value for b in inputs])
         else:
             result = None
@@ -504,6 +541,9 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
     flat = [tf.convert_to_tensor(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
+    if any(e.shape.rank == 0 for e in flat):
+        raise ValueError("oh.vectorized_map: elems must have a leading (batch) dimension, "
+                         "got a scalar")
     sizes = {int(e.shape[0]) for e in flat if e.shape.rank and e.shape[0] is not None}
     if len(sizes) != 1:
         raise ValueError("oh.vectorized_map: elems need one static leading dimension, got "

@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/gradient_tape.py
 	$(VPY) benchmarks/forward_accumulator.py
 	$(VPY) benchmarks/vectorized_map.py
+	$(VPY) benchmarks/parallel.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

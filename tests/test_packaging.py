@@ -62,3 +62,14 @@ def test_vectorized_map_benchmark_quick_run(tmp_path):
     text = out.read_text()
     assert "<!-- vectorized_map:begin -->" in text and "time / oh" in text
     assert "per-example-grads" in text and "forward-batch" in text
+
+
+def test_parallel_benchmark_quick_run(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel.py"),
+                           "--quick", "--rounds", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- parallel:begin -->" in text and "ratio to ParallelDevice" in text
+    assert "per-op" in text and "mlp-step" in text and "MirroredStrategy" in text

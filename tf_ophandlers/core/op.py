@@ -6,6 +6,8 @@ backed by the C++ boundary (`cc/dispatcher.h`): during a dispatcher callback it 
 TensorFlow's op, and it keeps its own copy of the attributes only if a handler holds on
 to it, so forwarding an op costs nothing for its attributes.
 """
+import types
+
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import tensor_shape_pb2
 from tensorflow.python.framework import dtypes as _dtypes
@@ -95,6 +97,9 @@ def _encode_into(msg, attr_type, v, repeated):
         raise TypeError("tf_ophandlers.Op: cannot encode attr of type %r" % attr_type)
 
 
+_decoded = {}  # serialized attrs -> read-only decoded attrs
+
+
 class Op(_C.OpBase):
     """One operation to execute: `type`, `attrs`, `num_outputs`, `output_dtypes`.
 
@@ -120,11 +125,19 @@ class Op(_C.OpBase):
 
     @property
     def attrs(self):
-        """The op's attributes as a dict of Python values (dtypes as tf.DType)."""
+        """The op's attributes, read-only, as Python values (dtypes as tf.DType)."""
         cached = self.__dict__.get("_attrs")
         if cached is None:
-            proto = attr_value_pb2.NameAttrList.FromString(self._attrs_proto())
-            cached = {k: _decode(v) for k, v in proto.attr.items()}
+            # Decoded attributes are shared between ops with the same attributes (a
+            # training loop runs the same few ops over and over): parsing is the cost.
+            raw = self._attrs_proto()
+            cached = _decoded.get(raw)
+            if cached is None:
+                proto = attr_value_pb2.NameAttrList.FromString(raw)
+                cached = types.MappingProxyType({k: _decode(v) for k, v in proto.attr.items()})
+                if len(_decoded) > 4096:
+                    _decoded.clear()
+                _decoded[raw] = cached
             self.__dict__["_attrs"] = cached
         return cached
 

@@ -97,12 +97,24 @@ def _raw_attr(value):
     return value
 
 
+_attr_tuples = {}  # id of an op's (shared, read-only) decoded attrs -> (attrs, tuple)
+
+
 def _attr_tuple(op):
+    """The op's attrs as TensorFlow's eager tape stores them: (name, value, ...)."""
+    attrs = op.attrs
+    hit = _attr_tuples.get(id(attrs))
+    if hit is not None and hit[0] is attrs:
+        return hit[1]
     flat = []
-    for name, value in op.attrs.items():
+    for name, value in attrs.items():
         flat.append(name)
         flat.append(_raw_attr(value))
-    return tuple(flat)
+    flat = tuple(flat)
+    if len(_attr_tuples) > 4096:
+        _attr_tuples.clear()
+    _attr_tuples[id(attrs)] = (attrs, flat)
+    return flat
 
 
 def _active_tapes():

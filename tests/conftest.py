@@ -46,3 +46,18 @@ def _no_scope_leaks():
 
 def assert_close(a, b, tol=1e-6):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def assert_same_tensors(ref, got, tol=1e-5):
+    """`got` matches the reference structure `ref`: None where it is None, else the same
+    dtype, shape and values (IndexedSlices are compared dense)."""
+    ref, got = tf.nest.flatten(ref), tf.nest.flatten(got)
+    assert len(ref) == len(got)
+    for r, g in zip(ref, got):
+        if r is None:
+            assert g is None
+            continue
+        assert g is not None
+        r, g = tf.convert_to_tensor(r), tf.convert_to_tensor(g)
+        assert r.dtype == g.dtype and r.shape == g.shape
+        assert_close(g, r, tol)

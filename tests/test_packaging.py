@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
     [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -19,57 +21,25 @@ def test_other_tensorflow_version_is_refused_with_a_clear_message():
     assert "supports TensorFlow 2.21.x only" in proc.stderr and "2.20.1" in proc.stderr
 
 
-def test_overhead_benchmark_quick_run(tmp_path):
+# Each benchmark script's smoke run: (script, extra options, strings its section contains).
+BENCHMARKS = [
+    ("overhead", [], ["ratio to plain"]),
+    ("gradient_tape", [], ["ratio to tf.GradientTape", "keras-mlp-step", "chain-100"]),
+    ("forward_accumulator", [], ["speedup (tf / this)", "add-per-op", "mlp-hvp", "chain-50"]),
+    ("vectorized_map", ["--rounds", "2"], ["time / oh", "per-example-grads", "forward-batch"]),
+    ("parallel", ["--rounds", "2"], ["ratio to ParallelDevice", "per-op", "mlp-step",
+                                     "MirroredStrategy"]),
+]
+
+
+@pytest.mark.parametrize("name,options,expected", BENCHMARKS, ids=[b[0] for b in BENCHMARKS])
+def test_benchmark_quick_run(tmp_path, name, options, expected):
     out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600,
-                          env=ENV, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / ("%s.py" % name)),
+                           "--quick", *options, "--out", str(out)], capture_output=True,
+                          text=True, timeout=600, env=ENV, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = out.read_text()
-    assert "<!-- overhead:begin -->" in text and "ratio to plain" in text
-
-
-
-def test_gradient_tape_benchmark_quick_run(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gradient_tape.py"),
-                           "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600, env=ENV, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
-    assert "<!-- gradient_tape:begin -->" in text and "ratio to tf.GradientTape" in text
-    assert "keras-mlp-step" in text and "chain-100" in text
-
-
-def test_forward_accumulator_benchmark_quick_run(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable,
-                           str(ROOT / "benchmarks" / "forward_accumulator.py"),
-                           "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600, env=ENV, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
-    assert "<!-- forward_accumulator:begin -->" in text and "speedup (tf / this)" in text
-    assert "add-per-op" in text and "mlp-hvp" in text and "chain-50" in text
-
-
-def test_vectorized_map_benchmark_quick_run(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vectorized_map.py"),
-                           "--quick", "--rounds", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
-    assert "<!-- vectorized_map:begin -->" in text and "time / oh" in text
-    assert "per-example-grads" in text and "forward-batch" in text
-
-
-def test_parallel_benchmark_quick_run(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel.py"),
-                           "--quick", "--rounds", "2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
-    assert "<!-- parallel:begin -->" in text and "ratio to ParallelDevice" in text
-    assert "per-op" in text and "mlp-step" in text and "MirroredStrategy" in text
+    assert "<!-- %s:begin -->" % name in text
+    for s in expected:
+        assert s in text, s

@@ -1,8 +1,10 @@
 """Small helpers shared by the benchmark scripts (timing, machine info, docs sections)."""
+import argparse
 import datetime
 import gc
 import os
 import platform
+import random
 import re
 import statistics
 import sys
@@ -40,6 +42,54 @@ def time_per_call(fn, n):
     return elapsed / n
 
 
+def warm_time(fn, warmup, n):
+    """`warmup` untimed calls of `fn()`, then its seconds per call over `n` calls."""
+    for _ in range(warmup):
+        fn()
+    return time_per_call(fn, n)
+
+
+def run_rounds(configs, rounds, n_of, run=None, seed=0):
+    """The interleaved measurement every script uses.
+
+    A warm-up pass runs each configuration once with `max(1, n // 5)` calls (untimed),
+    then each of `rounds` rounds runs every configuration once, in an order shuffled
+    afresh every round (`random.Random(seed)`), appending the seconds per call returned
+    by `run(cfg, n)` (default `cfg.run(n)`) to `cfg.times`; `n = n_of(cfg)`. Reports
+    each finished round on stderr.
+    """
+    if run is None:
+        def run(cfg, n):
+            return cfg.run(n)
+    for cfg in configs:  # warm-up: one untimed pass per configuration
+        run(cfg, max(1, n_of(cfg) // 5))
+    rng = random.Random(seed)
+    for r in range(rounds):
+        order = list(configs)
+        rng.shuffle(order)
+        for cfg in order:
+            cfg.times.append(run(cfg, n_of(cfg)))
+        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+
+
+def measure_under_load(info, measure, freeze=False):
+    """Returns `measure()`, storing in `info["other"]` the CPU cores other processes used
+    meanwhile ("n/a" if unknown).
+
+    With `freeze`, the objects alive after setup (TensorFlow's included) are first moved
+    out of the collector's view (`gc.collect(); gc.freeze()`), so the full
+    `gc.collect()` before every timed batch takes microseconds instead of ~0.15 s.
+    """
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    other = OtherLoad()
+    result = measure()
+    cores = other.cores()
+    info["other"] = "n/a" if cores is None else "%.2f" % cores
+    return result
+
+
 def median(xs):
     return statistics.median(xs)
 
@@ -50,6 +100,18 @@ def quartiles(xs):
         return xs[0], xs[0]
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return q[0], q[2]
+
+
+def stats(ts, key="t"):
+    """Summary of per-round times: median (under `key`), quartiles, best, the rounds."""
+    q1, q3 = quartiles(ts)
+    return {key: median(ts), "q1": q1, "q3": q3, "min": min(ts), "rounds": ts}
+
+
+def round_ratio_quartiles(num, den):
+    """Quartiles of the same-round ratios num / den (lists of per-round times): the
+    spread of a ratio, each round's disturbance hitting both sides alike."""
+    return quartiles([a / b for a, b in zip(num, den)])
 
 
 def machine_info():
@@ -135,3 +197,151 @@ def md_table(header, rows):
              "|" + "|".join("---:" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# -- command line -----------------------------------------------------------------------
+
+def parse_args(argv, doc, section, rounds, counts, what="calls", quick_s=30):
+    """Parses the options every script has plus its per-round counts.
+
+    `--quick`, `--out` (plot written next to it as `<section>.png`), `--rounds`
+    (`rounds` = (default, quick)) and one `--NAME` per `counts` entry
+    (`NAME, help, default, quick`). Unset values get their default, or with `--quick`
+    their quick value.
+    """
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: fewer %s and rounds (< %d s, noisy)" % (what, quick_s))
+    p.add_argument("--out", default=DEFAULT_MD,
+                   help="markdown file to update (default: docs/benchmarks.md); the plot "
+                        "is written next to it as %s.png" % section)
+    p.add_argument("--rounds", type=int, help="rounds (default %d, quick %d)" % rounds)
+    for name, text, full, quick in counts:
+        p.add_argument("--" + name, type=int,
+                       help="%s (default %d, quick %d)" % (text, full, quick))
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (rounds[1] if args.quick else rounds[0])
+    for name, _, full, quick in counts:
+        dest = name.replace("-", "_")
+        setattr(args, dest, getattr(args, dest) or (quick if args.quick else full))
+    return args
+
+
+# -- the markdown section ---------------------------------------------------------------
+
+def verdict(ok):
+    return "**PASS**" if ok else "**MISS**"
+
+
+def intro_md(title, quick, method, machine, image, per="calls"):
+    """Lines of a section's start: heading, quick-run note, Method, Machine, plot."""
+    L = ["## " + title, ""]
+    if quick:
+        L += ["> **Quick (smoke) run**: few %s per round, numbers are noisy and not "
+              "representative. Rerun without `--quick` for the real measurement." % per, ""]
+    return L + ["**Method.** " + method, "", machine, "", image, ""]
+
+
+def machine_md(info, nconfigs, elapsed, devices="CPU, eager"):
+    """The **Machine.** paragraph (Keras's version too if `info` has it)."""
+    return ("**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
+            "TensorFlow %(tensorflow)s" % info
+            + (", Keras %s" % info["keras"] if "keras" in info else "")
+            + " (%s). Other processes (and VM steal) used %s CPU cores on average during "
+            "the measurement; load there widens the ranges." % (devices, info["other"])
+            + " Run on %s; %d configurations, %.0f s total." % (info["date"], nconfigs,
+                                                              elapsed))
+
+
+def image_md(alt, png_name, plotted):
+    """The plot's markdown, or a note that it was not written."""
+    if plotted:
+        return "![%s](%s)" % (alt, png_name)
+    return "(plot not written: matplotlib is not installed)"
+
+
+def case_md(heading, desc, header, rows, after=()):
+    """Lines of one case: `### heading`, description, table (and `after` paragraphs)."""
+    L = ["### " + heading, "", desc, "", md_table(header, rows), ""]
+    for text in after:
+        L += [text, ""]
+    return L
+
+
+def targets_md(bullets, script, quick, png_name, plural=False, scope=""):
+    """Lines of a section's end: the Target(s) list, how to read verdicts, how to rerun."""
+    s = "s" if plural else ""
+    return [
+        "### Target" + s, "",
+        "Target%s of the issue%s, checked against this run's medians (not tuned):"
+        % (s, scope), "",
+    ] + list(bullets) + [
+        "",
+        ("The verdicts compare the medians with the targets as measured; "
+         if plural else "The verdict compares the medians with the target as measured; ")
+        + "the best-round figures are context only. When other processes load the "
+        "machine (see *Machine*), rerun on an idle machine before reading a MISS as a "
+        "regression.",
+        "",
+        "Reproduce: `python benchmarks/%s.py%s` (writes this section and `%s`)."
+        % (script, " --quick" if quick else "", png_name),
+    ]
+
+
+# -- output -----------------------------------------------------------------------------
+
+def plot_or_skip(draw, path):
+    """Calls `draw(plt)` (returns the figure; its caller sets everything but the layout)
+    and saves the figure to `path`; without matplotlib, says so on stderr and returns
+    False."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written", file=sys.stderr)
+        return False
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def publish(out, section, draw, render):
+    """Writes the plot `<section>.png` next to `out` (see `plot_or_skip`), then the
+    section `render(png_name, plotted)` returns as (body, result) into `out`.
+    Returns (result, the plot's path or None)."""
+    png_name = section + ".png"
+    png_path = os.path.join(os.path.dirname(os.path.abspath(out)), png_name)
+    os.makedirs(os.path.dirname(png_path), exist_ok=True)
+    plotted = plot_or_skip(draw, png_path)
+    body, result = render(png_name, plotted)
+    write_section(out, section, body)
+    return result, (png_path if plotted else None)
+
+
+def print_wrote(out, png_path, elapsed):
+    print("wrote %s%s (%.0f s)" % (out, " and " + png_path if png_path else "", elapsed))
+
+
+# -- plots ------------------------------------------------------------------------------
+
+def iqr_err(ss, key="t"):
+    """`yerr` from each `stats` dict's median (under `key`) down to q1 and up to q3."""
+    return spread([s[key] for s in ss], [(s["q1"], s["q3"]) for s in ss])
+
+
+def spread(vals, qs):
+    """`yerr` from each value down to / up to its (low, high) pair, clamped at 0."""
+    return [[max(0.0, v - q[0]) for v, q in zip(vals, qs)],
+            [max(0.0, q[1] - v) for v, q in zip(vals, qs)]]
+
+
+def label_bars(ax, xs, tops, texts, fontsize=8, boxed=False):
+    """Writes `texts` just above the bars at `xs`, whose tops (with error bar) are `tops`;
+    `boxed`: on a white box, to stay legible over lines."""
+    extra = {"bbox": dict(fc="white", ec="none", pad=0.5)} if boxed else {}
+    for x, top, text in zip(xs, tops, texts):
+        ax.annotate(text, (x, top), textcoords="offset points", xytext=(0, 3), ha="center",
+                    fontsize=fontsize, **extra)

@@ -25,12 +25,8 @@ docs/forward_accumulator.png.
     python benchmarks/forward_accumulator.py            # full run (~1.5 min on 2 cores)
     python benchmarks/forward_accumulator.py --quick    # smoke run (< 30 s, noisy numbers)
 """
-import argparse
 import contextlib
-import gc
 import os
-import random
-import sys
 import time
 
 import _common  # also puts the repository on sys.path
@@ -147,9 +143,7 @@ class AddPerOp:
             def one():
                 return add(a, b)  # the caller drops it: only the last result is alive
 
-            for _ in range(WARMUP_OPS):
-                one()
-            return _common.time_per_call(one, n)
+            return _common.warm_time(one, WARMUP_OPS, n)
 
     def jvps(self):
         """One add under the accumulator; (jvp, checks that it ran where intended)."""
@@ -191,9 +185,7 @@ class MlpHvp:
         return tape.gradient(loss, self.w)
 
     def run(self, n):
-        for _ in range(WARMUP_CALLS):
-            self.call()
-        return _common.time_per_call(self.call, n)
+        return _common.warm_time(self.call, WARMUP_CALLS, n)
 
     def jvps(self):
         """(HVP, reference HVP by reverse-over-reverse with nested tf.GradientTape)."""
@@ -231,9 +223,7 @@ class Chain:
         return h
 
     def run(self, n):
-        for _ in range(WARMUP_CALLS):
-            self.call()
-        return _common.time_per_call(self.call, n)
+        return _common.warm_time(self.call, WARMUP_CALLS, n)
 
     def jvps(self):
         """(JVP, analytic JVP: d/dx of 1.01 sin(x) is 1.01 cos(x), chained)."""
@@ -298,44 +288,25 @@ def check_jvps(configs):
 
 def measure(configs, rounds, n_add, n_hvp, n_chain, seed=0):
     n_of = {"add-per-op": n_add, "mlp-hvp": n_hvp, "chain-50": n_chain}
-    for cfg in configs:  # warm-up: one untimed pass per configuration
-        cfg.run(max(1, n_of[cfg.case] // 5))
-    rng = random.Random(seed)
-    for r in range(rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for cfg in order:
-            cfg.times.append(cfg.run(n_of[cfg.case]))
-        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+    _common.run_rounds(configs, rounds, lambda cfg: n_of[cfg.case], seed=seed)
     # µs per op (add-per-op) or ms per call (the others), one entry per round
     per_op = {c[0]: c[2] for c in CASES}
     return {(cfg.case, cfg.key): [t * (1e6 if per_op[cfg.case] else 1e3)
                                   for t in cfg.times] for cfg in configs}
 
 
-def _stats(ts):
-    q1, q3 = _common.quartiles(ts)
-    return {"t": _common.median(ts), "q1": q1, "q3": q3, "min": min(ts), "rounds": ts}
-
-
 def summarize(times):
     """case -> {key: stats, "speedup": tf / oh of the medians, ...}."""
     out = {}
     for (case, key), ts in times.items():
-        out.setdefault(case, {})[key] = _stats(ts)
+        out.setdefault(case, {})[key] = _common.stats(ts)
     for row in out.values():
         tf_, oh_ = row["tf"], row["oh"]
         row["ratio"] = oh_["t"] / tf_["t"]
         row["speedup"] = tf_["t"] / oh_["t"]
         row["best_speedup"] = tf_["min"] / oh_["min"]
-        # per-round speedups (same round, so the same disturbance): their spread
-        row["speedup_q"] = _common.quartiles(
-            [t / o for t, o in zip(tf_["rounds"], oh_["rounds"])])
+        row["speedup_q"] = _common.round_ratio_quartiles(tf_["rounds"], oh_["rounds"])
     return out
-
-
-def verdict(ok):
-    return "**PASS**" if ok else "**MISS**"
 
 
 def _fmt(x, per_op):
@@ -347,17 +318,9 @@ REF_LABEL = {"add-per-op": "no accumulator, plain eager (reference)",
              "chain-50": "no accumulator, plain eager (reference)"}
 
 
-def render_md(summary, info, args, png_name, elapsed, checks):
-    L = []
-    L.append("## `oh.ForwardAccumulator` vs. `tf.autodiff.ForwardAccumulator` "
-             "(`benchmarks/forward_accumulator.py`)")
-    L.append("")
-    if args.quick:
-        L.append("> **Quick (smoke) run**: few calls per round, numbers are noisy and not "
-                 "representative. Rerun without `--quick` for the real measurement.")
-        L.append("")
-    L.append(
-        "**Method.** One process times `tf.autodiff.ForwardAccumulator` and "
+def render_md(summary, info, args, png_name, plotted, elapsed, checks):
+    method = (
+        "One process times `tf.autodiff.ForwardAccumulator` and "
         "`oh.ForwardAccumulator` (the forward-mode autodiff op handler, same API) on each "
         "case below. Every configuration keeps its inputs (and, for the HVP, its "
         "variables) for the whole run. TensorFlow's accumulator computes each op's JVP by "
@@ -391,24 +354,14 @@ def render_md(summary, info, args, png_name, elapsed, checks):
            "; ".join("%s tf %.0f ms, oh %.0f ms" % (case, c["first_ms"]["tf"],
                                                     c["first_ms"]["oh"])
                      for case, c in checks.items())))
-    L.append("")
-    L.append(
-        "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s (CPU, eager). Other processes (and VM steal) used "
-        "%(other)s CPU cores on average during the measurement; load there widens the "
-        "ranges." % info
-        + " Run on %s; %d configurations, %.0f s total." % (info["date"], info["nconfigs"],
-                                                          elapsed))
-    L.append("")
-    L.append("![time per op / call, tf.autodiff.ForwardAccumulator vs. "
-             "oh.ForwardAccumulator](%s)" % png_name)
-    L.append("")
+    L = _common.intro_md(
+        "`oh.ForwardAccumulator` vs. `tf.autodiff.ForwardAccumulator` "
+        "(`benchmarks/forward_accumulator.py`)", args.quick, method,
+        _common.machine_md(info, info["nconfigs"], elapsed),
+        _common.image_md("time per op / call, tf.autodiff.ForwardAccumulator vs. "
+                         "oh.ForwardAccumulator", png_name, plotted))
     for case, title, per_op, desc in CASES:
         unit = "µs/op" if per_op else "ms/call"
-        L.append("### %s (`%s`)" % (title, case))
-        L.append("")
-        L.append(desc % WARMUP_OPS if per_op else desc)
-        L.append("")
         row = summary[case]
         tf_t = row["tf"]["t"]
         rows = []
@@ -424,49 +377,33 @@ def render_md(summary, info, args, png_name, elapsed, checks):
                 "%s – %s" % (_fmt(s["q1"], per_op), _fmt(s["q3"], per_op)),
                 _fmt(s["min"], per_op),
             ])
-        L.append(_common.md_table(
+        L += _common.case_md(
+            "%s (`%s`)" % (title, case), desc % WARMUP_OPS if per_op else desc,
             ["accumulator", unit, "ratio to tf (this / tf)", "speedup (tf / this)",
-             "IQR %s (rounds)" % unit, "best round %s" % unit], rows))
-        L.append("")
+             "IQR %s (rounds)" % unit, "best round %s" % unit], rows)
 
     add = summary["add-per-op"]
     ok = add["speedup"] >= TARGET_SPEEDUP
-    L.append("### Target")
-    L.append("")
-    L.append("Target of the issue, checked against this run's medians (not tuned):")
-    L.append("")
-    L.append("- Per-op eager forward mode (`add-per-op`) at least %.0fx faster than "
+    T = []
+    T.append("- Per-op eager forward mode (`add-per-op`) at least %.0fx faster than "
              "TensorFlow's accumulator (the issue measured about %d µs per `tf.add` for "
              "`tf.autodiff.ForwardAccumulator`; here %.0f µs): %.1fx (%.2f vs %.2f µs per "
              "op) — %s  (best rounds: %.1fx; plain eager `tf.add`: %.2f µs, so forward "
              "mode adds %.2f µs per op with `oh.ForwardAccumulator` and %.2f µs with "
              "TensorFlow's)"
              % (TARGET_SPEEDUP, ISSUE_TF_US, add["tf"]["t"], add["speedup"],
-                add["oh"]["t"], add["tf"]["t"], verdict(ok), add["best_speedup"],
+                add["oh"]["t"], add["tf"]["t"], _common.verdict(ok), add["best_speedup"],
                 add["none"]["t"], add["oh"]["t"] - add["none"]["t"],
                 add["tf"]["t"] - add["none"]["t"]))
-    L.append("- `mlp-hvp` and `chain-50` have no target (information): speedup %.1fx "
+    T.append("- `mlp-hvp` and `chain-50` have no target (information): speedup %.1fx "
              "and %.1fx (oh / tf %.3fx and %.3fx)."
              % (summary["mlp-hvp"]["speedup"], summary["chain-50"]["speedup"],
                 summary["mlp-hvp"]["ratio"], summary["chain-50"]["ratio"]))
-    L.append("")
-    L.append("The verdict compares the medians with the target as measured; the best-round "
-             "figures are context only. When other processes load the machine (see "
-             "*Machine*), rerun on an idle machine before reading a MISS as a regression.")
-    L.append("")
-    L.append("Reproduce: `python benchmarks/forward_accumulator.py%s` (writes this section "
-             "and `%s`)." % (" --quick" if args.quick else "", png_name))
+    L += _common.targets_md(T, "forward_accumulator", args.quick, png_name)
     return "\n".join(L), ok
 
 
-def plot(summary, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written", file=sys.stderr)
-        return False
+def plot(summary, plt):
     fig, axes = plt.subplots(1, len(CASES) + 1, figsize=(15, 4.4),
                              gridspec_kw={"width_ratios": [1] * len(CASES) + [1.2]})
     colors = {"tf": "tab:blue", "oh": "tab:orange", "none": "tab:gray"}
@@ -477,14 +414,10 @@ def plot(summary, path):
         keys = ("tf", "oh", "none")
         ss = [row[k] for k in keys]
         xs = np.arange(len(keys))
-        err = [[max(0.0, s["t"] - s["q1"]) for s in ss],
-               [max(0.0, s["q3"] - s["t"]) for s in ss]]
-        ax.bar(xs, [s["t"] for s in ss], 0.6, yerr=err, capsize=3,
+        ax.bar(xs, [s["t"] for s in ss], 0.6, yerr=_common.iqr_err(ss), capsize=3,
                color=[colors[k] for k in keys])
-        for x, s in zip(xs, ss):
-            ax.annotate(_fmt(s["t"], per_op), (x, max(s["t"], s["q3"])),
-                        textcoords="offset points", xytext=(0, 3), ha="center",
-                        fontsize=8)
+        _common.label_bars(ax, xs, [max(s["t"], s["q3"]) for s in ss],
+                           [_fmt(s["t"], per_op) for s in ss])
         ax.set_xticks(xs)
         ax.set_xticklabels([labels[k] for k in keys], fontsize=7)
         ax.set_ylabel("µs per tf.add" if per_op else "ms per call")
@@ -495,17 +428,14 @@ def plot(summary, path):
     ax_r = axes[-1]
     xs = np.arange(len(CASES))
     sp = [summary[c[0]]["speedup"] for c in CASES]
-    lo = [max(0.0, s - summary[c[0]]["speedup_q"][0]) for s, c in zip(sp, CASES)]
-    hi = [max(0.0, summary[c[0]]["speedup_q"][1] - s) for s, c in zip(sp, CASES)]
+    lo, hi = _common.spread(sp, [summary[c[0]]["speedup_q"] for c in CASES])
     ax_r.bar(xs, sp, 0.6, yerr=[lo, hi], capsize=3,
              color=["tab:orange"] + ["tab:gray"] * (len(CASES) - 1))
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity with TensorFlow's")
     ax_r.axhline(TARGET_SPEEDUP, color="tab:red", ls=":", lw=1,
                  label="target (add-per-op): %.0fx" % TARGET_SPEEDUP)
-    for x, s, h in zip(xs, sp, hi):
-        ax_r.annotate("%.1fx" % s, (x, s + h), textcoords="offset points",
-                      xytext=(0, 3), ha="center", fontsize=8,
-                      bbox=dict(fc="white", ec="none", pad=0.5))
+    _common.label_bars(ax_r, xs, [s + h for s, h in zip(sp, hi)],
+                       ["%.1fx" % s for s in sp], boxed=True)
     ax_r.set_xticks(xs)
     ax_r.set_xticklabels([c[0] for c in CASES], fontsize=8)
     ax_r.set_ylabel("speedup: tf time / oh time")
@@ -515,59 +445,31 @@ def plot(summary, path):
     ax_r.legend(fontsize=7, loc="upper right")
     fig.suptitle("tf-ophandlers: oh.ForwardAccumulator vs. tf.autodiff.ForwardAccumulator "
                  "(eager, same run)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: fewer calls and rounds (< 30 s, noisy)")
-    p.add_argument("--out", default=_common.DEFAULT_MD,
-                   help="markdown file to update (default: docs/benchmarks.md); the plot "
-                        "is written next to it as forward_accumulator.png")
-    p.add_argument("--rounds", type=int, help="rounds (default 30, quick 3)")
-    p.add_argument("--n-add", type=int, help="timed tf.adds per round "
-                                             "(default 500, quick 50)")
-    p.add_argument("--n-hvp", type=int, help="timed HVP calls per round "
-                                             "(default 15, quick 3)")
-    p.add_argument("--n-chain", type=int, help="timed chain calls per round "
-                                               "(default 15, quick 3)")
-    args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 30)
-    args.n_add = args.n_add or (50 if args.quick else 500)
-    args.n_hvp = args.n_hvp or (3 if args.quick else 15)
-    args.n_chain = args.n_chain or (3 if args.quick else 15)
+    args = _common.parse_args(
+        argv, __doc__, "forward_accumulator", (30, 3),
+        [("n-add", "timed tf.adds per round", 500, 50),
+         ("n-hvp", "timed HVP calls per round", 15, 3),
+         ("n-chain", "timed chain calls per round", 15, 3)])
 
     start = time.perf_counter()
     info = _common.machine_info()
     configs = make_configs()
     info["nconfigs"] = len(configs)
     checks = check_jvps(configs)
-    # Setup objects (TensorFlow's included) leave the collector's view: the full
-    # gc.collect() before every timed batch then takes microseconds instead of ~0.15 s.
-    gc.collect()
-    gc.freeze()
-    other = _common.OtherLoad()
-    times = measure(configs, args.rounds, args.n_add, args.n_hvp, args.n_chain)
-    other = other.cores()
-    info["other"] = "n/a" if other is None else "%.2f" % other
+    times = _common.measure_under_load(
+        info, lambda: measure(configs, args.rounds, args.n_add, args.n_hvp, args.n_chain),
+        freeze=True)
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 
-    png_name = "forward_accumulator.png"
-    png_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), png_name)
-    os.makedirs(os.path.dirname(png_path), exist_ok=True)
-    plotted = plot(summary, png_path)
-    body, ok = render_md(summary, info, args, png_name, elapsed, checks)
-    if not plotted:
-        body = body.replace(
-            "![time per op / call, tf.autodiff.ForwardAccumulator vs. "
-            "oh.ForwardAccumulator](%s)" % png_name,
-            "(plot not written: matplotlib is not installed)")
-    _common.write_section(args.out, "forward_accumulator", body)
+    ok, png_path = _common.publish(
+        args.out, "forward_accumulator", lambda plt: plot(summary, plt),
+        lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
+                                            elapsed, checks))
 
     for case, _, per_op, _ in CASES:
         row = summary[case]
@@ -578,8 +480,7 @@ def main(argv=None):
     add = summary["add-per-op"]
     print("target: add-per-op speedup %.1fx >= %.0fx %s"
           % (add["speedup"], TARGET_SPEEDUP, "PASS" if ok else "MISS"))
-    print("wrote %s%s (%.0f s)" % (args.out, " and " + png_path if plotted else "",
-                                   elapsed))
+    _common.print_wrote(args.out, png_path, elapsed)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,7 @@ Writes the `gradient_tape` section of docs/benchmarks.md and docs/gradient_tape.
     python benchmarks/gradient_tape.py            # full run (~1.5 min on 2 cores)
     python benchmarks/gradient_tape.py --quick    # smoke run (< 30 s, noisy numbers)
 """
-import argparse
 import os
-import random
-import sys
 import time
 
 import _common  # also puts the repository on sys.path
@@ -125,22 +122,18 @@ class Chain:
         return [self.full()]
 
     def full(self):
-        a = self.a
-        with self.tape() as t:
-            t.watch(a)
-            h = a
-            for _ in range(CHAIN_LEN):
-                h = tf.sin(h) * 1.01
-        return t.gradient(h, a)
+        t, h = self.forward_taped()
+        return t.gradient(h, self.a)
 
     def forward(self):
-        a = self.a
+        return self.forward_taped()[1]
+
+    def forward_taped(self):
+        """The 100 ops under a new tape watching `a`: (tape, result)."""
         with self.tape() as t:
-            t.watch(a)
-            h = a
-            for _ in range(CHAIN_LEN):
-                h = tf.sin(h) * 1.01
-        return h
+            t.watch(self.a)
+            h = self.plain()
+        return t, h
 
     def plain(self):
         h = self.a
@@ -190,36 +183,18 @@ def check_gradients(configs):
 
 def measure(configs, rounds, n_keras, n_chain, seed=0):
     n_of = {"keras-mlp-step": n_keras, "chain-100": n_chain}
-
-    def run(cfg, n):
-        for _ in range(WARMUP_CALLS):
-            cfg.call()
-        return _common.time_per_call(cfg.call, n)
-
-    for cfg in configs:  # warm-up: one untimed pass per configuration
-        run(cfg, max(1, n_of[cfg.case] // 5))
-    rng = random.Random(seed)
-    for r in range(rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for cfg in order:
-            cfg.times.append(run(cfg, n_of[cfg.case]))
-        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+    _common.run_rounds(configs, rounds, lambda cfg: n_of[cfg.case],
+                       lambda cfg, n: _common.warm_time(cfg.call, WARMUP_CALLS, n), seed)
     # milliseconds per call, one entry per round
     return {(cfg.case, cfg.part, cfg.tape_key): [t * 1e3 for t in cfg.times]
             for cfg in configs}
-
-
-def _stats(ts):
-    q1, q3 = _common.quartiles(ts)
-    return {"ms": _common.median(ts), "q1": q1, "q3": q3, "min": min(ts), "rounds": ts}
 
 
 def summarize(times):
     """(case, part) -> {tape_key: stats}; parts: step | full, fwd, bwd (derived)."""
     out = {}
     for (case, part, key), ts in times.items():
-        out.setdefault((case, part), {})[key] = _stats(ts)
+        out.setdefault((case, part), {})[key] = _common.stats(ts, "ms")
     for key in ("tf", "oh"):
         full, fwd = out[("chain-100", "full")][key], out[("chain-100", "fwd")][key]
         diffs = [f - w for f, w in zip(full["rounds"], fwd["rounds"])]
@@ -233,9 +208,7 @@ def summarize(times):
             row["ratio"] = oh_["ms"] / tf_["ms"]
             row["best_ratio"] = (oh_["min"] / tf_["min"]
                                  if oh_["min"] is not None else None)
-            # per-round ratios (same round, so the same disturbance): their spread
-            ratios = [o / t for o, t in zip(oh_["rounds"], tf_["rounds"])]
-            row["ratio_q"] = _common.quartiles(ratios)
+            row["ratio_q"] = _common.round_ratio_quartiles(oh_["rounds"], tf_["rounds"])
     return out
 
 
@@ -246,24 +219,13 @@ PARTS = {
 }
 
 
-def verdict(ok):
-    return "**PASS**" if ok else "**MISS**"
-
-
 def _fmt(x):
     return "%.3f" % x
 
 
-def render_md(summary, info, args, png_name, elapsed, checks):
-    L = []
-    L.append("## `oh.GradientTape` vs. `tf.GradientTape` (`benchmarks/gradient_tape.py`)")
-    L.append("")
-    if args.quick:
-        L.append("> **Quick (smoke) run**: few calls per round, numbers are noisy and not "
-                 "representative. Rerun without `--quick` for the real measurement.")
-        L.append("")
-    L.append(
-        "**Method.** One process times `tf.GradientTape` and `oh.GradientTape` (the "
+def render_md(summary, info, args, png_name, plotted, elapsed, checks):
+    method = (
+        "One process times `tf.GradientTape` and `oh.GradientTape` (the "
         "reverse-mode autodiff op handler, same API) on each case below; a new tape is "
         "opened for every call, as in a training loop. Every configuration keeps its "
         "inputs (and, for the Keras step, its model and optimizer) for the whole run; "
@@ -279,22 +241,12 @@ def render_md(summary, info, args, png_name, elapsed, checks):
         % (args.rounds, WARMUP_CALLS, args.n_keras, args.n_chain, TOLERANCE,
            "; ".join("%s %d gradient tensor(s), max abs difference %.1e"
                      % (case, n, worst) for case, (n, worst) in checks.items())))
-    L.append("")
-    L.append(
-        "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s, Keras %(keras)s (CPU, eager). Other processes (and VM "
-        "steal) used %(other)s CPU cores on average during the measurement; load there "
-        "widens the ranges." % info
-        + " Run on %s; %d configurations, %.0f s total." % (info["date"], info["nconfigs"],
-                                                          elapsed))
-    L.append("")
-    L.append("![time per call, tf.GradientTape vs. oh.GradientTape](%s)" % png_name)
-    L.append("")
+    L = _common.intro_md(
+        "`oh.GradientTape` vs. `tf.GradientTape` (`benchmarks/gradient_tape.py`)",
+        args.quick, method, _common.machine_md(info, info["nconfigs"], elapsed),
+        _common.image_md("time per call, tf.GradientTape vs. oh.GradientTape", png_name,
+                         plotted))
     for case, title, desc in CASES:
-        L.append("### %s (`%s`)" % (title, case))
-        L.append("")
-        L.append(desc)
-        L.append("")
         rows = []
         for part, label in PARTS[case]:
             row = summary[(case, part)]
@@ -312,47 +264,31 @@ def render_md(summary, info, args, png_name, elapsed, checks):
                 rows.append([label, "no tape (reference)", _fmt(s["ms"]),
                              "%.2fx" % (s["ms"] / row["tf"]["ms"]),
                              "%s – %s" % (_fmt(s["q1"]), _fmt(s["q3"])), _fmt(s["min"])])
-        L.append(_common.md_table(
+        L += _common.case_md(
+            "%s (`%s`)" % (title, case), desc,
             ["part", "tape", "ms/call", "ratio to tf.GradientTape", "IQR ms/call (rounds)",
-             "best round ms/call"], rows))
-        L.append("")
+             "best round ms/call"], rows)
 
     step = summary[("keras-mlp-step", "step")]
     ok = step["ratio"] <= TARGET_RATIO
     chain = summary[("chain-100", "full")]
-    L.append("### Target")
-    L.append("")
-    L.append("Target of the issue, checked against this run's medians (not tuned):")
-    L.append("")
-    L.append("- Eager training step (`keras-mlp-step`) at most %.1fx the time of "
+    T = []
+    T.append("- Eager training step (`keras-mlp-step`) at most %.1fx the time of "
              "`tf.GradientTape`; aim to beat it: %.3fx (%.3f vs %.3f ms) — %s  (best "
              "rounds: %.2fx; %s)"
              % (TARGET_RATIO, step["ratio"], step["oh"]["ms"],
-                step["tf"]["ms"], verdict(ok), step["best_ratio"],
+                step["tf"]["ms"], _common.verdict(ok), step["best_ratio"],
                 "beats tf.GradientTape" if step["ratio"] < 1.0
                 else "does not beat tf.GradientTape"))
-    L.append("- `chain-100` has no target (information): forward + gradient %.2fx, forward "
+    T.append("- `chain-100` has no target (information): forward + gradient %.2fx, forward "
              "only %.2fx, backward %.2fx." % (chain["ratio"],
                                               summary[("chain-100", "fwd")]["ratio"],
                                               summary[("chain-100", "bwd")]["ratio"]))
-    L.append("")
-    L.append("The verdict compares the medians with the target as measured; the best-round "
-             "figures are context only. When other processes load the machine (see "
-             "*Machine*), rerun on an idle machine before reading a MISS as a regression.")
-    L.append("")
-    L.append("Reproduce: `python benchmarks/gradient_tape.py%s` (writes this section and "
-             "`%s`)." % (" --quick" if args.quick else "", png_name))
+    L += _common.targets_md(T, "gradient_tape", args.quick, png_name)
     return "\n".join(L), ok
 
 
-def plot(summary, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written", file=sys.stderr)
-        return False
+def plot(summary, plt):
     groups = [("keras-mlp-step", "step", "keras-mlp-step\ntraining step"),
               ("chain-100", "full", "chain-100\nforward + gradient"),
               ("chain-100", "fwd", "chain-100\nforward only"),
@@ -364,17 +300,12 @@ def plot(summary, path):
     colors = {"tf": "tab:blue", "oh": "tab:orange"}
     for i, (key, name, _) in enumerate(TAPES):
         ss = [summary[(c, p)][key] for c, p, _ in groups]
-        ys = [s["ms"] for s in ss]
-        err = [[max(0.0, s["ms"] - s["q1"]) for s in ss],
-               [max(0.0, s["q3"] - s["ms"]) for s in ss]]
         pos = xs + (i - 0.5) * width
-        ax.bar(pos, ys, width, yerr=err, capsize=3, color=colors[key],
-               label="%s (median, IQR of rounds)" % name)
+        ax.bar(pos, [s["ms"] for s in ss], width, yerr=_common.iqr_err(ss, "ms"),
+               capsize=3, color=colors[key], label="%s (median, IQR of rounds)" % name)
         if key == "oh":
-            for x, s, (c, p, _) in zip(pos, ss, groups):
-                ax.annotate("%.2fx" % summary[(c, p)]["ratio"], (x, max(s["ms"], s["q3"])),
-                            textcoords="offset points", xytext=(0, 3), ha="center",
-                            fontsize=8)
+            _common.label_bars(ax, pos, [max(s["ms"], s["q3"]) for s in ss],
+                               ["%.2fx" % summary[(c, p)]["ratio"] for c, p, _ in groups])
     ax.set_xticks(xs)
     ax.set_xticklabels([g[2] for g in groups], fontsize=8)
     ax.set_ylabel("ms per call")
@@ -385,17 +316,14 @@ def plot(summary, path):
     ax.set_ylim(0, top * 1.2)
 
     ratios = [summary[(c, p)]["ratio"] for c, p, _ in groups]
-    lo = [r - summary[(c, p)]["ratio_q"][0] for r, (c, p, _) in zip(ratios, groups)]
-    hi = [summary[(c, p)]["ratio_q"][1] - r for r, (c, p, _) in zip(ratios, groups)]
-    ax_r.bar(xs, ratios, 0.6, yerr=[[max(0.0, v) for v in lo], [max(0.0, v) for v in hi]],
-             capsize=3, color=["tab:orange"] + ["tab:gray"] * (len(groups) - 1))
+    lo, hi = _common.spread(ratios, [summary[(c, p)]["ratio_q"] for c, p, _ in groups])
+    ax_r.bar(xs, ratios, 0.6, yerr=[lo, hi], capsize=3,
+             color=["tab:orange"] + ["tab:gray"] * (len(groups) - 1))
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity with tf.GradientTape")
     ax_r.axhline(TARGET_RATIO, color="tab:red", ls=":", lw=1,
                  label="target (training step): %.1fx" % TARGET_RATIO)
-    for x, r, h in zip(xs, ratios, hi):
-        ax_r.annotate("%.2fx" % r, (x, r + max(0.0, h)), textcoords="offset points",
-                      xytext=(0, 3), ha="center", fontsize=8,
-                      bbox=dict(fc="white", ec="none", pad=0.5))
+    _common.label_bars(ax_r, xs, [r + h for r, h in zip(ratios, hi)],
+                       ["%.2fx" % r for r in ratios], boxed=True)
     ax_r.set_xticks(xs)
     ax_r.set_xticklabels([g[2] for g in groups], fontsize=7)
     ax_r.set_ylabel("oh.GradientTape / tf.GradientTape")
@@ -405,28 +333,14 @@ def plot(summary, path):
     ax_r.legend(fontsize=7, loc="upper left")
     fig.suptitle("tf-ophandlers: oh.GradientTape vs. tf.GradientTape (eager, same run)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: fewer calls and rounds (< 30 s, noisy)")
-    p.add_argument("--out", default=_common.DEFAULT_MD,
-                   help="markdown file to update (default: docs/benchmarks.md); the plot "
-                        "is written next to it as gradient_tape.png")
-    p.add_argument("--rounds", type=int, help="rounds (default 30, quick 3)")
-    p.add_argument("--n-keras", type=int, help="timed training steps per round "
-                                               "(default 30, quick 10)")
-    p.add_argument("--n-chain", type=int, help="timed chain calls per round "
-                                               "(default 30, quick 10)")
-    args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 30)
-    args.n_keras = args.n_keras or (10 if args.quick else 30)
-    args.n_chain = args.n_chain or (10 if args.quick else 30)
+    args = _common.parse_args(
+        argv, __doc__, "gradient_tape", (30, 3),
+        [("n-keras", "timed training steps per round", 30, 10),
+         ("n-chain", "timed chain calls per round", 30, 10)])
 
     start = time.perf_counter()
     info = _common.machine_info()
@@ -434,23 +348,15 @@ def main(argv=None):
     configs = make_configs()
     info["nconfigs"] = len(configs)
     checks = check_gradients(configs)
-    other = _common.OtherLoad()
-    times = measure(configs, args.rounds, args.n_keras, args.n_chain)
-    other = other.cores()
-    info["other"] = "n/a" if other is None else "%.2f" % other
+    times = _common.measure_under_load(
+        info, lambda: measure(configs, args.rounds, args.n_keras, args.n_chain))
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 
-    png_name = "gradient_tape.png"
-    png_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), png_name)
-    os.makedirs(os.path.dirname(png_path), exist_ok=True)
-    plotted = plot(summary, png_path)
-    body, ok = render_md(summary, info, args, png_name, elapsed, checks)
-    if not plotted:
-        body = body.replace(
-            "![time per call, tf.GradientTape vs. oh.GradientTape](%s)" % png_name,
-            "(plot not written: matplotlib is not installed)")
-    _common.write_section(args.out, "gradient_tape", body)
+    ok, png_path = _common.publish(
+        args.out, "gradient_tape", lambda plt: plot(summary, plt),
+        lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
+                                            elapsed, checks))
 
     for case, _, _ in CASES:
         for part, _ in PARTS[case]:
@@ -460,8 +366,7 @@ def main(argv=None):
     step = summary[("keras-mlp-step", "step")]
     print("target: keras-mlp-step %.3fx <= %.1fx %s" % (step["ratio"], TARGET_RATIO,
                                                       "PASS" if ok else "MISS"))
-    print("wrote %s%s (%.0f s)" % (args.out, " and " + png_path if plotted else "",
-                                   elapsed))
+    _common.print_wrote(args.out, png_path, elapsed)
 
 
 if __name__ == "__main__":

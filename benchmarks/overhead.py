@@ -16,11 +16,8 @@ Writes the `overhead` section of docs/benchmarks.md and docs/overhead.png.
     python benchmarks/overhead.py             # full run (~1 min on 2 cores)
     python benchmarks/overhead.py --quick     # smoke run (< 30 s, noisy numbers)
 """
-import argparse
 import contextlib
 import os
-import random
-import sys
 import time
 
 import _common  # also puts the repository on sys.path
@@ -80,11 +77,7 @@ class Config:
 
             if not self.checked:
                 self.check(a, b)
-            for _ in range(WARMUP_OPS):
-                one()
-            t = _common.time_per_call(one, n)
-        self.times.append(t)
-        return t
+            return _common.warm_time(one, WARMUP_OPS, n)
 
     def check(self, a, b):
         """Sanity: the op really runs under `level` handlers, inputs where intended."""
@@ -101,16 +94,7 @@ class Config:
 def measure(rounds, n_small, n_matmul, seed=0):
     configs = [Config(c[0], lv) for c in CASES for lv in LEVELS]
     n_of = {c[0]: (n_small if c[2] else n_matmul) for c in CASES}
-    for cfg in configs:  # warm-up: one untimed pass per configuration
-        cfg.run(max(1, n_of[cfg.case] // 5))
-        cfg.times.clear()
-    rng = random.Random(seed)
-    for r in range(rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for cfg in order:
-            cfg.run(n_of[cfg.case])
-        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+    _common.run_rounds(configs, rounds, lambda cfg: n_of[cfg.case], seed=seed)
     return {(cfg.case, cfg.level): [t * 1e6 for t in cfg.times] for cfg in configs}
 
 
@@ -122,10 +106,9 @@ def summarize(times):
         plain = _common.median(times[(case, 0)])
         for lv in LEVELS:
             ts = times[(case, lv)]
-            med = _common.median(ts)
-            q1, q3 = _common.quartiles(ts)
-            row = {"level": lv, "us": med, "ratio": med / plain, "q1": q1, "q3": q3,
-                   "min": min(ts), "added": None, "added_rounds": None}
+            row = _common.stats(ts, "us")
+            med = row["us"]
+            row.update(level=lv, ratio=med / plain, added=None, added_rounds=None)
             if lv:
                 prev = times[(case, lv - 1)]
                 row["added"] = med - rows[-1]["us"]
@@ -136,20 +119,9 @@ def summarize(times):
     return out
 
 
-def verdict(ok):
-    return "**PASS**" if ok else "**MISS**"
-
-
-def render_md(summary, info, args, png_name, elapsed):
-    L = []
-    L.append("## Overhead of nested pass-through handlers (`benchmarks/overhead.py`)")
-    L.append("")
-    if args.quick:
-        L.append("> **Quick (smoke) run**: few ops per round, numbers are noisy and not "
-                 "representative. Rerun without `--quick` for the real measurement.")
-        L.append("")
-    L.append(
-        "**Method.** One process times plain eager TensorFlow (0 handlers) and 1, 2 and 3 "
+def render_md(summary, info, args, png_name, plotted, elapsed):
+    method = (
+        "One process times plain eager TensorFlow (0 handlers) and 1, 2 and 3 "
         "nested pass-through handlers (`with oh.OpHandler(): with oh.OpHandler(): ...`) on "
         "each case below. Every (case, level) configuration keeps its handlers for the "
         "whole run and re-enters them each round; after a warm-up pass over all "
@@ -162,22 +134,11 @@ def render_md(summary, info, args, png_name, elapsed):
         "case; *added* is the increase over the previous level (for level 1: the cost of "
         "the first handler)."
         % (args.rounds, WARMUP_OPS, args.n_small, args.n_matmul))
-    L.append("")
-    L.append(
-        "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s (CPU, eager). Other processes (and VM steal) used "
-        "%(other)s CPU cores on average during the measurement; load there widens the "
-        "ranges." % info
-        + " Run on %s; %d configurations, %.0f s total." % (info["date"], 4 * len(CASES),
-                                                          elapsed))
-    L.append("")
-    L.append("![per-op time against nesting depth](%s)" % png_name)
-    L.append("")
+    L = _common.intro_md(
+        "Overhead of nested pass-through handlers (`benchmarks/overhead.py`)", args.quick,
+        method, _common.machine_md(info, len(LEVELS) * len(CASES), elapsed),
+        _common.image_md("per-op time against nesting depth", png_name, plotted), "ops")
     for case, title, _, desc in CASES:
-        L.append("### %s" % title)
-        L.append("")
-        L.append(desc)
-        L.append("")
         rows = []
         for r in summary[case]:
             rows.append([
@@ -188,24 +149,20 @@ def render_md(summary, info, args, png_name, elapsed):
                 "%.2f – %.2f" % (r["q1"], r["q3"]),
                 "%.2f" % r["min"],
             ])
-        L.append(_common.md_table(
-            ["handlers", "µs/op", "ratio to plain", "added µs vs previous level",
-             "IQR µs/op (rounds)", "best round µs/op"], rows))
-        L.append("")
+        L += _common.case_md(
+            title, desc, ["handlers", "µs/op", "ratio to plain", "added µs vs previous level",
+                          "IQR µs/op (rounds)", "best round µs/op"], rows)
 
     s1, s2 = summary["add-stack"], summary["add-phys"]
-    L.append("### Targets")
-    L.append("")
-    L.append("Targets of the issue, checked against this run's medians (not tuned):")
-    L.append("")
     a1 = s1[1]["ratio"] <= TARGET_RATIO
     a2 = s2[1]["ratio"] <= TARGET_RATIO
-    L.append("- (a) One pass-through Python handler costs at most %.1fx plain eager per "
+    T = []
+    T.append("- (a) One pass-through Python handler costs at most %.1fx plain eager per "
              "small op:" % TARGET_RATIO)
     for name, s, ok in (("case 1 (2x2 add, inputs on the stack)", s1, a1),
                         ("case 2 (2x2 add, physical inputs copied on)", s2, a2)):
-        L.append("  - %s: %.3fx (%.2f vs %.2f µs) — %s  (best rounds: %.2fx)"
-                 % (name, s[1]["ratio"], s[1]["us"], s[0]["us"], verdict(ok),
+        T.append("  - %s: %.3fx (%.2f vs %.2f µs) — %s  (best rounds: %.2fx)"
+                 % (name, s[1]["ratio"], s[1]["us"], s[0]["us"], _common.verdict(ok),
                     s[1]["min"] / s[0]["min"]))
     b_parts, b_ok = [], True
     for lv in (2, 3):
@@ -215,26 +172,13 @@ def render_md(summary, info, args, png_name, elapsed):
         b_parts.append("level %d → %d: %+.2f µs (same-round differences, IQR %+.2f … %+.2f; "
                        "best rounds %+.2f)" % (lv - 1, lv, r["added"], q1, q3,
                                                r["min"] - s1[lv - 1]["min"]))
-    L.append("- (b) Each further nesting level adds at most %.0f µs per op (case 1): %s — %s"
-             % (TARGET_LEVEL_US, "; ".join(b_parts), verdict(b_ok)))
-    L.append("")
-    L.append("Verdicts compare the medians with the targets as measured; the best-round "
-             "figures are context only. When other processes load the machine (see "
-             "*Machine*), rerun on an idle machine before reading a MISS as a regression.")
-    L.append("")
-    L.append("Reproduce: `python benchmarks/overhead.py%s` (writes this section and `%s`)."
-             % (" --quick" if args.quick else "", png_name))
+    T.append("- (b) Each further nesting level adds at most %.0f µs per op (case 1): %s — %s"
+             % (TARGET_LEVEL_US, "; ".join(b_parts), _common.verdict(b_ok)))
+    L += _common.targets_md(T, "overhead", args.quick, png_name, plural=True)
     return "\n".join(L), {"a_case1": a1, "a_case2": a2, "b": b_ok}
 
 
-def plot(summary, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written", file=sys.stderr)
-        return False
+def plot(summary, plt):
     fig, axes = plt.subplots(1, len(CASES), figsize=(13, 4.2))
     for ax, (case, title, small, _) in zip(axes, CASES):
         rows = summary[case]
@@ -267,47 +211,26 @@ def plot(summary, path):
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle("tf-ophandlers: per-op time vs. nesting depth of pass-through handlers",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: fewer ops and rounds (< 30 s, noisy)")
-    p.add_argument("--out", default=_common.DEFAULT_MD,
-                   help="markdown file to update (default: docs/benchmarks.md); the plot "
-                        "is written next to it as overhead.png")
-    p.add_argument("--rounds", type=int, help="rounds (default 15, quick 3)")
-    p.add_argument("--n-small", type=int, help="timed ops per round, 2x2 adds "
-                                               "(default 3000, quick 300)")
-    p.add_argument("--n-matmul", type=int, help="timed ops per round, matmul "
-                                                "(default 300, quick 30)")
-    args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 15)
-    args.n_small = args.n_small or (300 if args.quick else 3000)
-    args.n_matmul = args.n_matmul or (30 if args.quick else 300)
+    args = _common.parse_args(
+        argv, __doc__, "overhead", (15, 3),
+        [("n-small", "timed ops per round, 2x2 adds", 3000, 300),
+         ("n-matmul", "timed ops per round, matmul", 300, 30)], what="ops")
 
     start = time.perf_counter()
     info = _common.machine_info()
-    other = _common.OtherLoad()
-    times = measure(args.rounds, args.n_small, args.n_matmul)
-    other = other.cores()
-    info["other"] = "n/a" if other is None else "%.2f" % other
+    times = _common.measure_under_load(
+        info, lambda: measure(args.rounds, args.n_small, args.n_matmul))
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 
-    png_name = "overhead.png"
-    png_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), png_name)
-    os.makedirs(os.path.dirname(png_path), exist_ok=True)
-    plotted = plot(summary, png_path)
-    body, verdicts = render_md(summary, info, args, png_name, elapsed)
-    if not plotted:
-        body = body.replace("![per-op time against nesting depth](%s)" % png_name,
-                            "(plot not written: matplotlib is not installed)")
-    _common.write_section(args.out, "overhead", body)
+    verdicts, png_path = _common.publish(
+        args.out, "overhead", lambda plt: plot(summary, plt),
+        lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
+                                            elapsed))
 
     for case, _, _, _ in CASES:
         print("%-10s " % case + "  ".join(
@@ -315,8 +238,7 @@ def main(argv=None):
             for r in summary[case]))
     print("targets: " + ", ".join("%s %s" % (k, "PASS" if v else "MISS")
                                   for k, v in verdicts.items()))
-    print("wrote %s%s (%.0f s)" % (args.out, " and " + png_path if plotted else "",
-                                   elapsed))
+    _common.print_wrote(args.out, png_path, elapsed)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,9 @@ calls. Writes the `parallel` section of docs/benchmarks.md and docs/parallel.png
     python benchmarks/parallel.py            # full run (~1 min on 2 cores)
     python benchmarks/parallel.py --quick    # smoke run (< 40 s, noisy numbers)
 """
-import argparse
 import contextlib
-import gc
 import logging
 import os
-import random
 import sys
 import time
 
@@ -199,9 +196,7 @@ class AddPerOp:
             def one():
                 return add(a, b)  # the caller drops it: only the last result is alive
 
-            for _ in range(WARMUP_OPS):
-                one()
-            return _common.time_per_call(one, n)
+            return _common.warm_time(one, WARMUP_OPS, n)
 
 
 class MlpStep:
@@ -257,9 +252,7 @@ class MlpStep:
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
     def run(self, n):
-        for _ in range(WARMUP_CALLS):
-            self.call()
-        return _common.time_per_call(self.call, n)
+        return _common.warm_time(self.call, WARMUP_CALLS, n)
 
     # sanity
     def gradients(self):
@@ -400,23 +393,10 @@ def check_results(w, configs):
 
 def measure(configs, rounds, n_add, n_step, seed=0):
     n_of = {"per-op": n_add, "mlp-step": n_step}
-    for cfg in configs:  # warm-up: one untimed pass per configuration
-        cfg.run(max(1, n_of[cfg.case] // 5))
-    rng = random.Random(seed)
-    for r in range(rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for cfg in order:
-            cfg.times.append(cfg.run(n_of[cfg.case]))
-        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+    _common.run_rounds(configs, rounds, lambda cfg: n_of[cfg.case], seed=seed)
     # µs per op (per-op) or ms per call (mlp-step), one entry per round
     return {(cfg.case, cfg.key): [t * (1e6 if cfg.case == "per-op" else 1e3)
                                   for t in cfg.times] for cfg in configs}
-
-
-def _stats(ts):
-    q1, q3 = _common.quartiles(ts)
-    return {"t": _common.median(ts), "q1": q1, "q3": q3, "min": min(ts), "rounds": ts}
 
 
 def summarize(times):
@@ -424,39 +404,25 @@ def summarize(times):
     baseline (this / baseline of the medians, same-round IQR, best rounds) and to oh."""
     out = {}
     for (case, key), ts in times.items():
-        out.setdefault(case, {})[key] = _stats(ts)
+        out.setdefault(case, {})[key] = _common.stats(ts)
     for case, row in out.items():
         base, o = row[BASELINE[case]], row["oh"]
         for s in row.values():
             s["ratio"] = s["t"] / base["t"]
             s["best_ratio"] = s["min"] / base["min"]
-            s["ratio_q"] = _common.quartiles(
-                [t / b for t, b in zip(s["rounds"], base["rounds"])])
+            s["ratio_q"] = _common.round_ratio_quartiles(s["rounds"], base["rounds"])
             s["oh_ratio"] = o["t"] / s["t"]  # oh / this
-            s["oh_ratio_q"] = _common.quartiles(
-                [t / b for t, b in zip(o["rounds"], s["rounds"])])
+            s["oh_ratio_q"] = _common.round_ratio_quartiles(o["rounds"], s["rounds"])
     return out
-
-
-def verdict(ok):
-    return "**PASS**" if ok else "**MISS**"
 
 
 def _fmt(x, per_op):
     return ("%.2f" if per_op else "%.3f") % x
 
 
-def render_md(summary, info, args, png_name, elapsed, checks):
-    L = []
-    L.append("## `oh.ParallelHandler` vs. TensorFlow's ParallelDevice and "
-             "`MirroredStrategy` (`benchmarks/parallel.py`)")
-    L.append("")
-    if args.quick:
-        L.append("> **Quick (smoke) run**: few calls per round, numbers are noisy and not "
-                 "representative. Rerun without `--quick` for the real measurement.")
-        L.append("")
-    L.append(
-        "**Method.** One process, with the CPU split into two logical devices "
+def render_md(summary, info, args, png_name, plotted, elapsed, checks):
+    method = (
+        "One process, with the CPU split into two logical devices "
         "(`tf.config.set_logical_device_configuration` before TensorFlow initializes; "
         "components `%s` and `%s`), times `oh.ParallelHandler` (each op runs once per "
         "component device, as an op handler) against TensorFlow's experimental "
@@ -489,23 +455,14 @@ def render_md(summary, info, args, png_name, elapsed, checks):
         % (COMPONENTS[0], COMPONENTS[1], args.rounds, WARMUP_OPS, args.n_add,
            WARMUP_CALLS, args.n_step, TOLERANCE, checks["per-op oh"], checks["per-op pd"],
            checks["grads oh"], checks["grads ms"], checks["step"]))
-    L.append("")
-    L.append(
-        "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s, Keras %(keras)s (CPU, 2 logical devices on the same "
-        "cores). Other processes (and VM steal) used %(other)s CPU cores on average "
-        "during the measurement; load there widens the ranges." % info
-        + " Run on %s; %d configurations, %.0f s total." % (info["date"], info["nconfigs"],
-                                                          elapsed))
-    L.append("")
-    L.append("![time per op / call and ratios to TensorFlow](%s)" % png_name)
-    L.append("")
+    L = _common.intro_md(
+        "`oh.ParallelHandler` vs. TensorFlow's ParallelDevice and `MirroredStrategy` "
+        "(`benchmarks/parallel.py`)", args.quick, method,
+        _common.machine_md(info, info["nconfigs"], elapsed,
+                           "CPU, 2 logical devices on the same cores"),
+        _common.image_md("time per op / call and ratios to TensorFlow", png_name, plotted))
     for case, title, per_op, desc in CASES:
         unit = "µs/op" if per_op else "ms/call"
-        L.append("### %s (`%s`)" % (title, case))
-        L.append("")
-        L.append(desc % WARMUP_OPS if per_op else desc)
-        L.append("")
         rows = []
         for key, name in METHODS[case]:
             s = summary[case][key]
@@ -516,13 +473,10 @@ def render_md(summary, info, args, png_name, elapsed, checks):
                 "%s – %s" % (_fmt(s["q1"], per_op), _fmt(s["q3"], per_op)),
                 _fmt(s["min"], per_op),
             ])
-        L.append(_common.md_table(
-            ["method", unit, "ratio to %s (this / TF)" % BASE_NAME[case],
-             "IQR %s (rounds)" % unit, "best round %s" % unit], rows))
-        L.append("")
+        after = []
         if case == "per-op":
             pd_, oh_ = summary[case]["pd"], summary[case]["oh"]
-            L.append(
+            after.append(
                 "How the two differ: `oh.ParallelHandler` runs the components one after "
                 "the other on the calling thread (two kernel launches plus the handler's "
                 "dispatch), whereas ParallelDevice hands each component to its own device "
@@ -535,35 +489,29 @@ def render_md(summary, info, args, png_name, elapsed, checks):
                 "oh's median is %.2fx its time."
                 % (pd_["q1"], pd_["q3"], pd_["min"], oh_["q1"], oh_["q3"],
                    oh_["t"] / pd_["min"]))
-            L.append("")
+        L += _common.case_md(
+            "%s (`%s`)" % (title, case), desc % WARMUP_OPS if per_op else desc,
+            ["method", unit, "ratio to %s (this / TF)" % BASE_NAME[case],
+             "IQR %s (rounds)" % unit, "best round %s" % unit], rows, after)
 
     add = summary["per-op"]
     ok = add["oh"]["ratio"] <= TARGET_RATIO
     st = summary["mlp-step"]
-    L.append("### Target")
-    L.append("")
-    L.append("Target of the issue, checked against this run's medians (not tuned):")
-    L.append("")
-    L.append("- Per-op time (`per-op`) at most %.1fx that of TensorFlow's ParallelDevice: "
+    T = []
+    T.append("- Per-op time (`per-op`) at most %.1fx that of TensorFlow's ParallelDevice: "
              "%.3fx (%.2f vs %.2f µs per op) — %s  (best rounds: %.2fx; plain eager "
              "`tf.add` on one device: %.2f µs, so running each op on both devices costs "
              "%.2fx one plain op with `oh.ParallelHandler` and %.2fx with ParallelDevice)"
              % (TARGET_RATIO, add["oh"]["ratio"], add["oh"]["t"], add["pd"]["t"],
-                verdict(ok), add["oh"]["best_ratio"], add["plain"]["t"],
+                _common.verdict(ok), add["oh"]["best_ratio"], add["plain"]["t"],
                 add["oh"]["t"] / add["plain"]["t"], add["pd"]["t"] / add["plain"]["t"]))
-    L.append("- `mlp-step` has no target (information): the oh step takes %.2fx the time "
+    T.append("- `mlp-step` has no target (information): the oh step takes %.2fx the time "
              "of eager `MirroredStrategy` (IQR %.2f – %.2f; best rounds %.2fx), %.2fx that "
              "of `tf.function(MirroredStrategy.run)` and %.2fx that of the single-device "
              "eager step on the whole batch."
              % (st["oh"]["ratio"], st["oh"]["ratio_q"][0], st["oh"]["ratio_q"][1],
                 st["oh"]["best_ratio"], st["tff"]["oh_ratio"], st["single"]["oh_ratio"]))
-    L.append("")
-    L.append("The verdict compares the medians with the target as measured; the best-round "
-             "figures are context only. When other processes load the machine (see "
-             "*Machine*), rerun on an idle machine before reading a MISS as a regression.")
-    L.append("")
-    L.append("Reproduce: `python benchmarks/parallel.py%s` (writes this section and `%s`)."
-             % (" --quick" if args.quick else "", png_name))
+    L += _common.targets_md(T, "parallel", args.quick, png_name)
     return "\n".join(L), ok
 
 
@@ -577,28 +525,17 @@ LABELS = {
 }
 
 
-def plot(summary, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written", file=sys.stderr)
-        return False
+def plot(summary, plt):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6),
                              gridspec_kw={"width_ratios": [1, 1.3, 1.1]})
     for ax, (case, _, per_op, _) in zip(axes, CASES):
         keys = [k for k, _ in METHODS[case]]
         ss = [summary[case][k] for k in keys]
         xs = np.arange(len(keys))
-        err = [[max(0.0, s["t"] - s["q1"]) for s in ss],
-               [max(0.0, s["q3"] - s["t"]) for s in ss]]
-        ax.bar(xs, [s["t"] for s in ss], 0.6, yerr=err, capsize=3,
+        ax.bar(xs, [s["t"] for s in ss], 0.6, yerr=_common.iqr_err(ss), capsize=3,
                color=[COLORS[k] for k in keys])
-        for x, s in zip(xs, ss):
-            ax.annotate(_fmt(s["t"], per_op), (x, max(s["t"], s["q3"])),
-                        textcoords="offset points", xytext=(0, 3), ha="center",
-                        fontsize=8)
+        _common.label_bars(ax, xs, [max(s["t"], s["q3"]) for s in ss],
+                           [_fmt(s["t"], per_op) for s in ss])
         ax.set_xticks(xs)
         ax.set_xticklabels([LABELS[case][k] for k in keys], fontsize=7)
         if per_op:
@@ -619,16 +556,14 @@ def plot(summary, path):
             ("mlp-step", "single", "mlp-step\nvs 1 device")]
     xs = np.arange(len(bars))
     vals = [summary[c][k]["oh_ratio"] for c, k, _ in bars]
-    lo = [max(0.0, v - summary[c][k]["oh_ratio_q"][0]) for v, (c, k, _) in zip(vals, bars)]
-    hi = [max(0.0, summary[c][k]["oh_ratio_q"][1] - v) for v, (c, k, _) in zip(vals, bars)]
+    lo, hi = _common.spread(vals, [summary[c][k]["oh_ratio_q"] for c, k, _ in bars])
     ax_r.bar(xs, vals, 0.6, yerr=[lo, hi], capsize=3,
              color=["tab:orange", "tab:orange", "tab:gray", "tab:gray"])
     ax_r.hlines(TARGET_RATIO, -0.4, 0.4, colors="tab:red", linestyles=":", lw=1.5,
                 label="target (per-op): <= %.1fx" % TARGET_RATIO)
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity")
-    for x, v, h in zip(xs, vals, hi):
-        ax_r.annotate("%.2fx" % v, (x, v + h), textcoords="offset points", xytext=(0, 3),
-                      ha="center", fontsize=8, bbox=dict(fc="white", ec="none", pad=0.5))
+    _common.label_bars(ax_r, xs, [v + h for v, h in zip(vals, hi)],
+                       ["%.2fx" % v for v in vals], boxed=True)
     ax_r.set_yscale("log")
     ax_r.set_xticks(xs)
     ax_r.set_xticklabels([b[2] for b in bars], fontsize=7)
@@ -641,28 +576,14 @@ def plot(summary, path):
     ax_r.legend(fontsize=7, loc="upper left")
     fig.suptitle("tf-ophandlers: oh.ParallelHandler vs. TF ParallelDevice and "
                  "MirroredStrategy (2 logical CPUs, eager, same run)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: fewer calls and rounds (< 40 s, noisy)")
-    p.add_argument("--out", default=_common.DEFAULT_MD,
-                   help="markdown file to update (default: docs/benchmarks.md); the plot "
-                        "is written next to it as parallel.png")
-    p.add_argument("--rounds", type=int, help="rounds (default 30, quick 3)")
-    p.add_argument("--n-add", type=int, help="timed tf.adds per round "
-                                             "(default 500, quick 50)")
-    p.add_argument("--n-step", type=int, help="timed training steps per round "
-                                              "(default 20, quick 3)")
-    args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 30)
-    args.n_add = args.n_add or (50 if args.quick else 500)
-    args.n_step = args.n_step or (3 if args.quick else 20)
+    args = _common.parse_args(
+        argv, __doc__, "parallel", (30, 3),
+        [("n-add", "timed tf.adds per round", 500, 50),
+         ("n-step", "timed training steps per round", 20, 3)], quick_s=40)
 
     start = time.perf_counter()
     tf.get_logger().addFilter(_DropMirroredEagerWarning())
@@ -676,26 +597,15 @@ def main(argv=None):
         print("sanity check failed: %s: %s" % (type(e).__name__, e), file=sys.stderr)
         return 1
     info["nconfigs"] = len(configs)
-    # Setup objects (TensorFlow's included) leave the collector's view: the full
-    # gc.collect() before every timed batch then takes microseconds instead of ~0.15 s.
-    gc.collect()
-    gc.freeze()
-    other = _common.OtherLoad()
-    times = measure(configs, args.rounds, args.n_add, args.n_step)
-    other = other.cores()
-    info["other"] = "n/a" if other is None else "%.2f" % other
+    times = _common.measure_under_load(
+        info, lambda: measure(configs, args.rounds, args.n_add, args.n_step), freeze=True)
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 
-    png_name = "parallel.png"
-    png_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), png_name)
-    os.makedirs(os.path.dirname(png_path), exist_ok=True)
-    plotted = plot(summary, png_path)
-    body, ok = render_md(summary, info, args, png_name, elapsed, checks)
-    if not plotted:
-        body = body.replace("![time per op / call and ratios to TensorFlow](%s)" % png_name,
-                            "(plot not written: matplotlib is not installed)")
-    _common.write_section(args.out, "parallel", body)
+    ok, png_path = _common.publish(
+        args.out, "parallel", lambda plt: plot(summary, plt),
+        lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
+                                            elapsed, checks))
 
     for case, _, per_op, _ in CASES:
         unit = "us/op" if per_op else "ms"
@@ -706,8 +616,7 @@ def main(argv=None):
     add = summary["per-op"]["oh"]
     print("target: per-op oh / ParallelDevice %.3fx <= %.1fx %s"
           % (add["ratio"], TARGET_RATIO, "PASS" if ok else "MISS"))
-    print("wrote %s%s (%.0f s)" % (args.out, " and " + png_path if plotted else "",
-                                   elapsed))
+    _common.print_wrote(args.out, png_path, elapsed)
     return 0
 
 

@@ -26,10 +26,8 @@ Writes the `vectorized_map` section of docs/benchmarks.md and docs/vectorized_ma
     python benchmarks/vectorized_map.py            # full run (~2 min on 2 cores)
     python benchmarks/vectorized_map.py --quick    # smoke run (< 30 s, noisy numbers)
 """
-import argparse
 import logging
 import os
-import random
 import sys
 import time
 
@@ -245,27 +243,11 @@ def check_results(w):
 # -- measurement ------------------------------------------------------------------------
 
 def measure(configs, rounds, seed=0):
-    def run(cfg, n):
-        for _ in range(cfg.warm):
-            cfg.call()
-        return _common.time_per_call(cfg.call, n)
-
-    for cfg in configs:  # warm-up: one untimed pass per configuration (traces tf.function)
-        run(cfg, max(1, cfg.n // 5))
-    rng = random.Random(seed)
-    for r in range(rounds):
-        order = list(configs)
-        rng.shuffle(order)
-        for cfg in order:
-            cfg.times.append(run(cfg, cfg.n))
-        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+    # (the warm-up pass also traces the tf.functions)
+    _common.run_rounds(configs, rounds, lambda cfg: cfg.n,
+                       lambda cfg, n: _common.warm_time(cfg.call, cfg.warm, n), seed)
     # milliseconds per call, one entry per round
     return {(cfg.case, cfg.method): [t * 1e3 for t in cfg.times] for cfg in configs}
-
-
-def _stats(ts):
-    q1, q3 = _common.quartiles(ts)
-    return {"ms": _common.median(ts), "q1": q1, "q3": q3, "min": min(ts), "rounds": ts}
 
 
 def summarize(times):
@@ -273,18 +255,14 @@ def summarize(times):
     "x" = method time / oh time (medians), its same-round IQR and the best-round one."""
     out = {}
     for (case, method), ts in times.items():
-        out.setdefault(case, {})[method] = _stats(ts)
+        out.setdefault(case, {})[method] = _common.stats(ts, "ms")
     for row in out.values():
         o = row["oh"]
         for key, s in row.items():
             s["x"] = s["ms"] / o["ms"]
             s["best_x"] = s["min"] / o["min"]
-            s["x_q"] = _common.quartiles([m / b for m, b in zip(s["rounds"], o["rounds"])])
+            s["x_q"] = _common.round_ratio_quartiles(s["rounds"], o["rounds"])
     return out
-
-
-def verdict(ok):
-    return "**PASS**" if ok else "**MISS**"
 
 
 def _fmt(x):
@@ -307,17 +285,9 @@ def targets(summary):
     ]
 
 
-def render_md(summary, info, args, png_name, elapsed, checks):
-    L = []
-    L.append("## `oh.vectorized_map`: eager per-example gradients "
-             "(`benchmarks/vectorized_map.py`)")
-    L.append("")
-    if args.quick:
-        L.append("> **Quick (smoke) run**: few calls per round, numbers are noisy and not "
-                 "representative. Rerun without `--quick` for the real measurement.")
-        L.append("")
-    L.append(
-        "**Method.** One process times `oh.vectorized_map` (the auto-batching op handler: "
+def render_md(summary, info, args, png_name, plotted, elapsed, checks):
+    method = (
+        "One process times `oh.vectorized_map` (the auto-batching op handler: "
         "the function runs once, eagerly, each op on the whole batch) and TensorFlow's "
         "ways of batching the same eager function on each case below. All configurations "
         "share the variables and the batch for the whole run; after a warm-up pass over "
@@ -342,22 +312,12 @@ def render_md(summary, info, args, png_name, elapsed, checks):
            "; ".join("%s: %s" % (case, ", ".join("%s %.1e" % (NAME[k], v)
                                                  for k, v in per.items()))
                      for case, per in checks.items())))
-    L.append("")
-    L.append(
-        "**Machine.** %(nproc)s CPU(s) available (%(cpu)s), %(os)s, Python %(python)s, "
-        "TensorFlow %(tensorflow)s (CPU, eager). Other processes (and VM steal) used "
-        "%(other)s CPU cores on average during the measurement; load there widens the "
-        "ranges." % info
-        + " Run on %s; %d configurations, %.0f s total." % (info["date"], info["nconfigs"],
-                                                          elapsed))
-    L.append("")
-    L.append("![time per call and oh.vectorized_map's speed-up](%s)" % png_name)
-    L.append("")
+    L = _common.intro_md(
+        "`oh.vectorized_map`: eager per-example gradients (`benchmarks/vectorized_map.py`)",
+        args.quick, method, _common.machine_md(info, info["nconfigs"], elapsed),
+        _common.image_md("time per call and oh.vectorized_map's speed-up", png_name,
+                         plotted))
     for case, title, methods, desc in CASES:
-        L.append("### %s (`%s`)" % (title, case))
-        L.append("")
-        L.append(desc)
-        L.append("")
         rows = []
         for key in methods:
             s = summary[case][key]
@@ -368,35 +328,26 @@ def render_md(summary, info, args, png_name, elapsed, checks):
                 "%s – %s" % (_fmt(s["q1"]), _fmt(s["q3"])), _fmt(s["min"]),
                 len(s["rounds"]),
             ])
-        L.append(_common.md_table(
+        L += _common.case_md(
+            "%s (`%s`)" % (title, case), desc,
             ["method", "ms/call", "time / oh", "IQR ms/call (rounds)",
-             "best round ms/call", "rounds"], rows))
-        L.append("")
+             "best round ms/call", "rounds"], rows)
 
-    L.append("### Targets")
-    L.append("")
-    L.append("Targets of the issue for `per-example-grads`, checked against this run's "
-             "medians (not tuned):")
-    L.append("")
+    T = []
     ok_all = True
     g = summary["per-example-grads"]
     for key, text, value, best, ok, how in targets(summary):
         ok_all = ok_all and ok
-        L.append("- `oh.vectorized_map` %s: %s (%.3f vs %.3f ms) — %s  (best rounds: "
-                 "%.2fx)" % (text, how, g["oh"]["ms"], g[key]["ms"], verdict(ok), best))
+        T.append("- `oh.vectorized_map` %s: %s (%.3f vs %.3f ms) — %s  (best rounds: "
+                 "%.2fx)" % (text, how, g["oh"]["ms"], g[key]["ms"], _common.verdict(ok),
+                             best))
     fw = summary["forward-batch"]
-    L.append("- `forward-batch` has no target (information): eager `tf.vectorized_map` "
+    T.append("- `forward-batch` has no target (information): eager `tf.vectorized_map` "
              "takes %.1fx the time of `oh.vectorized_map`, `oh.vectorized_map` %.2fx that "
              "of `tf.function(tf.vectorized_map)`."
              % (fw["eager"]["x"], 1.0 / fw["tff"]["x"]))
-    L.append("")
-    L.append("The verdicts compare the medians with the targets as measured; the "
-             "best-round figures are context only. When other processes load the machine "
-             "(see *Machine*), rerun on an idle machine before reading a MISS as a "
-             "regression.")
-    L.append("")
-    L.append("Reproduce: `python benchmarks/vectorized_map.py%s` (writes this section and "
-             "`%s`)." % (" --quick" if args.quick else "", png_name))
+    L += _common.targets_md(T, "vectorized_map", args.quick, png_name, plural=True,
+                            scope=" for `per-example-grads`")
     return "\n".join(L), ok_all
 
 
@@ -404,14 +355,7 @@ COLORS = {"oh": "tab:orange", "loop": "tab:red", "eager": "tab:purple",
           "tff": "tab:blue"}
 
 
-def plot(summary, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written", file=sys.stderr)
-        return False
+def plot(summary, plt):
     fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(13, 4.6),
                                    gridspec_kw={"width_ratios": [3, 2]})
     width = 0.2
@@ -420,14 +364,11 @@ def plot(summary, path):
         for mi, key in enumerate(methods):  # the case's bars centred on its tick
             s = summary[case][key]
             x = ci + (mi - (len(methods) - 1) / 2.0) * width
-            ax.bar(x, s["ms"], width,
-                   yerr=[[max(0.0, s["ms"] - s["q1"])], [max(0.0, s["q3"] - s["ms"])]],
-                   capsize=3, color=COLORS[key],
-                   label=None if key in labelled else NAME[key])
+            ax.bar(x, s["ms"], width, yerr=_common.iqr_err([s], "ms"), capsize=3,
+                   color=COLORS[key], label=None if key in labelled else NAME[key])
             labelled.add(key)
-            ax.annotate(("%.0f" if s["ms"] >= 10 else "%.2f") % s["ms"],
-                        (x, max(s["ms"], s["q3"])), textcoords="offset points",
-                        xytext=(0, 3), ha="center", fontsize=7)
+            _common.label_bars(ax, [x], [max(s["ms"], s["q3"])],
+                               [("%.0f" if s["ms"] >= 10 else "%.2f") % s["ms"]], 7)
     ax.set_yscale("log")
     ax.set_xticks(range(len(CASES)))
     ax.set_xticklabels(["%s\n(%s)" % (c, "4 methods" if len(m) == 4 else "forward only")
@@ -447,8 +388,7 @@ def plot(summary, path):
             ("forward-batch", "eager", None), ("forward-batch", "tff", None)]
     xs = np.arange(len(bars))
     vals = [summary[c][k]["x"] for c, k, _ in bars]
-    lo = [max(0.0, v - summary[c][k]["x_q"][0]) for v, (c, k, _) in zip(vals, bars)]
-    hi = [max(0.0, summary[c][k]["x_q"][1] - v) for v, (c, k, _) in zip(vals, bars)]
+    lo, hi = _common.spread(vals, [summary[c][k]["x_q"] for c, k, _ in bars])
     ax_r.bar(xs, vals, 0.6, yerr=[lo, hi], capsize=3,
              color=[COLORS[k] if t is not None else "tab:gray" for _, k, t in bars])
     first = True
@@ -458,10 +398,8 @@ def plot(summary, path):
                         label="target (minimum speed-up)" if first else None)
             first = False
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity with oh.vectorized_map")
-    for x, v, h in zip(xs, vals, hi):
-        ax_r.annotate("%.1fx" % v if v >= 1 else "%.2fx" % v, (x, v + h),
-                      textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8,
-                      bbox=dict(fc="white", ec="none", pad=0.5))
+    _common.label_bars(ax_r, xs, [v + h for v, h in zip(vals, hi)],
+                       ["%.1fx" % v if v >= 1 else "%.2fx" % v for v in vals], boxed=True)
     ax_r.set_yscale("log")
     ax_r.set_xticks(xs)
     ax_r.set_xticklabels(["grads\nvs loop", "grads\nvs eager vmap",
@@ -476,32 +414,16 @@ def plot(summary, path):
     ax_r.legend(fontsize=7, loc="upper right")
     fig.suptitle("tf-ophandlers: oh.vectorized_map vs. TensorFlow's batching of eager "
                  "functions (same run)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: fewer calls and rounds (< 30 s, noisy)")
-    p.add_argument("--out", default=_common.DEFAULT_MD,
-                   help="markdown file to update (default: docs/benchmarks.md); the plot "
-                        "is written next to it as vectorized_map.png")
-    p.add_argument("--rounds", type=int, help="rounds (default 30, quick 3)")
-    p.add_argument("--n-fast", type=int,
-                   help="timed calls per round of oh.vectorized_map and "
-                        "tf.function(tf.vectorized_map) (default 20, quick 5)")
-    p.add_argument("--n-eager", type=int, help="timed calls per round of eager "
-                                               "tf.vectorized_map (default 3, quick 1)")
-    p.add_argument("--n-loop", type=int, help="timed calls per round of the eager loop "
-                                              "(default 1, quick 1)")
-    args = p.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 30)
-    args.n_fast = args.n_fast or (5 if args.quick else 20)
-    args.n_eager = args.n_eager or (1 if args.quick else 3)
-    args.n_loop = args.n_loop or 1
+    args = _common.parse_args(
+        argv, __doc__, "vectorized_map", (30, 3),
+        [("n-fast", "timed calls per round of oh.vectorized_map and "
+                    "tf.function(tf.vectorized_map)", 20, 5),
+         ("n-eager", "timed calls per round of eager tf.vectorized_map", 3, 1),
+         ("n-loop", "timed calls per round of the eager loop", 1, 1)])
 
     start = time.perf_counter()
     tf.get_logger().addFilter(_DropRetracingWarning())
@@ -514,23 +436,14 @@ def main(argv=None):
     except SanityError as e:
         print("sanity check failed: %s" % e, file=sys.stderr)
         return 1
-    other = _common.OtherLoad()
-    times = measure(configs, args.rounds)
-    other = other.cores()
-    info["other"] = "n/a" if other is None else "%.2f" % other
+    times = _common.measure_under_load(info, lambda: measure(configs, args.rounds))
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 
-    png_name = "vectorized_map.png"
-    png_path = os.path.join(os.path.dirname(os.path.abspath(args.out)), png_name)
-    os.makedirs(os.path.dirname(png_path), exist_ok=True)
-    plotted = plot(summary, png_path)
-    body, ok = render_md(summary, info, args, png_name, elapsed, checks)
-    if not plotted:
-        body = body.replace(
-            "![time per call and oh.vectorized_map's speed-up](%s)" % png_name,
-            "(plot not written: matplotlib is not installed)")
-    _common.write_section(args.out, "vectorized_map", body)
+    ok, png_path = _common.publish(
+        args.out, "vectorized_map", lambda plt: plot(summary, plt),
+        lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
+                                            elapsed, checks))
 
     for case, _, methods, _ in CASES:
         for key in methods:
@@ -540,8 +453,7 @@ def main(argv=None):
     for key, text, value, best, t_ok, how in targets(summary):
         print("target: oh %s: %s %s" % (text.replace("`", ""), how,
                                         "PASS" if t_ok else "MISS"))
-    print("wrote %s%s (%.0f s)" % (args.out, " and " + png_path if plotted else "",
-                                   elapsed))
+    _common.print_wrote(args.out, png_path, elapsed)
     return 0
 
 

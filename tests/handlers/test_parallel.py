@@ -97,11 +97,25 @@ def test_pack_and_unpack_are_differentiable(parallel):
     assert [float(g) for g in tape.gradient(total, [a, b])] == [6., 8.]
 
 
-def test_all_reduce(parallel):
+def test_all_reduce_with_tensorflow_collectives(parallel):
     with parallel:
-        x = parallel.pack([tf.constant(1.), tf.constant(5.)])
+        x = parallel.pack([tf.constant([1., 2.]), tf.constant([5., 6.])])
         total = parallel.all_reduce(x)
-    assert [float(p) for p in parallel.unpack(total)] == [6., 6.]
+        again = parallel.all_reduce(total * 0.5)
+    assert [p.numpy().tolist() for p in parallel.unpack(total)] == [[6., 8.], [6., 8.]]
+    assert [p.numpy().tolist() for p in parallel.unpack(again)] == [[6., 8.], [6., 8.]]
+    assert [p.device[-5:] for p in parallel.unpack(total)] == ["CPU:0", "CPU:1"]
+
+
+def test_all_reduce_gradient(parallel):
+    a, b = tf.constant(2.), tf.constant(3.)
+    with parallel:
+        with oh.GradientTape() as tape:
+            tape.watch([a, b])
+            x = parallel.pack([a, b])
+            y = parallel.all_reduce(x * x)  # y_i = a^2 + b^2 on both components
+            first = parallel.unpack(y)[0]
+    assert [float(g) for g in tape.gradient(first, [a, b])] == [4., 6.]
 
 
 def test_tf_function_runs_whole_on_each_component(parallel):

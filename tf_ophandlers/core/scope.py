@@ -90,6 +90,24 @@ def handler(target):
         exit()
 
 
+@contextlib.contextmanager
+def physical():
+    """Runs ops on TensorFlow's devices, outside every handler scope, for a while.
+
+    For handler methods that run plain TensorFlow code from user code (not from a hook),
+    e.g. a parallel handler's collective function call.
+    """
+    saved = state.current
+    state.current = PHYSICAL
+    device_scope = _original_context_device(_context.context(), None)
+    device_scope.__enter__()
+    try:
+        yield
+    finally:
+        device_scope.__exit__(None, None, None)
+        state.current = saved
+
+
 def handler_of(tensor):
     """The handler stack `tensor` lives on, or None for an ordinary tensor."""
     if hasattr(tensor, "handle") and not isinstance(tensor, tf.Tensor):

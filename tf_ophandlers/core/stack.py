@@ -140,6 +140,10 @@ class HandlerStack(Stack):
         self._default_execute = cls.execute is OpHandler.execute
         self._default_copy_on = cls.copy_on is OpHandler.copy_on
         self._off_stack = bool(getattr(handler, "returns_off_stack", False))
+        # A handler that only moves tensors on (default copy_on, or a tape) lets the
+        # handler below decide which inputs to take as they are (a parallel pack).
+        self._defer_copy = isinstance(next_stack, HandlerStack) and (
+            self._default_copy_on or getattr(handler, "defers_needs_copy", False))
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -191,10 +195,13 @@ class HandlerStack(Stack):
                 return self._execute_copy(op, inputs)
         values, foreign = _unwrap_inputs(self, inputs)
         if foreign:
-            needs_copy = handler.needs_copy
-            for i in foreign:
-                if needs_copy is None or needs_copy(op, i):
+            if handler.needs_copy is None and not self._defer_copy:
+                for i in foreign:
                     values[i] = self._copy_on_value(values[i])
+            else:
+                for i in foreign:
+                    if self._wants_copy(op, i):
+                        values[i] = self._copy_on_value(values[i])
         if self._default_execute:
             # A pass-through execute runs no ops of its own: forward without a frame.
             outputs = self.next.execute(op, values)
@@ -223,6 +230,15 @@ class HandlerStack(Stack):
         # RFC "Placement of resource handles": a transient handler leaves resource handles
         # on the next stack, so a variable does not keep it alive.
         return _wrap_outputs(self, outputs, handler.transient, handler.value_dtype)
+
+    def _wants_copy(self, op, index):
+        """Whether input `index` of `op` is copied onto this stack before execute."""
+        needs_copy = self.handler.needs_copy
+        if needs_copy is not None:
+            return needs_copy(op, index)
+        if self._defer_copy:
+            return self.next._wants_copy(op, index)  # pylint: disable=protected-access
+        return True
 
     def _copy_on_value(self, tensor):
         """The handler's representation of `tensor`, which lives elsewhere."""

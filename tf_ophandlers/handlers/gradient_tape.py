@@ -141,6 +141,7 @@ class GradientTape(OpHandler):
     """
 
     transparent = True  # tensor.device shows the physical device, as with tf.GradientTape
+    defers_needs_copy = True  # inputs a handler below takes as they are stay as they are
     TYPE_NAME = "GRADIENT_TAPE"
 
     def __init__(self, persistent=False, watch_accessed_variables=True):

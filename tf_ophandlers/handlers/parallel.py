@@ -163,10 +163,46 @@ class ParallelHandler(OpHandler):
             return _copies._lib.parallel_unpack(tensor, N=len(self.components))  # pylint: disable=protected-access
 
     def all_reduce(self, tensor):
-        """Sum over components, broadcast back to every component (differentiable)."""
-        parts = self.unpack(tensor)
-        total = tf.add_n(parts)
-        return self.pack([total] * len(self.components))
+        """Sum over components, on every component: TensorFlow's collective all-reduce.
+
+        Differentiable (the gradient of an all-reduce is an all-reduce of the gradient).
+        """
+        @tf.custom_gradient
+        def reduce(t):
+            parts = self.unpack(t)
+            with _scope.physical():
+                reduced = self._collective(*parts)
+            return self.pack(reduced), lambda dy: self.all_reduce(dy)
+
+        return reduce(tensor)
+
+    @property
+    def _collective(self):
+        """A tf.function running one collective all-reduce per component device."""
+        fn = self.__dict__.get("_collective_fn")
+        if fn is None:
+            # TensorFlow's launcher manages group/instance keys and the ordering of
+            # collectives; all members run inside one function call so that they meet.
+            from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
+            from tensorflow.python.distribute import cross_device_ops  # pylint: disable=import-outside-toplevel
+            from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
+            options = collective_util.Options()
+            collective = cross_device_ops.CollectiveAllReduce(
+                devices=list(self.components), group_size=len(self.components),
+                options=options, collective_keys=_collective_keys())
+            devices = self.components
+
+            @tf.function(autograph=False)
+            def fn(*parts):
+                out = []
+                for i, (device, part) in enumerate(zip(devices, parts)):
+                    with tf.device(device):
+                        out.append(collective._all_reduce(  # pylint: disable=protected-access
+                            reduce_util.ReduceOp.SUM, tf.identity(part), i, options))
+                return out
+
+            self.__dict__["_collective_fn"] = fn
+        return fn
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -253,6 +289,17 @@ class ParallelHandler(OpHandler):
             with on:
                 per_device.append(next_stack.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
+
+
+_keys = []
+
+
+def _collective_keys():
+    """One key allocator per process: collective instance keys must never repeat."""
+    if not _keys:
+        from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
+        _keys.append(cross_device_utils.CollectiveKeys())
+    return _keys[0]
 
 
 _variable_classes = {}

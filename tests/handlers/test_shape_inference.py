@@ -1,0 +1,108 @@
+"""oh.ShapeInference / oh.eval_shape against shapes of real execution and of tracing."""
+import time
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from tf_ophandlers.handlers import shape_inference as si
+
+PROGRAMS = {
+    "matmul_softmax": (lambda x: tf.nn.softmax(tf.matmul(x, tf.ones([3, 5]))), [(4, 3)]),
+    "reshape_from_shape_arithmetic": (lambda x: tf.reshape(x, tf.concat(
+        [tf.shape(x)[:1], [-1]], 0)) * 2., [(4, 3, 2)]),
+    "reductions_broadcast": (lambda x, y: tf.reduce_mean(x, 1, keepdims=True) + y,
+                             [(5, 7), (1, 7)]),
+    "conv_pool": (lambda x: tf.nn.max_pool2d(tf.nn.conv2d(x, tf.ones([3, 3, 2, 4]), 1, "SAME"),
+                                             2, 2, "VALID"), [(1, 8, 8, 2)]),
+    "structures_and_dtypes": (lambda x: {"s": tf.reduce_sum(x, 0), "i": [tf.cast(x, tf.int32)],
+                                         "t": tf.transpose(x)}, [(2, 6)]),
+    "gather_concat_stack": (lambda x: tf.stack([tf.gather(x, [0, 2]), x[:2]], 0), [(3, 4)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_specs_equal_shapes_of_real_execution(name):
+    fn, shapes = PROGRAMS[name]
+    specs = [tf.TensorSpec(s, tf.float32) for s in shapes]
+    got = oh.eval_shape(fn, *specs)
+    real = fn(*[tf.ones(s) for s in shapes])
+    tf.nest.assert_same_structure(got, real)
+    for g, r in zip(tf.nest.flatten(got), tf.nest.flatten(real)):
+        assert isinstance(g, tf.TensorSpec)
+        assert g.shape == r.shape and g.dtype == r.dtype
+
+
+def test_unknown_dimensions_match_tracing():
+    fn = lambda x: tf.reshape(tf.matmul(x, tf.ones([3, 4])), [-1, 2, 2])  # noqa: E731
+    spec = tf.TensorSpec([None, 3])
+    got = oh.eval_shape(fn, spec)
+    traced = tf.function(fn).get_concrete_function(spec).structured_outputs
+    assert got.shape.as_list() == traced.shape.as_list() == [None, 2, 2]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "lstm"])
+def test_keras_models(kind):
+    keras.utils.set_random_seed(0)
+    if kind == "mlp":
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+        shape = (4, 6)
+    elif kind == "cnn":
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3),
+                                  keras.layers.BatchNormalization(), keras.layers.Flatten(),
+                                  keras.layers.Dense(5)])
+        shape = (2, 8, 8, 3)
+    else:
+        model = keras.Sequential([keras.Input((5, 6)), keras.layers.LSTM(7),
+                                  keras.layers.Dense(2)])
+        shape = (3, 5, 6)
+    got = oh.eval_shape(model, tf.TensorSpec(shape))
+    real = model(tf.ones(shape))
+    assert got.shape == real.shape and got.dtype == real.dtype
+
+
+def test_no_kernel_runs():
+    # A matmul of two 50,000 x 50,000 matrices (10 GB each) is inferred, not computed.
+    start = time.perf_counter()
+    got = oh.eval_shape(lambda a, b: tf.matmul(a, b) + 1., tf.TensorSpec([50000, 50000]),
+                        tf.TensorSpec([50000, 50000]))
+    assert got.shape == (50000, 50000)
+    assert time.perf_counter() - start < 5
+
+
+def test_inference_is_cached_per_op_signature():
+    fn = lambda x: tf.tanh(x @ tf.ones([3, 3])) * 2.  # noqa: E731
+    oh.eval_shape(fn, tf.TensorSpec([7, 3]))
+    n = len(si._inferred)  # pylint: disable=protected-access
+    for _ in range(3):
+        oh.eval_shape(fn, tf.TensorSpec([7, 3]))
+    assert len(si._inferred) == n  # pylint: disable=protected-access
+
+
+def test_errors_are_clear():
+    with pytest.raises(oh.CopyOffError, match="ShapeInference.*no value"):
+        oh.eval_shape(lambda x: x.numpy(), tf.TensorSpec([2]))
+    with pytest.raises(NotImplementedError, match="ShapeInference.*tf.function"):
+        oh.eval_shape(tf.function(lambda x: x * 2.), tf.TensorSpec([2]))
+    with pytest.raises(ValueError, match="ShapeInference: op MatMul"):
+        oh.eval_shape(lambda x: tf.matmul(x, tf.ones([4, 2])), tf.TensorSpec([2, 3]))
+    with pytest.raises(NotImplementedError, match="variable"):
+        oh.eval_shape(lambda x: tf.Variable(x), tf.TensorSpec([2]))
+
+
+def test_known_values_flow_through_shape_arithmetic():
+    def fn(x):
+        n = tf.shape(x)[0] * 2
+        assert int(n) == 8  # a Python decision on shape arithmetic works
+        return tf.zeros([n, 3])
+
+    assert oh.eval_shape(fn, tf.TensorSpec([4, 5])).shape == (8, 3)
+
+    def static(x):
+        value = tf.get_static_value(tf.shape(x)[1:] + 1)
+        assert value is not None and value.tolist() == [6, 7]
+        return x
+
+    oh.eval_shape(static, tf.TensorSpec([4, 5, 6]))

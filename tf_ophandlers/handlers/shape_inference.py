@@ -1,0 +1,208 @@
+"""`ShapeInference`: run a program on shapes and dtypes only (RFC "Shape inference").
+
+The representation of a tensor is a `Spec`: a `tf.TensorSpec` and, when it is known
+without running a kernel (a constant, a shape), its value. An op placed on the handler
+never runs: its output specs come from TensorFlow's own shape functions, by building the
+op once in a scratch graph whose inputs have the input specs (placeholders, or constants
+where the value is known). Results are cached per op signature, so a repeated op costs a
+dictionary lookup.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> oh.eval_shape(lambda x: tf.matmul(x, tf.ones([3, 5])), tf.TensorSpec([None, 3]))
+TensorSpec(shape=(None, 5), dtype=tf.float32, name=None)
+"""
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.util import nest
+
+from tf_ophandlers.core import errors
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.state import state as _state
+
+_RESOURCE = tf.resource
+_VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                             "VariableShape"))
+_STATEFUL = frozenset(("RandomUniformInt", "Multinomial", "RandomShuffle"))
+_MAX_VALUE_ELEMENTS = 64  # small integer values (shapes, axes) are carried along
+
+
+class Spec:
+    """A tensor's spec and, if known without computation, its (small) value."""
+
+    __slots__ = ("spec", "value", "handle")
+
+    def __init__(self, spec, value=None, handle=None):
+        self.spec = spec
+        self.value = value
+        self.handle = handle  # a real resource handle (variables are read by shape)
+
+    def __repr__(self):
+        return "Spec(%s%s)" % (self.spec, "" if self.value is None else ", value=%s" % self.value)
+
+
+def _known_value(tensor):
+    """The value of a small integer tensor (shapes, axes), else None."""
+    if (tensor.dtype.is_integer or tensor.dtype == tf.bool) \
+            and tensor.shape.num_elements() is not None \
+            and tensor.shape.num_elements() <= _MAX_VALUE_ELEMENTS:
+        return tensor.numpy()
+    return None
+
+
+def _signature(op, inputs):
+    proto = attr_value_pb2.NameAttrList.FromString(op._attrs_proto())  # pylint: disable=protected-access
+    parts = []
+    for s in inputs:
+        shape = s.spec.shape
+        parts.append((s.spec.dtype, None if shape.rank is None else tuple(shape.as_list()),
+                      None if s.value is None else (s.value.dtype.str, s.value.tobytes(),
+                                                    s.value.shape)))
+    return op.type, proto.SerializeToString(deterministic=True), tuple(parts)
+
+
+_inferred = {}  # signature -> list of output TensorSpecs
+
+
+def _infer(op, inputs):
+    """Output specs of `op` on `inputs`, from TensorFlow's shape functions."""
+    key = _signature(op, inputs)
+    specs = _inferred.get(key)
+    if specs is not None:
+        return specs
+    attrs = dict(attr_value_pb2.NameAttrList.FromString(op._attrs_proto()).attr)  # pylint: disable=protected-access
+    graph = tf.Graph()
+    with graph.as_default():
+        args = []
+        for s in inputs:
+            if s.value is not None:
+                args.append(tf.constant(s.value, dtype=s.spec.dtype))
+            else:
+                args.append(tf.compat.v1.placeholder(s.spec.dtype, s.spec.shape))
+        node = graph.create_op(op.type, args, dtypes=op.output_dtypes, attrs=attrs)
+        specs = [tf.TensorSpec(o.shape, o.dtype) for o in node.outputs]
+    if len(_inferred) > 16384:
+        _inferred.clear()
+    _inferred[key] = specs
+    return specs
+
+
+class ShapeInference(OpHandler):
+    """Computes the shapes and dtypes of a program's tensors without running kernels.
+
+    Use it through `oh.eval_shape(fn, *specs)`, or open its scope and bring tensors on
+    with `oh.ShapeInference.placeholder(stack, spec)`.
+    """
+
+    TYPE_NAME = "SHAPE_INFERENCE"
+
+    def debug_string(self):
+        return "ShapeInference()"
+
+    def value_dtype(self, value):
+        return value.spec.dtype
+
+    def num_dims(self, value):
+        rank = value.spec.shape.rank
+        return -1 if rank is None else rank
+
+    def dim(self, value, index):
+        d = value.spec.shape[index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        return value.value
+
+    def tensor_debug_string(self, value):
+        return "ShapeInference: %s" % (value,)
+
+    def copy_on(self, tensor):
+        found, value = representation_of(self, tensor)
+        if found:
+            return value
+        tensor = _state.frames[-1].next.copy_on(tensor)  # a real tensor: its spec
+        spec = tf.TensorSpec(tensor.shape, tensor.dtype)
+        if tensor.dtype == _RESOURCE:
+            return Spec(spec, handle=tensor)
+        return Spec(spec, _known_value(tensor))
+
+    def copy_off(self, value, device):
+        if value.value is not None:
+            return tf.constant(value.value, dtype=value.spec.dtype)
+        raise errors.CopyOffError(
+            "oh.ShapeInference: a tensor of spec %s has no value (only its shape and dtype "
+            "are computed); avoid .numpy() and Python decisions on values inside eval_shape"
+            % (value.spec,))
+
+    def execute(self, op, inputs):
+        if op.output_dtypes is None:
+            raise NotImplementedError(
+                "oh.ShapeInference: op %s is a tf.function call; shape inference through "
+                "function calls is not supported yet" % op.type)
+        next_stack = _state.frames[-1].next
+        if any(s.handle is not None for s in inputs):
+            # Reading a variable (its handle is real): the read aliases the buffer, and
+            # its result gives the shape. No computation runs.
+            if op.type not in _VARIABLE_READS:
+                raise NotImplementedError(
+                    "oh.ShapeInference: op %s on a variable; only reads are supported "
+                    "inside eval_shape" % op.type)
+            args = [s.handle if s.handle is not None else self.copy_off(s, "") for s in inputs]
+            return [Spec(tf.TensorSpec(o.shape, o.dtype)) for o in next_stack.execute(op, args)]
+        if (inputs and all(s.value is not None for s in inputs) and op.type not in _STATEFUL
+                and all(d.is_integer or d == tf.bool for d in op.output_dtypes)):
+            # Shape arithmetic on known small integers (tf.shape(x)[1:], concat of dims):
+            # folded, as graph construction's constant folding does, so shapes stay known.
+            outs = next_stack.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
+                                           for s in inputs])
+            return [Spec(tf.TensorSpec(o.shape, o.dtype), _known_value(o)) for o in outs]
+        if op.type == "Shape" and inputs[0].spec.shape.is_fully_defined():
+            dims = inputs[0].spec.shape.as_list()
+            dtype = op.attrs["out_type"]
+            return [Spec(tf.TensorSpec([len(dims)], dtype), np.array(dims, dtype.as_numpy_dtype))]
+        try:
+            specs = _infer(op, inputs)
+        except (ValueError, TypeError, tf.errors.OpError) as e:
+            raise ValueError("oh.ShapeInference: op %s rejects inputs %s: %s"
+                             % (op.type, [s.spec for s in inputs], e)) from e
+        out = []
+        for s in specs:
+            if s.dtype == _RESOURCE:
+                raise NotImplementedError(
+                    "oh.ShapeInference: op %s creates a resource (a variable); create "
+                    "variables outside eval_shape" % op.type)
+            out.append(Spec(s))
+        return out
+
+
+def eval_shape(fn, *specs, **kwargs):
+    """The `tf.TensorSpec`s of `fn`'s outputs for inputs of the given specs.
+
+    `specs` (and keyword arguments) are `tf.TensorSpec`s or nested structures of them;
+    other arguments are passed as they are. No kernel runs: each op's output spec comes
+    from TensorFlow's shape function. Works for Keras models whose variables exist
+    (call the model once, or build it, before).
+    """
+    handler = ShapeInference()
+    with _scope.handler(handler) as stack:
+        def enter(x):
+            if isinstance(x, tf.TensorSpec):
+                return stack.wrap(Spec(tf.TensorSpec(x.shape, x.dtype)))
+            return x
+        args = nest.map_structure(enter, specs)
+        kw = nest.map_structure(enter, kwargs)
+        outputs = fn(*args, **kw)
+
+    def leave(t):
+        if isinstance(t, (tf.Tensor, tf.Variable)) or hasattr(t, "__tf_tensor__"):
+            t = tf.convert_to_tensor(t) if not isinstance(t, tf.Tensor) else t
+            found, value = representation_of(handler, t)
+            if found:
+                return value.spec
+            return tf.TensorSpec(t.shape, t.dtype)
+        return t
+
+    return nest.map_structure(leave, outputs)
+

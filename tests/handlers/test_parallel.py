@@ -225,3 +225,99 @@ def test_data_parallel_step_across_two_tensorflow_servers():
     assert "task:0/device:CPU:0" in out and "task:1/device:CPU:0" in out
     # loss_i = (w . x_i)^2 with w.x = -1 and -1: grad = sum_i 2 (w.x_i) x_i
     assert "grad [-8.0, -12.0]" in out
+
+
+# -- regressions found in review ---------------------------------------------------------------
+
+def test_writing_a_host_variable_inside_the_scope_is_refused(parallel):
+    w = tf.Variable(1.)
+    with pytest.raises(oh.PlacementError, match="AssignAddVariableOp.*once per component"):
+        with parallel:
+            w.assign_add(1.)
+    assert float(w) == 1.
+    with parallel:  # reading it is fine
+        y = w * parallel.pack([tf.constant(1.), tf.constant(2.)])
+    assert [float(t) for t in parallel.unpack(y)] == [1., 2.]
+
+
+def test_gradient_of_a_host_variable_used_twice_inside_the_scope(parallel):
+    w = tf.Variable(3.)
+    with parallel:
+        with oh.GradientTape() as tape:
+            y = parallel.pack([tf.constant(1.), tf.constant(2.)]) * w * w
+        g = tape.gradient(y, w)
+    assert oh.handler_of(g) is None and float(g) == 18.  # (1 + 2) * 2w
+
+
+def test_all_reduce_under_tf_gradient_tape_and_a_tape_outside(parallel):
+    a0, a1 = tf.constant(1.), tf.constant(2.)
+    with tf.GradientTape() as tape:
+        tape.watch([a0, a1])
+        with parallel:
+            y = parallel.all_reduce(parallel.pack([a0, a1]) ** 2)
+        first = parallel.unpack(y)[0]
+    assert [float(g) for g in tape.gradient(first, [a0, a1])] == [2., 4.]
+    with pytest.raises(NotImplementedError, match="open the tape inside the scope"):
+        with oh.GradientTape() as outer:
+            outer.watch(a0)
+            with parallel:
+                parallel.all_reduce(parallel.pack([a0, a1]))
+
+
+def test_parallel_target_of_a_tape_outside_is_a_clear_error(parallel):
+    w = tf.constant(3.)
+    with oh.GradientTape() as tape:
+        tape.watch(w)
+        with parallel:
+            y = parallel.pack([tf.constant(1.), tf.constant(2.)]) * w
+    with pytest.raises(oh.CopyOffError, match="unpack"):
+        tape.gradient(y, w)
+
+
+def test_tf_function_creating_a_variable_and_device_specs(parallel):
+    holder = []
+
+    @tf.function
+    def f(x):
+        if not holder:
+            holder.append(tf.Variable(1.))
+        holder[0].assign_add(x)
+        return holder[0].read_value()
+
+    with parallel:
+        y = f(tf.constant(2.))
+        with tf.device(tf.DeviceSpec(device_type="CPU", device_index=0)):
+            z = y * 2.
+    assert [float(t) for t in parallel.unpack(y)] == [3., 3.]
+    assert oh.handler_of(z) is not None  # a DeviceSpec keeps the handlers, as a string does
+
+
+def test_pack_checks_dtypes_and_shapes_may_differ(parallel):
+    with pytest.raises(ValueError, match="one dtype"):
+        parallel.pack([tf.constant(1.), tf.constant(1)])
+    with parallel:
+        x = parallel.pack([tf.ones([2]), tf.ones([3])])
+    assert x.shape.as_list() == [None]
+    other = oh.ParallelHandler(CPUS)
+    with pytest.raises(oh.PlacementError, match="does not belong"):
+        other.unpack(x)
+
+
+def test_threads_enter_the_same_handler(parallel):
+    import threading  # pylint: disable=import-outside-toplevel
+    errors, results = [], []
+
+    def work(value):
+        try:
+            with parallel:
+                v = tf.Variable(value)
+                results.append(type(v).__name__)
+        except Exception as e:  # pylint: disable=broad-except
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(float(i),)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(name.startswith("Parallel") for name in results)

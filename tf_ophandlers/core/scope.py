@@ -165,6 +165,8 @@ class _PhysicalPlacement:
 
 
 def _context_device(self, name):
+    if hasattr(name, "to_string") and not isinstance(name, str):
+        name = name.to_string()  # a DeviceSpec
     if isinstance(name, str) and name:
         # tf.device(stack_name) behaves as oh.handler(stack): a stack name is never a
         # physical device (it would silently run on CPU under soft placement).

@@ -58,10 +58,9 @@ def representation_of(handler, tensor):
             # A handler above with its own representation (a forward accumulator's
             # primal and tangent): step down through its copy_off, which gives the
             # tensor of the next stack, or give up if it refuses.
-            try:
-                value = stack._call(stack.handler.copy_off, value, "")  # pylint: disable=protected-access
-            except Exception:  # pylint: disable=broad-except
-                return False, tensor
+            # A refusal (a parallel handler's CopyOffError) reaches the caller: a tensor
+            # of a handler below must not silently look unrelated.
+            value = stack._call(stack.handler.copy_off, value, "")  # pylint: disable=protected-access
             if not _is_tensor(value):
                 return False, tensor
         tensor = value

@@ -153,6 +153,7 @@ class GradientTape(OpHandler):
         self._stopped = False  # a non-persistent tape asked for gradients in its scope
         self._live = False  # recording: inside a scope, not paused, stopped or used
         self._watcher = None  # TensorFlow's variable watcher while a scope is open
+        self._vectorizing = False  # inside jacobian's oh.vectorized_map
         self._clear()
 
     def _update_live(self):
@@ -447,7 +448,7 @@ class GradientTape(OpHandler):
                 continue
             g = output_gradients[i] if output_gradients is not None else None
             if g is None:
-                with self._placed(_stack_of(t) or PHYSICAL):
+                with self._where(t):
                     g = default_gradient.ones_like(t)
             grads.setdefault(_key(t), []).append(g)
 
@@ -458,7 +459,7 @@ class GradientTape(OpHandler):
         for s, raw in zip(sources, sources_raw):
             parts = grads.get(_key(s))
             if parts:
-                with self._placed(_stack_of(parts[0]) or PHYSICAL):
+                with self._where(parts[0]):
                     result.append(_tf_backprop._aggregate_grads(parts))  # pylint: disable=protected-access
             elif unconnected is UnconnectedGradients.ZERO:
                 result.append(default_gradient.zeros_like(raw))
@@ -513,6 +514,17 @@ class GradientTape(OpHandler):
                 "oh.GradientTape: the gradient function of op %s returned %d gradients "
                 "for %d inputs" % (record.op_type, len(in_grads), len(record.inputs)))
         return in_grads
+
+    def _where(self, tensor):
+        """Runs ops where `tensor` lives: its stack, or the physical devices for an
+        ordinary tensor (not the ambient scope: a parallel handler around would
+        broadcast it), except inside this tape's own vectorized jacobian."""
+        stack = _stack_of(tensor)
+        if stack is not None:
+            return self._placed(stack)
+        if _state.current is PHYSICAL or self._vectorizing:
+            return contextlib.nullcontext()
+        return _scope.physical()
 
     @staticmethod
     def _placed(stack):
@@ -597,7 +609,11 @@ class GradientTape(OpHandler):
 
         if use_pfor and all(r.stack is PHYSICAL for r in self._producer.values()):
             from tf_ophandlers.handlers.vectorized_map import vectorized_map  # pylint: disable=import-outside-toplevel
-            return vectorized_map(one, seeds)
+            self._vectorizing = True
+            try:
+                return vectorized_map(one, seeds)
+            finally:
+                self._vectorizing = False
         rows = [one(seeds[i]) for i in range(int(seeds.shape[0]))]
         out = []
         for j, source in enumerate(sources):

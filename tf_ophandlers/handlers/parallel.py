@@ -21,8 +21,11 @@ Components are device names: logical devices of this process
 or devices of TensorFlow's distributed runtime (`/job:worker/replica:0/task:1/device:CPU:0`
 after `tf.config.experimental_connect_to_cluster`).
 """
+import threading
+
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import device_spec as _device_spec
 from tensorflow.python.framework import ops as _ops
 
@@ -40,12 +43,17 @@ _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
 
 
 class ParallelValue:
-    """The handler's representation: one next-stack tensor per component device."""
+    """The handler's representation: one next-stack tensor per component device.
 
-    __slots__ = ("components",)
+    `broadcast` marks a resource handle copied on from outside (a host variable): every
+    component refers to the same buffer, so it may be read but not written.
+    """
 
-    def __init__(self, components):
+    __slots__ = ("components", "broadcast")
+
+    def __init__(self, components, broadcast=False):
         self.components = tuple(components)
+        self.broadcast = broadcast
 
     def __repr__(self):
         return "ParallelValue(%r)" % (self.components,)
@@ -73,7 +81,10 @@ def _identity_op(dtype):
 
 
 class _OnDevice:
-    """Sets the physical placement at the bottom of the stack (as tf.device does)."""
+    """Sets the physical placement at the bottom of the stack (as tf.device does).
+
+    A new object per use: the saved placement belongs to one thread's use of it.
+    """
 
     __slots__ = ("_device", "_saved")
 
@@ -89,6 +100,9 @@ class _OnDevice:
         return False
 
 
+_thread = threading.local()
+
+
 class ParallelHandler(OpHandler):
     """Runs each op on every component device (`components`: device names)."""
 
@@ -101,7 +115,6 @@ class ParallelHandler(OpHandler):
         if not components:
             raise ValueError("oh.ParallelHandler: needs at least one component device")
         self.components = tuple(_full_device_name(c) for c in components)
-        self._on = [_OnDevice(d) for d in self.components]
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
@@ -109,15 +122,20 @@ class ParallelHandler(OpHandler):
     # -- variables: one buffer per component, saved per component ------------------------
 
     def scope_entered(self):
-        self._depth = getattr(self, "_depth", 0) + 1
-        if self._depth == 1:
-            self._creator_scope = tf.variable_creator_scope(self._variable_creator)
-            self._creator_scope.__enter__()
+        # Per thread: TensorFlow's variable creator stack is thread-local too.
+        scopes = _thread.__dict__.setdefault("creator_scopes", {})
+        depth, scope = scopes.get(id(self), (0, None))
+        if depth == 0:
+            scope = tf.variable_creator_scope(self._variable_creator)
+            scope.__enter__()
+        scopes[id(self)] = (depth + 1, scope)
 
     def scope_exited(self):
-        self._depth -= 1
-        if self._depth == 0:
-            scope, self._creator_scope = self._creator_scope, None
+        scopes = _thread.__dict__.setdefault("creator_scopes", {})
+        depth, scope = scopes.pop(id(self), (1, None))
+        if depth > 1:
+            scopes[id(self)] = (depth - 1, scope)
+        elif scope is not None:
             scope.__exit__(None, None, None)
 
     def _variable_creator(self, next_creator, **kwargs):
@@ -148,12 +166,20 @@ class ParallelHandler(OpHandler):
         if len(tensors) != len(self.components):
             raise ValueError("oh.ParallelHandler.pack: got %d tensors for %d components"
                              % (len(tensors), len(self.components)))
+        if len({t.dtype for t in tensors}) != 1:
+            raise ValueError("oh.ParallelHandler.pack: components must have one dtype, got %s"
+                             % [t.dtype.name for t in tensors])
         with self._scope():
             return _copies._lib.parallel_pack(tensors)  # pylint: disable=protected-access
 
     def unpack(self, tensor):
         """The components of a tensor of this handler, as ordinary tensors."""
         stack = _stack_of(tensor)
+        if stack is not None and any(isinstance(h, ParallelHandler) for h in stack.handlers) \
+                and not any(h is self for h in stack.handlers):
+            raise errors.PlacementError(
+                "oh.ParallelHandler.unpack: %s does not belong to %s but to %s"
+                % (tensor.shape, self.debug_string(), stack))
         if stack is not None and any(h is self for h in stack.handlers):
             # Runs where the tensor lives (re-entered within the current scope), so the
             # handlers above this one (a tape) see the unpack too.
@@ -167,10 +193,20 @@ class ParallelHandler(OpHandler):
 
         Differentiable (the gradient of an all-reduce is an all-reduce of the gradient).
         """
+        below = _state.current.handlers
+        if any(h is self for h in below):
+            below = below[:[i for i, h in enumerate(below) if h is self][0]]
+        if any(type(h).__name__ == "GradientTape" and h._recording() for h in below):  # pylint: disable=protected-access
+            raise NotImplementedError(
+                "oh.ParallelHandler.all_reduce: an oh.GradientTape opened outside the "
+                "parallel scope cannot differentiate through all_reduce; open the tape "
+                "inside the scope")
+
         @tf.custom_gradient
         def reduce(t):
             parts = self.unpack(t)
-            with _scope.physical():
+            # The collective has no gradient of its own: this function provides it.
+            with _scope.physical(), _record.stop_recording():
                 reduced = self._collective(*parts)
             return self.pack(reduced), lambda dy: self.all_reduce(dy)
 
@@ -213,11 +249,13 @@ class ParallelHandler(OpHandler):
         return value.components[0].dtype
 
     def num_dims(self, value):
-        rank = value.components[0].shape.rank
+        ranks = {c.shape.rank for c in value.components}
+        rank = ranks.pop() if len(ranks) == 1 else None
         return -1 if rank is None else rank
 
     def dim(self, value, index):
-        d = value.components[0].shape[index]
+        dims = {c.shape[index] for c in value.components}
+        d = dims.pop() if len(dims) == 1 else None  # components may differ: unknown
         return -1 if d is None else int(d)
 
     def static_value(self, value):
@@ -243,11 +281,11 @@ class ParallelHandler(OpHandler):
         # A broadcast: one copy per component device.
         op = _identity_op(tensor.dtype)
         out = []
-        for on in self._on:
-            with on:
+        for device in self.components:
+            with _OnDevice(device):
                 (c,) = next_stack.execute(op, [tensor])
             out.append(c)
-        return ParallelValue(out)
+        return ParallelValue(out, broadcast=tensor.dtype == tf.resource)
 
     def copy_on_grad(self, value, original_device):
         # The gradient of a broadcast sums the components, on the original device.
@@ -258,6 +296,14 @@ class ParallelHandler(OpHandler):
         return total
 
     def copy_off(self, value, device):
+        # A tensor whose components are all equal has one value (RFC: as static_value);
+        # TensorFlow reads some replicated values itself (variable initialization checks).
+        first = value.components[0]
+        if first.shape.num_elements() is not None and first.shape.num_elements() <= 1024:
+            values = [np.asarray(c) for c in value.components]
+            if all(v.shape == values[0].shape and np.array_equal(v, values[0])
+                   for v in values[1:]):
+                return first
         raise errors.CopyOffError(
             "oh.ParallelHandler: a tensor with %d components (one per device of %s) cannot "
             "be copied off as one tensor; use parallel.unpack(t) to get the components"
@@ -268,11 +314,11 @@ class ParallelHandler(OpHandler):
         n = len(self.components)
         if op.type == "ParallelPack":
             out = []
-            for i, (on, t) in enumerate(zip(self._on, inputs)):
+            for i, (device, t) in enumerate(zip(self.components, inputs)):
                 if isinstance(t, ParallelValue):  # already ours: its own component i
                     out.append(t.components[i])
                     continue
-                with on:
+                with _OnDevice(device):
                     (c,) = next_stack.execute(_identity_op(t.dtype), [t])
                 out.append(c)
             return [ParallelValue(out)]
@@ -280,15 +326,28 @@ class ParallelHandler(OpHandler):
             (value,) = inputs
             return [OffStack(c) for c in value.components]
         for v in inputs:
+            if v.broadcast and _writes_resource(op):
+                raise errors.PlacementError(
+                    "oh.ParallelHandler: op %s would write a variable created outside the "
+                    "handler once per component (%d times); update it outside the "
+                    "parallel scope, or create the variable inside the scope to get one "
+                    "buffer per component" % (op.type, n))
             if len(v.components) != n:
                 raise errors.PlacementError(
                     "oh.ParallelHandler: op %s got a tensor with %d components on a handler "
                     "with %d" % (op.type, len(v.components), n))
         per_device = []
-        for i, on in enumerate(self._on):
-            with on:
+        for i, device in enumerate(self.components):
+            with _OnDevice(device):
                 per_device.append(next_stack.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
+
+
+def _writes_resource(op):
+    t = op.type
+    return (t.startswith(("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                          "ResourceStridedSliceAssign"))
+            or t in ("DestroyResourceOp",))
 
 
 _keys = []

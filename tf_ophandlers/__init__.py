@@ -44,6 +44,7 @@ from tf_ophandlers.handlers.vectorized_map import VectorizedMap, vectorized_map 
 from tf_ophandlers.handlers.parallel import ParallelHandler, ParallelValue  # noqa: E402
 from tf_ophandlers.handlers.shape_inference import ShapeInference, eval_shape  # noqa: E402
 from tf_ophandlers.core.stack import OffStack  # noqa: E402
+from tf_ophandlers import testing  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -68,6 +69,7 @@ __all__ = [
     "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
     "OpRecord", "CheckNumericsHandler", "GradientTape",
     "ForwardAccumulator", "VectorizedMap", "vectorized_map", "ParallelHandler",
-    "ParallelValue", "OffStack", "ShapeInference", "eval_shape", "HandlerError", "PlacementError",
+    "ParallelValue", "OffStack", "ShapeInference", "eval_shape",
+    "testing", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
 ]

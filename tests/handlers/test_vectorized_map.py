@@ -33,6 +33,8 @@ FUNCTIONS = {
                      [(5, 3)]),
     "shape_queries": (lambda e: tf.cast(tf.shape(e)[0] + tf.rank(e), tf.float32) * e,
                       [(3, 5)]),
+    "l2_loss_global_norm": (lambda e: tf.nn.l2_loss(e) + tf.linalg.global_norm([e, e[0]]),
+                            [(4, 3, 2)]),
     # pfor conversions of one-op graphs
     "pfor_cumsum_conv": (lambda e: tf.nn.conv2d(e[None, :, :, None], tf.ones([2, 2, 1, 2]), 1,
                                                 "VALID")[0] + tf.cumsum(e, 0)[:-1, :-1, None],

@@ -320,6 +320,14 @@ def _random(handler, execute, op, inputs):
     return [Batched(o, True) for o in execute(op, [new_shape] + [b.value for b in inputs[1:]])]
 
 
+def _l2_loss(handler, execute, op, inputs):
+    (x,) = inputs
+    rank = x.value.shape.rank
+    if rank is None:
+        return None
+    return [Batched(tf.reduce_sum(tf.square(x.value), axis=list(range(1, rank))) * 0.5, True)]
+
+
 def _bias_add_grad(handler, execute, op, inputs):
     (x,) = inputs
     if op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC") or x.value.shape.rank is None:
@@ -358,7 +366,7 @@ _RULES.update({
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "ConcatV2": _concat, "Pack": _pack, "Shape": _shape,
     "Rank": _rank_op, "GatherV2": _gather, "Softmax": _last_axis, "LogSoftmax": _last_axis,
-    "BiasAddGrad": _bias_add_grad, "StridedSlice": _strided_slice, "BiasAdd": _bias_add,
+    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "StridedSlice": _strided_slice, "BiasAdd": _bias_add,
     "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
 })
 

@@ -1,0 +1,42 @@
+"""`model.fit` wrapped by `CheckNumericsHandler`: a diverging run stops at the first Inf.
+
+The learning rate below is far too large, so the loss overflows within a few steps.
+Without the handler, Keras keeps training on NaNs; with it, the first non-finite float
+output raises `InvalidArgumentError` naming the op and the line of your code that ran it.
+(`fit`'s train step is a `tf.function`: until function replay lands it is checked at the
+level of its outputs, so the op named is the step's output rather than the layer inside.)
+
+    python examples/check_numerics_fit.py
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_ophandlers as oh  # noqa: E402
+
+keras.utils.set_random_seed(0)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((256, 8)).astype(np.float32)
+y = (x.sum(axis=1, keepdims=True) * 100.).astype(np.float32)
+
+
+def make_model():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")  # diverges
+    return model
+
+
+history = make_model().fit(x, y, epochs=3, batch_size=32, verbose=0)
+print("without the handler, the losses were:", history.history["loss"])
+
+try:
+    with oh.CheckNumericsHandler():
+        make_model().fit(x, y, epochs=3, batch_size=32, verbose=0)
+    print("no divergence caught")
+except tf.errors.InvalidArgumentError as error:
+    print("with the handler, training stopped:", str(error).splitlines()[0])

@@ -723,3 +723,29 @@ def test_gradient_through_a_forward_accumulator_inside():
         with oh.ForwardAccumulator(x, tf.ones_like(x)):
             y = tf.reduce_sum(tf.sin(x) * x)
     assert_close(tape.gradient(y, x), np.cos(x.numpy()) * x.numpy() + np.sin(x.numpy()), 1e-6)
+
+
+def test_persistent_tape_through_tf_function_and_a_saved_model(tmp_path):
+    class Module(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable([[1., -2.], [0.5, 3.]])
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2])])
+        def __call__(self, x):
+            return tf.tanh(x @ self.w)
+
+    module = Module()
+    tf.saved_model.save(module, str(tmp_path / "m"))
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    x = _rand(3, 2)
+    results = []
+    for tape_type, fn, variables in ((tf.GradientTape, module, [module.w]),
+                                     (oh.GradientTape, loaded, [loaded.w]),
+                                     (oh.GradientTape, module, [module.w])):
+        with tape_type(persistent=True) as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(fn(x) ** 2)
+        results.append([tape.gradient(y, x)] + tape.gradient(y, variables))
+    assert_same_tensors(results[0], results[1])
+    assert_same_tensors(results[0], results[2])

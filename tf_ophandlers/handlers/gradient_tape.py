@@ -44,6 +44,7 @@ from tf_ophandlers.core.state import state as _state
 
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = _C.stack_of
+_EagerTensor = _ops.EagerTensor
 _key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see cc/dispatcher.cc)
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
@@ -646,6 +647,8 @@ def _record_operation(op_type, output_tensors, input_tensors, backward_function,
                       forward_function=None):
     _original_record_operation(op_type, output_tensors, input_tensors, backward_function,
                                forward_function)
+    if not all(isinstance(t, _EagerTensor) for t in output_tensors):
+        return  # a record made while tracing a function: only TensorFlow's tapes use it
     for tape in _active_tapes():
         inputs = [tape._level_of(t) for t in input_tensors]  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access

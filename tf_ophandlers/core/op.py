@@ -9,7 +9,6 @@ to it, so forwarding an op costs nothing for its attributes.
 import types
 
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.core.framework import tensor_shape_pb2
 from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import tensor_shape
@@ -98,6 +97,7 @@ def _encode_into(msg, attr_type, v, repeated):
 
 
 _decoded = {}  # serialized attrs -> read-only decoded attrs
+_cached_ops = {}  # (type, attrs) -> Op
 
 
 class Op(_C.OpBase):
@@ -123,6 +123,21 @@ class Op(_C.OpBase):
             protos[name] = _encode(types.get(name, ""), value).SerializeToString()
         return _C.new_op(op_type, protos)
 
+    @classmethod
+    def cached(cls, op_type, **attrs):
+        """`Op.create` memoized per type and attributes (hashable values).
+
+        Ops are read-only templates, so handlers reuse the few they build on a hot path
+        (an Identity per dtype, the CopyOn a tape records) instead of encoding them again.
+        """
+        key = (op_type, tuple(sorted(attrs.items())))
+        op = _cached_ops.get(key)
+        if op is None:
+            if len(_cached_ops) > 4096:
+                _cached_ops.clear()
+            op = _cached_ops[key] = cls.create(op_type, **attrs)
+        return op
+
     @property
     def attrs(self):
         """The op's attributes, read-only, as Python values (dtypes as tf.DType)."""
@@ -140,6 +155,19 @@ class Op(_C.OpBase):
                 _decoded[raw] = cached
             self.__dict__["_attrs"] = cached
         return cached
+
+    def attr_protos(self):
+        """The attributes as TensorFlow `AttrValue` protos (to build graph nodes)."""
+        return dict(attr_value_pb2.NameAttrList.FromString(self._attrs_proto()).attr)
+
+    def attrs_key(self):
+        """Bytes identifying the attributes, for caches keyed by op signature.
+
+        Serialized deterministically: TensorFlow's own serialization of the attribute
+        map does not keep one order.
+        """
+        proto = attr_value_pb2.NameAttrList.FromString(self._attrs_proto())
+        return proto.SerializeToString(deterministic=True)
 
     @property
     def output_dtypes(self):

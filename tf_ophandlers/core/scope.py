@@ -164,6 +164,12 @@ class _PhysicalPlacement:
         return False
 
 
+def on_device(name):
+    """Places the ops a hook runs on physical device `name`, below every handler (the
+    `tf.device` of hooks, whose TensorFlow device scope is still the dispatcher's)."""
+    return _PhysicalPlacement(name)
+
+
 def _context_device(self, name):
     if hasattr(name, "to_string") and not isinstance(name, str):
         name = name.to_string()  # a DeviceSpec

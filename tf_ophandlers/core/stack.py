@@ -17,6 +17,8 @@ import itertools
 import threading
 import weakref
 
+from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
+from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 from tf_ophandlers import _C
 from tf_ophandlers.core import errors
@@ -24,7 +26,6 @@ from tf_ophandlers.core import errors
 _COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
 
 _execute = _C.execute
-from tensorflow.python.framework.ops import EagerTensor as _EagerTensor  # noqa: E402
 _unwrap_inputs = _C.unwrap_inputs
 _wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
@@ -54,21 +55,15 @@ def representation_of(handler, tensor):
         value = stack.unwrap(tensor)
         if stack.handler is handler:
             return True, value
-        if _C.stack_of(value) is None and not _is_tensor(value):
+        if not isinstance(value, _Tensor):
             # A handler above with its own representation (a forward accumulator's
-            # primal and tangent): step down through its copy_off, which gives the
-            # tensor of the next stack, or give up if it refuses.
-            # A refusal (a parallel handler's CopyOffError) reaches the caller: a tensor
-            # of a handler below must not silently look unrelated.
+            # primal and tangent): step down through its copy_off, which gives the tensor
+            # of the next stack. A refusal (a parallel handler's CopyOffError) reaches the
+            # caller: a tensor of a handler below must not silently look unrelated.
             value = stack._call(stack.handler.copy_off, value, "")  # pylint: disable=protected-access
-            if not _is_tensor(value):
+            if not isinstance(value, _Tensor):
                 return False, tensor
         tensor = value
-
-
-def _is_tensor(value):
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    return isinstance(value, tf.Tensor)
 
 
 class OffStack:
@@ -211,21 +206,26 @@ class HandlerStack(Stack):
                     "%s.execute returned None for op %s; it must return a list of outputs"
                     % (handler.debug_string(), op.type))
         next_stack = self.next
-        if next_stack is not PHYSICAL:
-            # An output that is not a tensor of the next stack left the stacks below
-            # (a parallel unpack's components, a transient handler's resource handle):
-            # it leaves this stack too.
+        if next_stack is not PHYSICAL or self._off_stack:
+            # Outputs that leave this stack: those the handler returned as OffStack, and
+            # tensors that are not of the next stack, which left the stacks below (a
+            # parallel unpack's components, a transient handler's resource handle).
+            off = False
             for i, o in enumerate(outputs):
-                if type(o) is _EagerTensor and _C.stack_of(o) is not next_stack:
+                kind = type(o)
+                if kind is OffStack:
+                    off = True
+                elif (kind is _EagerTensor and next_stack is not PHYSICAL
+                      and _C.stack_of(o) is not next_stack):
                     if not isinstance(outputs, list):
                         outputs = list(outputs)
                     outputs[i] = OffStack(o)
-        if (self._off_stack or next_stack is not PHYSICAL) and any(
-                type(o) is OffStack for o in outputs):
-            wrapped = _wrap_outputs(self, [o for o in outputs if type(o) is not OffStack],
-                                    handler.transient, handler.value_dtype)
-            it = iter(wrapped)
-            return [o.tensor if type(o) is OffStack else next(it) for o in outputs]
+                    off = True
+            if off:
+                wrapped = iter(_wrap_outputs(
+                    self, [o for o in outputs if type(o) is not OffStack],
+                    handler.transient, handler.value_dtype))
+                return [o.tensor if type(o) is OffStack else next(wrapped) for o in outputs]
         # RFC "Placement of resource handles": a transient handler leaves resource handles
         # on the next stack, so a variable does not keep it alive.
         return _wrap_outputs(self, outputs, handler.transient, handler.value_dtype)

@@ -51,6 +51,10 @@ class Dual:
         self.primal = primal
         self.tangent = tangent
 
+    # A Dual has its primal's dtype and shape: OpHandler's default hooks read them.
+    dtype = property(lambda self: self.primal.dtype)
+    shape = property(lambda self: self.primal.shape)
+
     def __repr__(self):
         return "Dual(%r, %r)" % (self.primal, self.tangent)
 
@@ -112,7 +116,7 @@ def _unary(fn):
 
 
 def _real_div(execute, op, primals, tangents, outputs):
-    (a, b), (ta, tb), (y,) = primals, tangents, outputs
+    (_, b), (ta, tb), (y,) = primals, tangents, outputs
     num = ta if ta is not None else _zeros(y)
     if tb is not None:
         num = num - tb * y
@@ -180,17 +184,17 @@ for _name in ("Neg", "Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze"
               "SplitV", "Slice", "StridedSlice", "GatherV2", "GatherNd", "Tile", "Pad",
               "MirrorPad", "Sum", "Mean", "BroadcastTo", "ReverseV2", "Cumsum", "CopyOn",
               "CopyOnGrad", "CopyOff", "CopyOffGrad", "Real", "Imag", "Conj",
-              "MatrixTranspose", "SpaceToDepth", "DepthToSpace", "DiagPart", "EnsureShape", "CheckNumerics", "CheckNumericsV2"):
+              "MatrixTranspose", "SpaceToDepth", "DepthToSpace", "DiagPart", "EnsureShape",
+              "CheckNumerics", "CheckNumericsV2"):
     _RULES[_name] = _linear((0,))
 for _name in ("AddN", "Pack", "ConcatV2", "BiasAdd", "IdentityN"):
     _RULES[_name] = _linear("float")
-_RULES["Split"] = _linear((1,))
+for _name in ("Split", "Fill", "ScatterNd"):
+    _RULES[_name] = _linear((1,))
 # Rules that use TensorFlow's *Grad kernels, which conjugate complex inputs.
 _REAL_ONLY = frozenset(_RULES[n] for n in (
     "Tanh", "Sigmoid", "Relu", "Relu6", "Softplus", "Sqrt", "Rsqrt", "Reciprocal"))
 _COMPLEX_ENUMS = frozenset((tf.complex64.as_datatype_enum, tf.complex128.as_datatype_enum))
-_RULES["Fill"] = _linear((1,))
-_RULES["ScatterNd"] = _linear((1,))
 
 
 def _tensorflow_jvp(execute, op, primals, tangents, outputs):
@@ -293,17 +297,6 @@ class ForwardAccumulator(OpHandler):
         self._live = self._depth > 0
 
     # -- the handler ----------------------------------------------------------------------
-
-    def value_dtype(self, value):
-        return value.primal.dtype
-
-    def num_dims(self, value):
-        rank = value.primal.shape.rank
-        return -1 if rank is None else rank
-
-    def dim(self, value, index):
-        d = value.primal.shape[index]
-        return -1 if d is None else int(d)
 
     def static_value(self, value):
         return tf.get_static_value(value.primal)

@@ -30,7 +30,6 @@ from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import ops as _ops
-from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -39,7 +38,8 @@ from tensorflow.python.util import nest
 from tf_ophandlers import _C
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, representation_of
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import _COPY_OPS, PHYSICAL, representation_of
 from tf_ophandlers.core.state import state as _state
 
 _log = logging.getLogger("tf_ophandlers")
@@ -50,7 +50,6 @@ _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
 _RESOURCE = tf.resource.as_datatype_enum
-_COPY_OPS = frozenset(("CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad"))
 
 # Ops that read a variable: a read of a variable not yet watched asks the watcher first.
 _VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
@@ -123,7 +122,7 @@ def _active_tapes():
     if _tape_set_is_stopped():
         return ()
     return tuple(h for h in reversed(_state.current.handlers)
-                 if isinstance(h, GradientTape) and h._recording())  # pylint: disable=protected-access
+                 if isinstance(h, GradientTape) and h._live)  # pylint: disable=protected-access
 
 
 class GradientTape(OpHandler):
@@ -170,13 +169,10 @@ class GradientTape(OpHandler):
     def debug_string(self):
         return "GradientTape(persistent=%s)" % self._persistent
 
-    def _recording(self):
-        return self._live
-
     # -- scopes ---------------------------------------------------------------------------
 
     def __enter__(self):
-        if self._recording():
+        if self._live:
             raise ValueError("oh.GradientTape: the tape is still recording; this happens "
                              "when re-entering an already-active tape.")
         return super().__enter__()
@@ -217,7 +213,7 @@ class GradientTape(OpHandler):
     @contextlib.contextmanager
     def stop_recording(self):
         """Temporarily stops recording operations on this tape (as tf.GradientTape)."""
-        if not self._recording():
+        if not self._live:
             raise RuntimeError("oh.GradientTape: trying to stop recording a tape which is "
                                "not recording.")
         self._paused += 1
@@ -288,10 +284,10 @@ class GradientTape(OpHandler):
         if (known is None and self._watcher is not None
                 and tensor._datatype_enum() == _RESOURCE and self._harvest_variables()):  # pylint: disable=protected-access
             known = self._tracked.get(_key(tensor))  # a variable handle read just now
-        if (known is not None and _key(value) != _key(tensor) and self._recording()
+        if (known is not None and _key(value) != _key(tensor) and self._live
                 and not _tape_set_is_stopped()):
             tensor = known
-            op = _ops_create("CopyOn", T=value.dtype)
+            op = Op.cached("CopyOn", T=value.dtype)
             self._record("CopyOn", op, None, [tensor], [value], next_stack, ())
             self._bridge_to_tf_tapes(op, [tensor], [value])
         return value
@@ -402,7 +398,7 @@ class GradientTape(OpHandler):
                                "used to compute one set of gradients (or jacobians)")
 
     def _stop_if_non_persistent_in_scope(self):
-        if self._recording() and not self._persistent:
+        if self._live and not self._persistent:
             # As tf.GradientTape: a non-persistent tape stops recording when asked for
             # gradients inside its scope; a persistent one records the gradient ops too
             # (for higher-order gradients). A failed gradient call may be retried.
@@ -557,7 +553,7 @@ class GradientTape(OpHandler):
         if size is None:
             raise ValueError("oh.GradientTape.jacobian: the target needs a static shape, "
                              "got %s" % target.shape)
-        with self._placed(_stack_of(target) or PHYSICAL):
+        with self._where(target):
             seeds = tf.reshape(tf.eye(size, dtype=target.dtype), [size] + target.shape.as_list())
         rows = self._backprop_rows(target, flat_sources, seeds, unconnected_gradients,
                                    experimental_use_pfor)
@@ -589,7 +585,7 @@ class GradientTape(OpHandler):
                              "shape, got %s" % t_shape)
         batch = int(t_shape[0])
         row = t_shape.num_elements() // batch
-        with self._placed(_stack_of(target) or PHYSICAL):
+        with self._where(target):
             seeds = tf.reshape(tf.tile(tf.eye(row, dtype=target.dtype)[:, None, :],
                                        [1, batch, 1]), [row] + t_shape.as_list())
         (g,) = self._backprop_rows(target, [source], seeds, unconnected_gradients,
@@ -624,11 +620,6 @@ class GradientTape(OpHandler):
             else:
                 out.append(tf.stack([tf.zeros_like(source) if g is None else g for g in col]))
         return out
-
-
-def _ops_create(op_type, **attrs):
-    from tf_ophandlers.core.op import Op  # pylint: disable=import-outside-toplevel
-    return Op.create(op_type, **attrs)
 
 
 # -- integration with TensorFlow's Python-level tape hooks --------------------------------

@@ -37,6 +37,7 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import OffStack, representation_of
 from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.handlers.gradient_tape import GradientTape
 
 _stack_of = _C.stack_of
 _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
@@ -70,34 +71,11 @@ def _full_device_name(name):
     return spec.to_string()
 
 
-_identity_ops = {}
-
-
-def _identity_op(dtype):
-    op = _identity_ops.get(dtype)
-    if op is None:
-        op = _identity_ops[dtype] = Op.create("Identity", T=dtype)
-    return op
-
-
-class _OnDevice:
-    """Sets the physical placement at the bottom of the stack (as tf.device does).
-
-    A new object per use: the saved placement belongs to one thread's use of it.
-    """
-
-    __slots__ = ("_device", "_saved")
-
-    def __init__(self, device):
-        self._device = device
-
-    def __enter__(self):
-        self._saved = _state.device
-        _state.device = self._device
-
-    def __exit__(self, *exc_info):
-        _state.device = self._saved
-        return False
+def _copy_to(next_stack, tensor, device):
+    """`tensor` as a tensor of `next_stack` on physical `device` (an Identity there)."""
+    with _scope.on_device(device):
+        (copy,) = next_stack.execute(Op.cached("Identity", T=tensor.dtype), [tensor])
+    return copy
 
 
 _thread = threading.local()
@@ -193,10 +171,9 @@ class ParallelHandler(OpHandler):
 
         Differentiable (the gradient of an all-reduce is an all-reduce of the gradient).
         """
-        below = _state.current.handlers
-        if any(h is self for h in below):
-            below = below[:[i for i, h in enumerate(below) if h is self][0]]
-        if any(type(h).__name__ == "GradientTape" and h._recording() for h in below):  # pylint: disable=protected-access
+        handlers = _state.current.handlers
+        below = handlers[:next((i for i, h in enumerate(handlers) if h is self), None)]
+        if any(isinstance(h, GradientTape) and h._live for h in below):  # pylint: disable=protected-access
             raise NotImplementedError(
                 "oh.ParallelHandler.all_reduce: an oh.GradientTape opened outside the "
                 "parallel scope cannot differentiate through all_reduce; open the tape "
@@ -279,19 +256,14 @@ class ParallelHandler(OpHandler):
         if found:  # ours, from an earlier merge or under transparent handlers above us
             return ParallelValue(next_stack.copy_on(c) for c in value.components)
         # A broadcast: one copy per component device.
-        op = _identity_op(tensor.dtype)
-        out = []
-        for device in self.components:
-            with _OnDevice(device):
-                (c,) = next_stack.execute(op, [tensor])
-            out.append(c)
-        return ParallelValue(out, broadcast=tensor.dtype == tf.resource)
+        return ParallelValue((_copy_to(next_stack, tensor, d) for d in self.components),
+                             broadcast=tensor.dtype == tf.resource)
 
     def copy_on_grad(self, value, original_device):
         # The gradient of a broadcast sums the components, on the original device.
         next_stack = _state.frames[-1].next
-        op = Op.create("AddN", N=len(value.components), T=value.components[0].dtype)
-        with _OnDevice(original_device or self.components[0]):
+        op = Op.cached("AddN", N=len(value.components), T=value.components[0].dtype)
+        with _scope.on_device(original_device or self.components[0]):
             (total,) = next_stack.execute(op, list(value.components))
         return total
 
@@ -315,12 +287,9 @@ class ParallelHandler(OpHandler):
         if op.type == "ParallelPack":
             out = []
             for i, (device, t) in enumerate(zip(self.components, inputs)):
-                if isinstance(t, ParallelValue):  # already ours: its own component i
-                    out.append(t.components[i])
-                    continue
-                with _OnDevice(device):
-                    (c,) = next_stack.execute(_identity_op(t.dtype), [t])
-                out.append(c)
+                # A tensor already ours gives its own component i.
+                out.append(t.components[i] if isinstance(t, ParallelValue)
+                           else _copy_to(next_stack, t, device))
             return [ParallelValue(out)]
         if op.type == "ParallelUnpack":
             (value,) = inputs
@@ -338,7 +307,7 @@ class ParallelHandler(OpHandler):
                     "with %d" % (op.type, len(v.components), n))
         per_device = []
         for i, device in enumerate(self.components):
-            with _OnDevice(device):
+            with _scope.on_device(device):
                 per_device.append(next_stack.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
 

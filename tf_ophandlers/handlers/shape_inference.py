@@ -13,7 +13,6 @@ TensorSpec(shape=(None, 5), dtype=tf.float32, name=None)
 """
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
@@ -39,6 +38,10 @@ class Spec:
         self.value = value
         self.handle = handle  # a real resource handle (variables are read by shape)
 
+    # OpHandler's default hooks read the representation's dtype and shape.
+    dtype = property(lambda self: self.spec.dtype)
+    shape = property(lambda self: self.spec.shape)
+
     def __repr__(self):
         return "Spec(%s%s)" % (self.spec, "" if self.value is None else ", value=%s" % self.value)
 
@@ -53,14 +56,13 @@ def _known_value(tensor):
 
 
 def _signature(op, inputs):
-    proto = attr_value_pb2.NameAttrList.FromString(op._attrs_proto())  # pylint: disable=protected-access
     parts = []
     for s in inputs:
         shape = s.spec.shape
         parts.append((s.spec.dtype, None if shape.rank is None else tuple(shape.as_list()),
                       None if s.value is None else (s.value.dtype.str, s.value.tobytes(),
                                                     s.value.shape)))
-    return op.type, proto.SerializeToString(deterministic=True), tuple(parts)
+    return op.type, op.attrs_key(), tuple(parts)
 
 
 _inferred = {}  # signature -> list of output TensorSpecs
@@ -72,7 +74,7 @@ def _infer(op, inputs):
     specs = _inferred.get(key)
     if specs is not None:
         return specs
-    attrs = dict(attr_value_pb2.NameAttrList.FromString(op._attrs_proto()).attr)  # pylint: disable=protected-access
+    attrs = op.attr_protos()
     graph = tf.Graph()
     with graph.as_default():
         args = []
@@ -92,25 +94,13 @@ def _infer(op, inputs):
 class ShapeInference(OpHandler):
     """Computes the shapes and dtypes of a program's tensors without running kernels.
 
-    Use it through `oh.eval_shape(fn, *specs)`, or open its scope and bring tensors on
-    with `oh.ShapeInference.placeholder(stack, spec)`.
+    Use it through `oh.eval_shape(fn, *specs)`.
     """
 
     TYPE_NAME = "SHAPE_INFERENCE"
 
     def debug_string(self):
         return "ShapeInference()"
-
-    def value_dtype(self, value):
-        return value.spec.dtype
-
-    def num_dims(self, value):
-        rank = value.spec.shape.rank
-        return -1 if rank is None else rank
-
-    def dim(self, value, index):
-        d = value.spec.shape[index]
-        return -1 if d is None else int(d)
 
     def static_value(self, value):
         return value.value

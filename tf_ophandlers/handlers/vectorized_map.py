@@ -25,7 +25,6 @@ import logging
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
@@ -77,6 +76,15 @@ def _int32(values):
     return t
 
 
+def _prepended(first, values):
+    """A constant: `values` (a numpy array) with `first` in front, in their dtype."""
+    return tf.constant(np.concatenate([[first], values]).astype(values.dtype))
+
+
+def _batched(outputs):
+    return [Batched(o, True) for o in outputs]
+
+
 def _static(t):
     v = tf.get_static_value(t)
     return None if v is None else np.asarray(v)
@@ -108,16 +116,14 @@ def _align(inputs, rank):
 
 def _elementwise(handler, execute, op, inputs):
     """Ops that broadcast their inputs like numpy (and unary elementwise ops)."""
-    rank = max(_rank(b) for b in inputs)
-    if any(r is None for r in (b.value.shape.rank for b in inputs)):
+    if any(b.value.shape.rank is None for b in inputs):
         return None
-    return [Batched(o, True) for o in execute(op, _align(inputs, rank))]
+    return _batched(execute(op, _align(inputs, max(_rank(b) for b in inputs))))
 
 
 def _same_shape(handler, execute, op, inputs):
     """Elementwise ops whose inputs must have one shape (the *Grad kernels)."""
-    return [Batched(o, True) for o in execute(op, [_broadcast_batch(b, handler.size)
-                                                  for b in inputs])]
+    return _batched(execute(op, [_broadcast_batch(b, handler.size) for b in inputs]))
 
 
 def _matmul(handler, execute, op, inputs):
@@ -136,14 +142,14 @@ def _matmul(handler, execute, op, inputs):
             flat = tf.reshape(a.value, _int32((-1, int(shape[2]))))
             (out,) = execute(op, [flat, b.value])
             return [Batched(tf.reshape(out, _int32((handler.size, m, -1))), True)]
-    bmm = Op.create("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
+    bmm = Op.cached("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
                     adj_y=attrs["transpose_b"])
-    return [Batched(o, True) for o in execute(bmm, [a.value, b.value])]
+    return _batched(execute(bmm, [a.value, b.value]))
 
 
 def _batch_matmul(handler, execute, op, inputs):
     rank = max(_rank(b) for b in inputs)
-    return [Batched(o, True) for o in execute(op, _align(inputs, rank))]
+    return _batched(execute(op, _align(inputs, rank)))
 
 
 def _shift_axes(axes, rank):
@@ -162,7 +168,7 @@ def _reduction(handler, execute, op, inputs):
     if axes.ndim == 0:
         shifted = shifted[0]  # ArgMax/ArgMin take a scalar axis
     shifted = tf.constant(shifted, dtype=axis.value.dtype)
-    return [Batched(o, True) for o in execute(op, [x.value, shifted])]
+    return _batched(execute(op, [x.value, shifted]))
 
 
 def _reshape(handler, execute, op, inputs):
@@ -172,8 +178,7 @@ def _reshape(handler, execute, op, inputs):
     target = _static(shape.value)
     if target is None:
         return None
-    new_shape = tf.constant(np.concatenate([[handler.size], target]).astype(target.dtype))
-    return [Batched(o, True) for o in execute(op, [x.value, new_shape])]
+    return _batched(execute(op, [x.value, _prepended(handler.size, target)]))
 
 
 def _transpose(handler, execute, op, inputs):
@@ -182,7 +187,7 @@ def _transpose(handler, execute, op, inputs):
     if not x.batched or perm.batched or p is None:
         return None
     new = tf.constant([0] + [int(i) % _rank(x) + 1 for i in p], dtype=perm.value.dtype)
-    return [Batched(o, True) for o in execute(op, [x.value, new])]
+    return _batched(execute(op, [x.value, new]))
 
 
 def _expand_dims(handler, execute, op, inputs):
@@ -193,7 +198,7 @@ def _expand_dims(handler, execute, op, inputs):
     a = int(a)
     a = a if a >= 0 else a + _rank(x) + 1
     new = tf.constant(a + 1, dtype=axis.value.dtype)
-    return [Batched(o, True) for o in execute(op, [x.value, new])]
+    return _batched(execute(op, [x.value, new]))
 
 
 def _squeeze(handler, execute, op, inputs):
@@ -208,7 +213,7 @@ def _squeeze(handler, execute, op, inputs):
         if not dims:
             return [Batched(x.value, True)]  # nothing to squeeze (never the batch axis)
     new = op.replace(squeeze_dims=[int(d) % rank + 1 for d in dims])
-    return [Batched(o, True) for o in execute(new, [x.value])]
+    return _batched(execute(new, [x.value]))
 
 
 def _concat(handler, execute, op, inputs):
@@ -219,15 +224,14 @@ def _concat(handler, execute, op, inputs):
     rank = _rank(next(b for b in values if b.batched))
     new_axis = tf.constant(int(a) % rank + 1, dtype=axis.value.dtype)
     vals = [_broadcast_batch(b, handler.size) for b in values]
-    return [Batched(o, True) for o in execute(op, vals + [new_axis])]
+    return _batched(execute(op, vals + [new_axis]))
 
 
 def _pack(handler, execute, op, inputs):
     rank = _rank(next(b for b in inputs if b.batched))
     axis = op.attrs["axis"]
     new = op.replace(axis=(axis if axis >= 0 else axis + rank + 1) + 1)
-    return [Batched(o, True) for o in execute(new, [_broadcast_batch(b, handler.size)
-                                                   for b in inputs])]
+    return _batched(execute(new, [_broadcast_batch(b, handler.size) for b in inputs]))
 
 
 def _shape(handler, execute, op, inputs):
@@ -244,21 +248,17 @@ def _strided_slice(handler, execute, op, inputs):
     if not x.batched or begin.batched or end.batched or strides.batched:
         return None
     # A leading full slice over the batch axis; every mask moves up one bit.
-    def prepend(t, first):
-        v = _static(t.value)
-        if v is None:
-            return None
-        return tf.constant(np.concatenate([[first], v]).astype(v.dtype))
-    args = [prepend(begin, 0), prepend(end, 0), prepend(strides, 1)]
-    if any(a is None for a in args):
+    values = [_static(t.value) for t in (begin, end, strides)]
+    if any(v is None for v in values):
         return None
+    args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
     attrs = op.attrs
     new = op.replace(begin_mask=(attrs["begin_mask"] << 1) | 1,
                      end_mask=(attrs["end_mask"] << 1) | 1,
                      ellipsis_mask=attrs["ellipsis_mask"] << 1,
                      new_axis_mask=attrs["new_axis_mask"] << 1,
                      shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
-    return [Batched(o, True) for o in execute(new, [x.value] + args)]
+    return _batched(execute(new, [x.value] + args))
 
 
 def _sparse_xent(handler, execute, op, inputs):
@@ -289,26 +289,26 @@ def _gather(handler, execute, op, inputs):
     a = int(a) % max(_rank(params), 1)
     if params.batched and not indices.batched:
         new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
-        return [Batched(o, True) for o in execute(op, [params.value, indices.value, new_axis])]
+        return _batched(execute(op, [params.value, indices.value, new_axis]))
     if params.batched and indices.batched:
         new = op.replace(batch_dims=1)
         new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
-        return [Batched(o, True) for o in execute(new, [params.value, indices.value, new_axis])]
+        return _batched(execute(new, [params.value, indices.value, new_axis]))
     if a == 0:  # batched indices into unbatched params: the batch axis comes first
-        return [Batched(o, True) for o in execute(op, [params.value, indices.value, axis.value])]
+        return _batched(execute(op, [params.value, indices.value, axis.value]))
     return None
 
 
 def _last_axis(handler, execute, op, inputs):
     (x,) = inputs
-    return [Batched(o, True) for o in execute(op, [x.value])]
+    return _batched(execute(op, [x.value]))
 
 
 def _bias_add(handler, execute, op, inputs):
     value, bias = inputs
     if bias.batched or op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC"):
         return None  # pfor
-    return [Batched(o, True) for o in execute(op, [value.value, bias.value])]
+    return _batched(execute(op, [value.value, bias.value]))
 
 
 def _random(handler, execute, op, inputs):
@@ -316,8 +316,8 @@ def _random(handler, execute, op, inputs):
     shape = _static(inputs[0].value)
     if inputs[0].batched or shape is None:
         return None
-    new_shape = tf.constant(np.concatenate([[handler.size], shape]).astype(shape.dtype))
-    return [Batched(o, True) for o in execute(op, [new_shape] + [b.value for b in inputs[1:]])]
+    return _batched(execute(op, [_prepended(handler.size, shape)]
+                            + [b.value for b in inputs[1:]]))
 
 
 def _l2_loss(handler, execute, op, inputs):
@@ -366,7 +366,8 @@ _RULES.update({
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "ConcatV2": _concat, "Pack": _pack, "Shape": _shape,
     "Rank": _rank_op, "GatherV2": _gather, "Softmax": _last_axis, "LogSoftmax": _last_axis,
-    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "StridedSlice": _strided_slice, "BiasAdd": _bias_add,
+    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "StridedSlice": _strided_slice,
+    "BiasAdd": _bias_add,
     "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
 })
 
@@ -377,22 +378,15 @@ _converted = {}  # signature -> tf.function, or None when pfor cannot convert th
 _warned = set()
 
 
-def _attrs_key(op):
-    # Deterministic bytes: the map order of TensorFlow's serialization is not stable.
-    proto = attr_value_pb2.NameAttrList.FromString(op._attrs_proto())  # pylint: disable=protected-access
-    return proto.SerializeToString(deterministic=True)
-
-
 def _signature(op, inputs):
-    return (op.type, _attrs_key(op), tuple(
+    return (op.type, op.attrs_key(), tuple(
         (b.value.dtype, tuple(b.value.shape.as_list()) if b.value.shape.rank is not None
          else None, b.batched) for b in inputs))
 
 
 def _pfor_function(op, inputs):
     """A tf.function running `op` vectorized by TensorFlow's pfor converters."""
-    attrs = attr_value_pb2.NameAttrList.FromString(op._attrs_proto()).attr  # pylint: disable=protected-access
-    attrs = {k: v for k, v in attrs.items()}
+    attrs = op.attr_protos()
     op_type = op.type
     mask = [b.batched for b in inputs]
     dtypes = op.output_dtypes
@@ -442,7 +436,7 @@ def _converted_by_pfor(handler, execute, op, inputs):
             _log.warning("oh.vectorized_map: the pfor conversion of op %s failed (%s); it "
                          "runs once per example", op.type, str(e).splitlines()[0][:200])
         return None
-    return [Batched(o, True) for o in nest.flatten(outs)]
+    return _batched(nest.flatten(outs))
 
 
 def _per_example_loop(handler, execute, op, inputs):
@@ -458,8 +452,8 @@ def _per_example_loop(handler, execute, op, inputs):
 class VectorizedMap(OpHandler):
     """Runs every op of its scope once on a batch of `size` examples.
 
-    Use it through `oh.vectorized_map(fn, elems)`; tensors entering as batched inputs are
-    made with `batch(stack, tensor)`.
+    Use it through `oh.vectorized_map(fn, elems)`, which brings `elems` on as batched
+    tensors.
     """
 
     transparent = False
@@ -567,11 +561,6 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
             return None
         t = tf.convert_to_tensor(t)
         found, value = representation_of(handler, t)
-        if not found:
-            value = Batched(t, False)
-        if value.batched:
-            return value.value
-        v = value.value
-        return tf.broadcast_to(v[None], tf.concat([[size], tf.shape(v)], 0))
+        return _broadcast_batch(value if found else Batched(t, False), size)
 
     return nest.map_structure(unbatch, outputs)

@@ -25,6 +25,7 @@ from tf_ophandlers import _C  # noqa: E402,F401  (after TensorFlow: needs its li
 from tf_ophandlers.core import copies as _copies  # noqa: E402
 from tf_ophandlers.core import dispatch as _dispatch  # noqa: E402
 from tf_ophandlers.core import errors as _errors  # noqa: E402
+from tf_ophandlers.core import replay as _replay  # noqa: E402
 from tf_ophandlers.core import scope as _scope  # noqa: E402
 from tf_ophandlers.core import tensor as _tensor  # noqa: E402
 from tf_ophandlers.core.errors import (  # noqa: E402
@@ -56,6 +57,7 @@ _errors.install()
 _tensor.install()
 _scope.install_device_scopes()
 _gradient_tape.install()
+_replay.install()
 _dispatch.initialize()
 
 

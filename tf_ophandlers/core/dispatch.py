@@ -48,7 +48,9 @@ def execute(op, inputs):
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):
         stack = state.current  # scope placement (or a hook's ops, placed on its next)
+        state.scope_placed = True
     else:
+        state.scope_placed = False
         # Type-based dispatch; also for code that re-places an op on a handler tensor's
         # device outside any scope (TensorFlow's variable deleter does
         # `with tf.device(handle.device)`).

@@ -23,6 +23,18 @@ from tf_ophandlers.core.stack import move_onto
 from tf_ophandlers.core.state import state as _state
 
 
+class _CacheToken:
+    """Identity of a handler in replay cache keys that does not keep it alive."""
+
+    __slots__ = ("name", "__weakref__")
+
+    def __init__(self, handler):
+        self.name = handler.debug_string()
+
+    def __repr__(self):
+        return "<%s>" % self.name
+
+
 class OpHandler:
     """Pass-through op handler; subclass and override hooks to transform ops."""
 
@@ -44,6 +56,13 @@ class OpHandler:
     #: like any op, instead of the stack running them through `copy_on`/`copy_off`.
     #: A recording tape does, so that it records copies and their outputs stay on it.
     handles_copy = None
+
+    #: Whether a function call op placed on this handler is replayed op by op through it
+    #: (RFC "Replay before function execution"; core/replay.py). A handler that sets
+    #: this to False takes call ops whole in `execute`, like any op (a tape records the
+    #: call with TensorFlow's function gradient; a parallel handler runs it per
+    #: component).
+    replays_functions = True
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -142,6 +161,40 @@ class OpHandler:
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
         text = ops.value_text(value) if hasattr(value, "_id") else repr(value)
         return text if self.transparent else "%s: %s" % (self.type_name(), text)
+
+    # -- functions (RFC "Op handlers inside functions and control flow") ------------------
+
+    def function_input(self, value):
+        """FunctionInput: how a representation crosses a function boundary.
+
+        Returns ``(summary, tensors)``: a hashable summary (part of the replay cache key,
+        so it must not hold tensors) and the tensors of the next stack that carry `value`.
+        It is asked for the arguments of a replayed call (exterior values), for its
+        results inside the replay (interior values), and likewise for the inputs and
+        outputs of control-flow branches and loop bodies. The default suits a
+        representation that is a tensor of the next stack.
+        """
+        return None, [value]
+
+    def function_output(self, summary, tensors):
+        """FunctionOutput: the representation rebuilt from `function_input`'s parts on the
+        other side of the boundary (symbolic tensors inside a replay, the results of the
+        replayed call outside)."""
+        (tensor,) = tensors
+        return tensor
+
+    def function_cache_key(self):
+        """What identifies this handler in the replay cache (with the inputs' summaries).
+
+        The default is the handler itself, so a new handler replays a function again
+        and sees its ops (an op log). Handlers whose replay depends only on the
+        summaries return a value shared between instances, so a handler of the next
+        training step reuses the replay (RFC: "same summary function").
+        """
+        token = self.__dict__.get("_oh_cache_token")
+        if token is None:
+            token = self.__dict__["_oh_cache_token"] = _CacheToken(self)
+        return token
 
     # -- scopes -----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from tensorflow.python.framework import device_spec as _device_spec
 from tf_ophandlers import _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, Stack
+from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, Stack, stack_of
 from tf_ophandlers.core.state import state
 
 DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
@@ -112,7 +112,7 @@ def handler_of(tensor):
     """The handler stack `tensor` lives on, or None for an ordinary tensor."""
     if hasattr(tensor, "handle") and not isinstance(tensor, tf.Tensor):
         tensor = tensor.handle  # a variable: the stack of its resource handle
-    return _C.stack_of(tensor)
+    return stack_of(tensor)
 
 
 def current_stack():

@@ -32,13 +32,36 @@ _indices = {}  # handler type name -> itertools.count
 _merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
 
 
+def payload(tensor):
+    """``(stack, representation)`` of a handler tensor, or None for an ordinary tensor.
+
+    Eager handler tensors carry their payload in C++; while a function is being replayed
+    (core/replay.py) a stack's tensors are symbolic tensors of the replay that carry it
+    as an attribute.
+    """
+    p = _C.payload(tensor)
+    if p is None and state.replay is not None:
+        p = getattr(tensor, "_oh_payload", None)
+    return p
+
+
+def stack_of(tensor):
+    """The stack `tensor` lives on, or None (eager or replayed tensors)."""
+    s = _C.stack_of(tensor)
+    if s is None and state.replay is not None:
+        p = getattr(tensor, "_oh_payload", None)
+        if p is not None:
+            return p[0]
+    return s
+
+
 def move_onto(handler, next_stack, tensor):
     """The default copy-on of `handler` merged onto `next_stack` (OpHandler.copy_on).
 
     Moves `tensor` onto `next_stack`; a tensor of the same handler from an earlier merge
     is taken directly (its representation is moved, no copy off the handler).
     """
-    source = _C.stack_of(tensor)
+    source = stack_of(tensor)
     if source is not None and source.handler is handler:
         return next_stack.copy_on(source.unwrap(tensor))
     return next_stack.copy_on(tensor)
@@ -49,7 +72,7 @@ def representation_of(handler, tensor):
     stack containing `handler` (looking through the tensor representations of handlers
     above it), else ``(False, tensor)``."""
     while True:
-        stack = _C.stack_of(tensor)
+        stack = stack_of(tensor)
         if stack is None or not any(h is handler for h in stack.handlers):
             return False, tensor
         value = stack.unwrap(tensor)
@@ -102,11 +125,14 @@ class PhysicalStack(Stack):
         if op.type in _COPY_OPS:
             # On a physical device every copy op is the identity (cc/copy_ops.cc).
             return [self.copy_on(inputs[0])]
+        replay = state.replay
+        if replay is not None and replay.building():
+            return replay.emit(op, inputs)
         # Handler tensors among `inputs` are copied off by the C++ boundary.
         return _execute(op, inputs, state.device)
 
     def copy_on(self, tensor):
-        stack = _C.stack_of(tensor)
+        stack = stack_of(tensor)
         if stack is None:
             return tensor
         return stack.copy_off(tensor, state.device)
@@ -169,7 +195,7 @@ class HandlerStack(Stack):
 
     def unwrap(self, tensor):
         """The handler's representation of a tensor on this stack."""
-        p = _C.payload(tensor)
+        p = payload(tensor)
         if p is None or p[0] is not self:
             raise errors.PlacementError(
                 "tf_ophandlers: %r does not live on %s" % (tensor, self.name))
@@ -177,12 +203,22 @@ class HandlerStack(Stack):
 
     def wrap(self, value):
         """A tensor on this stack whose representation is `value`."""
+        replay = state.replay
+        if replay is not None and replay.building():
+            return replay.shadow(self, value)
         return _C.wrap(self, value, self.handler.value_dtype(value).as_datatype_enum)
 
     # -- public operations ----------------------------------------------------------------
 
     def execute(self, op, inputs):
         handler = self.handler
+        replay = state.replay
+        if replay is not None and replay.building():
+            return replay.execute(self, op, inputs)
+        if op.output_dtype_enums is None and handler.replays_functions:
+            # A function call op (no OpDef): replayed through this stack (core/replay.py).
+            from tf_ophandlers.core import replay as _replay  # pylint: disable=import-outside-toplevel
+            return _replay.call(self, op, inputs)
         if op.type in _COPY_OPS:
             handles_copy = handler.handles_copy
             if handles_copy is None or not handles_copy(op):
@@ -251,20 +287,26 @@ class HandlerStack(Stack):
             return [self.copy_on(t)]
         device = op.attrs.get("new_device" if op.type == "CopyOff" else "original_device", b"")
         device = device.decode() if isinstance(device, bytes) else device
-        if _C.stack_of(t) is not self:
+        if stack_of(t) is not self:
             t = self.copy_on(t)
         hook = self.handler.copy_off if op.type == "CopyOff" else self.handler.copy_on_grad
         value = self._call(hook, self.unwrap(t), device)
         return [self.next.copy_off(value, device)]
 
     def copy_on(self, tensor):
-        p = _C.payload(tensor)
+        p = payload(tensor)
         if p is not None and p[0] is self:
             return tensor
+        replay = state.replay
+        if replay is not None and replay.building() and id(self) not in replay.members:
+            return replay.to_bottom(tensor)  # symbolic tensors of the replay's bottom
         return self.wrap(self._copy_on_value(tensor))
 
     def copy_off(self, tensor, device):
-        source = _C.stack_of(tensor)
+        replay = state.replay
+        if replay is not None and replay.building() and id(self) not in replay.members:
+            return replay.to_bottom(tensor)
+        source = stack_of(tensor)
         if source is not self:
             # A representation that already left this stack (a handler returned it with
             # OffStack, e.g. a parallel unpack): copy it off from where it lives.
@@ -288,6 +330,8 @@ class _State(threading.local):
         self.device = ""
         self.frames = []
         self.scopes = []
+        self.replay = None          # the function replay being built (core/replay.py)
+        self.scope_placed = False   # whether the op being dispatched was placed by scope
 
 
 state = _State()

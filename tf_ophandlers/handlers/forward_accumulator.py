@@ -242,6 +242,7 @@ class ForwardAccumulator(OpHandler):
     """
 
     transparent = True
+    replays_functions = False
     TYPE_NAME = "FORWARD_ACCUMULATOR"
 
     def __init__(self, primals, tangents):

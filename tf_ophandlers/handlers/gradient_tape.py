@@ -141,6 +141,9 @@ class GradientTape(OpHandler):
     """
 
     transparent = True  # tensor.device shows the physical device, as with tf.GradientTape
+    # A function call is recorded whole, with TensorFlow's function gradient (its
+    # forward and backward functions), not replayed op by op.
+    replays_functions = False
     defers_needs_copy = True  # inputs a handler below takes as they are stay as they are
     TYPE_NAME = "GRADIENT_TAPE"
 

@@ -85,6 +85,7 @@ class ParallelHandler(OpHandler):
     """Runs each op on every component device (`components`: device names)."""
 
     transient = False  # variables created under it hold one buffer per component
+    replays_functions = False  # a function call runs whole on each component
     returns_off_stack = True  # unpack's outputs are ordinary tensors
     TYPE_NAME = "PARALLEL"
 

@@ -98,6 +98,7 @@ class ShapeInference(OpHandler):
     """
 
     TYPE_NAME = "SHAPE_INFERENCE"
+    replays_functions = False
 
     def debug_string(self):
         return "ShapeInference()"

@@ -457,6 +457,7 @@ class VectorizedMap(OpHandler):
     """
 
     transparent = False
+    replays_functions = False
     TYPE_NAME = "VECTORIZED_MAP"
 
     def __init__(self, size, fallback_to_while_loop=True):

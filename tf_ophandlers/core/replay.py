@@ -1,0 +1,547 @@
+"""Function calls under handlers: replay into a handler-free function (RFC "Replay before
+function execution", DESIGN.md decision 5).
+
+A `tf.function` call reaches a stack as one op named after the function
+(``__inference_f_123``). Unless the stack's handler takes call ops whole
+(``replays_functions = False``: tapes, parallel handlers), the call is *replayed*:
+
+1. The *segment* is the run of replaying handlers from the stack down; the *bottom* is
+   the stack below it (PHYSICAL, or a tape that takes calls whole).
+2. Each argument is split by its handlers' `function_input` hooks into tensors of the
+   bottom plus a summary tree; the summaries and the bottom tensors' specs key the cache.
+3. On a miss, a `tf.function` over the bottom tensors is traced: placeholders are rebuilt
+   into representations (`function_output`), the FunctionDef's body is interpreted node by
+   node through the segment's stacks (symbolic: a stack's tensors are *shadow* tensors
+   that carry ``(stack, representation)``), nested calls are inlined, and If/Case/While
+   are rebuilt with TensorFlow's cond_v2/while_v2 around replayed branches. Ops a
+   handler's hooks create with ordinary TensorFlow calls are routed through the next
+   stack, as they are eagerly. What reaches the bottom becomes the function's body.
+4. The replayed ConcreteFunction is called on the bottom stack (so a tape there records
+   it with TensorFlow's function gradient), and its results are rebuilt into the
+   segment's representations.
+
+A cache hit costs the splits, one dictionary lookup and one function call.
+"""
+import collections
+import threading
+
+import tensorflow as tf
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import func_graph as _func_graph
+from tensorflow.python.framework import function_def_to_graph as _fdef_to_graph
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework.tensor import Tensor as _Tensor
+from tensorflow.python.ops import array_ops as _array_ops
+from tensorflow.python.ops import cond_v2 as _cond_v2
+from tensorflow.python.ops import handle_data_util as _handle_data_util
+from tensorflow.python.ops import while_v2 as _while_v2
+
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.op import Op, _decode
+from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, payload, stack_of, state
+
+_CALL_OPS = frozenset(("PartitionedCall", "StatefulPartitionedCall"))
+_IF_OPS = frozenset(("If", "StatelessIf"))
+_CASE_OPS = frozenset(("Case", "StatelessCase"))
+_WHILE_OPS = frozenset(("While", "StatelessWhile"))
+# Ops that stay physical in a replay, as eager constants do (they never reach a handler).
+_PHYSICAL_OPS = frozenset(("Const", "Placeholder", "NoOp"))
+
+_CACHE_SIZE = 512
+_cache = collections.OrderedDict()  # key -> _Entry
+_cache_lock = threading.Lock()
+_bodies = {}  # function name -> FuncGraph of its FunctionDef
+
+
+class _Entry:
+    __slots__ = ("function", "output_trees", "name")
+
+    def __init__(self, function, output_trees, name):
+        self.function = function
+        self.output_trees = output_trees
+        self.name = name
+
+
+def cache_info():
+    """Number of replayed functions cached (for tests and benchmarks)."""
+    return len(_cache)
+
+
+def clear_cache():
+    with _cache_lock:
+        _cache.clear()
+    _bodies.clear()
+
+
+# -- the segment of a call -------------------------------------------------------------------
+
+def _segment(stack):
+    """The replaying stacks from `stack` down (top first), and the stack below them."""
+    segment = []
+    while isinstance(stack, HandlerStack) and stack.handler.replays_functions:
+        segment.append(stack)
+        stack = stack.next
+    return segment, stack
+
+
+def _body(name):
+    """The FuncGraph of the FunctionDef `name` registered in the eager context."""
+    graph = _bodies.get(name)
+    if graph is None:
+        ctx = _context.context()
+        if not ctx.has_function(name):
+            raise errors.HandlerError(
+                "tf_ophandlers: cannot replay function %s: it is not registered in the "
+                "eager context" % name)
+        fdef = ctx.get_function_def(name)
+        with _ops.init_scope():  # nested functions are looked up in the eager context
+            graph = _fdef_to_graph.function_def_to_graph(fdef)
+        if len(_bodies) > 1024:
+            _bodies.clear()
+        _bodies[name] = graph
+    return graph
+
+
+# -- splitting and rebuilding representations (FunctionInput / FunctionOutput) -------------
+
+def _split(tensor, segment, leaf_key, comps):
+    """Appends the bottom tensors carrying `tensor` to `comps`; returns its summary tree."""
+    p = payload(tensor)
+    if p is not None:
+        stack = p[0]
+        for level, s in enumerate(segment):
+            if s is stack:
+                summary, parts = stack._call(stack.handler.function_input, p[1])  # pylint: disable=protected-access
+                try:
+                    hash(summary)
+                except TypeError:
+                    raise errors.HandlerOutputError(
+                        "%s.function_input returned an unhashable summary %r; summaries key "
+                        "the replay cache" % (stack.handler.debug_string(), summary)) from None
+                return (level, summary, tuple(_split(t, segment, leaf_key, comps) for t in parts))
+    comps.append(tensor)
+    return leaf_key(tensor)
+
+
+def _rebuild(tree, segment, comps):
+    """The tensor (on its stack of `segment`) for `tree` from the bottom tensors `comps`."""
+    if tree[0] == "leaf":
+        return next(comps)
+    level, summary, subtrees = tree
+    stack = segment[level]
+    parts = [_rebuild(t, segment, comps) for t in subtrees]
+    value = stack._call(stack.handler.function_output, summary, parts)  # pylint: disable=protected-access
+    return stack.wrap(value)
+
+
+def _eager_leaf(tensor):
+    """Cache-key part of a bottom tensor: what the replay's placeholder depends on."""
+    if not isinstance(tensor, _Tensor):
+        raise errors.HandlerOutputError(
+            "tf_ophandlers: function_input returned %r, which is not a tensor" % (tensor,))
+    dtype = tensor.dtype
+    if dtype == tf.resource or dtype == tf.variant:
+        data = _handle_data_util.get_handle_data(tensor)
+        extra = data.SerializeToString() if data is not None and data.is_set else b""
+        return ("leaf", dtype, tensor.shape, extra)
+    return ("leaf", dtype, tensor._shape_tuple())  # pylint: disable=protected-access
+
+
+def _graph_leaf(tensor):
+    return ("leaf", tensor.dtype)
+
+
+# -- a replay in progress ---------------------------------------------------------------------
+
+class _Replay:
+    """State of one replay being traced; `state.replay` while it is active."""
+
+    def __init__(self, segment, bottom, scope_placed, name):
+        self.segment = segment
+        self.members = frozenset(id(s) for s in segment)
+        self.bottom = bottom
+        self.scope_placed = scope_placed
+        self.name = name
+        self.graphs = set()  # ids of the graphs whose ops are routed (body, branches)
+        self.scratch = _ops.Graph()  # shadow tensors live here, never in a function
+
+    def building(self):
+        return id(_ops.get_default_graph()) in self.graphs
+
+    # -- symbolic stacks ------------------------------------------------------------------
+
+    def shadow(self, stack, value):
+        """A symbolic tensor of `stack` whose representation is `value`."""
+        handler = stack.handler
+        dtype = handler.value_dtype(value)
+        rank = handler.num_dims(value)
+        shape = None if rank < 0 else [
+            None if d < 0 else d for d in (handler.dim(value, i) for i in range(rank))]
+        with self.scratch.as_default():
+            t = _array_ops.placeholder(dtype, shape, name="oh_shadow")
+        t._oh_payload = (stack, value)  # pylint: disable=protected-access
+        return t
+
+    def to_bottom(self, tensor):
+        """`tensor` copied off the segment (a tensor of the bottom)."""
+        p = payload(tensor)
+        if p is None:
+            return tensor
+        return p[0].copy_off(tensor, state.device)
+
+    def execute(self, stack, op, inputs):
+        """A stack's execute while replaying: symbolic for the segment, nodes below."""
+        if id(stack) in self.members:
+            return _execute_symbolic(stack, op, inputs)
+        return self.emit(op, inputs)
+
+    def emit(self, op, inputs):
+        """Adds `op` on bottom tensors to the function being built."""
+        inputs = [self.to_bottom(t) for t in inputs]
+        attrs = op.attr_protos()
+        graph = _ops.get_default_graph()
+        with _ops.device(state.device or None) if state.device else _null():
+            node = _original_create_op(graph, op.type, inputs, attrs=attrs)
+        return list(node.outputs)
+
+    # -- ops created by TensorFlow calls in hooks -----------------------------------------
+
+    def create_op(self, graph, op_type, inputs, dtypes, input_types, name, attrs, op_def,
+                  compute_device):
+        target = state.current
+        if op_type in _PHYSICAL_OPS or id(target) not in self.members:
+            if any(payload(t) is not None for t in inputs):
+                inputs = [self.to_bottom(t) for t in inputs]
+            return _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
+                                       attrs, op_def, compute_device)
+        op = Op.create(op_type, **(attrs or {}))
+        outputs = target.execute(op, list(inputs))
+        return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
+
+    # -- interpreting a FunctionDef body ----------------------------------------------------
+
+    def placement(self, inputs):
+        """The stack a body op runs on: the call's stack if it was placed by a scope,
+        else the stack of its handler inputs (type-based dispatch), else the bottom."""
+        if self.scope_placed:
+            return self.segment[0]
+        best = None
+        for t in inputs:
+            s = stack_of(t)
+            if s is not None and id(s) in self.members:
+                if best is None or len(s.handlers) > len(best.handlers):
+                    best = s
+        return best
+
+    def lift(self, tensor, stack):
+        """`tensor` moved onto `stack` (None: the bottom)."""
+        if stack is None:
+            return self.to_bottom(tensor)
+        return stack.copy_on(tensor)
+
+    def interpret(self, body, args):
+        """Runs the ops of FuncGraph `body` on `args`; returns its outputs."""
+        env = {}
+        for placeholder, arg in zip(body.inputs, args):
+            env[id(placeholder)] = arg
+        inputs = set(id(p.op) for p in body.inputs)
+        for node in body.get_operations():
+            if id(node) in inputs:
+                continue
+            ins = [env[id(t)] for t in node.inputs]
+            outs = self.run_node(node, ins)
+            for t, o in zip(node.outputs, outs):
+                env[id(t)] = o
+        return [env[id(t)] for t in body.outputs]
+
+    def run_node(self, node, ins):
+        op_type = node.type
+        if op_type in _CALL_OPS:
+            return self.interpret(_body(node.get_attr("f").name), ins)
+        if op_type in _IF_OPS:
+            return self.run_if(node, ins)
+        if op_type in _CASE_OPS:
+            return self.run_case(node, ins)
+        if op_type in _WHILE_OPS:
+            return self.run_while(node, ins)
+        if _context.context().has_function(op_type):
+            return self.interpret(_body(op_type), ins)
+        attrs = {k: v for k, v in node.node_def.attr.items() if not k.startswith("_")}
+        op = Op.create(op_type, **attrs)
+        stack = None if op_type in _PHYSICAL_OPS else self.placement(ins)
+        if stack is None:
+            return self.emit(op, ins)
+        return stack.execute(op, ins)
+
+    # -- control flow (RFC "Control flow": If/Case/While inputs and outputs) -------------
+
+    def _branch_fn(self, body, trees, comps, out_stack, results):
+        def branch():
+            self.graphs.add(id(_ops.get_default_graph()))
+            args = [_rebuild(t, self.segment, iter_c) for t, iter_c in
+                    ((t, iter(c)) for t, c in zip(trees, comps))]
+            outs = [self.lift(o, out_stack) for o in self.interpret(body, args)]
+            flat = []
+            results.append(tuple(_split(o, self.segment, _graph_leaf, flat) for o in outs))
+            return flat
+        return branch
+
+    def _split_args(self, args):
+        trees, comps = [], []
+        for a in args:
+            c = []
+            trees.append(_split(a, self.segment, _graph_leaf, c))
+            comps.append(c)
+        return trees, comps
+
+    def _outputs(self, node, results, flat):
+        first = results[0]
+        for other in results[1:]:
+            if other != first:
+                raise errors.HandlerError(
+                    "tf_ophandlers: while replaying %s, the branches of %s (%s) give "
+                    "their outputs different handler representations (%r vs %r); the "
+                    "handlers involved must represent them alike" % (
+                        self.name, node.type, node.name, first, other))
+        it = iter(flat)
+        return [_rebuild(t, self.segment, it) for t in first]
+
+    def run_if(self, node, ins):
+        stack = self.placement(ins)
+        pred = self.to_bottom(ins[0])
+        args = [self.lift(t, stack) for t in ins[1:]]
+        trees, comps = self._split_args(args)
+        results = []
+        branches = [self._branch_fn(_body(node.get_attr(b).name), trees, comps, stack, results)
+                    for b in ("then_branch", "else_branch")]
+        flat = _cond_v2.cond_v2(pred, branches[0], branches[1], name=node.name)
+        return self._outputs(node, results, _as_list(flat))
+
+    def run_case(self, node, ins):
+        stack = self.placement(ins)
+        index = self.to_bottom(ins[0])
+        args = [self.lift(t, stack) for t in ins[1:]]
+        trees, comps = self._split_args(args)
+        results = []
+        branches = [self._branch_fn(_body(f.name), trees, comps, stack, results)
+                    for f in node.get_attr("branches")]
+        flat = _cond_v2.indexed_case(index, branches, name=node.name)
+        return self._outputs(node, results, _as_list(flat))
+
+    def run_while(self, node, ins):
+        stack = self.placement(ins)
+        args = [self.lift(t, stack) for t in ins]
+        trees, comps = self._split_args(args)
+        sizes = [len(c) for c in comps]
+        cond_body = _body(node.get_attr("cond").name)
+        loop_body = _body(node.get_attr("body").name)
+        results = []
+
+        def rebuild(flat):
+            it = iter(flat)
+            return [_rebuild(t, self.segment, it) for t in trees]
+
+        def cond(*flat):
+            self.graphs.add(id(_ops.get_default_graph()))
+            (out,) = self.interpret(cond_body, rebuild(flat))
+            return self.to_bottom(out)
+
+        def body(*flat):
+            self.graphs.add(id(_ops.get_default_graph()))
+            outs = [self.lift(o, stack) for o in self.interpret(loop_body, rebuild(flat))]
+            new_flat = []
+            out_trees = [_split(o, self.segment, _graph_leaf, new_flat) for o in outs]
+            results.append(tuple(out_trees))
+            if tuple(out_trees) != tuple(trees):
+                raise errors.HandlerError(
+                    "tf_ophandlers: while replaying %s, the body of %s (%s) changes the "
+                    "handler representation of its loop variables (%r -> %r)" % (
+                        self.name, node.type, node.name, tuple(trees), tuple(out_trees)))
+            return new_flat
+
+        flat_in = [t for c in comps for t in c]
+        del sizes
+        try:
+            flat = _while_v2.while_loop(cond, body, flat_in, name=node.name,
+                                        return_same_structure=True)
+        except ValueError as e:
+            if "shape" not in str(e):
+                raise
+            # A loop variable changes shape: relax, as the original While did.
+            flat = _while_v2.while_loop(
+                cond, body, flat_in, name=node.name, return_same_structure=True,
+                shape_invariants=[tf.TensorShape(None) for _ in flat_in])
+        return rebuild(_as_list(flat))
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def _as_list(x):
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    if x is None:
+        return []
+    return [x]
+
+
+class _RoutedOp:
+    """What a TensorFlow call gets back for an op a handler ran while replaying: the
+    outputs are shadow tensors of the stack it ran on (the op is not a graph node)."""
+
+    def __init__(self, op_type, name, attrs, outputs, inputs, graph):
+        self.type = op_type
+        self.name = name or op_type
+        self._attrs = attrs or {}
+        self.outputs = list(outputs)
+        self.inputs = list(inputs)
+        self.graph = graph
+        self.device = ""
+        self.control_inputs = []
+
+    def get_attr(self, name):
+        return _decode(self._attrs[name])
+
+    _get_attr_type = _get_attr_bool = _get_attr_int = get_attr
+
+    def _set_device_from_string(self, device):
+        self.device = device
+
+    def _set_attr(self, name, value):
+        self._attrs[name] = value
+
+
+def _execute_symbolic(stack, op, inputs):
+    """`HandlerStack.execute` on shadow tensors (the eager path lives in core/stack.py)."""
+    from tf_ophandlers.core.stack import _COPY_OPS, OffStack  # pylint: disable=import-outside-toplevel
+    handler = stack.handler
+    if op.type in _COPY_OPS and not (handler.handles_copy and handler.handles_copy(op)):
+        return stack._execute_copy(op, inputs)  # pylint: disable=protected-access
+    values = list(inputs)
+    for i, t in enumerate(inputs):
+        p = payload(t)
+        if p is not None and p[0] is stack:
+            values[i] = p[1]
+        elif stack._wants_copy(op, i):  # pylint: disable=protected-access
+            values[i] = stack._copy_on_value(t)  # pylint: disable=protected-access
+    outputs = stack._call(handler.execute, op, values)  # pylint: disable=protected-access
+    if outputs is None:
+        raise errors.HandlerOutputError(
+            "%s.execute returned None for op %s; it must return a list of outputs"
+            % (handler.debug_string(), op.type))
+    replay = state.replay
+    result = []
+    for o in outputs:
+        if type(o) is OffStack:
+            result.append(o.tensor)
+        elif handler.transient and getattr(o, "dtype", None) == tf.resource:
+            result.append(o)  # resource handles stay on the next stack
+        elif (isinstance(o, _Tensor) and id(stack.next) in replay.members
+              and stack_of(o) is not stack.next):
+            result.append(o)  # left the stacks below
+        else:
+            result.append(stack.wrap(o))
+    return result
+
+
+# -- the call ---------------------------------------------------------------------------------
+
+def call(stack, op, inputs):
+    """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
+    segment, bottom = _segment(stack)
+    scope_placed = state.scope_placed
+    leaves = []
+    trees = tuple(_split(t, segment, _eager_leaf, leaves) for t in inputs)
+    key = (op.type, scope_placed, trees,
+           tuple(s.handler.function_cache_key() for s in segment),
+           tuple(type(s.handler) for s in segment), id(bottom) if bottom is not PHYSICAL else 0)
+    entry = _cache.get(key)
+    if entry is None:
+        entry = _trace(segment, bottom, scope_placed, op.type, trees, leaves)
+        with _cache_lock:
+            _cache[key] = entry
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    else:
+        _cache.move_to_end(key)
+    outputs = _call_on(bottom, entry.function, leaves)
+    it = iter(outputs)
+    return [_rebuild(t, segment, it) for t in entry.output_trees]
+
+
+def _call_on(bottom, function, args):
+    from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
+    captured = function.captured_inputs
+    if bottom is PHYSICAL:
+        with scope.physical():
+            return _as_list(function._call_flat(args, captured))  # pylint: disable=protected-access
+    # Not `scope.handler(bottom)`: re-entering a stack the current one contains is a
+    # no-op, and the call must run below the segment.
+    saved = state.current
+    state.current = bottom
+    device_scope = scope._original_context_device(_context.context(), scope.DISPATCHER_DEVICE)  # pylint: disable=protected-access
+    try:
+        with device_scope:
+            return _as_list(function._call_flat(args, captured))  # pylint: disable=protected-access
+    finally:
+        state.current = saved
+
+
+def _trace(segment, bottom, scope_placed, name, trees, leaves):
+    from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
+    body = _body(name)
+    replay = _Replay(segment, bottom, scope_placed, name)
+    output_trees = []
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in leaves]
+
+    def replayed(*placeholders):
+        graph = _ops.get_default_graph()
+        replay.graphs.add(id(graph))
+        for p, t in zip(placeholders, leaves):
+            if t.dtype == tf.resource or t.dtype == tf.variant:
+                _handle_data_util.copy_handle_data(t, p)
+        it = iter(placeholders)
+        args = [_rebuild(t, segment, it) for t in trees]
+        outs = replay.interpret(body, args)
+        flat = []
+        output_trees.extend(_split(o, segment, _graph_leaf, flat) for o in outs)
+        return flat
+
+    saved = (state.replay, state.current, list(state.frames))
+    state.replay = replay
+    state.current = bottom
+    del state.frames[:]
+    try:
+        with scope.physical(), _record.stop_recording():
+            state.current = bottom
+            function = tf.function(replayed, input_signature=specs, autograph=False,
+                                   reduce_retracing=False).get_concrete_function()
+    finally:
+        state.replay, state.current, frames = saved
+        state.frames[:] = frames
+    return _Entry(function, tuple(output_trees), name)
+
+
+# -- routing ops created with TensorFlow calls while replaying -----------------------------
+
+_original_create_op = _func_graph.FuncGraph._create_op_internal  # pylint: disable=protected-access
+
+
+def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, name=None,
+                        attrs=None, op_def=None, compute_device=True):
+    replay = state.replay
+    if replay is None or id(self) not in replay.graphs:
+        return _original_create_op(self, op_type, inputs, dtypes, input_types, name, attrs,
+                                   op_def, compute_device)
+    return replay.create_op(self, op_type, inputs, dtypes, input_types, name, attrs, op_def,
+                            compute_device)
+
+
+def install():
+    _func_graph.FuncGraph._create_op_internal = _create_op_internal  # pylint: disable=protected-access

@@ -139,6 +139,8 @@ def test_tensorflow_errors_keep_their_type(x):
 def test_handler_exception_from_a_tf_function_call_keeps_its_type():
     # Function calls go through TFE_Py_Execute, which raises typed OpErrors itself.
     class Refuses(oh.OpHandler):
+        replays_functions = False  # takes call ops whole
+
         def execute(self, op, inputs):
             if op.output_dtypes is None:
                 raise KeyError("no functions here")
@@ -148,3 +150,18 @@ def test_handler_exception_from_a_tf_function_call_keeps_its_type():
     with pytest.raises(KeyError, match="no functions here"):
         with Refuses():
             f(tf.constant(1.))
+
+
+def test_handler_exception_while_replaying_a_function_keeps_its_type():
+    class RefusesMul(oh.OpHandler):
+        def execute(self, op, inputs):
+            if op.type == "Mul":
+                raise KeyError("no Mul here")
+            return self.next.execute(op, inputs)
+
+    f = tf.function(lambda a: tf.sin(a) * 2.)
+    with pytest.raises(KeyError, match="no Mul here"):
+        with RefusesMul():
+            f(tf.constant(1.))
+    with RefusesMul():  # the failed replay left no state behind
+        assert float(tf.function(lambda a: tf.sin(a) + 2.)(tf.constant(0.))) == 2.0

@@ -170,7 +170,8 @@ def test_tf_function_call_passes_through(x):
     with log:
         y = f(x)
     assert_close(y, np.sin(x.numpy()) * 2.0)
-    assert len(log.records) == 1 and log.records[0].op_type.startswith("__inference_f")
+    # The call is replayed through the handler (core/replay.py): it sees the body's ops.
+    assert log.op_types_seen() == ["Sin", "Mul", "Identity"]
 
 
 def test_variables_under_transient_handler_stay_physical():

@@ -200,3 +200,218 @@ def test_keras_model_under_replay_matches_plain():
     # The backward function runs on the forward op's stack (RFC), so it is replayed
     # through the log too: two MatMuls per layer.
     assert log.op_types_seen().count("MatMul") == 6
+
+
+# -- handler scopes opened while a function is traced ------------------------------------------
+
+def test_rfc_trace_time_handler_example():
+    @tf.function(input_signature=[tf.TensorSpec(shape=[], dtype=tf.float32)])
+    def trace_time_handler(x):
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            y = 2. * x
+        return tape.gradient(y, x)
+
+    concrete = trace_time_handler.get_concrete_function()
+    # The gradient ops are in the function body; no handler is involved in the call.
+    assert "Mul" in [n.op for n in concrete.function_def.node_def]
+    assert float(concrete(tf.constant(3.))) == 2.0
+
+
+def test_trace_time_tape_accumulator_and_vectorized_map_match_tensorflow():
+    v = tf.Variable([1.0, 2.0])
+
+    @tf.function
+    def f(x):
+        with oh.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(x * v))
+        g = tape.gradient(loss, v)
+        with oh.ForwardAccumulator(x, tf.ones_like(x)) as acc:
+            y = tf.exp(x)
+        j = acc.jvp(y)
+        m = oh.vectorized_map(lambda r: tf.reduce_sum(r * r), tf.reshape(x, [2, 1]))
+        return g, j, m
+
+    x = tf.constant([0.3, -0.2])
+    g, j, m = f(x)
+    assert_close(g, x.numpy() * np.cos(x.numpy() * v.numpy()))
+    assert_close(j, np.exp(x.numpy()))
+    assert_close(m, x.numpy() ** 2)
+
+
+def test_scope_opened_while_tracing_runs_on_the_handler_at_call_time():
+    log = oh.OpLogHandler()
+
+    @tf.function
+    def f(x):
+        y = tf.sin(x)  # outside the scope: not the log's
+        with log:
+            z = y * 2.0
+            w = tf.cond(z > 0, lambda: z + 1.0, lambda: z - 1.0)
+        return w
+
+    assert log.records == []  # nothing runs on the handler while tracing
+    for value in (1.0, -1.0):
+        x = tf.constant(value)
+        expected = (np.sin(value) * 2 + 1) if np.sin(value) > 0 else (np.sin(value) * 2 - 1)
+        assert_close(f(x), expected)
+    seen = log.op_types_seen()
+    assert "Sin" not in seen and {"Mul", "Greater", "AddV2", "Sub"} <= set(seen)
+
+
+def test_scope_opened_while_tracing_merges_onto_the_stack_of_the_call():
+    log = oh.OpLogHandler()
+
+    @tf.function
+    def f(x):
+        with log:
+            return tf.math.log(x)
+
+    with oh.CheckNumericsHandler():
+        assert_close(f(tf.constant(2.0)), np.log(2.0))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="op Log produced"):
+            f(tf.constant(-2.0))
+    assert log.op_types_seen().count("Log") >= 1
+
+
+def test_check_numerics_scope_inside_a_function_never_silently_skips():
+    @tf.function
+    def f(x):
+        with oh.CheckNumericsHandler():
+            return tf.sqrt(x)
+
+    assert_close(f(tf.constant(4.0)), 2.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="op Sqrt produced NaN"):
+        f(tf.constant(-4.0))
+
+
+def test_handlers_that_take_calls_whole_refuse_trace_time_scopes():
+    @tf.function
+    def f(x):
+        with oh.ParallelHandler(["CPU:0", "CPU:1"]):
+            return x * 2.0
+
+    with pytest.raises(Exception, match="cannot be opened inside a function being traced"):
+        f(tf.constant(1.0))
+
+
+def test_saving_a_function_that_depends_on_a_live_handler_is_an_error(tmp_path):
+    log = oh.OpLogHandler()
+    module = tf.Module()
+    module.f = tf.function(lambda x: _with(log, lambda: x * 2.0),
+                           input_signature=[tf.TensorSpec([], tf.float32)])
+    with pytest.raises(oh.HandlerError, match="depends on the live handler stack"):
+        tf.saved_model.save(module, str(tmp_path / "m"))
+    plain = tf.Module()
+    plain.f = tf.function(lambda x: x * 2.0, input_signature=[tf.TensorSpec([], tf.float32)])
+    tf.saved_model.save(plain, str(tmp_path / "plain"))  # no handler: saves
+
+
+def _with(handler, fn):
+    with handler:
+        return fn()
+
+
+# -- SavedModels --------------------------------------------------------------------------------
+
+class _Scaled(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = tf.Variable([[1.0, 2.0], [3.0, -4.0]])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    def __call__(self, x):
+        h = tf.matmul(x, self.w)
+        return tf.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h), lambda: h * 2.0)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_saved_model_functions_run_and_differentiate_under_handlers(tmp_path, sign):
+    original = _Scaled()
+    tf.saved_model.save(original, str(tmp_path / "m"))
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    x = tf.constant([[1.0, -1.0], [0.5, 0.25]]) * sign
+    with tf.GradientTape() as ref_tape:
+        ref = original(x)
+    ref_grad = ref_tape.gradient(ref, original.w)
+    log = oh.OpLogHandler()
+    with oh.GradientTape() as tape:
+        with log:
+            y = loaded(x)
+    assert_close(y, ref)
+    assert_close(tape.gradient(y, loaded.w), ref_grad)
+    assert "MatMul" in log.op_types_seen() and "If" not in log.op_types_seen()
+
+
+def test_keras_export_artifact_under_handlers(tmp_path):
+    import keras
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.export(str(tmp_path / "export"), verbose=False)
+    artifact = tf.saved_model.load(str(tmp_path / "export"))
+    x = tf.random.stateless_normal([3, 4], seed=[4, 5])
+    with tf.GradientTape() as ref_tape:
+        ref_tape.watch(x)
+        ref = model(x)
+    ref_grad = ref_tape.gradient(ref, x)
+    log = oh.OpLogHandler()
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with oh.CheckNumericsHandler(), log:
+            y = artifact.serve(x)
+    assert log.op_types_seen().count("MatMul") == 2
+    assert_close(y, ref)
+    assert_close(tape.gradient(y, x), ref_grad)
+
+
+# -- Keras fit ------------------------------------------------------------------------------------
+
+def _fit(handler):
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.RandomState(0)
+    x = rng.randn(64, 8).astype("float32")
+    y = x.sum(1, keepdims=True)
+    if handler is None:
+        return model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False).history["loss"]
+    with handler:
+        return model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False).history["loss"]
+
+
+def test_keras_fit_under_op_log_and_check_numerics_has_the_same_losses():
+    plain = _fit(None)
+    log = oh.OpLogHandler()
+    assert _fit(log) == plain
+    assert {"MatMul", "ReluGrad", "AssignVariableOp"} <= set(log.op_types_seen())
+    assert _fit(oh.CheckNumericsHandler()) == plain
+
+
+def test_custom_training_step_in_tf_function_with_oh_gradient_tape():
+    import keras
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    ref_model = keras.models.clone_model(model)
+    ref_model.set_weights(model.get_weights())
+    opt, ref_opt = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+    x = tf.random.stateless_normal([8, 3], seed=[0, 1])
+    y = tf.reduce_sum(x, axis=1, keepdims=True)
+
+    def make_step(m, o, tape_cls):
+        @tf.function
+        def step():
+            with tape_cls() as tape:
+                loss = tf.reduce_mean((m(x) - y) ** 2)
+            o.apply_gradients(zip(tape.gradient(loss, m.trainable_variables),
+                                  m.trainable_variables))
+            return loss
+        return step
+
+    step = make_step(model, opt, oh.GradientTape)
+    ref_step = make_step(ref_model, ref_opt, tf.GradientTape)
+    for _ in range(3):
+        assert_close(step(), ref_step())

@@ -150,15 +150,18 @@ def test_hook_ops_run_on_next_stack(x):
     assert seen == [("outer", "Sin"), ("outer", "AddV2")]
 
 
-def test_scope_inside_tf_function_is_a_clear_error(x):
+def test_scope_inside_tf_function_runs_its_ops_on_the_handler(x):
+    # RFC "delayed processing": the annotated ops run on the handler when the function
+    # is called (tests/core/test_replay.py covers it in depth).
+    log = oh.OpLogHandler()
+
     @tf.function
     def f(t):
-        with oh.OpHandler():
+        with log:
             return tf.sin(t)
 
-    # Autograph re-raises it as a StagingError carrying the message.
-    with pytest.raises(Exception, match="tracing a tf.function is not supported yet"):
-        f(x)
+    assert_close(f(x), np.sin(x.numpy()))
+    assert log.op_types_seen()[0] == "Sin"
 
 
 def test_tf_function_call_passes_through(x):

@@ -158,8 +158,9 @@ class _Replay:
     """State of one replay being traced; `state.replay` while it is active."""
 
     def __init__(self, segment, bottom, scope_placed, name):
-        self.segment = segment
-        self.members = frozenset(id(s) for s in segment)
+        self.segment = list(segment)  # grows by the stacks of traced scopes (below)
+        self.members = set(id(s) for s in segment)
+        self.dynamic = set()  # ids of those stacks
         self.bottom = bottom
         self.scope_placed = scope_placed
         self.name = name
@@ -240,7 +241,43 @@ class _Replay:
             return self.to_bottom(tensor)
         return stack.copy_on(tensor)
 
-    def interpret(self, body, args):
+    def traced_stack(self, node, within):
+        """The stack a node annotated by a handler scope opened while tracing runs on:
+        that scope's handlers merged onto the stack of the call (or `within`, the stack
+        of an annotated call or control-flow op containing the node)."""
+        attr = node.node_def.attr.get(_scope_module().TRACED_STACK_ATTR)
+        if attr is None:
+            return within
+        traced = _scope_module().stack_named(attr.s.decode())
+        if traced is None:
+            raise errors.HandlerError(
+                "tf_ophandlers: op %s of function %s was traced under handler stack %s, "
+                "which no longer exists" % (node.name, self.name, attr.s.decode()))
+        stack = self.segment[0] if self.scope_placed else self.bottom
+        for h in traced.handlers:
+            if not any(h is x for x in stack.handlers):
+                if not h.replays_functions:
+                    raise errors.HandlerError(
+                        "tf_ophandlers: %s cannot run the ops of a traced scope: it takes "
+                        "function calls whole" % h.debug_string())
+                stack = HandlerStack.merged(h, stack)
+                if id(stack) not in self.members:
+                    self.members.add(id(stack))
+                    self.dynamic.add(id(stack))
+                    self.segment.append(stack)
+        return stack
+
+    def lower(self, tensor):
+        """A result of the replay moved off the stacks of traced scopes (they exist only
+        while the replay is built)."""
+        s = stack_of(tensor)
+        if s is None or id(s) not in self.dynamic:
+            return tensor
+        if self.scope_placed:
+            return self.segment[0].copy_on(tensor)
+        return self.to_bottom(tensor)
+
+    def interpret(self, body, args, within=None):
         """Runs the ops of FuncGraph `body` on `args`; returns its outputs."""
         env = {}
         for placeholder, arg in zip(body.inputs, args):
@@ -250,38 +287,42 @@ class _Replay:
             if id(node) in inputs:
                 continue
             ins = [env[id(t)] for t in node.inputs]
-            outs = self.run_node(node, ins)
+            outs = self.run_node(node, ins, within)
             for t, o in zip(node.outputs, outs):
                 env[id(t)] = o
         return [env[id(t)] for t in body.outputs]
 
-    def run_node(self, node, ins):
+    def run_node(self, node, ins, within=None):
         op_type = node.type
+        within = self.traced_stack(node, within)
         if op_type in _CALL_OPS:
-            return self.interpret(_body(node.get_attr("f").name), ins)
+            return self.interpret(_body(node.get_attr("f").name), ins, within)
         if op_type in _IF_OPS:
-            return self.run_if(node, ins)
+            return self.run_if(node, ins, within)
         if op_type in _CASE_OPS:
-            return self.run_case(node, ins)
+            return self.run_case(node, ins, within)
         if op_type in _WHILE_OPS:
-            return self.run_while(node, ins)
+            return self.run_while(node, ins, within)
         if _context.context().has_function(op_type):
-            return self.interpret(_body(op_type), ins)
+            return self.interpret(_body(op_type), ins, within)
         attrs = {k: v for k, v in node.node_def.attr.items() if not k.startswith("_")}
         op = Op.create(op_type, **attrs)
-        stack = None if op_type in _PHYSICAL_OPS else self.placement(ins)
+        if op_type in _PHYSICAL_OPS:
+            stack = None
+        else:
+            stack = within if within is not None else self.placement(ins)
         if stack is None:
             return self.emit(op, ins)
         return stack.execute(op, ins)
 
     # -- control flow (RFC "Control flow": If/Case/While inputs and outputs) -------------
 
-    def _branch_fn(self, body, trees, comps, out_stack, results):
+    def _branch_fn(self, body, trees, comps, out_stack, results, within):
         def branch():
             self.graphs.add(id(_ops.get_default_graph()))
             args = [_rebuild(t, self.segment, iter_c) for t, iter_c in
                     ((t, iter(c)) for t, c in zip(trees, comps))]
-            outs = [self.lift(o, out_stack) for o in self.interpret(body, args)]
+            outs = [self.lift(o, out_stack) for o in self.interpret(body, args, within)]
             flat = []
             results.append(tuple(_split(o, self.segment, _graph_leaf, flat) for o in outs))
             return flat
@@ -307,30 +348,30 @@ class _Replay:
         it = iter(flat)
         return [_rebuild(t, self.segment, it) for t in first]
 
-    def run_if(self, node, ins):
-        stack = self.placement(ins)
+    def run_if(self, node, ins, within):
+        stack = within if within is not None else self.placement(ins)
         pred = self.to_bottom(ins[0])
         args = [self.lift(t, stack) for t in ins[1:]]
         trees, comps = self._split_args(args)
         results = []
-        branches = [self._branch_fn(_body(node.get_attr(b).name), trees, comps, stack, results)
-                    for b in ("then_branch", "else_branch")]
+        branches = [self._branch_fn(_body(node.get_attr(b).name), trees, comps, stack, results,
+                                    within) for b in ("then_branch", "else_branch")]
         flat = _cond_v2.cond_v2(pred, branches[0], branches[1], name=node.name)
         return self._outputs(node, results, _as_list(flat))
 
-    def run_case(self, node, ins):
-        stack = self.placement(ins)
+    def run_case(self, node, ins, within):
+        stack = within if within is not None else self.placement(ins)
         index = self.to_bottom(ins[0])
         args = [self.lift(t, stack) for t in ins[1:]]
         trees, comps = self._split_args(args)
         results = []
-        branches = [self._branch_fn(_body(f.name), trees, comps, stack, results)
+        branches = [self._branch_fn(_body(f.name), trees, comps, stack, results, within)
                     for f in node.get_attr("branches")]
         flat = _cond_v2.indexed_case(index, branches, name=node.name)
         return self._outputs(node, results, _as_list(flat))
 
-    def run_while(self, node, ins):
-        stack = self.placement(ins)
+    def run_while(self, node, ins, within):
+        stack = within if within is not None else self.placement(ins)
         args = [self.lift(t, stack) for t in ins]
         trees, comps = self._split_args(args)
         sizes = [len(c) for c in comps]
@@ -344,12 +385,12 @@ class _Replay:
 
         def cond(*flat):
             self.graphs.add(id(_ops.get_default_graph()))
-            (out,) = self.interpret(cond_body, rebuild(flat))
+            (out,) = self.interpret(cond_body, rebuild(flat), within)
             return self.to_bottom(out)
 
         def body(*flat):
             self.graphs.add(id(_ops.get_default_graph()))
-            outs = [self.lift(o, stack) for o in self.interpret(loop_body, rebuild(flat))]
+            outs = [self.lift(o, stack) for o in self.interpret(loop_body, rebuild(flat), within)]
             new_flat = []
             out_trees = [_split(o, self.segment, _graph_leaf, new_flat) for o in outs]
             results.append(tuple(out_trees))
@@ -373,6 +414,11 @@ class _Replay:
                 cond, body, flat_in, name=node.name, return_same_structure=True,
                 shape_invariants=[tf.TensorShape(None) for _ in flat_in])
         return rebuild(_as_list(flat))
+
+
+def _scope_module():
+    from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
+    return scope
 
 
 class _null:
@@ -508,7 +554,7 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
                 _handle_data_util.copy_handle_data(t, p)
         it = iter(placeholders)
         args = [_rebuild(t, segment, it) for t in trees]
-        outs = replay.interpret(body, args)
+        outs = [replay.lower(o) for o in replay.interpret(body, args)]
         flat = []
         output_trees.extend(_split(o, segment, _graph_leaf, flat) for o in outs)
         return flat
@@ -543,5 +589,33 @@ def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, na
                             compute_device)
 
 
+def _name(function):
+    name = function.name
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _check_saveable(saveable_view):
+    """Refuses to save a function whose body depends on a live handler (RFC
+    "Relationship to SavedModels": a handler scope opened while tracing, or a captured
+    handler tensor). Functions called under handlers save as they are."""
+    for function in getattr(saveable_view, "concrete_functions", ()):
+        for t in getattr(function, "captured_inputs", ()):
+            s = stack_of(t)
+            if s is not None:
+                raise errors.HandlerError(
+                    "tf_ophandlers: cannot save function %s: its body depends on the live "
+                    "handler stack %r (a handler scope opened while tracing it, or a "
+                    "captured handler tensor). Save the function without handlers and "
+                    "apply them around the call after loading." % (_name(function), s))
+
+
 def install():
     _func_graph.FuncGraph._create_op_internal = _create_op_internal  # pylint: disable=protected-access
+    from tensorflow.python.saved_model import save as _save  # pylint: disable=import-outside-toplevel
+    original = _save._fill_meta_graph_def  # pylint: disable=protected-access
+
+    def _fill_meta_graph_def(meta_graph_def, saveable_view, *args, **kwargs):
+        _check_saveable(saveable_view)
+        return original(meta_graph_def, saveable_view, *args, **kwargs)
+
+    _save._fill_meta_graph_def = _fill_meta_graph_def  # pylint: disable=protected-access

@@ -38,13 +38,60 @@ def _handlers_of(target):
                     "(oh.handler_of(t)) or None, got %r" % (target,))
 
 
+TRACED_STACK_ATTR = "_oh_stack"
+
+
+def _enter_traced(target):
+    """A scope opened while a function is traced (RFC "delayed processing").
+
+    The ops created in the scope are annotated with the stack's name (node attr
+    ``_oh_stack``), and the function captures a *token* tensor of the stack, so that a
+    call of the function reaches the stack by type-based dispatch and is replayed
+    (core/replay.py): the annotated nodes then run on the handlers, merged onto the
+    stack the call runs on. The handlers see the ops when the function is called, not
+    while it is traced.
+    """
+    from tensorflow.core.framework import attr_value_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import func_graph  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+    graph = ops.get_default_graph()
+    handlers = _handlers_of(target)
+    if not isinstance(graph, func_graph.FuncGraph):
+        raise errors.HandlerError(
+            "tf_ophandlers: handler scopes need eager execution or a tf.function being "
+            "traced; TF1 graph mode is not supported")
+    for h in handlers:
+        if not h.replays_functions:
+            raise errors.HandlerError(
+                "tf_ophandlers: %s cannot be opened inside a function being traced: it "
+                "takes function calls whole. Open it around the call of the function "
+                "instead." % h.debug_string())
+    traced = [e for e in state.scopes if e[0] == "traced" and e[3] is graph]
+    stack = traced[-1][2] if traced else PHYSICAL
+    for h in handlers:
+        if not any(h is x for x in stack.handlers):
+            stack = HandlerStack.merged(h, stack)
+            _stacks_by_name[stack.name] = stack
+    with ops.init_scope():
+        # Larger than TensorFlow's limit for capturing eager tensors as constants.
+        token = stack.copy_on(tf.zeros([129], tf.int8))
+    graph.capture(token)
+    attr_scope = graph._attr_scope(  # pylint: disable=protected-access
+        {TRACED_STACK_ATTR: attr_value_pb2.AttrValue(s=stack.name.encode())})
+    attr_scope.__enter__()
+    state.scopes.append(("traced", attr_scope, stack, graph))
+    return stack
+
+
+def stack_named(name):
+    """The stack called `name` (a traced scope's annotation), or None."""
+    return _stacks_by_name.get(name)
+
+
 def enter(target):
     """Opens a scope for an OpHandler or a stack; pair with `exit()`."""
     if not tf.executing_eagerly():
-        raise errors.HandlerError(
-            "tf_ophandlers: opening a handler scope while tracing a tf.function is not "
-            "supported yet; open it around the function call instead (ops inside would "
-            "otherwise silently run on CPU).")
+        return _enter_traced(target)
     previous = state.current
     stack = previous
     opened = []
@@ -66,7 +113,11 @@ def enter(target):
 
 
 def exit():  # pylint: disable=redefined-builtin
-    previous, device_scope, opened = state.scopes.pop()
+    entry = state.scopes.pop()
+    if entry[0] == "traced":
+        entry[1].__exit__(None, None, None)
+        return
+    previous, device_scope, opened = entry
     state.current = previous
     for h in reversed(opened):
         h.scope_exited()

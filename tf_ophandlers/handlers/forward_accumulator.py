@@ -250,6 +250,12 @@ class ForwardAccumulator(OpHandler):
         self._watched = {}  # tensor key -> (primal, tangent)
         self._depth = 0
         self._live = False
+        self._traced = None
+        if not tf.executing_eagerly():
+            # Trace time (RFC "During tracing"): inside a function being traced the
+            # accumulator is TensorFlow's own, which adds the JVP ops to the body.
+            self._traced = tf.autodiff.ForwardAccumulator(primals, tangents)
+            return
         seen = set()
         for primal in nest.flatten(primals):
             if id(primal) in seen:
@@ -285,9 +291,17 @@ class ForwardAccumulator(OpHandler):
     # -- scopes ---------------------------------------------------------------------------
 
     def __enter__(self):
+        if self._traced is not None:
+            self._traced.__enter__()
+            return self
         if self._live:
             raise ValueError("oh.ForwardAccumulator: the accumulator is already recording.")
         return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        if self._traced is not None:
+            return self._traced.__exit__(*exc_info)
+        return super().__exit__(*exc_info)
 
     def scope_entered(self):
         self._depth += 1
@@ -361,6 +375,12 @@ class ForwardAccumulator(OpHandler):
         unless it ran inside other handlers); None (or zeros with
         ``unconnected_gradients="zero"``) where no JVP was computed.
         """
+        if self._traced is not None:
+            return self._traced.jvp(primals, unconnected_gradients)
+        return self._jvp(primals, unconnected_gradients)
+
+    def _jvp(self, primals, unconnected_gradients):
+        """`jvp` of an accumulator created eagerly."""
         unconnected = UnconnectedGradients(unconnected_gradients)
 
         def fetch(tensor):

@@ -157,6 +157,7 @@ class GradientTape(OpHandler):
         self._live = False  # recording: inside a scope, not paused, stopped or used
         self._watcher = None  # TensorFlow's variable watcher while a scope is open
         self._vectorizing = False  # inside jacobian's oh.vectorized_map
+        self._traced = None  # TensorFlow's tape, while the scope is open in a trace
         self._clear()
 
     def _update_live(self):
@@ -175,10 +176,23 @@ class GradientTape(OpHandler):
     # -- scopes ---------------------------------------------------------------------------
 
     def __enter__(self):
+        if not tf.executing_eagerly():
+            # Trace time (RFC "During tracing"): opened inside a function being traced,
+            # the tape is TensorFlow's own, which adds the gradient ops to the function
+            # body; the handler is not involved once the trace is complete.
+            self._traced = tf.GradientTape(self._persistent, self._watch_accessed_variables)
+            self._traced.__enter__()
+            return self
+        self._traced = None
         if self._live:
             raise ValueError("oh.GradientTape: the tape is still recording; this happens "
                              "when re-entering an already-active tape.")
         return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        if self._traced is not None:
+            return self._traced.__exit__(*exc_info)
+        return super().__exit__(*exc_info)
 
     def scope_entered(self):
         if self._depth == 0:
@@ -213,9 +227,14 @@ class GradientTape(OpHandler):
             self._watch_variable(v)
         return bool(new)
 
-    @contextlib.contextmanager
     def stop_recording(self):
         """Temporarily stops recording operations on this tape (as tf.GradientTape)."""
+        if self._traced is not None:
+            return self._traced.stop_recording()
+        return self._stop_recording()
+
+    @contextlib.contextmanager
+    def _stop_recording(self):
         if not self._live:
             raise RuntimeError("oh.GradientTape: trying to stop recording a tape which is "
                                "not recording.")
@@ -229,6 +248,8 @@ class GradientTape(OpHandler):
 
     def reset(self):
         """Clears everything recorded; recording continues if inside the tape's scope."""
+        if self._traced is not None:
+            return self._traced.reset()
         self._clear()
         self._used = False
         self._stopped = False
@@ -334,6 +355,8 @@ class GradientTape(OpHandler):
 
     def watch(self, tensor):
         """Ensures that `tensor` (tensors, variables, or nested structures) is traced."""
+        if self._traced is not None:
+            return self._traced.watch(tensor)
         for t in _tf_backprop._extract_tensors_and_variables(tensor):  # pylint: disable=protected-access
             if not backprop_util.IsTrainable(t):
                 _log.warning("oh.GradientTape.watch: the dtype of the watched tensor must be "
@@ -353,6 +376,8 @@ class GradientTape(OpHandler):
 
     def watched_variables(self):
         """Variables watched by this tape, in order of construction."""
+        if self._traced is not None:
+            return self._traced.watched_variables()
         self._harvest_variables()
         variables = list(self._variables.values())
         return tuple(sorted(variables, key=lambda v: getattr(v, "_unique_id", 0)))
@@ -366,6 +391,9 @@ class GradientTape(OpHandler):
         Returns the structure of `sources` with a tensor (or IndexedSlices, or None) for
         each; the gradients live where the sources do.
         """
+        if self._traced is not None:
+            return self._traced.gradient(target, sources, output_gradients,
+                                         unconnected_gradients)
         self._check_usable()
         if target is None:
             raise TypeError("oh.GradientTape.gradient: argument `target` should be a list or "
@@ -547,6 +575,9 @@ class GradientTape(OpHandler):
         one backward pass per row). A non-persistent tape allows it, as
         tf.GradientTape's default does.
         """
+        if self._traced is not None:
+            return self._traced.jacobian(target, sources, unconnected_gradients,
+                                         parallel_iterations, experimental_use_pfor)
         del parallel_iterations
         self._check_usable()
         self._stop_if_non_persistent_in_scope()
@@ -574,6 +605,9 @@ class GradientTape(OpHandler):
         `target[i, ...]` must depend only on `source[i, ...]` (as for tf.GradientTape).
         Vectorized over the target's per-example elements, as `jacobian`.
         """
+        if self._traced is not None:
+            return self._traced.batch_jacobian(target, source, unconnected_gradients,
+                                               parallel_iterations, experimental_use_pfor)
         del parallel_iterations
         self._check_usable()
         self._stop_if_non_persistent_in_scope()

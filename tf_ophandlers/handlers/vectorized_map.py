@@ -540,7 +540,11 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
     dimension; `fn` receives one example (the structure of `elems`, per-example shapes)
     and may capture other tensors. Returns the structure of `fn`'s outputs with the
     batch dimension first.
+
+    Inside a function being traced it is `tf.vectorized_map` (pfor on the graph).
     """
+    if not tf.executing_eagerly():
+        return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop)
     flat = [tf.convert_to_tensor(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")

@@ -218,9 +218,6 @@ def test_errors():
     with acc:
         with pytest.raises(ValueError, match="already recording"):
             acc.__enter__()
-    with pytest.raises(NotImplementedError, match=r"ForwardAccumulator.*tf\.function"):
-        with oh.ForwardAccumulator(a, a):
-            tf.function(lambda x: x * 2.)(a)
     with pytest.raises(LookupError, match="op Lu"):
         m = _rand(2, 2)
         with oh.ForwardAccumulator(m, m):
@@ -288,3 +285,56 @@ def test_diag_part_padding_has_no_tangent():
     (_, ref), (_, got) = _both(lambda a: tf.linalg.diag_part(a, k=(-1, 1), padding_value=5.),
                                [x], [tf.ones([2, 3])])
     assert_same_tensors(ref, got)
+
+
+# -- tf.function calls (replayed through the accumulator, core/replay.py) -----------------------
+
+@tf.function
+def _controlled(a, b):
+    c = tf.cond(b > 0, lambda: a * a, lambda: tf.sin(a))
+    return tf.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s * c + b), [0, c])[1]
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_jvp_through_tf_function_with_control_flow_matches_tensorflow(sign):
+    a, b = tf.constant(1.5), tf.constant(2.0 * sign)
+    with tf.autodiff.ForwardAccumulator(a, tf.constant(1.0)) as ref:
+        expected = _controlled(a, b)
+    with oh.ForwardAccumulator(a, tf.constant(1.0)) as acc:
+        y = _controlled(a, b)
+    assert_close(y, expected)
+    assert_close(acc.jvp(y), ref.jvp(expected))
+
+
+def test_jvp_through_keras_model_in_tf_function_matches_tensorflow():
+    import keras
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(2)])
+    call = tf.function(lambda x: model(x))
+    x = _rand(3, 5)
+    tangent = _rand(3, 5)
+    with tf.autodiff.ForwardAccumulator(x, tangent) as ref:
+        expected = call(x)
+    with oh.ForwardAccumulator(x, tangent) as acc:
+        y = call(x)
+    assert_close(y, expected)
+    assert_close(acc.jvp(y), ref.jvp(expected))
+
+
+def test_forward_over_reverse_hvp_through_tf_function():
+    f = tf.function(lambda a: tf.reduce_sum(a * a * a))
+    x = _rand(3)
+    v = _rand(3)
+    with tf.autodiff.ForwardAccumulator(x, v) as ref:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = f(x)
+        expected = ref.jvp(tape.gradient(y, x))
+    with oh.ForwardAccumulator(x, v) as acc:
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            y = f(x)
+        hvp = acc.jvp(tape.gradient(y, x))
+    assert_close(hvp, 6.0 * x.numpy() * v.numpy())
+    assert_close(hvp, expected)

@@ -502,6 +502,11 @@ def call(stack, op, inputs):
     """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
     segment, bottom = _segment(stack)
     scope_placed = state.scope_placed
+    if scope_placed:
+        # As for any op placed by a scope, the arguments are copied onto the stack first
+        # (a watched primal gets its tangent).
+        inputs = [stack.copy_on(t) if stack._wants_copy(op, i) else t  # pylint: disable=protected-access
+                  for i, t in enumerate(inputs)]
     leaves = []
     trees = tuple(_split(t, segment, _eager_leaf, leaves) for t in inputs)
     key = (op.type, scope_placed, trees,

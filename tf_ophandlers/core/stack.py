@@ -266,6 +266,15 @@ class HandlerStack(Stack):
         # on the next stack, so a variable does not keep it alive.
         return _wrap_outputs(self, outputs, handler.transient, handler.value_dtype)
 
+    def _below(self, other):
+        """Whether `other` is a stack built on this one (this is in its `next` chain)."""
+        s = other.next
+        while s is not None:
+            if s is self:
+                return True
+            s = s.next
+        return False
+
     def _wants_copy(self, op, index):
         """Whether input `index` of `op` is copied onto this stack before execute."""
         needs_copy = self.handler.needs_copy
@@ -277,6 +286,21 @@ class HandlerStack(Stack):
 
     def _copy_on_value(self, tensor):
         """The handler's representation of `tensor`, which lives elsewhere."""
+        source = stack_of(tensor)
+        if source is not None and self._below(source):
+            # A tensor of a stack built on this one (a tape's tensor used under the
+            # accumulator the tape ran on): step down through the handlers above, as
+            # `representation_of` does, instead of copying it off to a physical device
+            # and on again, which would lose this handler's representation (a tangent).
+            t = tensor
+            while True:
+                s = stack_of(t)
+                if s is self:
+                    return self.unwrap(t)
+                if s is None or not self._below(s):
+                    tensor = t
+                    break
+                t = s._call(s.handler.copy_off, s.unwrap(t), "")  # pylint: disable=protected-access
         if self._default_copy_on:
             return move_onto(self.handler, self.next, tensor)  # no frame needed
         return self._call(self.handler.copy_on, tensor)

@@ -30,13 +30,12 @@ from tensorflow.python.util import nest
 from tf_ophandlers import _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.stack import representation_of, stack_of
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers.gradient_tape import _attr_tuple
 
 _log = logging.getLogger("tf_ophandlers")
 _key = _C.tensor_key
-_stack_of = _C.stack_of
 _RESOURCE = tf.resource.as_datatype_enum
 _FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in (
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
@@ -59,8 +58,14 @@ class Dual:
         return "Dual(%r, %r)" % (self.primal, self.tangent)
 
 
+def _enum(t):
+    """The dtype enum of an eager tensor (fast), or of a symbolic one (function replay)."""
+    get = getattr(t, "_datatype_enum", None)
+    return get() if get is not None else t.dtype.as_datatype_enum
+
+
 def _float(t):
-    return t._datatype_enum() in _FLOAT_ENUMS  # pylint: disable=protected-access
+    return _enum(t) in _FLOAT_ENUMS
 
 
 # -- JVP rules: fn(execute, op, primals, tangents, outputs) -> output tangents -------------
@@ -242,7 +247,6 @@ class ForwardAccumulator(OpHandler):
     """
 
     transparent = True
-    replays_functions = False
     TYPE_NAME = "FORWARD_ACCUMULATOR"
 
     def __init__(self, primals, tangents):
@@ -324,7 +328,7 @@ class ForwardAccumulator(OpHandler):
         return ops.value_text(value.primal)
 
     def copy_on(self, tensor):
-        source = _stack_of(tensor)
+        source = stack_of(tensor)
         next_stack = _state.frames[-1].next
         if source is not None and source.handler is self:  # ours from an earlier merge
             dual = source.unwrap(tensor)
@@ -347,10 +351,9 @@ class ForwardAccumulator(OpHandler):
         outputs = next_stack.execute(op, primals)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
-                o._datatype_enum() in _FLOAT_ENUMS for o in outputs):  # pylint: disable=protected-access
+                _enum(o) in _FLOAT_ENUMS for o in outputs):
             rule = _RULES.get(op.type, _tensorflow_jvp)
-            if rule in _REAL_ONLY and any(p._datatype_enum() in _COMPLEX_ENUMS  # pylint: disable=protected-access
-                                          for p in primals):
+            if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
             out_tangents = rule(next_stack.execute, op, primals, tangents, outputs)
             if out_tangents is None:
@@ -363,8 +366,30 @@ class ForwardAccumulator(OpHandler):
             out_tangents = [None] * len(outputs)
         # Resource handles stay on the next stack (transient handler): a variable created
         # here must not keep the accumulator alive.
-        return [o if o._datatype_enum() == _RESOURCE else Dual(o, t)  # pylint: disable=protected-access
+        return [o if _enum(o) == _RESOURCE else Dual(o, t)
                 for o, t in zip(outputs, out_tangents)]
+
+    # -- functions (core/replay.py) ---------------------------------------------------------
+
+    def function_input(self, value):
+        # A tangent crosses a function boundary as a second tensor. Inside a replay (and
+        # its branches and loops) a live accumulator gives every floating value a tangent,
+        # zeros if none, so that both branches of a cond and every loop iteration carry
+        # their values alike.
+        tangent = value.tangent
+        if tangent is None and self._live and not tf.executing_eagerly() and _float(value.primal):
+            tangent = tf.zeros_like(value.primal)
+        if tangent is None:
+            return False, [value.primal]
+        return True, [value.primal, tangent]
+
+    def function_output(self, summary, tensors):
+        return Dual(tensors[0], tensors[1] if summary else None)
+
+    def function_cache_key(self):
+        # The replay depends only on the tangents' presence (the summaries) and on
+        # whether the accumulator records: accumulators of later steps share it.
+        return ("ForwardAccumulator", self._live)
 
     # -- results --------------------------------------------------------------------------
 

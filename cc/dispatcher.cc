@@ -649,7 +649,10 @@ PyObject* PyNewOp(PyObject* self, PyObject* args) {
   if (!RequireInit()) return nullptr;
   const char* type;
   PyObject* attrs;  // dict[str, bytes]: serialized AttrValue protos
-  if (!PyArg_ParseTuple(args, "sO!", &type, &PyDict_Type, &attrs)) return nullptr;
+  int num_outputs = -1;  // only used when there is no OpDef (a function call)
+  if (!PyArg_ParseTuple(args, "sO!|i", &type, &PyDict_Type, &attrs, &num_outputs)) {
+    return nullptr;
+  }
   TF_Status* s = TF_NewStatus();
   TFE_Op* tfe = TFE_NewOp(g_ctx, type, s);
   if (TF_GetCode(s) != TF_OK) {
@@ -679,7 +682,7 @@ PyObject* PyNewOp(PyObject* self, PyObject* args) {
   }
   TF_DeleteStatus(s);
   std::vector<TF_DataType> dtypes;
-  int n = ExpectedOutputs(tfe, &dtypes) ? static_cast<int>(dtypes.size()) : -1;
+  int n = ExpectedOutputs(tfe, &dtypes) ? static_cast<int>(dtypes.size()) : num_outputs;
   OpObject* op = NewOpObject(type, "", n);
   if (op == nullptr) {
     TFE_DeleteOp(tfe);
@@ -915,7 +918,9 @@ PyMethodDef kModuleMethods[] = {
     {"tensor_key", PyTensorKey, METH_O,
      "tensor_key(t) -> int identity of t's TensorFlow handle (stable across wrappers)."},
     {"execute", PyExecute, METH_VARARGS, "execute(op, inputs, device) -> list of tensors."},
-    {"new_op", PyNewOp, METH_VARARGS, "new_op(type, {attr: AttrValue bytes}) -> Op."},
+    {"new_op", PyNewOp, METH_VARARGS,
+     "new_op(type, {attr: AttrValue bytes}[, num_outputs]) -> Op. num_outputs is used "
+     "only for ops without an OpDef (function calls); it defaults to unknown (-1)."},
     {"unwrap_inputs", PyUnwrapInputs, METH_VARARGS,
      "unwrap_inputs(stack, inputs) -> (values, foreign_indices)."},
     {"wrap_outputs", PyWrapOutputs, METH_VARARGS,

@@ -29,6 +29,7 @@ BENCHMARKS = [
     ("vectorized_map", ["--rounds", "2"], ["time / oh", "per-example-grads", "forward-batch"]),
     ("parallel", ["--rounds", "2"], ["ratio to ParallelDevice", "per-op", "mlp-step",
                                      "MirroredStrategy"]),
+    ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
 ]
 
 

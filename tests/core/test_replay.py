@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_ophandlers as oh
 from tf_ophandlers.core import replay
 
-from tests.conftest import assert_close
+from conftest import assert_close
 
 
 @tf.function

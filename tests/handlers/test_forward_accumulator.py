@@ -338,3 +338,19 @@ def test_forward_over_reverse_hvp_through_tf_function():
         hvp = acc.jvp(tape.gradient(y, x))
     assert_close(hvp, 6.0 * x.numpy() * v.numpy())
     assert_close(hvp, expected)
+
+
+def test_cond_branch_without_tangent_gets_zeros():
+    @tf.function
+    def f(a, b):
+        return tf.cond(b > 0, lambda: a * 3.0, lambda: b)  # only one branch uses a
+
+    a = tf.constant(2.0)
+    for b in (1.0, -1.0):
+        with tf.autodiff.ForwardAccumulator(a, tf.constant(1.0)) as ref:
+            expected = f(a, tf.constant(b))
+        with oh.ForwardAccumulator(a, tf.constant(1.0)) as acc:
+            y = f(a, tf.constant(b))
+        assert_close(y, expected)
+        assert_close(acc.jvp(y, unconnected_gradients="zero"),
+                     ref.jvp(expected, unconnected_gradients="zero"))

@@ -84,8 +84,6 @@ def test_inference_is_cached_per_op_signature():
 def test_errors_are_clear():
     with pytest.raises(oh.CopyOffError, match="ShapeInference.*no value"):
         oh.eval_shape(lambda x: x.numpy(), tf.TensorSpec([2]))
-    with pytest.raises(NotImplementedError, match="ShapeInference.*tf.function"):
-        oh.eval_shape(tf.function(lambda x: x * 2.), tf.TensorSpec([2]))
     with pytest.raises(ValueError, match="ShapeInference: op MatMul"):
         oh.eval_shape(lambda x: tf.matmul(x, tf.ones([4, 2])), tf.TensorSpec([2, 3]))
     with pytest.raises(NotImplementedError, match="variable"):
@@ -106,3 +104,23 @@ def test_known_values_flow_through_shape_arithmetic():
         return x
 
     oh.eval_shape(static, tf.TensorSpec([4, 5, 6]))
+
+
+def test_tf_functions_with_control_flow_and_variables_are_replayed():
+    v = tf.Variable(tf.ones([3, 5]))
+
+    @tf.function
+    def f(x, y):
+        z = tf.matmul(x, y)
+        n = tf.shape(z)[0] * 2
+        c = tf.cond(tf.reduce_sum(z) > 0, lambda: z * 2.0, lambda: z)
+        loop = tf.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s + 1.0), [0, z])[1]
+        return tf.reshape(c, [n, -1]), loop, tf.matmul(x, v)
+
+    specs = oh.eval_shape(f, tf.TensorSpec([4, 3]), tf.TensorSpec([3, 6]))
+    real = f(tf.ones([4, 3]), tf.ones([3, 6]))
+    assert [s.shape.as_list() for s in specs] == [r.shape.as_list() for r in real]
+    assert [s.dtype for s in specs] == [r.dtype for r in real]
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5)])
+    spec = oh.eval_shape(tf.function(lambda x: model(x)), tf.TensorSpec([7, 3]))
+    assert spec.shape.as_list() == [7, 5]

@@ -238,3 +238,43 @@ def test_random_ops_draw_per_example():
 def test_scalar_elems_are_refused():
     with pytest.raises(ValueError, match="leading"):
         oh.vectorized_map(lambda a: a, tf.constant(1.))
+
+
+# -- tf.function calls inside the map (replayed, core/replay.py) ---------------------------------
+
+@tf.function
+def _branchy(r):
+    c = tf.cond(r[0] > 0, lambda: r * 2.0, lambda: tf.zeros_like(r))  # per-example predicate
+    c2 = tf.cond(tf.constant(True), lambda: r * 3.0, lambda: tf.ones([3]))  # batched vs not
+    s = tf.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s + r),
+                      [0, tf.zeros([3])])[1]  # the loop variable becomes per-example
+    return c + c2 + s
+
+
+@pytest.mark.parametrize("fn", ["plain", "branchy"])
+def test_tf_function_inside_the_map_matches_tf_vectorized_map(fn, caplog):
+    f = tf.function(lambda r: tf.reduce_sum(tf.sin(r) * r)) if fn == "plain" else _branchy
+    x = _rand(4, 3)
+    with caplog.at_level(logging.WARNING):
+        got = oh.vectorized_map(f, x)
+    assert_close(got, tf.vectorized_map(f, x))
+    assert_close(got, tf.stack([f(x[i]) for i in range(4)]))
+    assert "runs once per example" not in caplog.text  # replayed op by op, no loop
+
+
+def test_per_example_gradients_through_a_tf_function_keras_call():
+    model = _keras_model()
+    call = tf.function(lambda r: model(r[None])[0])
+    x = _rand(5, 4)
+
+    def per_example(r):
+        with oh.GradientTape() as tape:
+            loss = tf.reduce_sum(call(r) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    grads = oh.vectorized_map(per_example, x)
+    for i in range(5):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x[i][None])[0] ** 2)
+        for g, r in zip(grads, tape.gradient(loss, model.trainable_variables)):
+            assert_close(g[i], r)

@@ -183,6 +183,25 @@ class OpHandler:
         (tensor,) = tensors
         return tensor
 
+    def function_join(self, summaries):
+        """The summary a value must have where control flow merges values of these
+        `summaries` (the branches of a cond, a loop's inputs and its body's results).
+        The default accepts only equal summaries."""
+        first = summaries[0]
+        if any(s != first for s in summaries[1:]):
+            raise errors.HandlerError(
+                "%s: values with different function summaries (%r) meet in control flow; "
+                "the handler must implement function_join and function_coerce"
+                % (self.debug_string(), list(summaries)))
+        return first
+
+    def function_coerce(self, value, summary):
+        """`value` converted to a representation with `summary` (from `function_join`),
+        e.g. a tangent of zeros added, or a value broadcast over a batch."""
+        raise errors.HandlerError(
+            "%s cannot convert %r to function summary %r (implement function_coerce)"
+            % (self.debug_string(), value, summary))
+
     def function_cache_key(self):
         """What identifies this handler in the replay cache (with the inputs' summaries).
 

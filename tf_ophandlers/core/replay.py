@@ -37,7 +37,9 @@ from tensorflow.python.ops import cond_v2 as _cond_v2
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 from tensorflow.python.ops import while_v2 as _while_v2
 
+from tf_ophandlers import _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.handler import OpHandler as _OpHandler
 from tf_ophandlers.core.op import Op, _decode
 from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, payload, stack_of, state
 
@@ -48,6 +50,11 @@ _WHILE_OPS = frozenset(("While", "StatelessWhile"))
 # Ops that stay physical in a replay, as eager constants do (they never reach a handler).
 _PHYSICAL_OPS = frozenset(("Const", "Placeholder", "NoOp"))
 
+_RESOURCE = tf.resource
+_VARIANT = tf.variant
+_default_function_input = _OpHandler.function_input
+_default_function_output = _OpHandler.function_output
+
 _CACHE_SIZE = 512
 _cache = collections.OrderedDict()  # key -> _Entry
 _cache_lock = threading.Lock()
@@ -55,12 +62,17 @@ _bodies = {}  # function name -> FuncGraph of its FunctionDef
 
 
 class _Entry:
-    __slots__ = ("function", "output_trees", "name")
+    __slots__ = ("function", "output_trees", "name", "call_op", "captured")
 
     def __init__(self, function, output_trees, name):
         self.function = function
         self.output_trees = output_trees
         self.name = name
+        # The call op of the replayed function, to run it on physical devices without
+        # ConcreteFunction's Python call path (tapes there recorded the original call).
+        signature = function.function_def.signature
+        self.call_op = _C.new_op(signature.name, {}, len(signature.output_arg))
+        self.captured = list(function.captured_inputs)
 
 
 def cache_info():
@@ -112,7 +124,11 @@ def _split(tensor, segment, leaf_key, comps):
         stack = p[0]
         for level, s in enumerate(segment):
             if s is stack:
-                summary, parts = stack._call(stack.handler.function_input, p[1])  # pylint: disable=protected-access
+                handler = stack.handler
+                if type(handler).function_input is _default_function_input:
+                    summary, parts = None, (p[1],)  # no frame needed
+                else:
+                    summary, parts = stack._call(handler.function_input, p[1])  # pylint: disable=protected-access
                 try:
                     hash(summary)
                 except TypeError:
@@ -131,7 +147,10 @@ def _rebuild(tree, segment, comps):
     level, summary, subtrees = tree
     stack = segment[level]
     parts = [_rebuild(t, segment, comps) for t in subtrees]
-    value = stack._call(stack.handler.function_output, summary, parts)  # pylint: disable=protected-access
+    handler = stack.handler
+    if type(handler).function_output is _default_function_output:
+        return stack.wrap(parts[0])
+    value = stack._call(handler.function_output, summary, parts)  # pylint: disable=protected-access
     return stack.wrap(value)
 
 
@@ -141,10 +160,10 @@ def _eager_leaf(tensor):
         raise errors.HandlerOutputError(
             "tf_ophandlers: function_input returned %r, which is not a tensor" % (tensor,))
     dtype = tensor.dtype
-    if dtype == tf.resource or dtype == tf.variant:
-        data = _handle_data_util.get_handle_data(tensor)
-        extra = data.SerializeToString() if data is not None and data.is_set else b""
-        return ("leaf", dtype, tensor.shape, extra)
+    if dtype == _RESOURCE or dtype == _VARIANT:
+        # The replay's placeholder takes its handle data (a variable's dtype and shape)
+        # from the function's own argument, which TensorFlow traced for it.
+        return ("leaf", dtype)
     return ("leaf", dtype, tensor._shape_tuple())  # pylint: disable=protected-access
 
 
@@ -168,7 +187,9 @@ class _Replay:
         self.scratch = _ops.Graph()  # shadow tensors live here, never in a function
 
     def building(self):
-        return id(_ops.get_default_graph()) in self.graphs
+        """Whether ops are being added to this replay (not eager code inside it)."""
+        return (not _context.executing_eagerly()
+                and id(_ops.get_default_graph()) in self.graphs)
 
     # -- symbolic stacks ------------------------------------------------------------------
 
@@ -316,17 +337,94 @@ class _Replay:
         return stack.execute(op, ins)
 
     # -- control flow (RFC "Control flow": If/Case/While inputs and outputs) -------------
+    #
+    # The branches and loop bodies are replayed like function bodies and rebuilt with
+    # cond_v2/while_v2. Values crossing into and out of them are split by the handlers'
+    # `function_input` (IfInput/IfOutput, WhileInput/WhileOutput); where the branches
+    # (or a loop's inputs and its body's results) give a value different summaries, the
+    # handler joins them (`function_join`) and converts values (`function_coerce`), e.g.
+    # a tangent of zeros or a broadcast over the batch. A probe trace of each branch (a
+    # throwaway graph) finds the summaries first.
 
-    def _branch_fn(self, body, trees, comps, out_stack, results, within):
-        def branch():
-            self.graphs.add(id(_ops.get_default_graph()))
-            args = [_rebuild(t, self.segment, iter_c) for t, iter_c in
-                    ((t, iter(c)) for t, c in zip(trees, comps))]
-            outs = [self.lift(o, out_stack) for o in self.interpret(body, args, within)]
-            flat = []
-            results.append(tuple(_split(o, self.segment, _graph_leaf, flat) for o in outs))
-            return flat
-        return branch
+    def _join(self, trees):
+        """The tree values of `trees` (one per branch) are coerced to."""
+        first = trees[0]
+        if all(t == first for t in trees[1:]):
+            return first
+        if any(t[0] == "leaf" for t in trees) or any(t[0] != first[0] for t in trees):
+            raise errors.HandlerError(
+                "tf_ophandlers: while replaying %s, control flow merges values of "
+                "different handler stacks (%r)" % (self.name, list(trees)))
+        stack = self.segment[first[0]]
+        summary = stack._call(stack.handler.function_join, [t[1] for t in trees])  # pylint: disable=protected-access
+        for t in trees:
+            if t[1] == summary:
+                return t
+        return (first[0], summary, None)  # parts follow from the coerced values
+
+    def _coerce(self, tensor, tree):
+        """`tensor` (on the stack of `tree`'s level) converted to `tree`'s summaries."""
+        if tree[0] == "leaf":
+            return tensor
+        level, summary, subtrees = tree
+        stack = self.segment[level]
+        p = payload(tensor)
+        value = p[1]
+        current, parts = stack._call(stack.handler.function_input, value)  # pylint: disable=protected-access
+        if current != summary:
+            value = stack._call(stack.handler.function_coerce, value, summary)  # pylint: disable=protected-access
+            current, parts = stack._call(stack.handler.function_input, value)  # pylint: disable=protected-access
+            if current != summary:
+                raise errors.HandlerOutputError(
+                    "%s.function_coerce gave summary %r, not %r"
+                    % (stack.handler.debug_string(), current, summary))
+        elif subtrees is None:
+            return tensor
+        if subtrees is not None:
+            parts = [self._coerce(t, sub) for t, sub in zip(parts, subtrees)]
+            value = stack._call(stack.handler.function_output, summary, parts)  # pylint: disable=protected-access
+        return stack.wrap(value)
+
+    def _probe(self, fn):
+        """Runs `fn` in a throwaway graph (its ops never run); returns its result."""
+        graph = _func_graph.FuncGraph("oh_probe")
+        self.graphs.add(id(graph))
+        with graph.as_default():
+            return fn()
+
+    def _branch_outputs(self, body, trees, comps, out_stack, within):
+        args = [_rebuild(t, self.segment, iter(c)) for t, c in zip(trees, comps)]
+        return [self.lift(o, out_stack) for o in self.interpret(body, args, within)]
+
+    def _split_all(self, tensors):
+        flat = []
+        trees = tuple(_split(t, self.segment, _graph_leaf, flat) for t in tensors)
+        return trees, flat
+
+    def _run_branches(self, node, bodies, trees, comps, stack, within, build):
+        probes = [self._probe(lambda b=b: self._split_all(
+            self._branch_outputs(b, trees, comps, stack, within))[0]) for b in bodies]
+        joined = tuple(self._join([p[k] for p in probes]) for k in range(len(probes[0])))
+        final = []
+
+        def branch_fn(body):
+            def branch():
+                self.graphs.add(id(_ops.get_default_graph()))
+                outs = self._branch_outputs(body, trees, comps, stack, within)
+                outs = [self._coerce(o, t) for o, t in zip(outs, joined)]
+                out_trees, flat = self._split_all(outs)
+                final.append(out_trees)
+                return flat
+            return branch
+
+        flat = _as_list(build([branch_fn(b) for b in bodies]))
+        if any(t != final[0] for t in final[1:]):
+            raise errors.HandlerError(
+                "tf_ophandlers: while replaying %s, the branches of %s (%s) give their "
+                "outputs different handler representations (%r)"
+                % (self.name, node.type, node.name, final))
+        it = iter(flat)
+        return [_rebuild(t, self.segment, it) for t in final[0]]
 
     def _split_args(self, args):
         trees, comps = [], []
@@ -336,73 +434,122 @@ class _Replay:
             comps.append(c)
         return trees, comps
 
-    def _outputs(self, node, results, flat):
-        first = results[0]
-        for other in results[1:]:
-            if other != first:
-                raise errors.HandlerError(
-                    "tf_ophandlers: while replaying %s, the branches of %s (%s) give "
-                    "their outputs different handler representations (%r vs %r); the "
-                    "handlers involved must represent them alike" % (
-                        self.name, node.type, node.name, first, other))
-        it = iter(flat)
-        return [_rebuild(t, self.segment, it) for t in first]
+    def _control_input(self, node, stack, ins):
+        """The branch index / predicate as a bottom tensor, or None if a handler keeps it
+        (a per-example predicate under vectorized_map): then that handler gets the op."""
+        try:
+            return self.to_bottom(ins[0])
+        except errors.CopyOffError:
+            return None
+
+    def _select(self, node, ins, within):
+        """A stateless If whose predicate a handler keeps (one value per example under
+        vectorized_map): both branches run, and a SelectV2 on the handler picks, as pfor
+        converts it."""
+        pred = ins[0]
+        stack = stack_of(pred)
+        args = [self.lift(t, stack) for t in ins[1:]]
+        outs = [[self.lift(o, stack) for o in self.interpret(
+            _body(node.get_attr(b).name), args, within)] for b in ("then_branch", "else_branch")]
+        return [stack.execute(Op.cached("SelectV2", T=a.dtype), [pred, a, b])[0]
+                for a, b in zip(*outs)]
+
+    def _whole_op(self, node, ins, stack):
+        """The control-flow op itself, given to the handler that keeps its predicate
+        (RFC: "If the condition ... is placed on an op handler, the handler sees the If
+        op itself")."""
+        attrs = {k: v for k, v in node.node_def.attr.items() if not k.startswith("_")}
+        target = stack if stack is not None else stack_of(ins[0])
+        return target.execute(Op.create(node.type, **attrs), ins)
 
     def run_if(self, node, ins, within):
         stack = within if within is not None else self.placement(ins)
-        pred = self.to_bottom(ins[0])
+        pred = self._control_input(node, stack, ins)
+        if pred is None:
+            if node.type == "StatelessIf":
+                return self._select(node, ins, within)
+            return self._whole_op(node, ins, stack)
         args = [self.lift(t, stack) for t in ins[1:]]
         trees, comps = self._split_args(args)
-        results = []
-        branches = [self._branch_fn(_body(node.get_attr(b).name), trees, comps, stack, results,
-                                    within) for b in ("then_branch", "else_branch")]
-        flat = _cond_v2.cond_v2(pred, branches[0], branches[1], name=node.name)
-        return self._outputs(node, results, _as_list(flat))
+        bodies = [_body(node.get_attr(b).name) for b in ("then_branch", "else_branch")]
+        return self._run_branches(
+            node, bodies, trees, comps, stack, within,
+            lambda fns: _cond_v2.cond_v2(pred, fns[0], fns[1], name=node.name))
 
     def run_case(self, node, ins, within):
         stack = within if within is not None else self.placement(ins)
-        index = self.to_bottom(ins[0])
+        index = self._control_input(node, stack, ins)
+        if index is None:
+            return self._whole_op(node, ins, stack)
         args = [self.lift(t, stack) for t in ins[1:]]
         trees, comps = self._split_args(args)
-        results = []
-        branches = [self._branch_fn(_body(f.name), trees, comps, stack, results, within)
-                    for f in node.get_attr("branches")]
-        flat = _cond_v2.indexed_case(index, branches, name=node.name)
-        return self._outputs(node, results, _as_list(flat))
+        bodies = [_body(f.name) for f in node.get_attr("branches")]
+        return self._run_branches(
+            node, bodies, trees, comps, stack, within,
+            lambda fns: _cond_v2.indexed_case(index, fns, name=node.name))
 
     def run_while(self, node, ins, within):
         stack = within if within is not None else self.placement(ins)
         args = [self.lift(t, stack) for t in ins]
-        trees, comps = self._split_args(args)
-        sizes = [len(c) for c in comps]
         cond_body = _body(node.get_attr("cond").name)
         loop_body = _body(node.get_attr("body").name)
-        results = []
+        # Loop variables whose representation the body changes (a tangent appearing, a
+        # value becoming per-example) are joined with the body's results until stable.
+        for _ in range(4):
+            trees, comps = self._split_args(args)
+            probe = self._probe(lambda: self._split_all(
+                self._branch_outputs(loop_body, trees, comps, stack, within))[0])
+            joined = tuple(self._join([a, b]) for a, b in zip(trees, probe))
+            if joined == tuple(trees):
+                break
+            args = [self._coerce(a, t) for a, t in zip(args, joined)]
+        else:
+            raise errors.HandlerError(
+                "tf_ophandlers: while replaying %s, the handler representations of the loop "
+                "variables of %s (%s) do not settle" % (self.name, node.type, node.name))
+        trees = tuple(trees)
 
         def rebuild(flat):
             it = iter(flat)
             return [_rebuild(t, self.segment, it) for t in trees]
 
+        def probe_cond():
+            (out,) = self.interpret(cond_body, rebuild([t for c in comps for t in c]), within)
+            try:
+                self.to_bottom(out)
+                return True
+            except errors.CopyOffError:
+                return False
+
+        if not self._probe(probe_cond):
+            # The condition is kept by a handler (per example, or unknown): the handler
+            # gets the While op itself.
+            return self._whole_op(node, args, stack)
+
         def cond(*flat):
             self.graphs.add(id(_ops.get_default_graph()))
             (out,) = self.interpret(cond_body, rebuild(flat), within)
-            return self.to_bottom(out)
+            try:
+                return self.to_bottom(out)
+            except errors.CopyOffError as e:
+                raise errors.HandlerError(
+                    "tf_ophandlers: while replaying %s, the condition of %s (%s) is kept by "
+                    "a handler (%s); such loops are not supported in replayed functions"
+                    % (self.name, node.type, node.name, e)) from e
 
         def body(*flat):
             self.graphs.add(id(_ops.get_default_graph()))
-            outs = [self.lift(o, stack) for o in self.interpret(loop_body, rebuild(flat), within)]
-            new_flat = []
-            out_trees = [_split(o, self.segment, _graph_leaf, new_flat) for o in outs]
-            results.append(tuple(out_trees))
-            if tuple(out_trees) != tuple(trees):
+            outs = self._branch_outputs(loop_body, trees, _regroup(trees, flat), stack, within)
+            outs = [self._coerce(o, t) for o, t in zip(outs, trees)]
+            out_trees, new_flat = self._split_all(outs)
+            if out_trees != trees:
                 raise errors.HandlerError(
                     "tf_ophandlers: while replaying %s, the body of %s (%s) changes the "
                     "handler representation of its loop variables (%r -> %r)" % (
-                        self.name, node.type, node.name, tuple(trees), tuple(out_trees)))
+                        self.name, node.type, node.name, trees, out_trees))
             return new_flat
 
         flat_in = [t for c in comps for t in c]
-        del sizes
         try:
             flat = _while_v2.while_loop(cond, body, flat_in, name=node.name,
                                         return_same_structure=True)
@@ -414,6 +561,16 @@ class _Replay:
                 cond, body, flat_in, name=node.name, return_same_structure=True,
                 shape_invariants=[tf.TensorShape(None) for _ in flat_in])
         return rebuild(_as_list(flat))
+
+
+def _regroup(trees, flat):
+    """`flat` bottom tensors grouped per tree."""
+    out, k = [], 0
+    for t in trees:
+        n = _count_leaves(t)
+        out.append(list(flat[k:k + n]))
+        k += n
+    return out
 
 
 def _scope_module():
@@ -502,9 +659,10 @@ def call(stack, op, inputs):
     """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
     segment, bottom = _segment(stack)
     scope_placed = state.scope_placed
-    if scope_placed:
+    if scope_placed and not stack._default_copy_on:  # pylint: disable=protected-access
         # As for any op placed by a scope, the arguments are copied onto the stack first
-        # (a watched primal gets its tangent).
+        # (a watched primal gets its tangent). With the default copy-on that would only
+        # wrap a tensor that the split below unwraps again.
         inputs = [stack.copy_on(t) if stack._wants_copy(op, i) else t  # pylint: disable=protected-access
                   for i, t in enumerate(inputs)]
     leaves = []
@@ -518,20 +676,21 @@ def call(stack, op, inputs):
         with _cache_lock:
             _cache[key] = entry
             while len(_cache) > _CACHE_SIZE:
-                _cache.popitem(last=False)
+                _cache.popitem(last=False)  # the oldest replay
+    if bottom is PHYSICAL:
+        # Tapes above recorded the original call; run the replayed function as one op.
+        outputs = PHYSICAL.execute(entry.call_op, leaves + entry.captured)
     else:
-        _cache.move_to_end(key)
-    outputs = _call_on(bottom, entry.function, leaves)
+        outputs = _call_on(bottom, entry.function, leaves)
     it = iter(outputs)
     return [_rebuild(t, segment, it) for t in entry.output_trees]
 
 
 def _call_on(bottom, function, args):
+    """Calls `function` on the stack `bottom` through ConcreteFunction's call path, so that
+    a tape there records it with TensorFlow's function gradient."""
     from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
     captured = function.captured_inputs
-    if bottom is PHYSICAL:
-        with scope.physical():
-            return _as_list(function._call_flat(args, captured))  # pylint: disable=protected-access
     # Not `scope.handler(bottom)`: re-entering a stack the current one contains is a
     # no-op, and the call must run below the segment.
     saved = state.current
@@ -544,6 +703,42 @@ def _call_on(bottom, function, args):
         state.current = saved
 
 
+_VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
+
+
+def _set_handle_data(placeholder, exterior, argument):
+    """Gives a resource placeholder of a replay its variable's dtype and shape (what shape
+    inference of reads needs). The FunctionDef does not record it, and the eager handles
+    TensorFlow passes to a device do not carry it (it is a Python attribute of a
+    variable's own handle): the dtype comes from the reads of the argument in the body,
+    the shape from the variable itself."""
+    data = _handle_data_util.get_handle_data(exterior)
+    if data is not None and data.is_set:
+        _handle_data_util.set_handle_data(placeholder, data)
+        return
+    if argument.dtype != tf.resource:
+        return
+    dtypes = {c.get_attr("dtype") for c in argument.consumers() if c.type in _VARIABLE_READS}
+    if len(dtypes) != 1:
+        return
+    try:
+        with _ops.init_scope():
+            shape = tf.raw_ops.VariableShape(input=exterior).numpy()
+    except (tf.errors.OpError, ValueError, TypeError):
+        return
+    from tensorflow.core.framework import cpp_shape_inference_pb2  # pylint: disable=import-outside-toplevel
+    data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
+    data.shape_and_type.add(shape=tf.TensorShape(shape).as_proto(),
+                            dtype=dtypes.pop().as_datatype_enum)
+    _handle_data_util.set_handle_data(placeholder, data)
+
+
+def _count_leaves(tree):
+    if tree[0] == "leaf":
+        return 1
+    return sum(_count_leaves(t) for t in tree[2])
+
+
 def _trace(segment, bottom, scope_placed, name, trees, leaves):
     from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
     body = _body(name)
@@ -554,9 +749,17 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
     def replayed(*placeholders):
         graph = _ops.get_default_graph()
         replay.graphs.add(id(graph))
-        for p, t in zip(placeholders, leaves):
-            if t.dtype == tf.resource or t.dtype == tf.variant:
-                _handle_data_util.copy_handle_data(t, p)
+        # Resource and variant handle data (a variable's dtype and shape) come from the
+        # function's own argument the leaf belongs to: the eager handles TensorFlow
+        # passes to a device do not carry it (it is a Python attribute of a variable's
+        # handle), and handlers leave resources unchanged (transient handlers).
+        position = 0
+        for i, tree in enumerate(trees):
+            for _ in range(_count_leaves(tree)):
+                p = placeholders[position]
+                if p.dtype == tf.resource or p.dtype == tf.variant:
+                    _set_handle_data(p, leaves[position], body.inputs[i])
+                position += 1
         it = iter(placeholders)
         args = [_rebuild(t, segment, it) for t in trees]
         outs = [replay.lower(o) for o in replay.interpret(body, args)]

@@ -372,19 +372,19 @@ class ForwardAccumulator(OpHandler):
     # -- functions (core/replay.py) ---------------------------------------------------------
 
     def function_input(self, value):
-        # A tangent crosses a function boundary as a second tensor. Inside a replay (and
-        # its branches and loops) a live accumulator gives every floating value a tangent,
-        # zeros if none, so that both branches of a cond and every loop iteration carry
-        # their values alike.
-        tangent = value.tangent
-        if tangent is None and self._live and not tf.executing_eagerly() and _float(value.primal):
-            tangent = tf.zeros_like(value.primal)
-        if tangent is None:
+        # A tangent crosses a function boundary as a second tensor.
+        if value.tangent is None:
             return False, [value.primal]
-        return True, [value.primal, tangent]
+        return True, [value.primal, value.tangent]
 
     def function_output(self, summary, tensors):
         return Dual(tensors[0], tensors[1] if summary else None)
+
+    def function_join(self, summaries):
+        return any(summaries)  # a tangent in one branch: zeros in the others
+
+    def function_coerce(self, value, summary):
+        return Dual(value.primal, tf.zeros_like(value.primal)) if summary else value
 
     def function_cache_key(self):
         # The replay depends only on the tangents' presence (the summaries) and on

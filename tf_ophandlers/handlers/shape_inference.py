@@ -13,12 +13,13 @@ TensorSpec(shape=(None, 5), dtype=tf.float32, name=None)
 """
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.stack import PHYSICAL, representation_of
 from tf_ophandlers.core.state import state as _state
 
 _RESOURCE = tf.resource
@@ -51,6 +52,9 @@ def _known_value(tensor):
     if (tensor.dtype.is_integer or tensor.dtype == tf.bool) \
             and tensor.shape.num_elements() is not None \
             and tensor.shape.num_elements() <= _MAX_VALUE_ELEMENTS:
+        if not tf.executing_eagerly():  # a function being replayed: constants fold
+            value = tf.get_static_value(tensor)
+            return None if value is None else np.asarray(value)
         return tensor.numpy()
     return None
 
@@ -98,7 +102,6 @@ class ShapeInference(OpHandler):
     """
 
     TYPE_NAME = "SHAPE_INFERENCE"
-    replays_functions = False
 
     def debug_string(self):
         return "ShapeInference()"
@@ -127,11 +130,46 @@ class ShapeInference(OpHandler):
             "are computed); avoid .numpy() and Python decisions on values inside eval_shape"
             % (value.spec,))
 
+    # -- functions (core/replay.py): a tf.function called under eval_shape is replayed
+    # through this handler; a spec crosses the boundary whole in its summary (no tensor),
+    # a variable as its real handle.
+
+    def function_input(self, value):
+        spec = value.spec
+        shape = None if spec.shape.rank is None else tuple(spec.shape.as_list())
+        if value.handle is not None:
+            return ("handle", spec.dtype, shape), [value.handle]
+        known = None if value.value is None else (
+            value.value.dtype.str, value.value.tobytes(), value.value.shape)
+        return (spec.dtype, shape, known), []
+
+    def function_output(self, summary, tensors):
+        if summary[0] == "handle":
+            return Spec(tf.TensorSpec(summary[2], summary[1]), handle=tensors[0])
+        dtype, shape, known = summary
+        value = None if known is None else np.frombuffer(
+            known[1], dtype=np.dtype(known[0])).reshape(known[2])
+        return Spec(tf.TensorSpec(shape, dtype), value)
+
+    def function_join(self, summaries):
+        # Branches and loop iterations: the most specific spec all of them satisfy; a
+        # value only if they all know the same one (a loop counter does not).
+        first = summaries[0]
+        if first[0] == "handle" or any(s[0] != first[0] for s in summaries):
+            return super().function_join(summaries)
+        shape = tf.TensorShape(first[1])
+        for other in summaries[1:]:
+            shape = shape.most_specific_compatible_shape(tf.TensorShape(other[1]))
+        known = first[2] if all(s[2] == first[2] for s in summaries) else None
+        return (first[0], None if shape.rank is None else tuple(shape.as_list()), known)
+
+    def function_coerce(self, value, summary):
+        return self.function_output(summary, [])
+
+    def function_cache_key(self):
+        return "ShapeInference"
+
     def execute(self, op, inputs):
-        if op.output_dtypes is None:
-            raise NotImplementedError(
-                "oh.ShapeInference: op %s is a tf.function call; shape inference through "
-                "function calls is not supported yet" % op.type)
         next_stack = _state.frames[-1].next
         if any(s.handle is not None for s in inputs):
             # Reading a variable (its handle is real): the read aliases the buffer, and
@@ -145,9 +183,15 @@ class ShapeInference(OpHandler):
         if (inputs and all(s.value is not None for s in inputs) and op.type not in _STATEFUL
                 and all(d.is_integer or d == tf.bool for d in op.output_dtypes)):
             # Shape arithmetic on known small integers (tf.shape(x)[1:], concat of dims):
-            # folded, as graph construction's constant folding does, so shapes stay known.
-            outs = next_stack.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
-                                           for s in inputs])
+            # folded, as graph construction's constant folding does, so shapes stay known
+            # (eagerly, also while a function is replayed).
+            if tf.executing_eagerly():
+                outs = next_stack.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
+                                               for s in inputs])
+            else:
+                with _ops.init_scope():
+                    outs = PHYSICAL.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
+                                                 for s in inputs])
             return [Spec(tf.TensorSpec(o.shape, o.dtype), _known_value(o)) for o in outs]
         if op.type == "Shape" and inputs[0].spec.shape.is_fully_defined():
             dims = inputs[0].spec.shape.as_list()

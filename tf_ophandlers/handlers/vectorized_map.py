@@ -34,12 +34,16 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.stack import representation_of, stack_of
 from tf_ophandlers.core.state import state as _state
 
 _log = logging.getLogger("tf_ophandlers")
-_stack_of = _C.stack_of
-_RESOURCE = tf.resource.as_datatype_enum
+_stack_of = stack_of
+# Control-flow ops reach the handler only when their predicate is per-example and they
+# have side effects (core/replay.py selects between the branches of stateless ones):
+# they run once per example, since pfor cannot convert them without their graphs.
+_CONTROL_FLOW = frozenset(("If", "StatelessIf", "While", "StatelessWhile", "Case",
+                           "StatelessCase"))
 
 
 class Batched:
@@ -457,7 +461,6 @@ class VectorizedMap(OpHandler):
     """
 
     transparent = False
-    replays_functions = False
     TYPE_NAME = "VECTORIZED_MAP"
 
     def __init__(self, size, fallback_to_while_loop=True):
@@ -518,7 +521,7 @@ class VectorizedMap(OpHandler):
             rule = _RULES.get(op.type)
             if rule is not None:
                 result = rule(self, execute, op, inputs)
-            if result is None and op.output_dtypes is not None:
+            if result is None and op.output_dtypes is not None and op.type not in _CONTROL_FLOW:
                 result = _converted_by_pfor(self, execute, op, inputs)
             if result is None:
                 if not self.fallback_to_while_loop:
@@ -529,8 +532,25 @@ class VectorizedMap(OpHandler):
                 result = _per_example_loop(self, execute, op, inputs)
             return result
         # Resource handles stay on the next stack (variables created inside).
-        return [o if o._datatype_enum() == _RESOURCE else Batched(o, False)  # pylint: disable=protected-access
-                for o in outputs]
+        return [o if o.dtype == tf.resource else Batched(o, False) for o in outputs]
+
+    # -- functions (core/replay.py): a tf.function called in the map is replayed with
+    # its arguments batched or not; cond branches and loops that disagree broadcast.
+
+    def function_input(self, value):
+        return value.batched, [value.value]
+
+    def function_output(self, summary, tensors):
+        return Batched(tensors[0], summary)
+
+    def function_join(self, summaries):
+        return any(summaries)
+
+    def function_coerce(self, value, summary):
+        return Batched(_broadcast_batch(value, self.size), True) if summary else value
+
+    def function_cache_key(self):
+        return ("VectorizedMap", self.size, self.fallback_to_while_loop)
 
 
 def vectorized_map(fn, elems, fallback_to_while_loop=True):

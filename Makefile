@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/forward_accumulator.py
 	$(VPY) benchmarks/vectorized_map.py
 	$(VPY) benchmarks/parallel.py
+	$(VPY) benchmarks/functions.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

@@ -44,6 +44,9 @@ from tf_ophandlers.handlers.forward_accumulator import ForwardAccumulator  # noq
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap, vectorized_map  # noqa: E402
 from tf_ophandlers.handlers.parallel import ParallelHandler, ParallelValue  # noqa: E402
 from tf_ophandlers.handlers.shape_inference import ShapeInference, eval_shape  # noqa: E402
+from tf_ophandlers.handlers.trace import TraceAndExecute  # noqa: E402
+from tf_ophandlers.handlers.lazy import Lazy  # noqa: E402
+from tf_ophandlers.handlers.async_execution import Async  # noqa: E402
 from tf_ophandlers.core.stack import OffStack  # noqa: E402
 from tf_ophandlers import testing  # noqa: E402
 
@@ -71,7 +74,7 @@ __all__ = [
     "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
     "OpRecord", "CheckNumericsHandler", "GradientTape",
     "ForwardAccumulator", "VectorizedMap", "vectorized_map", "ParallelHandler",
-    "ParallelValue", "OffStack", "ShapeInference", "eval_shape",
+    "ParallelValue", "OffStack", "ShapeInference", "eval_shape", "TraceAndExecute", "Lazy", "Async",
     "testing", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
 ]

@@ -5,6 +5,7 @@ current stack; an op reaching the device by type-based dispatch runs on the stac
 handler inputs, which must be related (one stack containing the others); inputs from
 unrelated stacks are an error naming both stacks and the op.
 """
+import collections
 import re
 
 import tensorflow as tf
@@ -44,6 +45,11 @@ def execute(op, inputs):
         # TensorFlow's way of placing a Python constant on the current device; the result
         # goes into its C++ scalar cache keyed by device name. Constants therefore stay
         # physical (as in copy_to_device below) and are copied on where they are used.
+        # Tracing handlers ask `is_python_constant` (constants of a trace, not inputs).
+        t = inputs[0]
+        _python_constants[_C.tensor_key(t)] = t
+        if len(_python_constants) > 4096:
+            _python_constants.popitem(last=False)
         return inputs
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):
@@ -56,6 +62,17 @@ def execute(op, inputs):
         # `with tf.device(handle.device)`).
         stack = _stack_for(op, inputs)
     return stack.execute(op, inputs)
+
+
+# Python constants created under handler scopes (TensorFlow converts them once and keeps
+# them in its C++ scalar cache, so a later use does not reach the dispatcher again). The
+# tensors are held so that their keys cannot be reused by other tensors while listed.
+_python_constants = collections.OrderedDict()
+
+
+def is_python_constant(tensor):
+    """Whether `tensor` is a Python constant TensorFlow converted under a handler scope."""
+    return _C.tensor_key(tensor) in _python_constants
 
 
 def copy_to_device(tensor):

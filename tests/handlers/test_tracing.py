@@ -1,0 +1,171 @@
+"""TraceAndExecute, Lazy and Async (issue 8), each against eager execution."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+
+from conftest import assert_close
+
+
+def _chain(h, n=50):
+    for _ in range(n):
+        h = tf.tanh(h) * 1.01
+    return h
+
+
+def _rnn(h, xs, w, u):
+    for t in range(xs.shape[0]):
+        h = tf.tanh(tf.matmul(xs[t], w) + tf.matmul(h, u))
+    return h
+
+
+def _rnn_inputs():
+    w = tf.random.stateless_normal([8, 8], seed=[1, 2]) * 0.1
+    u = tf.random.stateless_normal([8, 8], seed=[3, 4]) * 0.1
+    xs = tf.random.stateless_normal([6, 4, 8], seed=[5, 6])
+    return tf.zeros([4, 8]), xs, w, u
+
+
+# -- TraceAndExecute ---------------------------------------------------------------------------
+
+def test_trace_executes_eagerly_and_builds_a_function_of_its_inputs():
+    x = tf.constant([0.5, -1.0])
+    y0 = tf.constant(3.0)
+    with oh.TraceAndExecute() as trace:
+        z = tf.sin(x) * y0 + 2.0  # 2.0 is a constant of the trace, not an input
+    assert_close(z, np.sin([0.5, -1.0]) * 3.0 + 2.0)  # executed eagerly
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0]
+    f = trace.function(z)
+    assert isinstance(f, type(tf.function(lambda: 1).get_concrete_function()))
+    assert_close(f(tf.constant([1.0, 2.0]), tf.constant(-1.0)), -np.sin([1.0, 2.0]) + 2.0)
+    assert "Sin" in [n.op for n in trace.graph_def(z).node]
+
+
+def test_trace_of_a_keras_model_captures_variables_and_saves(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"),
+                              keras.layers.Dense(2)])
+    x = tf.random.stateless_normal([5, 3], seed=[0, 1])
+    with oh.TraceAndExecute() as trace:
+        out = model(x)
+        loss = tf.reduce_mean(out ** 2)
+    assert len(trace.inputs) == 1  # the variables are captured, not arguments
+    f = trace.function({"out": out, "loss": loss})
+    x2 = tf.random.stateless_normal([5, 3], seed=[2, 3])
+    result = f(x2)
+    assert_close(result["out"], model(x2))
+    assert_close(result["loss"], tf.reduce_mean(model(x2) ** 2))
+    module = tf.Module()
+    module.f = f
+    module.variables_ = model.variables
+    tf.saved_model.save(module, str(tmp_path / "traced"))
+    loaded = tf.saved_model.load(str(tmp_path / "traced"))
+    assert_close(loaded.f(x2)["out"], model(x2))
+
+
+def test_trace_records_tf_function_calls_and_variable_updates():
+    v = tf.Variable(1.0)
+    g = tf.function(lambda a: a * 3.0)
+    x = tf.constant([1.0, 2.0])
+    with oh.TraceAndExecute() as trace:
+        v.assign_add(1.0)
+        z = g(x) + v.read_value()
+    assert_close(z, [5.0, 8.0])
+    f = trace.function(z)
+    assert_close(f(tf.constant([0.0, 1.0])), [0.0 + 3.0, 3.0 + 3.0])  # v: 2 -> 3
+    assert float(v.numpy()) == 3.0
+
+
+def test_trace_function_of_an_unknown_tensor_is_an_error():
+    with oh.TraceAndExecute() as trace:
+        tf.sin(tf.constant(1.0))
+    with pytest.raises(ValueError, match="neither computed nor used"):
+        trace.function(tf.constant(2.0))
+
+
+# -- Lazy ------------------------------------------------------------------------------------
+
+def test_lazy_defers_until_a_value_is_requested_and_matches_eager():
+    x = tf.random.stateless_normal([16, 16], seed=[7, 8])
+    lazy = oh.Lazy()
+    with lazy:
+        h = _chain(x)
+        assert lazy.flushes == 0  # nothing ran yet
+        assert h.shape == (16, 16) and h.dtype == tf.float32  # inferred, no run
+        value = h.numpy()
+    assert lazy.flushes == 1 and lazy.compiled == 1
+    assert_close(value, _chain(x))
+    x2 = tf.random.stateless_normal([16, 16], seed=[9, 10])
+    with lazy:
+        again = _chain(x2).numpy()  # same structure and specs: cached
+    assert lazy.compiled == 1
+    assert_close(again, _chain(x2))
+
+
+def test_lazy_rnn_loop_python_decisions_and_printing():
+    h0, xs, w, u = _rnn_inputs()
+    with oh.Lazy():
+        h = _rnn(h0, xs, w, u)
+        total = tf.reduce_sum(h)
+        branch = "pos" if total > 0 else "neg"  # a control decision forces the value
+        text = repr(h)
+    ref = _rnn(h0, xs, w, u)
+    assert branch == ("pos" if float(tf.reduce_sum(ref)) > 0 else "neg")
+    assert_close(h, ref)
+    assert "tf.Tensor" in text or "[" in text
+
+
+def test_lazy_runs_stateful_ops_in_program_order():
+    v = tf.Variable([1.0, 2.0])
+    with oh.Lazy():
+        a = v.read_value() * 2.0
+        v.assign(a + 1.0)
+        b = v.read_value() * 10.0
+    assert_close(b, [30.0, 50.0])
+    assert_close(v, [3.0, 5.0])
+
+
+def test_lazy_under_a_tape_gives_eager_gradients():
+    x = tf.constant([0.3, -0.7])
+    with tf.GradientTape() as ref_tape:
+        ref_tape.watch(x)
+        ref = tf.reduce_sum(_chain(x, 10))
+    expected = ref_tape.gradient(ref, x)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with oh.Lazy():
+            y = tf.reduce_sum(_chain(x, 10))
+    assert_close(y, ref)
+    assert_close(tape.gradient(y, x), expected)
+
+
+def test_lazy_errors_surface_at_the_value_request_naming_the_op():
+    with oh.Lazy():
+        bad = tf.reshape(tf.ones([2, 3]) * 2.0, [7])  # shape inference fails only if asked
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="eshape"):
+            bad.numpy()
+
+
+# -- Async ----------------------------------------------------------------------------------
+
+def test_async_results_equal_eager_and_compose():
+    h0, xs, w, u = _rnn_inputs()
+    with oh.Async():
+        with oh.OpLogHandler() as log:
+            h = _rnn(h0, xs, w, u)
+    assert_close(h, _rnn(h0, xs, w, u))
+    assert "MatMul" in log.op_types_seen()
+
+
+def test_async_error_surfaces_at_the_next_synchronization_point():
+    runner = oh.Async(sync_on_exit=False)
+    with runner:
+        tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))  # queued
+        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+            runner.sync()
+        assert float(tf.reduce_sum(tf.ones([3]))) == 3.0  # usable after the error
+    with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+        with oh.Async():
+            tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))

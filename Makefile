@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/vectorized_map.py
 	$(VPY) benchmarks/parallel.py
 	$(VPY) benchmarks/functions.py
+	$(VPY) benchmarks/lazy.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

@@ -30,6 +30,7 @@ BENCHMARKS = [
     ("parallel", ["--rounds", "2"], ["ratio to ParallelDevice", "per-op", "mlp-step",
                                      "MirroredStrategy"]),
     ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
+    ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
 ]
 
 

@@ -12,6 +12,9 @@ HANDLERS = {
     "gradient_tape": (oh.GradientTape, {}),
     "forward_accumulator": (lambda: oh.ForwardAccumulator(_X, _X), {}),
     "parallel": (lambda: oh.ParallelHandler(["CPU:0", "CPU:1"]), {"copy_off": False}),
+    "trace_and_execute": (oh.TraceAndExecute, {}),
+    "lazy": (oh.Lazy, {}),
+    "async": (oh.Async, {}),
 }
 
 

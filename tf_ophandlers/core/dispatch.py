@@ -88,7 +88,14 @@ def copy_from_device(tensor, device):
 
 
 def num_dims(stack, value):
-    return stack.handler.num_dims(value)
+    rank = stack.handler.num_dims(value)
+    if rank < 0:
+        # TensorFlow's eager tensors always have a rank (a negative one would reach Python
+        # as a SystemError from its shape accessor): say what is missing instead.
+        raise ValueError(
+            "tf_ophandlers: %s cannot tell the rank of this tensor (num_dims returned %d); "
+            "eager tensors need a known rank" % (stack.handler.debug_string(), rank))
+    return rank
 
 
 def dim(stack, value, index):

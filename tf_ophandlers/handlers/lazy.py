@@ -52,14 +52,14 @@ class _Node:
     def __init__(self, op, inputs, next_stack):
         self.op = op
         self.inputs = inputs  # LazyValue or tensors of the next stack; None once computed
-        self.outputs = None
+        self.outputs = None  # weak references to the LazyValues (no reference cycle)
         self.next = next_stack  # where the compiled function runs
 
 
 class LazyValue:
     """The representation: a pending output of a node, or a computed tensor."""
 
-    __slots__ = ("node", "index", "dtype", "value", "_spec")
+    __slots__ = ("node", "index", "dtype", "value", "_spec", "__weakref__")
 
     def __init__(self, node, index, dtype, value=None):
         self.node = node
@@ -106,7 +106,8 @@ class Lazy(OpHandler):
         by_next = {}
         for n in list(self._pending):
             if n.inputs is not None:
-                by_next.setdefault(id(n.next), []).extend(n.outputs)
+                by_next.setdefault(id(n.next), []).extend(
+                    o for o in (r() for r in n.outputs) if o is not None)
         for roots in by_next.values():
             self._run(roots)
 
@@ -128,9 +129,21 @@ class Lazy(OpHandler):
                      else _shape_inference.Spec(tf.TensorSpec(i.shape, i.dtype),
                                                 _shape_inference._known_value(i))  # pylint: disable=protected-access
                      for i in node.inputs]
-            outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
-            for o, s in zip(node.outputs, outs):
-                o._spec = s  # pylint: disable=protected-access
+            try:
+                outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
+            except (ValueError, TypeError, tf.errors.OpError):
+                # The shape depends on values only the computation gives (a shape
+                # computed by pending ops): compute it.
+                self._run([v])
+                return tf.TensorSpec(v.value.shape, v.dtype)
+            if any(s.shape.rank is None for s in outs):
+                # An eager tensor needs a rank: compute the value.
+                self._run([v])
+                return tf.TensorSpec(v.value.shape, v.dtype)
+            for r, s in zip(node.outputs, outs):
+                o = r()
+                if o is not None:
+                    o._spec = s  # pylint: disable=protected-access
         return v._spec
 
     def num_dims(self, value):
@@ -172,9 +185,10 @@ class Lazy(OpHandler):
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
         node = _Node(op, [v if type(v) is not LazyValue else v if v.value is None
                           else v.value for v in inputs], _state.frames[-1].next)
-        node.outputs = [LazyValue(node, i, d) for i, d in enumerate(dtypes)]
+        outputs = [LazyValue(node, i, d) for i, d in enumerate(dtypes)]
+        node.outputs = [weakref.ref(o) for o in outputs]
         self._pending.add(node)
-        return node.outputs
+        return outputs
 
     def _force(self, value):
         """The computed tensor of `value`, running its pending subgraph if needed."""
@@ -214,9 +228,7 @@ class Lazy(OpHandler):
                     e = ext_index[k] = len(external)
                     external.append(i)
                 refs.append((-1, e))
-            # The attributes' bytes as TensorFlow serialized them: a different order of
-            # the same attributes would only cost one more compilation.
-            parts.append((node.op.type, node.op._attrs_proto(), tuple(refs)))  # pylint: disable=protected-access
+            parts.append((node.op.type, node.op.attrs_key(), tuple(refs)))
             plan.append((node.op, refs))
         key = (tuple(parts), tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
         entry = self._functions.get(key)
@@ -240,8 +252,11 @@ class Lazy(OpHandler):
             raise
         it = iter(outputs)
         for node in order:
-            for o in node.outputs:
-                o.value = next(it)
+            for r in node.outputs:
+                value = next(it)
+                o = r()
+                if o is not None:
+                    o.value = value
             node.inputs = None  # computed: release the inputs
             self._pending.discard(node)
         self.flushes += 1

@@ -7,7 +7,7 @@ eager operations", "Tracing as a handler").
 ...     y = tf.sin(x) * 2.0
 >>> f = trace.function(y)          # a ConcreteFunction of trace.inputs, here (x,)
 >>> f(tf.constant([0.0, 3.0])).numpy()
-array([0.       , 0.28224  ], dtype=float32)
+array([0.     , 0.28224], dtype=float32)
 
 Every op in the scope runs as usual (the handler is transparent) and is recorded with
 its attributes. `trace.inputs` are the tensors that entered the scope from outside, in

@@ -47,9 +47,12 @@ def execute(op, inputs):
         # physical (as in copy_to_device below) and are copied on where they are used.
         # Tracing handlers ask `is_python_constant` (constants of a trace, not inputs).
         t = inputs[0]
-        _python_constants[_C.tensor_key(t)] = t
-        if len(_python_constants) > 4096:
-            _python_constants.popitem(last=False)
+        if t._shape_tuple() == ():  # pylint: disable=protected-access
+            _python_scalars[_C.tensor_key(t)] = t
+        else:
+            _python_constants[_C.tensor_key(t)] = t
+            if len(_python_constants) > 4096:
+                _python_constants.popitem(last=False)
         return inputs
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):
@@ -64,15 +67,19 @@ def execute(op, inputs):
     return stack.execute(op, inputs)
 
 
-# Python constants created under handler scopes (TensorFlow converts them once and keeps
-# them in its C++ scalar cache, so a later use does not reach the dispatcher again). The
-# tensors are held so that their keys cannot be reused by other tensors while listed.
+# Python constants created under handler scopes, for tracing handlers (constants of a
+# trace, not inputs). Scalars are converted once and kept in TensorFlow's C++ scalar
+# cache, so later uses never reach the dispatcher again: they are all remembered (few and
+# small). Other constants are converted at each use: the latest ones are enough. The
+# tensors are held, so that their keys cannot be reused by other tensors while listed.
+_python_scalars = {}
 _python_constants = collections.OrderedDict()
 
 
 def is_python_constant(tensor):
     """Whether `tensor` is a Python constant TensorFlow converted under a handler scope."""
-    return _C.tensor_key(tensor) in _python_constants
+    key = _C.tensor_key(tensor)
+    return key in _python_scalars or key in _python_constants
 
 
 def copy_to_device(tensor):

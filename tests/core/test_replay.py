@@ -415,3 +415,70 @@ def test_custom_training_step_in_tf_function_with_oh_gradient_tape():
     ref_step = make_step(ref_model, ref_opt, tf.GradientTape)
     for _ in range(3):
         assert_close(step(), ref_step())
+
+
+# -- regressions from the review of the replay -------------------------------------------------
+
+def test_accumulator_below_a_pass_through_handler_keeps_tangents_of_arguments():
+    f = tf.function(lambda x: tf.sin(x) * 2.0)
+    x = tf.constant(1.5)
+    with oh.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+        with oh.OpLogHandler():
+            y = f(x)
+    assert_close(acc.jvp(y), 2.0 * np.cos(1.5))
+
+
+def test_tangent_appearing_in_one_branch_under_an_outer_handler():
+    f = tf.function(lambda x: tf.cond(x > 0, lambda: x * 2.0, lambda: tf.constant(1.0)))
+    x = tf.constant(1.2)
+    with oh.OpLogHandler():
+        with oh.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+            y = f(x)
+    assert_close(acc.jvp(y), 2.0)
+
+
+def test_replay_cache_is_keyed_by_physical_placement():
+    f = tf.function(lambda t: t * 3.0)
+    x = tf.constant([1.0, 2.0])
+    with oh.OpLogHandler():
+        with tf.device("CPU:1"):
+            f(x)
+        before = replay.cache_info()
+        with tf.device("CPU:0"):
+            f(x)
+    assert replay.cache_info() == before + 1
+
+
+def test_tf_function_called_by_a_hook_is_replayed_on_the_next_stack():
+    helper = tf.function(lambda t: tf.identity(t))
+
+    class CallsHelper(oh.OpHandler):
+        def execute(self, op, inputs):
+            outs = self.next.execute(op, inputs)
+            return [helper(outs[0])] if op.type == "Mul" else outs
+
+    f = tf.function(lambda t: tf.sin(t) * 2.0)
+    x = tf.constant(1.5)
+    with oh.ForwardAccumulator(x, tf.constant(1.0)) as acc:
+        with CallsHelper():
+            y = f(x)
+    assert_close(acc.jvp(y), 2.0 * np.cos(1.5))
+
+
+def test_hook_building_control_flow_while_replaying_is_a_clear_error():
+    class CondHook(oh.OpHandler):
+        def execute(self, op, inputs):
+            outs = self.next.execute(op, inputs)
+            if op.type != "Mul":
+                return outs
+            o = outs[0]
+            return [tf.cond(tf.reduce_any(tf.math.is_nan(o)), lambda: tf.zeros_like(o),
+                            lambda: o)]
+
+    f = tf.function(lambda t: t * 2.0)
+    with CondHook():  # the hook's next stack is physical: its cond is built as it is
+        assert_close(f(tf.constant([1.0, 2.0])), [2.0, 4.0])
+    with pytest.raises(Exception, match="hook built a nested graph"):
+        with oh.OpLogHandler():  # on tensors of a handler below: refused, clearly
+            with CondHook():
+                f(tf.constant([1.0, 2.0]))

@@ -354,3 +354,25 @@ def test_cond_branch_without_tangent_gets_zeros():
         assert_close(y, expected)
         assert_close(acc.jvp(y, unconnected_gradients="zero"),
                      ref.jvp(expected, unconnected_gradients="zero"))
+
+
+def test_tensor_arrays_in_functions_and_loops_carry_tangents():
+    @tf.function
+    def single(x):
+        return tf.TensorArray(tf.float32, size=1).write(0, x * 2.0).stack()
+
+    @tf.function
+    def looped(x):
+        ta = tf.TensorArray(tf.float32, size=3)
+        ta = tf.while_loop(lambda i, ta: i < 3,
+                           lambda i, ta: (i + 1, ta.write(i, x * tf.cast(i, tf.float32))),
+                           [0, ta])[1]
+        return ta.stack()
+
+    x = tf.constant([1.0, 2.0])
+    for fn in (single, looped):
+        with tf.autodiff.ForwardAccumulator(x, tf.constant([1.0, 0.0])) as ref:
+            expected = fn(x)
+        with oh.ForwardAccumulator(x, tf.constant([1.0, 0.0])) as acc:
+            y = fn(x)
+        assert_close(acc.jvp(y), ref.jvp(expected))

@@ -169,3 +169,21 @@ def test_async_error_surfaces_at_the_next_synchronization_point():
     with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
         with oh.Async():
             tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))
+
+
+def test_lazy_shapes_that_depend_on_pending_values_are_computed():
+    with oh.Lazy():
+        n = tf.reduce_sum(tf.constant([1, 2]))
+        k = tf.range(n)
+        z = tf.zeros(tf.stack([n, 2]))
+        assert k.shape == (3,) and z.shape == (3, 2)
+        assert int(tf.size(k)) == 3
+
+
+def test_error_at_scope_exit_restores_the_device_scope():
+    from tensorflow.python.eager import context
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        with oh.Async():
+            tf.raw_ops.Reshape(tensor=tf.range(6), shape=tf.constant([4, 4]))
+    assert context.context().device_name == ""
+    assert oh.current_stack() is oh.PHYSICAL

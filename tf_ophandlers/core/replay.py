@@ -237,6 +237,10 @@ class _Replay:
                 inputs = [self.to_bottom(t) for t in inputs]
             return _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
                                        attrs, op_def, compute_device)
+        if op_type in _CALL_OPS:
+            # A tf.function a hook calls: replayed on the hook's next stack, as eagerly.
+            outputs = self.interpret(_body(attrs["f"].func.name), list(inputs), target)
+            return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
         op = Op.create(op_type, **(attrs or {}))
         outputs = target.execute(op, list(inputs))
         return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
@@ -369,6 +373,11 @@ class _Replay:
         level, summary, subtrees = tree
         stack = self.segment[level]
         p = payload(tensor)
+        if p is None or p[0] is not stack:
+            # A part a handler built that is not on its stack yet (a zero tangent that
+            # stayed a physical constant): move it on.
+            tensor = stack.copy_on(tensor)
+            p = payload(tensor)
         value = p[1]
         current, parts = stack._call(stack.handler.function_input, value)  # pylint: disable=protected-access
         if current != summary:
@@ -659,15 +668,16 @@ def call(stack, op, inputs):
     """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
     segment, bottom = _segment(stack)
     scope_placed = state.scope_placed
-    if scope_placed and not stack._default_copy_on:  # pylint: disable=protected-access
+    if scope_placed and not all(s._default_copy_on for s in segment):  # pylint: disable=protected-access
         # As for any op placed by a scope, the arguments are copied onto the stack first
-        # (a watched primal gets its tangent). With the default copy-on that would only
-        # wrap a tensor that the split below unwraps again.
+        # (a watched primal gets its tangent, from any handler of the segment). With the
+        # default copy-on everywhere that would only wrap a tensor that the split below
+        # unwraps again.
         inputs = [stack.copy_on(t) if stack._wants_copy(op, i) else t  # pylint: disable=protected-access
                   for i, t in enumerate(inputs)]
     leaves = []
     trees = tuple(_split(t, segment, _eager_leaf, leaves) for t in inputs)
-    key = (op.type, scope_placed, trees,
+    key = (op.type, scope_placed, state.device, trees,
            tuple(s.handler.function_cache_key() for s in segment),
            tuple(type(s.handler) for s in segment), id(bottom) if bottom is not PHYSICAL else 0)
     entry = _cache.get(key)
@@ -791,6 +801,15 @@ def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, na
                         attrs=None, op_def=None, compute_device=True):
     replay = state.replay
     if replay is None or id(self) not in replay.graphs:
+        if replay is not None and any(getattr(t, "_oh_payload", None) is not None
+                                      for t in inputs):
+            raise errors.HandlerError(
+                "tf_ophandlers: while replaying %s, a handler hook built a nested graph "
+                "(tf.cond, tf.while_loop, tf.function tracing) on tensors of handler stack "
+                "%r; hooks that run while functions are replayed must use plain ops "
+                "(tf.where instead of tf.cond)" % (
+                    replay.name, next(t._oh_payload[0] for t in inputs  # pylint: disable=protected-access
+                                      if getattr(t, "_oh_payload", None) is not None)))
         return _original_create_op(self, op_type, inputs, dtypes, input_types, name, attrs,
                                    op_def, compute_device)
     return replay.create_op(self, op_type, inputs, dtypes, input_types, name, attrs, op_def,

@@ -119,12 +119,22 @@ def exit():  # pylint: disable=redefined-builtin
         return
     previous, device_scope, opened = entry
     state.current = previous
-    for h in reversed(opened):
-        h.scope_exited()
-    if device_scope is not None:
-        device_scope.__exit__(None, None, None)
-    _purge_tensor_caches()
-    _C.drain()
+    try:
+        error = None
+        for h in reversed(opened):
+            try:
+                h.scope_exited()
+            except BaseException as e:  # pylint: disable=broad-except
+                # Every handler hears of the exit, then the first error is raised (an
+                # asynchronous or lazy handler's pending error surfaces here).
+                error = error or e
+        if error is not None:
+            raise error
+    finally:
+        if device_scope is not None:
+            device_scope.__exit__(None, None, None)
+        _purge_tensor_caches()
+        _C.drain()
 
 
 @contextlib.contextmanager

@@ -58,6 +58,11 @@ class Dual:
         return "Dual(%r, %r)" % (self.primal, self.tangent)
 
 
+# Outputs that may carry a tangent: floats, and variants (TensorLists of a TensorArray,
+# whose tangent is a TensorList too, as in TensorFlow's forwardprop).
+_DIFFERENTIABLE_ENUMS = _FLOAT_ENUMS | {tf.variant.as_datatype_enum}
+
+
 def _enum(t):
     """The dtype enum of an eager tensor (fast), or of a symbolic one (function replay)."""
     get = getattr(t, "_datatype_enum", None)
@@ -196,6 +201,17 @@ for _name in ("AddN", "Pack", "ConcatV2", "BiasAdd", "IdentityN"):
     _RULES[_name] = _linear("float")
 for _name in ("Split", "Fill", "ScatterNd"):
     _RULES[_name] = _linear((1,))
+# TensorLists (tf.TensorArray inside functions and loops) are linear in their elements;
+# TensorFlow's own JVP construction does not handle their variant tangents.
+for _name, _positions in (
+        ("TensorListFromTensor", (0,)), ("TensorListStack", (0,)),
+        ("TensorListGetItem", (0,)), ("TensorListSetItem", (0, 2)),
+        ("TensorListPushBack", (0, 1)), ("TensorListPopBack", (0,)),
+        ("TensorListGather", (0,)), ("TensorListScatterIntoExistingList", (0, 1)),
+        ("TensorListScatterV2", (0,)), ("TensorListScatter", (0,)),
+        ("TensorListSplit", (0,)), ("TensorListConcatV2", (0,)),
+        ("TensorListResize", (0,))):
+    _RULES[_name] = _linear(_positions)
 # Rules that use TensorFlow's *Grad kernels, which conjugate complex inputs.
 _REAL_ONLY = frozenset(_RULES[n] for n in (
     "Tanh", "Sigmoid", "Relu", "Relu6", "Softplus", "Sqrt", "Rsqrt", "Reciprocal"))
@@ -351,7 +367,7 @@ class ForwardAccumulator(OpHandler):
         outputs = next_stack.execute(op, primals)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
-                _enum(o) in _FLOAT_ENUMS for o in outputs):
+                _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):
             rule = _RULES.get(op.type, _tensorflow_jvp)
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values

@@ -136,8 +136,9 @@ class Lazy(OpHandler):
                 # computed by pending ops): compute it.
                 self._run([v])
                 return tf.TensorSpec(v.value.shape, v.dtype)
-            if any(s.shape.rank is None for s in outs):
-                # An eager tensor needs a rank: compute the value.
+            if not all(s.shape.is_fully_defined() for s in outs):
+                # Eager tensors have known shapes (Python code relies on them): a shape
+                # that depends on pending values is computed.
                 self._run([v])
                 return tf.TensorSpec(v.value.shape, v.dtype)
             for r, s in zip(node.outputs, outs):

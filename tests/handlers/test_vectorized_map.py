@@ -278,3 +278,24 @@ def test_per_example_gradients_through_a_tf_function_keras_call():
             loss = tf.reduce_sum(model(x[i][None])[0] ** 2)
         for g, r in zip(grads, tape.gradient(loss, model.trainable_variables)):
             assert_close(g[i], r)
+
+
+def test_map_over_a_tf_function_is_replayed_once_and_cached():
+    from tf_ophandlers.core import replay
+    model = _keras_model()
+
+    @tf.function
+    def per_example(r):
+        with oh.GradientTape() as tape:  # at trace time: TensorFlow's tape
+            loss = tf.reduce_sum(model(r[None])[0] ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    x = _rand(6, 4)
+    first = oh.vectorized_map(per_example, x)
+    cached = replay.cache_info()
+    again = oh.vectorized_map(per_example, x)
+    assert replay.cache_info() == cached  # the vectorized replay is reused
+    expected = tf.vectorized_map(per_example, x)
+    for a, b, e in zip(first, again, expected):
+        assert_close(a, e)
+        assert_close(b, e)

@@ -72,6 +72,8 @@ def _int32(values):
     """A (cached) int32 tensor: shape arguments as tensors keep TensorFlow's op wrappers
     on their fast path (a Python list sends tf.reshape to its slow eager fallback)."""
     key = tuple(values)
+    if not tf.executing_eagerly():  # replaying a function: a constant of that graph
+        return tf.constant(key, dtype=tf.int32)
     t = _shape_constants.get(key)
     if t is None:
         if len(_shape_constants) > 4096:

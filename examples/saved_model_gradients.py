@@ -3,8 +3,9 @@
 A Keras model is exported with `model.export`, loaded back with
 `tf.saved_model.load`, and differentiated with `oh.GradientTape` (with respect to the
 inputs and to the loaded variables); the gradients equal those of the original model.
-Under an `OpLogHandler` the loaded function is one op today: replaying its body through
-the handlers is the functions issue.
+Under an `OpLogHandler` the loaded function is replayed through the handler, which sees
+the ops of its body (once: the replay is cached), and `CheckNumericsHandler` checks every
+op of the loaded model inside the cached function.
 
     python examples/saved_model_gradients.py
 """
@@ -47,3 +48,10 @@ log = oh.OpLogHandler()
 with log:
     loaded.serve(x)
 print("ops the log saw:", log.op_types_seen())
+
+bad = x + np.float32(np.inf)  # an input the model turns into NaN (inf - inf)
+with oh.CheckNumericsHandler():
+    try:
+        loaded.serve(bad)
+    except tf.errors.InvalidArgumentError as e:
+        print("CheckNumericsHandler:", e.message.splitlines()[0][:100])

@@ -73,6 +73,13 @@ def _build_programs():
     variable = tf.Variable(tf.ones([4, 2]))
     function = tf.function(lambda a, b: tf.nn.relu(a @ b))
 
+    @tf.function
+    def function_with_control_flow(a):
+        # Replayed through handlers that replay functions (core/replay.py).
+        c = tf.cond(tf.reduce_sum(a) > 0, lambda: a * 2., lambda: tf.sin(a))
+        return tf.while_loop(lambda k, v: k < 2, lambda k, v: (k + 1, v * 0.5 + c),
+                             (tf.constant(0), a))[1]
+
     def with_variable(i):
         local = tf.Variable(tf.ones([2]))
         local.assign_add(tf.reduce_sum(i["x"], 0)[:2])
@@ -92,6 +99,7 @@ def _build_programs():
             + tf.cond(tf.constant(True), lambda: i["x"] * 2., lambda: i["x"]),
         "variables": with_variable,
         "function_call": lambda i: function(i["x"], i["y"]),
+        "function_with_control_flow": lambda i: function_with_control_flow(i["x"]),
         "keras_dense": lambda i: dense(i["x"]),
         "keras_conv": lambda i: conv(i["img"]),
         "keras_lstm": lambda i: lstm(i["seq"]),

@@ -563,7 +563,10 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
     and may capture other tensors. Returns the structure of `fn`'s outputs with the
     batch dimension first.
 
-    Inside a function being traced it is `tf.vectorized_map` (pfor on the graph).
+    Inside a function being traced it is `tf.vectorized_map` (pfor on the graph). When
+    `fn` is a `tf.function`, its call is replayed once through the vectorizing handler into
+    a cached, handler-free function (core/replay.py): later calls with the same specs run
+    at graph speed, with `fn` traced once, not at every call.
     """
     if not tf.executing_eagerly():
         return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop)

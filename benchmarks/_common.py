@@ -345,3 +345,18 @@ def label_bars(ax, xs, tops, texts, fontsize=8, boxed=False):
     for x, top, text in zip(xs, tops, texts):
         ax.annotate(text, (x, top), textcoords="offset points", xytext=(0, 3), ha="center",
                     fontsize=fontsize, **extra)
+
+
+def median_bars(ax, keys, ss, colors, labels, ylabel, title, key="t", fmt="%.2f"):
+    """One case's panel: a bar per configuration (`keys`, their `stats` dicts `ss`) at the
+    median under `key`, with the IQR of rounds as error bars and the value on top."""
+    xs = list(range(len(keys)))
+    ax.bar(xs, [s[key] for s in ss], 0.6, yerr=iqr_err(ss, key), capsize=3,
+           color=[colors[k] for k in keys])
+    label_bars(ax, xs, [max(s[key], s["q3"]) for s in ss], [fmt % s[key] for s in ss])
+    ax.set_xticks(xs)
+    ax.set_xticklabels([labels[k] for k in keys], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title("%s\n(median, IQR of rounds)" % title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_ylim(0, max(s["q3"] for s in ss) * 1.18)

@@ -398,19 +398,8 @@ def plot(summary, plt):
     fig, axes = plt.subplots(1, len(CASES) + 1, figsize=(17, 4.8),
                              gridspec_kw={"width_ratios": [1] * len(CASES) + [1.3]})
     for ax, (case, _, _, _) in zip(axes, CASES):
-        row = summary[case]
-        ss = [row[k] for k in KEYS]
-        xs = np.arange(len(KEYS))
-        ax.bar(xs, [s["us"] for s in ss], 0.6, yerr=_common.iqr_err(ss, "us"), capsize=3,
-               color=[COLORS[k] for k in KEYS])
-        _common.label_bars(ax, xs, [max(s["us"], s["q3"]) for s in ss],
-                           ["%.1f" % s["us"] for s in ss])
-        ax.set_xticks(xs)
-        ax.set_xticklabels([LABELS[k] for k in KEYS], fontsize=7)
-        ax.set_ylabel("µs per call")
-        ax.set_title("%s\n(median, IQR of rounds)" % case, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_ylim(0, max(s["q3"] for s in ss) * 1.18)
+        _common.median_bars(ax, KEYS, [summary[case][k] for k in KEYS], COLORS, LABELS,
+                            "µs per call", case, key="us", fmt="%.1f")
 
     ax_r = axes[-1]
     keys = KEYS[1:]

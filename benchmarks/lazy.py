@@ -488,19 +488,8 @@ def plot(summary, plt):
     fig, axes = plt.subplots(1, len(CASES) + 1, figsize=(14, 4.6),
                              gridspec_kw={"width_ratios": [1.2, 1, 1.2]})
     for ax, (case, _, _, keys, _) in zip(axes, CASES):
-        row = summary[case]
-        ss = [row[k] for k in keys]
-        xs = np.arange(len(keys))
-        ax.bar(xs, [s["t"] for s in ss], 0.6, yerr=_common.iqr_err(ss), capsize=3,
-               color=[COLORS[k] for k in keys])
-        _common.label_bars(ax, xs, [max(s["t"], s["q3"]) for s in ss],
-                           ["%.2f" % s["t"] for s in ss])
-        ax.set_xticks(xs)
-        ax.set_xticklabels([LABELS[k] for k in keys], fontsize=7)
-        ax.set_ylabel("ms per call (build + .numpy())")
-        ax.set_title("%s\n(median, IQR of rounds)" % case, fontsize=9)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_ylim(0, max(s["q3"] for s in ss) * 1.18)
+        _common.median_bars(ax, keys, [summary[case][k] for k in keys], COLORS, LABELS,
+                            "ms per call (build + .numpy())", case)
 
     ax_r = axes[-1]
     keys = ("lazy", "function")

@@ -29,7 +29,6 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
 
-from tf_ophandlers import _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler

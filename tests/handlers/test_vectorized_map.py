@@ -299,3 +299,11 @@ def test_map_over_a_tf_function_is_replayed_once_and_cached():
     for a, b, e in zip(first, again, expected):
         assert_close(a, e)
         assert_close(b, e)
+
+
+def test_functions_using_tensor_lists_run_per_example(caplog):
+    f = tf.function(lambda r: tf.map_fn(lambda e: tf.sin(e) * e, r))
+    x = _rand(4, 3)
+    with caplog.at_level(logging.WARNING):
+        got = oh.vectorized_map(f, x)
+    assert_close(got, tf.vectorized_map(f, x))

@@ -61,7 +61,8 @@ class OpHandler:
     #: (RFC "Replay before function execution"; core/replay.py). A handler that sets
     #: this to False takes call ops whole in `execute`, like any op (a tape records the
     #: call with TensorFlow's function gradient; a parallel handler runs it per
-    #: component).
+    #: component). It may also be a method ``replays_functions(op) -> bool`` deciding
+    #: per call.
     replays_functions = True
 
     # -- identity ---------------------------------------------------------------------------

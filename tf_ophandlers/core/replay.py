@@ -41,7 +41,7 @@ from tf_ophandlers import _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.handler import OpHandler as _OpHandler
 from tf_ophandlers.core.op import Op, _decode
-from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, payload, stack_of, state
+from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, _replays, payload, stack_of, state
 
 _CALL_OPS = frozenset(("PartitionedCall", "StatefulPartitionedCall"))
 _IF_OPS = frozenset(("If", "StatelessIf"))
@@ -88,10 +88,10 @@ def clear_cache():
 
 # -- the segment of a call -------------------------------------------------------------------
 
-def _segment(stack):
-    """The replaying stacks from `stack` down (top first), and the stack below them."""
+def _segment(stack, op):
+    """The stacks replaying `op` from `stack` down (top first), and the stack below."""
     segment = []
-    while isinstance(stack, HandlerStack) and stack.handler.replays_functions:
+    while isinstance(stack, HandlerStack) and _replays(stack.handler, op):
         segment.append(stack)
         stack = stack.next
     return segment, stack
@@ -113,6 +113,32 @@ def _body(name):
             _bodies.clear()
         _bodies[name] = graph
     return graph
+
+
+_op_types = {}  # function name -> op types of its body and the functions it calls
+
+
+def body_op_types(name):
+    """The op types in function `name`'s body and in the functions it calls (for a
+    handler's `replays_functions(op)` decision)."""
+    types = _op_types.get(name)
+    if types is None:
+        ctx = _context.context()
+        types, seen, todo = set(), set(), [name]
+        while todo:
+            fname = todo.pop()
+            if fname in seen or not ctx.has_function(fname):
+                continue
+            seen.add(fname)
+            for node in ctx.get_function_def(fname).node_def:
+                types.add(node.op)
+                todo.append(node.op)
+                for value in node.attr.values():
+                    if value.HasField("func"):
+                        todo.append(value.func.name)
+                    todo.extend(f.name for f in value.list.func)
+        types = _op_types[name] = frozenset(types)
+    return types
 
 
 # -- splitting and rebuilding representations (FunctionInput / FunctionOutput) -------------
@@ -666,7 +692,7 @@ def _execute_symbolic(stack, op, inputs):
 
 def call(stack, op, inputs):
     """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
-    segment, bottom = _segment(stack)
+    segment, bottom = _segment(stack, op)
     scope_placed = state.scope_placed
     if scope_placed and not all(s._default_copy_on for s in segment):  # pylint: disable=protected-access
         # As for any op placed by a scope, the arguments are copied onto the stack first

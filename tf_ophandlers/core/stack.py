@@ -89,6 +89,12 @@ def representation_of(handler, tensor):
         tensor = value
 
 
+def _replays(handler, op):
+    """Whether `handler` replays function call `op` (its `replays_functions`)."""
+    replays = handler.replays_functions
+    return replays if replays is True or replays is False else bool(replays(op))
+
+
 class OffStack:
     """An output an `execute` hook returns as it is, instead of on the handler's stack.
 
@@ -215,7 +221,7 @@ class HandlerStack(Stack):
         replay = state.replay
         if replay is not None and replay.building():
             return replay.execute(self, op, inputs)
-        if op.output_dtype_enums is None and handler.replays_functions:
+        if op.output_dtype_enums is None and _replays(handler, op):
             # A function call op (no OpDef): replayed through this stack (core/replay.py).
             from tf_ophandlers.core import replay as _replay  # pylint: disable=import-outside-toplevel
             return _replay.call(self, op, inputs)

@@ -538,6 +538,13 @@ class VectorizedMap(OpHandler):
     # -- functions (core/replay.py): a tf.function called in the map is replayed with
     # its arguments batched or not; cond branches and loops that disagree broadcast.
 
+    def replays_functions(self, op):
+        # TensorLists (tf.TensorArray, tf.map_fn, tf.scan) are batched by pfor only as a
+        # whole program (its "stacked" lists): a function using them runs once per
+        # example as one op instead.
+        from tf_ophandlers.core import replay  # pylint: disable=import-outside-toplevel
+        return not any(t.startswith("TensorList") for t in replay.body_op_types(op.type))
+
     def function_input(self, value):
         return value.batched, [value.value]
 

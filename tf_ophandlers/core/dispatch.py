@@ -49,6 +49,8 @@ def execute(op, inputs):
         t = inputs[0]
         if t._shape_tuple() == ():  # pylint: disable=protected-access
             _python_scalars[_C.tensor_key(t)] = t
+            if len(_python_scalars) > 16384:  # a loop converting ever new Python floats
+                _python_scalars.popitem(last=False)
         else:
             _python_constants[_C.tensor_key(t)] = t
             if len(_python_constants) > 4096:
@@ -69,10 +71,10 @@ def execute(op, inputs):
 
 # Python constants created under handler scopes, for tracing handlers (constants of a
 # trace, not inputs). Scalars are converted once and kept in TensorFlow's C++ scalar
-# cache, so later uses never reach the dispatcher again: they are all remembered (few and
+# cache, so later uses never reach the dispatcher again: many are remembered (they are
 # small). Other constants are converted at each use: the latest ones are enough. The
 # tensors are held, so that their keys cannot be reused by other tensors while listed.
-_python_scalars = {}
+_python_scalars = collections.OrderedDict()
 _python_constants = collections.OrderedDict()
 
 

@@ -482,3 +482,46 @@ def test_hook_building_control_flow_while_replaying_is_a_clear_error():
         with oh.OpLogHandler():  # on tensors of a handler below: refused, clearly
             with CondHook():
                 f(tf.constant([1.0, 2.0]))
+
+
+def test_rfc_no_handler_example_with_a_concrete_function():
+    @tf.function(input_signature=[tf.TensorSpec(shape=[], dtype=tf.float32)])
+    def no_handler(x):
+        return 2. * x
+
+    concrete = no_handler.get_concrete_function()
+    log = oh.OpLogHandler()
+    with oh.GradientTape() as tape:
+        a = tf.constant(3.)
+        tape.watch(a)
+        with log:
+            b = concrete(a)
+    assert float(b) == 6.0
+    assert float(tape.gradient(b, a)) == 2.0
+    assert "Mul" in log.op_types_seen()  # the ConcreteFunction's body, replayed
+
+
+def test_replays_from_several_threads():
+    import threading
+    f = tf.function(lambda t: tf.cond(tf.reduce_sum(t) > 0, lambda: t * 2.0, lambda: -t))
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            log = oh.OpLogHandler()
+            for i in range(15):
+                x = tf.constant([float(k - 1), float(i)])
+                with log:
+                    results[(k, i)] = (f(x).numpy(), f(x).numpy() is not None)
+        except Exception as e:  # pylint: disable=broad-except
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for (k, i), (value, _) in results.items():
+        x = np.array([k - 1.0, float(i)], np.float32)
+        assert_close(value, x * 2.0 if x.sum() > 0 else -x)

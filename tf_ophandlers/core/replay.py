@@ -23,6 +23,7 @@ A `tf.function` call reaches a stack as one op named after the function
 A cache hit costs the splits, one dictionary lookup and one function call.
 """
 import collections
+import contextlib
 import threading
 
 import tensorflow as tf
@@ -61,18 +62,35 @@ _cache_lock = threading.Lock()
 _bodies = {}  # function name -> FuncGraph of its FunctionDef
 
 
-class _Entry:
-    __slots__ = ("function", "output_trees", "name", "call_op", "captured")
+class CompiledCall:
+    """A ConcreteFunction built by a handler (a replay, Lazy's pending ops), run on a stack.
 
-    def __init__(self, function, output_trees, name):
-        self.function = function
-        self.output_trees = output_trees
-        self.name = name
-        # The call op of the replayed function, to run it on physical devices without
-        # ConcreteFunction's Python call path (tapes there recorded the original call).
+    On physical devices it runs as one op, without ConcreteFunction's Python call path
+    (tapes above recorded the original call). On a handler stack it goes through that
+    path, so that a tape there records it with TensorFlow's function gradient.
+    """
+
+    __slots__ = ("function", "call_op", "captured")
+
+    def __init__(self, function):
+        self.function = function  # owns the function registered in the context
         signature = function.function_def.signature
         self.call_op = _C.new_op(signature.name, {}, len(signature.output_arg))
         self.captured = list(function.captured_inputs)
+
+    def run(self, stack, args):
+        """The outputs of the function called on `args` (tensors) on `stack`."""
+        if stack is PHYSICAL:
+            return PHYSICAL.execute(self.call_op, list(args) + self.captured)
+        return _call_on(stack, self.function, args)
+
+
+class _Entry:
+    __slots__ = ("compiled", "output_trees")
+
+    def __init__(self, function, output_trees):
+        self.compiled = CompiledCall(function)
+        self.output_trees = output_trees
 
 
 def cache_info():
@@ -115,6 +133,31 @@ def _body(name):
     return graph
 
 
+def function_library(names):
+    """The FunctionDefs of the functions `names` and of every function they call (as op
+    types or through function attributes: branches, loop bodies), callees first."""
+    ctx = _context.context()
+    seen, order = set(), []
+
+    def visit(name):
+        if name in seen or not ctx.has_function(name):
+            return
+        seen.add(name)
+        fdef = ctx.get_function_def(name)
+        for node in fdef.node_def:
+            visit(node.op)
+            for value in node.attr.values():
+                if value.HasField("func"):
+                    visit(value.func.name)
+                for f in value.list.func:
+                    visit(f.name)
+        order.append(fdef)
+
+    for name in names:
+        visit(name)
+    return order
+
+
 _op_types = {}  # function name -> op types of its body and the functions it calls
 
 
@@ -123,21 +166,8 @@ def body_op_types(name):
     handler's `replays_functions(op)` decision)."""
     types = _op_types.get(name)
     if types is None:
-        ctx = _context.context()
-        types, seen, todo = set(), set(), [name]
-        while todo:
-            fname = todo.pop()
-            if fname in seen or not ctx.has_function(fname):
-                continue
-            seen.add(fname)
-            for node in ctx.get_function_def(fname).node_def:
-                types.add(node.op)
-                todo.append(node.op)
-                for value in node.attr.values():
-                    if value.HasField("func"):
-                        todo.append(value.func.name)
-                    todo.extend(f.name for f in value.list.func)
-        types = _op_types[name] = frozenset(types)
+        types = _op_types[name] = frozenset(
+            node.op for fdef in function_library([name]) for node in fdef.node_def)
     return types
 
 
@@ -249,7 +279,7 @@ class _Replay:
         inputs = [self.to_bottom(t) for t in inputs]
         attrs = op.attr_protos()
         graph = _ops.get_default_graph()
-        with _ops.device(state.device or None) if state.device else _null():
+        with _ops.device(state.device) if state.device else contextlib.nullcontext():
             node = _original_create_op(graph, op.type, inputs, attrs=attrs)
         return list(node.outputs)
 
@@ -356,8 +386,7 @@ class _Replay:
             return self.run_while(node, ins, within)
         if _context.context().has_function(op_type):
             return self.interpret(_body(op_type), ins, within)
-        attrs = {k: v for k, v in node.node_def.attr.items() if not k.startswith("_")}
-        op = Op.create(op_type, **attrs)
+        op = _node_op(node)
         if op_type in _PHYSICAL_OPS:
             stack = None
         else:
@@ -469,11 +498,11 @@ class _Replay:
             comps.append(c)
         return trees, comps
 
-    def _control_input(self, node, stack, ins):
+    def _control_input(self, tensor):
         """The branch index / predicate as a bottom tensor, or None if a handler keeps it
         (a per-example predicate under vectorized_map): then that handler gets the op."""
         try:
-            return self.to_bottom(ins[0])
+            return self.to_bottom(tensor)
         except errors.CopyOffError:
             return None
 
@@ -493,35 +522,32 @@ class _Replay:
         """The control-flow op itself, given to the handler that keeps its predicate
         (RFC: "If the condition ... is placed on an op handler, the handler sees the If
         op itself")."""
-        attrs = {k: v for k, v in node.node_def.attr.items() if not k.startswith("_")}
         target = stack if stack is not None else stack_of(ins[0])
-        return target.execute(Op.create(node.type, **attrs), ins)
+        return target.execute(_node_op(node), ins)
 
     def run_if(self, node, ins, within):
+        return self._run_conditional(
+            node, ins, within, [node.get_attr(b).name for b in ("then_branch", "else_branch")],
+            lambda pred, fns: _cond_v2.cond_v2(pred, fns[0], fns[1], name=node.name))
+
+    def run_case(self, node, ins, within):
+        return self._run_conditional(
+            node, ins, within, [f.name for f in node.get_attr("branches")],
+            lambda index, fns: _cond_v2.indexed_case(index, fns, name=node.name))
+
+    def _run_conditional(self, node, ins, within, branch_names, build):
+        """If/Case: the predicate (or branch index) `ins[0]` selects a branch function."""
         stack = within if within is not None else self.placement(ins)
-        pred = self._control_input(node, stack, ins)
-        if pred is None:
+        control = self._control_input(ins[0])
+        if control is None:
             if node.type == "StatelessIf":
                 return self._select(node, ins, within)
             return self._whole_op(node, ins, stack)
         args = [self.lift(t, stack) for t in ins[1:]]
         trees, comps = self._split_args(args)
-        bodies = [_body(node.get_attr(b).name) for b in ("then_branch", "else_branch")]
-        return self._run_branches(
-            node, bodies, trees, comps, stack, within,
-            lambda fns: _cond_v2.cond_v2(pred, fns[0], fns[1], name=node.name))
-
-    def run_case(self, node, ins, within):
-        stack = within if within is not None else self.placement(ins)
-        index = self._control_input(node, stack, ins)
-        if index is None:
-            return self._whole_op(node, ins, stack)
-        args = [self.lift(t, stack) for t in ins[1:]]
-        trees, comps = self._split_args(args)
-        bodies = [_body(f.name) for f in node.get_attr("branches")]
-        return self._run_branches(
-            node, bodies, trees, comps, stack, within,
-            lambda fns: _cond_v2.indexed_case(index, fns, name=node.name))
+        bodies = [_body(name) for name in branch_names]
+        return self._run_branches(node, bodies, trees, comps, stack, within,
+                                  lambda fns: build(control, fns))
 
     def run_while(self, node, ins, within):
         stack = within if within is not None else self.placement(ins)
@@ -598,6 +624,12 @@ class _Replay:
         return rebuild(_as_list(flat))
 
 
+def _node_op(node):
+    """The Op of a FunctionDef node, without TensorFlow's internal ("_") attributes."""
+    return Op.create(node.type, **{k: v for k, v in node.node_def.attr.items()
+                                   if not k.startswith("_")})
+
+
 def _regroup(trees, flat):
     """`flat` bottom tensors grouped per tree."""
     out, k = [], 0
@@ -611,14 +643,6 @@ def _regroup(trees, flat):
 def _scope_module():
     from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
     return scope
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return False
 
 
 def _as_list(x):
@@ -713,12 +737,7 @@ def call(stack, op, inputs):
             _cache[key] = entry
             while len(_cache) > _CACHE_SIZE:
                 _cache.popitem(last=False)  # the oldest replay
-    if bottom is PHYSICAL:
-        # Tapes above recorded the original call; run the replayed function as one op.
-        outputs = PHYSICAL.execute(entry.call_op, leaves + entry.captured)
-    else:
-        outputs = _call_on(bottom, entry.function, leaves)
-    it = iter(outputs)
+    it = iter(entry.compiled.run(bottom, leaves))
     return [_rebuild(t, segment, it) for t in entry.output_trees]
 
 
@@ -805,17 +824,16 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
 
     saved = (state.replay, state.current, list(state.frames))
     state.replay = replay
-    state.current = bottom
     del state.frames[:]
     try:
         with scope.physical(), _record.stop_recording():
-            state.current = bottom
+            state.current = bottom  # below the segment, ops are nodes of the function
             function = tf.function(replayed, input_signature=specs, autograph=False,
                                    reduce_retracing=False).get_concrete_function()
     finally:
         state.replay, state.current, frames = saved
         state.frames[:] = frames
-    return _Entry(function, tuple(output_trees), name)
+    return _Entry(function, tuple(output_trees))
 
 
 # -- routing ops created with TensorFlow calls while replaying -----------------------------

@@ -29,7 +29,6 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers import _C
 from tf_ophandlers.core import replay as _replay
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import shape_inference as _shape_inference
 
@@ -85,7 +84,7 @@ class Lazy(OpHandler):
     replays_functions = False  # a tf.function call is already one compiled op
 
     def __init__(self):
-        self._functions = {}   # structure key -> (call op, ConcreteFunction)
+        self._functions = {}   # structure key -> replay.CompiledCall
         self._pending = weakref.WeakSet()  # nodes not computed yet
         self._depth = 0
         self.compiled = 0      # functions built
@@ -238,15 +237,8 @@ class Lazy(OpHandler):
             if len(self._functions) >= _CACHE_SIZE:
                 self._functions.clear()
             self._functions[key] = entry
-        call_op, fn = entry
-        next_stack = order[-1].next
         try:
-            if next_stack is PHYSICAL:
-                outputs = PHYSICAL.execute(call_op, external)
-            else:
-                # Through ConcreteFunction's call path, so that a tape below records the
-                # function with TensorFlow's function gradient.
-                outputs = _replay._call_on(next_stack, fn, external)  # pylint: disable=protected-access
+            outputs = entry.run(order[-1].next, external)
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
                 self._pending.discard(node)
@@ -277,9 +269,7 @@ class Lazy(OpHandler):
         with _ops.init_scope():
             fn = tf.function(build, input_signature=specs,
                              autograph=False).get_concrete_function()
-        signature = fn.function_def.signature
         self.compiled += 1
-        # The ConcreteFunction is kept with its call op: it owns the registered function.
-        return _C.new_op(signature.name, {}, len(signature.output_arg)), fn
+        return _replay.CompiledCall(fn)
 
 

@@ -18,13 +18,13 @@ along with them, and shown in TensorBoard's graph view with `trace.graph_def()`)
 """
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
 from tf_ophandlers import _C
 from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import replay as _replay
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import representation_of
 
@@ -136,7 +136,8 @@ class TraceAndExecute(OpHandler):
         specs = [tf.TensorSpec(entered[i].shape, entered[i].dtype) for i in arg_positions]
         records, inputs, constants = list(self.records), entered, list(self._constants)
         variables = dict(self._variables)
-        library = _functions_called(records)
+        library = _replay.function_library(
+            [rec.op.type for rec in records if rec.op.output_dtypes is None])
 
         def build(*args):
             graph = _ops.get_default_graph()
@@ -191,32 +192,6 @@ def _call_attrs(name, ins, outs):
     tout = attr_value_pb2.AttrValue()
     tout.list.type.extend([t.dtype.as_datatype_enum for t in outs])
     return {"f": f, "Tin": tin, "Tout": tout}
-
-
-def _functions_called(records):
-    """FunctionDefs of the tf.function calls recorded, with the functions they call."""
-    ctx = _context.context()
-    seen, order = set(), []
-
-    def visit(name):
-        if name in seen or not ctx.has_function(name):
-            return
-        seen.add(name)
-        fdef = ctx.get_function_def(name)
-        for node in fdef.node_def:
-            for value in node.attr.values():
-                if value.HasField("func"):
-                    visit(value.func.name)
-                for f in value.list.func:
-                    visit(f.name)
-            if ctx.has_function(node.op):
-                visit(node.op)
-        order.append(fdef)
-
-    for rec in records:
-        if rec.op.output_dtypes is None:
-            visit(rec.op.type)
-    return order
 
 
 def _copy_function(graph, fdef):

@@ -295,18 +295,12 @@ class HandlerStack(Stack):
         source = stack_of(tensor)
         if source is not None and self._below(source):
             # A tensor of a stack built on this one (a tape's tensor used under the
-            # accumulator the tape ran on): step down through the handlers above, as
-            # `representation_of` does, instead of copying it off to a physical device
+            # accumulator the tape ran on): its representation here, stepping down
+            # through the handlers above, instead of copying it off to a physical device
             # and on again, which would lose this handler's representation (a tangent).
-            t = tensor
-            while True:
-                s = stack_of(t)
-                if s is self:
-                    return self.unwrap(t)
-                if s is None or not self._below(s):
-                    tensor = t
-                    break
-                t = s._call(s.handler.copy_off, s.unwrap(t), "")  # pylint: disable=protected-access
+            found, value = representation_of(self.handler, tensor)
+            if found:
+                return value
         if self._default_copy_on:
             return move_onto(self.handler, self.next, tensor)  # no frame needed
         return self._call(self.handler.copy_on, tensor)

@@ -360,3 +360,21 @@ def median_bars(ax, keys, ss, colors, labels, ylabel, title, key="t", fmt="%.2f"
     ax.set_title("%s\n(median, IQR of rounds)" % title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     ax.set_ylim(0, max(s["q3"] for s in ss) * 1.18)
+
+
+def grouped_bars(ax, cases, keys, summary, field, colors, labels, fontsize=7):
+    """Side-by-side bars, one per configuration in `keys` within each case of `cases`, of
+    `summary[case][key][field]` with the IQR `summary[case][key][field + "_q"]` as error
+    bars and the value on top. Returns the highest bar top (with its error bar)."""
+    width = 0.8 / len(keys)
+    top = 0.0
+    for j, key in enumerate(keys):
+        xs = [c + (j - (len(keys) - 1) / 2) * width for c in range(len(cases))]
+        vals = [summary[c][key][field] for c in cases]
+        lo, hi = spread(vals, [summary[c][key][field + "_q"] for c in cases])
+        ax.bar(xs, vals, width * 0.9, yerr=[lo, hi], capsize=2, color=colors[key],
+               label=labels[key])
+        label_bars(ax, xs, [v + h for v, h in zip(vals, hi)], ["%.2fx" % v for v in vals],
+                   fontsize=fontsize, boxed=True)
+        top = max(top, max(v + h for v, h in zip(vals, hi)))
+    return top

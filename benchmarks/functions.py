@@ -402,18 +402,8 @@ def plot(summary, plt):
                             "µs per call", case, key="us", fmt="%.1f")
 
     ax_r = axes[-1]
-    keys = KEYS[1:]
-    width = 0.8 / len(keys)
-    top = TARGET_RATIO
-    for j, key in enumerate(keys):
-        xs = np.arange(len(CASES)) + (j - (len(keys) - 1) / 2) * width
-        rs = [summary[c][key]["ratio"] for c in CASE_KEYS]
-        lo, hi = _common.spread(rs, [summary[c][key]["ratio_q"] for c in CASE_KEYS])
-        ax_r.bar(xs, rs, width * 0.9, yerr=[lo, hi], capsize=2, color=COLORS[key],
-                 label=NAMES[key])
-        _common.label_bars(ax_r, xs, [r + h for r, h in zip(rs, hi)],
-                           ["%.2fx" % r for r in rs], fontsize=6, boxed=True)
-        top = max(top, max(r + h for r, h in zip(rs, hi)))
+    top = max(TARGET_RATIO, _common.grouped_bars(ax_r, CASE_KEYS, KEYS[1:], summary, "ratio",
+                                                 COLORS, NAMES, fontsize=6))
     ax_r.axhline(1.0, color="black", lw=0.8)
     ax_r.axhline(TARGET_RATIO, color="tab:red", ls=":", lw=1,
                  label="target (OpHandler, mlp-forward\nand train-step): %.1fx"

@@ -493,17 +493,9 @@ def plot(summary, plt):
 
     ax_r = axes[-1]
     keys = ("lazy", "function")
-    width = 0.8 / len(keys)
-    top = TARGET_SPEEDUP
-    for j, key in enumerate(keys):
-        xs = np.arange(len(CASES)) + (j - (len(keys) - 1) / 2) * width
-        sp = [summary[c][key]["speedup"] for c in CASE_KEYS]
-        lo, hi = _common.spread(sp, [summary[c][key]["speedup_q"] for c in CASE_KEYS])
-        ax_r.bar(xs, sp, width * 0.9, yerr=[lo, hi], capsize=2, color=COLORS[key],
-                 label=NAMES[key] + ("" if key == "lazy" else " (information)"))
-        _common.label_bars(ax_r, xs, [s + h for s, h in zip(sp, hi)],
-                           ["%.2fx" % s for s in sp], fontsize=7, boxed=True)
-        top = max(top, max(s + h for s, h in zip(sp, hi)))
+    labels = {k: NAMES[k] + ("" if k == "lazy" else " (information)") for k in keys}
+    top = max(TARGET_SPEEDUP, _common.grouped_bars(ax_r, CASE_KEYS, keys, summary, "speedup",
+                                                   COLORS, labels))
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity with eager")
     ax_r.axhline(TARGET_SPEEDUP, color="tab:red", ls=":", lw=1,
                  label="target (oh.Lazy, chain-200): %.0fx" % TARGET_SPEEDUP)

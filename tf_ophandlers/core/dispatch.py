@@ -47,14 +47,12 @@ def execute(op, inputs):
         # physical (as in copy_to_device below) and are copied on where they are used.
         # Tracing handlers ask `is_python_constant` (constants of a trace, not inputs).
         t = inputs[0]
-        if t._shape_tuple() == ():  # pylint: disable=protected-access
-            _python_scalars[_C.tensor_key(t)] = t
-            if len(_python_scalars) > 16384:  # a loop converting ever new Python floats
-                _python_scalars.popitem(last=False)
-        else:
-            _python_constants[_C.tensor_key(t)] = t
-            if len(_python_constants) > 4096:
-                _python_constants.popitem(last=False)
+        # (Scalars: bounded for a loop converting ever new Python floats.)
+        store, limit = ((_python_scalars, 16384) if t._shape_tuple() == ()  # pylint: disable=protected-access
+                        else (_python_constants, 4096))
+        store[_C.tensor_key(t)] = t
+        if len(store) > limit:
+            store.popitem(last=False)
         return inputs
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):

@@ -134,7 +134,7 @@ class TraceAndExecute(OpHandler):
         entered = list(self._entered)
         arg_positions = [i for i, t in enumerate(entered) if t.dtype != tf.resource]
         specs = [tf.TensorSpec(entered[i].shape, entered[i].dtype) for i in arg_positions]
-        records, inputs, constants = list(self.records), entered, list(self._constants)
+        records, constants = list(self.records), list(self._constants)
         variables = dict(self._variables)
         library = _replay.function_library(
             [rec.op.type for rec in records if rec.op.output_dtypes is None])
@@ -146,7 +146,7 @@ class TraceAndExecute(OpHandler):
             values = {}
             for i, a in zip(arg_positions, args):
                 values[("in", i)] = a
-            for i, t in enumerate(inputs):
+            for i, t in enumerate(entered):
                 if t.dtype == tf.resource:
                     v = variables.get(_key(t))
                     values[("in", i)] = v.handle if v is not None else t  # captured
@@ -164,14 +164,13 @@ class TraceAndExecute(OpHandler):
             for index, rec in enumerate(records):
                 op = rec.op
                 ins = [get(r) for r in rec.inputs]
-                attrs = op.attr_protos()
                 if op.output_dtypes is None:  # a tf.function call
                     node = graph.create_op(
                         "StatefulPartitionedCall", ins,
                         dtypes=[o.dtype for o in rec.outputs],
                         attrs=_call_attrs(op.type, ins, rec.outputs))
                 else:
-                    node = graph.create_op(op.type, ins, attrs=attrs)
+                    node = graph.create_op(op.type, ins, attrs=op.attr_protos())
                 for j, o in enumerate(node.outputs):
                     values[("op", index, j)] = o
             return nest.pack_sequence_as(outputs, [tf.identity(get(r)) for r in wanted])

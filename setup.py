@@ -55,4 +55,6 @@ setup(ext_modules=[
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
     Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc"], **common),
+    # A measurement aid for benchmarks/: a custom device that runs nothing.
+    Extension("tf_ophandlers._null_device", sources=["cc/null_device.cc"], **common),
 ])

@@ -5,9 +5,11 @@ Inside `with oh.Lazy():` ops are recorded instead of run; a value request (`.num
 compiles the pending subgraph into a function, cached by its structure
 (`tf_ophandlers/handlers/lazy.py`), and runs it; later calls with the same structure hit
 that cache. Times, in one process, one call = build the computation and fetch its value
-with `.numpy()`, on two cases:
+with `.numpy()`, on three cases:
 
   chain-200  200 small ops on a 16x16 float32 tensor: `h = tf.tanh(h) * 1.01`, 100 times
+  chain-256  the same chain on a 256x256 float32 tensor, where the kernels cost more
+             than dispatch (information, no target)
   rnn-cell   an RNN-cell loop of 20 steps: `h = tf.tanh(tf.matmul(xs[t], W) +
              tf.matmul(h, U))` with h [4, 16], W, U [16, 16], xs [20, 4, 16]
              (information, no target)
@@ -16,19 +18,24 @@ with the configurations `eager` (plain TensorFlow), `oh.Lazy()` (one handler per
 configuration, created once; each call is `with lazy: h = f(...); v = h.numpy()`) and,
 for information, `tf.function` of the same computation (traced once) and, on chain-200,
 `oh.Lazy() build only` (the same scope without `.numpy()`, timed from the first op to
-the last: the recording alone).
+the last: the recording alone) and `null device`: the chain under
+`tf.device(<a custom device that runs nothing>)` (`tf_ophandlers._null_device`,
+cc/null_device.cc), no value request. Its execute callback records nothing, runs nothing
+and calls no Python, so its time is what TensorFlow's Python API and its custom-device
+dispatch alone cost per op: the floor of any per-op interception through a custom
+device, which bounds what `oh.Lazy()` can reach (see `why_md`).
 
 Before timing, every configuration must give eager's value (allclose), under Lazy nothing
 may run while the ops are recorded, Lazy's first call must compile once (`lazy.compiled`
 1) and its second call hit the cache, every value request must count one flush and the
 `tf.function`s must be traced once; after the timed rounds `compiled` must be unchanged
 (every timed call was a cache hit) and `flushes` must have grown by one per call. The
-script exits non-zero otherwise. Configurations are interleaved (shuffled order every
-round) and repeated; the reported time is the median over rounds of the mean time per
-call of N back-to-back calls.
+null device's result must be a handle on the null device. The script exits non-zero
+otherwise. Configurations are interleaved (shuffled order every round) and repeated; the
+reported time is the median over rounds of the mean time per call of N back-to-back calls.
 Writes the `lazy` section of docs/benchmarks.md and docs/lazy.png.
 
-    python benchmarks/lazy.py            # full run (~1 min on 2 cores)
+    python benchmarks/lazy.py            # full run (~1-2 min on 2 cores)
     python benchmarks/lazy.py --quick    # smoke run (< 30 s, noisy numbers)
 """
 import gc
@@ -41,6 +48,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
+from tensorflow.python.eager import context  # noqa: E402
+from tf_ophandlers import _null_device  # noqa: E402
 
 CONFIGS = (
     # key, name
@@ -48,12 +57,13 @@ CONFIGS = (
     ("lazy", "oh.Lazy()"),
     ("build", "oh.Lazy() build only"),
     ("function", "tf.function (traced once)"),
+    ("floor", "null device (TF API only, nothing recorded or run)"),
 )
 NAMES = dict(CONFIGS)
 CASES = (
     # key, title, target?, configurations, description
     ("chain-200", "Chain of 200 small ops on a 16x16 float32 tensor", True,
-     ("eager", "lazy", "build", "function"),
+     ("eager", "lazy", "build", "function", "floor"),
      "`h = x; for _ in range(100): h = tf.tanh(h) * 1.01`, then `h.numpy()`, on x "
      "[16, 16] float32 (`stateless_uniform`, created outside the scope). *oh.Lazy()*: "
      "`with lazy: h = chain(x); v = h.numpy()` with one handler created once, so the "
@@ -61,14 +71,29 @@ CASES = (
      "*oh.Lazy() build only* is the same scope without `.numpy()` (its own handler), "
      "timed from the first op to the last: the recording alone, nothing runs; the "
      "scope's entry and exit are not timed (information). *tf.function* is "
-     "`tf.function(chain)` traced once, called as `fn(x).numpy()` (information)."),
+     "`tf.function(chain)` traced once, called as `fn(x).numpy()` (information). "
+     "*Null device* is `with tf.device(NULL): h = chain(x)`, no value request, with NULL "
+     "a TensorFlow custom device (`tf_ophandlers._null_device`, `cc/null_device.cc`) "
+     "whose execute callback runs nothing and calls no Python, returning a handle with "
+     "the first input's shape: each op still goes through TensorFlow's Python API, "
+     "TFE_Execute's placement, one custom-device call and a new output handle. It is the "
+     "floor under which no per-op interception through a custom device (in Python or "
+     "C) can record an op; values cannot be read back (information, not a target; the "
+     "result is checked to be on the null device)."),
+    ("chain-256", "Chain of 200 ops on a 256x256 float32 tensor", False,
+     ("eager", "lazy", "function"),
+     "The chain of `chain-200` on x [256, 256] float32 (`stateless_uniform`, created "
+     "outside the scope), so that each kernel costs more than its dispatch. "
+     "Configurations *eager*, *oh.Lazy()* and *tf.function* as in `chain-200` "
+     "(information, no target)."),
     ("rnn-cell", "RNN-cell loop: 20 steps of tanh(x_t W + h U), h [4, 16]", False,
      ("eager", "lazy", "function"),
      "`h = tf.zeros([4, 16]); for t in range(20): h = tf.tanh(tf.matmul(xs[t], W) + "
      "tf.matmul(h, U))`, then `h.numpy()`; W, U [16, 16] (`stateless_normal` * 0.1), "
      "xs [20, 4, 16] (`stateless_normal`), all created outside the scope; 100 ops per "
-     "call (slice, 2 matmuls, add, tanh per step) plus the `zeros`. Same configurations "
-     "as above without *build only* (information, no target)."),
+     "call (slice, 2 matmuls, add, tanh per step) plus the `zeros`. Configurations "
+     "*eager*, *oh.Lazy()* and *tf.function* as in `chain-200` (information, no "
+     "target)."),
 )
 CASE_KEYS = tuple(c[0] for c in CASES)
 TARGET_SPEEDUP = 3.0  # oh.Lazy at least 3x faster than eager on chain-200
@@ -77,6 +102,18 @@ CHAIN_LEN = 100       # tanh + mul pairs: 200 ops
 STEPS = 20            # RNN steps
 GC_CALLS = 20         # sanity check: calls whose garbage is collected and counted
 TOLERANCE = 1e-5
+NULL_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER_NULL:0"
+_null_registered = []
+
+
+def null_device():
+    """The null device's name, registering it in the eager context on first use."""
+    if not _null_registered:
+        ctx = context.context()
+        ctx.ensure_initialized()
+        _null_device.register(ctx._handle, NULL_DEVICE)
+        _null_registered.append(True)
+    return NULL_DEVICE
 
 
 def fail(msg):
@@ -97,6 +134,10 @@ def chain_inputs():
     return (tf.random.stateless_uniform([16, 16], seed=[1, 2]),)
 
 
+def chain256_inputs():
+    return (tf.random.stateless_uniform([256, 256], seed=[1, 2]),)
+
+
 def rnn_cell(xs, w, u):
     h = tf.zeros([4, 16])
     for t in range(STEPS):
@@ -111,7 +152,8 @@ def rnn_inputs():
     return xs, w, u
 
 
-BODIES = {"chain-200": (chain, chain_inputs), "rnn-cell": (rnn_cell, rnn_inputs)}
+BODIES = {"chain-200": (chain, chain_inputs), "chain-256": (chain, chain256_inputs),
+          "rnn-cell": (rnn_cell, rnn_inputs)}
 
 
 class Config:
@@ -124,6 +166,7 @@ class Config:
         self.args = inputs()
         self.lazy = oh.Lazy() if key in ("lazy", "build") else None
         self.function = tf.function(body) if key == "function" else None
+        self.device = null_device() if key == "floor" else None
         self.body = body
         self.call = getattr(self, "call_" + key)
         self.calls = 0   # calls made by run() (warm-up and timed)
@@ -150,6 +193,12 @@ class Config:
 
     def call_function(self):
         return self.function(*self.args).numpy()
+
+    def call_floor(self):
+        """The computation on the null device: nothing recorded, run or read; returns the
+        result's handle (on the null device)."""
+        with tf.device(self.device):
+            return self.body(*self.args)
 
     def run(self, n):
         """WARMUP_CALLS untimed and `n` timed back-to-back calls (build only: the sum of
@@ -230,7 +279,8 @@ def check(configs):
     configuration gives eager's value; under Lazy the ops are recorded (the result is
     pending on the handler's stack, nothing ran before the value request); Lazy's first
     call compiles once and its second hits the cache, one flush per value request; each
-    tf.function is traced once. Returns, per case, the max abs difference to eager, the
+    tf.function is traced once; the null device's result is a handle on the null device
+    with the input's shape. Returns, per case, the max abs difference to eager, the
     wall time of each configuration's first call, the build-only handler's counters after
     its first call, and what the cyclic garbage collector frees per Lazy call."""
     report = {}
@@ -243,6 +293,19 @@ def check(configs):
                 _counters_check(case, cfg, "creation", (0, 0))
                 v, first[key] = first_lazy_call(case, cfg)
                 values = [v]
+            elif key == "floor":
+                t0 = time.perf_counter()
+                h = cfg.call()
+                first[key] = (time.perf_counter() - t0) * 1e3
+                for i, h in enumerate((h, cfg.call())):
+                    if h.device != NULL_DEVICE or h.shape != cfg.args[0].shape:
+                        fail("%s, %s: call %d gives a handle on %r of shape %s, expected "
+                             "one on %r of shape %s" % (case, NAMES[key], i + 1, h.device,
+                                                        h.shape, NULL_DEVICE,
+                                                        cfg.args[0].shape))
+                del h
+                got[key] = None
+                continue
             else:
                 t0 = time.perf_counter()
                 values = [cfg.call()]
@@ -262,7 +325,7 @@ def check(configs):
             got[key] = values
         worst = 0.0
         for key in keys:
-            if key in ("eager", "build"):
+            if key in ("eager", "build", "floor"):
                 continue
             for i, (a, b) in enumerate(zip(got["eager"], got[key])):
                 if a.shape != b.shape:
@@ -305,10 +368,10 @@ def garbage(cfg):
 
 # -- measurement ------------------------------------------------------------------------
 
-def measure(configs, rounds, n_chain, n_rnn, seed=0):
-    """The interleaved rounds (ms per call, one entry per round), and the Lazy handlers'
-    counters and call counts before and after them."""
-    n_of = {"chain-200": n_chain, "rnn-cell": n_rnn}
+def measure(configs, rounds, n_of, seed=0):
+    """The interleaved rounds (ms per call, one entry per round; `n_of`: case -> timed
+    calls per round), and the Lazy handlers' counters and call counts before and after
+    them."""
     lazy = [cfg for cfg in configs if cfg.lazy is not None]
     before = {(cfg.case, cfg.key): cfg.counters() for cfg in lazy}
     _common.run_rounds(configs, rounds, lambda cfg: n_of[cfg.case], seed=seed)
@@ -354,28 +417,61 @@ def target_ok(summary):
 
 
 def why_md(summary):
-    """The **Why.** paragraph: Lazy's chain-200 time split into recording and running."""
+    """The **Why.** paragraph: Lazy's chain-200 time against the null device's floor and
+    the compiled run, and the bound they put on any per-op recorder."""
     row = summary["chain-200"]
-    eager, lazy, build, fn = (row[k]["t"] for k in ("eager", "lazy", "build", "function"))
+    eager, lazy, build, fn, floor = (row[k]["t"] for k in
+                                     ("eager", "lazy", "build", "function", "floor"))
     ops = 2 * CHAIN_LEN
-    run = lazy - build
     need = eager / TARGET_SPEEDUP
+    bound = eager / (floor + fn)
+    if floor >= need:
+        reach = ("below what the null device alone takes (%.2f ms): %.0fx is out of reach "
+                 "for per-op interception on this TensorFlow, whatever the recorder costs"
+                 % (floor, TARGET_SPEEDUP))
+    elif floor + fn > need:
+        reach = ("of which the null device alone takes %.0f%% and the null device plus "
+                 "`tf.function` more than all: %.0fx is out of reach for per-op "
+                 "interception on this TensorFlow, whatever the recorder costs"
+                 % (floor / need * 100, TARGET_SPEEDUP))
+    else:
+        reach = ("of which the null device takes %.0f%%: the bound allows %.0fx, so "
+                 "Lazy's own costs above the floor decide it"
+                 % (floor / need * 100, TARGET_SPEEDUP))
+    if build >= floor:
+        above = "%.1f µs per op while recording" % ((build - floor) / ops * 1e3)
+    else:
+        above = ("nothing while recording (build only took %.2f ms less than the null "
+                 "device, whose time includes its `tf.device` scope)" % (floor - build))
+    if lazy >= build:
+        above += (" and %.2f ms for the value request (the pending nodes, the structure "
+                  "key, the cache hit, the compiled run) and the scope's entry and exit"
+                  % (lazy - build))
+    else:
+        above += (" (the whole Lazy call's median is %.2f ms below build only's: the "
+                  "rounds disagree, the value request's share is not resolved)"
+                  % (build - lazy))
+    big = summary["chain-256"]
     return (
-        "**Why.** On `chain-200` a Lazy call took %.2f ms. Recording the 200 ops "
+        "**Why.** On `chain-200` a Lazy call took %.2f ms, of which recording the %d ops "
         "(*build only*) took %.2f ms, %.1f µs per op, against %.1f µs per op for eager "
-        "execution itself (%.2f ms / 200): each op still goes through TensorFlow's eager "
-        "dispatch to the Python handler, which creates the node and its pending output, "
-        "so recording alone costs %.0f%% of eager's whole time. The rest, %.2f ms (%.0f%% "
-        "of the Lazy call), is the value request and the scope's entry and exit: walking "
-        "the %d pending nodes, building the structure key, the cache lookup (a hit), "
-        "running the compiled function and storing its outputs; the same chain as a "
-        "traced `tf.function` runs in %.2f ms per call. For %.0fx the whole "
-        "Lazy call would have to take at most %.2f ms, %s: the speedup is bounded by "
-        "the per-op cost of recording, not by running the ops."
-        % (lazy, build, build / ops * 1e3, eager / ops * 1e3, eager, build / eager * 100,
-           run, run / lazy * 100, ops, fn, TARGET_SPEEDUP, need,
-           "less than the recording alone" if build > need else
-           "%.0f%% of which the recording already takes" % (build / need * 100)))
+        "execution (%.2f ms per call). Under the null device, which records nothing and "
+        "runs nothing, the same ops took %.2f ms, %.1f µs per op: TensorFlow's Python API, "
+        "TFE_Execute's placement, one custom-device call and a new output handle per op, "
+        "which any per-op interception through a custom device pays, in Python or C. "
+        "Above that floor Lazy adds %s. The chain as a traced `tf.function` runs in "
+        "%.2f ms per call, so a recorder costing nothing above the floor, whose value "
+        "request took no longer than that `tf.function`, would still take %.2f ms: "
+        "eager / (null device + "
+        "tf.function) = %.2fx is the best speedup any per-op recorder through a custom "
+        "device can reach on this chain. For %.0fx a call would have to take at most "
+        "eager / %.0f = %.2f ms, %s. On `chain-256` (information), where the kernels "
+        "dominate (`tf.function` %.1fx faster than eager), Lazy is %.2fx eager (%.2f vs "
+        "%.2f ms per call)."
+        % (lazy, ops, build, build / ops * 1e3, eager / ops * 1e3, eager, floor,
+           floor / ops * 1e3, above, fn, floor + fn, bound, TARGET_SPEEDUP,
+           TARGET_SPEEDUP, need, reach, big["function"]["speedup"], big["lazy"]["speedup"],
+           big["lazy"]["t"], big["eager"]["t"]))
 
 
 def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms, during):
@@ -386,12 +482,14 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
         "recorded; the value request compiles the pending subgraph into a function cached "
         "by its structure, then runs it; `tf_ophandlers/handlers/lazy.py`) and, for "
         "information, as a `tf.function` of the same computation traced once (untimed "
-        "tracing: %s). Every configuration keeps its inputs and its Lazy handler (created "
-        "once, entered at every call) or its `tf.function` for the whole run. An untimed "
-        "sanity check makes each configuration's first calls, then a warm-up pass runs "
-        "every configuration with N/5 calls; each of %d rounds then runs every "
-        "configuration once, in a freshly shuffled order, making %d untimed + N timed "
-        "back-to-back calls (N = %d for `chain-200`, %d for `rnn-cell`), timed with "
+        "tracing: %s) and, on `chain-200`, under a custom device that records and runs "
+        "nothing (*null device*, described there): the floor of per-op interception. Every "
+        "configuration keeps its inputs and its Lazy handler (created once, entered at "
+        "every call) or its `tf.function` for the whole run. An untimed sanity check makes "
+        "each configuration's first calls, then a warm-up pass runs every configuration "
+        "with N/5 calls; each of %d rounds then runs every configuration once, in a "
+        "freshly shuffled order, making %d untimed + N timed back-to-back calls (N = %d "
+        "for `chain-200`, %d for `chain-256`, %d for `rnn-cell`), timed with "
         "`time.perf_counter` with the garbage collector off (after a `gc.collect()`; the "
         "objects alive after setup are frozen with `gc.freeze()` so that collection stays "
         "short). The tables give the median over rounds of the mean time per call, the "
@@ -403,19 +501,19 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
         "abs difference %s); inside the Lazy scope the result is pending on the handler's "
         "stack and nothing has run before `.numpy()`; Lazy's first call compiles one "
         "function (`compiled` 1) and its second is a cache hit (`compiled` still 1); every "
-        "value request counts one flush; each `tf.function` is traced once; and after the "
-        "warm-up and timed rounds the Lazy handlers' counters are (compiled, flushes) %s: "
-        "no timed call compiled, one flush per Lazy call. Build only's recording runs "
-        "nothing either (checked at its first call), but its scope's exit runs what is "
-        "still pending: the graph the call dropped, still alive (counters after its first "
-        "call: %s). Each Lazy call leaves its pending graph in reference cycles (each node "
-        "and its outputs refer to each other), which only the cyclic garbage collector "
-        "frees, with the intermediate tensors they hold: %s objects per call (eager: %s), "
-        "whose collection adds %s per call to a `gc.collect()` (measured over %d calls, "
-        "less an empty collection); with the collector off, as here, that cost is not in "
-        "the times."
+        "value request counts one flush; each `tf.function` is traced once; the null "
+        "device's result is a handle on the null device with the input's shape; and after "
+        "the warm-up and timed rounds the Lazy handlers' counters are (compiled, flushes) "
+        "%s: no timed call compiled, one flush per Lazy call. Build only's recording runs "
+        "nothing either (checked at its first call); its scope's exit runs whatever is "
+        "still pending, and its counters after its first call, %s, show %s. Objects left "
+        "to the cyclic garbage collector (a `gc.collect()` after %d calls made with the "
+        "collector off): %s objects per Lazy call (eager: %s); that collection took %s per "
+        "call more than an empty one right after it; with the collector off, as here, that "
+        "cost is not in the times."
         % ("; ".join("%s %.0f ms" % (case, trace_ms[case]) for case in CASE_KEYS),
-           args.rounds, WARMUP_CALLS, args.n_chain, args.n_rnn, TOLERANCE,
+           args.rounds, WARMUP_CALLS, args.n_chain, args.n_chain256, args.n_rnn,
+           TOLERANCE,
            "; ".join("%s %.1e" % (case, checks[case]["worst"]) for case in CASE_KEYS),
            "; ".join("%s %s %s → %s after %d calls"
                      % (case, NAMES[key], during["before"][(case, key)],
@@ -423,15 +521,18 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
                      for case, key in lazy_keys),
            "; ".join("%s %s" % (case, checks[case]["build_exit"]) for case in CASE_KEYS
                      if checks[case]["build_exit"] is not None),
+           "that it ran nothing (the graph each call dropped was not run)"
+           if checks["chain-200"]["build_exit"][1] == 0 else
+           "that it ran what the call dropped", GC_CALLS,
            " and ".join("%.0f (%s)" % (checks[case]["gc"][0], case) for case in CASE_KEYS),
            " and ".join("%.0f" % checks[case]["eager_gc"] for case in CASE_KEYS),
            " and ".join("%.2f ms (%s)" % (checks[case]["gc"][1], case)
-                        for case in CASE_KEYS), GC_CALLS))
+                        for case in CASE_KEYS)))
     L = _common.intro_md(
         "`oh.Lazy()` vs. eager execution (`benchmarks/lazy.py`)", args.quick, method,
         _common.machine_md(info, info["nconfigs"], elapsed),
-        _common.image_md("time per call, eager vs. oh.Lazy() (and tf.function)",
-                         png_name, plotted))
+        _common.image_md("time per call, eager vs. oh.Lazy() (and tf.function, null "
+                         "device)", png_name, plotted))
     for case, title, _, keys, desc in CASES:
         row = summary[case]
         first = checks[case]["first_ms"]
@@ -461,7 +562,7 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
     L += [why_md(summary), ""]
 
     ok = target_ok(summary)
-    c, r = summary["chain-200"], summary["rnn-cell"]
+    c, b, r = summary["chain-200"], summary["chain-256"], summary["rnn-cell"]
     T = ["- `oh.Lazy` at least %.0fx faster than eager on the small-op chain "
          "(`chain-200`), results unchanged: %.2fx (%.3f vs %.3f ms per call, same-round "
          "IQR %.2f – %.2f; results equal eager, max abs difference %.1e) — %s  (best "
@@ -469,24 +570,32 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
          % (TARGET_SPEEDUP, c["lazy"]["speedup"], c["lazy"]["t"], c["eager"]["t"],
             c["lazy"]["speedup_q"][0], c["lazy"]["speedup_q"][1],
             checks["chain-200"]["worst"], _common.verdict(ok), c["lazy"]["best_speedup"]),
-         "- Information, no target: `rnn-cell` oh.Lazy() %.2fx (%.3f vs %.3f ms); "
-         "`tf.function` %.1fx on `chain-200` and %.1fx on `rnn-cell`; `chain-200` build "
-         "only %.2fx (%.3f ms)."
-         % (r["lazy"]["speedup"], r["lazy"]["t"], r["eager"]["t"], c["function"]["speedup"],
-            r["function"]["speedup"], c["build"]["speedup"], c["build"]["t"])]
+         "- Information, no target: `chain-256` oh.Lazy() %.2fx (%.3f vs %.3f ms); "
+         "`rnn-cell` oh.Lazy() %.2fx (%.3f vs %.3f ms); `tf.function` %.1fx on "
+         "`chain-200`, %.1fx on `chain-256` and %.1fx on `rnn-cell`; `chain-200` build "
+         "only %.2fx (%.3f ms), null device %.3f ms (%.1f µs per op), bound on any per-op "
+         "recorder eager / (null device + tf.function) %.2fx."
+         % (b["lazy"]["speedup"], b["lazy"]["t"], b["eager"]["t"],
+            r["lazy"]["speedup"], r["lazy"]["t"], r["eager"]["t"], c["function"]["speedup"],
+            b["function"]["speedup"], r["function"]["speedup"], c["build"]["speedup"],
+            c["build"]["t"], c["floor"]["t"], c["floor"]["t"] / (2 * CHAIN_LEN) * 1e3,
+            c["eager"]["t"] / (c["floor"]["t"] + c["function"]["t"]))]
     L += _common.targets_md(T, "lazy", args.quick, png_name)
     return "\n".join(L), ok
 
 
 COLORS = {"eager": "tab:blue", "lazy": "tab:orange", "build": "tab:olive",
-          "function": "tab:gray"}
+          "function": "tab:gray", "floor": "tab:purple"}
 LABELS = {"eager": "eager", "lazy": "oh.Lazy()", "build": "oh.Lazy()\nbuild only",
-          "function": "tf.function\n(traced once)"}
+          "function": "tf.function\n(traced once)",
+          "floor": "null device\n(floor; no\n.numpy())"}
 
 
 def plot(summary, plt):
-    fig, axes = plt.subplots(1, len(CASES) + 1, figsize=(14, 4.6),
-                             gridspec_kw={"width_ratios": [1.2, 1, 1.2]})
+    fig, axes = plt.subplots(1, len(CASES) + 1, figsize=(17, 4.8),
+                             gridspec_kw={"width_ratios": [
+                                 0.3 + 0.22 * len(keys) for _, _, _, keys, _ in CASES]
+                                 + [1.3]})
     for ax, (case, _, _, keys, _) in zip(axes, CASES):
         _common.median_bars(ax, keys, [summary[case][k] for k in keys], COLORS, LABELS,
                             "ms per call (build + .numpy())", case)
@@ -499,6 +608,12 @@ def plot(summary, plt):
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity with eager")
     ax_r.axhline(TARGET_SPEEDUP, color="tab:red", ls=":", lw=1,
                  label="target (oh.Lazy, chain-200): %.0fx" % TARGET_SPEEDUP)
+    c = summary["chain-200"]
+    bound = c["eager"]["t"] / (c["floor"]["t"] + c["function"]["t"])
+    x0 = CASE_KEYS.index("chain-200")
+    ax_r.hlines(bound, x0 - 0.45, x0 + 0.45, color=COLORS["floor"], ls="--", lw=1.5,
+                label="bound on any per-op recorder (chain-200):\neager / (null device "
+                      "+ tf.function) = %.2fx" % bound)
     ax_r.set_yscale("log")
     ax_r.set_xticks(np.arange(len(CASES)))
     ax_r.set_xticklabels(["%s%s" % (c, "" if t else "\n(information)")
@@ -514,10 +629,17 @@ def plot(summary, plt):
     return fig
 
 
+def n_of(args):
+    """case -> timed calls per round."""
+    return {"chain-200": args.n_chain, "chain-256": args.n_chain256,
+            "rnn-cell": args.n_rnn}
+
+
 def main(argv=None):
     args = _common.parse_args(
         argv, __doc__, "lazy", (30, 3),
         [("n-chain", "timed chain-200 calls per round", 30, 5),
+         ("n-chain256", "timed chain-256 calls per round", 5, 2),
          ("n-rnn", "timed rnn-cell calls per round", 30, 5)])
 
     start = time.perf_counter()
@@ -526,7 +648,7 @@ def main(argv=None):
     info["nconfigs"] = len(configs)
     checks = check(configs)
     times, during = _common.measure_under_load(
-        info, lambda: measure(configs, args.rounds, args.n_chain, args.n_rnn), freeze=True)
+        info, lambda: measure(configs, args.rounds, n_of(args)), freeze=True)
     check_counters(during)
     summary = summarize(times)
     elapsed = time.perf_counter() - start

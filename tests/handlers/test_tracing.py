@@ -148,6 +148,54 @@ def test_lazy_errors_surface_at_the_value_request_naming_the_op():
             bad.numpy()
 
 
+def test_lazy_returns_only_referenced_values_and_keeps_them():
+    x = tf.random.stateless_normal([4, 4], seed=[1, 1])
+    expected_a = tf.tanh(x).numpy()
+    lazy = oh.Lazy()
+    with lazy:
+        a = tf.tanh(x)
+        b = a * 3.0
+        c = tf.exp(b) - a   # b and a stay referenced: their values are kept too
+        del b
+        value = c.numpy()
+        (entry,) = lazy._functions.values()  # pylint: disable=protected-access
+        # a and c leave the function; the dropped b (and exp's result) stay inside it.
+        assert len(entry.function.outputs) == 2
+        assert_close(a.numpy(), expected_a)
+        assert lazy.flushes == 1  # a was computed by the same request
+    assert_close(value, tf.exp(tf.tanh(x) * 3.0) - tf.tanh(x))
+
+
+def test_lazy_value_dropped_by_the_program_but_needed_by_a_pending_op_is_kept():
+    x = tf.random.stateless_normal([4, 4], seed=[2, 2])
+    expected = (np.tanh(x.numpy()) * 2.0, np.tanh(x.numpy()) * 3.0)
+    lazy = oh.Lazy()
+    with lazy:
+        a = tf.tanh(x)
+        b, c = a * 2.0, a * 3.0
+        del a
+        assert_close(b.numpy(), expected[0])   # computes tanh and b, not c
+        (entry,) = lazy._functions.values()  # pylint: disable=protected-access
+        assert len(entry.function.outputs) == 2  # b, and tanh's output for c
+        assert_close(c.numpy(), expected[1])   # c from the kept value, tanh not rerun
+        assert lazy.flushes == 2
+        second = list(lazy._functions.values())[1]  # pylint: disable=protected-access
+        assert "Tanh" not in {o.type for o in second.function.graph.get_operations()}
+
+
+def test_lazy_failed_request_raises_again_and_is_not_rerun_at_scope_exit():
+    lazy = oh.Lazy()
+    with lazy:
+        bad = tf.reshape(tf.ones([2, 3]) * 2.0, [7])
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="eshape"):
+            bad.numpy()
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="eshape"):
+            bad.numpy()  # asked again: the same error, not a stale value
+        good = tf.ones([3]) * 2.0
+    assert lazy.flushes == 1  # the scope's exit ran `good` only
+    assert_close(good, [2.0, 2.0, 2.0])
+
+
 # -- Async ----------------------------------------------------------------------------------
 
 def test_async_results_equal_eager_and_compose():

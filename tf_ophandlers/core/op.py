@@ -97,6 +97,7 @@ def _encode_into(msg, attr_type, v, repeated):
 
 
 _decoded = {}  # serialized attrs -> read-only decoded attrs
+_attr_keys = {}  # serialized attrs -> deterministic serialization (attrs_key)
 _cached_ops = {}  # (type, attrs) -> Op
 
 
@@ -166,8 +167,16 @@ class Op(_C.OpBase):
         Serialized deterministically: TensorFlow's own serialization of the attribute
         map does not keep one order.
         """
-        proto = attr_value_pb2.NameAttrList.FromString(self._attrs_proto())
-        return proto.SerializeToString(deterministic=True)
+        raw = self._attrs_proto()
+        key = _attr_keys.get(raw)
+        if key is None:
+            # Memoized by TensorFlow's bytes: a loop repeats the same few attribute sets.
+            key = attr_value_pb2.NameAttrList.FromString(raw).SerializeToString(
+                deterministic=True)
+            if len(_attr_keys) > 4096:
+                _attr_keys.clear()
+            _attr_keys[raw] = key
+        return key
 
     @property
     def output_dtypes(self):

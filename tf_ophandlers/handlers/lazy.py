@@ -15,10 +15,12 @@ handler whose dtypes come from the OpDef and whose shapes are inferred (TensorFl
 shape functions, only when asked for). A value request — `.numpy()`, printing, a copy
 off the handler, a Python decision (`if t > 0:`) — compiles the pending subgraph that
 the value depends on into a function, cached by its structure (op types, attributes,
-wiring and input specs), and runs it once; every value it computed is kept. Stateful
-ops (variables, random ops with state, prints) and `tf.function` calls run eagerly in
+wiring and input specs), and runs it once. The values the program still references
+(and those other pending ops need) are kept; intermediate values nobody can ask for
+stay inside the function. Stateful ops (variables, random ops with state, prints) and `tf.function` calls run eagerly in
 program order, after their inputs are computed. Results equal eager execution.
 """
+import itertools
 import weakref
 
 import tensorflow as tf
@@ -33,6 +35,8 @@ from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import shape_inference as _shape_inference
 
 _stateful = {}  # op type -> whether it must run eagerly
+_dtypes = {}  # TF_DataType enum -> tf.DType
+_sequence = itertools.count()
 _RESOURCE = tf.resource
 _CACHE_SIZE = 256
 
@@ -46,31 +50,46 @@ def _is_stateful(op_type):
 
 
 class _Node:
-    __slots__ = ("op", "inputs", "outputs", "next", "__weakref__")
+    """A recorded op. Its inputs are `(node, index)` pairs for pending outputs of other
+    nodes, or tensors of the next stack. Nodes refer to their inputs' nodes, never to
+    the LazyValues the program holds, so a value the program dropped is known to be
+    unreferenced (its weak reference is dead) and is not returned by the function."""
+
+    __slots__ = ("op", "inputs", "outputs", "values", "specs", "next", "failed", "seq",
+                 "__weakref__")
 
     def __init__(self, op, inputs, next_stack):
+        self.seq = next(_sequence)  # recording order
         self.op = op
-        self.inputs = inputs  # LazyValue or tensors of the next stack; None once computed
+        self.inputs = inputs  # None once computed
         self.outputs = None  # weak references to the LazyValues (no reference cycle)
+        # Once computed: the outputs that pending nodes still need, by index.
+        self.values = None
+        self.specs = None  # output TensorSpecs, when inferred
         self.next = next_stack  # where the compiled function runs
+        self.failed = False  # its computation raised: run again only when asked
 
 
 class LazyValue:
     """The representation: a pending output of a node, or a computed tensor."""
 
-    __slots__ = ("node", "index", "dtype", "value", "_spec", "__weakref__")
+    __slots__ = ("node", "index", "dtype", "value", "__weakref__")
 
     def __init__(self, node, index, dtype, value=None):
         self.node = node
         self.index = index
         self.dtype = dtype
         self.value = value  # the tensor of the next stack, once computed
-        self._spec = None
 
     def __repr__(self):
         return "LazyValue(%s:%d, %s)" % (
             self.node.op.type if self.node is not None else "input", self.index,
             "pending" if self.value is None else "computed")
+
+
+def _dtype(enum):
+    d = _dtypes[enum] = tf.as_dtype(enum)
+    return d
 
 
 def _ready(tensor):
@@ -85,7 +104,8 @@ class Lazy(OpHandler):
 
     def __init__(self):
         self._functions = {}   # structure key -> replay.CompiledCall
-        self._pending = weakref.WeakSet()  # nodes not computed yet
+        self._pending = []  # weak references to nodes, some computed or gone (pruned)
+        self._live_nodes = 64  # prune _pending when it grows past twice this
         self._depth = 0
         self.compiled = 0      # functions built
         self.flushes = 0       # value requests that ran pending ops
@@ -103,10 +123,12 @@ class Lazy(OpHandler):
     def flush(self):
         """Runs every pending op whose result is still referenced."""
         by_next = {}
-        for n in list(self._pending):
-            if n.inputs is not None:
-                by_next.setdefault(id(n.next), []).extend(
-                    o for o in (r() for r in n.outputs) if o is not None)
+        pending, self._pending = self._pending, []
+        for r in pending:
+            n = r()
+            if (n is not None and n.inputs is not None and not n.failed
+                    and any(o() is not None for o in n.outputs)):
+                by_next.setdefault(id(n.next), []).append(n)
         for roots in by_next.values():
             self._run(roots)
 
@@ -122,29 +144,28 @@ class Lazy(OpHandler):
         """The TensorSpec of a value (shape inference on demand, memoized)."""
         if v.value is not None:
             return tf.TensorSpec(v.value.shape, v.dtype)
-        if v._spec is None:
-            node = v.node
-            specs = [_shape_inference.Spec(self._spec(i)) if isinstance(i, LazyValue)
+        return self._output_spec(v.node, v.index)
+
+    def _output_spec(self, node, index):
+        if node.inputs is None:  # computed: a pending node still needs this output
+            t = node.values[index]
+            return tf.TensorSpec(t.shape, t.dtype)
+        if node.specs is None:
+            specs = [_shape_inference.Spec(self._output_spec(*i)) if type(i) is tuple
                      else _shape_inference.Spec(tf.TensorSpec(i.shape, i.dtype),
                                                 _shape_inference._known_value(i))  # pylint: disable=protected-access
                      for i in node.inputs]
             try:
                 outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
             except (ValueError, TypeError, tf.errors.OpError):
-                # The shape depends on values only the computation gives (a shape
-                # computed by pending ops): compute it.
-                self._run([v])
-                return tf.TensorSpec(v.value.shape, v.dtype)
-            if not all(s.shape.is_fully_defined() for s in outs):
+                outs = None  # the shape depends on values only the computation gives
+            if outs is None or not all(s.shape.is_fully_defined() for s in outs):
                 # Eager tensors have known shapes (Python code relies on them): a shape
                 # that depends on pending values is computed.
-                self._run([v])
-                return tf.TensorSpec(v.value.shape, v.dtype)
-            for r, s in zip(node.outputs, outs):
-                o = r()
-                if o is not None:
-                    o._spec = s  # pylint: disable=protected-access
-        return v._spec
+                self._run([node], keep=(node, index))
+                return self._output_spec(node, index)
+            node.specs = outs
+        return node.specs[index]
 
     def num_dims(self, value):
         rank = self._spec(value).shape.rank
@@ -176,60 +197,89 @@ class Lazy(OpHandler):
     # -- the handler ----------------------------------------------------------------------
 
     def execute(self, op, inputs):
-        dtypes = op.output_dtypes
-        if dtypes is None or _is_stateful(op.type) or any(
+        enums = op.output_dtype_enums
+        if enums is None or _is_stateful(op.type) or any(
                 v.dtype is _RESOURCE for v in inputs):
             # Runs now, in program order, on computed inputs.
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
-        node = _Node(op, [v if type(v) is not LazyValue else v if v.value is None
-                          else v.value for v in inputs], _state.frames[-1].next)
-        outputs = [LazyValue(node, i, d) for i, d in enumerate(dtypes)]
+        node = _Node(op, [v if type(v) is not LazyValue else v.value if v.value is not None
+                          else (v.node, v.index) for v in inputs], _state.frames[-1].next)
+        outputs = [LazyValue(node, i, _dtypes.get(e) or _dtype(e)) for i, e in enumerate(enums)]
         node.outputs = [weakref.ref(o) for o in outputs]
-        self._pending.add(node)
+        pending = self._pending
+        pending.append(weakref.ref(node))
+        if len(pending) > 2 * self._live_nodes:
+            self._prune()
         return outputs
+
+    def _prune(self):
+        """Drops the references to computed and collected nodes from `_pending`."""
+        self._pending = [r for r in self._pending
+                         if (lambda n: n is not None and n.inputs is not None
+                             and not n.failed)(r())]
+        self._live_nodes = max(64, len(self._pending))
 
     def _force(self, value):
         """The computed tensor of `value`, running its pending subgraph if needed."""
         if value.value is None:
-            self._run([value])
+            self._run([value.node])
         return value.value
 
-    def _run(self, values):
-        # The pending nodes `values` depend on, in topological order.
-        order, seen = [], set()
-        stack = [(v.node, False) for v in values if v.value is None]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                order.append(node)
+    def _run(self, roots, keep=None):
+        """Computes the pending nodes `roots` and those they depend on, as one function.
+
+        The function returns the outputs still referenced: by a LazyValue of the program,
+        by a pending node outside this computation, or `keep` (a `(node, index)`). The
+        others stay inside it (returning them would keep TensorFlow from freeing them).
+        """
+        # The nodes in topological order: the order of recording (an op is recorded
+        # after the ops that produce its inputs).
+        seen = {}
+        todo = list(roots)
+        while todo:
+            node = todo.pop()
+            if node.seq in seen:
                 continue
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            stack.append((node, True))
+            seen[node.seq] = node
             for i in node.inputs:
-                if isinstance(i, LazyValue) and i.value is None and id(i.node) not in seen:
-                    stack.append((i.node, False))
-        position = {id(n): k for k, n in enumerate(order)}
-        external, ext_index, parts, plan = [], {}, [], []
+                if type(i) is tuple and i[0].inputs is not None:
+                    todo.append(i[0])
+        order = [seen[k] for k in sorted(seen)]
+        needed = set() if keep is None else {(keep[0].seq, keep[1])}
+        for r in self._pending:  # outputs pending nodes outside `order` will need
+            n = r()
+            if n is not None and n.inputs is not None and n.seq not in seen:
+                for i in n.inputs:
+                    if type(i) is tuple and i[0].seq in seen:
+                        needed.add((i[0].seq, i[1]))
+        position = {n.seq: k for k, n in enumerate(order)}
+        external, ext_index, parts, plan, kept = [], {}, [], [], []
         for node in order:
+            live = []
+            for k, r in enumerate(node.outputs):
+                o = r()
+                if o is not None or (node.seq, k) in needed:
+                    live.append(k)
+                    kept.append((node, k, o))
+            live = tuple(live)
             refs = []
             for i in node.inputs:
-                if isinstance(i, LazyValue):
-                    if i.value is None:
-                        refs.append((position[id(i.node)], i.index))
+                if type(i) is tuple:
+                    producer, k = i
+                    if producer.inputs is not None:
+                        refs.append((position[producer.seq], k))
                         continue
-                    i = i.value
+                    i = producer.values[k]
                 k = _C.tensor_key(i)
                 e = ext_index.get(k)
                 if e is None:
                     e = ext_index[k] = len(external)
                     external.append(i)
                 refs.append((-1, e))
-            parts.append((node.op.type, node.op.attrs_key(), tuple(refs)))
-            plan.append((node.op, refs))
+            parts.append((node.op.type, node.op.attrs_key(), tuple(refs), live))
+            plan.append((node.op, refs, live))
         key = (tuple(parts), tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
         entry = self._functions.get(key)
         if entry is None:
@@ -241,30 +291,30 @@ class Lazy(OpHandler):
             outputs = entry.run(order[-1].next, external)
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
-                self._pending.discard(node)
+                node.failed = True
             raise
-        it = iter(outputs)
+        for (node, k, o), value in zip(kept, outputs):
+            if o is not None:
+                o.value = value
+            if (node.seq, k) in needed:
+                if node.values is None:
+                    node.values = [None] * len(node.outputs)
+                node.values[k] = value
         for node in order:
-            for r in node.outputs:
-                value = next(it)
-                o = r()
-                if o is not None:
-                    o.value = value
             node.inputs = None  # computed: release the inputs
-            self._pending.discard(node)
         self.flushes += 1
 
     def _compile(self, plan, external):
-        """A function of the external inputs returning every output of `plan`'s nodes."""
+        """A function of the external inputs returning the `live` outputs of `plan`."""
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in external]
 
         def build(*args):
             graph = tf.compat.v1.get_default_graph()
             results = []
-            for op, refs in plan:
+            for op, refs, _ in plan:
                 ins = [args[i] if p < 0 else results[p][i] for p, i in refs]
                 results.append(graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs)
-            return [o for outs in results for o in outs]
+            return [outs[k] for outs, (_, _, live) in zip(results, plan) for k in live]
 
         with _ops.init_scope():
             fn = tf.function(build, input_signature=specs,

@@ -219,6 +219,65 @@ def test_async_error_surfaces_at_the_next_synchronization_point():
             tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))
 
 
+def _gated_input(gate, finished):
+    """An [8, 8] tensor whose kernel waits (at most 20 s) for `gate`."""
+    def slow(x):
+        gate.wait(20)
+        finished.append(True)
+        return x
+    return tf.ensure_shape(tf.py_function(slow, [tf.ones([8, 8]) * 0.1], tf.float32), [8, 8])
+
+
+def test_async_returns_before_the_kernels_including_inner_handlers_ops():
+    # Python code that reads shapes (tf.matmul, the accumulator's JVP rules) keeps issuing
+    # ops while a kernel upstream has not run: shapes come from shape inference.
+    import threading  # pylint: disable=import-outside-toplevel
+    gate, finished = threading.Event(), []
+    w = tf.random.stateless_normal([8, 8], seed=[1, 3])
+    tangent = tf.ones([8, 8])
+    runner = oh.Async()
+    with runner:
+        with oh.ForwardAccumulator(w, tangent) as acc:
+            with oh.CheckNumericsHandler():
+                x = _gated_input(gate, finished)
+                y = tf.reduce_sum(tf.tanh(tf.matmul(x, w)) * 2.0, axis=1)
+                assert y.shape == (8,)  # inferred, not computed
+                assert not finished  # nothing waited for the gated kernel
+                gate.set()
+                jvp = acc.jvp(y)
+    x_ref = tf.ones([8, 8]) * 0.1
+    with tf.autodiff.ForwardAccumulator(w, tangent) as ref_acc:
+        ref = tf.reduce_sum(tf.tanh(tf.matmul(x_ref, w)) * 2.0, axis=1)
+    assert_close(y, ref)
+    assert_close(jvp, ref_acc.jvp(ref))
+
+
+def test_async_shape_that_depends_on_a_pending_value_waits_for_it():
+    import threading  # pylint: disable=import-outside-toplevel
+    gate, finished = threading.Event(), []
+    with oh.Async():
+        x = _gated_input(gate, finished)
+        n = tf.cast(tf.reduce_sum(x) * 0.0, tf.int32) + 3   # 3, known only once computed
+        gate.set()
+        r = tf.range(n)
+        assert r.shape == (3,)  # waited for the value
+        assert finished
+    assert_close(r, [0, 1, 2])
+
+
+def test_async_inner_handler_error_surfaces_at_synchronization_naming_the_op():
+    runner = oh.Async(sync_on_exit=False)
+    with runner:
+        # The error is raised by the next op issued after the check failed, or by sync.
+        with pytest.raises(tf.errors.InvalidArgumentError, match="op Log produced NaN"):
+            with oh.CheckNumericsHandler():
+                y = tf.math.log(tf.constant([-1.0, 1.0]))  # NaN: the check op is queued
+                z = y * 2.0
+                assert z.shape == (2,)
+            runner.sync()
+        assert float(tf.reduce_sum(tf.ones([2]))) == 2.0  # the handler keeps working
+
+
 def test_lazy_shapes_that_depend_on_pending_values_are_computed():
     with oh.Lazy():
         n = tf.reduce_sum(tf.constant([1, 2]))

@@ -8,18 +8,49 @@ to Python at once (RFC "Asynchronous execution").
 >>> float(z)                           # a synchronization point: waits for the value
 16777216.0
 
-The handler is transparent; every op placed on it (and the ops of the handlers inside
-it) is launched on TensorFlow's asynchronous eager executor owned by the handler. An
+Every op placed on the handler (and the ops of the handlers inside it) is launched on
+TensorFlow's asynchronous eager executor owned by the handler. Its outputs are tensors
+of the handler whose shapes come from TensorFlow's shape functions (cached per op
+signature, as `oh.ShapeInference`), so Python code that reads shapes — `tf.matmul`,
+Keras layers — keeps issuing ops instead of waiting for the kernels; only a shape that
+depends on computed values (`tf.reshape(x, tf.shape(y))` with `y` pending) waits. The
+handler is transparent (`tensor.device` is the physical device). An
 error — a bad shape, a failed check — does not interrupt the program where the op was
 issued: it surfaces at the next synchronization point (`.numpy()`, printing, a Python
 decision on a value, `runner.sync()`, or leaving the scope), as the TensorFlow error of
 the failing op, whose message names it. After an error the executor is reset, so the
 handler can be used again.
 """
+import tensorflow as tf
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
+from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.handlers import shape_inference as _shape_inference
+
+_RESOURCE = tf.resource
+
+
+class AsyncValue:
+    """The representation: a tensor of the next stack, maybe not computed yet, its
+    inferred spec (None when unknown: reading its shape then waits) and, for a small
+    integer tensor that came from outside (an axis, a shape), its value."""
+
+    __slots__ = ("tensor", "spec", "known", "part")
+
+    def __init__(self, tensor, spec=None, known=None, part=None):
+        self.tensor = tensor
+        self.spec = spec
+        self.known = known
+        self.part = part  # its part of an op signature (see _infer); None if unknown
+
+    dtype = property(lambda self: self.tensor.dtype)  # known without waiting
+    device = property(lambda self: self.tensor.device)
+
+    def __repr__(self):
+        return "AsyncValue(%s, %s)" % (self.tensor.dtype.name, self.spec)
 
 
 class Async(OpHandler):
@@ -65,7 +96,127 @@ class Async(OpHandler):
         finally:
             self._executor.clear_error()
 
+    # -- the handler ----------------------------------------------------------------------
+
+    @staticmethod
+    def needs_copy(op, index):
+        # Inputs from elsewhere (constants, physical tensors) enter as they are.
+        return False
+
+    def execute(self, op, inputs):
+        tensors = [v.tensor if type(v) is AsyncValue else v for v in inputs]
+        try:
+            outputs = _state.frames[-1].next.execute(op, tensors)  # queued, returns at once
+        except tf.errors.OpError:
+            # An earlier queued op failed (TensorFlow refuses new ops until the error is
+            # read): this op reports it, and the handler keeps working after it.
+            self._executor.clear_error()
+            raise
+        inferred = _infer(op, inputs) if op.output_dtype_enums is not None else None
+        if inferred is None:
+            return [o if o.dtype is _RESOURCE else AsyncValue(o) for o in outputs]
+        return [o if o.dtype is _RESOURCE else AsyncValue(o, spec, None, part)
+                for o, (spec, part) in zip(outputs, inferred)]
+
+    def copy_on(self, tensor):
+        # A tensor from outside the handler is computed (ops of the scope run here):
+        # its shape is known without waiting.
+        tensor = super().copy_on(tensor)
+        known = _shape_inference._known_value(tensor)  # pylint: disable=protected-access
+        return AsyncValue(tensor, tf.TensorSpec(tensor.shape, tensor.dtype), known,
+                          _part(tensor, known))
+
     def copy_off(self, value, device):
         # A value leaving the handler (.numpy(), printing) is a synchronization point.
         self.sync()
-        return value
+        return value.tensor
+
+    def value_dtype(self, value):
+        return value.tensor.dtype
+
+    def num_dims(self, value):
+        spec = value.spec
+        if spec is not None and spec.shape.rank is not None:
+            return spec.shape.rank
+        return self._shape(value).rank
+
+    def dim(self, value, index):
+        spec = value.spec
+        if spec is not None and spec.shape.rank is not None and spec.shape[index] is not None:
+            return spec.shape[index]
+        d = self._shape(value)[index]
+        return -1 if d is None else d
+
+    def _shape(self, value):
+        """The computed shape (a synchronization point: earlier errors raise here)."""
+        self.sync()
+        return value.tensor.shape
+
+    def static_value(self, value):
+        return None
+
+    def tensor_debug_string(self, value):
+        self.sync()  # printing is a synchronization point
+        return _ops.value_text(value.tensor)
+
+    def function_input(self, value):
+        return None, [value.tensor]
+
+    def function_output(self, summary, tensors):
+        (tensor,) = tensors
+        return AsyncValue(tensor)
+
+
+def _part(tensor, known):
+    """A tensor's part of an op signature: dtype, shape, small known value."""
+    return (tensor.dtype, tensor._shape_tuple(),  # pylint: disable=protected-access
+            None if known is None else (known.dtype.str, known.tobytes(), known.shape))
+
+
+def _spec_part(spec):
+    shape = spec.shape
+    return spec.dtype, None if shape.rank is None else tuple(shape.as_list()), None
+
+
+_inferred = {}  # op signature -> [(TensorSpec, part)] per output, or None (not inferable)
+
+
+def _infer(op, inputs):
+    """The outputs' specs and signature parts, from TensorFlow's shape functions (cached
+    per op signature, with the parts precomputed so that a hit costs a lookup)."""
+    parts = []
+    for v in inputs:
+        if type(v) is AsyncValue:
+            part = v.part
+            if part is None:
+                part = (v.tensor.dtype, None, None)
+        else:  # from outside the handler (a constant, a physical tensor): computed
+            part = _part(v, _shape_inference._known_value(v))  # pylint: disable=protected-access
+        parts.append(part)
+    key = (op.type, op.attrs_key(), tuple(parts))
+    try:
+        return _inferred[key]
+    except KeyError:
+        pass
+    try:
+        specs = _shape_inference._infer(op, [_input_spec(v) for v in inputs])  # pylint: disable=protected-access
+        result = [(s, _spec_part(s)) for s in specs]
+    except Exception:  # pylint: disable=broad-except
+        # Not inferable (or invalid: the kernel's error surfaces at the next
+        # synchronization point, as the op's own error): shapes wait.
+        result = None
+    if len(_inferred) > 16384:
+        _inferred.clear()
+    _inferred[key] = result
+    return result
+
+
+def _input_spec(value):
+    """The shape-inference input for `value`, never waiting for a kernel."""
+    if type(value) is AsyncValue:
+        spec = value.spec
+        if spec is None:
+            spec = tf.TensorSpec(None, value.tensor.dtype)
+        return _shape_inference.Spec(spec, value.known)
+    return _shape_inference.Spec(tf.TensorSpec(value.shape, value.dtype),
+                                 _shape_inference._known_value(value))  # pylint: disable=protected-access

@@ -17,8 +17,9 @@ off the handler, a Python decision (`if t > 0:`) — compiles the pending subgra
 the value depends on into a function, cached by its structure (op types, attributes,
 wiring and input specs), and runs it once. The values the program still references
 (and those other pending ops need) are kept; intermediate values nobody can ask for
-stay inside the function. Stateful ops (variables, random ops with state, prints) and `tf.function` calls run eagerly in
-program order, after their inputs are computed. Results equal eager execution.
+stay inside the function. Stateful ops (variables, random ops with state, prints) and
+`tf.function` calls run eagerly in program order, after their inputs are computed.
+Results equal eager execution.
 """
 import itertools
 import weakref

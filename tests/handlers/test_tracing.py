@@ -219,13 +219,13 @@ def test_async_error_surfaces_at_the_next_synchronization_point():
             tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))
 
 
-def _gated_input(gate, finished):
-    """An [8, 8] tensor whose kernel waits (at most 20 s) for `gate`."""
+def _gated_input(gate, finished, shape=(8, 8)):
+    """A tensor of 0.1s whose kernel waits (at most 20 s) for `gate`."""
     def slow(x):
         gate.wait(20)
         finished.append(True)
         return x
-    return tf.ensure_shape(tf.py_function(slow, [tf.ones([8, 8]) * 0.1], tf.float32), [8, 8])
+    return tf.ensure_shape(tf.py_function(slow, [tf.ones(shape) * 0.1], tf.float32), shape)
 
 
 def test_async_returns_before_the_kernels_including_inner_handlers_ops():
@@ -250,6 +250,41 @@ def test_async_returns_before_the_kernels_including_inner_handlers_ops():
         ref = tf.reduce_sum(tf.tanh(tf.matmul(x_ref, w)) * 2.0, axis=1)
     assert_close(y, ref)
     assert_close(jvp, ref_acc.jvp(ref))
+
+
+def test_async_keras_model_issues_without_waiting_and_matches_eager():
+    # Keras layers read the kernel's shape (tf.matmul): variable reads get the variable's
+    # shape without waiting for the queue.
+    import threading  # pylint: disable=import-outside-toplevel
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    x_ref = tf.ones([8, 8]) * 0.1
+    with tf.GradientTape() as ref_tape:
+        ref = tf.reduce_sum(model(x_ref))
+    ref_grads = ref_tape.gradient(ref, model.trainable_variables)
+    gate, finished = threading.Event(), []
+    with oh.GradientTape() as tape:
+        with oh.Async():
+            x = _gated_input(gate, finished)
+            y = tf.reduce_sum(model(x))
+            assert not finished  # issued past the gated kernel
+            gate.set()
+    assert_close(y, ref)
+    for g, r in zip(tape.gradient(y, model.trainable_variables), ref_grads):
+        assert_close(g, r)
+
+
+def test_async_read_of_a_variable_whose_shape_a_queued_assign_changes():
+    import threading  # pylint: disable=import-outside-toplevel
+    gate, finished = threading.Event(), []
+    v = tf.Variable(tf.zeros([2]), shape=tf.TensorShape(None))
+    threading.Timer(0.3, gate.set).start()
+    with oh.Async():
+        v.assign(_gated_input(gate, finished, (3, 4)))  # queued behind the gate
+        r = v.read_value()
+        assert r.shape == (3, 4)  # waited for the queued assign, not the old shape (2,)
+        assert finished
+    assert_close(r, np.full([3, 4], 0.1))
 
 
 def test_async_shape_that_depends_on_a_pending_value_waits_for_it():

@@ -22,15 +22,44 @@ the failing op, whose message names it. After an error the executor is reset, so
 handler can be used again.
 """
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import ops as _ops
 
+from tf_ophandlers import _C
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import shape_inference as _shape_inference
 
 _RESOURCE = tf.resource
+_variable_shape = []
+
+
+def _swap_executor(handle):
+    """Makes `handle` this thread's executor; returns the previous one (a raw handle).
+
+    Raw handles, not `context().executor`: that property returns a new `Executor`
+    wrapper whose `__del__` waits for every op queued on it, a hidden synchronization.
+    """
+    ctx = _context.context()
+    ctx.ensure_initialized()
+    previous = pywrap_tfe.TFE_ContextGetExecutorForThread(ctx._handle)  # pylint: disable=protected-access
+    pywrap_tfe.TFE_ContextSetExecutorForThread(ctx._handle, handle)  # pylint: disable=protected-access
+    return previous
+
+
+def _restore_executor(previous):
+    ctx = _context.context()
+    pywrap_tfe.TFE_ContextSetExecutorForThread(ctx._handle, previous)  # pylint: disable=protected-access
+    pywrap_tfe.TFE_DeleteExecutor(previous)  # the wrapper only: the executor is the context's
+
+
+def _variable_shape_op():
+    if not _variable_shape:
+        _variable_shape.append(Op.create("VariableShape", out_type=tf.int64))
+    return _variable_shape[0]
 
 
 class AsyncValue:
@@ -68,8 +97,12 @@ class Async(OpHandler):
     def __init__(self, sync_on_exit=True):
         self.sync_on_exit = sync_on_exit
         self._executor = _executor.new_executor(enable_async=True)
+        self._sync_executor = _executor.new_executor(enable_async=False)
         self._saved = []
         self._depth = 0
+        # Variables assigned by queued ops since the last synchronization (their shape
+        # may change, so reads of them wait for the queue; see _read_spec).
+        self._assigned = set()
 
     def debug_string(self):
         return "Async()"
@@ -77,14 +110,12 @@ class Async(OpHandler):
     def scope_entered(self):
         # The executor is per thread: ops issued here, including those the dispatcher
         # runs for handlers inside this one, go to this executor's queue.
-        ctx = _context.context()
-        self._saved.append(ctx.executor)
-        ctx.executor = self._executor
+        self._saved.append(_swap_executor(self._executor.handle()))
         self._depth += 1
 
     def scope_exited(self):
         self._depth -= 1
-        _context.context().executor = self._saved.pop()
+        _restore_executor(self._saved.pop())
         if self._depth == 0 and self.sync_on_exit:
             self.sync()
 
@@ -95,6 +126,7 @@ class Async(OpHandler):
             self._executor.wait()
         finally:
             self._executor.clear_error()
+            self._assigned.clear()
 
     # -- the handler ----------------------------------------------------------------------
 
@@ -112,11 +144,37 @@ class Async(OpHandler):
             # read): this op reports it, and the handler keeps working after it.
             self._executor.clear_error()
             raise
+        if op.type == "ReadVariableOp" and type(inputs[0]) is not AsyncValue:
+            return [AsyncValue(outputs[0], *self._read_spec(op, inputs[0]))]
+        if op.type == "AssignVariableOp":
+            self._assigned.add(_C.tensor_key(inputs[0]))
         inferred = _infer(op, inputs) if op.output_dtype_enums is not None else None
         if inferred is None:
             return [o if o.dtype is _RESOURCE else AsyncValue(o) for o in outputs]
         return [o if o.dtype is _RESOURCE else AsyncValue(o, spec, None, part)
                 for o, (spec, part) in zip(outputs, inferred)]
+
+    def _read_spec(self, op, handle):
+        """(spec, known, part) of a variable read, from the variable's shape.
+
+        A variable's shape is not in its eager handle, and the read is queued: ask
+        `VariableShape` on a synchronous executor, which waits only for the handle
+        itself (a variable created in the scope). Only queued AssignVariableOps can change
+        a variable's shape: a variable they assigned is read with an unknown shape (its
+        users wait for the queue), as is one whose shape cannot be read yet.
+        """
+        if _C.tensor_key(handle) in self._assigned:
+            return None, None, None
+        saved = _swap_executor(self._sync_executor.handle())
+        try:
+            (shape,) = _state.frames[-1].next.execute(_variable_shape_op(), [handle])
+            dims = tuple(int(d) for d in shape.numpy())
+        except tf.errors.OpError:
+            return None, None, None
+        finally:
+            _restore_executor(saved)
+        dtype = op.attrs["dtype"]
+        return tf.TensorSpec(dims, dtype), None, (dtype, dims, None)
 
     def copy_on(self, tensor):
         # A tensor from outside the handler is computed (ops of the scope run here):

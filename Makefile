@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/parallel.py
 	$(VPY) benchmarks/functions.py
 	$(VPY) benchmarks/lazy.py
+	$(VPY) benchmarks/async_execution.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

@@ -183,6 +183,40 @@ def test_lazy_value_dropped_by_the_program_but_needed_by_a_pending_op_is_kept():
         assert "Tanh" not in {o.type for o in second.function.graph.get_operations()}
 
 
+def test_lazy_values_survive_a_failed_request_and_a_failed_scope_exit():
+    x = tf.constant([1.0, 2.0])
+    lazy = oh.Lazy()
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="eshape"):
+        with lazy:
+            a = tf.tanh(x)
+            b, c = a * 2.0, a * 3.0
+            bad = tf.reshape(a, [7])
+            del a
+    assert_close(b.numpy(), np.tanh([1.0, 2.0]) * 2.0)  # tanh computed for b, kept for c
+    assert_close(c.numpy(), np.tanh([1.0, 2.0]) * 3.0)
+    with lazy:
+        a = tf.tanh(x)
+        c = a * 3.0
+        bad = tf.reshape(a, [7])
+        del a
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="eshape"):
+            bad.numpy()
+        _ = [tf.ones([1]) + 1.0 for _ in range(300)]  # the failed nodes are pruned
+        assert_close(c.numpy(), np.tanh([1.0, 2.0]) * 3.0)
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="eshape"):
+            bad.numpy()  # the same error again
+        del bad
+
+
+def test_lazy_shape_of_a_long_pending_chain():
+    with oh.Lazy() as lazy:
+        h = tf.ones([4, 4])
+        for _ in range(1500):
+            h = tf.tanh(h) * 1.01
+        assert h.shape == (4, 4)  # inferred through 3000 pending ops, nothing ran
+        assert lazy.flushes == 0
+
+
 def test_lazy_failed_request_raises_again_and_is_not_rerun_at_scope_exit():
     lazy = oh.Lazy()
     with lazy:
@@ -219,31 +253,49 @@ def test_async_error_surfaces_at_the_next_synchronization_point():
             tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))
 
 
-def _gated_input(gate, finished, shape=(8, 8)):
-    """A tensor of 0.1s whose kernel waits (at most 20 s) for `gate`."""
-    def slow(x):
-        gate.wait(20)
-        finished.append(True)
-        return x
-    return tf.ensure_shape(tf.py_function(slow, [tf.ones(shape) * 0.1], tf.float32), shape)
+class _Gate:
+    """A kernel that waits: `take()` is a tensor of 0.1s whose dequeue blocks until
+    `release()` (always from another thread: on the async queue itself the release would
+    wait behind the dequeue) or until `release_after` seconds have passed. A test that
+    finds `released` set where it expects none did wait for the kernel."""
+
+    def __init__(self, shape=(8, 8), release_after=20.0):
+        import threading  # pylint: disable=import-outside-toplevel
+        self.shape = shape
+        self.queue = tf.queue.FIFOQueue(1, tf.float32, shapes=[shape])
+        self.value = tf.ones(shape) * 0.1
+        self.released = False
+        self._thread = threading.Thread
+        timer = threading.Timer(release_after, self.release)
+        timer.daemon = True
+        timer.start()
+
+    def take(self):
+        return tf.ensure_shape(self.queue.dequeue(), self.shape)
+
+    def release(self):
+        if not self.released:
+            self.released = True
+            t = self._thread(target=self.queue.enqueue, args=(self.value,), daemon=True)
+            t.start()
+            t.join()
 
 
 def test_async_returns_before_the_kernels_including_inner_handlers_ops():
     # Python code that reads shapes (tf.matmul, the accumulator's JVP rules) keeps issuing
     # ops while a kernel upstream has not run: shapes come from shape inference.
-    import threading  # pylint: disable=import-outside-toplevel
-    gate, finished = threading.Event(), []
+    gate = _Gate()
     w = tf.random.stateless_normal([8, 8], seed=[1, 3])
     tangent = tf.ones([8, 8])
     runner = oh.Async()
     with runner:
         with oh.ForwardAccumulator(w, tangent) as acc:
             with oh.CheckNumericsHandler():
-                x = _gated_input(gate, finished)
+                x = gate.take()
                 y = tf.reduce_sum(tf.tanh(tf.matmul(x, w)) * 2.0, axis=1)
                 assert y.shape == (8,)  # inferred, not computed
-                assert not finished  # nothing waited for the gated kernel
-                gate.set()
+                assert not gate.released  # nothing waited for the gated kernel
+                gate.release()
                 jvp = acc.jvp(y)
     x_ref = tf.ones([8, 8]) * 0.1
     with tf.autodiff.ForwardAccumulator(w, tangent) as ref_acc:
@@ -255,48 +307,89 @@ def test_async_returns_before_the_kernels_including_inner_handlers_ops():
 def test_async_keras_model_issues_without_waiting_and_matches_eager():
     # Keras layers read the kernel's shape (tf.matmul): variable reads get the variable's
     # shape without waiting for the queue.
-    import threading  # pylint: disable=import-outside-toplevel
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(3)])
     x_ref = tf.ones([8, 8]) * 0.1
     with tf.GradientTape() as ref_tape:
         ref = tf.reduce_sum(model(x_ref))
     ref_grads = ref_tape.gradient(ref, model.trainable_variables)
-    gate, finished = threading.Event(), []
+    gate = _Gate()
     with oh.GradientTape() as tape:
         with oh.Async():
-            x = _gated_input(gate, finished)
-            y = tf.reduce_sum(model(x))
-            assert not finished  # issued past the gated kernel
-            gate.set()
+            y = tf.reduce_sum(model(gate.take()))
+            assert not gate.released  # issued past the gated kernel
+            gate.release()
     assert_close(y, ref)
     for g, r in zip(tape.gradient(y, model.trainable_variables), ref_grads):
         assert_close(g, r)
 
 
-def test_async_read_of_a_variable_whose_shape_a_queued_assign_changes():
-    import threading  # pylint: disable=import-outside-toplevel
-    gate, finished = threading.Event(), []
+@pytest.mark.parametrize("assign", ["op", "tf.function"])
+def test_async_read_of_a_variable_whose_shape_a_queued_assign_changes(assign):
     v = tf.Variable(tf.zeros([2]), shape=tf.TensorShape(None))
-    threading.Timer(0.3, gate.set).start()
+    set_v = v.assign if assign == "op" else tf.function(v.assign)
+    gate = _Gate((3, 4), release_after=0.3)
     with oh.Async():
-        v.assign(_gated_input(gate, finished, (3, 4)))  # queued behind the gate
+        set_v(gate.take())  # queued behind the gate
         r = v.read_value()
         assert r.shape == (3, 4)  # waited for the queued assign, not the old shape (2,)
-        assert finished
+        assert gate.released
+        assert int(tf.size(r)) == 12
     assert_close(r, np.full([3, 4], 0.1))
 
 
-def test_async_shape_that_depends_on_a_pending_value_waits_for_it():
-    import threading  # pylint: disable=import-outside-toplevel
-    gate, finished = threading.Event(), []
+def test_async_nested_scopes_share_one_queue():
+    v = tf.Variable(tf.zeros([2]), shape=tf.TensorShape(None))
+    w = tf.Variable(tf.ones([3]))
+    gate = _Gate((3, 4), release_after=0.3)
     with oh.Async():
-        x = _gated_input(gate, finished)
+        with oh.Async():
+            v.assign(gate.take())
+            assert w.read_value().shape == (3,)  # reads another variable without waiting
+            r = v.read_value()
+            assert r.shape == (3, 4)
+    assert_close(r, np.full([3, 4], 0.1))
+    # An error queued inside a nested scope that does not synchronize surfaces when the
+    # outer one does.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="eshape"):
+        with oh.Async():
+            with oh.Async(sync_on_exit=False):
+                tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))
+
+
+def test_async_py_function_reading_a_value_of_the_scope_does_not_deadlock():
+    with oh.Async():
+        s = tf.reduce_sum(tf.ones([3]))
+        y = tf.py_function(lambda t: t * float(s), [tf.ones([2])], tf.float32)
+    assert_close(y, [3.0, 3.0])
+
+
+def test_async_and_lazy_tensors_reused_in_a_later_merge_under_a_tape():
+    x = tf.constant([0.3, -0.7])
+    ref_b = tf.tanh(x) * 2.0  # computed before the tape: a constant for it
+    with tf.GradientTape() as ref_tape:
+        ref_tape.watch(x)
+        ref = tf.sin(x) * ref_b + ref_b
+    expected = ref_tape.gradient(ref, x)
+    for handler in (oh.Lazy(), oh.Async()):
+        with handler:
+            b0 = tf.tanh(x) * 2.0   # a tensor of the handler on physical devices
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            with handler:           # the handler merged onto the tape: b0 is copied on
+                e = tf.sin(x) * b0 + b0
+        assert_close(e, ref)
+        assert_close(tape.gradient(e, x), expected)
+
+
+def test_async_shape_that_depends_on_a_pending_value_waits_for_it():
+    gate = _Gate(release_after=0.3)
+    with oh.Async():
+        x = gate.take()
         n = tf.cast(tf.reduce_sum(x) * 0.0, tf.int32) + 3   # 3, known only once computed
-        gate.set()
         r = tf.range(n)
         assert r.shape == (3,)  # waited for the value
-        assert finished
+        assert gate.released
     assert_close(r, [0, 1, 2])
 
 

@@ -21,6 +21,8 @@ decision on a value, `runner.sync()`, or leaving the scope), as the TensorFlow e
 the failing op, whose message names it. After an error the executor is reset, so the
 handler can be used again.
 """
+import threading
+
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
@@ -29,7 +31,9 @@ from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers import _C
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core import replay as _replay
 from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import PHYSICAL, stack_of
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import shape_inference as _shape_inference
 
@@ -82,6 +86,36 @@ class AsyncValue:
         return "AsyncValue(%s, %s)" % (self.tensor.dtype.name, self.spec)
 
 
+class _Queue:
+    """An asynchronous executor and what is known of the ops queued on it since the last
+    synchronization: which variables may have changed shape."""
+
+    __slots__ = ("executor", "assigned", "opaque")
+
+    def __init__(self):
+        self.executor = _executor.new_executor(enable_async=True)
+        self.assigned = set()  # tensor keys of variable handles a queued op may reshape
+        self.opaque = False    # a queued op may assign any variable (a function call)
+
+    def wait(self):
+        try:
+            self.executor.wait()
+        finally:
+            self.executor.clear_error()
+            self.assigned.clear()
+            self.opaque = False
+
+
+_threads = threading.local()  # .queues: the queues of this thread's open Async scopes
+
+
+def _active_queues():
+    queues = getattr(_threads, "queues", None)
+    if queues is None:
+        queues = _threads.queues = []
+    return queues
+
+
 class Async(OpHandler):
     """Runs the ops of its scope asynchronously; errors surface at synchronization.
 
@@ -96,37 +130,48 @@ class Async(OpHandler):
 
     def __init__(self, sync_on_exit=True):
         self.sync_on_exit = sync_on_exit
-        self._executor = _executor.new_executor(enable_async=True)
+        self._queue = _Queue()
+        self._shared = None  # the queue of an enclosing Async this handler last used
         self._sync_executor = _executor.new_executor(enable_async=False)
-        self._saved = []
-        self._depth = 0
-        # Variables assigned by queued ops since the last synchronization (their shape
-        # may change, so reads of them wait for the queue; see _read_spec).
-        self._assigned = set()
+        self._local = threading.local()  # per thread: depth, the queue, the saved executor
 
     def debug_string(self):
         return "Async()"
 
     def scope_entered(self):
-        # The executor is per thread: ops issued here, including those the dispatcher
-        # runs for handlers inside this one, go to this executor's queue.
-        self._saved.append(_swap_executor(self._executor.handle()))
-        self._depth += 1
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
+            # The executor is per thread: ops issued here, including those the dispatcher
+            # runs for handlers inside this one, go to this queue. Inside another Async
+            # scope, the queue is that one's: one queue keeps program order, and each
+            # handler's synchronization waits for everything issued before it.
+            active = _active_queues()
+            local.queue = active[-1] if active else self._queue
+            if local.queue is not self._queue:
+                self._shared = local.queue
+            local.saved = _swap_executor(local.queue.executor.handle())
+            active.append(local.queue)
+        local.depth = depth + 1
 
     def scope_exited(self):
-        self._depth -= 1
-        _restore_executor(self._saved.pop())
-        if self._depth == 0 and self.sync_on_exit:
-            self.sync()
+        local = self._local
+        local.depth -= 1
+        if local.depth == 0:
+            _active_queues().pop()
+            _restore_executor(local.saved)
+            if self.sync_on_exit:
+                self.sync()
 
     def sync(self):
         """Waits for every queued op; raises the first error of a failed op (the
         executor is then cleared, so the handler keeps working)."""
+        shared = self._shared
         try:
-            self._executor.wait()
+            self._queue.wait()
         finally:
-            self._executor.clear_error()
-            self._assigned.clear()
+            if shared is not None:
+                shared.wait()
 
     # -- the handler ----------------------------------------------------------------------
 
@@ -137,37 +182,42 @@ class Async(OpHandler):
 
     def execute(self, op, inputs):
         tensors = [v.tensor if type(v) is AsyncValue else v for v in inputs]
+        active = _active_queues()
+        queue = active[-1] if active else None  # None: outside every scope, it runs now
         try:
             outputs = _state.frames[-1].next.execute(op, tensors)  # queued, returns at once
         except tf.errors.OpError:
             # An earlier queued op failed (TensorFlow refuses new ops until the error is
             # read): this op reports it, and the handler keeps working after it.
-            self._executor.clear_error()
+            if queue is not None:
+                queue.executor.clear_error()
             raise
         if op.type == "ReadVariableOp" and type(inputs[0]) is not AsyncValue:
-            return [AsyncValue(outputs[0], *self._read_spec(op, inputs[0]))]
-        if op.type == "AssignVariableOp":
-            self._assigned.add(_C.tensor_key(inputs[0]))
+            return [AsyncValue(outputs[0], *self._read_spec(op, inputs[0], queue))]
+        if queue is not None:
+            _note_reshapes(queue, op, tensors)
         inferred = _infer(op, inputs) if op.output_dtype_enums is not None else None
         if inferred is None:
             return [o if o.dtype is _RESOURCE else AsyncValue(o) for o in outputs]
         return [o if o.dtype is _RESOURCE else AsyncValue(o, spec, None, part)
                 for o, (spec, part) in zip(outputs, inferred)]
 
-    def _read_spec(self, op, handle):
+    def _read_spec(self, op, handle, queue):
         """(spec, known, part) of a variable read, from the variable's shape.
 
         A variable's shape is not in its eager handle, and the read is queued: ask
         `VariableShape` on a synchronous executor, which waits only for the handle
-        itself (a variable created in the scope). Only queued AssignVariableOps can change
-        a variable's shape: a variable they assigned is read with an unknown shape (its
-        users wait for the queue), as is one whose shape cannot be read yet.
+        itself (a variable created in the scope). A variable whose shape a queued op may
+        have changed (`_note_reshapes`) is read with an unknown shape: its users wait for
+        the read itself, as for a variable whose shape cannot be read yet.
         """
-        if _C.tensor_key(handle) in self._assigned:
+        if queue is not None and (queue.opaque or _C.tensor_key(handle) in queue.assigned):
             return None, None, None
         saved = _swap_executor(self._sync_executor.handle())
         try:
-            (shape,) = _state.frames[-1].next.execute(_variable_shape_op(), [handle])
+            # On physical devices directly: through the stacks below, an Async there
+            # would turn reading the result into a synchronization of its queue.
+            (shape,) = PHYSICAL.execute(_variable_shape_op(), [handle])
             dims = tuple(int(d) for d in shape.numpy())
         except tf.errors.OpError:
             return None, None, None
@@ -177,6 +227,13 @@ class Async(OpHandler):
         return tf.TensorSpec(dims, dtype), None, (dtype, dims, None)
 
     def copy_on(self, tensor):
+        source = stack_of(tensor)
+        if source is not None and source.handler is self:
+            # A tensor of this handler from an earlier merge: its tensor, moved onto
+            # this merge's next stack (its spec stays; nothing waits).
+            value = source.unwrap(tensor)
+            return AsyncValue(_state.frames[-1].next.copy_on(value.tensor), value.spec,
+                              value.known, value.part)
         # A tensor from outside the handler is computed (ops of the scope run here):
         # its shape is known without waiting.
         tensor = super().copy_on(tensor)
@@ -185,9 +242,8 @@ class Async(OpHandler):
                           _part(tensor, known))
 
     def copy_off(self, value, device):
-        # A value leaving the handler (.numpy(), printing) is a synchronization point.
-        self.sync()
-        return value.tensor
+        # A value leaving the handler (.numpy(), printing) waits for its op.
+        return self._computed(value)
 
     def value_dtype(self, value):
         return value.tensor.dtype
@@ -196,26 +252,37 @@ class Async(OpHandler):
         spec = value.spec
         if spec is not None and spec.shape.rank is not None:
             return spec.shape.rank
-        return self._shape(value).rank
+        return self._computed(value).shape.rank
 
     def dim(self, value, index):
         spec = value.spec
         if spec is not None and spec.shape.rank is not None and spec.shape[index] is not None:
             return spec.shape[index]
-        d = self._shape(value)[index]
+        d = self._computed(value).shape[index]
         return -1 if d is None else d
 
-    def _shape(self, value):
-        """The computed shape (a synchronization point: earlier errors raise here)."""
-        self.sync()
-        return value.tensor.shape
+    def _computed(self, value):
+        """`value`'s tensor once its op has run; the op's error (or an earlier one that
+        poisoned it) raises here.
+
+        Waits for this value only, not the whole queue: a `tf.py_function` body runs on
+        the executor's own thread, where waiting for the queue would never return.
+        """
+        tensor = value.tensor
+        try:
+            tensor._shape_tuple()  # pylint: disable=protected-access
+        except tf.errors.OpError:
+            for queue in (self._queue, self._shared):
+                if queue is not None:
+                    queue.executor.clear_error()
+            raise
+        return tensor
 
     def static_value(self, value):
         return None
 
     def tensor_debug_string(self, value):
-        self.sync()  # printing is a synchronization point
-        return _ops.value_text(value.tensor)
+        return _ops.value_text(self._computed(value))  # printing waits for the value
 
     def function_input(self, value):
         return None, [value.tensor]
@@ -223,6 +290,39 @@ class Async(OpHandler):
     def function_output(self, summary, tensors):
         (tensor,) = tensors
         return AsyncValue(tensor)
+
+
+# Ops on variables that never change a variable's shape. Any other op with a variable
+# input may (AssignVariableOp of a variable created with an unknown shape).
+_SHAPE_KEEPING = frozenset((
+    "ReadVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "VariableShape",
+    "VarIsInitializedOp", "ResourceGather", "ResourceGatherNd", "DestroyResourceOp",
+    "ResourceStridedSliceAssign"))
+_SHAPE_KEEPING_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
+# Ops that run arbitrary Python, which may assign any variable.
+_OPAQUE = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
+_ASSIGNS = frozenset(("AssignVariableOp", "AssignVariableXlaConcatND"))
+
+
+def _note_reshapes(queue, op, tensors):
+    """Records on `queue` which variables the queued `op` may reshape."""
+    if op.type in _OPAQUE:
+        queue.opaque = True
+        return
+    if op.output_dtype_enums is None:
+        # A function call: captured variables are its inputs; what its body (and the
+        # functions it calls) may do to them decides.
+        body = _replay.body_op_types(op.type)
+        if body & _OPAQUE:
+            queue.opaque = True
+            return
+        if not body & _ASSIGNS:
+            return
+    elif op.type in _SHAPE_KEEPING or op.type.startswith(_SHAPE_KEEPING_PREFIXES):
+        return
+    for t in tensors:
+        if t.dtype is _RESOURCE:
+            queue.assigned.add(_C.tensor_key(t))
 
 
 def _part(tensor, known):

@@ -32,6 +32,7 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers import _C
 from tf_ophandlers.core import replay as _replay
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.stack import stack_of
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import shape_inference as _shape_inference
 
@@ -57,7 +58,7 @@ class _Node:
     unreferenced (its weak reference is dead) and is not returned by the function."""
 
     __slots__ = ("op", "inputs", "outputs", "values", "specs", "next", "failed", "seq",
-                 "__weakref__")
+                 "consumers", "__weakref__")
 
     def __init__(self, op, inputs, next_stack):
         self.seq = next(_sequence)  # recording order
@@ -69,6 +70,7 @@ class _Node:
         self.specs = None  # output TensorSpecs, when inferred
         self.next = next_stack  # where the compiled function runs
         self.failed = False  # its computation raised: run again only when asked
+        self.consumers = None  # [(weak reference to a node, output index)] using outputs
 
 
 class LazyValue:
@@ -124,14 +126,16 @@ class Lazy(OpHandler):
     def flush(self):
         """Runs every pending op whose result is still referenced."""
         by_next = {}
-        pending, self._pending = self._pending, []
-        for r in pending:
+        for r in list(self._pending):
             n = r()
             if (n is not None and n.inputs is not None and not n.failed
                     and any(o() is not None for o in n.outputs)):
                 by_next.setdefault(id(n.next), []).append(n)
-        for roots in by_next.values():
-            self._run(roots)
+        try:
+            for roots in by_next.values():
+                self._run(roots)
+        finally:
+            self._prune()
 
     def debug_string(self):
         return "Lazy()"
@@ -152,21 +156,49 @@ class Lazy(OpHandler):
             t = node.values[index]
             return tf.TensorSpec(t.shape, t.dtype)
         if node.specs is None:
-            specs = [_shape_inference.Spec(self._output_spec(*i)) if type(i) is tuple
-                     else _shape_inference.Spec(tf.TensorSpec(i.shape, i.dtype),
-                                                _shape_inference._known_value(i))  # pylint: disable=protected-access
-                     for i in node.inputs]
-            try:
-                outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
-            except (ValueError, TypeError, tf.errors.OpError):
-                outs = None  # the shape depends on values only the computation gives
-            if outs is None or not all(s.shape.is_fully_defined() for s in outs):
-                # Eager tensors have known shapes (Python code relies on them): a shape
-                # that depends on pending values is computed.
-                self._run([node], keep=(node, index))
+            # The pending producers without specs, inferred in recording order (a loop,
+            # not recursion: a chain of pending ops can be thousands long).
+            seen, todo = {}, [node]
+            while todo:
+                n = todo.pop()
+                if n.seq in seen:
+                    continue
+                seen[n.seq] = n
+                for i in n.inputs:
+                    if type(i) is tuple and i[0].inputs is not None and i[0].specs is None:
+                        todo.append(i[0])
+            for n in [seen[k] for k in sorted(seen)]:
+                if n.inputs is not None and n.specs is None and not self._infer_node(n):
+                    # The shape depends on values only the computation gives (eager
+                    # tensors have known shapes; Python code relies on them): compute it.
+                    self._run([n], keep=(node, index) if n is node else None)
+            if node.inputs is None:
                 return self._output_spec(node, index)
-            node.specs = outs
         return node.specs[index]
+
+    def _infer_node(self, node):
+        """Sets `node.specs` from TensorFlow's shape functions; False if they are not
+        fully defined (or inference fails)."""
+        specs = []
+        for i in node.inputs:
+            if type(i) is tuple:
+                p, k = i
+                if p.inputs is None:
+                    t = p.values[k]
+                    specs.append(_shape_inference.Spec(tf.TensorSpec(t.shape, t.dtype)))
+                else:
+                    specs.append(_shape_inference.Spec(p.specs[k]))
+            else:
+                specs.append(_shape_inference.Spec(tf.TensorSpec(i.shape, i.dtype),
+                                                   _shape_inference._known_value(i)))  # pylint: disable=protected-access
+        try:
+            outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
+        except (ValueError, TypeError, tf.errors.OpError):
+            return False
+        if not all(s.shape.is_fully_defined() for s in outs):
+            return False
+        node.specs = outs
+        return True
 
     def num_dims(self, value):
         rank = self._spec(value).shape.rank
@@ -184,6 +216,12 @@ class Lazy(OpHandler):
         return ops.value_text(self._force(value))  # printing is a value request
 
     def copy_on(self, tensor):
+        source = stack_of(tensor)
+        if source is not None and source.handler is self:
+            # A tensor of this handler from an earlier merge: its value, computed on
+            # that merge's next stack, moved onto this one.
+            value = self._force(source.unwrap(tensor))
+            return _ready(_state.frames[-1].next.copy_on(value))
         return _ready(super().copy_on(tensor))
 
     @staticmethod
@@ -205,8 +243,25 @@ class Lazy(OpHandler):
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
-        node = _Node(op, [v if type(v) is not LazyValue else v.value if v.value is not None
-                          else (v.node, v.index) for v in inputs], _state.frames[-1].next)
+        node_inputs = []
+        for v in inputs:
+            if type(v) is LazyValue:
+                if v.value is not None:
+                    v = v.value
+                else:
+                    v = (v.node, v.index)
+            node_inputs.append(v)
+        node = _Node(op, node_inputs, _state.frames[-1].next)
+        ref = None
+        for v in node_inputs:
+            if type(v) is tuple:
+                producer = v[0]
+                if ref is None:
+                    ref = weakref.ref(node)
+                if producer.consumers is None:
+                    producer.consumers = [(ref, v[1])]
+                else:
+                    producer.consumers.append((ref, v[1]))
         outputs = [LazyValue(node, i, _dtypes.get(e) or _dtype(e)) for i, e in enumerate(enums)]
         node.outputs = [weakref.ref(o) for o in outputs]
         pending = self._pending
@@ -249,12 +304,12 @@ class Lazy(OpHandler):
                     todo.append(i[0])
         order = [seen[k] for k in sorted(seen)]
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
-        for r in self._pending:  # outputs pending nodes outside `order` will need
-            n = r()
-            if n is not None and n.inputs is not None and n.seq not in seen:
-                for i in n.inputs:
-                    if type(i) is tuple and i[0].seq in seen:
-                        needed.add((i[0].seq, i[1]))
+        for node in order:  # outputs that pending nodes outside `order` will need
+            if node.consumers is not None:
+                for ref, k in node.consumers:
+                    c = ref()
+                    if c is not None and c.inputs is not None and c.seq not in seen:
+                        needed.add((node.seq, k))
         position = {n.seq: k for k, n in enumerate(order)}
         external, ext_index, parts, plan, kept = [], {}, [], [], []
         for node in order:
@@ -302,7 +357,8 @@ class Lazy(OpHandler):
                     node.values = [None] * len(node.outputs)
                 node.values[k] = value
         for node in order:
-            node.inputs = None  # computed: release the inputs
+            node.inputs = None  # computed: release the inputs and the consumer list
+            node.consumers = None
         self.flushes += 1
 
     def _compile(self, plan, external):

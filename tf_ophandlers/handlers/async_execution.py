@@ -14,12 +14,15 @@ of the handler whose shapes come from TensorFlow's shape functions (cached per o
 signature, as `oh.ShapeInference`), so Python code that reads shapes — `tf.matmul`,
 Keras layers — keeps issuing ops instead of waiting for the kernels; only a shape that
 depends on computed values (`tf.reshape(x, tf.shape(y))` with `y` pending) waits. The
-handler is transparent (`tensor.device` is the physical device). An
-error — a bad shape, a failed check — does not interrupt the program where the op was
-issued: it surfaces at the next synchronization point (`.numpy()`, printing, a Python
-decision on a value, `runner.sync()`, or leaving the scope), as the TensorFlow error of
-the failing op, whose message names it. After an error the executor is reset, so the
-handler can be used again.
+handler is transparent (`tensor.device` is the physical device).
+
+An error — a bad shape, a failed check — does not interrupt the program where the op was
+issued: it surfaces at the next synchronization point as the TensorFlow error of the
+failing op, whose message names it. Synchronization points: reading a value that depends
+on the failed op (`.numpy()`, printing, a Python decision), issuing the next op after
+TensorFlow has seen the failure, `runner.sync()` and leaving the scope. After an error
+the queue is cleared, so the handler can be used again. Nested `Async` scopes on a
+thread share the outermost one's queue, so program order and errors are kept.
 """
 import threading
 

@@ -90,6 +90,23 @@ class LazyValue:
             "pending" if self.value is None else "computed")
 
 
+def _upstream(roots, follow):
+    """`roots` and the nodes they depend on through producers for which `follow` holds,
+    in topological order (the order of recording: an op is recorded after the ops that
+    produce its inputs); also the nodes by `seq`. A loop, not recursion: a chain of
+    pending ops can be thousands long."""
+    seen, todo = {}, list(roots)
+    while todo:
+        node = todo.pop()
+        if node.seq in seen:
+            continue
+        seen[node.seq] = node
+        for i in node.inputs:
+            if type(i) is tuple and follow(i[0]):
+                todo.append(i[0])
+    return [seen[k] for k in sorted(seen)], seen
+
+
 def _dtype(enum):
     d = _dtypes[enum] = tf.as_dtype(enum)
     return d
@@ -156,18 +173,9 @@ class Lazy(OpHandler):
             t = node.values[index]
             return tf.TensorSpec(t.shape, t.dtype)
         if node.specs is None:
-            # The pending producers without specs, inferred in recording order (a loop,
-            # not recursion: a chain of pending ops can be thousands long).
-            seen, todo = {}, [node]
-            while todo:
-                n = todo.pop()
-                if n.seq in seen:
-                    continue
-                seen[n.seq] = n
-                for i in n.inputs:
-                    if type(i) is tuple and i[0].inputs is not None and i[0].specs is None:
-                        todo.append(i[0])
-            for n in [seen[k] for k in sorted(seen)]:
+            # The pending producers without specs, inferred in recording order.
+            chain, _ = _upstream([node], lambda p: p.inputs is not None and p.specs is None)
+            for n in chain:
                 if n.inputs is not None and n.specs is None and not self._infer_node(n):
                     # The shape depends on values only the computation gives (eager
                     # tensors have known shapes; Python code relies on them): compute it.
@@ -290,19 +298,7 @@ class Lazy(OpHandler):
         by a pending node outside this computation, or `keep` (a `(node, index)`). The
         others stay inside it (returning them would keep TensorFlow from freeing them).
         """
-        # The nodes in topological order: the order of recording (an op is recorded
-        # after the ops that produce its inputs).
-        seen = {}
-        todo = list(roots)
-        while todo:
-            node = todo.pop()
-            if node.seq in seen:
-                continue
-            seen[node.seq] = node
-            for i in node.inputs:
-                if type(i) is tuple and i[0].inputs is not None:
-                    todo.append(i[0])
-        order = [seen[k] for k in sorted(seen)]
+        order, seen = _upstream(roots, lambda p: p.inputs is not None)
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
         for node in order:  # outputs that pending nodes outside `order` will need
             if node.consumers is not None:

@@ -364,6 +364,24 @@ def test_async_py_function_reading_a_value_of_the_scope_does_not_deadlock():
     assert_close(y, [3.0, 3.0])
 
 
+def test_async_check_numerics_does_not_relabel_a_queued_failure_as_nan():
+    # A queued failure (a bad reshape) surfaces at whichever op is issued next: often the
+    # issue of a CheckNumerics check. It must keep its own message, not become "op ...
+    # produced NaN or Inf". Where it surfaces depends on timing: 20 attempts.
+    x = tf.ones([2, 3])
+    for _ in range(20):
+        runner = oh.Async(sync_on_exit=False)
+        with runner:
+            with oh.CheckNumericsHandler():
+                with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+                    tf.raw_ops.Reshape(tensor=x * 1.0, shape=tf.constant([7]))
+                    for _ in range(200):
+                        tf.tanh(tf.ones([2]))
+                    runner.sync()
+        message = str(caught.value)
+        assert "eshape" in message and "produced" not in message, message
+
+
 def test_async_and_lazy_tensors_reused_in_a_later_merge_under_a_tape():
     x = tf.constant([0.3, -0.7])
     ref_b = tf.tanh(x) * 2.0  # computed before the tape: a constant for it

@@ -76,6 +76,13 @@ class CheckNumericsHandler(OpHandler):
             try:
                 nxt.execute(self._check_op(dtype, op.type, i), [out])
             except tf.errors.InvalidArgumentError as e:
+                message = self._check_op(dtype, op.type, i).attrs["message"]
+                if not isinstance(message, str):
+                    message = message.decode()
+                if message not in e.message:
+                    # Not this check's error: under asynchronous execution, the failure
+                    # of an earlier queued op (its own message names it) surfaces here.
+                    raise
                 raise tf.errors.InvalidArgumentError(None, None, (
                     "CheckNumericsHandler: op %s produced %s in output %d (%s), at %s"
                     % (op.type, _kind(e.message), i, dtype.name, user_location()))) from None

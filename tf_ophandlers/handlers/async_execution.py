@@ -33,8 +33,8 @@ from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers import _C
-from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core import replay as _replay
+from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, stack_of
 from tf_ophandlers.core.state import state as _state

@@ -338,6 +338,23 @@ def test_async_read_of_a_variable_whose_shape_a_queued_assign_changes(assign):
     assert_close(r, np.full([3, 4], 0.1))
 
 
+def test_async_read_after_a_shape_validated_assign_does_not_wait():
+    # Variable.assign on a variable of fully defined shape validates the shape
+    # (AssignVariableOp validate_shape=True), in eager code and in a tf.function: the
+    # variable's shape is read without waiting for the queue.
+    v = tf.Variable(tf.zeros([8, 8]))
+    gate = _Gate()
+    with oh.Async():
+        v.assign(gate.take())
+        tf.function(v.assign_add)(tf.ones([8, 8]))
+        tf.function(v.assign)(v.read_value() * 2.0)
+        r = v.read_value()
+        assert r.shape == (8, 8)
+        assert not gate.released
+        gate.release()
+    assert_close(r, np.full([8, 8], 2.2))
+
+
 def test_async_nested_scopes_share_one_queue():
     v = tf.Variable(tf.zeros([2]), shape=tf.TensorShape(None))
     w = tf.Variable(tf.ones([3]))

@@ -307,21 +307,53 @@ _OPAQUE = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
 _ASSIGNS = frozenset(("AssignVariableOp", "AssignVariableXlaConcatND"))
 
 
+def _may_reshape(op_type, attrs):
+    """Whether an op with a variable input may change the variable's shape. An
+    assignment may not when TensorFlow validates the shape (`validate_shape`, which
+    `Variable.assign` sets for a variable of fully defined shape)."""
+    if op_type in _ASSIGNS:
+        validate = attrs.get("validate_shape")
+        return not getattr(validate, "b", validate)
+    return not (op_type in _SHAPE_KEEPING or op_type.startswith(_SHAPE_KEEPING_PREFIXES))
+
+
+_function_effects = {}  # function name -> "opaque", "reshapes" or None
+
+
+def _function_effect(name):
+    """What a call of function `name` (and of the functions it calls) may do to the
+    shapes of the variables it is given."""
+    effect = _function_effects.get(name, False)
+    if effect is False:
+        effect = None
+        for fdef in _replay.function_library([name]):
+            for node in fdef.node_def:
+                if node.op in _OPAQUE:
+                    effect = "opaque"
+                    break
+                if node.op in _ASSIGNS and _may_reshape(node.op, node.attr):
+                    effect = "reshapes"
+            if effect == "opaque":
+                break
+        _function_effects[name] = effect
+    return effect
+
+
 def _note_reshapes(queue, op, tensors):
     """Records on `queue` which variables the queued `op` may reshape."""
-    if op.type in _OPAQUE:
-        queue.opaque = True
-        return
     if op.output_dtype_enums is None:
         # A function call: captured variables are its inputs; what its body (and the
         # functions it calls) may do to them decides.
-        body = _replay.body_op_types(op.type)
-        if body & _OPAQUE:
+        effect = _function_effect(op.type)
+        if effect is None:
+            return
+        if effect == "opaque":
             queue.opaque = True
             return
-        if not body & _ASSIGNS:
-            return
-    elif op.type in _SHAPE_KEEPING or op.type.startswith(_SHAPE_KEEPING_PREFIXES):
+    elif op.type in _OPAQUE:
+        queue.opaque = True
+        return
+    elif not any(t.dtype is _RESOURCE for t in tensors) or not _may_reshape(op.type, op.attrs):
         return
     for t in tensors:
         if t.dtype is _RESOURCE:

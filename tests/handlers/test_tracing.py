@@ -355,6 +355,33 @@ def test_async_read_after_a_shape_validated_assign_does_not_wait():
     assert_close(r, np.full([8, 8], 2.2))
 
 
+def test_async_keras_training_steps_match_eager():
+    def make():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        return model, keras.optimizers.Adam(0.05)
+
+    x = tf.random.stateless_normal([16, 6], seed=[4, 5])
+    y = tf.random.stateless_normal([16, 2], seed=[6, 7])
+
+    def step(model, optimizer):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+
+    ref_model, ref_opt = make()
+    ref_losses = [float(step(ref_model, ref_opt)) for _ in range(3)]
+    model, opt = make()
+    with oh.Async():
+        losses = [step(model, opt) for _ in range(3)]  # issued without synchronizing
+    assert_close([float(v) for v in losses], ref_losses)
+    for a, b in zip(model.weights, ref_model.weights):
+        assert_close(a, b)
+
+
 def test_async_nested_scopes_share_one_queue():
     v = tf.Variable(tf.zeros([2]), shape=tf.TensorShape(None))
     w = tf.Variable(tf.ones([3]))

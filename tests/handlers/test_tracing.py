@@ -412,6 +412,8 @@ def test_async_check_numerics_does_not_relabel_a_queued_failure_as_nan():
     # A queued failure (a bad reshape) surfaces at whichever op is issued next: often the
     # issue of a CheckNumerics check. It must keep its own message, not become "op ...
     # produced NaN or Inf". Where it surfaces depends on timing: 20 attempts.
+    import gc  # pylint: disable=import-outside-toplevel
+    gc.collect()  # variables of earlier tests: their deleters must not run in the window
     x = tf.ones([2, 3])
     for _ in range(20):
         runner = oh.Async(sync_on_exit=False)

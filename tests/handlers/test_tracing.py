@@ -208,6 +208,16 @@ def test_lazy_values_survive_a_failed_request_and_a_failed_scope_exit():
         del bad
 
 
+def test_lazy_op_rejected_when_building_the_function_raises_like_eager_once():
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.unique(tf.ones([2, 2]))  # eager: the kernel rejects a rank-2 input
+    lazy = oh.Lazy()
+    with lazy:  # the scope's exit does not run the failed computation again
+        u = tf.unique(tf.ones([2, 2]))[0]
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            u.numpy()
+
+
 def test_lazy_shape_of_a_long_pending_chain():
     with oh.Lazy() as lazy:
         h = tf.ones([4, 4])
@@ -265,6 +275,7 @@ class _Gate:
         self.queue = tf.queue.FIFOQueue(1, tf.float32, shapes=[shape])
         self.value = tf.ones(shape) * 0.1
         self.released = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread
         timer = threading.Timer(release_after, self.release)
         timer.daemon = True
@@ -274,11 +285,13 @@ class _Gate:
         return tf.ensure_shape(self.queue.dequeue(), self.shape)
 
     def release(self):
-        if not self.released:
+        with self._lock:  # the timer and the test may both release: enqueue once
+            if self.released:
+                return
             self.released = True
-            t = self._thread(target=self.queue.enqueue, args=(self.value,), daemon=True)
-            t.start()
-            t.join()
+        t = self._thread(target=self.queue.enqueue, args=(self.value,), daemon=True)
+        t.start()
+        t.join(20)
 
 
 def test_async_returns_before_the_kernels_including_inner_handlers_ops():
@@ -399,6 +412,50 @@ def test_async_nested_scopes_share_one_queue():
         with oh.Async():
             with oh.Async(sync_on_exit=False):
                 tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([7]))
+
+
+def test_async_errors_stay_with_their_queue_across_nesting_and_threads():
+    import threading  # pylint: disable=import-outside-toplevel
+    bad = lambda: tf.raw_ops.Reshape(tensor=tf.ones([2, 3]), shape=tf.constant([8]))  # noqa: E731
+    inner, outer = oh.Async(), oh.Async(sync_on_exit=False)
+    with outer:
+        with inner:
+            tf.ones([1])
+    with outer:
+        bad()
+    with inner:  # used alone now: outer's queued failure is not its business
+        tf.ones([1]) * 2.0
+    with pytest.raises(tf.errors.InvalidArgumentError, match="values"):
+        outer.sync()
+    # One handler used by two threads: each thread has its own queue.
+    shared, results = oh.Async(), {}
+    a_issued, b_done = threading.Event(), threading.Event()
+
+    def thread_a():
+        try:
+            with shared:
+                bad()
+                a_issued.set()
+                b_done.wait(20)
+            results["A"] = "no error"
+        except tf.errors.InvalidArgumentError:
+            results["A"] = "raised"
+
+    def thread_b():
+        a_issued.wait(20)
+        try:
+            with shared:
+                results["B"] = float(tf.reduce_sum(tf.ones([3]) * 2.0))
+        except tf.errors.InvalidArgumentError:
+            results["B"] = "raised"
+        b_done.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert results == {"A": "raised", "B": 6.0}
 
 
 def test_async_py_function_reading_a_value_of_the_scope_does_not_deadlock():

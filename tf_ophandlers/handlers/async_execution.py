@@ -21,8 +21,10 @@ issued: it surfaces at the next synchronization point as the TensorFlow error of
 failing op, whose message names it. Synchronization points: reading a value that depends
 on the failed op (`.numpy()`, printing, a Python decision), issuing the next op after
 TensorFlow has seen the failure, `runner.sync()` and leaving the scope. After an error
-the queue is cleared, so the handler can be used again. Nested `Async` scopes on a
-thread share the outermost one's queue, so program order and errors are kept.
+the queue is cleared, so the handler can be used again. Queues are per thread, as
+TensorFlow's executors are: nested `Async` scopes on a thread share the outermost one's
+queue (program order and errors are kept), and a handler used by two threads keeps
+their ops and errors apart; `sync()` waits for what the calling thread queued.
 """
 import threading
 
@@ -133,10 +135,19 @@ class Async(OpHandler):
 
     def __init__(self, sync_on_exit=True):
         self.sync_on_exit = sync_on_exit
-        self._queue = _Queue()
-        self._shared = None  # the queue of an enclosing Async this handler last used
         self._sync_executor = _executor.new_executor(enable_async=False)
-        self._local = threading.local()  # per thread: depth, the queue, the saved executor
+        # Per thread (TensorFlow's executors are per thread, and so are the queues, so
+        # that one thread's failure never surfaces on another): `own`, this handler's
+        # queue on the thread; `queue`, the one its latest scope used (its own, or that
+        # of an enclosing Async); `depth`; `saved`, the executor to restore.
+        self._local = threading.local()
+
+    def _queues(self):
+        """The queues this handler issued to on this thread."""
+        local = self._local
+        queues = [q for q in (getattr(local, "own", None), getattr(local, "queue", None))
+                  if q is not None]
+        return queues[:1] if len(queues) == 2 and queues[0] is queues[1] else queues
 
     def debug_string(self):
         return "Async()"
@@ -150,9 +161,12 @@ class Async(OpHandler):
             # scope, the queue is that one's: one queue keeps program order, and each
             # handler's synchronization waits for everything issued before it.
             active = _active_queues()
-            local.queue = active[-1] if active else self._queue
-            if local.queue is not self._queue:
-                self._shared = local.queue
+            if active:
+                local.queue = active[-1]
+            else:
+                if getattr(local, "own", None) is None:
+                    local.own = _Queue()
+                local.queue = local.own
             local.saved = _swap_executor(local.queue.executor.handle())
             active.append(local.queue)
         local.depth = depth + 1
@@ -167,14 +181,16 @@ class Async(OpHandler):
                 self.sync()
 
     def sync(self):
-        """Waits for every queued op; raises the first error of a failed op (the
-        executor is then cleared, so the handler keeps working)."""
-        shared = self._shared
-        try:
-            self._queue.wait()
-        finally:
-            if shared is not None:
-                shared.wait()
+        """Waits for every op this thread queued through the handler; raises the first
+        error of a failed op (the queue is then cleared, so the handler keeps working)."""
+        error = None
+        for queue in self._queues():
+            try:
+                queue.wait()
+            except tf.errors.OpError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     # -- the handler ----------------------------------------------------------------------
 
@@ -275,9 +291,8 @@ class Async(OpHandler):
         try:
             tensor._shape_tuple()  # pylint: disable=protected-access
         except tf.errors.OpError:
-            for queue in (self._queue, self._shared):
-                if queue is not None:
-                    queue.executor.clear_error()
+            for queue in self._queues():
+                queue.executor.clear_error()
             raise
         return tensor
 

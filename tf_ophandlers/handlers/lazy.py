@@ -333,13 +333,13 @@ class Lazy(OpHandler):
             parts.append((node.op.type, node.op.attrs_key(), tuple(refs), live))
             plan.append((node.op, refs, live))
         key = (tuple(parts), tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
-        entry = self._functions.get(key)
-        if entry is None:
-            entry = self._compile(plan, external)
-            if len(self._functions) >= _CACHE_SIZE:
-                self._functions.clear()
-            self._functions[key] = entry
         try:
+            entry = self._functions.get(key)
+            if entry is None:
+                entry = self._compile(plan, external)
+                if len(self._functions) >= _CACHE_SIZE:
+                    self._functions.clear()
+                self._functions[key] = entry
             outputs = entry.run(order[-1].next, external)
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
@@ -370,8 +370,13 @@ class Lazy(OpHandler):
             return [outs[k] for outs, (_, _, live) in zip(results, plan) for k in live]
 
         with _ops.init_scope():
-            fn = tf.function(build, input_signature=specs,
-                             autograph=False).get_concrete_function()
+            try:
+                fn = tf.function(build, input_signature=specs,
+                                 autograph=False).get_concrete_function()
+            except ValueError as e:
+                # A shape function rejected an op while building the function: eagerly
+                # the kernel would have, with InvalidArgumentError (same error class).
+                raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
         self.compiled += 1
         return _replay.CompiledCall(fn)
 

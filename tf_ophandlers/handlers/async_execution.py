@@ -26,6 +26,7 @@ TensorFlow's executors are: nested `Async` scopes on a thread share the outermos
 queue (program order and errors are kept), and a handler used by two threads keeps
 their ops and errors apart; `sync()` waits for what the calling thread queued.
 """
+import functools
 import threading
 
 import tensorflow as tf
@@ -43,7 +44,6 @@ from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import shape_inference as _shape_inference
 
 _RESOURCE = tf.resource
-_variable_shape = []
 
 
 def _swap_executor(handle):
@@ -65,10 +65,9 @@ def _restore_executor(previous):
     pywrap_tfe.TFE_DeleteExecutor(previous)  # the wrapper only: the executor is the context's
 
 
+@functools.cache
 def _variable_shape_op():
-    if not _variable_shape:
-        _variable_shape.append(Op.create("VariableShape", out_type=tf.int64))
-    return _variable_shape[0]
+    return Op.create("VariableShape", out_type=tf.int64)
 
 
 class AsyncValue:
@@ -145,9 +144,8 @@ class Async(OpHandler):
     def _queues(self):
         """The queues this handler issued to on this thread."""
         local = self._local
-        queues = [q for q in (getattr(local, "own", None), getattr(local, "queue", None))
-                  if q is not None]
-        return queues[:1] if len(queues) == 2 and queues[0] is queues[1] else queues
+        candidates = (getattr(local, "own", None), getattr(local, "queue", None))
+        return list(dict.fromkeys(q for q in candidates if q is not None))
 
     def debug_string(self):
         return "Async()"
@@ -256,9 +254,8 @@ class Async(OpHandler):
         # A tensor from outside the handler is computed (ops of the scope run here):
         # its shape is known without waiting.
         tensor = super().copy_on(tensor)
-        known = _shape_inference._known_value(tensor)  # pylint: disable=protected-access
-        return AsyncValue(tensor, tf.TensorSpec(tensor.shape, tensor.dtype), known,
-                          _part(tensor, known))
+        spec = _shape_inference.spec_of(tensor)
+        return AsyncValue(tensor, spec.spec, spec.value, _part(tensor, spec.value))
 
     def copy_off(self, value, device):
         # A value leaving the handler (.numpy(), printing) waits for its op.
@@ -338,20 +335,16 @@ _function_effects = {}  # function name -> "opaque", "reshapes" or None
 def _function_effect(name):
     """What a call of function `name` (and of the functions it calls) may do to the
     shapes of the variables it is given."""
-    effect = _function_effects.get(name, False)
-    if effect is False:
-        effect = None
-        for fdef in _replay.function_library([name]):
-            for node in fdef.node_def:
-                if node.op in _OPAQUE:
-                    effect = "opaque"
-                    break
-                if node.op in _ASSIGNS and _may_reshape(node.op, node.attr):
-                    effect = "reshapes"
-            if effect == "opaque":
-                break
+    if name not in _function_effects:
+        nodes = [n for fdef in _replay.function_library([name]) for n in fdef.node_def]
+        if any(n.op in _OPAQUE for n in nodes):
+            effect = "opaque"
+        elif any(n.op in _ASSIGNS and _may_reshape(n.op, n.attr) for n in nodes):
+            effect = "reshapes"
+        else:
+            effect = None
         _function_effects[name] = effect
-    return effect
+    return _function_effects[name]
 
 
 def _note_reshapes(queue, op, tensors):
@@ -376,14 +369,14 @@ def _note_reshapes(queue, op, tensors):
 
 
 def _part(tensor, known):
-    """A tensor's part of an op signature: dtype, shape, small known value."""
-    return (tensor.dtype, tensor._shape_tuple(),  # pylint: disable=protected-access
-            None if known is None else (known.dtype.str, known.tobytes(), known.shape))
+    """A computed tensor's part of an op signature."""
+    return _shape_inference.signature_part(tensor.dtype, tensor._shape_tuple(), known)  # pylint: disable=protected-access
 
 
 def _spec_part(spec):
     shape = spec.shape
-    return spec.dtype, None if shape.rank is None else tuple(shape.as_list()), None
+    return _shape_inference.signature_part(
+        spec.dtype, None if shape.rank is None else tuple(shape.as_list()), None)
 
 
 _inferred = {}  # op signature -> [(TensorSpec, part)] per output, or None (not inferable)
@@ -426,5 +419,4 @@ def _input_spec(value):
         if spec is None:
             spec = tf.TensorSpec(None, value.tensor.dtype)
         return _shape_inference.Spec(spec, value.known)
-    return _shape_inference.Spec(tf.TensorSpec(value.shape, value.dtype),
-                                 _shape_inference._known_value(value))  # pylint: disable=protected-access
+    return _shape_inference.spec_of(value)

@@ -58,9 +58,8 @@ class CheckNumericsHandler(OpHandler):
         key = (dtype, op_type, index)
         op = self._check_ops.get(key)
         if op is None:
-            op = Op.create("CheckNumericsV2", T=dtype, message=(
-                "CheckNumericsHandler: op %s produced NaN or Inf in output %d (%s)"
-                % (op_type, index, dtype.name)))
+            op = Op.create("CheckNumericsV2", T=dtype,
+                           message=_check_message(dtype, op_type, index))
             self._check_ops[key] = op
         return op
 
@@ -76,10 +75,7 @@ class CheckNumericsHandler(OpHandler):
             try:
                 nxt.execute(self._check_op(dtype, op.type, i), [out])
             except tf.errors.InvalidArgumentError as e:
-                message = self._check_op(dtype, op.type, i).attrs["message"]
-                if not isinstance(message, str):
-                    message = message.decode()
-                if message not in e.message:
+                if _check_message(dtype, op.type, i) not in e.message:
                     # Not this check's error: under asynchronous execution, the failure
                     # of an earlier queued op (its own message names it) surfaces here.
                     raise
@@ -90,6 +86,13 @@ class CheckNumericsHandler(OpHandler):
 
     def debug_string(self):
         return "CheckNumericsHandler()"
+
+
+def _check_message(dtype, op_type, index):
+    """The message of the check of output `index` of `op_type` (CheckNumericsV2's
+    `message` attribute, which its error repeats)."""
+    return ("CheckNumericsHandler: op %s produced NaN or Inf in output %d (%s)"
+            % (op_type, index, dtype.name))
 
 
 def _kind(message):

@@ -187,18 +187,9 @@ class Lazy(OpHandler):
     def _infer_node(self, node):
         """Sets `node.specs` from TensorFlow's shape functions; False if they are not
         fully defined (or inference fails)."""
-        specs = []
-        for i in node.inputs:
-            if type(i) is tuple:
-                p, k = i
-                if p.inputs is None:
-                    t = p.values[k]
-                    specs.append(_shape_inference.Spec(tf.TensorSpec(t.shape, t.dtype)))
-                else:
-                    specs.append(_shape_inference.Spec(p.specs[k]))
-            else:
-                specs.append(_shape_inference.Spec(tf.TensorSpec(i.shape, i.dtype),
-                                                   _shape_inference._known_value(i)))  # pylint: disable=protected-access
+        # Producers are computed or inferred already (recording order).
+        specs = [_shape_inference.Spec(self._output_spec(*i)) if type(i) is tuple
+                 else _shape_inference.spec_of(i) for i in node.inputs]
         try:
             outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
         except (ValueError, TypeError, tf.errors.OpError):

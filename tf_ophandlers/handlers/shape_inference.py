@@ -59,13 +59,25 @@ def _known_value(tensor):
     return None
 
 
+def spec_of(tensor):
+    """The `Spec` of a computed tensor: its TensorSpec and, for a small integer tensor
+    (a shape, an axis), its value."""
+    return Spec(tf.TensorSpec(tensor.shape, tensor.dtype), _known_value(tensor))
+
+
+def signature_part(dtype, dims, value):
+    """One input's part of an op signature (a cache key): dtype, dims (a tuple, None for
+    an unknown rank) and the known small value, if any."""
+    return dtype, dims, None if value is None else (value.dtype.str, value.tobytes(),
+                                                    value.shape)
+
+
 def _signature(op, inputs):
     parts = []
     for s in inputs:
         shape = s.spec.shape
-        parts.append((s.spec.dtype, None if shape.rank is None else tuple(shape.as_list()),
-                      None if s.value is None else (s.value.dtype.str, s.value.tobytes(),
-                                                    s.value.shape)))
+        parts.append(signature_part(
+            s.spec.dtype, None if shape.rank is None else tuple(shape.as_list()), s.value))
     return op.type, op.attrs_key(), tuple(parts)
 
 
@@ -117,10 +129,9 @@ class ShapeInference(OpHandler):
         if found:
             return value
         tensor = _state.frames[-1].next.copy_on(tensor)  # a real tensor: its spec
-        spec = tf.TensorSpec(tensor.shape, tensor.dtype)
         if tensor.dtype == _RESOURCE:
-            return Spec(spec, handle=tensor)
-        return Spec(spec, _known_value(tensor))
+            return Spec(tf.TensorSpec(tensor.shape, tensor.dtype), handle=tensor)
+        return spec_of(tensor)
 
     def copy_off(self, value, device):
         if value.value is not None:
@@ -192,7 +203,7 @@ class ShapeInference(OpHandler):
                 with _ops.init_scope():
                     outs = PHYSICAL.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
                                                  for s in inputs])
-            return [Spec(tf.TensorSpec(o.shape, o.dtype), _known_value(o)) for o in outs]
+            return [spec_of(o) for o in outs]
         if op.type == "Shape" and inputs[0].spec.shape.is_fully_defined():
             dims = inputs[0].spec.shape.as_list()
             dtype = op.attrs["out_type"]

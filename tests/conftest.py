@@ -44,6 +44,18 @@ def _no_scope_leaks():
     assert not state.frames
 
 
+def run_threads(targets, timeout=120):
+    """Runs the zero-argument callables `targets` in threads at once and waits for all
+    of them (a thread still running after `timeout` seconds fails the test)."""
+    import threading  # pylint: disable=import-outside-toplevel
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
+
+
 def assert_close(a, b, tol=1e-6):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 

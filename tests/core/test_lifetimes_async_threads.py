@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from conftest import assert_close
+from conftest import assert_close, run_threads
 
 
 def _rss_kb():
@@ -126,11 +126,7 @@ def test_two_threads_use_handlers_at_once():
         except Exception as e:  # pylint: disable=broad-except
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_threads([lambda i=i: work(i) for i in range(2)])
     assert not errors
     assert results == {0: (300.0, 300, True), 1: (301.0, 300, True)}
 

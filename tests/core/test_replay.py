@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_ophandlers as oh
 from tf_ophandlers.core import replay
 
-from conftest import assert_close
+from conftest import assert_close, run_threads
 
 
 @tf.function
@@ -502,7 +502,6 @@ def test_rfc_no_handler_example_with_a_concrete_function():
 
 
 def test_replays_from_several_threads():
-    import threading
     f = tf.function(lambda t: tf.cond(tf.reduce_sum(t) > 0, lambda: t * 2.0, lambda: -t))
     results, errors = {}, []
 
@@ -516,11 +515,7 @@ def test_replays_from_several_threads():
         except Exception as e:  # pylint: disable=broad-except
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([lambda k=k: work(k) for k in range(3)])
     assert errors == []
     for (k, i), (value, _) in results.items():
         x = np.array([k - 1.0, float(i)], np.float32)

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from conftest import assert_close
+from conftest import assert_close, run_threads
 
 CPUS = ["CPU:0", "CPU:1"]
 
@@ -304,7 +304,6 @@ def test_pack_checks_dtypes_and_shapes_may_differ(parallel):
 
 
 def test_threads_enter_the_same_handler(parallel):
-    import threading  # pylint: disable=import-outside-toplevel
     errors, results = [], []
 
     def work(value):
@@ -315,9 +314,5 @@ def test_threads_enter_the_same_handler(parallel):
         except Exception as e:  # pylint: disable=broad-except
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(float(i),)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([lambda i=i: work(float(i)) for i in range(4)])
     assert not errors and all(name.startswith("Parallel") for name in results)

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 
-from conftest import assert_close
+from conftest import assert_close, run_threads
 
 
 def _chain(h, n=50):
@@ -450,11 +450,7 @@ def test_async_errors_stay_with_their_queue_across_nesting_and_threads():
             results["B"] = "raised"
         b_done.set()
 
-    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
+    run_threads([thread_a, thread_b], timeout=60)
     assert results == {"A": "raised", "B": 6.0}
 
 

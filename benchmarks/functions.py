@@ -42,7 +42,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
-from tf_ophandlers.core import replay  # noqa: E402
+from tf_ophandlers.core import functions as replay  # noqa: E402
 
 HANDLERS = (
     # key, name, handler class (None: plain call)

@@ -48,7 +48,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
-from tf_ophandlers.core import replay  # noqa: E402
+from tf_ophandlers.core import functions as replay  # noqa: E402
 
 D, H, C, B = 64, 128, 10, 256  # inputs, hidden units, classes, batch size
 METHODS = (

@@ -6,13 +6,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tf_ophandlers as oh  # noqa: E402
+
 # Two logical CPUs for the parallel handler's tests. Logical devices must be configured
-# before TensorFlow initializes its context, which importing tf_ophandlers does.
+# before TensorFlow initializes its context; importing tf_ophandlers does not (the first
+# handler scope does), so users configure devices after their imports, as here.
 _CPUS = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
     _CPUS[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-
-import tf_ophandlers as oh  # noqa: E402
 
 
 class RecordingHandler(oh.OpHandler):

@@ -8,6 +8,10 @@
         y = tf.sin(tf.constant([1.0, 2.0])) * 2.0
     [r.op_type for r in log.records]   # ['Sin', 'Mul']
 
+Importing the package changes nothing in TensorFlow's runtime: the dispatcher device is
+registered and TensorFlow's internals are patched (`oh.patches()`) when the first handler
+scope opens, so devices can still be configured after ``import tf_ophandlers``.
+
 See README.md and docs/guide.md.
 """
 SUPPORTED_TENSORFLOW = "2.21"
@@ -21,24 +25,23 @@ if not _tf.__version__.startswith(SUPPORTED_TENSORFLOW + "."):
         "'tensorflow-cpu==%s.*'." % ("0.1.0", SUPPORTED_TENSORFLOW, _tf.__version__,
                                      SUPPORTED_TENSORFLOW, SUPPORTED_TENSORFLOW))
 
-from tf_ophandlers import _C  # noqa: E402,F401  (after TensorFlow: needs its libraries)
-from tf_ophandlers.core import copies as _copies  # noqa: E402
-from tf_ophandlers.core import dispatch as _dispatch  # noqa: E402
-from tf_ophandlers.core import errors as _errors  # noqa: E402
-from tf_ophandlers.core import replay as _replay  # noqa: E402
-from tf_ophandlers.core import scope as _scope  # noqa: E402
-from tf_ophandlers.core import tensor as _tensor  # noqa: E402
+import tf_ophandlers._C as _C  # noqa: E402  (after TensorFlow: needs its libraries)
+from tf_ophandlers.core import tensor as _tensor  # noqa: E402,F401  (registers patches)
+from tf_ophandlers.core import functions as _functions  # noqa: E402,F401  (the call rule)
+from tf_ophandlers.core.cache import caches  # noqa: E402
 from tf_ophandlers.core.errors import (  # noqa: E402
     CopyOffError, HandlerError, HandlerOutputError, PlacementError)
 from tf_ophandlers.core.handler import OpHandler  # noqa: E402
 from tf_ophandlers.core.op import Op  # noqa: E402
-from tf_ophandlers.core.scope import (  # noqa: E402
-    DISPATCHER_DEVICE, current_stack, handler, handler_of)
-from tf_ophandlers.core.stack import PHYSICAL, HandlerStack  # noqa: E402
+from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE  # noqa: E402
+from tf_ophandlers.core.scope import handler, handler_of  # noqa: E402
+from tf_ophandlers.core.stack import (  # noqa: E402
+    COPY_OPS, PHYSICAL, HandlerStack, OffStack, current_stack, next_stack, representation_of,
+    stack_of, tensor_key)
 from tf_ophandlers.core.copies import copy_off, copy_on  # noqa: E402
+from tf_ophandlers.core.tf_patches import patches  # noqa: E402
 from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
 from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
-from tf_ophandlers.handlers import gradient_tape as _gradient_tape  # noqa: E402
 from tf_ophandlers.handlers.gradient_tape import GradientTape  # noqa: E402
 from tf_ophandlers.handlers.forward_accumulator import ForwardAccumulator  # noqa: E402
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap, vectorized_map  # noqa: E402
@@ -47,7 +50,6 @@ from tf_ophandlers.handlers.shape_inference import ShapeInference, eval_shape  #
 from tf_ophandlers.handlers.trace import TraceAndExecute  # noqa: E402
 from tf_ophandlers.handlers.lazy import Lazy  # noqa: E402
 from tf_ophandlers.handlers.async_execution import Async  # noqa: E402
-from tf_ophandlers.core.stack import OffStack  # noqa: E402
 from tf_ophandlers import testing  # noqa: E402
 
 __version__ = "0.1.0"
@@ -56,17 +58,11 @@ import atexit as _atexit  # noqa: E402
 
 # At exit, callbacks must stop entering Python before the interpreter finalizes.
 _atexit.register(_C.shutdown)
-_errors.install()
-_tensor.install()
-_scope.install_device_scopes()
-_gradient_tape.install()
-_replay.install()
-_dispatch.initialize()
 
 
 def install():
     """Also exposes the scope as `tf.handler` (the RFC's spelling)."""
-    _scope.install_tf_handler()
+    _tf.handler = handler
 
 
 __all__ = [
@@ -77,4 +73,7 @@ __all__ = [
     "ParallelValue", "OffStack", "ShapeInference", "eval_shape", "TraceAndExecute", "Lazy", "Async",
     "testing", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
+    # for handler authors (docs/guide.md, "The handler author's API")
+    "next_stack", "stack_of", "tensor_key", "representation_of", "COPY_OPS", "patches",
+    "caches",
 ]

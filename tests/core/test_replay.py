@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.core import replay
+from tf_ophandlers.core import functions as replay
 
 from conftest import assert_close, run_threads
 

@@ -281,7 +281,7 @@ def test_per_example_gradients_through_a_tf_function_keras_call():
 
 
 def test_map_over_a_tf_function_is_replayed_once_and_cached():
-    from tf_ophandlers.core import replay
+    from tf_ophandlers.core import functions as replay
     model = _keras_model()
 
     @tf.function

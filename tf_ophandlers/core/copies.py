@@ -40,6 +40,17 @@ def copy_off_grad(dcopied, original_device=""):
     return _lib.copy_off_grad(dcopied, original_device=original_device)
 
 
+def parallel_pack(tensors):
+    """ParallelPack: one tensor of the current stack's parallel handler whose component i
+    is `tensors[i]` (an op of the handler-specific op library; identity elsewhere)."""
+    return _lib.parallel_pack(tensors)
+
+
+def parallel_unpack(tensor, num_components):
+    """ParallelUnpack: the `num_components` components of a parallel handler's tensor."""
+    return _lib.parallel_unpack(tensor, N=num_components)
+
+
 def _string_attr(op, name):
     value = op.get_attr(name)
     return value.decode() if isinstance(value, bytes) else value

@@ -5,18 +5,22 @@ current stack; an op reaching the device by type-based dispatch runs on the stac
 handler inputs, which must be related (one stack containing the others); inputs from
 unrelated stacks are an error naming both stacks and the op.
 """
-import collections
 import re
+import threading
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 
-from tf_ophandlers import _C
+import tf_ophandlers._C as _C
+from tf_ophandlers.core import cache as _cache
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.scope import DISPATCHER_DEVICE
 from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import state
+
+#: The one custom device every handler tensor lives on (DESIGN.md decision 1).
+DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
 
 
 def _stack_for(op, inputs):
@@ -48,11 +52,8 @@ def execute(op, inputs):
         # Tracing handlers ask `is_python_constant` (constants of a trace, not inputs).
         t = inputs[0]
         # (Scalars: bounded for a loop converting ever new Python floats.)
-        store, limit = ((_python_scalars, 16384) if t._shape_tuple() == ()  # pylint: disable=protected-access
-                        else (_python_constants, 4096))
+        store = _python_scalars if t._shape_tuple() == () else _python_constants  # pylint: disable=protected-access
         store[_C.tensor_key(t)] = t
-        if len(store) > limit:
-            store.popitem(last=False)
         return inputs
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):
@@ -72,8 +73,8 @@ def execute(op, inputs):
 # cache, so later uses never reach the dispatcher again: many are remembered (they are
 # small). Other constants are converted at each use: the latest ones are enough. The
 # tensors are held, so that their keys cannot be reused by other tensors while listed.
-_python_scalars = collections.OrderedDict()
-_python_constants = collections.OrderedDict()
+_python_scalars = _cache.BoundedCache("dispatch.python_scalars", 16384)
+_python_constants = _cache.BoundedCache("dispatch.python_constants", 4096)
 
 
 def is_python_constant(tensor):
@@ -126,14 +127,27 @@ def output_error(op, kind, detail, outputs):
 
 
 _initialized = False
+_init_lock = threading.Lock()
 
 
 def initialize():
+    """Starts the runtime on first use (the first handler scope), not at import: it
+    initializes TensorFlow's eager context (after which devices can no longer be
+    configured), registers the dispatcher device and installs the runtime patches."""
     global _initialized
     if _initialized:
         return
-    ctx = _context.context()
-    ctx.ensure_initialized()
-    _C.init(ctx._handle, DISPATCHER_DEVICE, Op, execute, copy_to_device,  # pylint: disable=protected-access
-            copy_from_device, errors.stash_error, num_dims, dim, summarize, output_error)
-    _initialized = True
+    with _init_lock:
+        if _initialized:
+            return
+        ctx = _context.context()
+        ctx.ensure_initialized()
+        _C.init(ctx._handle, DISPATCHER_DEVICE, Op, execute, copy_to_device,  # pylint: disable=protected-access
+                copy_from_device, errors.stash_error, num_dims, dim, summarize, output_error)
+        tf_patches.install_runtime()
+        _initialized = True
+
+
+def initialized():
+    """Whether the runtime has started (a handler scope was opened in this process)."""
+    return _initialized

@@ -14,6 +14,8 @@ import threading
 from tensorflow.python.eager import core as _tf_core
 from tensorflow.python.framework import errors as _tf_errors
 
+from tf_ophandlers.core import tf_patches
+
 _MARKER = re.compile(r"\[tf_ophandlers#(\d+)\]")
 _MAX_STASHED = 256  # exceptions whose status TensorFlow dropped must not pile up
 
@@ -122,3 +124,13 @@ def install():
     _tf_execute.quick_execute = quick
     _tf_execute.execute_with_cancellation = _wrap(_tf_execute.execute_with_cancellation)
     _installed = True
+
+
+tf_patches.register(
+    "status_to_exception",
+    "tensorflow.python.eager.core._status_to_exception, "
+    "tensorflow.python.eager.execute.quick_execute/execute/execute_with_cancellation",
+    "a handler's exception crosses TensorFlow's C API only as a status; these "
+    "conversions give the user the original exception object back (type, message, "
+    "traceback). TensorFlow has no hook for status-to-exception conversion.",
+    "runtime", install, None)

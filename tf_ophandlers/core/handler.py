@@ -22,6 +22,22 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core.stack import move_onto
 from tf_ophandlers.core.state import state as _state
 
+# `with handler:` opens a scope through core/scope.py, which sits above this module and
+# registers its enter/exit here (set_scope_functions) when it is imported.
+_scope_functions = []
+
+
+def set_scope_functions(enter, exit):  # pylint: disable=redefined-builtin
+    """Called by core/scope.py: the functions `OpHandler.__enter__`/`__exit__` use."""
+    _scope_functions[:] = [enter, exit]
+
+
+def _default_hook(fn):
+    """Marks a hook of the base class, so stacks take a fast path for handlers that do
+    not override it (no hook frame, no Python call where C++ can do the work)."""
+    fn._oh_default = True  # pylint: disable=protected-access
+    return fn
+
 
 class _CacheToken:
     """Identity of a handler in replay cache keys that does not keep it alive."""
@@ -65,12 +81,26 @@ class OpHandler:
     #: per call.
     replays_functions = True
 
+    #: Whether `execute` may return `oh.OffStack(tensor)` outputs that leave the stack
+    #: as they are (a parallel handler's unpack gives ordinary component tensors).
+    returns_off_stack = False
+
+    #: Whether this handler lets the handler below decide which inputs are copied on
+    #: (`needs_copy` of the next stack), as a tape does: it only records, so a parallel
+    #: pack below it still receives its components as they are. Handlers with the
+    #: default `copy_on` defer automatically.
+    defers_needs_copy = False
+
+    #: The device type in this handler's stack names (default: the class name in upper
+    #: case), e.g. ``"PARALLEL"`` gives ``/job:localhost/replica:0/task:0/device:PARALLEL:0``.
+    TYPE_NAME = None
+
     # -- identity ---------------------------------------------------------------------------
 
     @classmethod
     def type_name(cls):
         """Device type in stack names ``/job:localhost/replica:0/task:0/device:TYPE:N``."""
-        return getattr(cls, "TYPE_NAME", None) or cls.__name__.upper()
+        return cls.TYPE_NAME or cls.__name__.upper()
 
     def debug_string(self):
         """How this handler is named in error messages."""
@@ -81,8 +111,15 @@ class OpHandler:
 
     @property
     def next(self):
-        """The stack this handler executes on; valid inside its hooks."""
-        for stack in reversed(_state.frames):
+        """The stack this handler executes on; valid inside its hooks.
+
+        (`oh.next_stack()` gives the same for the running hook without the search a
+        handler nested in its own hooks needs.)
+        """
+        frames = _state.frames
+        if frames and frames[-1].handler is self:
+            return frames[-1].next
+        for stack in reversed(frames):
             if stack.handler is self:
                 return stack.next
         raise errors.HandlerError(
@@ -90,6 +127,7 @@ class OpHandler:
 
     # -- hooks ------------------------------------------------------------------------------
 
+    @_default_hook
     def execute(self, op, inputs):
         """Runs `op` on `inputs` (this handler's representations) -> representations.
 
@@ -97,6 +135,7 @@ class OpHandler:
         """
         return self.next.execute(op, inputs)
 
+    @_default_hook
     def copy_on(self, tensor):
         """Representation of `tensor`, which lives elsewhere (RFC CopyOn).
 
@@ -165,6 +204,7 @@ class OpHandler:
 
     # -- functions (RFC "Op handlers inside functions and control flow") ------------------
 
+    @_default_hook
     def function_input(self, value):
         """FunctionInput: how a representation crosses a function boundary.
 
@@ -177,6 +217,7 @@ class OpHandler:
         """
         return None, [value]
 
+    @_default_hook
     def function_output(self, summary, tensors):
         """FunctionOutput: the representation rebuilt from `function_input`'s parts on the
         other side of the boundary (symbolic tensors inside a replay, the results of the
@@ -229,11 +270,9 @@ class OpHandler:
         """Called when the scope that opened this handler closes."""
 
     def __enter__(self):
-        from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
-        scope.enter(self)
+        _scope_functions[0](self)
         return self
 
     def __exit__(self, *exc_info):
-        from tf_ophandlers.core import scope  # pylint: disable=import-outside-toplevel
-        scope.exit()
+        _scope_functions[1](self)
         return False

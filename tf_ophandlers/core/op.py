@@ -14,10 +14,11 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.framework import tensor_util
 
-from tf_ophandlers import _C
+import tf_ophandlers._C as _C
+from tf_ophandlers.core.cache import BoundedCache
 
 
-def _decode(value):
+def decode_attr(value):
     kind = value.WhichOneof("value")
     if kind == "list":
         lst = value.list
@@ -96,9 +97,24 @@ def _encode_into(msg, attr_type, v, repeated):
         raise TypeError("tf_ophandlers.Op: cannot encode attr of type %r" % attr_type)
 
 
-_decoded = {}  # serialized attrs -> read-only decoded attrs
-_attr_keys = {}  # serialized attrs -> deterministic serialization (attrs_key)
-_cached_ops = {}  # (type, attrs) -> Op
+# Keyed by TensorFlow's serialized attributes (everything the value depends on).
+_decoded = BoundedCache("op.decoded_attrs", 4096)  # serialized attrs -> decoded attrs
+_attr_keys = BoundedCache("op.attrs_keys", 4096)  # serialized attrs -> deterministic bytes
+# id of a shared decoded attrs mapping -> (that mapping, attr tuple); the identity check
+# on a hit makes a reused id harmless.
+_attr_tuples = BoundedCache("op.attr_tuples", 4096)
+_cached_ops = BoundedCache("op.cached_ops", 4096)  # (type, attrs) -> Op
+
+
+def _raw_attr(value):
+    """An attr value in the form TensorFlow's eager tape stores it (backprop.make_attr)."""
+    if isinstance(value, _dtypes.DType):
+        return value.as_datatype_enum
+    if isinstance(value, tensor_shape.TensorShape):
+        return None if value.rank is None else value.as_list()
+    if isinstance(value, list):
+        return [_raw_attr(v) for v in value]
+    return value
 
 
 class Op(_C.OpBase):
@@ -134,8 +150,6 @@ class Op(_C.OpBase):
         key = (op_type, tuple(sorted(attrs.items())))
         op = _cached_ops.get(key)
         if op is None:
-            if len(_cached_ops) > 4096:
-                _cached_ops.clear()
             op = _cached_ops[key] = cls.create(op_type, **attrs)
         return op
 
@@ -150,9 +164,7 @@ class Op(_C.OpBase):
             cached = _decoded.get(raw)
             if cached is None:
                 proto = attr_value_pb2.NameAttrList.FromString(raw)
-                cached = types.MappingProxyType({k: _decode(v) for k, v in proto.attr.items()})
-                if len(_decoded) > 4096:
-                    _decoded.clear()
+                cached = types.MappingProxyType({k: decode_attr(v) for k, v in proto.attr.items()})
                 _decoded[raw] = cached
             self.__dict__["_attrs"] = cached
         return cached
@@ -173,10 +185,23 @@ class Op(_C.OpBase):
             # Memoized by TensorFlow's bytes: a loop repeats the same few attribute sets.
             key = attr_value_pb2.NameAttrList.FromString(raw).SerializeToString(
                 deterministic=True)
-            if len(_attr_keys) > 4096:
-                _attr_keys.clear()
             _attr_keys[raw] = key
         return key
+
+    def attr_tuple(self):
+        """The attributes as TensorFlow's eager tape stores them, ``(name, value, ...)``
+        (what `TFE_Py_RecordGradient` and gradient functions' `op.get_attr` expect)."""
+        attrs = self.attrs
+        hit = _attr_tuples.get(id(attrs))
+        if hit is not None and hit[0] is attrs:
+            return hit[1]
+        flat = []
+        for name, value in attrs.items():
+            flat.append(name)
+            flat.append(_raw_attr(value))
+        flat = tuple(flat)
+        _attr_tuples[id(attrs)] = (attrs, flat)
+        return flat
 
     @property
     def output_dtypes(self):

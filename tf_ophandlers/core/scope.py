@@ -14,17 +14,38 @@ import tensorflow as tf
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import device_spec as _device_spec
 
-from tf_ophandlers import _C
+import tf_ophandlers._C as _C
+from tf_ophandlers.core import cache as _cache
+from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import handler as _handler
+from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, HandlerStack, Stack, stack_of
+from tf_ophandlers.core.stack import (  # noqa: F401  (current_stack: public here too)
+    PHYSICAL, HandlerStack, Stack, current_stack, stack_of)
 from tf_ophandlers.core.state import state
-
-DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
 
 _original_context_device = _context.Context.device
 _stacks_by_name = weakref.WeakValueDictionary()
-_merged_devices = {}
+_merged_devices = _cache.BoundedCache("scope.merged_devices", 1024)
+
+
+class _Scope:
+    """One open handler scope of a thread (an entry of `state.scopes`)."""
+
+    __slots__ = ("target", "previous", "device_scope", "opened", "depth", "traced",
+                 "stack", "graph")
+
+    def __init__(self, target, depth):
+        self.target = target        # what opened it: a handler or a stack
+        self.depth = depth          # len(state.frames) when it opened
+        self.previous = None        # eager: the stack current before it
+        self.device_scope = None    # eager: the dispatcher device scope it entered
+        self.opened = []            # eager: handlers it merged (scope_entered called)
+        self.traced = None          # traced: TensorFlow's attribute scope
+        self.stack = None           # the stack it placed ops on
+        self.graph = None           # traced: the FuncGraph
 
 
 def _handlers_of(target):
@@ -41,7 +62,7 @@ def _handlers_of(target):
 TRACED_STACK_ATTR = "_oh_stack"
 
 
-def _enter_traced(target):
+def _open_traced(target):
     """A scope opened while a function is traced (RFC "delayed processing").
 
     The ops created in the scope are annotated with the stack's name (node attr
@@ -66,8 +87,8 @@ def _enter_traced(target):
                 "tf_ophandlers: %s cannot be opened inside a function being traced: it "
                 "takes function calls whole. Open it around the call of the function "
                 "instead." % h.debug_string())
-    traced = [e for e in state.scopes if e[0] == "traced" and e[3] is graph]
-    stack = traced[-1][2] if traced else PHYSICAL
+    traced = [e for e in state.scopes if e.traced is not None and e.graph is graph]
+    stack = traced[-1].stack if traced else PHYSICAL
     for h in handlers:
         if not any(h is x for x in stack.handlers):
             stack = HandlerStack.merged(h, stack)
@@ -79,8 +100,10 @@ def _enter_traced(target):
     attr_scope = graph._attr_scope(  # pylint: disable=protected-access
         {TRACED_STACK_ATTR: attr_value_pb2.AttrValue(s=stack.name.encode())})
     attr_scope.__enter__()
-    state.scopes.append(("traced", attr_scope, stack, graph))
-    return stack
+    entry = _Scope(target, len(state.frames))
+    entry.traced, entry.stack, entry.graph = attr_scope, stack, graph
+    state.scopes.append(entry)
+    return entry
 
 
 def stack_named(name):
@@ -88,10 +111,11 @@ def stack_named(name):
     return _stacks_by_name.get(name)
 
 
-def enter(target):
-    """Opens a scope for an OpHandler or a stack; pair with `exit()`."""
+def _open(target):
+    """Opens a scope for an OpHandler or a stack; returns its entry (for `_close`)."""
+    _dispatch.initialize()  # the dispatcher device and runtime patches, on first use
     if not tf.executing_eagerly():
-        return _enter_traced(target)
+        return _open_traced(target)
     previous = state.current
     stack = previous
     opened = []
@@ -100,28 +124,53 @@ def enter(target):
             stack = HandlerStack.merged(h, stack)
             _stacks_by_name[stack.name] = stack
             opened.append(stack.handler)
+    entry = _Scope(target, len(state.frames))
+    entry.previous, entry.stack = previous, stack
     ctx = _context.context()
-    device_scope = None
     if stack is not previous and ctx.device_name != DISPATCHER_DEVICE:
-        device_scope = _original_context_device(ctx, DISPATCHER_DEVICE)
-        device_scope.__enter__()
-    state.scopes.append((previous, device_scope, opened))
+        entry.device_scope = _original_context_device(ctx, DISPATCHER_DEVICE)
+        entry.device_scope.__enter__()
+    state.scopes.append(entry)
     state.current = stack
-    for h in opened:
-        h.scope_entered()
-    return stack
+    for i, h in enumerate(opened):
+        try:
+            h.scope_entered()
+        except BaseException:
+            # A scope whose handler refused to open is not left open: the handlers
+            # already told hear of the exit, and the thread's stack is as before.
+            entry.opened = opened[:i]
+            _close(entry)
+            raise
+    entry.opened = opened
+    return entry
 
 
-def exit():  # pylint: disable=redefined-builtin
-    entry = state.scopes.pop()
-    if entry[0] == "traced":
-        entry[1].__exit__(None, None, None)
+def _close(entry):
+    """Closes the scope `entry`, which must be the innermost open scope of this thread,
+    opened outside the hooks now running; otherwise raises and changes nothing."""
+    scopes = state.scopes
+    if not scopes or scopes[-1] is not entry:
+        what = _describe(entry.target)
+        if not any(e is entry for e in scopes):
+            raise errors.HandlerError(
+                "tf_ophandlers: the scope of %s is not open on this thread (closed twice, "
+                "or never opened)" % what)
+        raise errors.HandlerError(
+            "tf_ophandlers: cannot close the scope of %s while the scope of %s, opened "
+            "inside it, is still open; close scopes in reverse order" % (
+                what, _describe(scopes[-1].target)))
+    if len(state.frames) != entry.depth:
+        raise errors.HandlerError(
+            "tf_ophandlers: the scope of %s was opened outside the handler hook now "
+            "running and cannot be closed inside it" % _describe(entry.target))
+    scopes.pop()
+    if entry.traced is not None:
+        entry.traced.__exit__(None, None, None)
         return
-    previous, device_scope, opened = entry
-    state.current = previous
+    state.current = entry.previous
     try:
         error = None
-        for h in reversed(opened):
+        for h in reversed(entry.opened):
             try:
                 h.scope_exited()
             except BaseException as e:  # pylint: disable=broad-except
@@ -131,10 +180,42 @@ def exit():  # pylint: disable=redefined-builtin
         if error is not None:
             raise error
     finally:
-        if device_scope is not None:
-            device_scope.__exit__(None, None, None)
+        if entry.device_scope is not None:
+            entry.device_scope.__exit__(None, None, None)
         _purge_tensor_caches()
         _C.drain()
+
+
+def is_open(target):
+    """Whether a scope opened by `target` (a handler or a stack) is open on this thread."""
+    return any(e.target is target for e in state.scopes)
+
+
+def _describe(target):
+    return target.debug_string() if isinstance(target, OpHandler) else repr(target)
+
+
+def enter(target):
+    """Opens a scope for an OpHandler or a stack; returns the stack it places ops on.
+    Pair with `exit(target)`."""
+    return _open(target).stack
+
+
+def exit(target):  # pylint: disable=redefined-builtin
+    """Closes the innermost scope `target` opened on this thread (`with h:` exits).
+
+    Raises `oh.HandlerError`, leaving every scope as it was, if that scope is not the
+    innermost one, was opened outside the running hook, or is not open at all.
+    """
+    for entry in reversed(state.scopes):
+        if entry.target is target:
+            return _close(entry)
+    raise errors.HandlerError(
+        "tf_ophandlers: the scope of %s is not open on this thread (closed twice, or "
+        "never opened)" % _describe(target))
+
+
+_handler.set_scope_functions(enter, exit)
 
 
 @contextlib.contextmanager
@@ -144,11 +225,11 @@ def handler(target):
     >>> with oh.handler(oh.handler_of(y)):   # run more ops where y was computed
     ...     z = y * 2.
     """
-    stack = enter(target)
+    entry = _open(target)
     try:
-        yield stack
+        yield entry.stack
     finally:
-        exit()
+        _close(entry)
 
 
 @contextlib.contextmanager
@@ -169,16 +250,17 @@ def physical():
         state.current = saved
 
 
+def original_device_scope(name):
+    """TensorFlow's own device scope for `name` (what `tf.device` was before the
+    "Context.device" patch): places ops on the dispatcher without the scope logic."""
+    return _original_context_device(_context.context(), name)
+
+
 def handler_of(tensor):
     """The handler stack `tensor` lives on, or None for an ordinary tensor."""
     if hasattr(tensor, "handle") and not isinstance(tensor, tf.Tensor):
         tensor = tensor.handle  # a variable: the stack of its resource handle
     return stack_of(tensor)
-
-
-def current_stack():
-    """The stack ops are placed on right now (PHYSICAL outside every scope)."""
-    return state.current
 
 
 def _purge_tensor_caches():
@@ -246,10 +328,12 @@ def _context_device(self, name):
     return _original_context_device(self, name)
 
 
-def install_device_scopes():
-    _context.Context.device = _context_device
+tf_patches.register(
+    "Context.device", "tensorflow.python.eager.context.Context.device",
+    "tf.device inside a handler scope must keep the handlers active and set the physical "
+    "placement at the bottom of the stack (RFC 'Final handlers'); tf.device(stack name) "
+    "re-enters that stack. TensorFlow has no hook for device scopes.", "runtime",
+    lambda: setattr(_context.Context, "device", _context_device),
+    lambda: setattr(_context.Context, "device", _original_context_device))
 
 
-def install_tf_handler():
-    """Makes `tf.handler` an alias of `oh.handler` (RFC spelling)."""
-    tf.handler = handler

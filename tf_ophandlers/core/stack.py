@@ -14,42 +14,77 @@ Inputs that live elsewhere are copied on first (RFC placement policy); inputs al
 this stack are unwrapped to the handler's own representation.
 """
 import itertools
-import threading
 import weakref
 
+from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 from tensorflow.python.framework.tensor import Tensor as _Tensor
 
-from tf_ophandlers import _C
+import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.state import register_bottom, state
 
-_COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
+#: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
+#: copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
+COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
 
 _execute = _C.execute
 _unwrap_inputs = _C.unwrap_inputs
 _wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
 _merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
+_function_call_rule = [None]  # set by core/functions (register_function_call_rule)
+
+
+def register_function_call_rule(rule):
+    """Installs ``rule(stack, op, inputs) -> outputs``, which runs a function call op
+    (an op without an OpDef, e.g. ``__inference_f_12``) placed on a stack whose handler
+    replays functions. core/functions/call.py registers the replay; the stacks know
+    nothing else of it."""
+    _function_call_rule[0] = rule
+
+
+#: ``tensor_key(tensor)``: an identity key of a tensor (its TensorFlow handle), stable
+#: while it lives; for handler state keyed by tensors (a tape's tracked set, a trace's
+#: inputs). The C function itself: it is on hot paths.
+tensor_key = _C.tensor_key
+
+
+def current_stack():
+    """The stack ops are placed on right now (PHYSICAL outside every scope; inside a
+    hook, the hook's next stack)."""
+    return state.current
+
+
+def next_stack():
+    """The stack the running hook executes on (O(1); `self.next` inside a hook).
+
+    Ops a hook runs with ordinary TensorFlow calls are placed there too.
+    """
+    frames = state.frames
+    if not frames:
+        raise errors.HandlerError(
+            "tf_ophandlers.next_stack() is only defined while a handler hook runs")
+    return frames[-1].next
 
 
 def payload(tensor):
     """``(stack, representation)`` of a handler tensor, or None for an ordinary tensor.
 
     Eager handler tensors carry their payload in C++; while a function is being replayed
-    (core/replay.py) a stack's tensors are symbolic tensors of the replay that carry it
-    as an attribute.
+    (state.mode) a stack's tensors are symbolic tensors whose payload the mode knows.
     """
     p = _C.payload(tensor)
-    if p is None and state.replay is not None:
-        p = getattr(tensor, "_oh_payload", None)
+    if p is None and state.mode is not None:
+        p = state.mode.payload(tensor)
     return p
 
 
 def stack_of(tensor):
     """The stack `tensor` lives on, or None (eager or replayed tensors)."""
     s = _C.stack_of(tensor)
-    if s is None and state.replay is not None:
-        p = getattr(tensor, "_oh_payload", None)
+    if s is None and state.mode is not None:
+        p = state.mode.payload(tensor)
         if p is not None:
             return p[0]
     return s
@@ -83,13 +118,13 @@ def representation_of(handler, tensor):
             # primal and tangent): step down through its copy_off, which gives the tensor
             # of the next stack. A refusal (a parallel handler's CopyOffError) reaches the
             # caller: a tensor of a handler below must not silently look unrelated.
-            value = stack._call(stack.handler.copy_off, value, "")  # pylint: disable=protected-access
+            value = stack.call_hook(stack.handler.copy_off, value, "")
             if not isinstance(value, _Tensor):
                 return False, tensor
         tensor = value
 
 
-def _replays(handler, op):
+def replays(handler, op):
     """Whether `handler` replays function call `op` (its `replays_functions`)."""
     replays = handler.replays_functions
     return replays if replays is True or replays is False else bool(replays(op))
@@ -128,12 +163,12 @@ class PhysicalStack(Stack):
     name = ""
 
     def execute(self, op, inputs):
-        if op.type in _COPY_OPS:
+        if op.type in COPY_OPS:
             # On a physical device every copy op is the identity (cc/copy_ops.cc).
             return [self.copy_on(inputs[0])]
-        replay = state.replay
-        if replay is not None and replay.building():
-            return replay.emit(op, inputs)
+        mode = state.mode
+        if mode is not None and mode.building():
+            return mode.emit(op, inputs)
         # Handler tensors among `inputs` are copied off by the C++ boundary.
         return _execute(op, inputs, state.device)
 
@@ -151,6 +186,7 @@ class PhysicalStack(Stack):
 
 
 PHYSICAL = PhysicalStack()
+register_bottom(PHYSICAL)
 
 
 class HandlerStack(Stack):
@@ -160,16 +196,16 @@ class HandlerStack(Stack):
         self.handler = handler
         self.next = next_stack
         self.handlers = next_stack.handlers + (handler,)
-        # Hooks left at their defaults take fast paths that skip the hook frame.
-        from tf_ophandlers.core.handler import OpHandler  # pylint: disable=import-outside-toplevel
+        # Hooks left at their defaults take fast paths that skip the hook frame (the
+        # base class marks its default hooks with `_oh_default`).
         cls = type(handler)
-        self._default_execute = cls.execute is OpHandler.execute
-        self._default_copy_on = cls.copy_on is OpHandler.copy_on
-        self._off_stack = bool(getattr(handler, "returns_off_stack", False))
+        self._default_execute = getattr(cls.execute, "_oh_default", False)
+        self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
+        self._off_stack = bool(handler.returns_off_stack)
         # A handler that only moves tensors on (default copy_on, or a tape) lets the
         # handler below decide which inputs to take as they are (a parallel pack).
         self._defer_copy = isinstance(next_stack, HandlerStack) and (
-            self._default_copy_on or getattr(handler, "defers_needs_copy", False))
+            self.default_copy_on or handler.defers_needs_copy)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -187,7 +223,7 @@ class HandlerStack(Stack):
 
     # -- the handler's view -------------------------------------------------------------
 
-    def _call(self, fn, *args):
+    def call_hook(self, fn, *args):
         """Runs a hook with `self.next` as the place for ops the hook runs."""
         st = state
         saved = st.current
@@ -209,44 +245,63 @@ class HandlerStack(Stack):
 
     def wrap(self, value):
         """A tensor on this stack whose representation is `value`."""
-        replay = state.replay
-        if replay is not None and replay.building():
-            return replay.shadow(self, value)
+        mode = state.mode
+        if mode is not None and mode.building():
+            return mode.wrap(self, value)
         return _C.wrap(self, value, self.handler.value_dtype(value).as_datatype_enum)
 
     # -- public operations ----------------------------------------------------------------
 
     def execute(self, op, inputs):
+        mode = state.mode
+        if mode is not None:
+            if not mode.building():
+                mode = None  # eager code inside a replay (tf.init_scope)
+            elif not mode.represents(self):
+                return mode.emit(op, inputs)  # below the replayed stacks: a node
         handler = self.handler
-        replay = state.replay
-        if replay is not None and replay.building():
-            return replay.execute(self, op, inputs)
-        if op.output_dtype_enums is None and _replays(handler, op):
-            # A function call op (no OpDef): replayed through this stack (core/replay.py).
-            from tf_ophandlers.core import replay as _replay  # pylint: disable=import-outside-toplevel
-            return _replay.call(self, op, inputs)
-        if op.type in _COPY_OPS:
+        if mode is None and op.output_dtype_enums is None and replays(handler, op):
+            # A function call op (no OpDef): replayed through this stack (core/functions).
+            rule = _function_call_rule[0]
+            if rule is None:
+                raise errors.HandlerError(
+                    "tf_ophandlers: function call %s reached %s, but function replay "
+                    "(tf_ophandlers.core.functions) is not loaded" % (op.type, self))
+            return rule(self, op, inputs)
+        if op.type in COPY_OPS:
             handles_copy = handler.handles_copy
             if handles_copy is None or not handles_copy(op):
                 return self._execute_copy(op, inputs)
-        values, foreign = _unwrap_inputs(self, inputs)
+        if mode is None:
+            values, foreign = _unwrap_inputs(self, inputs)
+        else:
+            values, foreign = self._unwrap_symbolic(inputs, mode)
         if foreign:
             if handler.needs_copy is None and not self._defer_copy:
                 for i in foreign:
                     values[i] = self._copy_on_value(values[i])
             else:
                 for i in foreign:
-                    if self._wants_copy(op, i):
+                    if self.wants_copy(op, i):
                         values[i] = self._copy_on_value(values[i])
         if self._default_execute:
             # A pass-through execute runs no ops of its own: forward without a frame.
-            outputs = self.next.execute(op, values)
+            # Ops that run *inside* the forwarded op (a tf.py_function's body) belong
+            # below this stack, as they would with a frame.
+            saved = state.current
+            state.current = self.next
+            try:
+                outputs = self.next.execute(op, values)
+            finally:
+                state.current = saved
         else:
-            outputs = self._call(handler.execute, op, values)
+            outputs = self.call_hook(handler.execute, op, values)
             if outputs is None:
                 raise errors.HandlerOutputError(
                     "%s.execute returned None for op %s; it must return a list of outputs"
                     % (handler.debug_string(), op.type))
+        if mode is not None:
+            return self._wrap_symbolic(outputs, mode)
         next_stack = self.next
         if next_stack is not PHYSICAL or self._off_stack:
             # Outputs that leave this stack: those the handler returned as OffStack, and
@@ -272,6 +327,35 @@ class HandlerStack(Stack):
         # on the next stack, so a variable does not keep it alive.
         return _wrap_outputs(self, outputs, handler.transient, handler.value_dtype)
 
+    # The symbolic counterparts of the C++ unwrap_inputs/wrap_outputs, for a function
+    # being replayed (the mode's shadow tensors carry their payload in Python).
+
+    def _unwrap_symbolic(self, inputs, mode):
+        values, foreign = list(inputs), []
+        for i, t in enumerate(inputs):
+            p = mode.payload(t)
+            if p is not None and p[0] is self:
+                values[i] = p[1]
+            else:
+                foreign.append(i)
+        return values, foreign
+
+    def _wrap_symbolic(self, outputs, mode):
+        transient = self.handler.transient
+        next_represented = mode.represents(self.next)
+        result = []
+        for o in outputs:
+            if type(o) is OffStack:
+                result.append(o.tensor)
+            elif transient and getattr(o, "dtype", None) == _dtypes.resource:
+                result.append(o)  # resource handles stay on the next stack
+            elif (isinstance(o, _Tensor) and next_represented
+                  and stack_of(o) is not self.next):
+                result.append(o)  # left the stacks below
+            else:
+                result.append(self.wrap(o))
+        return result
+
     def _below(self, other):
         """Whether `other` is a stack built on this one (this is in its `next` chain)."""
         s = other.next
@@ -281,13 +365,13 @@ class HandlerStack(Stack):
             s = s.next
         return False
 
-    def _wants_copy(self, op, index):
+    def wants_copy(self, op, index):
         """Whether input `index` of `op` is copied onto this stack before execute."""
         needs_copy = self.handler.needs_copy
         if needs_copy is not None:
             return needs_copy(op, index)
         if self._defer_copy:
-            return self.next._wants_copy(op, index)  # pylint: disable=protected-access
+            return self.next.wants_copy(op, index)
         return True
 
     def _copy_on_value(self, tensor):
@@ -301,9 +385,9 @@ class HandlerStack(Stack):
             found, value = representation_of(self.handler, tensor)
             if found:
                 return value
-        if self._default_copy_on:
+        if self.default_copy_on:
             return move_onto(self.handler, self.next, tensor)  # no frame needed
-        return self._call(self.handler.copy_on, tensor)
+        return self.call_hook(self.handler.copy_on, tensor)
 
     def _execute_copy(self, op, inputs):
         (t,) = inputs
@@ -314,28 +398,28 @@ class HandlerStack(Stack):
         if stack_of(t) is not self:
             t = self.copy_on(t)
         hook = self.handler.copy_off if op.type == "CopyOff" else self.handler.copy_on_grad
-        value = self._call(hook, self.unwrap(t), device)
+        value = self.call_hook(hook, self.unwrap(t), device)
         return [self.next.copy_off(value, device)]
 
     def copy_on(self, tensor):
         p = payload(tensor)
         if p is not None and p[0] is self:
             return tensor
-        replay = state.replay
-        if replay is not None and replay.building() and id(self) not in replay.members:
-            return replay.to_bottom(tensor)  # symbolic tensors of the replay's bottom
+        mode = state.mode
+        if mode is not None and mode.building() and not mode.represents(self):
+            return mode.to_bottom(tensor)  # symbolic tensors of the replay's bottom
         return self.wrap(self._copy_on_value(tensor))
 
     def copy_off(self, tensor, device):
-        replay = state.replay
-        if replay is not None and replay.building() and id(self) not in replay.members:
-            return replay.to_bottom(tensor)
+        mode = state.mode
+        if mode is not None and mode.building() and not mode.represents(self):
+            return mode.to_bottom(tensor)
         source = stack_of(tensor)
         if source is not self:
             # A representation that already left this stack (a handler returned it with
             # OffStack, e.g. a parallel unpack): copy it off from where it lives.
             return (source or PHYSICAL).copy_off(tensor, device)
-        value = self._call(self.handler.copy_off, self.unwrap(tensor), device)
+        value = self.call_hook(self.handler.copy_off, self.unwrap(tensor), device)
         return self.next.copy_off(value, device)
 
     # -- presentation ---------------------------------------------------------------------
@@ -343,19 +427,3 @@ class HandlerStack(Stack):
     def __repr__(self):
         return "<HandlerStack %s: %s>" % (
             self.name, " -> ".join(h.debug_string() for h in reversed(self.handlers)))
-
-
-class _State(threading.local):
-    """Per-thread dispatch state (see tf_ophandlers/core/state.py)."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = PHYSICAL
-        self.device = ""
-        self.frames = []
-        self.scopes = []
-        self.replay = None          # the function replay being built (core/replay.py)
-        self.scope_placed = False   # whether the op being dispatched was placed by scope
-
-
-state = _State()

@@ -1,13 +1,78 @@
-"""Per-thread dispatch state.
+"""Per-thread dispatch state, and the interface of an execution *mode*.
 
-`current`  the stack an op placed by scope runs on (PHYSICAL outside every scope; inside a
-           hook of stack S it is S.next, so ops a handler runs go to its next handler).
-`device`   the physical placement accumulated by `tf.device` inside handler scopes (RFC
-           "Final handlers"): it applies at the bottom of the stack.
-`frames`   the stacks whose hooks are running, innermost last; `OpHandler.next` reads it.
-`scopes`   tokens of open handler scopes, for exit.
+`state` is the one per-thread object every layer reads (it imports nothing of the
+package, so any module may import it):
 
-The object itself is defined next to the stacks (core/stack.py), which read it on every
-op; this module is its documented home.
+`current`       the stack an op placed by scope runs on (PHYSICAL outside every scope;
+                inside a hook of stack S it is S.next, so ops a handler runs go to its
+                next handler).
+`device`        the physical placement accumulated by `tf.device` inside handler scopes
+                (RFC "Final handlers"): it applies at the bottom of the stack.
+`frames`        the stacks whose hooks are running, innermost last; `OpHandler.next` and
+                `oh.next_stack()` read the last one.
+`scopes`        the open handler scopes of this thread, innermost last (core/scope.py).
+`mode`          None while stacks run eagerly; a `Mode` while a function is replayed
+                through them (core/functions/symbolic.py installs one).
+`scope_placed`  whether the op being dispatched was placed by a scope (not by type).
+
+Stacks (core/stack.py) ask the mode at a few fixed points and know nothing else of
+function replay; the replay registers itself with the stack module instead (JAX's
+"lower layers never import higher ones").
 """
-from tf_ophandlers.core.stack import state  # noqa: F401
+import threading
+
+
+class Mode:
+    """How stacks run while a function is replayed through them (symbolic tensors).
+
+    core/stack.py calls these while `building()` is true; core/functions/symbolic.py
+    implements them. A mode is active on one thread (it is `state.mode` there).
+    """
+
+    def building(self):
+        """Whether ops are being added to the replayed function right now (False for
+        eager code that runs inside the replay, e.g. under `tf.init_scope`)."""
+        raise NotImplementedError
+
+    def represents(self, stack):
+        """Whether `stack` is replayed symbolically (its tensors are shadow tensors)."""
+        raise NotImplementedError
+
+    def payload(self, tensor):
+        """``(stack, representation)`` of a shadow tensor, or None."""
+        raise NotImplementedError
+
+    def wrap(self, stack, value):
+        """A shadow tensor of `stack` whose representation is `value`."""
+        raise NotImplementedError
+
+    def emit(self, op, inputs):
+        """Adds `op` to the function being built (the bottom of the replay)."""
+        raise NotImplementedError
+
+    def to_bottom(self, tensor):
+        """`tensor` as a tensor of the replay's bottom."""
+        raise NotImplementedError
+
+
+_bottom = [None]  # PHYSICAL, registered by core/stack.py (which defines it)
+
+
+def register_bottom(stack):
+    """Sets the stack `current` starts at on every thread (core/stack.py: PHYSICAL)."""
+    _bottom[0] = stack
+    state.current = stack
+
+
+class _State(threading.local):
+    def __init__(self):
+        super().__init__()
+        self.current = _bottom[0]
+        self.device = ""
+        self.frames = []
+        self.scopes = []
+        self.mode = None
+        self.scope_placed = False
+
+
+state = _State()

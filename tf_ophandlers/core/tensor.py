@@ -10,15 +10,11 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import tensor_util as _tensor_util
 
-from tf_ophandlers import _C
+import tf_ophandlers._C as _C
+from tf_ophandlers.core import tf_patches
 
-_installed = False
 
-
-def install():
-    global _installed
-    if _installed:
-        return
+def _install_device():
     eager_tensor = _ops.EagerTensor
     tf_device = eager_tensor.__dict__.get("device") or _ops._EagerTensorBase.__dict__["device"]  # pylint: disable=protected-access
     tf_getter = tf_device.__get__
@@ -31,6 +27,10 @@ def install():
         return stack.handler.device_string(value, stack)
 
     eager_tensor.device = property(device, doc=tf_device.__doc__)
+
+
+def _install_static_value():
+    eager_tensor = _ops.EagerTensor
 
     # tf.get_static_value / tensor_util.constant_value: gradient functions use it to
     # short-circuit. A handler tensor answers through its handler's `static_value` hook
@@ -47,4 +47,17 @@ def install():
     constant_value.__doc__ = original_constant_value.__doc__
     _tensor_util.constant_value = constant_value
     tf.get_static_value = constant_value
-    _installed = True
+
+
+tf_patches.register(
+    "EagerTensor.device", "tensorflow.python.framework.ops.EagerTensor.device",
+    "tensor.device of a handler tensor is what its handler says (OpHandler.device_string: "
+    "a transparent tape shows the physical device); the getter is a C getset with no "
+    "hook. Plain tensors pay one C call (payload lookup) more.", "runtime",
+    _install_device, None)
+tf_patches.register(
+    "constant_value", "tensorflow.python.framework.tensor_util.constant_value, "
+    "tf.get_static_value",
+    "gradient functions short-circuit on static values; a handler tensor answers through "
+    "its handler's static_value hook instead of a copy-off the handler may refuse.",
+    "runtime", _install_static_value, None)

@@ -35,13 +35,11 @@ from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers import _C
-from tf_ophandlers.core import replay as _replay
+from tf_ophandlers.core import functions as _functions
+from tf_ophandlers.core import shapes
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL, stack_of
-from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.handlers import shape_inference as _shape_inference
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
 
 _RESOURCE = tf.resource
 
@@ -202,7 +200,7 @@ class Async(OpHandler):
         active = _active_queues()
         queue = active[-1] if active else None  # None: outside every scope, it runs now
         try:
-            outputs = _state.frames[-1].next.execute(op, tensors)  # queued, returns at once
+            outputs = next_stack().execute(op, tensors)  # queued, returns at once
         except tf.errors.OpError:
             # An earlier queued op failed (TensorFlow refuses new ops until the error is
             # read): this op reports it, and the handler keeps working after it.
@@ -228,7 +226,7 @@ class Async(OpHandler):
         have changed (`_note_reshapes`) is read with an unknown shape: its users wait for
         the read itself, as for a variable whose shape cannot be read yet.
         """
-        if queue is not None and (queue.opaque or _C.tensor_key(handle) in queue.assigned):
+        if queue is not None and (queue.opaque or tensor_key(handle) in queue.assigned):
             return None, None, None
         saved = _swap_executor(self._sync_executor.handle())
         try:
@@ -249,12 +247,12 @@ class Async(OpHandler):
             # A tensor of this handler from an earlier merge: its tensor, moved onto
             # this merge's next stack (its spec stays; nothing waits).
             value = source.unwrap(tensor)
-            return AsyncValue(_state.frames[-1].next.copy_on(value.tensor), value.spec,
+            return AsyncValue(next_stack().copy_on(value.tensor), value.spec,
                               value.known, value.part)
         # A tensor from outside the handler is computed (ops of the scope run here):
         # its shape is known without waiting.
         tensor = super().copy_on(tensor)
-        spec = _shape_inference.spec_of(tensor)
+        spec = shapes.spec_of(tensor)
         return AsyncValue(tensor, spec.spec, spec.value, _part(tensor, spec.value))
 
     def copy_off(self, value, device):
@@ -336,7 +334,7 @@ def _function_effect(name):
     """What a call of function `name` (and of the functions it calls) may do to the
     shapes of the variables it is given."""
     if name not in _function_effects:
-        nodes = [n for fdef in _replay.function_library([name]) for n in fdef.node_def]
+        nodes = [n for fdef in _functions.function_library([name]) for n in fdef.node_def]
         if any(n.op in _OPAQUE for n in nodes):
             effect = "opaque"
         elif any(n.op in _ASSIGNS and _may_reshape(n.op, n.attr) for n in nodes):
@@ -365,17 +363,17 @@ def _note_reshapes(queue, op, tensors):
         return
     for t in tensors:
         if t.dtype is _RESOURCE:
-            queue.assigned.add(_C.tensor_key(t))
+            queue.assigned.add(tensor_key(t))
 
 
 def _part(tensor, known):
     """A computed tensor's part of an op signature."""
-    return _shape_inference.signature_part(tensor.dtype, tensor._shape_tuple(), known)  # pylint: disable=protected-access
+    return shapes.signature_part(tensor.dtype, tensor._shape_tuple(), known)  # pylint: disable=protected-access
 
 
 def _spec_part(spec):
     shape = spec.shape
-    return _shape_inference.signature_part(
+    return shapes.signature_part(
         spec.dtype, None if shape.rank is None else tuple(shape.as_list()), None)
 
 
@@ -392,7 +390,7 @@ def _infer(op, inputs):
             if part is None:
                 part = (v.tensor.dtype, None, None)
         else:  # from outside the handler (a constant, a physical tensor): computed
-            part = _part(v, _shape_inference._known_value(v))  # pylint: disable=protected-access
+            part = _part(v, shapes.known_value(v))
         parts.append(part)
     key = (op.type, op.attrs_key(), tuple(parts))
     try:
@@ -400,7 +398,7 @@ def _infer(op, inputs):
     except KeyError:
         pass
     try:
-        specs = _shape_inference._infer(op, [_input_spec(v) for v in inputs])  # pylint: disable=protected-access
+        specs = shapes.infer(op, [_input_spec(v) for v in inputs])
         result = [(s, _spec_part(s)) for s in specs]
     except Exception:  # pylint: disable=broad-except
         # Not inferable (or invalid: the kernel's error surfaces at the next
@@ -418,5 +416,5 @@ def _input_spec(value):
         spec = value.spec
         if spec is None:
             spec = tf.TensorSpec(None, value.tensor.dtype)
-        return _shape_inference.Spec(spec, value.known)
-    return _shape_inference.spec_of(value)
+        return shapes.Spec(spec, value.known)
+    return shapes.spec_of(value)

@@ -27,15 +27,13 @@ from tensorflow.python.eager import forwardprop as _tf_forwardprop
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from tf_ophandlers import _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import representation_of, stack_of
-from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.handlers.gradient_tape import _attr_tuple
+from tf_ophandlers.core.stack import (
+    current_stack, next_stack, representation_of, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
-_key = _C.tensor_key
+_key = tensor_key  # tensors are keyed by TensorFlow handle
 _RESOURCE = tf.resource.as_datatype_enum
 _FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in (
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
@@ -232,15 +230,15 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     filled = [t if t is not None or not _float(p) else _zeros(p)
               for p, t in zip(primals, tangents)]
     try:
-        if any(isinstance(h, ForwardAccumulator) for h in _state.current.handlers):
+        if any(isinstance(h, ForwardAccumulator) for h in current_stack().handlers):
             # An accumulator below must see the JVP op by op (higher order): run
             # TensorFlow's construction eagerly instead of as one traced function call.
             result = _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
-                op.type, _attr_tuple(op), list(primals), list(outputs), filled)
+                op.type, op.attr_tuple(), list(primals), list(outputs), filled)
         else:
             # Traced once per op signature and cached by TensorFlow.
             result = _tf_forwardprop._jvp_dispatch(  # pylint: disable=protected-access
-                op.type, _attr_tuple(op), list(primals), list(outputs), filled)
+                op.type, op.attr_tuple(), list(primals), list(outputs), filled)
     except LookupError as e:
         raise LookupError(
             "oh.ForwardAccumulator: op %s has no registered gradient, so no JVP (%s)"
@@ -345,14 +343,14 @@ class ForwardAccumulator(OpHandler):
 
     def copy_on(self, tensor):
         source = stack_of(tensor)
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         if source is not None and source.handler is self:  # ours from an earlier merge
             dual = source.unwrap(tensor)
             tangent = dual.tangent
-            return Dual(next_stack.copy_on(dual.primal),
-                        None if tangent is None else next_stack.copy_on(tangent))
+            return Dual(below.copy_on(dual.primal),
+                        None if tangent is None else below.copy_on(tangent))
         watched = self._watched.get(_key(tensor))
-        return Dual(next_stack.copy_on(tensor), None if watched is None else watched[1])
+        return Dual(below.copy_on(tensor), None if watched is None else watched[1])
 
     def copy_off(self, value, device):
         return value.primal
@@ -362,16 +360,16 @@ class ForwardAccumulator(OpHandler):
         return self._live
 
     def execute(self, op, inputs):
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         primals = [d.primal for d in inputs]
-        outputs = next_stack.execute(op, primals)
+        outputs = below.execute(op, primals)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
                 _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):
             rule = _RULES.get(op.type, _tensorflow_jvp)
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
-            out_tangents = rule(next_stack.execute, op, primals, tangents, outputs)
+            out_tangents = rule(below.execute, op, primals, tangents, outputs)
             if out_tangents is None:
                 out_tangents = [None] * len(outputs)
             if len(out_tangents) != len(outputs):

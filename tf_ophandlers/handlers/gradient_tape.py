@@ -35,17 +35,17 @@ from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from tf_ophandlers import _C
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import _COPY_OPS, PHYSICAL, representation_of
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.stack import (
+    COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
-_stack_of = _C.stack_of
+_stack_of = stack_of
 _EagerTensor = _ops.EagerTensor
-_key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see cc/dispatcher.cc)
+_key = tensor_key  # tensors are keyed by TensorFlow handle
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
@@ -86,42 +86,11 @@ class _Record:
         self.skip = skip  # input indices that need no gradient (as TensorFlow passes)
 
 
-def _raw_attr(value):
-    """An attr value in the form TensorFlow's eager tape stores it (backprop.make_attr)."""
-    if isinstance(value, tf.DType):
-        return value.as_datatype_enum
-    if isinstance(value, tf.TensorShape):
-        return None if value.rank is None else value.as_list()
-    if isinstance(value, list):
-        return [_raw_attr(v) for v in value]
-    return value
-
-
-_attr_tuples = {}  # id of an op's (shared, read-only) decoded attrs -> (attrs, tuple)
-
-
-def _attr_tuple(op):
-    """The op's attrs as TensorFlow's eager tape stores them: (name, value, ...)."""
-    attrs = op.attrs
-    hit = _attr_tuples.get(id(attrs))
-    if hit is not None and hit[0] is attrs:
-        return hit[1]
-    flat = []
-    for name, value in attrs.items():
-        flat.append(name)
-        flat.append(_raw_attr(value))
-    flat = tuple(flat)
-    if len(_attr_tuples) > 4096:
-        _attr_tuples.clear()
-    _attr_tuples[id(attrs)] = (attrs, flat)
-    return flat
-
-
 def _active_tapes():
     """The recording oh.GradientTapes of this thread's current scope, innermost first."""
     if _tape_set_is_stopped():
         return ()
-    return tuple(h for h in reversed(_state.current.handlers)
+    return tuple(h for h in reversed(current_stack().handlers)
                  if isinstance(h, GradientTape) and h._live)  # pylint: disable=protected-access
 
 
@@ -192,9 +161,12 @@ class GradientTape(OpHandler):
     def __exit__(self, *exc_info):
         if self._traced is not None:
             return self._traced.__exit__(*exc_info)
+        if not _scope.is_open(self):
+            return False  # a second __exit__: tolerated, as tf.GradientTape does
         return super().__exit__(*exc_info)
 
     def scope_entered(self):
+        tf_patches.ensure("tape hooks")
         if self._depth == 0:
             if self._used:
                 self._clear()  # as tf.GradientTape: re-entering starts a fresh tape
@@ -258,8 +230,8 @@ class GradientTape(OpHandler):
     # -- the handler ----------------------------------------------------------------------
 
     def execute(self, op, inputs):
-        next_stack = _state.frames[-1].next  # self.next, without the search
-        outputs = next_stack.execute(op, inputs)
+        below = next_stack()
+        outputs = below.execute(op, inputs)
         if not self._live:
             return outputs
         # Record when an input is tracked. TensorFlow hands us a new Python wrapper of a
@@ -270,7 +242,7 @@ class GradientTape(OpHandler):
         if canonical is None and op.type in _VARIABLE_READS and self._harvest_variables():
             canonical, skip = self._tracked_inputs(inputs)
         if canonical is not None and not _tape_set_is_stopped():
-            if self._record(op.type, op, None, canonical, outputs, next_stack, skip):
+            if self._record(op.type, op, None, canonical, outputs, below, skip):
                 self._bridge_to_tf_tapes(op, canonical, outputs)
         return outputs
 
@@ -302,8 +274,8 @@ class GradientTape(OpHandler):
         source = _stack_of(tensor)
         if source is not None and source.handler is self:
             tensor = source.unwrap(tensor)  # our tensor from an earlier merge
-        next_stack = self.next
-        value = next_stack.copy_on(tensor)
+        below = self.next
+        value = below.copy_on(tensor)
         known = self._tracked.get(_key(tensor))
         if (known is None and self._watcher is not None
                 and tensor._datatype_enum() == _RESOURCE and self._harvest_variables()):  # pylint: disable=protected-access
@@ -312,7 +284,7 @@ class GradientTape(OpHandler):
                 and not _tape_set_is_stopped()):
             tensor = known
             op = Op.cached("CopyOn", T=value.dtype)
-            self._record("CopyOn", op, None, [tensor], [value], next_stack, ())
+            self._record("CopyOn", op, None, [tensor], [value], below, ())
             self._bridge_to_tf_tapes(op, [tensor], [value])
         return value
 
@@ -322,7 +294,7 @@ class GradientTape(OpHandler):
                      if o is not None and o._datatype_enum() in _TRAINABLE_ENUMS]  # pylint: disable=protected-access
         if not trainable:
             return False
-        if op_type in _COPY_OPS:
+        if op_type in COPY_OPS:
             # A copy that returned its input (an identity copy on a physical device) made
             # no new tensor: recording it would make the tensor its own producer.
             same = {_key(t) for t in inputs}
@@ -343,7 +315,7 @@ class GradientTape(OpHandler):
         # ops on our representations, which our gradient functions use: otherwise a
         # tf.GradientTape around this tape would treat them as constants.
         if not _tape_set_is_empty():
-            pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), _attr_tuple(op),
+            pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(),
                                              list(outputs), "")
 
     # -- tensors at this tape's level -----------------------------------------------------
@@ -532,7 +504,7 @@ class GradientTape(OpHandler):
             if grad_fn is None:  # tf.no_gradient / ops.NotDifferentiable
                 return [None] * len(record.inputs)
             mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
-                _attr_tuple(record.op), record.inputs, record.outputs, record.op_type,
+                record.op.attr_tuple(), record.inputs, record.outputs, record.op_type,
                 record.skip)
             in_grads = grad_fn(mock, *out_grads)
         if not isinstance(in_grads, (list, tuple)):
@@ -550,14 +522,14 @@ class GradientTape(OpHandler):
         stack = _stack_of(tensor)
         if stack is not None:
             return self._placed(stack)
-        if _state.current is PHYSICAL or self._vectorizing:
+        if current_stack() is PHYSICAL or self._vectorizing:
             return contextlib.nullcontext()
         return _scope.physical()
 
     @staticmethod
     def _placed(stack):
         """Runs gradient ops on `stack` (entered within the current scope, per the RFC)."""
-        current = _state.current
+        current = current_stack()
         if stack is current or all(any(h is c for c in current.handlers)
                                    for h in stack.handlers):
             return contextlib.nullcontext()  # re-entering would open nothing
@@ -688,7 +660,7 @@ def _record_operation(op_type, output_tensors, input_tensors, backward_function,
 
 def _scope_below(tape):
     """The stack `tape` executes on in the current scope."""
-    stack = _state.current
+    stack = current_stack()
     while stack.handler is not None and stack.handler is not tape:
         stack = stack.next
     return stack.next if stack.handler is tape else stack
@@ -709,8 +681,16 @@ def _possible_gradient_types(tensors):
     return kind
 
 
-def install():
-    """Routes TensorFlow's Python-level tape hooks to oh.GradientTape too (idempotent)."""
+def _install_tape_hooks():
     _record.record_operation = _record_operation
     _record.could_possibly_record = _could_possibly_record
     gradients_util.PossibleTapeGradientTypes = _possible_gradient_types
+
+
+tf_patches.register(
+    "tape hooks", "tensorflow.python.eager.record.record_operation, "
+    "record.could_possibly_record, gradients_util.PossibleTapeGradientTypes",
+    "gradients recorded from Python (tf.custom_gradient, tf.recompute_grad, tf.function "
+    "calls) go only to TensorFlow's tape set; these send them to the oh.GradientTapes of "
+    "the current scope too. Installed when the first oh.GradientTape scope opens.",
+    "first-use", _install_tape_hooks, None)

@@ -29,12 +29,10 @@ from tensorflow.python.framework import op_def_registry
 
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers import _C
-from tf_ophandlers.core import replay as _replay
+from tf_ophandlers.core import functions as _functions
+from tf_ophandlers.core import shapes
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import stack_of
-from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.handlers import shape_inference as _shape_inference
+from tf_ophandlers.core.stack import next_stack, stack_of, tensor_key
 
 _stateful = {}  # op type -> whether it must run eagerly
 _dtypes = {}  # TF_DataType enum -> tf.DType
@@ -188,10 +186,10 @@ class Lazy(OpHandler):
         """Sets `node.specs` from TensorFlow's shape functions; False if they are not
         fully defined (or inference fails)."""
         # Producers are computed or inferred already (recording order).
-        specs = [_shape_inference.Spec(self._output_spec(*i)) if type(i) is tuple
-                 else _shape_inference.spec_of(i) for i in node.inputs]
+        specs = [shapes.Spec(self._output_spec(*i)) if type(i) is tuple
+                 else shapes.spec_of(i) for i in node.inputs]
         try:
-            outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
+            outs = shapes.infer(node.op, specs)
         except (ValueError, TypeError, tf.errors.OpError):
             return False
         if not all(s.shape.is_fully_defined() for s in outs):
@@ -220,7 +218,7 @@ class Lazy(OpHandler):
             # A tensor of this handler from an earlier merge: its value, computed on
             # that merge's next stack, moved onto this one.
             value = self._force(source.unwrap(tensor))
-            return _ready(_state.frames[-1].next.copy_on(value))
+            return _ready(next_stack().copy_on(value))
         return _ready(super().copy_on(tensor))
 
     @staticmethod
@@ -250,7 +248,7 @@ class Lazy(OpHandler):
                 else:
                     v = (v.node, v.index)
             node_inputs.append(v)
-        node = _Node(op, node_inputs, _state.frames[-1].next)
+        node = _Node(op, node_inputs, next_stack())
         ref = None
         for v in node_inputs:
             if type(v) is tuple:
@@ -315,7 +313,7 @@ class Lazy(OpHandler):
                         refs.append((position[producer.seq], k))
                         continue
                     i = producer.values[k]
-                k = _C.tensor_key(i)
+                k = tensor_key(i)
                 e = ext_index.get(k)
                 if e is None:
                     e = ext_index[k] = len(external)
@@ -369,6 +367,6 @@ class Lazy(OpHandler):
                 # the kernel would have, with InvalidArgumentError (same error class).
                 raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
         self.compiled += 1
-        return _replay.CompiledCall(fn)
+        return _functions.CompiledCall(fn)
 
 

@@ -28,18 +28,18 @@ import tensorflow as tf
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import device_spec as _device_spec
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
-from tf_ophandlers import _C
 from tf_ophandlers.core import copies as _copies
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import OffStack, representation_of
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.stack import (
+    current_stack, next_stack, OffStack, representation_of, stack_of)
 from tf_ophandlers.handlers.gradient_tape import GradientTape
 
-_stack_of = _C.stack_of
+_stack_of = stack_of
 _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
 
 
@@ -118,13 +118,8 @@ class ParallelHandler(OpHandler):
             scope.__exit__(None, None, None)
 
     def _variable_creator(self, next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        stack = _stack_of(variable.handle)
-        if stack is not None and any(h is self for h in stack.handlers):
-            # Checkpoints save and restore each component's buffer.
-            variable.__class__ = _parallel_variable_class(type(variable))
-            variable._oh_parallel = self  # pylint: disable=protected-access
-        return variable
+        del next_creator  # as TensorFlow's parallel device: the variable type is ours
+        return ParallelVariable(oh_parallel=self, **kwargs)
 
     @property
     def device_ids(self):
@@ -135,7 +130,7 @@ class ParallelHandler(OpHandler):
 
     def _scope(self):
         """This handler's scope: within the current one if it already contains us."""
-        if any(h is self for h in _state.current.handlers):
+        if any(h is self for h in current_stack().handlers):
             return _NullScope()
         return _scope.handler(self)
 
@@ -149,7 +144,7 @@ class ParallelHandler(OpHandler):
             raise ValueError("oh.ParallelHandler.pack: components must have one dtype, got %s"
                              % [t.dtype.name for t in tensors])
         with self._scope():
-            return _copies._lib.parallel_pack(tensors)  # pylint: disable=protected-access
+            return _copies.parallel_pack(tensors)
 
     def unpack(self, tensor):
         """The components of a tensor of this handler, as ordinary tensors."""
@@ -163,16 +158,16 @@ class ParallelHandler(OpHandler):
             # Runs where the tensor lives (re-entered within the current scope), so the
             # handlers above this one (a tape) see the unpack too.
             with _scope.handler(stack):
-                return _copies._lib.parallel_unpack(tensor, N=len(self.components))  # pylint: disable=protected-access
+                return _copies.parallel_unpack(tensor, len(self.components))
         with self._scope():
-            return _copies._lib.parallel_unpack(tensor, N=len(self.components))  # pylint: disable=protected-access
+            return _copies.parallel_unpack(tensor, len(self.components))
 
     def all_reduce(self, tensor):
         """Sum over components, on every component: TensorFlow's collective all-reduce.
 
         Differentiable (the gradient of an all-reduce is an all-reduce of the gradient).
         """
-        handlers = _state.current.handlers
+        handlers = current_stack().handlers
         below = handlers[:next((i for i, h in enumerate(handlers) if h is self), None)]
         if any(isinstance(h, GradientTape) and h._live for h in below):  # pylint: disable=protected-access
             raise NotImplementedError(
@@ -252,20 +247,20 @@ class ParallelHandler(OpHandler):
         return "ParallelValue({%s})" % ", ".join(parts)
 
     def copy_on(self, tensor):
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         found, value = representation_of(self, tensor)
         if found:  # ours, from an earlier merge or under transparent handlers above us
-            return ParallelValue(next_stack.copy_on(c) for c in value.components)
+            return ParallelValue(below.copy_on(c) for c in value.components)
         # A broadcast: one copy per component device.
-        return ParallelValue((_copy_to(next_stack, tensor, d) for d in self.components),
+        return ParallelValue((_copy_to(below, tensor, d) for d in self.components),
                              broadcast=tensor.dtype == tf.resource)
 
     def copy_on_grad(self, value, original_device):
         # The gradient of a broadcast sums the components, on the original device.
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         op = Op.cached("AddN", N=len(value.components), T=value.components[0].dtype)
         with _scope.on_device(original_device or self.components[0]):
-            (total,) = next_stack.execute(op, list(value.components))
+            (total,) = below.execute(op, list(value.components))
         return total
 
     def copy_off(self, value, device):
@@ -283,14 +278,14 @@ class ParallelHandler(OpHandler):
             % (len(value.components), ", ".join(self.components)))
 
     def execute(self, op, inputs):
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         n = len(self.components)
         if op.type == "ParallelPack":
             out = []
             for i, (device, t) in enumerate(zip(self.components, inputs)):
                 # A tensor already ours gives its own component i.
                 out.append(t.components[i] if isinstance(t, ParallelValue)
-                           else _copy_to(next_stack, t, device))
+                           else _copy_to(below, t, device))
             return [ParallelValue(out)]
         if op.type == "ParallelUnpack":
             (value,) = inputs
@@ -309,7 +304,7 @@ class ParallelHandler(OpHandler):
         per_device = []
         for i, device in enumerate(self.components):
             with _scope.on_device(device):
-                per_device.append(next_stack.execute(op, [v.components[i] for v in inputs]))
+                per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
 
 
@@ -331,31 +326,33 @@ def _collective_keys():
     return _keys[0]
 
 
-_variable_classes = {}
+class ParallelVariable(_resource_variable_ops.ResourceVariable):
+    """A variable created in an oh.ParallelHandler scope: one buffer per component device,
+    saved and restored per component.
 
+    The handler's variable creator constructs it directly, as TensorFlow's own parallel
+    device does (parallel_device/saving.py), instead of changing a live variable's class.
+    """
 
-def _parallel_variable_class(base):
-    """`base` (a ResourceVariable class) saving one checkpoint entry per component."""
-    cls = _variable_classes.get(base)
-    if cls is not None:
-        return cls
+    def __init__(self, oh_parallel, **kwargs):
+        super().__init__(**kwargs)
+        stack = _stack_of(self.handle)
+        # Created under tf.init_scope (or by a hook below the handler): an ordinary one.
+        self._oh_parallel = oh_parallel if stack is not None and any(
+            h is oh_parallel for h in stack.handlers) else None
 
     def _serialize_to_tensors(self):
+        if self._oh_parallel is None:
+            return super()._serialize_to_tensors()
         parts = self._oh_parallel.unpack(self.read_value())  # pylint: disable=protected-access
         return {"component_%d" % i: t for i, t in enumerate(parts)}
 
     def _restore_from_tensors(self, restored_tensors):
         parallel = self._oh_parallel  # pylint: disable=protected-access
+        if parallel is None:
+            return super()._restore_from_tensors(restored_tensors)
         parts = [restored_tensors["component_%d" % i] for i in range(len(parallel.components))]
         return self.assign(parallel.pack(parts))
-
-    cls = type("Parallel" + base.__name__, (base,), {
-        "__doc__": "A variable of an oh.ParallelHandler: one buffer per component device.",
-        "_serialize_to_tensors": _serialize_to_tensors,
-        "_restore_from_tensors": _restore_from_tensors,
-    })
-    _variable_classes[base] = cls
-    return cls
 
 
 class _NullScope:
@@ -368,7 +365,7 @@ class _NullScope:
 
 @_ops.RegisterGradient("ParallelPack")
 def _parallel_pack_gradient(op, grad):
-    return _copies._lib.parallel_unpack(grad, N=op.get_attr("N"))  # pylint: disable=protected-access
+    return _copies.parallel_unpack(grad, op.get_attr("N"))
 
 
 @_ops.RegisterGradient("ParallelUnpack")
@@ -377,8 +374,8 @@ def _parallel_unpack_gradient(op, *grads):
     # The gradients are ordinary tensors: pack them on the stack the forward input lived
     # on (a tf.GradientTape may run this outside every scope).
     stack = _stack_of(op.inputs[0])
-    if stack is None or all(any(h is c for c in _state.current.handlers)
+    if stack is None or all(any(h is c for c in current_stack().handlers)
                             for h in stack.handlers):
-        return _copies._lib.parallel_pack(grads)  # pylint: disable=protected-access
+        return _copies.parallel_pack(grads)
     with _scope.handler(stack):
-        return _copies._lib.parallel_pack(grads)  # pylint: disable=protected-access
+        return _copies.parallel_pack(grads)

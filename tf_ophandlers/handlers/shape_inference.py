@@ -17,94 +17,15 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import shapes
+from tf_ophandlers.core.shapes import Spec, spec_of
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, representation_of
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of
 
 _RESOURCE = tf.resource
-_VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd",
-                             "VariableShape"))
+_VARIABLE_READS = shapes.VARIABLE_READS
 _STATEFUL = frozenset(("RandomUniformInt", "Multinomial", "RandomShuffle"))
-_MAX_VALUE_ELEMENTS = 64  # small integer values (shapes, axes) are carried along
-
-
-class Spec:
-    """A tensor's spec and, if known without computation, its (small) value."""
-
-    __slots__ = ("spec", "value", "handle")
-
-    def __init__(self, spec, value=None, handle=None):
-        self.spec = spec
-        self.value = value
-        self.handle = handle  # a real resource handle (variables are read by shape)
-
-    # OpHandler's default hooks read the representation's dtype and shape.
-    dtype = property(lambda self: self.spec.dtype)
-    shape = property(lambda self: self.spec.shape)
-
-    def __repr__(self):
-        return "Spec(%s%s)" % (self.spec, "" if self.value is None else ", value=%s" % self.value)
-
-
-def _known_value(tensor):
-    """The value of a small integer tensor (shapes, axes), else None."""
-    if (tensor.dtype.is_integer or tensor.dtype == tf.bool) \
-            and tensor.shape.num_elements() is not None \
-            and tensor.shape.num_elements() <= _MAX_VALUE_ELEMENTS:
-        if not tf.executing_eagerly():  # a function being replayed: constants fold
-            value = tf.get_static_value(tensor)
-            return None if value is None else np.asarray(value)
-        return tensor.numpy()
-    return None
-
-
-def spec_of(tensor):
-    """The `Spec` of a computed tensor: its TensorSpec and, for a small integer tensor
-    (a shape, an axis), its value."""
-    return Spec(tf.TensorSpec(tensor.shape, tensor.dtype), _known_value(tensor))
-
-
-def signature_part(dtype, dims, value):
-    """One input's part of an op signature (a cache key): dtype, dims (a tuple, None for
-    an unknown rank) and the known small value, if any."""
-    return dtype, dims, None if value is None else (value.dtype.str, value.tobytes(),
-                                                    value.shape)
-
-
-def _signature(op, inputs):
-    parts = []
-    for s in inputs:
-        shape = s.spec.shape
-        parts.append(signature_part(
-            s.spec.dtype, None if shape.rank is None else tuple(shape.as_list()), s.value))
-    return op.type, op.attrs_key(), tuple(parts)
-
-
-_inferred = {}  # signature -> list of output TensorSpecs
-
-
-def _infer(op, inputs):
-    """Output specs of `op` on `inputs`, from TensorFlow's shape functions."""
-    key = _signature(op, inputs)
-    specs = _inferred.get(key)
-    if specs is not None:
-        return specs
-    attrs = op.attr_protos()
-    graph = tf.Graph()
-    with graph.as_default():
-        args = []
-        for s in inputs:
-            if s.value is not None:
-                args.append(tf.constant(s.value, dtype=s.spec.dtype))
-            else:
-                args.append(tf.compat.v1.placeholder(s.spec.dtype, s.spec.shape))
-        node = graph.create_op(op.type, args, dtypes=op.output_dtypes, attrs=attrs)
-        specs = [tf.TensorSpec(o.shape, o.dtype) for o in node.outputs]
-    if len(_inferred) > 16384:
-        _inferred.clear()
-    _inferred[key] = specs
-    return specs
 
 
 class ShapeInference(OpHandler):
@@ -128,7 +49,7 @@ class ShapeInference(OpHandler):
         found, value = representation_of(self, tensor)
         if found:
             return value
-        tensor = _state.frames[-1].next.copy_on(tensor)  # a real tensor: its spec
+        tensor = next_stack().copy_on(tensor)  # a real tensor: its spec
         if tensor.dtype == _RESOURCE:
             return Spec(tf.TensorSpec(tensor.shape, tensor.dtype), handle=tensor)
         return spec_of(tensor)
@@ -181,7 +102,7 @@ class ShapeInference(OpHandler):
         return "ShapeInference"
 
     def execute(self, op, inputs):
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         if any(s.handle is not None for s in inputs):
             # Reading a variable (its handle is real): the read aliases the buffer, and
             # its result gives the shape. No computation runs.
@@ -190,14 +111,14 @@ class ShapeInference(OpHandler):
                     "oh.ShapeInference: op %s on a variable; only reads are supported "
                     "inside eval_shape" % op.type)
             args = [s.handle if s.handle is not None else self.copy_off(s, "") for s in inputs]
-            return [Spec(tf.TensorSpec(o.shape, o.dtype)) for o in next_stack.execute(op, args)]
+            return [Spec(tf.TensorSpec(o.shape, o.dtype)) for o in below.execute(op, args)]
         if (inputs and all(s.value is not None for s in inputs) and op.type not in _STATEFUL
                 and all(d.is_integer or d == tf.bool for d in op.output_dtypes)):
             # Shape arithmetic on known small integers (tf.shape(x)[1:], concat of dims):
             # folded, as graph construction's constant folding does, so shapes stay known
             # (eagerly, also while a function is replayed).
             if tf.executing_eagerly():
-                outs = next_stack.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
+                outs = below.execute(op, [tf.constant(s.value, dtype=s.spec.dtype)
                                                for s in inputs])
             else:
                 with _ops.init_scope():
@@ -209,7 +130,7 @@ class ShapeInference(OpHandler):
             dtype = op.attrs["out_type"]
             return [Spec(tf.TensorSpec([len(dims)], dtype), np.array(dims, dtype.as_numpy_dtype))]
         try:
-            specs = _infer(op, inputs)
+            specs = shapes.infer(op, inputs)
         except (ValueError, TypeError, tf.errors.OpError) as e:
             raise ValueError("oh.ShapeInference: op %s rejects inputs %s: %s"
                              % (op.type, [s.spec for s in inputs], e)) from e

@@ -21,14 +21,13 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
-from tf_ophandlers import _C
 from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
-from tf_ophandlers.core import replay as _replay
+from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import representation_of
+from tf_ophandlers.core.stack import representation_of, tensor_key
 
-_key = _C.tensor_key
+_key = tensor_key  # tensors are keyed by TensorFlow handle
 
 
 class _Record:
@@ -136,7 +135,7 @@ class TraceAndExecute(OpHandler):
         specs = [tf.TensorSpec(entered[i].shape, entered[i].dtype) for i in arg_positions]
         records, constants = list(self.records), list(self._constants)
         variables = dict(self._variables)
-        library = _replay.function_library(
+        library = _functions.function_library(
             [rec.op.type for rec in records if rec.op.output_dtypes is None])
 
         def build(*args):

@@ -33,8 +33,7 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import representation_of, stack_of
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
 
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = stack_of
@@ -493,11 +492,11 @@ class VectorizedMap(OpHandler):
 
     def copy_on(self, tensor):
         source = _stack_of(tensor)
-        next_stack = _state.frames[-1].next
+        below = next_stack()
         if source is not None and source.handler is self:
             b = source.unwrap(tensor)
-            return Batched(next_stack.copy_on(b.value), b.batched)
-        return Batched(next_stack.copy_on(tensor), False)
+            return Batched(below.copy_on(b.value), b.batched)
+        return Batched(below.copy_on(tensor), False)
 
     def copy_off(self, value, device):
         if value.batched:
@@ -513,8 +512,8 @@ class VectorizedMap(OpHandler):
         return True
 
     def execute(self, op, inputs):
-        next_stack = _state.frames[-1].next
-        execute = next_stack.execute
+        below = next_stack()
+        execute = below.execute
         if not any(b.batched for b in inputs) and op.type not in _RANDOM:
             outputs = execute(op, [b.value for b in inputs])
         else:
@@ -542,8 +541,8 @@ class VectorizedMap(OpHandler):
         # TensorLists (tf.TensorArray, tf.map_fn, tf.scan) are batched by pfor only as a
         # whole program (its "stacked" lists): a function using them runs once per
         # example as one op instead.
-        from tf_ophandlers.core import replay  # pylint: disable=import-outside-toplevel
-        return not any(t.startswith("TensorList") for t in replay.body_op_types(op.type))
+        from tf_ophandlers.core import functions  # pylint: disable=import-outside-toplevel
+        return not any(t.startswith("TensorList") for t in functions.body_op_types(op.type))
 
     def function_input(self, value):
         return value.batched, [value.value]

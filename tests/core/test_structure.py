@@ -1,0 +1,185 @@
+"""The core's structure promises (issue "One step in the core's structure"): import
+without side effects, an acyclic import graph with no import back up, no private names
+across handler modules, files small enough to read, bounded caches, listed patches."""
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import tf_ophandlers as oh
+
+PACKAGE = os.path.dirname(oh.__file__)
+
+
+def _run(code, timeout=240):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_devices_configurable_after_import():
+    out = _run("""
+        import tensorflow as tf
+        import tf_ophandlers as oh
+        from tensorflow.python.eager import context
+        assert context.context()._context_handle is None, "import started the runtime"
+        assert not any(p.installed for p in oh.patches()), oh.patches()
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        try:  # memory growth: plain TensorFlow's answer, whatever it is on this machine
+            tf.config.experimental.set_memory_growth(cpu, True)
+        except ValueError as e:
+            assert "initialized" not in str(e), e
+        assert len(tf.config.list_logical_devices("CPU")) == 2
+        with oh.ParallelHandler(["/cpu:0", "/cpu:1"]) as p:
+            x = p.pack([tf.constant(1.0), tf.constant(2.0)])
+            y = x * 3.0
+        print([float(t) for t in p.unpack(y)])
+        print(sorted(q.name for q in oh.patches() if q.installed))
+    """)
+    lines = out.strip().splitlines()
+    assert lines[0] == "[3.0, 6.0]"
+    assert "Context.device" in lines[1] and "tape hooks" not in lines[1]
+
+
+def test_import_leaves_tensorflow_unpatched():
+    _run("""
+        import tensorflow as tf
+        from tensorflow.python.eager import context
+        from tensorflow.python.framework import func_graph, ops, tensor_util
+        from tensorflow.python.eager import record
+        before = (context.Context.device, ops.EagerTensor.__dict__.get("device"),
+                  tensor_util.constant_value, func_graph.FuncGraph._create_op_internal,
+                  record.record_operation)
+        import tf_ophandlers as oh
+        after = (context.Context.device, ops.EagerTensor.__dict__.get("device"),
+                 tensor_util.constant_value, func_graph.FuncGraph._create_op_internal,
+                 record.record_operation)
+        assert before == after
+        # Graph-op creation is patched only while a replay traces.
+        f = tf.function(lambda a: tf.sin(a) * 2.0)
+        with oh.OpLogHandler():
+            f(tf.constant(1.0))
+        assert func_graph.FuncGraph._create_op_internal is before[3]
+    """)
+
+
+def _modules():
+    for root, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                yield rel[:-len(".__init__")] if rel.endswith(".__init__") else rel, path
+
+
+def _imports(path, module):
+    """(imported module, names) pairs of every import in the file, at any depth."""
+    tree = ast.parse(open(path).read())
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            yield base, tuple(a.name for a in node.names)
+
+
+def _graph():
+    modules = dict(_modules())
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for base, names in _imports(path, name):
+            if not base.startswith("tf_ophandlers"):
+                continue
+            targets = [base + "." + n for n in names if base + "." + n in modules] or [base]
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycle_and_no_import_back_up():
+    graph = _graph()
+    for name, deps in graph.items():
+        if name != "tf_ophandlers":
+            assert "tf_ophandlers" not in deps, "%s imports the package's __init__" % name
+    state = {}
+
+    def visit(n, path):
+        state[n] = "active"
+        for d in graph[n]:
+            if d == "tf_ophandlers":
+                continue
+            assert state.get(d) != "active", "import cycle: " + " -> ".join(path + [d])
+            if d not in state:
+                visit(d, path + [d])
+        state[n] = "done"
+
+    for n in graph:
+        if n not in state:
+            visit(n, [n])
+
+
+def test_core_never_imports_handlers():
+    for name, deps in _graph().items():
+        if name.startswith("tf_ophandlers.core"):
+            assert not any(d.startswith("tf_ophandlers.handlers") for d in deps), (name, deps)
+
+
+def test_no_python_file_over_600_lines():
+    for name, path in _modules():
+        n = sum(1 for _ in open(path))
+        assert n <= 600, "%s has %d lines" % (name, n)
+
+
+def test_handlers_use_no_private_names_of_other_modules():
+    modules = dict(_modules())
+    for name, path in modules.items():
+        if not name.startswith("tf_ophandlers.handlers"):
+            continue
+        tree = ast.parse(open(path).read())
+        aliases = {}
+        for base, names in _imports(path, name):
+            if base.startswith("tf_ophandlers"):
+                for n in names:
+                    assert not n.startswith("_"), "%s imports %s.%s" % (name, base, n)
+                assert not base.rpartition(".")[2].startswith("_"), (name, base)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tf_ophandlers"):
+                for a in node.names:
+                    if node.module + "." + a.name in modules:
+                        aliases[a.asname or a.name] = node.module + "." + a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")):
+                pytest.fail("%s uses %s.%s" % (name, aliases[node.value.id], node.attr))
+
+
+def test_caches_are_bounded_and_listed():
+    from tf_ophandlers.core.cache import BoundedCache
+    c = BoundedCache("test.structure", 3)
+    for i in range(10):
+        c[i] = i
+    assert list(c) == [7, 8, 9]
+    listed = oh.caches()
+    assert listed["test.structure"] == (3, 3)
+    assert {"functions.replays", "functions.bodies", "dispatch.python_scalars"} <= set(listed)
+    assert all(0 <= n <= size for n, size in listed.values())
+
+
+def test_patches_name_their_reason():
+    names = [p.name for p in oh.patches()]
+    assert len(names) == len(set(names))
+    for p in oh.patches():
+        assert p.reason and p.target and p.when in ("runtime", "scoped", "first-use")

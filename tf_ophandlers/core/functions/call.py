@@ -1,0 +1,199 @@
+"""Function calls under handlers: replay into a handler-free function (RFC "Replay before
+function execution", DESIGN.md decision 5). Registered with the stacks as their
+function-call rule.
+
+A `tf.function` call reaches a stack as one op named after the function
+(``__inference_f_123``). Unless the stack's handler takes call ops whole
+(``replays_functions = False``: tapes, parallel handlers), the call is *replayed*:
+
+1. The *segment* is the run of replaying handlers from the stack down; the *bottom* is
+   the stack below it (PHYSICAL, or a tape that takes calls whole).
+2. Each argument is split by its handlers' `function_input` hooks into tensors of the
+   bottom plus a summary tree (representations.py); the summaries and the bottom
+   tensors' specs key the cache.
+3. On a miss, a `tf.function` over the bottom tensors is traced with the symbolic mode
+   active (symbolic.py): the body is interpreted node by node through the segment's
+   stacks (interpreter.py, control_flow.py); what reaches the bottom becomes the body.
+4. The replayed ConcreteFunction is called on the bottom stack (so a tape there records
+   it with TensorFlow's function gradient), and its results are rebuilt into the
+   segment's representations.
+
+A cache hit costs the splits, one dictionary lookup and one function call.
+"""
+import tensorflow as tf
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import handle_data_util as _handle_data_util
+
+import tf_ophandlers._C as _C
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
+from tf_ophandlers.core.functions import library
+from tf_ophandlers.core.functions.control_flow import as_list
+from tf_ophandlers.core.functions.representations import (
+    count_leaves, eager_leaf, graph_leaf, rebuild, split)
+from tf_ophandlers.core.functions.symbolic import Replay, active
+from tf_ophandlers.core.stack import (
+    PHYSICAL, HandlerStack, register_function_call_rule, replays)
+from tf_ophandlers.core.state import state
+
+# Keyed by everything a replay depends on: the function, placement, device, argument
+# summaries and specs, the handlers' cache keys and types, and the bottom stack.
+_cache = BoundedCache("functions.replays", 512, lru=True)  # key -> _Entry
+
+
+class CompiledCall:
+    """A ConcreteFunction built by a handler (a replay, Lazy's pending ops), run on a stack.
+
+    On physical devices it runs as one op, without ConcreteFunction's Python call path
+    (tapes above recorded the original call). On a handler stack it goes through that
+    path, so that a tape there records it with TensorFlow's function gradient.
+    """
+
+    __slots__ = ("function", "call_op", "captured")
+
+    def __init__(self, function):
+        self.function = function  # owns the function registered in the context
+        signature = function.function_def.signature
+        self.call_op = _C.new_op(signature.name, {}, len(signature.output_arg))
+        self.captured = list(function.captured_inputs)
+
+    def run(self, stack, args):
+        """The outputs of the function called on `args` (tensors) on `stack`."""
+        if stack is PHYSICAL:
+            return PHYSICAL.execute(self.call_op, list(args) + self.captured)
+        return call_on(stack, self.function, args)
+
+
+class _Entry:
+    __slots__ = ("compiled", "output_trees")
+
+    def __init__(self, function, output_trees):
+        self.compiled = CompiledCall(function)
+        self.output_trees = output_trees
+
+
+def cache_info():
+    """Number of replayed functions cached (for tests and benchmarks)."""
+    return len(_cache)
+
+
+def clear_cache():
+    _cache.clear()
+    library.clear()
+
+
+def _segment(stack, op):
+    """The stacks replaying `op` from `stack` down (top first), and the stack below."""
+    segment = []
+    while isinstance(stack, HandlerStack) and replays(stack.handler, op):
+        segment.append(stack)
+        stack = stack.next
+    return segment, stack
+
+
+def call(stack, op, inputs):
+    """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
+    segment, bottom = _segment(stack, op)
+    scope_placed = state.scope_placed
+    if scope_placed and not all(s.default_copy_on for s in segment):
+        # As for any op placed by a scope, the arguments are copied onto the stack first
+        # (a watched primal gets its tangent, from any handler of the segment). With the
+        # default copy-on everywhere that would only wrap a tensor that the split below
+        # unwraps again.
+        inputs = [stack.copy_on(t) if stack.wants_copy(op, i) else t
+                  for i, t in enumerate(inputs)]
+    leaves = []
+    trees = tuple(split(t, segment, eager_leaf, leaves) for t in inputs)
+    key = (op.type, scope_placed, state.device, trees,
+           tuple(s.handler.function_cache_key() for s in segment),
+           tuple(type(s.handler) for s in segment), id(bottom) if bottom is not PHYSICAL else 0)
+    entry = _cache.get(key)
+    if entry is None:
+        entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, trees, leaves)
+    it = iter(entry.compiled.run(bottom, leaves))
+    return [rebuild(t, segment, it) for t in entry.output_trees]
+
+
+def call_on(bottom, function, args):
+    """Calls `function` on the stack `bottom` through ConcreteFunction's call path, so that
+    a tape there records it with TensorFlow's function gradient."""
+    captured = function.captured_inputs
+    # Not `scope.handler(bottom)`: re-entering a stack the current one contains is a
+    # no-op, and the call must run below the segment.
+    saved = state.current
+    state.current = bottom
+    device_scope = _scope.original_device_scope(DISPATCHER_DEVICE)
+    try:
+        with device_scope:
+            return as_list(function._call_flat(args, captured))
+    finally:
+        state.current = saved
+
+
+_VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
+
+
+def _set_handle_data(placeholder, exterior, argument):
+    """Gives a resource placeholder of a replay its variable's dtype and shape (what shape
+    inference of reads needs). The FunctionDef does not record it, and the eager handles
+    TensorFlow passes to a device do not carry it (it is a Python attribute of a
+    variable's own handle): the dtype comes from the reads of the argument in the body,
+    the shape from the variable itself."""
+    data = _handle_data_util.get_handle_data(exterior)
+    if data is not None and data.is_set:
+        _handle_data_util.set_handle_data(placeholder, data)
+        return
+    if argument.dtype != tf.resource:
+        return
+    dtypes = {c.get_attr("dtype") for c in argument.consumers() if c.type in _VARIABLE_READS}
+    if len(dtypes) != 1:
+        return
+    try:
+        with _ops.init_scope():
+            shape = tf.raw_ops.VariableShape(input=exterior).numpy()
+    except (tf.errors.OpError, ValueError, TypeError):
+        return
+    from tensorflow.core.framework import cpp_shape_inference_pb2  # pylint: disable=import-outside-toplevel
+    data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
+    data.shape_and_type.add(shape=tf.TensorShape(shape).as_proto(),
+                            dtype=dtypes.pop().as_datatype_enum)
+    _handle_data_util.set_handle_data(placeholder, data)
+
+
+def _trace(segment, bottom, scope_placed, name, trees, leaves):
+    body = library.body(name)
+    replay = Replay(segment, bottom, scope_placed, name)
+    output_trees = []
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in leaves]
+
+    def replayed(*placeholders):
+        graph = _ops.get_default_graph()
+        replay.graphs.add(id(graph))
+        # Resource and variant handle data (a variable's dtype and shape) come from the
+        # function's own argument the leaf belongs to: the eager handles TensorFlow
+        # passes to a device do not carry it (it is a Python attribute of a variable's
+        # handle), and handlers leave resources unchanged (transient handlers).
+        position = 0
+        for i, tree in enumerate(trees):
+            for _ in range(count_leaves(tree)):
+                p = placeholders[position]
+                if p.dtype == tf.resource or p.dtype == tf.variant:
+                    _set_handle_data(p, leaves[position], body.inputs[i])
+                position += 1
+        it = iter(placeholders)
+        args = [rebuild(t, segment, it) for t in trees]
+        outs = [replay.lower(o) for o in replay.interpret(body, args)]
+        flat = []
+        output_trees.extend(split(o, segment, graph_leaf, flat) for o in outs)
+        return flat
+
+    with active(replay), _scope.physical(), _record.stop_recording():
+        state.current = bottom  # below the segment, ops are nodes of the function
+        function = tf.function(replayed, input_signature=specs, autograph=False,
+                               reduce_retracing=False).get_concrete_function()
+    return _Entry(function, tuple(output_trees))
+
+
+register_function_call_rule(call)

@@ -1,0 +1,90 @@
+"""Splitting representations into tensors of the bottom and rebuilding them (the RFC's
+FunctionInput / FunctionOutput hooks), for function arguments, results and the values
+crossing control flow.
+
+A *tree* describes one value: ``("leaf", ...)`` for a tensor of the bottom, or
+``(level, summary, subtrees)`` for a representation of the stack ``segment[level]``,
+whose `function_input` gave `summary` and the parts described by `subtrees`.
+"""
+from tensorflow.python.framework import dtypes as _dtypes
+from tensorflow.python.framework.tensor import Tensor as _Tensor
+
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.stack import payload
+
+_RESOURCE = _dtypes.resource
+_VARIANT = _dtypes.variant
+
+
+def _is_default(handler, hook):
+    return getattr(getattr(type(handler), hook), "_oh_default", False)
+
+
+def split(tensor, segment, leaf_key, comps):
+    """Appends the bottom tensors carrying `tensor` to `comps`; returns its summary tree."""
+    p = payload(tensor)
+    if p is not None:
+        stack = p[0]
+        for level, s in enumerate(segment):
+            if s is stack:
+                handler = stack.handler
+                if _is_default(handler, "function_input"):
+                    summary, parts = None, (p[1],)  # no frame needed
+                else:
+                    summary, parts = stack.call_hook(handler.function_input, p[1])  # pylint: disable=protected-access
+                try:
+                    hash(summary)
+                except TypeError:
+                    raise errors.HandlerOutputError(
+                        "%s.function_input returned an unhashable summary %r; summaries key "
+                        "the replay cache" % (stack.handler.debug_string(), summary)) from None
+                return (level, summary, tuple(split(t, segment, leaf_key, comps) for t in parts))
+    comps.append(tensor)
+    return leaf_key(tensor)
+
+
+def rebuild(tree, segment, comps):
+    """The tensor (on its stack of `segment`) for `tree` from the bottom tensors `comps`."""
+    if tree[0] == "leaf":
+        return next(comps)
+    level, summary, subtrees = tree
+    stack = segment[level]
+    parts = [rebuild(t, segment, comps) for t in subtrees]
+    handler = stack.handler
+    if _is_default(handler, "function_output"):
+        return stack.wrap(parts[0])
+    value = stack.call_hook(handler.function_output, summary, parts)  # pylint: disable=protected-access
+    return stack.wrap(value)
+
+
+def eager_leaf(tensor):
+    """Cache-key part of a bottom tensor: what the replay's placeholder depends on."""
+    if not isinstance(tensor, _Tensor):
+        raise errors.HandlerOutputError(
+            "tf_ophandlers: function_input returned %r, which is not a tensor" % (tensor,))
+    dtype = tensor.dtype
+    if dtype == _RESOURCE or dtype == _VARIANT:
+        # The replay's placeholder takes its handle data (a variable's dtype and shape)
+        # from the function's own argument, which TensorFlow traced for it.
+        return ("leaf", dtype)
+    return ("leaf", dtype, tensor._shape_tuple())  # pylint: disable=protected-access
+
+
+def graph_leaf(tensor):
+    return ("leaf", tensor.dtype)
+
+
+def count_leaves(tree):
+    if tree[0] == "leaf":
+        return 1
+    return sum(count_leaves(t) for t in tree[2])
+
+
+def regroup(trees, flat):
+    """`flat` bottom tensors grouped per tree."""
+    out, k = [], 0
+    for t in trees:
+        n = count_leaves(t)
+        out.append(list(flat[k:k + n]))
+        k += n
+    return out

@@ -1,0 +1,175 @@
+"""The symbolic mode: a function replay in progress (`state.mode` while it is traced).
+
+While a replay traces its handler-free function, the stacks of the replayed *segment*
+run on *shadow tensors*: placeholders in a scratch graph that carry ``(stack,
+representation)``; what reaches the bottom becomes nodes of the function. Ops a handler's
+hooks create with ordinary TensorFlow calls are routed through the hook's next stack, as
+they are eagerly: TensorFlow's graph-op creation is patched for that, only while a replay
+traces (tf_patches "FuncGraph._create_op_internal").
+"""
+import contextlib
+
+from tensorflow.python.eager import context as _context
+from tensorflow.python.framework import func_graph as _func_graph
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import array_ops as _array_ops
+
+from tf_ophandlers.core import errors
+from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.functions.control_flow import ControlFlow
+from tf_ophandlers.core.functions.interpreter import CALL_OPS, PHYSICAL_OPS, Interpreter
+from tf_ophandlers.core.functions.library import body as function_body
+from tf_ophandlers.core.op import Op, decode_attr
+from tf_ophandlers.core.stack import payload
+from tf_ophandlers.core.state import Mode, state
+
+_PAYLOAD_ATTR = "_oh_payload"
+
+
+class Replay(Mode, Interpreter, ControlFlow):
+    """State of one replay being traced; `state.mode` while it is active."""
+
+    def __init__(self, segment, bottom, scope_placed, name):
+        self.segment = list(segment)  # grows by the stacks of traced scopes (below)
+        self.members = set(id(s) for s in segment)
+        self.dynamic = set()  # ids of those stacks
+        self.bottom = bottom
+        self.scope_placed = scope_placed
+        self.name = name
+        self.graphs = set()  # ids of the graphs whose ops are routed (body, branches)
+        self.scratch = _ops.Graph()  # shadow tensors live here, never in a function
+
+    def building(self):
+        """Whether ops are being added to this replay (not eager code inside it)."""
+        return (not _context.executing_eagerly()
+                and id(_ops.get_default_graph()) in self.graphs)
+
+
+    # -- the Mode interface (core/state.py) ----------------------------------------------
+
+    def represents(self, stack):
+        return id(stack) in self.members
+
+    def payload(self, tensor):
+        return getattr(tensor, _PAYLOAD_ATTR, None)
+
+    def wrap(self, stack, value):
+        """A symbolic tensor of `stack` whose representation is `value`."""
+        handler = stack.handler
+        dtype = handler.value_dtype(value)
+        rank = handler.num_dims(value)
+        shape = None if rank < 0 else [
+            None if d < 0 else d for d in (handler.dim(value, i) for i in range(rank))]
+        with self.scratch.as_default():
+            t = _array_ops.placeholder(dtype, shape, name="oh_shadow")
+        setattr(t, _PAYLOAD_ATTR, (stack, value))
+        return t
+
+    def to_bottom(self, tensor):
+        """`tensor` copied off the segment (a tensor of the bottom)."""
+        p = payload(tensor)
+        if p is None:
+            return tensor
+        return p[0].copy_off(tensor, state.device)
+
+    def emit(self, op, inputs):
+        """Adds `op` on bottom tensors to the function being built."""
+        inputs = [self.to_bottom(t) for t in inputs]
+        attrs = op.attr_protos()
+        graph = _ops.get_default_graph()
+        with _ops.device(state.device) if state.device else contextlib.nullcontext():
+            node = _original_create_op(graph, op.type, inputs, attrs=attrs)
+        return list(node.outputs)
+
+    # -- ops created by TensorFlow calls in hooks -----------------------------------------
+
+    def create_op(self, graph, op_type, inputs, dtypes, input_types, name, attrs, op_def,
+                  compute_device):
+        target = state.current
+        if op_type in PHYSICAL_OPS or id(target) not in self.members:
+            if any(payload(t) is not None for t in inputs):
+                inputs = [self.to_bottom(t) for t in inputs]
+            return _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
+                                       attrs, op_def, compute_device)
+        if op_type in CALL_OPS:
+            # A tf.function a hook calls: replayed on the hook's next stack, as eagerly.
+            outputs = self.interpret(function_body(attrs["f"].func.name), list(inputs), target)
+            return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
+        op = Op.create(op_type, **(attrs or {}))
+        outputs = target.execute(op, list(inputs))
+        return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
+
+
+class _RoutedOp:
+    """What a TensorFlow call gets back for an op a handler ran while replaying: the
+    outputs are shadow tensors of the stack it ran on (the op is not a graph node)."""
+
+    def __init__(self, op_type, name, attrs, outputs, inputs, graph):
+        self.type = op_type
+        self.name = name or op_type
+        self._attrs = attrs or {}
+        self.outputs = list(outputs)
+        self.inputs = list(inputs)
+        self.graph = graph
+        self.device = ""
+        self.control_inputs = []
+
+    def get_attr(self, name):
+        return decode_attr(self._attrs[name])
+
+    _get_attr_type = _get_attr_bool = _get_attr_int = get_attr
+
+    def _set_device_from_string(self, device):
+        self.device = device
+
+    def _set_attr(self, name, value):
+        self._attrs[name] = value
+
+
+# -- routing ops created with TensorFlow calls while replaying -----------------------------
+
+_original_create_op = _func_graph.FuncGraph._create_op_internal  # pylint: disable=protected-access
+
+
+def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, name=None,
+                        attrs=None, op_def=None, compute_device=True):
+    mode = state.mode
+    replay = mode if isinstance(mode, Replay) else None
+    if replay is None or id(self) not in replay.graphs:
+        if replay is not None and any(replay.payload(t) is not None for t in inputs):
+            raise errors.HandlerError(
+                "tf_ophandlers: while replaying %s, a handler hook built a nested graph "
+                "(tf.cond, tf.while_loop, tf.function tracing) on tensors of handler stack "
+                "%r; hooks that run while functions are replayed must use plain ops "
+                "(tf.where instead of tf.cond)" % (
+                    replay.name, next(replay.payload(t)[0] for t in inputs
+                                      if replay.payload(t) is not None)))
+        return _original_create_op(self, op_type, inputs, dtypes, input_types, name, attrs,
+                                   op_def, compute_device)
+    return replay.create_op(self, op_type, inputs, dtypes, input_types, name, attrs, op_def,
+                            compute_device)
+
+
+tf_patches.register(
+    "FuncGraph._create_op_internal",
+    "tensorflow.python.framework.func_graph.FuncGraph._create_op_internal",
+    "while a function is replayed, ops that handler hooks create with ordinary TensorFlow "
+    "calls must run on the hook's next stack (as they do eagerly) instead of becoming "
+    "nodes of the function; TensorFlow has no hook for graph-op creation. Installed only "
+    "while a replay traces.", "scoped",
+    lambda: setattr(_func_graph.FuncGraph, "_create_op_internal", _create_op_internal),
+    lambda: setattr(_func_graph.FuncGraph, "_create_op_internal", _original_create_op))
+
+
+@contextlib.contextmanager
+def active(replay):
+    """Makes `replay` this thread's mode (ops of the traced function become symbolic)."""
+    saved = (state.mode, state.current, list(state.frames))
+    state.mode = replay
+    del state.frames[:]
+    try:
+        with tf_patches.installed("FuncGraph._create_op_internal"):
+            yield
+    finally:
+        state.mode, state.current, frames = saved
+        state.frames[:] = frames

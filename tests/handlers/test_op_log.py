@@ -146,3 +146,42 @@ def test_every_call_eagerly_and_in_loops():
     assert_close(y1, f(x))
     assert_close(y2, f(x))
     assert log.op_types_seen() == ["Sin"] * 8
+
+
+def test_at_every_call_runs_per_call_and_only_for_the_branch_taken():
+    """The general mechanism (handlers/per_call.py) for a handler author: a Python counter
+    updated at every call of a replayed function, per branch actually taken."""
+    from tf_ophandlers.handlers import per_call  # pylint: disable=import-outside-toplevel
+
+    class CountOps(oh.OpHandler):
+        def __init__(self):
+            self.counts = {}
+            self.replayed = []
+
+        def _add(self, op_types):
+            for t in op_types:
+                self.counts[t] = self.counts.get(t, 0) + 1
+
+        def execute(self, op, inputs):
+            outputs = self.next.execute(op, inputs)
+            self.replayed.append(per_call.replaying())
+            if op.type in ("Sin", "Cos"):
+                per_call.at_every_call(self, op.type, self._add)
+            return outputs
+
+    @tf.function
+    def f(x, p):
+        return tf.cond(p, lambda: tf.sin(x), lambda: tf.cos(x))
+
+    x = tf.constant([0.5])
+    counter = CountOps()
+    with counter:
+        results = [f(x, tf.constant(p)) for p in (True, True, False, True)]
+    for r, p in zip(results, (True, True, False, True)):
+        assert_close(r, f(x, tf.constant(p)))
+    assert counter.counts == {"Sin": 3, "Cos": 1}
+    assert any(counter.replayed)
+    with counter:
+        tf.sin(x)  # eagerly: at once
+    assert counter.counts == {"Sin": 4, "Cos": 1}
+    assert not counter.replayed[-1]

@@ -96,6 +96,7 @@ def test_fit_names_the_graph_node_and_the_traced_source_line():
         with oh.CheckNumericsHandler():
             model.fit(x, x, epochs=1, batch_size=4, verbose=0)
     message = str(handled.value)
-    assert "op Log (node %sLog " % scope in message, message
+    assert "CheckNumericsHandler: op Log produced NaN" in message, message
+    assert "(graph node %sLog of function " % scope in message, message
     assert "%s:%s in call" % (__file__, line) in message, message
     assert "NaN" in message

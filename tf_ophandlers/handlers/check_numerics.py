@@ -55,7 +55,8 @@ def traced_location(op):
     frames = op.traceback
     for frame in reversed(frames or ()):
         if _is_user_file(frame.filename):
-            return "%s:%d in %s" % (frame.filename, frame.lineno, frame.name)
+            return "%s:%d%s" % (frame.filename, frame.lineno,
+                                " in " + frame.name if frame.name else "")
     return None
 
 
@@ -87,7 +88,7 @@ class CheckNumericsHandler(OpHandler):
         if op.type in self.op_types_to_skip:
             return outputs
         nxt = self.next
-        if op.node_name is not None:
+        if op.node_name is not None and not tf.executing_eagerly():
             # A node of a function being replayed: the check becomes a node of the
             # replayed function and fails when it runs, long after this hook. Its message
             # names the node and the user's line recorded when the function was traced
@@ -97,10 +98,10 @@ class CheckNumericsHandler(OpHandler):
                 dtype = out.dtype
                 if dtype.is_floating or dtype.is_complex:
                     nxt.execute(Op.create("CheckNumericsV2", T=dtype, message=(
-                        "CheckNumericsHandler: op %s (node %s of function %s) produced NaN "
-                        "or Inf in output %d (%s), at %s" % (
-                            op.type, op.node_name, op.function_name, i, dtype.name,
-                            where or "<no stack trace recorded>"))), [out])
+                        "CheckNumericsHandler: op %s produced NaN or Inf in output %d (%s), "
+                        "at %s (graph node %s of function %s)" % (
+                            op.type, i, dtype.name, where or "<no stack trace recorded>",
+                            op.node_name, op.function_name))), [out])
             return outputs
         for i, out in enumerate(outputs):
             dtype = out.dtype

@@ -2,9 +2,11 @@
 
 The learning rate below is far too large, so the loss overflows within a few steps.
 Without the handler, Keras keeps training on NaNs; with it, the first non-finite float
-output raises `InvalidArgumentError` naming the op and the line of your code that ran it.
-(`fit`'s train step is a `tf.function`: until function replay lands it is checked at the
-level of its outputs, so the op named is the step's output rather than the layer inside.)
+output raises `InvalidArgumentError`. `fit`'s train step is a `tf.function`: it is replayed
+through the handler once, with a check after every op of the step (layers, loss, gradients,
+optimizer) that runs at every step, so the error names the op, its graph node
+(`sequential/dense/MatMul`) and the line of your code that created it when the step was
+traced (here the `fit` call below; in a custom layer, the line in its `call`).
 
     python examples/check_numerics_fit.py
 """

@@ -13,16 +13,24 @@ import tf_ophandlers as oh  # noqa: E402
 
 
 class CountFlops(oh.OpHandler):
-    """A handler written in a few lines: counts matmul FLOPs, forwards every op."""
+    """A handler written in a few lines: counts matmul FLOPs, forwards every op.
+
+    Shapes seen in a hook may be partially unknown (`None`): while a `tf.function` (Keras
+    `fit`'s train step, whose last batch may be partial) is replayed, a dimension is
+    whatever the trace knew. So the count is computed with TensorFlow ops (`tf.shape`,
+    `tf.size`) and added to a variable: eagerly it runs at once, in a replayed function
+    it becomes part of the function and runs at every call.
+    """
 
     def __init__(self):
-        self.flops = 0
+        self.flops = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     def execute(self, op, inputs):
         outputs = self.next.execute(op, inputs)
         if op.type == "MatMul":
-            (m, k), n = inputs[0].shape, outputs[0].shape[-1]
-            self.flops += 2 * m * k * n
+            # 2 * (rows * columns of the product) * (the contracted dimension)
+            k = tf.shape(inputs[0], out_type=tf.int64)[0 if op.attrs["transpose_a"] else 1]
+            self.flops.assign_add(2 * k * tf.size(outputs[0], out_type=tf.int64))
         return outputs
 
 
@@ -41,7 +49,7 @@ def main():
     # The outer log also sees the CheckNumericsV2 ops the innermost handler runs: handlers
     # of outer scopes see executions as transformed by the handlers nested inside them.
     print("ops seen by OpLogHandler:", " ".join(log.op_types_seen()))
-    print("matmul FLOPs counted by CountFlops:", flops.flops)
+    print("matmul FLOPs counted by CountFlops:", int(flops.flops.numpy()))
     print("stack of the result:", oh.handler_of(logits))
     print("same values as plain TensorFlow:",
           bool(tf.reduce_all(tf.abs(logits - model(data)) < 1e-6)))

@@ -14,18 +14,12 @@ scope opens, so devices can still be configured after ``import tf_ophandlers``.
 
 See README.md and docs/guide.md.
 """
-SUPPORTED_TENSORFLOW = "2.21"
+from tf_ophandlers._install_check import SUPPORTED_TENSORFLOW, check_tensorflow, load_extension
 
-import tensorflow as _tf  # noqa: E402
-
-if not _tf.__version__.startswith(SUPPORTED_TENSORFLOW + "."):
-    raise ImportError(
-        "tf-ophandlers %s supports TensorFlow %s.x only (its C++ extension uses private "
-        "symbols of that release); found TensorFlow %s. Install 'tensorflow==%s.*' or "
-        "'tensorflow-cpu==%s.*'." % ("0.1.0", SUPPORTED_TENSORFLOW, _tf.__version__,
-                                     SUPPORTED_TENSORFLOW, SUPPORTED_TENSORFLOW))
-
-import tf_ophandlers._C as _C  # noqa: E402  (after TensorFlow: needs its libraries)
+# Each raises an ImportError that says what to install or build (not a bare
+# ModuleNotFoundError or a "circular import" from a checkout without the extension).
+_tf = check_tensorflow()
+_C = load_extension()  # after TensorFlow: the extension needs its libraries
 from tf_ophandlers.core import tensor as _tensor  # noqa: E402,F401  (registers patches)
 from tf_ophandlers.core import functions as _functions  # noqa: E402,F401  (the call rule)
 from tf_ophandlers.core.cache import caches  # noqa: E402
@@ -39,6 +33,7 @@ from tf_ophandlers.core.stack import (  # noqa: E402
     COPY_OPS, PHYSICAL, HandlerStack, OffStack, current_stack, next_stack, representation_of,
     stack_of, tensor_key)
 from tf_ophandlers.core.copies import copy_off, copy_on  # noqa: E402
+from tf_ophandlers.core.functions import per_call  # noqa: E402
 from tf_ophandlers.core.tf_patches import patches  # noqa: E402
 from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
 from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
@@ -75,5 +70,5 @@ __all__ = [
     "HandlerOutputError", "CopyOffError",
     # for handler authors (docs/guide.md, "The handler author's API")
     "next_stack", "stack_of", "tensor_key", "representation_of", "COPY_OPS", "patches",
-    "caches",
+    "caches", "per_call",
 ]

@@ -35,3 +35,41 @@ def test_example_runs(script):
     proc = _run(script)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()
+
+
+def test_quickstart_count_flops_under_fit_with_a_partial_last_batch():
+    """Issue 16 item 3: Keras replays the train step with an unknown (None) batch
+    dimension; the quickstart's CountFlops multiplied static dims and crashed in fit. It
+    must count every step's matmul FLOPs (the partial last batch included) and leave the
+    losses equal to plain fit's."""
+    code = r'''
+import sys
+sys.path.insert(0, "examples")
+import keras, numpy as np, tensorflow as tf
+import tf_ophandlers as oh
+from quickstart import CountFlops
+
+def make():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64),
+                              keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+x = np.random.default_rng(0).standard_normal((10, 32)).astype(np.float32)
+y = np.ones((10, 10), np.float32)
+plain = make().fit(x, y, batch_size=4, epochs=2, verbose=0).history["loss"]
+flops = CountFlops()
+with flops:
+    handled = make().fit(x, y, batch_size=4, epochs=2, verbose=0).history["loss"]
+# Per example: forward x@W1 (32x64), h@W2 (64x10); backward dW1 = x^T dh, dh = dy W2^T,
+# dW2 = h^T dy (no gradient for the input).
+per_example = 2 * (32 * 64 + 64 * 10 + 32 * 64 + 64 * 10 + 64 * 10)
+print(int(flops.flops.numpy()), 2 * len(x) * per_example)
+print(np.allclose(plain, handled, rtol=1e-6), plain, handled)
+'''
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counted, expected = proc.stdout.splitlines()[0].split()
+    assert counted == expected
+    assert proc.stdout.splitlines()[1].startswith("True"), proc.stdout

@@ -75,10 +75,10 @@ def test_no_kernel_runs():
 def test_inference_is_cached_per_op_signature():
     fn = lambda x: tf.tanh(x @ tf.ones([3, 3])) * 2.  # noqa: E731
     oh.eval_shape(fn, tf.TensorSpec([7, 3]))
-    n = len(si._inferred)  # pylint: disable=protected-access
+    n = oh.caches()["shapes.inferred"][0]
     for _ in range(3):
         oh.eval_shape(fn, tf.TensorSpec([7, 3]))
-    assert len(si._inferred) == n  # pylint: disable=protected-access
+    assert oh.caches()["shapes.inferred"][0] == n
 
 
 def test_errors_are_clear():

@@ -307,3 +307,64 @@ def test_functions_using_tensor_lists_run_per_example(caplog):
     with caplog.at_level(logging.WARNING):
         got = oh.vectorized_map(f, x)
     assert_close(got, tf.vectorized_map(f, x))
+
+
+def test_signature_matches_tf_vectorized_map():
+    """Issue 16 item 6: same arguments, names and defaults as tf.vectorized_map."""
+    import inspect  # pylint: disable=import-outside-toplevel
+    ours = inspect.signature(oh.vectorized_map).parameters
+    theirs = inspect.signature(tf.vectorized_map).parameters
+    assert [(p.name, p.default) for p in ours.values()] == \
+        [(p.name, p.default) for p in theirs.values()]
+
+
+_CONV_FALLBACK = r'''
+import os, sys
+import tensorflow as tf
+import tf_ophandlers as oh
+
+kernel = tf.Variable(tf.random.stateless_normal([3, 3, 2, 4], seed=[0, 1]))
+x = tf.random.stateless_normal([3, 8, 8, 2], seed=[1, 2])
+
+def per_example(xi, tape_type):
+    with tape_type() as tape:
+        tape.watch(xi)
+        y = tf.nn.conv2d(xi[None], kernel, 1, "SAME")
+        loss = tf.reduce_sum(y * y)
+    return tape.gradient(loss, [kernel, xi])
+
+kw = {} if sys.argv[1] == "default" else {"warn": sys.argv[1] == "True"}
+for _ in range(2):  # reported once per op type, not per call
+    got = oh.vectorized_map(lambda xi: per_example(xi, oh.GradientTape), x, **kw)
+ref = [tf.stack(r) for r in zip(*[per_example(x[i], tf.GradientTape) for i in range(3)])]
+for g, r in zip(got, ref):
+    assert type(g) is type(r) and g.dtype == r.dtype and g.shape == r.shape, (g, r)
+    assert float(tf.reduce_max(tf.abs(g - r))) < 1e-4
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("warn", ["True", "False"])
+def test_loop_fallback_is_reported_once_per_op_type_quietly(warn):
+    """Issue 16 item 6: the loop fallback for conv backprops printed TensorFlow's pfor
+    ERROR node dumps (~160 lines per op). It is reported once per op type through the
+    tf_ophandlers logger (warn=True, the default), not at all with warn=False, and
+    TensorFlow's dumps never appear; the gradients equal a plain per-example loop."""
+    import os  # pylint: disable=import-outside-toplevel
+    import pathlib  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", _CONV_FALLBACK, warn], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert not any("pfor" in l and "error" in l.lower() for l in lines), proc.stderr[-3000:]
+    if warn == "False":
+        assert lines == [], proc.stderr[-3000:]
+    else:
+        assert len(lines) == 2, proc.stderr[-3000:]
+        for op_type, line in zip(("Conv2DBackpropInput", "Conv2DBackpropFilter"), lines):
+            assert line.startswith("oh.vectorized_map:") and op_type in line, line

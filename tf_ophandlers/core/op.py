@@ -97,6 +97,27 @@ def _encode_into(msg, attr_type, v, repeated):
         raise TypeError("tf_ophandlers.Op: cannot encode attr of type %r" % attr_type)
 
 
+# function name -> {node name: frames} (TensorFlow's GraphDebugInfo); a function name
+# identifies one traced function for the life of the context.
+_traces = BoundedCache("op.function_traces", 64)
+
+
+def _function_traces(function_name):
+    """The stack traces TensorFlow recorded for the nodes of a function when it was traced
+    (the ones its runtime errors show), by node name."""
+    traces = _traces.get(function_name)
+    if traces is None:
+        from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+        from tensorflow.python.util import tf_stack  # pylint: disable=import-outside-toplevel
+        try:
+            info = context.context().get_graph_debug_info(function_name)
+            traces = dict(tf_stack.LoadTracesFromDebugInfo(info))
+        except Exception:  # pylint: disable=broad-except
+            traces = {}  # not registered in the eager context, no traces
+        _traces[function_name] = traces
+    return traces
+
+
 # Keyed by TensorFlow's serialized attributes (everything the value depends on).
 _decoded = BoundedCache("op.decoded_attrs", 4096)  # serialized attrs -> decoded attrs
 _attr_keys = BoundedCache("op.attrs_keys", 4096)  # serialized attrs -> deterministic bytes
@@ -127,6 +148,19 @@ class Op(_C.OpBase):
     >>> oh.PHYSICAL.execute(op, [tf.constant(1.), tf.constant(2.)])
     [<tf.Tensor: shape=(), dtype=float32, numpy=3.0>]
     """
+
+    # Where an op of a replayed function comes from (set by core/replay.py for the nodes
+    # of a function body; None for eager ops): the graph node's name and its function's.
+    node_name = None
+    function_name = None
+
+    @property
+    def traceback(self):
+        """The Python frames (`FrameSummary`s, outermost first) that created the node when
+        its function was traced, or None (eager ops; functions without stack traces)."""
+        if self.node_name is None or self.function_name is None:
+            return None
+        return _function_traces(self.function_name).get(self.node_name)
 
     @classmethod
     def create(cls, op_type, **attrs):

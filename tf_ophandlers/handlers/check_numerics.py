@@ -13,6 +13,11 @@ on the next stack (as `tf.debugging.enable_check_numerics` does), so it raises t
 error class, `tf.errors.InvalidArgumentError`, and names the op type and the line of the
 user's code that ran it. Under asynchronous execution the error surfaces at the next
 synchronization point, as TensorFlow's own checks do.
+
+In a replayed function (a `tf.function`, Keras `fit`'s train step) the checks are nodes of
+the replayed function and run at every call; their message names the graph node
+(`sequential/my_layer/Log`) and the user's line recorded when the function was traced
+(`op.traceback`), as `tf.debugging.enable_check_numerics` does.
 """
 import os
 import sys
@@ -26,18 +31,33 @@ _LIBRARY_PARTS = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep,
                   os.sep + "tf_ophandlers" + os.sep)
 
 
+def _is_user_file(filename):
+    filename = os.path.abspath(filename)
+    return (not any(part in filename for part in _LIBRARY_PARTS)
+            and not filename.endswith("contextlib.py") and not filename.startswith("<"))
+
+
 def user_location():
     """'file:line in function' of the innermost frame outside TF, Keras, this package and
     contextlib (only computed on the error path)."""
     frame = sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not any(part in filename for part in _LIBRARY_PARTS) \
-                and not filename.endswith("contextlib.py"):
+        if _is_user_file(frame.f_code.co_filename):
             return "%s:%d in %s" % (frame.f_code.co_filename, frame.f_lineno,
                                     frame.f_code.co_name)
         frame = frame.f_back
     return "<unknown location>"
+
+
+def traced_location(op):
+    """'file:line in function' of the user's code that created `op`'s node when its
+    function was traced (the innermost user frame of `op.traceback`), or None."""
+    frames = op.traceback
+    for frame in reversed(frames or ()):
+        if _is_user_file(frame.filename):
+            return "%s:%d%s" % (frame.filename, frame.lineno,
+                                " in " + frame.name if frame.name else "")
+    return None
 
 
 class CheckNumericsHandler(OpHandler):
@@ -68,6 +88,21 @@ class CheckNumericsHandler(OpHandler):
         if op.type in self.op_types_to_skip:
             return outputs
         nxt = self.next
+        if op.node_name is not None and not tf.executing_eagerly():
+            # A node of a function being replayed: the check becomes a node of the
+            # replayed function and fails when it runs, long after this hook. Its message
+            # names the node and the user's line recorded when the function was traced
+            # (what tf.debugging.enable_check_numerics reports).
+            where = traced_location(op)
+            for i, out in enumerate(outputs):
+                dtype = out.dtype
+                if dtype.is_floating or dtype.is_complex:
+                    nxt.execute(Op.create("CheckNumericsV2", T=dtype, message=(
+                        "CheckNumericsHandler: op %s produced NaN or Inf in output %d (%s), "
+                        "at %s (graph node %s of function %s)" % (
+                            op.type, i, dtype.name, where or "<no stack trace recorded>",
+                            op.node_name, op.function_name))), [out])
+            return outputs
         for i, out in enumerate(outputs):
             dtype = out.dtype
             if not (dtype.is_floating or dtype.is_complex):

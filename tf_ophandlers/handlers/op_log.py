@@ -19,6 +19,7 @@ from typing import List, Optional
 import tensorflow as tf
 
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.functions import per_call
 
 
 @dataclasses.dataclass
@@ -40,21 +41,29 @@ class OpLogHandler(OpHandler):
     Args:
       record_attrs: also keep each op's decoded attributes (slower).
       op_types: if given, only ops of these types are recorded.
+      every_call: how the ops of a replayed function (a `tf.function`, Keras `fit`'s
+        train step) are recorded. False (default): once per replay, when the handler
+        sees them, as op callbacks see a traced function once. True: at every call of
+        the replayed function (per step of `fit`, per iteration of a loop body, only
+        taken cond branches), through one `per_call.at_every_call` node per replayed
+        graph; shapes are those known when the function was replayed (a dimension may
+        be None), and the same record objects are appended at each call.
     """
 
     transparent = True
     TYPE_NAME = "OPLOG"
 
-    def __init__(self, record_attrs=False, op_types=None):
+    def __init__(self, record_attrs=False, op_types=None, every_call=False):
         self.records = []
         self.record_attrs = record_attrs
         self.op_types = frozenset(op_types) if op_types is not None else None
+        self.every_call = bool(every_call)
 
     def execute(self, op, inputs):
         outputs = self.next.execute(op, inputs)
         if self.op_types is None or op.type in self.op_types:
             from tf_ophandlers.core.state import state  # pylint: disable=import-outside-toplevel
-            self.records.append(OpRecord(
+            record = OpRecord(
                 op_type=op.type,
                 input_shapes=[t.shape for t in inputs],
                 input_dtypes=[t.dtype for t in inputs],
@@ -62,8 +71,15 @@ class OpLogHandler(OpHandler):
                 output_dtypes=[t.dtype for t in outputs],
                 stack=state.frames[-1].name,
                 device=state.device,
-                attrs=dict(op.attrs) if self.record_attrs else None))
+                attrs=dict(op.attrs) if self.record_attrs else None)
+            if self.every_call:
+                per_call.at_every_call(self, record, self._extend)
+            else:
+                self.records.append(record)
         return outputs
+
+    def _extend(self, records):
+        self.records.extend(records)
 
     def clear(self):
         self.records = []

@@ -19,9 +19,12 @@ next stack whose leading axis is the batch when `batched` is true; unbatched val
   reshapes, transposes, concatenation, gathers, shape queries, softmax), no tracing;
 - every other op is converted by TensorFlow's pfor converters on a one-op graph traced
   once per op signature (cached);
-- an op pfor cannot convert runs once per example (a loop), with one warning naming it.
+- an op pfor cannot convert runs once per example (a loop), reported once per op type by
+  a warning of the `tf_ophandlers` logger (`warn=False` silences it); TensorFlow's own
+  pfor error dumps for the op are suppressed.
 """
 import logging
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -379,7 +382,32 @@ _RULES.update({
 # -- the pfor fallback: one traced, converted graph per op signature ------------------------
 
 _converted = {}  # signature -> tf.function, or None when pfor cannot convert the op
-_warned = set()
+_warned = set()  # op types whose fallback was reported
+
+
+def _report_fallback(handler, op_type, message, *args):
+    """Reports once per op type (unless `warn=False`) that `op_type` runs as a loop."""
+    if handler.warn and op_type not in _warned:
+        _warned.add(op_type)
+        _log.warning(message, *args)
+
+
+class _QuietPfor(logging.Filter):
+    """Drops the records of TensorFlow's pfor (an ERROR dump of the graph node, ~160 lines,
+    for each op it cannot convert; "uses a while_loop" warnings) while this thread converts
+    one op: the handler reports the fallback itself, once per op type."""
+
+    def __init__(self):
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record):
+        return not (getattr(self.local, "active", 0)
+                    and "parallel_for" in record.pathname.replace("\\", "/"))
+
+
+_quiet = _QuietPfor()
+tf.get_logger().addFilter(_quiet)
 
 
 def _signature(op, inputs):
@@ -410,7 +438,11 @@ def _pfor_function(op, inputs):
         return _pfor_ops.pfor(loop_fn, size, fallback_to_while_loop=False)
 
     fn = tf.function(run, input_signature=specs, autograph=False)
-    fn.get_concrete_function()  # convert now: a failure means "use the loop"
+    _quiet.local.active = getattr(_quiet.local, "active", 0) + 1
+    try:
+        fn.get_concrete_function()  # convert now: a failure means "use the loop"
+    finally:
+        _quiet.local.active -= 1
     return fn
 
 
@@ -421,11 +453,9 @@ def _converted_by_pfor(handler, execute, op, inputs):
         try:
             fn = _pfor_function(op, inputs)
         except Exception as e:  # pylint: disable=broad-except
-            if op.type not in _warned:
-                _warned.add(op.type)
-                _log.warning("oh.vectorized_map: no batching rule for op %s (%s: %s); it "
-                             "runs once per example", op.type, type(e).__name__,
-                             str(e).splitlines()[0][:200] if str(e) else "")
+            _report_fallback(handler, op.type, "oh.vectorized_map: no batching rule for op "
+                             "%s (%s: %s); it runs once per example", op.type,
+                             type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             fn = None
         _converted[key] = fn
     if fn is None:
@@ -435,18 +465,16 @@ def _converted_by_pfor(handler, execute, op, inputs):
     except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
         # Some converted graphs fail only when run; use the loop from now on.
         _converted[key] = None
-        if op.type not in _warned:
-            _warned.add(op.type)
-            _log.warning("oh.vectorized_map: the pfor conversion of op %s failed (%s); it "
-                         "runs once per example", op.type, str(e).splitlines()[0][:200])
+        _report_fallback(handler, op.type, "oh.vectorized_map: the pfor conversion of op %s "
+                         "failed (%s); it runs once per example", op.type,
+                         str(e).splitlines()[0][:200])
         return None
     return _batched(nest.flatten(outs))
 
 
 def _per_example_loop(handler, execute, op, inputs):
-    if op.type not in _warned:
-        _warned.add(op.type)
-        _log.warning("oh.vectorized_map: op %s runs once per example (a loop)", op.type)
+    _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
+                     "(a loop)", op.type)
     rows = []
     for i in range(handler.size):
         rows.append(execute(op, [b.value[i] if b.batched else b.value for b in inputs]))
@@ -463,9 +491,10 @@ class VectorizedMap(OpHandler):
     transparent = False
     TYPE_NAME = "VECTORIZED_MAP"
 
-    def __init__(self, size, fallback_to_while_loop=True):
+    def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)
         self.fallback_to_while_loop = fallback_to_while_loop
+        self.warn = warn
 
     def debug_string(self):
         return "VectorizedMap(size=%d)" % self.size
@@ -560,8 +589,14 @@ class VectorizedMap(OpHandler):
         return ("VectorizedMap", self.size, self.fallback_to_while_loop)
 
 
-def vectorized_map(fn, elems, fallback_to_while_loop=True):
+def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     """`tf.vectorized_map`, eagerly: `fn` runs once, each op on the whole batch.
+
+    The arguments are `tf.vectorized_map`'s. `fallback_to_while_loop`: an op without a
+    batching rule that pfor cannot convert runs once per example (a loop); if False it
+    raises ValueError naming the op. `warn`: report each such fallback, once per op type,
+    as a warning of the `tf_ophandlers` logger (TensorFlow's own pfor error dumps are
+    never printed).
 
     `elems` is a tensor or nested structure of tensors with a common leading (batch)
     dimension; `fn` receives one example (the structure of `elems`, per-example shapes)
@@ -574,7 +609,8 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
     at graph speed, with `fn` traced once, not at every call.
     """
     if not tf.executing_eagerly():
-        return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop)
+        return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop,
+                                 warn=warn)
     flat = [tf.convert_to_tensor(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
@@ -586,7 +622,7 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
         raise ValueError("oh.vectorized_map: elems need one static leading dimension, got "
                          "shapes %s" % [e.shape for e in flat])
     size = sizes.pop()
-    handler = VectorizedMap(size, fallback_to_while_loop)
+    handler = VectorizedMap(size, fallback_to_while_loop, warn)
     with _scope.handler(handler) as stack:
         inputs = [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]
         outputs = fn(nest.pack_sequence_as(elems, inputs))

@@ -24,8 +24,10 @@ PHYSICAL_OPS = frozenset(("Const", "Placeholder", "NoOp"))
 
 def node_op(node):
     """The Op of a FunctionDef node, without TensorFlow's internal ("_") attributes."""
-    return Op.create(node.type, **{k: v for k, v in node.node_def.attr.items()
-                                   if not k.startswith("_")})
+    op = Op.create(node.type, **{k: v for k, v in node.node_def.attr.items()
+                                 if not k.startswith("_")})
+    op.node_name, op.function_name = node.name, node.graph.name  # for op.traceback
+    return op
 
 
 class Interpreter:

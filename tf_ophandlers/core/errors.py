@@ -10,8 +10,12 @@ its type, message and traceback.
 Where TensorFlow turns a status into an exception in C++ (the shape and summary accessors
 of an EagerTensor: `t.shape`, `len(t)`, `repr(t)`, which call a handler's `num_dims`,
 `dim` and `tensor_debug_string`), it instantiates a registered exception class
-(`tf.errors.UnknownError`, ..., or `_NotOkStatusException`) from the status message:
-`install` gives those classes a `__new__` that returns the stashed exception instead.
+(`tf.errors.UnknownError`, ..., or `_NotOkStatusException`) from the status message and
+no Python code of TensorFlow converts it: `install` gives those classes a `__new__` that
+returns the stashed exception instead, for exceptions of those hooks only (stashed with
+`accessor=True`). Python then gives the exception a traceback that starts where the
+accessor was called (the hook's own frames are not kept). Exceptions from `execute` and
+the copy hooks keep going through the conversions above, which keep their traceback.
 
 The marker is the *last* `[tf_ophandlers#N]` of a message (a handler's own message may
 contain marker text), and the message is always valid UTF-8 (an exception whose message
@@ -70,14 +74,16 @@ def _text(exc):
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def stash_error(exc):
+def stash_error(exc, accessor=False):
     """Called by the C++ boundary: keeps `exc`, returns (TF code, status message).
 
-    Never fails for any exception object (the message is built defensively)."""
+    `accessor`: raised by a hook TensorFlow calls from an EagerTensor accessor (num_dims,
+    dim, tensor_debug_string). Never fails for any exception object (the message is built
+    defensively)."""
     with _lock:
         _counter[0] += 1
         key = _counter[0]
-        _stash[key] = exc
+        _stash[key] = (exc, accessor)
         while len(_stash) > _MAX_STASHED:
             _stash.popitem(last=False)
     try:
@@ -87,17 +93,23 @@ def stash_error(exc):
     return code, "%s: %s [tf_ophandlers#%d]" % (type(exc).__name__, _text(exc), key)
 
 
-def original_error(message):
+def original_error(message, accessor_only=False):
     """Returns (and forgets) the stashed exception a status message refers to, or None.
 
-    The dispatcher appends its marker last, so the last marker is the one that counts."""
+    The dispatcher appends its marker last, so the last marker is the one that counts.
+    With `accessor_only`, only an exception stashed with `accessor=True` is returned."""
     if not isinstance(message, str) or "tf_ophandlers#" not in message:
         return None
     keys = _MARKER.findall(message)
     if not keys:
         return None
+    key = int(keys[-1])
     with _lock:
-        return _stash.pop(int(keys[-1]), None)
+        entry = _stash.get(key)
+        if entry is None or (accessor_only and not entry[1]):
+            return None
+        del _stash[key]
+    return entry[0]
 
 
 def hook_output_error(stack, hook, op_type, detail):
@@ -183,7 +195,7 @@ def _recover_on_new(cls, message_index):
 
     def __new__(klass, *args, **kwargs):
         if len(args) > message_index:
-            exc = original_error(args[message_index])
+            exc = original_error(args[message_index], accessor_only=True)
             if exc is not None:
                 return exc
         if (len(args) == 1 and not kwargs and isinstance(args[0], BaseException)

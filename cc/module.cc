@@ -277,10 +277,9 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
       if (d != nullptr) {
         // Only a tf.DType has as_datatype_enum: a numpy dtype (a numpy array returned as
         // an output) does not.
-        e = PyObject_HasAttrString(d, "as_datatype_enum")
-                ? PyObject_GetAttrString(d, "as_datatype_enum")
-                : nullptr;
-        if (e == nullptr && !PyErr_Occurred()) {
+        e = PyObject_GetAttrString(d, "as_datatype_enum");
+        if (e == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+          PyErr_Clear();
           SetHookOutputError(
               stack, "execute", op_type,
               what + " as a " + Py_TYPE(v)->tp_name + " whose value_dtype is " + SafeRepr(d) +

@@ -45,7 +45,7 @@ from tf_ophandlers.core.state import state as _state
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = _C.stack_of
 _EagerTensor = _ops.EagerTensor
-_key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see cc/dispatcher.cc)
+_key = _C.tensor_key  # tensors are keyed by TensorFlow handle (see PyTensorKey in cc/module.cc)
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 

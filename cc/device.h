@@ -24,8 +24,8 @@ namespace tf_ophandlers {
 // GIL: not needed (held by the caller, _C.init). Status: the only error report.
 void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status);
 
-// The type (a borrowed str) of the op whose execute callback is running on this thread,
-// innermost first, or null outside any execute callback. Valid while that callback runs.
+// The type (a borrowed str) of the op of the innermost execute callback running on this
+// thread, or null outside any execute callback. Valid while that callback runs.
 // Used to name the op in errors about outputs wrapped by `_C.wrap_outputs`.
 // GIL: must be held.
 PyObject* CurrentOpType();

@@ -23,7 +23,7 @@ namespace tf_ophandlers {
 // payload takes new references). `dtype` must be valid (ValidDataType); the caller checks
 // it and names the hook that gave it. Returns a new EagerTensor, or null with a Python
 // exception set (the payload is then already released).
-// GIL: must be held. Also frees payloads queued by DrainPending's producers.
+// GIL: must be held. Also drains the pending-free queue (DrainPending).
 PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
                             PyObject* producer);
 

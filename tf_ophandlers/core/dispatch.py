@@ -1,4 +1,4 @@
-"""The dispatcher: entry points called by the C++ device callbacks (cc/device.cc, cc/handler_tensor.cc).
+"""The dispatcher: entry points called by the C++ callbacks (cc/device.cc, cc/handler_tensor.cc).
 
 `execute` applies the RFC placement policy: an op placed by a handler scope runs on the
 current stack; an op reaching the device by type-based dispatch runs on the stack of its
@@ -106,7 +106,8 @@ def _hook_int(stack, hook, op_type, result, what):
         except TypeError:
             pass
     raise errors.hook_output_error(
-        stack, hook, op_type, "%r of type %s (%s)" % (result, type(result).__name__, what))
+        stack, hook, op_type,
+        "%s of type %s (%s)" % (_safe_repr(result), type(result).__name__, what))
 
 
 def num_dims(stack, value, op_type=None):

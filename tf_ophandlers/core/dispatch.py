@@ -96,10 +96,13 @@ def copy_from_device(tensor, device):
 
 
 _MAX_RANK = 254  # TensorFlow's TensorShape limit (cc/handler_tensor.h kMaxRank)
+_INT64_LIMIT = 2 ** 63
 
 
 def _hook_int(stack, hook, op_type, result, what):
     """`result` of a shape hook as an int, or a HandlerOutputError naming the hook."""
+    if type(result) is int:  # the common case, first
+        return result
     if not isinstance(result, bool):
         try:
             return operator.index(result)
@@ -128,9 +131,11 @@ def num_dims(stack, value, op_type=None):
 
 
 def dim(stack, value, index, op_type=None):
-    length = _hook_int(stack, "dim", op_type, stack.handler.dim(value, index),
-                       "an axis length is an int, -1 when unknown")
-    if length < -1 or length >= 2 ** 63:
+    length = stack.handler.dim(value, index)
+    if type(length) is not int:
+        length = _hook_int(stack, "dim", op_type, length,
+                           "an axis length is an int, -1 when unknown")
+    if length < -1 or length >= _INT64_LIMIT:
         raise errors.hook_output_error(
             stack, "dim", op_type,
             "%d for axis %d (an axis length is an int >= 0, or -1 when unknown)"

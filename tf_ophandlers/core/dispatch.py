@@ -1,10 +1,11 @@
-"""The dispatcher: entry points called by the C++ device callbacks (cc/dispatcher.cc).
+"""The dispatcher: entry points called by the C++ callbacks (cc/device.cc, cc/handler_tensor.cc).
 
 `execute` applies the RFC placement policy: an op placed by a handler scope runs on the
 current stack; an op reaching the device by type-based dispatch runs on the stack of its
 handler inputs, which must be related (one stack containing the others); inputs from
 unrelated stacks are an error naming both stacks and the op.
 """
+import operator
 import re
 import threading
 
@@ -95,23 +96,68 @@ def copy_from_device(tensor, device):
     return stack.copy_off(tensor, device)
 
 
-def num_dims(stack, value):
-    rank = stack.handler.num_dims(value)
+_MAX_RANK = 254  # TensorFlow's TensorShape limit (cc/handler_tensor.h kMaxRank)
+_INT64_LIMIT = 2 ** 63
+
+
+def _hook_int(stack, hook, op_type, result, what):
+    """`result` of a shape hook as an int, or a HandlerOutputError naming the hook."""
+    if type(result) is int:  # the common case, first
+        return result
+    if not isinstance(result, bool):
+        try:
+            return operator.index(result)
+        except TypeError:
+            pass
+    raise errors.hook_output_error(
+        stack, hook, op_type,
+        "%s of type %s (%s)" % (_safe_repr(result), type(result).__name__, what))
+
+
+def num_dims(stack, value, op_type=None):
+    handler = stack.handler
+    rank = _hook_int(stack, "num_dims", op_type, handler.num_dims(value),
+                     "a rank is an int from 0 to %d" % _MAX_RANK)
     if rank < 0:
         # TensorFlow's eager tensors always have a rank (a negative one would reach Python
         # as a SystemError from its shape accessor): say what is missing instead.
         raise ValueError(
             "tf_ophandlers: %s cannot tell the rank of this tensor (num_dims returned %d); "
-            "eager tensors need a known rank" % (stack.handler.debug_string(), rank))
+            "eager tensors need a known rank" % (handler.debug_string(), rank))
+    if rank > _MAX_RANK:
+        raise errors.hook_output_error(
+            stack, "num_dims", op_type,
+            "%d (a rank is an int from 0 to %d)" % (rank, _MAX_RANK))
     return rank
 
 
-def dim(stack, value, index):
-    return stack.handler.dim(value, index)
+def dim(stack, value, index, op_type=None):
+    length = stack.handler.dim(value, index)
+    if type(length) is not int:
+        length = _hook_int(stack, "dim", op_type, length,
+                           "an axis length is an int, -1 when unknown")
+    if length < -1 or length >= _INT64_LIMIT:
+        raise errors.hook_output_error(
+            stack, "dim", op_type,
+            "%d for axis %d (an axis length is an int >= 0, or -1 when unknown)"
+            % (length, index))
+    return length
 
 
 def summarize(stack, value):
-    return stack.handler.tensor_debug_string(value)
+    text = stack.handler.tensor_debug_string(value)
+    if not isinstance(text, str):
+        raise errors.hook_output_error(
+            stack, "tensor_debug_string", None,
+            "%s of type %s (it must return a str)" % (_safe_repr(text), type(text).__name__))
+    return text
+
+
+def _safe_repr(obj):
+    try:
+        return repr(obj)[:200]
+    except Exception:  # pylint: disable=broad-except
+        return "<unprintable>"
 
 
 def output_error(op, kind, detail, outputs):

@@ -6,6 +6,20 @@ API as a Python object: only a status (code, message) can. The C++ callback ther
 message. TensorFlow's status-to-exception conversion is wrapped (`install`) so that when
 the status reaches Python again, the user receives the original exception object, with
 its type, message and traceback.
+
+Where TensorFlow turns a status into an exception in C++ (the shape and summary accessors
+of an EagerTensor: `t.shape`, `len(t)`, `repr(t)`, which call a handler's `num_dims`,
+`dim` and `tensor_debug_string`), it instantiates a registered exception class
+(`tf.errors.UnknownError`, ..., or `_NotOkStatusException`) from the status message and
+no Python code of TensorFlow converts it: `install` gives those classes a `__new__` that
+returns the stashed exception instead, for exceptions of those hooks only (stashed with
+`accessor=True`). Python then gives the exception a traceback that starts where the
+accessor was called (the hook's own frames are not kept). Exceptions from `execute` and
+the copy hooks keep going through the conversions above, which keep their traceback.
+
+The marker is the *last* `[tf_ophandlers#N]` of a message (a handler's own message may
+contain marker text), and the message is always valid UTF-8 (an exception whose message
+has lone surrogates or whose `__str__` fails is still stashed and found again).
 """
 import collections
 import re
@@ -50,26 +64,67 @@ def _tf_code_for(exc):
     return _tf_errors.UNKNOWN
 
 
-def stash_error(exc):
-    """Called by the C++ boundary: keeps `exc`, returns (TF code, status message)."""
+def _text(exc):
+    """str(exc) as valid UTF-8, whatever its __str__ does."""
+    try:
+        text = str(exc)
+    except BaseException:  # pylint: disable=broad-except
+        text = "<%s object: str() failed>" % type(exc).__name__
+    if not isinstance(text, str):
+        text = "<%s object>" % type(exc).__name__
+    # Lone surrogates cannot cross the C API (UTF-8): show them escaped.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def stash_error(exc, accessor=False):
+    """Called by the C++ boundary: keeps `exc`, returns (TF code, status message).
+
+    `accessor`: raised by a hook TensorFlow calls from an EagerTensor accessor (num_dims,
+    dim, tensor_debug_string). Never fails for any exception object (the message is built
+    defensively)."""
     with _lock:
         _counter[0] += 1
         key = _counter[0]
-        _stash[key] = exc
+        _stash[key] = (exc, accessor)
         while len(_stash) > _MAX_STASHED:
             _stash.popitem(last=False)
-    return _tf_code_for(exc), "%s: %s [tf_ophandlers#%d]" % (type(exc).__name__, exc, key)
+    try:
+        code = _tf_code_for(exc)
+    except BaseException:  # pylint: disable=broad-except
+        code = _tf_errors.UNKNOWN
+    return code, "%s: %s [tf_ophandlers#%d]" % (type(exc).__name__, _text(exc), key)
 
 
-def original_error(message):
-    """Returns the stashed exception a status message refers to, or None."""
-    if not message or "tf_ophandlers#" not in message:
+def original_error(message, accessor_only=False):
+    """Returns (and forgets) the stashed exception a status message refers to, or None.
+
+    The dispatcher appends its marker last, so the last marker is the one that counts.
+    With `accessor_only`, only an exception stashed with `accessor=True` is returned."""
+    if not isinstance(message, str) or "tf_ophandlers#" not in message:
         return None
-    m = _MARKER.search(message)
-    if m is None:
+    keys = _MARKER.findall(message)
+    if not keys:
         return None
+    key = int(keys[-1])
     with _lock:
-        return _stash.pop(int(m.group(1)), None)
+        entry = _stash.get(key)
+        if entry is None or (accessor_only and not entry[1]):
+            return None
+        del _stash[key]
+    return entry[0]
+
+
+def hook_output_error(stack, hook, op_type, detail):
+    """A HandlerOutputError for a hook result the C++ boundary or the dispatcher rejected.
+
+    Names the handler of `stack`, the hook and, when known, the op (`op_type`, a str or
+    None). Never fails."""
+    try:
+        name = stack.handler.debug_string()
+    except BaseException:  # pylint: disable=broad-except
+        name = "a handler"
+    where = (" for op %s" % op_type) if op_type else ""
+    return HandlerOutputError("tf_ophandlers: %s.%s returned %s%s" % (name, hook, detail, where))
 
 
 def raise_from_code(code, message):
@@ -102,6 +157,11 @@ def install():
 
     _tf_core._status_to_exception = _status_to_exception
 
+    # EagerTensor's C++ accessors raise a registered class directly from the status
+    # (PyErr_SetObject(cls, (None, None, message)) or (message, code, payloads)).
+    _recover_on_new(_tf_errors.OpError, 2)
+    _recover_on_new(_tf_core._NotOkStatusException, 0)  # pylint: disable=protected-access
+
     # TFE_Py_Execute (function calls, slow-path op wrappers) raises the typed OpError
     # itself instead of going through _status_to_exception: map those too.
     from tensorflow.python.eager import execute as _tf_execute  # pylint: disable=import-outside-toplevel
@@ -126,11 +186,36 @@ def install():
     _installed = True
 
 
+def _recover_on_new(cls, message_index):
+    """Makes `cls(...)` return the stashed exception its message refers to.
+
+    CPython 3.11 keeps the registered class as the exception *type* next to the returned
+    instance and may instantiate it again from that instance (`cls(exc)`, a call that
+    would otherwise fail with a TypeError): that call returns `exc` as well. `except`
+    clauses and pytest match the instance, so the user sees the original exception."""
+    base_new = cls.__new__
+
+    def __new__(klass, *args, **kwargs):
+        if len(args) > message_index:
+            exc = original_error(args[message_index], accessor_only=True)
+            if exc is not None:
+                return exc
+        if (len(args) == 1 and not kwargs and isinstance(args[0], BaseException)
+                and not isinstance(args[0], klass)):
+            return args[0]
+        return base_new(klass, *args, **kwargs)
+
+    cls.__new__ = staticmethod(__new__)
+
+
 tf_patches.register(
     "status_to_exception",
     "tensorflow.python.eager.core._status_to_exception, "
-    "tensorflow.python.eager.execute.quick_execute/execute/execute_with_cancellation",
+    "tensorflow.python.eager.execute.quick_execute/execute/execute_with_cancellation, "
+    "OpError.__new__ and _NotOkStatusException.__new__",
     "a handler's exception crosses TensorFlow's C API only as a status; these "
     "conversions give the user the original exception object back (type, message, "
-    "traceback). TensorFlow has no hook for status-to-exception conversion.",
+    "traceback); the accessors tensor.shape/repr build their exceptions in C++ from "
+    "the status, so those classes return the stashed exception for the shape and "
+    "debug-string hooks. TensorFlow has no hook for status-to-exception conversion.",
     "runtime", install, None)

@@ -14,6 +14,7 @@ Inputs that live elsewhere are copied on first (RFC placement policy); inputs al
 this stack are unwrapped to the handler's own representation.
 """
 import itertools
+import types
 import weakref
 
 from tensorflow.python.framework import dtypes as _dtypes
@@ -128,6 +129,16 @@ def replays(handler, op):
     """Whether `handler` replays function call `op` (its `replays_functions`)."""
     replays = handler.replays_functions
     return replays if replays is True or replays is False else bool(replays(op))
+
+
+def _not_a_list(handler, op, outputs):
+    """The error for an `execute` hook that returned something other than a list."""
+    if isinstance(outputs, (types.GeneratorType, types.CoroutineType)):
+        outputs.close()  # never run later (nor warn "never awaited")
+    return errors.HandlerOutputError(
+        "%s.execute returned %s for op %s; it must return a list of outputs" % (
+            handler.debug_string(),
+            "None" if outputs is None else "a " + type(outputs).__name__, op.type))
 
 
 class OffStack:
@@ -296,10 +307,8 @@ class HandlerStack(Stack):
                 state.current = saved
         else:
             outputs = self.call_hook(handler.execute, op, values)
-            if outputs is None:
-                raise errors.HandlerOutputError(
-                    "%s.execute returned None for op %s; it must return a list of outputs"
-                    % (handler.debug_string(), op.type))
+            if type(outputs) is not list and not isinstance(outputs, (list, tuple)):
+                raise _not_a_list(handler, op, outputs)
         if mode is not None:
             return self._wrap_symbolic(outputs, mode)
         next_stack = self.next

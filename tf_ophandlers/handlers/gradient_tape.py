@@ -45,7 +45,7 @@ from tf_ophandlers.core.stack import (
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = stack_of
 _EagerTensor = _ops.EagerTensor
-_key = tensor_key  # tensors are keyed by TensorFlow handle
+_key = tensor_key  # tensors are keyed by TensorFlow handle (see PyTensorKey in cc/module.cc)
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 

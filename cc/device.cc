@@ -1,0 +1,234 @@
+// tf-ophandlers: the dispatcher device's callbacks and the validation of what handlers
+// return. Contracts: device.h.
+#define PY_SSIZE_T_CLEAN
+#include "device.h"
+
+#include <string>
+#include <vector>
+
+#include "handler_tensor.h"
+#include "op.h"
+#include "runtime.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace {
+
+// The op of the innermost execute callback running on this thread (see CurrentOpType).
+thread_local OpObject* t_current_op = nullptr;
+
+// Checks what dispatch.execute returned for `op` and moves it into `outputs` (new
+// handles). Returns false with `status` set on any mismatch. GIL: held.
+bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_outputs,
+                 TFE_TensorHandle** outputs, TF_Status* status) {
+  auto fail = [&](const char* kind, const std::string& detail) {
+    PyObject* text = PyObject_CallFunction(g_error_text, "OssO", op, kind, detail.c_str(),
+                                           PyList_Check(result) ? result : Py_None);
+    const char* m = text ? PyUnicode_AsUTF8(text) : nullptr;
+    if (m == nullptr) PyErr_Clear();
+    TF_SetStatus(status, TF_INVALID_ARGUMENT, m ? m : detail.c_str());
+    Py_XDECREF(text);
+    return false;
+  };
+  // Only a list or tuple: iterating anything else (a tensor's rows, a generator that
+  // would run handler code now) could pass the checks below with wrong outputs.
+  if (!PyList_Check(result) && !PyTuple_Check(result)) {
+    return fail("type", std::string("the dispatcher returned a ") + Py_TYPE(result)->tp_name +
+                            ", not a list of tensors");
+  }
+  // A tuple copy: handler code run below cannot resize it under us.
+  PyObject* seq = PySequence_Tuple(result);
+  if (seq == nullptr) {
+    PyErr_Clear();
+    return fail("type", "the dispatcher returned a non-sequence");
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  std::vector<TF_DataType> expected;
+  bool known = ExpectedOutputs(tfe_op, &expected);
+  int want = known ? static_cast<int>(expected.size()) : *num_outputs;
+  if (n != want || n > *num_outputs) {
+    Py_DECREF(seq);
+    return fail("count", "expected " + std::to_string(want) + " outputs, got " +
+                             std::to_string(n));
+  }
+  PyObject** items = &PyTuple_GET_ITEM(seq, 0);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!EagerTensor_CheckExact(items[i])) {
+      Py_DECREF(seq);
+      return fail("type", "output " + std::to_string(i) + " is not a tensor");
+    }
+    TFE_TensorHandle* h = EagerTensor_Handle(items[i]);
+    if (known && TFE_TensorHandleDataType(h) != expected[i]) {
+      std::string detail = "output " + std::to_string(i) + ": expected dtype enum " +
+                           std::to_string(expected[i]) + ", got dtype enum " +
+                           std::to_string(TFE_TensorHandleDataType(h));
+      Py_DECREF(seq);
+      return fail("dtype", detail);
+    }
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    outputs[i] = TFE_TensorHandleCopySharingTensor(EagerTensor_Handle(items[i]), status);
+    if (TF_GetCode(status) != TF_OK) {
+      for (Py_ssize_t j = 0; j < i; ++j) TFE_DeleteTensorHandle(outputs[j]);
+      Py_DECREF(seq);
+      return false;
+    }
+  }
+  *num_outputs = static_cast<int>(n);
+  Py_DECREF(seq);
+  return true;
+}
+
+void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
+                   TF_Status* status, void* device_info) {
+  if (!PythonAlive()) {
+    TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
+    return;
+  }
+  PyGILState_STATE g = PyGILState_Ensure();
+  DrainPending();
+  TFE_Context* ctx = TFE_OpGetContext(tfe_op, status);
+  const char* name = TFE_OpGetName(tfe_op, status);
+  const char* dev = TFE_OpGetDevice(tfe_op, status);
+  int n_in = TFE_OpGetFlatInputCount(tfe_op, status);
+  OpObject* op = nullptr;
+  PyObject* inputs = nullptr;
+  PyObject* result = nullptr;
+  if (TF_GetCode(status) != TF_OK) goto done;
+  op = NewOpObject(name, dev, *num_outputs);
+  if (op == nullptr) {
+    StatusFromPyErr(status);
+    goto done;
+  }
+  op->borrowed = tfe_op;
+  inputs = PyList_New(n_in);
+  if (inputs == nullptr) {
+    StatusFromPyErr(status);
+    goto done;
+  }
+  for (int i = 0; i < n_in; ++i) {
+    TFE_TensorHandle* h = TFE_OpGetFlatInput(tfe_op, i, status);
+    if (TF_GetCode(status) != TF_OK) goto done;
+    TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, status);
+    if (TF_GetCode(status) != TF_OK) goto done;
+    PyObject* t = EagerTensorFromHandle(copy, false);  // owns `copy` on success
+    if (t == nullptr) {
+      TFE_DeleteTensorHandle(copy);
+      StatusFromPyErr(status);
+      goto done;
+    }
+    PyList_SET_ITEM(inputs, i, t);
+  }
+  {
+    OpObject* outer = t_current_op;
+    t_current_op = op;
+    result = PyObject_CallFunctionObjArgs(g_execute, reinterpret_cast<PyObject*>(op), inputs,
+                                          nullptr);
+    t_current_op = outer;
+  }
+  if (result == nullptr) {
+    StatusFromPyErr(status);
+    goto done;
+  }
+  TakeOutputs(op, tfe_op, result, num_outputs, outputs, status);
+done:
+  if (op != nullptr) {
+    EndBorrow(op, ctx);
+    Py_DECREF(op);
+  }
+  Py_XDECREF(inputs);
+  Py_XDECREF(result);
+  PyGILState_Release(g);
+}
+
+TFE_TensorHandle* ReturnSingle(PyObject* r, TF_DataType want_dtype, bool must_be_physical,
+                               TF_Status* status) {
+  if (r == nullptr) {
+    StatusFromPyErr(status);
+    return nullptr;
+  }
+  TFE_TensorHandle* out = nullptr;
+  if (!EagerTensor_CheckExact(r)) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT, "tf_ophandlers: a copy hook returned a non-tensor");
+  } else {
+    TFE_TensorHandle* h = EagerTensor_Handle(r);
+    if (TFE_TensorHandleDataType(h) != want_dtype) {
+      TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                   "tf_ophandlers: a copy hook returned a tensor of the wrong dtype");
+    } else if (must_be_physical && PayloadOf(h) != nullptr) {
+      TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                   "tf_ophandlers: copy-off returned a tensor that is still on a handler");
+    } else {
+      out = TFE_TensorHandleCopySharingTensor(h, status);
+    }
+  }
+  Py_DECREF(r);
+  return out;
+}
+
+TFE_TensorHandle* DeviceCopyTo(TFE_Context* context, TFE_TensorHandle* tensor,
+                               TF_Status* status, void* device_info) {
+  if (!PythonAlive()) {
+    TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
+    return nullptr;
+  }
+  PyGILState_STATE g = PyGILState_Ensure();
+  TFE_TensorHandle* out = nullptr;
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(tensor, status);
+  if (TF_GetCode(status) == TF_OK) {
+    PyObject* t = EagerTensorFromHandle(copy, false);
+    if (t == nullptr) {
+      TFE_DeleteTensorHandle(copy);
+      StatusFromPyErr(status);
+    } else {
+      PyObject* r = PyObject_CallOneArg(g_copy_to, t);
+      out = ReturnSingle(r, TFE_TensorHandleDataType(tensor), false, status);
+      Py_DECREF(t);
+    }
+  }
+  PyGILState_Release(g);
+  return out;
+}
+
+TFE_TensorHandle* DeviceCopyFrom(TFE_Context* context, TFE_TensorHandle* tensor,
+                                 const char* target_device_name, TF_Status* status,
+                                 void* device_info) {
+  if (!PythonAlive()) {
+    TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
+    return nullptr;
+  }
+  PyGILState_STATE g = PyGILState_Ensure();
+  DrainPending();
+  TFE_TensorHandle* out = nullptr;
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(tensor, status);
+  if (TF_GetCode(status) == TF_OK) {
+    PyObject* t = EagerTensorFromHandle(copy, false);
+    if (t == nullptr) {
+      TFE_DeleteTensorHandle(copy);
+      StatusFromPyErr(status);
+    } else {
+      PyObject* r = PyObject_CallFunction(g_copy_from, "Os", t, target_device_name);
+      out = ReturnSingle(r, TFE_TensorHandleDataType(tensor), true, status);
+      Py_DECREF(t);
+    }
+  }
+  PyGILState_Release(g);
+  return out;
+}
+
+void DeviceDelete(void* device_info) {}
+
+}  // namespace
+
+void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status) {
+  TFE_CustomDevice device;
+  device.copy_tensor_to_device = &DeviceCopyTo;
+  device.copy_tensor_from_device = &DeviceCopyFrom;
+  device.execute = &DeviceExecute;
+  device.delete_device = &DeviceDelete;
+  TFE_RegisterCustomDevice(ctx, device, device_name, nullptr, status);
+}
+
+PyObject* CurrentOpType() { return t_current_op != nullptr ? t_current_op->type : nullptr; }
+
+}  // namespace tf_ophandlers

@@ -1,0 +1,35 @@
+/* tf-ophandlers C++ boundary: the dispatcher device's callbacks (internal header).
+   Implementation: device.cc.
+
+   One custom device, `/job:localhost/replica:0/task:0/device:OPHANDLER:0`, is registered
+   per process. TensorFlow routes to it (a) every op executed inside a handler scope (the
+   scope places ops on it) and (b) every op with an input on it (type-based dispatch).
+   Each callback enters Python with PyGILState_Ensure and calls one dispatcher function
+   registered by tf_ophandlers.core.dispatch; everything about *which* handler runs is
+   decided there. The callbacks own what must never be wrong: references, the GIL, the
+   validation of what a handler returns, and the mapping of errors (status.h).
+*/
+#ifndef TF_OPHANDLERS_DEVICE_H_
+#define TF_OPHANDLERS_DEVICE_H_
+
+#include <Python.h>
+
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/tf_status.h"
+
+namespace tf_ophandlers {
+
+// Registers the dispatcher device `device_name` in `ctx` (not owned) with the callbacks
+// of device.cc. On failure `status` is set and nothing is registered.
+// GIL: not needed (held by the caller, _C.init). Status: the only error report.
+void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status);
+
+// The type (a borrowed str) of the op of the innermost execute callback running on this
+// thread, or null outside any execute callback. Valid while that callback runs.
+// Used to name the op in errors about outputs wrapped by `_C.wrap_outputs`.
+// GIL: must be held.
+PyObject* CurrentOpType();
+
+}  // namespace tf_ophandlers
+
+#endif  // TF_OPHANDLERS_DEVICE_H_

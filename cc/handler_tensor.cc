@@ -1,0 +1,231 @@
+// tf-ophandlers: handler tensors, their payload methods and deallocation. Contracts:
+// handler_tensor.h; payload layout: include/tf_ophandlers/payload.h.
+#define PY_SSIZE_T_CLEAN
+#include "handler_tensor.h"
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace {
+
+// Payloads released on a thread that does not hold the GIL are queued here and their
+// Python references dropped by the next thread that holds it. Taking the GIL inside a
+// deallocator could deadlock against a thread that holds the GIL while waiting for the
+// executor that runs the deallocator.
+std::mutex g_pending_mu;
+std::vector<TFOH_Payload*> g_pending;  // guarded by g_pending_mu
+
+// Drops the payload's Python references and frees it. GIL: held.
+void FreePayloadWithGil(TFOH_Payload* p) {
+  Py_XDECREF(reinterpret_cast<PyObject*>(p->stack));
+  Py_XDECREF(reinterpret_cast<PyObject*>(p->value));
+  Py_XDECREF(reinterpret_cast<PyObject*>(p->producer));
+  delete p;
+}
+
+PyObject* ProducerOf(const TFOH_Payload* p) {
+  return p->producer != nullptr ? reinterpret_cast<PyObject*>(p->producer) : Py_None;
+}
+
+// ---- TFE_CustomDeviceTensorHandle methods ---------------------------------------------
+// Called by TensorFlow on any thread, with or without the GIL. Each reports failure only
+// through `status` and leaves no Python exception set.
+
+int PayloadNumDims(void* data, TF_Status* status) {
+  auto* p = static_cast<TFOH_Payload*>(data);
+  if (p->shape_source != nullptr) return TFE_TensorHandleNumDims(p->shape_source, status);
+  if (!PythonAlive()) {
+    TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
+    return -1;
+  }
+  PyGILState_STATE g = PyGILState_Ensure();
+  int result = -1;
+  PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
+  PyObject* r = PyObject_CallFunctionObjArgs(g_num_dims, stack,
+                                             reinterpret_cast<PyObject*>(p->value),
+                                             ProducerOf(p), nullptr);
+  if (r != nullptr) {
+    // dispatch.num_dims validates; this is the last line of defence before an int.
+    int overflow = 0;
+    long long v = PyLong_Check(r) ? PyLong_AsLongLongAndOverflow(r, &overflow) : -1;
+    if (!PyErr_Occurred()) {
+      if (overflow != 0 || v < 0 || v > kMaxRank) {
+        SetHookOutputError(stack, "num_dims", ProducerOf(p),
+                           SafeRepr(r) + " (a rank is an int from 0 to " +
+                               std::to_string(kMaxRank) + ")");
+      } else {
+        result = static_cast<int>(v);
+      }
+    }
+    Py_DECREF(r);
+  }
+  if (PyErr_Occurred()) {
+    StatusFromPyErr(status, /*accessor=*/true);
+    result = -1;
+  }
+  PyGILState_Release(g);
+  return result;
+}
+
+int64_t PayloadDim(void* data, int dim_index, TF_Status* status) {
+  auto* p = static_cast<TFOH_Payload*>(data);
+  if (p->shape_source != nullptr) return TFE_TensorHandleDim(p->shape_source, dim_index, status);
+  if (!PythonAlive()) {
+    TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
+    return -1;
+  }
+  PyGILState_STATE g = PyGILState_Ensure();
+  int64_t result = -1;
+  PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
+  PyObject* r = PyObject_CallFunction(g_dim, "OOiO", stack, reinterpret_cast<PyObject*>(p->value),
+                                      dim_index, ProducerOf(p));
+  if (r != nullptr) {
+    int overflow = 0;
+    long long v = PyLong_Check(r) ? PyLong_AsLongLongAndOverflow(r, &overflow) : -2;
+    if (!PyErr_Occurred()) {
+      if (overflow != 0 || v < -1) {
+        SetHookOutputError(stack, "dim", ProducerOf(p),
+                           SafeRepr(r) + " for axis " + std::to_string(dim_index) +
+                               " (an axis length is an int >= 0, or -1 when unknown)");
+      } else {
+        result = v;
+      }
+    }
+    Py_DECREF(r);
+  }
+  if (PyErr_Occurred()) {
+    StatusFromPyErr(status, /*accessor=*/true);
+    result = -1;
+  }
+  PyGILState_Release(g);
+  return result;
+}
+
+void PayloadDeallocate(void* data) {
+  auto* p = static_cast<TFOH_Payload*>(data);
+  if (p->shape_source != nullptr) TFE_DeleteTensorHandle(p->shape_source);
+  p->shape_source = nullptr;
+  if (!PythonAlive()) {
+    // The interpreter is gone or going: Python objects must not be touched. The
+    // references are leaked deliberately; the process is exiting.
+    delete p;
+    return;
+  }
+  if (PyGILState_Check()) {
+    FreePayloadWithGil(p);
+  } else if (PyGILState_GetThisThreadState() != nullptr) {
+    // A Python thread that released the GIL around TFE_DeleteTensorHandle (as
+    // EagerTensor's dealloc does so that destructors may call into Python): taking it
+    // back here is what TensorFlow intends, and nothing waits on this thread.
+    PyGILState_STATE g = PyGILState_Ensure();
+    FreePayloadWithGil(p);
+    PyGILState_Release(g);
+  } else {
+    // A TensorFlow executor thread: a Python thread may hold the GIL while waiting for
+    // this executor, so never wait for the GIL here.
+    std::lock_guard<std::mutex> l(g_pending_mu);
+    g_pending.push_back(p);
+  }
+}
+
+TF_Buffer* PayloadSummarize(void* data, TF_Status* status) {
+  auto* p = static_cast<TFOH_Payload*>(data);
+  if (p->kind != TFOH_PAYLOAD_PYTHON || !PythonAlive()) {
+    TF_SetStatus(status, TF_UNIMPLEMENTED, "no summary");
+    return nullptr;
+  }
+  PyGILState_STATE g = PyGILState_Ensure();
+  TF_Buffer* buf = nullptr;
+  PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
+  PyObject* r = PyObject_CallFunctionObjArgs(g_summarize, stack,
+                                             reinterpret_cast<PyObject*>(p->value), nullptr);
+  if (r != nullptr && !PyUnicode_Check(r)) {
+    SetHookOutputError(stack, "tensor_debug_string", ProducerOf(p),
+                       SafeRepr(r) + " (it must return a str)");
+  } else if (r != nullptr) {
+    // Lone surrogates are shown escaped rather than failing the repr.
+    PyObject* bytes = PyUnicode_AsEncodedString(r, "utf-8", "backslashreplace");
+    if (bytes != nullptr) {
+      buf = TF_NewBufferFromString(PyBytes_AS_STRING(bytes),
+                                   static_cast<size_t>(PyBytes_GET_SIZE(bytes)));
+      Py_DECREF(bytes);
+    }
+  }
+  Py_XDECREF(r);
+  if (PyErr_Occurred()) StatusFromPyErr(status, /*accessor=*/true);
+  PyGILState_Release(g);
+  return buf;
+}
+
+}  // namespace
+
+void DrainPending() {
+  std::vector<TFOH_Payload*> todo;
+  {
+    std::lock_guard<std::mutex> l(g_pending_mu);
+    if (g_pending.empty()) return;
+    todo.swap(g_pending);
+  }
+  for (TFOH_Payload* p : todo) FreePayloadWithGil(p);
+}
+
+TFOH_Payload* PayloadOf(TFE_TensorHandle* handle) {
+  if (g_ctx == nullptr) return nullptr;
+  TF_Status* s = ThreadStatus();
+  const char* d = TFE_TensorHandleDeviceName(handle, s);
+  TFOH_Payload* p = nullptr;
+  if (TF_GetCode(s) == TF_OK && d != nullptr && g_device_name == d) {
+    p = static_cast<TFOH_Payload*>(TFE_TensorHandleDevicePointer(handle, s));
+    if (TF_GetCode(s) != TF_OK) p = nullptr;
+  }
+  return p;
+}
+
+PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
+                            PyObject* producer) {
+  if (g_ctx == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: dispatcher not initialized");
+    return nullptr;
+  }
+  DrainPending();
+  auto* p = new TFOH_Payload();
+  p->kind = TFOH_PAYLOAD_PYTHON;
+  Py_INCREF(stack);
+  Py_INCREF(value);
+  p->stack = stack;
+  p->value = value;
+  p->shape_source = nullptr;
+  if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
+  p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
+  TF_Status* s = TF_NewStatus();
+  if (EagerTensor_CheckExact(value)) {
+    p->shape_source = TFE_TensorHandleCopySharingTensor(EagerTensor_Handle(value), s);
+    if (TF_GetCode(s) != TF_OK) p->shape_source = nullptr;
+    TF_SetStatus(s, TF_OK, "");
+  }
+  TFE_CustomDeviceTensorHandle methods;
+  methods.num_dims = &PayloadNumDims;
+  methods.dim = &PayloadDim;
+  methods.deallocator = &PayloadDeallocate;
+  methods.summarize = &PayloadSummarize;
+  // Takes ownership of `p` even on failure (calls the deallocator).
+  TFE_TensorHandle* h =
+      TFE_NewCustomDeviceTensorHandle(g_ctx, g_device_name.c_str(), dtype, p, methods, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot create handler tensor: %s",
+                 TF_Message(s));
+    TF_DeleteStatus(s);
+    return nullptr;
+  }
+  TF_DeleteStatus(s);
+  PyObject* t = EagerTensorFromHandle(h, false);
+  if (t == nullptr) TFE_DeleteTensorHandle(h);  // frees the payload through its deallocator
+  return t;
+}
+
+}  // namespace tf_ophandlers

@@ -1,0 +1,45 @@
+/* tf-ophandlers C++ boundary: handler tensors and their payloads (internal header).
+   Implementation: handler_tensor.cc. Payload layout: include/tf_ophandlers/payload.h.
+
+   A handler tensor is a custom-device TFE_TensorHandle on the dispatcher device whose
+   payload holds (stack, value). TensorFlow asks it for its rank, dims and summary through
+   the payload methods below, which call the handler's `num_dims`, `dim` and
+   `tensor_debug_string` hooks (through tf_ophandlers.core.dispatch) unless the value is a
+   tensor whose shape can be read in C.
+*/
+#ifndef TF_OPHANDLERS_HANDLER_TENSOR_H_
+#define TF_OPHANDLERS_HANDLER_TENSOR_H_
+
+#include <Python.h>
+
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/eager/c_api_experimental.h"
+#include "tf_ophandlers/payload.h"
+
+namespace tf_ophandlers {
+
+// Creates a handler tensor on the dispatcher device whose payload refers to `stack`,
+// `value` and `producer` (a str naming the op that produced it, or null; all borrowed: the
+// payload takes new references). `dtype` must be valid (ValidDataType); the caller checks
+// it and names the hook that gave it. Returns a new EagerTensor, or null with a Python
+// exception set (the payload is then already released).
+// GIL: must be held. Also drains the pending-free queue (DrainPending).
+PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
+                            PyObject* producer);
+
+// Returns the payload of `handle` (borrowed: valid while `handle` is) if it lives on the
+// dispatcher device, else null. Never sets an error. GIL: not needed.
+TFOH_Payload* PayloadOf(TFE_TensorHandle* handle);
+
+// Releases the Python references of payloads whose handles were deleted on threads that
+// could not take the GIL (TensorFlow executor threads), and frees them.
+// GIL: must be held. Never fails.
+void DrainPending();
+
+// Maximum rank of a TensorFlow tensor (TensorShape's limit); num_dims results above it
+// are rejected.
+constexpr int kMaxRank = 254;
+
+}  // namespace tf_ophandlers
+
+#endif  // TF_OPHANDLERS_HANDLER_TENSOR_H_

@@ -1,0 +1,367 @@
+// tf-ophandlers: the `_C` module: init and the functions tf_ophandlers.core calls.
+// Each function's contract is in its docstring (kModuleMethods) and the comment above it;
+// all run with the GIL held and report errors as Python exceptions.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <string>
+#include <vector>
+
+#include "device.h"
+#include "handler_tensor.h"
+#include "op.h"
+#include "runtime.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace {
+
+PyObject* PyInit(PyObject* self, PyObject* args) {
+  PyObject* capsule;
+  const char* device_name;
+  PyObject *op_type, *execute, *copy_to, *copy_from, *stash, *num_dims, *dim, *summarize, *err;
+  if (!PyArg_ParseTuple(args, "OsOOOOOOOOO", &capsule, &device_name, &op_type, &execute,
+                        &copy_to, &copy_from, &stash, &num_dims, &dim, &summarize, &err)) {
+    return nullptr;
+  }
+  if (g_ctx != nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: dispatcher already registered");
+    return nullptr;
+  }
+  auto* ctx = static_cast<TFE_Context*>(PyCapsule_GetPointer(capsule, nullptr));
+  if (ctx == nullptr) return nullptr;
+  if (!PyType_Check(op_type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(op_type), &OpBaseType)) {
+    PyErr_SetString(PyExc_TypeError, "op_type must be a subclass of _C.OpBase");
+    return nullptr;
+  }
+  for (PyObject* o : {op_type, execute, copy_to, copy_from, stash, num_dims, dim, summarize, err})
+    Py_INCREF(o);
+  g_op_type = reinterpret_cast<PyTypeObject*>(op_type);
+  g_execute = execute;
+  g_copy_to = copy_to;
+  g_copy_from = copy_from;
+  g_stash_error = stash;
+  g_num_dims = num_dims;
+  g_dim = dim;
+  g_summarize = summarize;
+  g_error_text = err;
+
+  TF_Status* s = TF_NewStatus();
+  RegisterDispatcherDevice(ctx, device_name, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot register the dispatcher: %s",
+                 TF_Message(s));
+    TF_DeleteStatus(s);
+    return nullptr;
+  }
+  TF_DeleteStatus(s);
+  g_ctx = ctx;
+  g_device_name = device_name;
+  Py_RETURN_NONE;
+}
+
+// Reads a dtype enum a handler's `value_dtype` gave (`enum_obj`, borrowed). Returns true
+// with `*dtype` set, or false with a HandlerOutputError naming the handler of `stack`, the
+// hook and the op (`op_type`, borrowed, may be null). GIL: held.
+bool DtypeFromHook(PyObject* stack, PyObject* enum_obj, PyObject* op_type, const char* what,
+                   TF_DataType* dtype) {
+  int overflow = 0;
+  long v = PyLong_Check(enum_obj) ? PyLong_AsLongAndOverflow(enum_obj, &overflow) : -1;
+  if (PyErr_Occurred()) return false;
+  if (overflow != 0 || !ValidDataType(v)) {
+    SetHookOutputError(stack, "value_dtype", op_type,
+                       std::string("a dtype with enum ") + SafeRepr(enum_obj) + " for " + what +
+                           ", which is not a TensorFlow dtype");
+    return false;
+  }
+  *dtype = static_cast<TF_DataType>(v);
+  return true;
+}
+
+// wrap(stack, value, dtype_enum) -> a handler tensor on `stack` for `value`. The dtype
+// comes from the handler's value_dtype: an invalid one is a HandlerOutputError.
+PyObject* PyWrap(PyObject* self, PyObject* args) {
+  if (!RequireInit()) return nullptr;
+  PyObject *stack, *value, *dtype_obj;
+  if (!PyArg_ParseTuple(args, "OOO", &stack, &value, &dtype_obj)) return nullptr;
+  TF_DataType dtype;
+  if (!DtypeFromHook(stack, dtype_obj, CurrentOpType(), "a tensor it wraps", &dtype)) {
+    return nullptr;
+  }
+  return WrapHandlerTensor(stack, value, dtype, nullptr);
+}
+
+PyObject* PyPayload(PyObject* self, PyObject* t) {
+  if (!EagerTensor_CheckExact(t)) Py_RETURN_NONE;
+  TFOH_Payload* p = PayloadOf(EagerTensor_Handle(t));
+  if (p == nullptr || p->kind != TFOH_PAYLOAD_PYTHON) Py_RETURN_NONE;
+  return PyTuple_Pack(2, reinterpret_cast<PyObject*>(p->stack),
+                      reinterpret_cast<PyObject*>(p->value));
+}
+
+// tensor_key(t) -> int: the identity of the TensorFlow tensor behind an EagerTensor.
+// TensorFlow hands a callback a new Python wrapper for the same tensor each time
+// (TFE_TensorHandleCopySharingTensor returns the same, re-referenced handle), so tapes
+// key tensors by handle, not by Python object. The key is stable while `t` (or any
+// wrapper of its handle) is alive. Other objects get id(t). GIL: held; never fails.
+PyObject* PyTensorKey(PyObject* self, PyObject* t) {
+  if (EagerTensor_CheckExact(t)) return PyLong_FromVoidPtr(EagerTensor_Handle(t));
+  return PyLong_FromVoidPtr(t);
+}
+
+PyObject* PyStackOf(PyObject* self, PyObject* t) {
+  if (!EagerTensor_CheckExact(t)) Py_RETURN_NONE;
+  TFOH_Payload* p = PayloadOf(EagerTensor_Handle(t));
+  if (p == nullptr || p->kind != TFOH_PAYLOAD_PYTHON) Py_RETURN_NONE;
+  PyObject* s = reinterpret_cast<PyObject*>(p->stack);
+  Py_INCREF(s);
+  return s;
+}
+
+PyObject* PyExecute(PyObject* self, PyObject* args) {
+  if (!RequireInit()) return nullptr;
+  PyObject *op, *inputs;
+  const char* device;
+  if (!PyArg_ParseTuple(args, "O!Os", g_op_type, &op, &inputs, &device)) return nullptr;
+  return ExecuteOp(reinterpret_cast<OpObject*>(op), inputs, device);
+}
+
+PyObject* PyNewOp(PyObject* self, PyObject* args) {
+  if (!RequireInit()) return nullptr;
+  const char* type;
+  PyObject* attrs;  // dict[str, bytes]: serialized AttrValue protos
+  int num_outputs = -1;  // only used when there is no OpDef (a function call)
+  if (!PyArg_ParseTuple(args, "sO!|i", &type, &PyDict_Type, &attrs, &num_outputs)) {
+    return nullptr;
+  }
+  TF_Status* s = TF_NewStatus();
+  TFE_Op* tfe = TFE_NewOp(g_ctx, type, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_ValueError, "tf_ophandlers: cannot create op %s: %s", type, TF_Message(s));
+    TF_DeleteStatus(s);
+    return nullptr;
+  }
+  PyObject *key, *val;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(attrs, &pos, &key, &val)) {
+    const char* k = PyUnicode_AsUTF8(key);
+    char* buf;
+    Py_ssize_t len;
+    if (k == nullptr || PyBytes_AsStringAndSize(val, &buf, &len) < 0) {
+      TFE_DeleteOp(tfe);
+      TF_DeleteStatus(s);
+      return nullptr;
+    }
+    TFE_OpSetAttrValueProto(tfe, k, buf, static_cast<size_t>(len), s);
+    if (TF_GetCode(s) != TF_OK) {
+      PyErr_Format(PyExc_ValueError, "tf_ophandlers: bad attr %s for op %s: %s", k, type,
+                   TF_Message(s));
+      TFE_DeleteOp(tfe);
+      TF_DeleteStatus(s);
+      return nullptr;
+    }
+  }
+  TF_DeleteStatus(s);
+  std::vector<TF_DataType> dtypes;
+  int n = ExpectedOutputs(tfe, &dtypes) ? static_cast<int>(dtypes.size()) : num_outputs;
+  OpObject* op = NewOpObject(type, "", n);
+  if (op == nullptr) {
+    TFE_DeleteOp(tfe);
+    return nullptr;
+  }
+  op->owned = tfe;
+  return reinterpret_cast<PyObject*>(op);
+}
+
+// unwrap_inputs(stack, inputs) -> (values, foreign): tensors on `stack` replaced by their
+// representation; `foreign` lists the indices of the others (to be copied on).
+PyObject* PyUnwrapInputs(PyObject* self, PyObject* args) {
+  PyObject *stack, *inputs;
+  if (!PyArg_ParseTuple(args, "OO", &stack, &inputs)) return nullptr;
+  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject* values = PyList_New(n);
+  PyObject* foreign = PyList_New(0);
+  if (values == nullptr || foreign == nullptr) {
+    Py_XDECREF(values);
+    Py_XDECREF(foreign);
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = items[i];
+    TFOH_Payload* p = EagerTensor_CheckExact(item) ? PayloadOf(EagerTensor_Handle(item)) : nullptr;
+    if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
+        reinterpret_cast<PyObject*>(p->stack) == stack) {
+      item = reinterpret_cast<PyObject*>(p->value);
+    } else {
+      PyObject* idx = PyLong_FromSsize_t(i);
+      if (idx == nullptr || PyList_Append(foreign, idx) < 0) {
+        Py_XDECREF(idx);
+        Py_DECREF(values);
+        Py_DECREF(foreign);
+        Py_DECREF(seq);
+        return nullptr;
+      }
+      Py_DECREF(idx);
+    }
+    Py_INCREF(item);
+    PyList_SET_ITEM(values, i, item);
+  }
+  Py_DECREF(seq);
+  PyObject* r = PyTuple_Pack(2, values, foreign);
+  Py_DECREF(values);
+  Py_DECREF(foreign);
+  return r;
+}
+
+// wrap_outputs(stack, values, transient, value_dtype[, op]) -> list of tensors on `stack`.
+// `values` is what the handler's execute returned for `op` (default: the op of the
+// innermost execute callback on this thread): it must be a list or tuple. A tensor value
+// gives its own dtype; other representations ask `value_dtype(value)`, which must give a
+// tf.DType. With `transient`, resource-dtype tensor values are returned as they are (RFC
+// "Placement of resource handles"). Anything else is a HandlerOutputError naming the
+// handler, the hook and the op.
+PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
+  PyObject *stack, *values, *value_dtype, *op = Py_None;
+  int transient;
+  if (!PyArg_ParseTuple(args, "OOpO|O", &stack, &values, &transient, &value_dtype, &op))
+    return nullptr;
+  if (!RequireInit()) return nullptr;
+  PyObject* op_type = nullptr;  // borrowed
+  if (PyObject_TypeCheck(op, &OpBaseType)) {
+    op_type = reinterpret_cast<OpObject*>(op)->type;
+  } else {
+    op_type = CurrentOpType();
+  }
+  if (!PyList_Check(values) && !PyTuple_Check(values)) {
+    // A generator or coroutine execute: close it so that it does not run later (or warn
+    // that it was never awaited).
+    if (PyGen_Check(values) || PyCoro_CheckExact(values)) {
+      PyObject* r = PyObject_CallMethod(values, "close", nullptr);
+      Py_XDECREF(r);
+      PyErr_Clear();
+    }
+    SetHookOutputError(stack, "execute", op_type,
+                       std::string("a ") + Py_TYPE(values)->tp_name +
+                           " (it must return a list of outputs)");
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Tuple(values);  // a copy: value_dtype hooks cannot resize it
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  PyObject** items = n ? &PyTuple_GET_ITEM(seq, 0) : nullptr;
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) {
+    Py_DECREF(seq);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = items[i];
+    PyObject* t = nullptr;
+    if (EagerTensor_CheckExact(v)) {
+      TF_DataType dt = TFE_TensorHandleDataType(EagerTensor_Handle(v));
+      if (transient && dt == TF_RESOURCE) {
+        Py_INCREF(v);
+        t = v;
+      } else {
+        t = WrapHandlerTensor(stack, v, dt, op_type);
+      }
+    } else {
+      std::string what = "output " + std::to_string(i);
+      PyObject* d = PyObject_CallOneArg(value_dtype, v);
+      PyObject* e = nullptr;
+      if (d != nullptr) {
+        // Only a tf.DType has as_datatype_enum: a numpy dtype (a numpy array returned as
+        // an output) does not.
+        e = PyObject_GetAttrString(d, "as_datatype_enum");
+        if (e == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+          PyErr_Clear();
+          SetHookOutputError(
+              stack, "execute", op_type,
+              what + " as a " + Py_TYPE(v)->tp_name + " whose value_dtype is " + SafeRepr(d) +
+                  ", not a tf.DType (return tensors, or override value_dtype to give the "
+                  "tf.DType of the handler's own representation)");
+        }
+        Py_DECREF(d);
+      }
+      TF_DataType dt;
+      if (e != nullptr && DtypeFromHook(stack, e, op_type, what.c_str(), &dt)) {
+        t = WrapHandlerTensor(stack, v, dt, op_type);
+      }
+      Py_XDECREF(e);
+    }
+    if (t == nullptr) {
+      Py_DECREF(out);
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, t);
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+PyObject* PyShutdown(PyObject* self, PyObject* unused) {
+  g_shutdown.store(true, std::memory_order_release);
+  Py_RETURN_NONE;
+}
+
+PyObject* PyDrain(PyObject* self, PyObject* unused) {
+  DrainPending();
+  Py_RETURN_NONE;
+}
+
+PyObject* PyDeviceName(PyObject* self, PyObject* t) {
+  if (!EagerTensor_CheckExact(t)) {
+    PyErr_SetString(PyExc_TypeError, "expected an EagerTensor");
+    return nullptr;
+  }
+  TF_Status* s = TF_NewStatus();
+  const char* d = TFE_TensorHandleDeviceName(EagerTensor_Handle(t), s);
+  PyObject* r = TF_GetCode(s) == TF_OK ? PyUnicode_FromString(d) : nullptr;
+  if (r == nullptr && !PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
+  TF_DeleteStatus(s);
+  return r;
+}
+
+PyMethodDef kModuleMethods[] = {
+    {"init", PyInit, METH_VARARGS, "Registers the dispatcher device (once per process)."},
+    {"wrap", PyWrap, METH_VARARGS, "wrap(stack, value, dtype_enum) -> handler tensor."},
+    {"payload", PyPayload, METH_O, "payload(t) -> (stack, value) or None."},
+    {"stack_of", PyStackOf, METH_O, "stack_of(t) -> stack or None."},
+    {"tensor_key", PyTensorKey, METH_O,
+     "tensor_key(t) -> int identity of t's TensorFlow handle (stable across wrappers)."},
+    {"execute", PyExecute, METH_VARARGS, "execute(op, inputs, device) -> list of tensors."},
+    {"new_op", PyNewOp, METH_VARARGS,
+     "new_op(type, {attr: AttrValue bytes}[, num_outputs]) -> Op. num_outputs is used "
+     "only for ops without an OpDef (function calls); it defaults to unknown (-1)."},
+    {"unwrap_inputs", PyUnwrapInputs, METH_VARARGS,
+     "unwrap_inputs(stack, inputs) -> (values, foreign_indices)."},
+    {"wrap_outputs", PyWrapOutputs, METH_VARARGS,
+     "wrap_outputs(stack, values, transient, value_dtype[, op]) -> tensors on stack."},
+    {"shutdown", PyShutdown, METH_NOARGS,
+     "Stops callbacks from entering Python (atexit; irreversible)."},
+    {"drain", PyDrain, METH_NOARGS, "Frees payloads released off the GIL."},
+    {"device_name", PyDeviceName, METH_O, "The TensorFlow device name of a tensor."},
+    {nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
+                       "tf-ophandlers C++ boundary (see cc/dispatcher.h).", -1, kModuleMethods};
+
+
+}  // namespace
+}  // namespace tf_ophandlers
+
+PyMODINIT_FUNC PyInit__C(void) {
+  using namespace tf_ophandlers;
+  if (!ReadyOpBaseType()) return nullptr;
+  PyObject* m = PyModule_Create(&kModule);
+  if (m == nullptr) return nullptr;
+  Py_INCREF(&OpBaseType);
+  PyModule_AddObject(m, "OpBase", reinterpret_cast<PyObject*>(&OpBaseType));
+  return m;
+}

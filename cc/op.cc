@@ -1,0 +1,332 @@
+// tf-ophandlers: the Op Python type and ExecuteOp. Contracts: op.h.
+#define PY_SSIZE_T_CLEAN
+#include "op.h"
+
+#include <string>
+
+#include "absl/container/inlined_vector.h"
+#include "handler_tensor.h"
+#include "runtime.h"
+#include "status.h"
+#include "tensorflow/c/eager/abstract_op_attrs.h"
+#include "tensorflow/c/eager/immediate_execution_operation.h"
+#include "tensorflow/c/eager/tfe_op_internal.h"
+#include "tensorflow/core/framework/attr_value.pb.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_def.pb.h"
+
+namespace tf_ophandlers {
+namespace {
+
+// ---- Op type slots ----------------------------------------------------------------------
+
+void OpDealloc(OpObject* op) {
+  PyObject_GC_UnTrack(op);
+  if (op->owned) TFE_DeleteOp(op->owned);
+  Py_CLEAR(op->type);
+  Py_CLEAR(op->device);
+  Py_CLEAR(op->output_dtypes);
+  Py_CLEAR(op->dict);
+  Py_TYPE(op)->tp_free(reinterpret_cast<PyObject*>(op));
+}
+
+int OpTraverse(OpObject* op, visitproc visit, void* arg) {
+  Py_VISIT(op->dict);
+  return 0;
+}
+
+int OpClear(OpObject* op) {
+  Py_CLEAR(op->dict);
+  return 0;
+}
+
+PyObject* OpGetType(OpObject* op, void*) {
+  Py_INCREF(op->type);
+  return op->type;
+}
+PyObject* OpGetDevice(OpObject* op, void*) {
+  Py_INCREF(op->device);
+  return op->device;
+}
+PyObject* OpGetNumOutputs(OpObject* op, void*) { return PyLong_FromLong(op->num_outputs); }
+
+PyObject* OpGetOutputDtypes(OpObject* op, void*) {
+  if (op->output_dtypes == nullptr) {
+    const TFE_Op* src = OpAttrSource(op);
+    if (src == nullptr) return nullptr;
+    std::vector<TF_DataType> dtypes;
+    if (!ExpectedOutputs(src, &dtypes)) {
+      Py_INCREF(Py_None);
+      op->output_dtypes = Py_None;
+    } else {
+      PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(dtypes.size()));
+      if (t == nullptr) return nullptr;
+      for (size_t i = 0; i < dtypes.size(); ++i) {
+        PyObject* v = PyLong_FromLong(static_cast<long>(dtypes[i]));
+        if (v == nullptr) {
+          Py_DECREF(t);
+          return nullptr;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+      }
+      op->output_dtypes = t;
+    }
+  }
+  Py_INCREF(op->output_dtypes);
+  return op->output_dtypes;
+}
+
+PyObject* OpAttrsProto(OpObject* op, PyObject*) {
+  const TFE_Op* src = OpAttrSource(op);
+  if (src == nullptr) return nullptr;
+  TF_Buffer* buf = TF_NewBuffer();
+  TF_Status* s = TF_NewStatus();
+  TFE_OpAttrsSerialize(TFE_OpGetAttrs(src), buf, s);
+  PyObject* r = nullptr;
+  if (TF_GetCode(s) == TF_OK) {
+    r = PyBytes_FromStringAndSize(static_cast<const char*>(buf->data),
+                                  static_cast<Py_ssize_t>(buf->length));
+  } else {
+    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
+  }
+  TF_DeleteStatus(s);
+  TF_DeleteBuffer(buf);
+  return r;
+}
+
+PyObject* OpIsBorrowed(OpObject* op, void*) { return PyBool_FromLong(op->borrowed != nullptr); }
+
+PyGetSetDef kOpGetSet[] = {
+    {"type", reinterpret_cast<getter>(OpGetType), nullptr, "The op type, e.g. 'AddV2'.", nullptr},
+    {"requested_device", reinterpret_cast<getter>(OpGetDevice), nullptr,
+     "The device TensorFlow recorded for the op ('' when none was requested).", nullptr},
+    {"num_outputs", reinterpret_cast<getter>(OpGetNumOutputs), nullptr,
+     "Number of flat outputs the op must produce.", nullptr},
+    {"output_dtype_enums", reinterpret_cast<getter>(OpGetOutputDtypes), nullptr,
+     "Expected output dtypes (TF_DataType enums) from the OpDef, or None.", nullptr},
+    {"_borrowed", reinterpret_cast<getter>(OpIsBorrowed), nullptr, nullptr, nullptr},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+    {nullptr}};
+
+PyMethodDef kOpMethods[] = {
+    {"_attrs_proto", reinterpret_cast<PyCFunction>(OpAttrsProto), METH_NOARGS,
+     "Serialized NameAttrList of the op's attributes."},
+    {nullptr}};
+
+}  // namespace
+
+PyTypeObject OpBaseType = {
+    PyVarObject_HEAD_INIT(nullptr, 0) "tf_ophandlers._C.OpBase", /* tp_name */
+    sizeof(OpObject),                                              /* tp_basicsize */
+};
+
+bool ReadyOpBaseType() {
+  OpBaseType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  OpBaseType.tp_doc = "Base of tf_ophandlers.Op (see cc/op.h).";
+  OpBaseType.tp_dealloc = reinterpret_cast<destructor>(OpDealloc);
+  OpBaseType.tp_traverse = reinterpret_cast<traverseproc>(OpTraverse);
+  OpBaseType.tp_clear = reinterpret_cast<inquiry>(OpClear);
+  OpBaseType.tp_getset = kOpGetSet;
+  OpBaseType.tp_methods = kOpMethods;
+  OpBaseType.tp_dictoffset = offsetof(OpObject, dict);
+  return PyType_Ready(&OpBaseType) >= 0;
+}
+
+OpObject* NewOpObject(const char* type, const char* device, int num_outputs) {
+  auto* op = reinterpret_cast<OpObject*>(g_op_type->tp_alloc(g_op_type, 0));
+  if (op == nullptr) return nullptr;
+  op->borrowed = nullptr;
+  op->owned = nullptr;
+  op->type = InternedString(type);
+  op->device = InternedString(device ? device : "");
+  op->num_outputs = num_outputs;
+  op->output_dtypes = nullptr;
+  op->dict = nullptr;
+  if (op->type == nullptr || op->device == nullptr) {
+    Py_DECREF(op);
+    return nullptr;
+  }
+  return op;
+}
+
+// Ends the borrow of `op`: an Op still referenced from Python copies the attributes it
+// borrowed. GIL: held.
+void EndBorrow(OpObject* op, TFE_Context* ctx) {
+  if (op->borrowed == nullptr) return;
+  if (Py_REFCNT(op) > 1 && op->owned == nullptr) {
+    TF_Status* s = TF_NewStatus();
+    TFE_Op* copy = TFE_NewOp(ctx, PyUnicode_AsUTF8(op->type), s);
+    if (TF_GetCode(s) == TF_OK) {
+      TFE_OpAddAttrs(copy, TFE_OpGetAttrs(op->borrowed));
+      op->owned = copy;
+    } else if (copy != nullptr) {
+      TFE_DeleteOp(copy);
+    }
+    TF_DeleteStatus(s);
+  }
+  op->borrowed = nullptr;
+}
+
+// Checks what a Python handler returned for `op` and moves it into `outputs`.
+// Returns false with `status` set on any mismatch. GIL: held.
+
+const TFE_Op* OpAttrSource(OpObject* op) {
+  if (op->borrowed) return op->borrowed;
+  if (op->owned) return op->owned;
+  PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: Op has no attributes");
+  return nullptr;
+}
+
+
+// Fills `dtypes` with the flat output dtypes TensorFlow's OpDef implies for `op`, or
+// returns false when they cannot be known (function call ops). GIL: not needed.
+bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
+  const tensorflow::ImmediateExecutionOperation* iop = tensorflow::unwrap(op);
+  const tensorflow::OpDef* def = iop->OpDef();
+  if (def == nullptr) {
+    // TensorFlow leaves OpDef() unset for some ops (those with list inputs: AddN,
+    // ConcatV2, Pack, ...): ask the op registry. Not registered means a function call.
+    if (!tensorflow::OpRegistry::Global()->LookUpOpDef(iop->Name(), &def).ok()) return false;
+  }
+  const tensorflow::AbstractOpAttrs* attrs = iop->GetOpAttrs();
+  // Attributes TensorFlow inferred from the inputs (the T and N of AddN, ConcatV2, Pack,
+  // ...) are not visible through the typed getters; read them from the full attr list.
+  tensorflow::NameAttrList all;
+  bool have_all = false;
+  auto lookup = [&](const std::string& name) -> const tensorflow::AttrValue* {
+    if (!have_all) {
+      attrs->GetNameAttrList(&all);
+      have_all = true;
+    }
+    auto it = all.attr().find(name);
+    return it == all.attr().end() ? nullptr : &it->second;
+  };
+  for (const auto& arg : def->output_arg()) {
+    int64_t n = 1;
+    if (!arg.number_attr().empty() && !attrs->GetInt(arg.number_attr(), &n)) {
+      const tensorflow::AttrValue* v = lookup(arg.number_attr());
+      if (v == nullptr || v->value_case() != tensorflow::AttrValue::kI) return false;
+      n = v->i();
+    }
+    if (arg.type() != tensorflow::DT_INVALID) {
+      for (int64_t i = 0; i < n; ++i) dtypes->push_back(static_cast<TF_DataType>(arg.type()));
+    } else if (!arg.type_attr().empty()) {
+      tensorflow::DataType t;
+      if (!attrs->GetType(arg.type_attr(), &t)) {
+        const tensorflow::AttrValue* v = lookup(arg.type_attr());
+        if (v == nullptr || v->value_case() != tensorflow::AttrValue::kType) return false;
+        t = v->type();
+      }
+      for (int64_t i = 0; i < n; ++i) dtypes->push_back(static_cast<TF_DataType>(t));
+    } else if (!arg.type_list_attr().empty()) {
+      absl::InlinedVector<tensorflow::DataType, 4> list;
+      if (!attrs->GetTypeList(arg.type_list_attr(), &list).ok()) {
+        const tensorflow::AttrValue* v = lookup(arg.type_list_attr());
+        if (v == nullptr) return false;
+        list.clear();
+        for (int t : v->list().type()) list.push_back(static_cast<tensorflow::DataType>(t));
+      }
+      for (auto t : list) dtypes->push_back(static_cast<TF_DataType>(t));
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
+  const TFE_Op* src = OpAttrSource(op);
+  if (src == nullptr) return nullptr;
+  if (!RequireInit()) return nullptr;
+  PyObject* seq = PySequence_Tuple(inputs);  // a copy: copy-off hooks cannot resize it
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t n_in = PyTuple_GET_SIZE(seq);
+  PyObject** items = n_in ? &PyTuple_GET_ITEM(seq, 0) : nullptr;
+  TF_Status* s = TF_NewStatus();
+  const char* type = PyUnicode_AsUTF8(op->type);
+  // Reuse this thread's TFE_Op (as TensorFlow's own Python fast path does): TFE_OpReset
+  // keeps the allocation and skips re-parsing an unchanged device name. A nested
+  // ExecuteOp on the same thread (a copy-off hook) takes the op out of the cache first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* tfe = cached_op;
+  cached_op = nullptr;
+  if (tfe != nullptr) {
+    TFE_OpReset(tfe, type, device, s);
+    if (TF_GetCode(s) != TF_OK) {
+      TFE_DeleteOp(tfe);
+      tfe = nullptr;
+    }
+  }
+  if (tfe == nullptr) {
+    TF_SetStatus(s, TF_OK, "");
+    tfe = TFE_NewOp(g_ctx, type, s);
+  }
+  PyObject* result = nullptr;
+  int num = op->num_outputs;
+  absl::InlinedVector<TFE_TensorHandle*, 4> rets;
+  absl::InlinedVector<PyObject*, 2> keep;  // copied-off inputs, owned
+  if (TF_GetCode(s) != TF_OK) goto fail;
+  TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
+  for (Py_ssize_t i = 0; i < n_in; ++i) {
+    if (!EagerTensor_CheckExact(items[i])) {
+      PyErr_Format(PyExc_TypeError, "tf_ophandlers: input %zd of %s is not an eager tensor", i,
+                   type);
+      goto cleanup;
+    }
+    TFE_TensorHandle* h = EagerTensor_Handle(items[i]);
+    if (PayloadOf(h) != nullptr) {
+      // A handler tensor reaching a physical device: copy it off its stack (RFC: CopyOn
+      // on a physical device is the CopyOff of the tensor's own stack).
+      PyObject* off = PyObject_CallFunction(g_copy_from, "Os", items[i], device);
+      if (off == nullptr) goto cleanup;
+      if (!EagerTensor_CheckExact(off) || PayloadOf(EagerTensor_Handle(off)) != nullptr) {
+        Py_DECREF(off);
+        PyErr_Format(PyExc_TypeError, "tf_ophandlers: copy-off for input %zd of %s did not "
+                     "return a physical tensor", i, type);
+        goto cleanup;
+      }
+      keep.push_back(off);
+      h = EagerTensor_Handle(off);
+    }
+    TFE_OpAddInput(tfe, h, s);
+    if (TF_GetCode(s) != TF_OK) goto fail;
+  }
+  TFE_OpSetDevice(tfe, device, s);
+  if (TF_GetCode(s) != TF_OK) goto fail;
+  if (num < 0) {
+    PyErr_Format(PyExc_ValueError, "tf_ophandlers: unknown output count for %s", type);
+    goto cleanup;
+  }
+  rets.resize(num > 0 ? num : 1);
+  Py_BEGIN_ALLOW_THREADS;
+  TFE_Execute(tfe, rets.data(), &num, s);
+  Py_END_ALLOW_THREADS;
+  if (TF_GetCode(s) != TF_OK) goto fail;
+  result = PyList_New(num);
+  for (int i = 0; i < num; ++i) {
+    PyObject* t = result ? EagerTensorFromHandle(rets[i], false) : nullptr;
+    if (t == nullptr) {
+      for (int j = i; j < num; ++j) TFE_DeleteTensorHandle(rets[j]);
+      Py_CLEAR(result);
+      break;
+    }
+    PyList_SET_ITEM(result, i, t);
+  }
+  goto cleanup;
+fail:
+  RaiseFromStatus(s);
+cleanup:
+  for (PyObject* o : keep) Py_DECREF(o);
+  if (tfe) {
+    if (cached_op == nullptr && TF_GetCode(s) == TF_OK) {
+      cached_op = tfe;  // inputs and attrs are cleared by the next TFE_OpReset
+    } else {
+      TFE_DeleteOp(tfe);
+    }
+  }
+  TF_DeleteStatus(s);
+  Py_DECREF(seq);
+  return result;
+}
+
+}  // namespace tf_ophandlers

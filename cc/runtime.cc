@@ -1,0 +1,66 @@
+// tf-ophandlers: process-wide state of the C++ boundary. Contracts: runtime.h.
+#define PY_SSIZE_T_CLEAN
+#include "runtime.h"
+
+#include <unordered_map>
+
+#include "tensorflow/core/framework/types.pb.h"
+
+namespace tf_ophandlers {
+
+TFE_Context* g_ctx = nullptr;
+std::string g_device_name;
+PyTypeObject* g_op_type = nullptr;
+PyObject* g_execute = nullptr;
+PyObject* g_copy_to = nullptr;
+PyObject* g_copy_from = nullptr;
+PyObject* g_stash_error = nullptr;
+PyObject* g_num_dims = nullptr;
+PyObject* g_dim = nullptr;
+PyObject* g_summarize = nullptr;
+PyObject* g_error_text = nullptr;
+std::atomic<bool> g_shutdown{false};
+
+bool PythonAlive() {
+  return !g_shutdown.load(std::memory_order_acquire) && Py_IsInitialized() &&
+         !_Py_IsFinalizing();
+}
+
+bool RequireInit() {
+  if (g_ctx == nullptr || g_op_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "tf_ophandlers: the dispatcher is not initialized (import tf_ophandlers)");
+    return false;
+  }
+  return true;
+}
+
+TF_Status* ThreadStatus() {
+  thread_local TF_Status* s = TF_NewStatus();
+  TF_SetStatus(s, TF_OK, "");
+  return s;
+}
+
+PyObject* InternedString(const char* text) {
+  static std::unordered_map<std::string, PyObject*>* cache =
+      new std::unordered_map<std::string, PyObject*>();
+  auto it = cache->find(text);
+  if (it != cache->end()) {
+    Py_INCREF(it->second);
+    return it->second;
+  }
+  PyObject* s = PyUnicode_FromString(text);
+  if (s == nullptr) return nullptr;
+  if (cache->size() < 100000) {
+    Py_INCREF(s);
+    (*cache)[text] = s;
+  }
+  return s;
+}
+
+bool ValidDataType(long dtype) {
+  return dtype > 0 && dtype < 100 &&
+         tensorflow::DataType_IsValid(static_cast<int>(dtype));
+}
+
+}  // namespace tf_ophandlers

@@ -20,9 +20,11 @@ Every other op with a registered gradient uses TensorFlow's own construction
 (`forwardprop._jvp_dispatch`: the transpose of the gradient function, traced once per op
 signature into a cached function).
 """
+import contextlib
 import logging
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
@@ -218,6 +220,28 @@ _REAL_ONLY = frozenset(_RULES[n] for n in (
 _COMPLEX_ENUMS = frozenset((tf.complex64.as_datatype_enum, tf.complex128.as_datatype_enum))
 
 
+@contextlib.contextmanager
+def _tapes_recording():
+    """Lets TensorFlow's tapes record on this thread while a JVP is built.
+
+    TensorFlow builds a JVP by recording the op's gradient function on two inner
+    GradientTapes. Tapes record nothing while the thread's tape set is stopped, which is
+    the case while a tf.function is replayed through handlers (core/replay.py traces
+    under `stop_recording`) and inside a user's `stop_recording()` scope: the JVP would
+    silently be zero, and TensorFlow's JVP function cache (keyed by op, attrs and input
+    specs only) would keep that trace for every later use of the op, eager ones too.
+    The accumulator's own recording state is what decides whether it computes tangents.
+    """
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
 def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     """TensorFlow's own JVP: the transposed gradient function of the op."""
     if op.output_dtypes is None:
@@ -232,20 +256,25 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     filled = [t if t is not None or not _float(p) else _zeros(p)
               for p, t in zip(primals, tangents)]
     try:
-        if any(isinstance(h, ForwardAccumulator) for h in _state.current.handlers):
-            # An accumulator below must see the JVP op by op (higher order): run
-            # TensorFlow's construction eagerly instead of as one traced function call.
-            result = _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
-                op.type, _attr_tuple(op), list(primals), list(outputs), filled)
-        else:
-            # Traced once per op signature and cached by TensorFlow.
-            result = _tf_forwardprop._jvp_dispatch(  # pylint: disable=protected-access
-                op.type, _attr_tuple(op), list(primals), list(outputs), filled)
+        with _tapes_recording():
+            result = _tensorflow_jvp_recording(op, primals, outputs, filled)
     except LookupError as e:
         raise LookupError(
             "oh.ForwardAccumulator: op %s has no registered gradient, so no JVP (%s)"
             % (op.type, e)) from e
     return list(result)
+
+
+def _tensorflow_jvp_recording(op, primals, outputs, filled):
+    """`_tensorflow_jvp` once TensorFlow's tapes can record."""
+    if any(isinstance(h, ForwardAccumulator) for h in _state.current.handlers):
+        # An accumulator below must see the JVP op by op (higher order): run
+        # TensorFlow's construction eagerly instead of as one traced function call.
+        return _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
+            op.type, _attr_tuple(op), list(primals), list(outputs), filled)
+    # Traced once per op signature and cached by TensorFlow.
+    return _tf_forwardprop._jvp_dispatch(  # pylint: disable=protected-access
+        op.type, _attr_tuple(op), list(primals), list(outputs), filled)
 
 
 class ForwardAccumulator(OpHandler):

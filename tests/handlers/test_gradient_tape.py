@@ -844,3 +844,72 @@ def test_keras_embedding_adam_step_equals_tensorflow(handler, order):
     assert isinstance(ref_grads[0], tf.IndexedSlices)
     for r, w in zip(ref_model.weights, model.weights):
         assert_close(w, r, 1e-6)
+
+
+# -- non-tensor sources and targets raise as tf.GradientTape does (issue 23 items 7, 11) ----
+
+_NOT_TENSORS = {
+    "numpy_array": lambda: np.array([1.0, 2.0], np.float32),
+    "numpy_scalar_in_list": lambda: [tf.constant(1.0), np.float32(2.0)],
+    "python_float": lambda: 1.5,
+    "python_int": lambda: 3,
+    "none_in_list": lambda: [tf.constant(1.0), None],
+    "string": lambda: "abc",
+}
+
+
+def _error_of(call):
+    try:
+        call()
+    except Exception as e:  # pylint: disable=broad-except
+        return e
+    return None
+
+
+@pytest.mark.parametrize("bad", sorted(_NOT_TENSORS))
+@pytest.mark.parametrize("method", ["gradient_sources", "gradient_target",
+                                    "jacobian_sources", "jacobian_target"])
+def test_non_tensor_sources_and_targets_raise_like_tensorflow(bad, method):
+    x = tf.constant([1.0, 2.0])
+    errors = []
+    for tape_type in (tf.GradientTape, oh.GradientTape):
+        with tape_type(persistent=True) as tape:
+            tape.watch(x)
+            y = x * x
+        value = _NOT_TENSORS[bad]()
+        name, which = method.split("_")
+        fn = getattr(tape, name)
+        errors.append(_error_of(lambda: fn(y, value) if which == "sources" else fn(value, x)))
+    ref, got = errors
+    if ref is None:  # tf.GradientTape.jacobian of a numpy target: None, as here
+        assert got is None
+        return
+    assert got is not None, "oh.GradientTape returned instead of raising %r" % (ref,)
+    assert type(got) is type(ref), (ref, got)
+    assert "oh.GradientTape.%s" % name in str(got)
+
+
+def test_non_tensor_source_does_not_use_up_the_tape():
+    x = tf.constant(2.0)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        y = x * x
+    with pytest.raises(TypeError, match="sources"):
+        tape.gradient(y, 2.0)
+    assert_close(tape.gradient(y, x), 4.0)
+
+
+@pytest.mark.parametrize("shapes", [((3,), (3,)), ((3, 2), (3,)), ((3,), (3, 2))])
+def test_batch_jacobian_of_rank_one_raises_like_tensorflow(shapes):
+    t_shape, s_shape = shapes
+    errors = []
+    for tape_type in (tf.GradientTape, oh.GradientTape):
+        x = tf.ones(s_shape)
+        with tape_type() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(x) * tf.ones(t_shape)
+        errors.append(_error_of(lambda: tape.batch_jacobian(y, x)))
+    ref, got = errors
+    assert isinstance(ref, ValueError) and "must have rank at least 2" in str(ref)
+    assert isinstance(got, ValueError) and "must have rank at least 2" in str(got)
+    assert "oh.GradientTape.batch_jacobian" in str(got)

@@ -380,10 +380,10 @@ def test_tensor_arrays_in_functions_and_loops_carry_tangents():
 
 # -- JVPs do not depend on what ran before (issue 16 item 1) ---------------------------------
 # Ops without a closed-form rule use TensorFlow's JVP construction, a function traced once
-# per op signature and cached by TensorFlow (for tf.autodiff.ForwardAccumulator too). A
-# trace made while a tf.function was being replayed through the accumulator recorded
-# nothing (the replay stops the thread's tapes), so the JVP was zero there and in every
-# later eager use of the op signature.
+# per op signature and cached (it was TensorFlow's cache, shared with
+# tf.autodiff.ForwardAccumulator). A trace made while a tf.function was being replayed
+# through the accumulator recorded nothing (the replay stops the thread's tapes), so the
+# JVP was zero there and in every later eager use of the op signature.
 
 def _gelu_dense():
     keras.utils.set_random_seed(11)
@@ -403,14 +403,27 @@ ORDER_PROGRAMS = {
 }
 
 
+class _Caches:
+    """The caches of traced JVP functions: TensorFlow's and the accumulator's own."""
+
+    def __init__(self):
+        self.caches = [fa._tf_forwardprop._jvp_function_cache]  # pylint: disable=protected-access
+        if hasattr(fa, "_jvp_function_cache"):
+            self.caches.append(fa._jvp_function_cache)  # pylint: disable=protected-access
+
+    def clear(self):
+        for cache in self.caches:
+            cache.clear()
+
+
 @pytest.fixture
 def fresh_jvp_cache():
-    """TensorFlow's JVP function cache emptied, as in a new process (and after the test,
-    so that nothing a failing test traced reaches other tests)."""
-    cache = fa._tf_forwardprop._jvp_function_cache  # pylint: disable=protected-access
-    cache.clear()
-    yield cache
-    cache.clear()
+    """The JVP function caches emptied, as in a new process (and after the test, so that
+    nothing a failing test traced reaches other tests)."""
+    caches = _Caches()
+    caches.clear()
+    yield caches
+    caches.clear()
 
 
 @pytest.mark.parametrize("name", sorted(ORDER_PROGRAMS))

@@ -376,3 +376,75 @@ def test_tensor_arrays_in_functions_and_loops_carry_tangents():
         with oh.ForwardAccumulator(x, tf.constant([1.0, 0.0])) as acc:
             y = fn(x)
         assert_close(acc.jvp(y), ref.jvp(expected))
+
+
+# -- JVPs do not depend on what ran before (issue 16 item 1) ---------------------------------
+# Ops without a closed-form rule use TensorFlow's JVP construction, a function traced once
+# per op signature and cached (it was TensorFlow's cache, shared with
+# tf.autodiff.ForwardAccumulator). A trace made while a tf.function was being replayed
+# through the accumulator recorded nothing (the replay stops the thread's tapes), so the
+# JVP was zero there and in every later eager use of the op signature.
+
+def _gelu_dense():
+    keras.utils.set_random_seed(11)
+    layer = keras.layers.Dense(8, activation="gelu")
+    layer.build((None, 5))
+    return layer, [(3, 5)]
+
+
+ORDER_PROGRAMS = {
+    "erf": lambda: (lambda a: a + tf.math.erf(a), [(3,)]),
+    "max_pool": lambda: (lambda a: tf.nn.max_pool2d(a, 2, 2, "VALID"), [(1, 4, 4, 2)]),
+    "avg_pool": lambda: (lambda a: tf.nn.avg_pool2d(a, 2, 2, "VALID") * a[:, :2, :2, :],
+                         [(1, 4, 4, 2)]),
+    "top_k": lambda: (lambda a: tf.math.top_k(a, 2).values * 2., [(3, 5)]),
+    "reduce_max": lambda: (lambda a: tf.reduce_max(a, 1) + 1., [(4, 3)]),
+    "keras_gelu_dense": _gelu_dense,
+}
+
+
+class _Caches:
+    """The caches of traced JVP functions: TensorFlow's and the accumulator's own."""
+
+    def __init__(self):
+        self.caches = [fa._tf_forwardprop._jvp_function_cache]  # pylint: disable=protected-access
+        if hasattr(fa, "_jvp_function_cache"):
+            self.caches.append(fa._jvp_function_cache)  # pylint: disable=protected-access
+
+    def clear(self):
+        for cache in self.caches:
+            cache.clear()
+
+
+@pytest.fixture
+def fresh_jvp_cache():
+    """The JVP function caches emptied, as in a new process (and after the test, so that
+    nothing a failing test traced reaches other tests)."""
+    caches = _Caches()
+    caches.clear()
+    yield caches
+    caches.clear()
+
+
+@pytest.mark.parametrize("name", sorted(ORDER_PROGRAMS))
+def test_jvps_do_not_depend_on_what_ran_before(name, fresh_jvp_cache):
+    fn, shapes = ORDER_PROGRAMS[name]()
+    primals = [_rand(*s) for s in shapes]
+    tangents = [_rand(*s) for s in shapes]
+    with tf.autodiff.ForwardAccumulator(primals, tangents) as ref:
+        expected = fn(*primals)
+    expected_jvp = ref.jvp(expected)
+    with tf.autodiff.ForwardAccumulator(primals, tangents) as ref:
+        expected_fn = tf.function(fn)(*primals)
+    assert_close(ref.jvp(expected_fn), expected_jvp, 1e-5)
+    fresh_jvp_cache.clear()  # nothing traced yet: the oh accumulator's function runs first
+    for run in ("function", "eager", "function"):
+        call = tf.function(fn) if run == "function" else fn  # a fresh function each time
+        with oh.ForwardAccumulator(primals, tangents) as acc:
+            y = call(*primals)
+        assert_close(y, expected, 1e-5)
+        assert_same_tensors(expected_jvp, acc.jvp(y))
+    # TensorFlow's own accumulator, sharing TensorFlow's cache, is still right.
+    with tf.autodiff.ForwardAccumulator(primals, tangents) as ref:
+        again = fn(*primals)
+    assert_same_tensors(expected_jvp, ref.jvp(again))

@@ -1,4 +1,5 @@
 """oh.GradientTape against tf.GradientTape, op by op and on Keras models."""
+import contextlib
 import gc
 import logging
 import weakref
@@ -749,3 +750,166 @@ def test_persistent_tape_through_tf_function_and_a_saved_model(tmp_path):
         results.append([tape.gradient(y, x)] + tape.gradient(y, variables))
     assert_same_tensors(results[0], results[1])
     assert_same_tensors(results[0], results[2])
+
+
+# -- sparse gradients keep their type under other handlers (issue 16 item 2) --------------
+# Under a handler around the tape, a variable's handle is copied onto the handler's stack
+# (a recorded CopyOn); the copy's gradient turned the IndexedSlices of a gather into a
+# dense tensor, which optimizers treat differently.
+
+_OTHER_HANDLERS = {
+    "op_log": lambda: oh.OpLogHandler(),
+    "pass_through": lambda: oh.OpHandler(),
+    "check_numerics": lambda: oh.CheckNumericsHandler(),
+}
+
+
+def _assert_same_gradient(ref, got):
+    assert type(got) is type(ref), (type(ref), type(got))
+    if isinstance(ref, tf.IndexedSlices):
+        assert got.values.dtype == ref.values.dtype and got.indices.dtype == ref.indices.dtype
+        assert got.values.shape[1:] == ref.values.shape[1:]
+        # The same slices (their order may differ: the order gradients are summed in).
+        assert sorted(got.indices.numpy().tolist()) == sorted(ref.indices.numpy().tolist())
+        assert_close(got.dense_shape, ref.dense_shape)
+    assert_same_tensors(ref, got)
+
+
+@pytest.mark.parametrize("handler", sorted(_OTHER_HANDLERS))
+@pytest.mark.parametrize("order", ["tape_outside", "tape_inside"])
+@pytest.mark.parametrize("gradient_in_scope", [True, False])
+@pytest.mark.parametrize("run", ["eager", "function"])
+def test_sparse_gradients_stay_sparse_under_other_handlers(handler, order, gradient_in_scope,
+                                                           run):
+    v = tf.Variable(_rand(5, 3))
+    w = tf.Variable(_rand(3))
+    ids = tf.constant([3, 0, 3])
+
+    def loss():
+        return tf.reduce_sum(tf.gather(v, ids) * w) + tf.reduce_sum(tf.nn.embedding_lookup(v, [1]))
+
+    if run == "function":
+        loss = tf.function(loss)
+
+    with tf.GradientTape() as ref_tape:
+        ref_y = loss()
+    ref = ref_tape.gradient(ref_y, [v, w])
+    assert isinstance(ref[0], tf.IndexedSlices)
+    other = _OTHER_HANDLERS[handler]()
+    tape = oh.GradientTape()
+    outer, inner = (tape, other) if order == "tape_outside" else (other, tape)
+    with outer:
+        with inner:
+            y = loss()
+        if gradient_in_scope:
+            grads = tape.gradient(y, [v, w])
+    if not gradient_in_scope:
+        grads = tape.gradient(y, [v, w])
+    assert_close(y, ref_y, 1e-6)
+    for r, g in zip(ref, grads):
+        _assert_same_gradient(r, g)
+
+
+@pytest.mark.parametrize("handler", sorted(_OTHER_HANDLERS))
+@pytest.mark.parametrize("order", ["tape_outside", "tape_inside"])
+def test_keras_embedding_adam_step_equals_tensorflow(handler, order):
+    def build():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((4,), dtype="int32"),
+                                  keras.layers.Embedding(10, 3),
+                                  keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(1)])
+        return model, keras.optimizers.Adam(0.1)
+
+    ids = tf.constant([[1, 2, 2, 5], [5, 0, 1, 1]])
+    labels = tf.constant([[1.0], [-1.0]])
+
+    def step(model, opt, tape_type, scope):
+        tape = tape_type()
+        outer, inner = (tape, scope) if order == "tape_outside" else (scope, tape)
+        with outer:
+            with inner:
+                loss = tf.reduce_mean((model(ids) - labels) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+
+    ref_model, ref_opt = build()
+    model, opt = build()
+    for _ in range(3):
+        ref_grads = step(ref_model, ref_opt, tf.GradientTape, contextlib.nullcontext())
+        grads = step(model, opt, oh.GradientTape, _OTHER_HANDLERS[handler]())
+        for r, g in zip(ref_grads, grads):
+            _assert_same_gradient(r, g)
+    assert isinstance(ref_grads[0], tf.IndexedSlices)
+    for r, w in zip(ref_model.weights, model.weights):
+        assert_close(w, r, 1e-6)
+
+
+# -- non-tensor sources and targets raise as tf.GradientTape does (issue 23 items 7, 11) ----
+
+_NOT_TENSORS = {
+    "numpy_array": lambda: np.array([1.0, 2.0], np.float32),
+    "numpy_scalar_in_list": lambda: [tf.constant(1.0), np.float32(2.0)],
+    "python_float": lambda: 1.5,
+    "python_int": lambda: 3,
+    "none_in_list": lambda: [tf.constant(1.0), None],
+    "string": lambda: "abc",
+}
+
+
+def _error_of(call):
+    try:
+        call()
+    except Exception as e:  # pylint: disable=broad-except
+        return e
+    return None
+
+
+@pytest.mark.parametrize("bad", sorted(_NOT_TENSORS))
+@pytest.mark.parametrize("method", ["gradient_sources", "gradient_target",
+                                    "jacobian_sources", "jacobian_target"])
+def test_non_tensor_sources_and_targets_raise_like_tensorflow(bad, method):
+    x = tf.constant([1.0, 2.0])
+    errors = []
+    for tape_type in (tf.GradientTape, oh.GradientTape):
+        with tape_type(persistent=True) as tape:
+            tape.watch(x)
+            y = x * x
+        value = _NOT_TENSORS[bad]()
+        name, which = method.split("_")
+        fn = getattr(tape, name)
+        errors.append(_error_of(lambda: fn(y, value) if which == "sources" else fn(value, x)))
+    ref, got = errors
+    if ref is None:  # tf.GradientTape.jacobian of a numpy target: None, as here
+        assert got is None
+        return
+    assert got is not None, "oh.GradientTape returned instead of raising %r" % (ref,)
+    assert type(got) is type(ref), (ref, got)
+    assert "oh.GradientTape.%s" % name in str(got)
+
+
+def test_non_tensor_source_does_not_use_up_the_tape():
+    x = tf.constant(2.0)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        y = x * x
+    with pytest.raises(TypeError, match="sources"):
+        tape.gradient(y, 2.0)
+    assert_close(tape.gradient(y, x), 4.0)
+
+
+@pytest.mark.parametrize("shapes", [((3,), (3,)), ((3, 2), (3,)), ((3,), (3, 2))])
+def test_batch_jacobian_of_rank_one_raises_like_tensorflow(shapes):
+    t_shape, s_shape = shapes
+    errors = []
+    for tape_type in (tf.GradientTape, oh.GradientTape):
+        x = tf.ones(s_shape)
+        with tape_type() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(x) * tf.ones(t_shape)
+        errors.append(_error_of(lambda: tape.batch_jacobian(y, x)))
+    ref, got = errors
+    assert isinstance(ref, ValueError) and "must have rank at least 2" in str(ref)
+    assert isinstance(got, ValueError) and "must have rank at least 2" in str(got)
+    assert "oh.GradientTape.batch_jacobian" in str(got)

@@ -56,21 +56,33 @@ def _string_attr(op, name):
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _keep_slices(copy, grad, **attrs):
+    """`copy` applied to `grad`; a sparse gradient (tf.IndexedSlices, as TensorFlow gives
+    for a gather from a variable) stays sparse, with each of its parts copied (a copy is
+    linear and elementwise), so optimizers see the gradient type TensorFlow gives."""
+    if isinstance(grad, tf.IndexedSlices):
+        shape = grad.dense_shape
+        return tf.IndexedSlices(copy(grad.values, **attrs), copy(grad.indices, **attrs),
+                                None if shape is None else copy(shape, **attrs))
+    return copy(grad, **attrs)
+
+
 @_ops.RegisterGradient("CopyOn")
 def _copy_on_gradient(op, grad):
-    return copy_on_grad(grad, original_device=op.inputs[0].device)
+    return _keep_slices(copy_on_grad, grad, original_device=op.inputs[0].device)
 
 
 @_ops.RegisterGradient("CopyOnGrad")
 def _copy_on_grad_gradient(op, grad):
-    return copy_on(grad)
+    return _keep_slices(copy_on, grad)
 
 
 @_ops.RegisterGradient("CopyOff")
 def _copy_off_gradient(op, grad):
-    return copy_off_grad(grad, original_device=_string_attr(op, "new_device"))
+    return _keep_slices(copy_off_grad, grad,
+                        original_device=_string_attr(op, "new_device"))
 
 
 @_ops.RegisterGradient("CopyOffGrad")
 def _copy_off_grad_gradient(op, grad):
-    return copy_off(grad, new_device=_string_attr(op, "original_device"))
+    return _keep_slices(copy_off, grad, new_device=_string_attr(op, "original_device"))

@@ -17,13 +17,17 @@ JVP rules: linear ops (reshapes, slices, sums, concatenations, additions, copies
 the same op on the tangents; multilinear ops (Mul, MatMul, convolutions, einsum) apply the
 product rule with the same op; common elementwise and softmax ops have closed forms.
 Every other op with a registered gradient uses TensorFlow's own construction
-(`forwardprop._jvp_dispatch`: the transpose of the gradient function, traced once per op
-signature into a cached function).
+(`forwardprop._jvp_helper`: the transpose of the gradient function, traced once per op
+signature into a function cached here).
 """
+import contextlib
 import logging
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+from tensorflow.core.function.polymorphism import function_cache as _function_cache
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
+from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing_compilation
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
@@ -216,6 +220,50 @@ _REAL_ONLY = frozenset(_RULES[n] for n in (
 _COMPLEX_ENUMS = frozenset((tf.complex64.as_datatype_enum, tf.complex128.as_datatype_enum))
 
 
+@contextlib.contextmanager
+def _tapes_recording():
+    """Lets TensorFlow's tapes record on this thread while a JVP is built.
+
+    TensorFlow builds a JVP by recording the op's gradient function on two inner
+    GradientTapes. Tapes record nothing while the thread's tape set is stopped, which is
+    the case while a tf.function is replayed through handlers (core/replay.py traces
+    under `stop_recording`): the JVP would silently be zero, and a cache of traced JVP
+    functions keyed by op, attrs and input specs would keep that trace for every later
+    use of the op, eager ones too. The accumulator's own state decides whether it
+    computes tangents.
+    """
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
+def _jvp_body(op_name, attr_tuple, inputs, outputs, tangents):
+    """The body of a traced JVP function: TensorFlow's construction, with the tapes it
+    uses recording inside the trace only (a graph being built: the tapes of the eager
+    program around, stopped or not, see none of it)."""
+    with _tapes_recording():
+        return _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
+            op_name, attr_tuple, inputs, outputs, tangents)
+
+
+# The accumulator's own cache of traced JVP functions (as forwardprop._jvp_dispatch, but
+# never sharing traces with tf.autodiff.ForwardAccumulator, and traced with the tapes
+# recording wherever the call happens). TensorFlow's function cache keys a trace by the
+# arguments (op name, attrs, input specs) and the calling context.
+_jvp_function_cache = _function_cache.FunctionCache()
+_jvp_exact = _tracing_compilation.TracingOptions(
+    _jvp_body, name="oh_jvp_exact_shapes", reduce_retracing=False,
+    function_cache=_jvp_function_cache)
+_jvp_relaxed = _tracing_compilation.TracingOptions(
+    _jvp_body, name="oh_jvp_relaxed_shapes", reduce_retracing=True,
+    function_cache=_jvp_function_cache)
+
+
 def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     """TensorFlow's own JVP: the transposed gradient function of the op."""
     if op.output_dtypes is None:
@@ -229,16 +277,19 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
             % op.type)
     filled = [t if t is not None or not _float(p) else _zeros(p)
               for p, t in zip(primals, tangents)]
+    args = (op.type, op.attr_tuple(), list(primals), list(outputs), filled)
     try:
         if any(isinstance(h, ForwardAccumulator) for h in current_stack().handlers):
             # An accumulator below must see the JVP op by op (higher order): run
             # TensorFlow's construction eagerly instead of as one traced function call.
-            result = _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
-                op.type, op.attr_tuple(), list(primals), list(outputs), filled)
+            with _tapes_recording():
+                result = _tf_forwardprop._jvp_helper(*args)  # pylint: disable=protected-access
         else:
-            # Traced once per op signature and cached by TensorFlow.
-            result = _tf_forwardprop._jvp_dispatch(  # pylint: disable=protected-access
-                op.type, op.attr_tuple(), list(primals), list(outputs), filled)
+            # Traced once per op signature (exact shapes for the first 32 traces of an
+            # op, as TensorFlow does, then relaxed shapes).
+            traces = _tf_forwardprop._TRACE_COUNT.get(op.type, 0)  # pylint: disable=protected-access
+            result = _tracing_compilation.call_function(
+                args, tracing_options=_jvp_exact if traces < 32 else _jvp_relaxed)
     except LookupError as e:
         raise LookupError(
             "oh.ForwardAccumulator: op %s has no registered gradient, so no JVP (%s)"

@@ -23,15 +23,18 @@ The API is `tf.GradientTape`'s: `persistent`, `watch_accessed_variables`, `watch
 import contextlib
 import logging
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import composite_tensor_gradient
+from tensorflow.python.framework.composite_tensor import CompositeTensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gradients_util
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
@@ -92,6 +95,35 @@ def _active_tapes():
         return ()
     return tuple(h for h in reversed(current_stack().handlers)
                  if isinstance(h, GradientTape) and h._live)  # pylint: disable=protected-access
+
+
+def _differentiable_value(value):
+    """Whether `value` is something a tape differentiates: a tensor, a variable (also a
+    Keras one) or a composite tensor."""
+    return (tf.is_tensor(value) or isinstance(value, (tf.Variable, CompositeTensor))
+            or resource_variable_ops.is_resource_variable(value))
+
+
+def _check_differentiable(method, argument, structure):
+    """Raises for a value in `structure` that is not a tensor, as tf.GradientTape does
+    (same exception types: AttributeError for numpy values and Python ints, TypeError for
+    other objects), instead of returning a silent None."""
+    for i, value in enumerate(nest.flatten(structure)):
+        if _differentiable_value(value):
+            continue
+        error = (AttributeError if isinstance(value, (np.ndarray, np.generic, int))
+                 else TypeError)
+        raise error(
+            "oh.GradientTape.%s: argument `%s` should be a Tensor, Variable or "
+            "CompositeTensor (or a nested structure of them), but element %d is %s of type "
+            "%s; convert it with tf.constant (and watch it) before computing the value to "
+            "differentiate." % (method, argument, i, _short_repr(value),
+                                type(value).__name__))
+
+
+def _short_repr(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class GradientTape(OpHandler):
@@ -371,6 +403,8 @@ class GradientTape(OpHandler):
             raise TypeError("oh.GradientTape.gradient: argument `target` should be a list or "
                             "nested structure of Tensors, Variables or CompositeTensors to "
                             "be differentiated, but received None.")
+        _check_differentiable("gradient", "target", target)
+        _check_differentiable("gradient", "sources", sources)
         self._stop_if_non_persistent_in_scope()
         flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
             nest.flatten(target))
@@ -552,6 +586,11 @@ class GradientTape(OpHandler):
                                          parallel_iterations, experimental_use_pfor)
         del parallel_iterations
         self._check_usable()
+        if not hasattr(target, "shape"):  # tf.GradientTape reads target.shape
+            raise AttributeError(
+                "oh.GradientTape.jacobian: argument `target` should be a Tensor, but "
+                "received %s of type %s." % (_short_repr(target), type(target).__name__))
+        _check_differentiable("jacobian", "sources", sources)
         self._stop_if_non_persistent_in_scope()
         flat_sources = nest.flatten(sources)
         target = _ops.convert_to_tensor(target)
@@ -582,11 +621,24 @@ class GradientTape(OpHandler):
                                                parallel_iterations, experimental_use_pfor)
         del parallel_iterations
         self._check_usable()
+        for argument, value in (("target", target), ("source", source)):
+            if not hasattr(value, "shape"):  # tf.GradientTape reads their shapes
+                raise AttributeError(
+                    "oh.GradientTape.batch_jacobian: argument `%s` should be a Tensor, "
+                    "but received %s of type %s." % (argument, _short_repr(value),
+                                                     type(value).__name__))
+        _check_differentiable("batch_jacobian", "source", source)
+        t_shape, s_shape = tf.TensorShape(target.shape), tf.TensorShape(source.shape)
+        for argument, shape in (("target", t_shape), ("source", s_shape)):
+            if shape.rank is not None and shape.rank < 2:
+                # tf.GradientTape's message (TensorShape.with_rank_at_least).
+                raise ValueError(
+                    "oh.GradientTape.batch_jacobian: Shape %s must have rank at least 2 "
+                    "(the %s is [batch, ...])" % (shape, argument))
         self._stop_if_non_persistent_in_scope()
         target = _ops.convert_to_tensor(target)
-        t_shape, s_shape = target.shape, source.shape
-        if (t_shape.rank is None or t_shape.rank < 2 or s_shape.rank is None
-                or s_shape.rank < 2 or not t_shape[:1].is_compatible_with(s_shape[:1])):
+        if (t_shape.rank is None or s_shape.rank is None
+                or not t_shape[:1].is_compatible_with(s_shape[:1])):
             raise ValueError("oh.GradientTape.batch_jacobian: need first dimension of target "
                              "shape (%s) and source shape (%s) to match." % (t_shape, s_shape))
         if not t_shape.is_fully_defined():

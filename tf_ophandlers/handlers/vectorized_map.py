@@ -457,6 +457,8 @@ def _converted_by_pfor(handler, execute, op, inputs):
                              "%s (%s: %s); it runs once per example", op.type,
                              type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             fn = None
+        if len(_converted) > 4096:
+            _converted.clear()
         _converted[key] = fn
     if fn is None:
         return None

@@ -3,7 +3,7 @@ function.
 
 A `tf.function` called inside a handler scope is replayed: its first call interprets the
 function's body through the handler stack into a new, handler-free `tf.function`, cached
-by the handlers' summaries (`tf_ophandlers/core/replay.py`); later calls hit that cache and
+by the handlers' summaries (`tf_ophandlers/core/functions/`); later calls hit that cache and
 run the cached function as one op. Times, in one process, the same call without a handler
 (`plain`) and under three handlers (the cached replay) on three cases:
 
@@ -296,7 +296,7 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
         "One process times calls of the same `tf.function` without a handler (*plain*) "
         "and inside the scope of `oh.OpHandler()` (pass-through), `oh.OpLogHandler()` and "
         "`oh.CheckNumericsHandler()`. Under a handler the call is *replayed* "
-        "(`tf_ophandlers/core/replay.py`): the first call interprets the function's body "
+        "(`tf_ophandlers/core/functions/`): the first call interprets the function's body "
         "through the handler stack into a new, handler-free `tf.function` (cached by the "
         "handlers' summaries and the arguments' specs); every later call splits its "
         "arguments, looks the cache up and runs the cached function as one op, so the log "

@@ -9,7 +9,7 @@ Times, in one process, on two cases:
                      function using `oh.GradientTape` (op by op); `oh.vectorized_map`
                      over a `tf.function` of that same function (created once; its call
                      is replayed once through the vectorizing handler into a cached,
-                     handler-free function, see tf_ophandlers/core/replay.py, which
+                     handler-free function, see tf_ophandlers/core/functions/, which
                      the timed calls then run); a Python loop over the examples with
                      `tf.GradientTape` then `tf.stack`; eager `tf.vectorized_map`
                      (which converts the function again on every call); and
@@ -385,7 +385,7 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
         "the function runs once, eagerly, each op on the whole batch) and TensorFlow's "
         "ways of batching the same eager function on each case below. When `fn` is a "
         "`tf.function`, its call is replayed once through the vectorizing handler into a "
-        "cached handler-free function (`tf_ophandlers/core/replay.py`) and then runs at "
+        "cached handler-free function (`tf_ophandlers/core/functions/`) and then runs at "
         "graph speed; the op-by-op configuration (*oh.vectorized_map*) is the eager `fn` "
         "(Python code that need not be traceable). All configurations "
         "share the variables and the batch for the whole run; after a warm-up pass over "

@@ -75,7 +75,7 @@ def _build_programs():
 
     @tf.function
     def function_with_control_flow(a):
-        # Replayed through handlers that replay functions (core/replay.py).
+        # Replayed through handlers that replay functions (core/functions).
         c = tf.cond(tf.reduce_sum(a) > 0, lambda: a * 2., lambda: tf.sin(a))
         return tf.while_loop(lambda k, v: k < 2, lambda k, v: (k + 1, v * 0.5 + c),
                              (tf.constant(0), a))[1]

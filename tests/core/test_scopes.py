@@ -173,7 +173,7 @@ def test_tf_function_call_passes_through(x):
     with log:
         y = f(x)
     assert_close(y, np.sin(x.numpy()) * 2.0)
-    # The call is replayed through the handler (core/replay.py): it sees the body's ops.
+    # The call is replayed through the handler (core/functions): it sees the body's ops.
     assert log.op_types_seen() == ["Sin", "Mul", "Identity"]
 
 

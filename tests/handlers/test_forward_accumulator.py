@@ -287,7 +287,7 @@ def test_diag_part_padding_has_no_tangent():
     assert_same_tensors(ref, got)
 
 
-# -- tf.function calls (replayed through the accumulator, core/replay.py) -----------------------
+# -- tf.function calls (replayed through the accumulator, core/functions) -----------------------
 
 @tf.function
 def _controlled(a, b):

@@ -240,7 +240,7 @@ def test_scalar_elems_are_refused():
         oh.vectorized_map(lambda a: a, tf.constant(1.))
 
 
-# -- tf.function calls inside the map (replayed, core/replay.py) ---------------------------------
+# -- tf.function calls inside the map (replayed, core/functions) ---------------------------------
 
 @tf.function
 def _branchy(r):

@@ -74,7 +74,7 @@ class OpHandler:
     handles_copy = None
 
     #: Whether a function call op placed on this handler is replayed op by op through it
-    #: (RFC "Replay before function execution"; core/replay.py). A handler that sets
+    #: (RFC "Replay before function execution"; core/functions). A handler that sets
     #: this to False takes call ops whole in `execute`, like any op (a tape records the
     #: call with TensorFlow's function gradient; a parallel handler runs it per
     #: component). It may also be a method ``replays_functions(op) -> bool`` deciding

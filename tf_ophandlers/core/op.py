@@ -149,7 +149,7 @@ class Op(_C.OpBase):
     [<tf.Tensor: shape=(), dtype=float32, numpy=3.0>]
     """
 
-    # Where an op of a replayed function comes from (set by core/replay.py for the nodes
+    # Where an op of a replayed function comes from (set by core/functions for the nodes
     # of a function body; None for eager ops): the graph node's name and its function's.
     node_name = None
     function_name = None

@@ -68,7 +68,7 @@ def _open_traced(target):
     The ops created in the scope are annotated with the stack's name (node attr
     ``_oh_stack``), and the function captures a *token* tensor of the stack, so that a
     call of the function reaches the stack by type-based dispatch and is replayed
-    (core/replay.py): the annotated nodes then run on the handlers, merged onto the
+    (core/functions): the annotated nodes then run on the handlers, merged onto the
     stack the call runs on. The handlers see the ops when the function is called, not
     while it is traced.
     """

@@ -226,7 +226,7 @@ def _tapes_recording():
 
     TensorFlow builds a JVP by recording the op's gradient function on two inner
     GradientTapes. Tapes record nothing while the thread's tape set is stopped, which is
-    the case while a tf.function is replayed through handlers (core/replay.py traces
+    the case while a tf.function is replayed through handlers (core/functions traces
     under `stop_recording`): the JVP would silently be zero, and a cache of traced JVP
     functions keyed by op, attrs and input specs would keep that trace for every later
     use of the op, eager ones too. The accumulator's own state decides whether it
@@ -434,7 +434,7 @@ class ForwardAccumulator(OpHandler):
         return [o if _enum(o) == _RESOURCE else Dual(o, t)
                 for o, t in zip(outputs, out_tangents)]
 
-    # -- functions (core/replay.py) ---------------------------------------------------------
+    # -- functions (core/functions) ---------------------------------------------------------
 
     def function_input(self, value):
         # A tangent crosses a function boundary as a second tensor.

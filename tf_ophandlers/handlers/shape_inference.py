@@ -62,7 +62,7 @@ class ShapeInference(OpHandler):
             "are computed); avoid .numpy() and Python decisions on values inside eval_shape"
             % (value.spec,))
 
-    # -- functions (core/replay.py): a tf.function called under eval_shape is replayed
+    # -- functions (core/functions): a tf.function called under eval_shape is replayed
     # through this handler; a spec crosses the boundary whole in its summary (no tensor),
     # a variable as its real handle.
 

@@ -41,7 +41,7 @@ from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = stack_of
 # Control-flow ops reach the handler only when their predicate is per-example and they
-# have side effects (core/replay.py selects between the branches of stateless ones):
+# have side effects (core/functions selects between the branches of stateless ones):
 # they run once per example, since pfor cannot convert them without their graphs.
 _CONTROL_FLOW = frozenset(("If", "StatelessIf", "While", "StatelessWhile", "Case",
                            "StatelessCase"))
@@ -565,7 +565,7 @@ class VectorizedMap(OpHandler):
         # Resource handles stay on the next stack (variables created inside).
         return [o if o.dtype == tf.resource else Batched(o, False) for o in outputs]
 
-    # -- functions (core/replay.py): a tf.function called in the map is replayed with
+    # -- functions (core/functions): a tf.function called in the map is replayed with
     # its arguments batched or not; cond branches and loops that disagree broadcast.
 
     def replays_functions(self, op):
@@ -607,7 +607,7 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
 
     Inside a function being traced it is `tf.vectorized_map` (pfor on the graph). When
     `fn` is a `tf.function`, its call is replayed once through the vectorizing handler into
-    a cached, handler-free function (core/replay.py): later calls with the same specs run
+    a cached, handler-free function (core/functions): later calls with the same specs run
     at graph speed, with `fn` traced once, not at every call.
     """
     if not tf.executing_eagerly():

@@ -190,6 +190,8 @@ class Lazy(OpHandler):
         # Producers are computed or inferred already (recording order).
         specs = [_shape_inference.Spec(self._output_spec(*i)) if type(i) is tuple
                  else _shape_inference.spec_of(i) for i in node.inputs]
+        if _shape_inference.assumes_success(specs):
+            return False  # the kernel decides (it may reject the op, as eagerly)
         try:
             outs = _shape_inference._infer(node.op, specs)  # pylint: disable=protected-access
         except (ValueError, TypeError, tf.errors.OpError):

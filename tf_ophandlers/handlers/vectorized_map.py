@@ -25,6 +25,7 @@ import logging
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
@@ -630,6 +631,24 @@ class VectorizedMap(OpHandler):
         return ("VectorizedMap", self.size, self.fallback_to_while_loop)
 
 
+def _dense_elem(e):
+    """`e` (a part of vectorized_map's `elems`) as a dense tensor, or a clear error."""
+    if isinstance(e, (tf.RaggedTensor, tf.SparseTensor)) or (
+            isinstance(e, _composite_tensor.CompositeTensor) and not isinstance(e, tf.Variable)):
+        raise TypeError(
+            "oh.vectorized_map: elems must be dense tensors, got a %s (tf.vectorized_map "
+            "cannot map over one either). Use tf.map_fn(fn, elems, fn_output_signature=...) "
+            "to map over its rows, or map over a dense form (%s)"
+            % (type(e).__name__, "elems.to_tensor()" if isinstance(e, tf.RaggedTensor)
+               else "tf.sparse.to_dense(elems)" if isinstance(e, tf.SparseTensor)
+               else "its components"))
+    try:
+        return tf.convert_to_tensor(e)
+    except (TypeError, ValueError) as error:
+        raise TypeError("oh.vectorized_map: elems must be tensors (or nested structures of "
+                        "them); cannot convert %r to a tensor: %s" % (e, error)) from None
+
+
 def vectorized_map(fn, elems, fallback_to_while_loop=True):
     """`tf.vectorized_map`, eagerly: `fn` runs once, each op on the whole batch.
 
@@ -645,7 +664,7 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True):
     """
     if not tf.executing_eagerly():
         return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop)
-    flat = [tf.convert_to_tensor(e) for e in nest.flatten(elems)]
+    flat = [_dense_elem(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
     if any(e.shape.rank == 0 for e in flat):

@@ -364,7 +364,13 @@ class ForwardAccumulator(OpHandler):
     def execute(self, op, inputs):
         next_stack = _state.frames[-1].next
         primals = [d.primal for d in inputs]
-        outputs = next_stack.execute(op, primals)
+        if op.type == "EagerPyFunc" and self._live:
+            # tf.py_function's kernel keeps the tape its gradient (and so its JVP) replays
+            # only when a TensorFlow tape could record (script_ops.EagerFunc).
+            with tf.GradientTape():
+                outputs = next_stack.execute(op, primals)
+        else:
+            outputs = next_stack.execute(op, primals)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
                 _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):

@@ -259,7 +259,13 @@ class GradientTape(OpHandler):
 
     def execute(self, op, inputs):
         next_stack = _state.frames[-1].next  # self.next, without the search
-        outputs = next_stack.execute(op, inputs)
+        if op.type == "EagerPyFunc" and self._live:
+            # tf.py_function's kernel keeps the tape its gradient replays only when a
+            # TensorFlow tape could record (script_ops.EagerFunc); an empty one says so.
+            with tf.GradientTape():
+                outputs = next_stack.execute(op, inputs)
+        else:
+            outputs = next_stack.execute(op, inputs)
         if not self._live:
             return outputs
         # Record when an input is tracked. TensorFlow hands us a new Python wrapper of a

@@ -372,6 +372,9 @@ def test_components_are_validated_like_mirrored_strategy():
     # TensorFlow's own strategy refuses the same repeated device (with an assert).
     with pytest.raises(AssertionError, match="No duplicates"):
         tf.distribute.MirroredStrategy(["CPU:0", "CPU:0"])
+    assert oh.ParallelHandler(tf.config.list_logical_devices("CPU")).components == \
+        oh.ParallelHandler([tf.DeviceSpec(device_type="CPU", device_index=i)
+                            for i in range(2)]).components
     assert oh.ParallelHandler(["cpu:1", "/cpu:0"]).components == (
         "/job:localhost/replica:0/task:0/device:CPU:1",
         "/job:localhost/replica:0/task:0/device:CPU:0")

@@ -64,6 +64,10 @@ def _full_device_name(name):
     """`name` in TensorFlow's canonical form (`/job:localhost/replica:0/task:0/device:CPU:0`),
     as `tf.distribute`'s device_util.canonicalize: missing fields default to the local job,
     replica 0, task 0 and device index 0."""
+    if isinstance(name, _device_spec.DeviceSpecV2):
+        name = name.to_string()
+    elif isinstance(name, tf.config.LogicalDevice):
+        name = name.name
     if not isinstance(name, str):
         raise TypeError("oh.ParallelHandler: a component must be a device name (a string), "
                         "got %r" % (name,))

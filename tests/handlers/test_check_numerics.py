@@ -100,3 +100,59 @@ def test_fit_names_the_graph_node_and_the_traced_source_line():
     assert "(graph node %sLog of function " % scope in message, message
     assert "%s:%s in call" % (__file__, line) in message, message
     assert "NaN" in message
+
+
+# -- complex and float8 outputs (issue 23) ---------------------------------------------------
+
+from tensorflow.python.framework import dtypes as _dtypes  # noqa: E402
+
+_FLOAT8 = [_dtypes.float8_e4m3fn, _dtypes.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", [tf.complex64, tf.complex128])
+def test_finite_complex_outputs_pass_unchanged(dtype):
+    # Before: "Value for attr 'T' of complex64 is not in the list of allowed values".
+    signal = tf.cast(tf.constant([1., 2., 3., 4.]), dtype)
+    want = tf.signal.ifft(tf.signal.fft(signal) * 2.)
+    with oh.CheckNumericsHandler():
+        got = tf.signal.ifft(tf.signal.fft(signal) * 2.)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got.numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("bad, kind", [(complex(float("nan"), 1.), "NaN"),
+                                       (complex(1., float("nan")), "NaN"),
+                                       (complex(1., float("inf")), "Inf")])
+def test_nan_or_inf_in_a_complex_part_is_caught(bad, kind):
+    values = tf.constant([1 + 1j, bad], tf.complex64)
+    # Plain TensorFlow's check, on the parts, finds it too.
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.debugging.check_numerics(tf.stack([tf.math.real(values), tf.math.imag(values)]), "")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"op AddV2 produced %s in output 0 \(complex64\)" % kind):
+        with oh.CheckNumericsHandler():
+            values + tf.constant(2 + 0j, tf.complex64)
+
+
+@pytest.mark.parametrize("dtype", _FLOAT8)
+def test_float8_outputs_are_checked_as_float32(dtype):
+    x = tf.constant([0.5, 1., -2.])
+    want = tf.cast(tf.cast(x, dtype), tf.float32)
+    with oh.CheckNumericsHandler():
+        eight = tf.cast(x, dtype)
+        got = tf.cast(eight, tf.float32)
+    assert eight.dtype == dtype
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"op Cast produced NaN in output 0 \(%s\)" % dtype.name):
+        with oh.CheckNumericsHandler():
+            tf.cast(tf.constant([1., float("nan")]), dtype)
+
+
+def test_outputs_the_kernel_cannot_check_are_left_alone():
+    with oh.CheckNumericsHandler():
+        s = tf.strings.as_string(tf.constant([1, 2]))
+        b = tf.constant([1., 2.]) > 1.
+        q = tf.cast(tf.constant([1, 2]), tf.uint8) + 1
+    assert s.numpy().tolist() == [b"1", b"2"] and b.numpy().tolist() == [False, True]
+    assert q.dtype == tf.uint8 and q.numpy().tolist() == [2, 3]

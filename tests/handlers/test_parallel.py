@@ -2,6 +2,7 @@
 tf.distribute.Server workers."""
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -316,3 +317,90 @@ def test_threads_enter_the_same_handler(parallel):
 
     run_threads([lambda i=i: work(float(i)) for i in range(4)])
     assert not errors and all(name.startswith("Parallel") for name in results)
+
+
+# -- reliability: components that cannot all join a collective (issue 23) -------------------
+
+_JOIN = r'''
+import sys, tensorflow as tf
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_ophandlers as oh
+components = sys.argv[1].split(",")
+try:
+    parallel = oh.ParallelHandler(components)
+except ValueError as e:
+    print("refused:", e)
+    sys.exit(0)
+with parallel:
+    y = parallel.all_reduce(parallel.pack([tf.constant(1.)] * len(components)))
+print("reduced", [float(t) for t in parallel.unpack(y)])
+'''
+
+
+def _run(script, *args, timeout=120):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("components, message", [
+    ("/cpu:0,/cpu:0", r"'/cpu:0' and '/cpu:0' are the same device"),
+    ("CPU:1,/job:localhost/replica:0/task:0/device:CPU:1", r"same device"),
+    ("/cpu:0,/cpu:7", r"component '/cpu:7' .*CPU:7\) is not a device of this program"),
+])
+def test_repeated_or_unknown_components_are_refused_not_a_hang(components, message):
+    # Before the fix the handler accepted them and all_reduce never returned.
+    proc = _run(_JOIN, components)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search("refused: oh.ParallelHandler: .*" + message, proc.stdout), proc.stdout
+    # Distinct spellings of the two existing devices still work.
+    proc = _run(_JOIN, "/cpu:0,/job:localhost/device:CPU:1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reduced [2.0, 2.0]" in proc.stdout
+
+
+def test_components_are_validated_like_mirrored_strategy():
+    with pytest.raises(ValueError, match="ParallelHandler.*same device"):
+        oh.ParallelHandler(["CPU:0", "/device:CPU:0"])
+    with pytest.raises(ValueError, match="ParallelHandler.*'GPU:0'.*not a device"):
+        oh.ParallelHandler(["CPU:0", "GPU:0"])
+    with pytest.raises(TypeError, match="ParallelHandler.*list of device names"):
+        oh.ParallelHandler("CPU:0")
+    with pytest.raises(ValueError, match="ParallelHandler.*timeout_seconds"):
+        oh.ParallelHandler(CPUS, timeout_seconds=-1)
+    # TensorFlow's own strategy refuses the same repeated device (with an assert).
+    with pytest.raises(AssertionError, match="No duplicates"):
+        tf.distribute.MirroredStrategy(["CPU:0", "CPU:0"])
+    assert oh.ParallelHandler(tf.config.list_logical_devices("CPU")).components == \
+        oh.ParallelHandler([tf.DeviceSpec(device_type="CPU", device_index=i)
+                            for i in range(2)]).components
+    assert oh.ParallelHandler(["cpu:1", "/cpu:0"]).components == (
+        "/job:localhost/replica:0/task:0/device:CPU:1",
+        "/job:localhost/replica:0/task:0/device:CPU:0")
+
+
+_NEVER_JOINS = r'''
+import time, tensorflow as tf
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_ophandlers as oh
+parallel = oh.ParallelHandler(["CPU:0", "CPU:1"], timeout_seconds=2)
+# A member that can never join (what a remote worker that died looks like): both
+# collective members on one device, which validation would refuse.
+parallel.components = (parallel.components[0],) * 2
+start = time.time()
+try:
+    with parallel:
+        parallel.all_reduce(parallel.pack([tf.constant(1.)] * 2))
+except tf.errors.DeadlineExceededError as e:
+    print("deadline after %.0f s:" % (time.time() - start), e.message.splitlines()[0])
+'''
+
+
+def test_a_collective_that_cannot_complete_times_out():
+    proc = _run(_NEVER_JOINS, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"deadline after \d s: oh.ParallelHandler.all_reduce: a component of "
+                     r"ParallelHandler\(.*\) did not join the collective within "
+                     r"timeout_seconds=2", proc.stdout), proc.stdout

@@ -539,3 +539,50 @@ def test_error_at_scope_exit_restores_the_device_scope():
             tf.raw_ops.Reshape(tensor=tf.range(6), shape=tf.constant([4, 4]))
     assert context.context().device_name == ""
     assert oh.current_stack() is oh.PHYSICAL
+
+
+# -- a shape is never invented for an op the kernel rejects (issue 23) ------------------------
+
+_X6 = tf.constant([1., 2., 3., 4., 5., 6.])
+_BAD_RESHAPES = {
+    # a static target the shape function rejects
+    "static": lambda: tf.reshape(_X6 * 1., [4]),
+    # a computed target: the shape function assumes success and says (6,)
+    "computed_target": lambda: tf.reshape(_X6, tf.constant([4]) + 0),
+    # an input of unknown size: the shape function assumes success and says (4,)
+    "unknown_size_input": lambda: tf.reshape(tf.unique(_X6 // 3.)[0] * 1., [4]),  # 3 values
+    "computed_fill": lambda: tf.reshape(tf.fill(tf.constant([2, 2]) + 1, 1.), [8]),
+}
+
+
+@pytest.mark.parametrize("handler", ["Lazy", "Async"])
+@pytest.mark.parametrize("case", sorted(_BAD_RESHAPES))
+def test_an_invalid_op_raises_eagers_error_never_a_made_up_shape(handler, case):
+    fn = _BAD_RESHAPES[case]
+    with pytest.raises(Exception) as eager:
+        fn()
+    shapes = []
+    with pytest.raises(type(eager.value), match="reshape"):
+        with getattr(oh, handler)():
+            y = fn()
+            shapes.append(y.shape)  # user code reading the shape goes no further
+            (y + 1.).numpy()
+    assert type(eager.value) is tf.errors.InvalidArgumentError
+    assert shapes == []
+
+
+@pytest.mark.parametrize("handler", ["Lazy", "Async"])
+def test_valid_computed_shapes_are_eagers(handler):
+    def fn():
+        y = tf.reshape(_X6, tf.constant([2, 3]) + 0)
+        z = tf.reshape(tf.unique(_X6 // 2.)[0] * 1., [-1, 1])
+        return y, z, tf.fill(tf.constant([2, 2]) + 1, 1.)
+
+    want = fn()
+    with getattr(oh, handler)():
+        got = fn()
+        shapes = [t.shape for t in got]
+    assert shapes == [t.shape for t in want]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.numpy(), w.numpy())

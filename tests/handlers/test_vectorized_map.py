@@ -368,3 +368,97 @@ def test_loop_fallback_is_reported_once_per_op_type_quietly(warn):
         assert len(lines) == 2, proc.stderr[-3000:]
         for op_type, line in zip(("Conv2DBackpropInput", "Conv2DBackpropFilter"), lines):
             assert line.startswith("oh.vectorized_map:") and op_type in line, line
+
+
+# -- state updates inside the map (issue 23) --------------------------------------------------
+
+_UPDATES = {
+    "assign_add": (lambda: tf.Variable(0.), lambda v, e: v.assign_add(tf.reduce_sum(e) * 2.)),
+    "assign": (lambda: tf.Variable(0.), lambda v, e: v.assign(tf.reduce_sum(e))),
+    "constant_assign_add": (lambda: tf.Variable(0.), lambda v, e: v.assign_add(1.)),
+    "scatter_nd_add": (lambda: tf.Variable([0., 0.]),
+                       lambda v, e: v.scatter_nd_add([[1]], [tf.reduce_max(e)])),
+    "sparse_scatter": (lambda: tf.Variable([0., 0., 0.]),
+                       lambda v, e: v.scatter_add(tf.IndexedSlices(e[:1], [1]))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_UPDATES))
+@pytest.mark.parametrize("as_function", [False, True])
+def test_a_variable_update_runs_per_example_as_in_map_fn(name, as_function):
+    # Before: applied once, with example 0's value (as tf.vectorized_map still does).
+    make, update = _UPDATES[name]
+    elems = tf.constant([[1., 2.], [3., 4.], [5., -6.]])
+
+    def run(mapper):
+        v = make()
+
+        def fn(e):
+            update(v, e)
+            return e * 2.
+
+        out = mapper(tf.function(fn) if as_function else fn, elems)
+        return out, v.read_value()
+
+    want_out, want_v = run(lambda f, e: tf.map_fn(f, e))
+    got_out, got_v = run(oh.vectorized_map)
+    assert_close(got_out, want_out)
+    assert got_v.dtype == want_v.dtype and got_v.shape == want_v.shape
+    assert_close(got_v, want_v)
+
+
+def test_a_variable_used_and_updated_in_the_map_is_refused():
+    # tf.map_fn interleaves: example i sees the updates of examples before it, which a map
+    # running each op for the whole batch cannot give.
+    elems = tf.constant([1., 2., 3.])
+    v = tf.Variable(0.)
+
+    def update_then_read(e):
+        v.assign_add(e)
+        return v + e
+
+    with pytest.raises(ValueError, match=r"oh.vectorized_map: op ReadVariableOp uses a "
+                                         r"variable .*that op AssignAddVariableOp updated"):
+        oh.vectorized_map(update_then_read, elems)
+
+    def read_then_update(e):
+        y = v * e
+        v.assign_add(e)
+        return y
+
+    v.assign(10.)
+    want = tf.map_fn(read_then_update, elems)  # [10, 22, 39]: later examples see updates
+    assert float(v) == 16.
+    v.assign(10.)
+    with pytest.raises(ValueError, match=r"oh.vectorized_map: op AssignAddVariableOp updates "
+                                         r".*that op ReadVariableOp used earlier"):
+        oh.vectorized_map(read_then_update, elems)
+    assert float(v) == 10. and want.numpy().tolist() == [10., 22., 39.]
+    # Reading another variable is fine.
+    w = tf.Variable(10.)
+
+    def reads_another(e):
+        y = w * e
+        v.assign_add(e)
+        return y
+
+    v.assign(0.)
+    want = tf.map_fn(reads_another, elems)
+    v.assign(0.)
+    assert_close(oh.vectorized_map(reads_another, elems), want)
+    assert float(v) == 6.
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tf.ragged.constant([[1., 2.], [3.], [4., 5., 6.]]),
+    lambda: tf.sparse.from_dense([[1., 0.], [0., 2.]]),
+], ids=["ragged", "sparse"])
+def test_ragged_or_sparse_elems_are_a_clear_error(make):
+    # tf.vectorized_map fails on them too (InvalidArgumentError / TypeError, deep inside
+    # pfor); before, oh.vectorized_map said "object of type 'RaggedTensor' has no len()".
+    elems = make()
+    with pytest.raises((tf.errors.InvalidArgumentError, TypeError)):
+        tf.vectorized_map(lambda e: e * 2., elems)
+    with pytest.raises(TypeError, match=r"oh.vectorized_map: elems must be dense tensors, "
+                                        r"got a %s.*tf.map_fn" % type(elems).__name__):
+        oh.vectorized_map(lambda e: e * 2., {"x": tf.ones([2]), "y": elems})

@@ -48,6 +48,24 @@ def known_value(tensor):
     return None
 
 
+def assumes_success(specs):
+    """Whether TensorFlow's shape function, given these input specs, could only infer
+    the output shape the op would have *if it succeeds*: some input's shape is not fully
+    known (a Reshape of an unknown number of elements to [4] gives (4,)), or some input
+    may be a shape, an axis or a size (a small integer tensor) whose value is not known
+    (a Reshape of 6 elements by an unknown 1-element shape gives (6,)). Whether the op
+    succeeds only the kernel knows, so Lazy and Async wait for it then instead of
+    reporting a shape an eager op may never produce (eager TensorFlow raises at the op)."""
+    for s in specs:
+        if not s.spec.shape.is_fully_defined():
+            return True
+        if s.value is None and s.spec.dtype in (tf.int32, tf.int64):
+            n = s.spec.shape.num_elements()
+            if n is None or n <= _MAX_VALUE_ELEMENTS:
+                return True
+    return False
+
+
 def spec_of(tensor):
     """The `Spec` of a computed tensor: its TensorSpec and, for a small integer tensor
     (a shape, an axis), its value."""

@@ -398,7 +398,12 @@ def _infer(op, inputs):
     except KeyError:
         pass
     try:
-        specs = shapes.infer(op, [_input_spec(v) for v in inputs])
+        specs = [_input_spec(v) for v in inputs]
+        if op.type != "EnsureShape" and shapes.assumes_success(specs):
+            # (tf.ensure_shape declares the shape: it is the program's own assertion.)
+            # The shape function would assume the op succeeds; shapes wait for the kernel.
+            raise ValueError("inference would assume the op succeeds")
+        specs = shapes.infer(op, specs)  # pylint: disable=protected-access
         result = [(s, _spec_part(s)) for s in specs]
     except Exception:  # pylint: disable=broad-except
         # Not inferable (or invalid: the kernel's error surfaces at the next

@@ -9,7 +9,9 @@ tensorflow.python.framework.errors_impl.InvalidArgumentError: CheckNumericsHandl
 produced Inf in output 0 (float32), at example.py:3 in <module>
 
 The check runs TensorFlow's own `CheckNumericsV2` kernel on every floating-point output
-on the next stack (as `tf.debugging.enable_check_numerics` does), so it raises the same
+on the next stack (as `tf.debugging.enable_check_numerics` does; complex outputs are
+checked as their real and imaginary parts, float8 outputs as float32, which that kernel
+takes), so it raises the same
 error class, `tf.errors.InvalidArgumentError`, and names the op type and the line of the
 user's code that ran it. Under asynchronous execution the error surfaces at the next
 synchronization point, as TensorFlow's own checks do.
@@ -61,7 +63,7 @@ def traced_location(op):
 
 
 class CheckNumericsHandler(OpHandler):
-    """Checks every floating-point output of every op for NaN and Inf.
+    """Checks every floating-point and complex output of every op for NaN and Inf.
 
     Args:
       op_types_to_skip: op types not checked (e.g. ops that legitimately produce Inf).
@@ -78,7 +80,7 @@ class CheckNumericsHandler(OpHandler):
         key = (dtype, op_type, index)
         op = self._check_ops.get(key)
         if op is None:
-            op = Op.create("CheckNumericsV2", T=dtype,
+            op = Op.create("CheckNumericsV2", T=_CHECKED_DTYPES.get(dtype, dtype),
                            message=_check_message(dtype, op_type, index))
             self._check_ops[key] = op
         return op
@@ -108,7 +110,14 @@ class CheckNumericsHandler(OpHandler):
             if not (dtype.is_floating or dtype.is_complex):
                 continue
             try:
-                nxt.execute(self._check_op(dtype, op.type, i), [out])
+                checked = out
+                view = _checked_view(dtype)
+                if view is not None:
+                    # CheckNumericsV2 takes half, bfloat16, float32 and float64 only: a
+                    # complex value is checked as its real and imaginary parts, a float8
+                    # as float32 (casting keeps NaN and Inf).
+                    (checked,) = nxt.execute(view, [out])
+                nxt.execute(self._check_op(dtype, op.type, i), [checked])
             except tf.errors.InvalidArgumentError as e:
                 if _check_message(dtype, op.type, i) not in e.message:
                     # Not this check's error: under asynchronous execution, the failure
@@ -121,6 +130,23 @@ class CheckNumericsHandler(OpHandler):
 
     def debug_string(self):
         return "CheckNumericsHandler()"
+
+
+_NATIVE = frozenset([tf.float16, tf.bfloat16, tf.float32, tf.float64])
+# The dtype CheckNumericsV2 checks a value of another floating-point or complex dtype as.
+_CHECKED_DTYPES = {tf.complex64: tf.float32, tf.complex128: tf.float64}
+
+
+def _checked_view(dtype):
+    """None if CheckNumericsV2 takes `dtype`, else the op turning a `dtype` value into one
+    it takes: complex as its parts (Bitcast adds a last dimension of 2, no copy), other
+    floating-point dtypes (float8 variants) cast to float32."""
+    if dtype in _NATIVE:
+        return None
+    if dtype.is_complex:
+        return Op.cached("Bitcast", T=dtype, type=_CHECKED_DTYPES[dtype])
+    _CHECKED_DTYPES.setdefault(dtype, tf.float32)
+    return Op.cached("Cast", SrcT=dtype, DstT=tf.float32, Truncate=False)
 
 
 def _check_message(dtype, op_type, index):

@@ -413,7 +413,13 @@ class ForwardAccumulator(OpHandler):
     def execute(self, op, inputs):
         below = next_stack()
         primals = [d.primal for d in inputs]
-        outputs = below.execute(op, primals)
+        if op.type == "EagerPyFunc" and self._live:
+            # tf.py_function's kernel keeps the tape its gradient (and so its JVP) replays
+            # only when a TensorFlow tape could record (script_ops.EagerFunc).
+            with tf.GradientTape():
+                outputs = below.execute(op, primals)
+        else:
+            outputs = below.execute(op, primals)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
                 _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):

@@ -263,7 +263,13 @@ class GradientTape(OpHandler):
 
     def execute(self, op, inputs):
         below = next_stack()
-        outputs = below.execute(op, inputs)
+        if op.type == "EagerPyFunc" and self._live:
+            # tf.py_function's kernel keeps the tape its gradient replays only when a
+            # TensorFlow tape could record (script_ops.EagerFunc); an empty one says so.
+            with tf.GradientTape():
+                outputs = below.execute(op, inputs)
+        else:
+            outputs = below.execute(op, inputs)
         if not self._live:
             return outputs
         # Record when an input is tracked. TensorFlow hands us a new Python wrapper of a

@@ -188,6 +188,8 @@ class Lazy(OpHandler):
         # Producers are computed or inferred already (recording order).
         specs = [shapes.Spec(self._output_spec(*i)) if type(i) is tuple
                  else shapes.spec_of(i) for i in node.inputs]
+        if shapes.assumes_success(specs):
+            return False  # the kernel decides (it may reject the op, as eagerly)
         try:
             outs = shapes.infer(node.op, specs)
         except (ValueError, TypeError, tf.errors.OpError):

@@ -61,14 +61,62 @@ class ParallelValue:
 
 
 def _full_device_name(name):
-    spec = _device_spec.DeviceSpecV2.from_string(name)
+    """`name` in TensorFlow's canonical form (`/job:localhost/replica:0/task:0/device:CPU:0`),
+    as `tf.distribute`'s device_util.canonicalize: missing fields default to the local job,
+    replica 0, task 0 and device index 0."""
+    if isinstance(name, _device_spec.DeviceSpecV2):
+        name = name.to_string()
+    elif isinstance(name, tf.config.LogicalDevice):
+        name = name.name
+    if not isinstance(name, str):
+        raise TypeError("oh.ParallelHandler: a component must be a device name (a string), "
+                        "got %r" % (name,))
+    try:
+        spec = _device_spec.DeviceSpecV2.from_string(name)
+    except ValueError as e:
+        raise ValueError("oh.ParallelHandler: component %r is not a device name: %s"
+                         % (name, e)) from None
     if spec.job is None:
         spec = _LOCAL.make_merged_spec(spec)
     if spec.device_type is None:
         raise ValueError("oh.ParallelHandler: component %r names no device type" % name)
-    if spec.device_index is None:
-        spec = spec.replace(device_index=0)
+    spec = spec.replace(replica=0 if spec.replica is None else spec.replica,
+                        task=0 if spec.task is None else spec.task,
+                        device_index=0 if spec.device_index is None else spec.device_index)
     return spec.to_string()
+
+
+def _known_devices():
+    """Canonical names of the devices TensorFlow knows: this process's logical devices and
+    those of a cluster joined with `tf.config.experimental_connect_to_cluster`."""
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    ctx = context.context()
+    ctx.ensure_initialized()  # the devices are fixed from here on (as for any TF use)
+    return {_full_device_name(d) for d in ctx.devices()}
+
+
+def _checked_components(components):
+    """Canonical names of `components`, each an existing device, none repeated."""
+    names = [_full_device_name(c) for c in components]
+    known = _known_devices()
+    for given, name in zip(components, names):
+        if name not in known:
+            raise ValueError(
+                "oh.ParallelHandler: component %r (%s) is not a device of this program; "
+                "known devices: %s. Configure logical devices with "
+                "tf.config.set_logical_device_configuration before TensorFlow initializes, "
+                "or connect remote workers with tf.config.experimental_connect_to_cluster "
+                "first" % (given, name, ", ".join(sorted(known))))
+    first = {}
+    for given, name in zip(components, names):
+        if name in first:
+            raise ValueError(
+                "oh.ParallelHandler: components %r and %r are the same device %s; each "
+                "component must be a distinct device (as in tf.distribute.MirroredStrategy), "
+                "otherwise a collective such as all_reduce would wait forever"
+                % (first[name], given, name))
+        first[name] = given
+    return tuple(names)
 
 
 def _copy_to(next_stack, tensor, device):
@@ -89,11 +137,27 @@ class ParallelHandler(OpHandler):
     returns_off_stack = True  # unpack's outputs are ordinary tensors
     TYPE_NAME = "PARALLEL"
 
-    def __init__(self, components):
+    def __init__(self, components, timeout_seconds=300.0):
+        """`components`: distinct device names, each a logical device of this process or
+        a device of a connected cluster (checked here: a repeated or unknown device would
+        make a collective wait forever).
+
+        `timeout_seconds`: how long a collective (`all_reduce`) waits for every component
+        before raising `tf.errors.DeadlineExceededError` (TensorFlow's
+        `CollectiveReduceV2` timeout; a remote worker that died cannot join). None or 0
+        waits without limit.
+        """
+        if isinstance(components, str):
+            raise TypeError("oh.ParallelHandler: components must be a list of device names, "
+                            "got the string %r" % (components,))
         components = list(components)
         if not components:
             raise ValueError("oh.ParallelHandler: needs at least one component device")
-        self.components = tuple(_full_device_name(c) for c in components)
+        self.components = _checked_components(components)
+        if timeout_seconds is not None and not timeout_seconds >= 0:
+            raise ValueError("oh.ParallelHandler: timeout_seconds must be None or >= 0, "
+                             "got %r" % (timeout_seconds,))
+        self.timeout_seconds = timeout_seconds
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
@@ -180,7 +244,15 @@ class ParallelHandler(OpHandler):
             parts = self.unpack(t)
             # The collective has no gradient of its own: this function provides it.
             with _scope.physical(), _record.stop_recording():
-                reduced = self._collective(*parts)
+                try:
+                    reduced = self._collective(*parts)
+                except tf.errors.DeadlineExceededError as e:
+                    raise tf.errors.DeadlineExceededError(
+                        e.node_def, e.op,
+                        "oh.ParallelHandler.all_reduce: a component of %s did not join the "
+                        "collective within timeout_seconds=%s (TensorFlow aborts the "
+                        "process's collectives after this: restart the program). %s"
+                        % (self.debug_string(), self.timeout_seconds, e.message)) from e
             return self.pack(reduced), lambda dy: self.all_reduce(dy)
 
         return reduce(tensor)
@@ -195,7 +267,7 @@ class ParallelHandler(OpHandler):
             from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
             from tensorflow.python.distribute import cross_device_ops  # pylint: disable=import-outside-toplevel
             from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
-            options = collective_util.Options()
+            options = collective_util.Options(timeout_seconds=self.timeout_seconds or None)
             collective = cross_device_ops.CollectiveAllReduce(
                 devices=list(self.components), group_size=len(self.components),
                 options=options, collective_keys=_collective_keys())

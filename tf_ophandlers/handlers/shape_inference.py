@@ -13,6 +13,7 @@ TensorSpec(shape=(None, 5), dtype=tf.float32, name=None)
 """
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
@@ -144,11 +145,45 @@ class ShapeInference(OpHandler):
         return out
 
 
+def _composite_of(stack, spec):
+    """A value of the composite `spec` (tf.RaggedTensorSpec, tf.SparseTensorSpec, ...)
+    whose components are tensors of the handler, as get_concrete_function builds one from
+    placeholders."""
+    try:
+        component_specs = spec._component_specs  # pylint: disable=protected-access
+    except (AttributeError, NotImplementedError, ValueError) as e:
+        raise TypeError("oh.eval_shape: cannot take an argument of spec %s (%s: %s); pass "
+                        "tf.TensorSpec, tf.RaggedTensorSpec or tf.SparseTensorSpec"
+                        % (spec, type(e).__name__, e)) from None
+    known = {}
+    if isinstance(spec, tf.SparseTensorSpec):
+        if not spec.shape.is_fully_defined():
+            # eval_shape runs the program eagerly, and an eager SparseTensor's dense shape
+            # is a value (tf.SparseTensor refuses an unknown one; TensorFlow's sparse ops
+            # read it).
+            raise ValueError(
+                "oh.eval_shape: a tf.SparseTensorSpec needs a fully defined shape (eval_shape "
+                "runs the program eagerly, where a SparseTensor's dense shape is known), got "
+                "%s; give every dimension, or trace with tf.function(fn)."
+                "get_concrete_function(spec)" % (spec.shape,))
+        # The dense shape is given by the spec: its value is known (a static shape).
+        known[2] = np.array(spec.shape.as_list(), np.int64)
+    flat = nest.flatten(component_specs)
+    if not all(isinstance(c, tf.TensorSpec) for c in flat):
+        raise TypeError("oh.eval_shape: cannot take an argument of spec %s (its components "
+                        "are %s); pass tf.TensorSpec, tf.RaggedTensorSpec or "
+                        "tf.SparseTensorSpec" % (spec, flat))
+    tensors = [stack.wrap(Spec(tf.TensorSpec(c.shape, c.dtype), known.get(i)))
+               for i, c in enumerate(flat)]
+    return spec._from_components(nest.pack_sequence_as(component_specs, tensors))  # pylint: disable=protected-access
+
+
 def eval_shape(fn, *specs, **kwargs):
     """The `tf.TensorSpec`s of `fn`'s outputs for inputs of the given specs.
 
-    `specs` (and keyword arguments) are `tf.TensorSpec`s or nested structures of them;
-    other arguments are passed as they are. No kernel runs: each op's output spec comes
+    `specs` (and keyword arguments) are `tf.TensorSpec`s, `tf.RaggedTensorSpec`s,
+    `tf.SparseTensorSpec`s or nested structures of them (a ragged or sparse output is
+    returned as its spec); other arguments are passed as they are. No kernel runs: each op's output spec comes
     from TensorFlow's shape function. Works for Keras models whose variables exist
     (call the model once, or build it, before).
     """
@@ -157,12 +192,19 @@ def eval_shape(fn, *specs, **kwargs):
         def enter(x):
             if isinstance(x, tf.TensorSpec):
                 return stack.wrap(Spec(tf.TensorSpec(x.shape, x.dtype)))
+            if isinstance(x, tf.TypeSpec):
+                return _composite_of(stack, x)
             return x
         args = nest.map_structure(enter, specs)
         kw = nest.map_structure(enter, kwargs)
         outputs = fn(*args, **kw)
 
     def leave(t):
+        if isinstance(t, _composite_tensor.CompositeTensor) and not isinstance(
+                t, tf.Variable):
+            # A RaggedTensor or SparseTensor of the handler's tensors: its spec comes
+            # from its components' specs (and a sparse tensor's known dense shape).
+            return t._type_spec  # pylint: disable=protected-access
         if isinstance(t, (tf.Tensor, tf.Variable)) or hasattr(t, "__tf_tensor__"):
             t = tf.convert_to_tensor(t) if not isinstance(t, tf.Tensor) else t
             found, value = representation_of(handler, t)

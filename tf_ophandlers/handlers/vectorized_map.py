@@ -28,6 +28,7 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
@@ -483,6 +484,25 @@ def _per_example_loop(handler, execute, op, inputs):
     return [Batched(tf.stack(list(col)), True) for col in zip(*rows)]
 
 
+_STATE_WRITERS = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                  "ResourceStridedSliceAssign", "LookupTableInsert", "LookupTableRemove",
+                  "LookupTableImport", "TensorArrayWrite", "TensorArrayScatter")
+
+
+def _resource_key(handle):
+    """What identifies the variable (table) behind a resource handle: each use of a
+    captured variable brings its handle on as a new tensor, so eagerly its serialized
+    ResourceHandle (device, container, name); in a function being replayed the handle."""
+    if isinstance(handle, _ops.EagerTensor):
+        return tf.io.serialize_tensor(handle).numpy()
+    return handle.ref()  # a symbolic tensor
+
+
+def _writes_state(op_type):
+    """Whether an op of this type updates a variable or table given as an input."""
+    return op_type.startswith(_STATE_WRITERS)
+
+
 class VectorizedMap(OpHandler):
     """Runs every op of its scope once on a batch of `size` examples.
 
@@ -497,6 +517,38 @@ class VectorizedMap(OpHandler):
         self.size = int(size)
         self.fallback_to_while_loop = fallback_to_while_loop
         self.warn = warn
+        # Variables (tables) used in this map: [(op type, resource handles)], and those
+        # updated once per example: resource key -> op type.
+        self._used = []
+        self._written = {}
+        self._created = set()  # keys of the variables created in the map
+
+    def _check_state_order(self, op, resources):
+        """Refuses what makes the map differ from tf.map_fn, which runs the whole function
+        per example: an update of a variable the map also used earlier (every example's
+        use saw the value before all updates, not the updates of earlier examples), or a
+        use after the update (it would see all examples' updates)."""
+        keys = [_resource_key(r) for r in resources]
+        for key in keys:
+            if key in self._written:
+                raise ValueError(
+                    "oh.vectorized_map: op %s uses a variable (or table) that op %s updated "
+                    "once per example earlier in the mapped function. Every op runs for the "
+                    "whole batch, so it would see all examples' updates, not only those of "
+                    "the examples before it as in tf.map_fn; use tf.map_fn, or use the "
+                    "variable outside the map" % (op.type, self._written[key]))
+        if not _writes_state(op.type):
+            return
+        for used_type, used in self._used:
+            if any(_resource_key(r) in keys for r in used):
+                raise ValueError(
+                    "oh.vectorized_map: op %s updates once per example a variable (or table) "
+                    "that op %s used earlier in the mapped function. Every op runs for the "
+                    "whole batch, so that use saw none of the updates, not those of the "
+                    "examples before it as in tf.map_fn; use tf.map_fn, or update the "
+                    "variable outside the map" % (op.type, used_type))
+        for key in keys:
+            self._written[key] = op.type
 
     def debug_string(self):
         return "VectorizedMap(size=%d)" % self.size
@@ -545,6 +597,20 @@ class VectorizedMap(OpHandler):
     def execute(self, op, inputs):
         below = next_stack()
         execute = below.execute
+        resources = [b.value for b in inputs if not b.batched and b.value.dtype == tf.resource]
+        if _writes_state(op.type) and not (
+                self._created and all(_resource_key(r) in self._created for r in resources)):
+            # The mapped function runs once per example (tf.map_fn's result): so does an
+            # update of a variable or table. (pfor would apply a per-example update once,
+            # with example 0's value, silently; tf.vectorized_map does.)
+            self._check_state_order(op, resources)
+            rows = [execute(op, [b.value[i] if b.batched else b.value for b in inputs])
+                    for i in range(self.size)]
+            return [Batched(tf.stack(list(col)), True) for col in zip(*rows)]
+        if resources:
+            if self._written:
+                self._check_state_order(op, resources)
+            self._used.append((op.type, resources))
         if not any(b.batched for b in inputs) and op.type not in _RANDOM:
             outputs = execute(op, [b.value for b in inputs])
         else:
@@ -562,7 +628,11 @@ class VectorizedMap(OpHandler):
                         "example" % op.type)
                 result = _per_example_loop(self, execute, op, inputs)
             return result
-        # Resource handles stay on the next stack (variables created inside).
+        # Resource handles stay on the next stack (variables created inside; their
+        # initialization is not a per-example update).
+        for o in outputs:
+            if o.dtype == tf.resource:
+                self._created.add(_resource_key(o))
         return [o if o.dtype == tf.resource else Batched(o, False) for o in outputs]
 
     # -- functions (core/functions): a tf.function called in the map is replayed with
@@ -591,6 +661,24 @@ class VectorizedMap(OpHandler):
         return ("VectorizedMap", self.size, self.fallback_to_while_loop)
 
 
+def _dense_elem(e):
+    """`e` (a part of vectorized_map's `elems`) as a dense tensor, or a clear error."""
+    if isinstance(e, (tf.RaggedTensor, tf.SparseTensor)) or (
+            isinstance(e, _composite_tensor.CompositeTensor) and not isinstance(e, tf.Variable)):
+        raise TypeError(
+            "oh.vectorized_map: elems must be dense tensors, got a %s (tf.vectorized_map "
+            "cannot map over one either). Use tf.map_fn(fn, elems, fn_output_signature=...) "
+            "to map over its rows, or map over a dense form (%s)"
+            % (type(e).__name__, "elems.to_tensor()" if isinstance(e, tf.RaggedTensor)
+               else "tf.sparse.to_dense(elems)" if isinstance(e, tf.SparseTensor)
+               else "its components"))
+    try:
+        return tf.convert_to_tensor(e)
+    except (TypeError, ValueError) as error:
+        raise TypeError("oh.vectorized_map: elems must be tensors (or nested structures of "
+                        "them); cannot convert %r to a tensor: %s" % (e, error)) from None
+
+
 def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     """`tf.vectorized_map`, eagerly: `fn` runs once, each op on the whole batch.
 
@@ -613,7 +701,7 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     if not tf.executing_eagerly():
         return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop,
                                  warn=warn)
-    flat = [tf.convert_to_tensor(e) for e in nest.flatten(elems)]
+    flat = [_dense_elem(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
     if any(e.shape.rank == 0 for e in flat):

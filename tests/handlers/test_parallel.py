@@ -404,3 +404,44 @@ def test_a_collective_that_cannot_complete_times_out():
     assert re.search(r"deadline after \d s: oh.ParallelHandler.all_reduce: a component of "
                      r"ParallelHandler\(.*\) did not join the collective within "
                      r"timeout_seconds=2", proc.stdout), proc.stdout
+
+
+# -- model.fit inside the scope (issue 16 item 7) ---------------------------------------------
+
+def _fit_model(seed=1):
+    tf.keras.utils.set_random_seed(seed)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="relu"),
+                                 tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def _fit_data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(38, 4).astype(np.float32)  # 38 = 2 full batches of 16 and a partial one
+    return x, (x.sum(1, keepdims=True) * 0.5).astype(np.float32)
+
+
+def test_model_fit_built_inside_the_scope_trains_as_on_one_device():
+    x, y = _fit_data()
+    want = _fit_model().fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    parallel = oh.ParallelHandler(["/cpu:0", "/cpu:1"])
+    with parallel:
+        model = _fit_model()
+        got = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+        weights = model.get_weights()  # copies off: every component holds the same weights
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
+    for w in model.weights:  # one buffer per device, equal after replicated steps
+        parts = parallel.unpack(tf.convert_to_tensor(w))
+        assert len(parts) == 2 and parts[0].device != parts[1].device
+        np.testing.assert_allclose(parts[0].numpy(), parts[1].numpy())
+    assert [w.shape for w in weights] == [w.shape for w in model.weights]
+
+
+def test_model_fit_of_a_model_built_outside_says_how_to_build_it_inside():
+    x, y = _fit_data()
+    model = _fit_model()
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)  # optimizer state exists
+    with pytest.raises(oh.PlacementError, match="build and compile it inside the scope"):
+        with oh.ParallelHandler(["/cpu:0", "/cpu:1"]):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -37,6 +37,7 @@ from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import shapes
+from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
@@ -327,22 +328,26 @@ def _may_reshape(op_type, attrs):
     return not (op_type in _SHAPE_KEEPING or op_type.startswith(_SHAPE_KEEPING_PREFIXES))
 
 
-_function_effects = {}  # function name -> "opaque", "reshapes" or None
+# function name -> "opaque", "reshapes" or None (a name is one function for the context's
+# life).
+_function_effects = BoundedCache("async.function_effects", 4096)
 
 
 def _function_effect(name):
     """What a call of function `name` (and of the functions it calls) may do to the
     shapes of the variables it is given."""
-    if name not in _function_effects:
-        nodes = [n for fdef in _functions.function_library([name]) for n in fdef.node_def]
-        if any(n.op in _OPAQUE for n in nodes):
-            effect = "opaque"
-        elif any(n.op in _ASSIGNS and _may_reshape(n.op, n.attr) for n in nodes):
-            effect = "reshapes"
-        else:
-            effect = None
-        _function_effects[name] = effect
-    return _function_effects[name]
+    effect = _function_effects.get(name, False)
+    if effect is not False:
+        return effect
+    nodes = [n for fdef in _functions.function_library([name]) for n in fdef.node_def]
+    if any(n.op in _OPAQUE for n in nodes):
+        effect = "opaque"
+    elif any(n.op in _ASSIGNS and _may_reshape(n.op, n.attr) for n in nodes):
+        effect = "reshapes"
+    else:
+        effect = None
+    _function_effects[name] = effect
+    return effect
 
 
 def _note_reshapes(queue, op, tensors):
@@ -377,7 +382,8 @@ def _spec_part(spec):
         spec.dtype, None if shape.rank is None else tuple(shape.as_list()), None)
 
 
-_inferred = {}  # op signature -> [(TensorSpec, part)] per output, or None (not inferable)
+# op signature -> [(TensorSpec, part)] per output, or None (not inferable)
+_inferred = BoundedCache("async.inferred", 16384)
 
 
 def _infer(op, inputs):
@@ -409,8 +415,6 @@ def _infer(op, inputs):
         # Not inferable (or invalid: the kernel's error surfaces at the next
         # synchronization point, as the op's own error): shapes wait.
         result = None
-    if len(_inferred) > 16384:
-        _inferred.clear()
     _inferred[key] = result
     return result
 

@@ -31,11 +31,12 @@ from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import shapes
+from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import next_stack, stack_of, tensor_key
 
-_stateful = {}  # op type -> whether it must run eagerly
-_dtypes = {}  # TF_DataType enum -> tf.DType
+_stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
+_dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
 _sequence = itertools.count()
 _RESOURCE = tf.resource
 _CACHE_SIZE = 256

@@ -368,7 +368,10 @@ class ParallelHandler(OpHandler):
                     "oh.ParallelHandler: op %s would write a variable created outside the "
                     "handler once per component (%d times); update it outside the "
                     "parallel scope, or create the variable inside the scope to get one "
-                    "buffer per component" % (op.type, n))
+                    "buffer per component. For a Keras model, build and compile it inside "
+                    "the scope (with oh.ParallelHandler(devices): model = ...; "
+                    "model.compile(...); model.fit(...)), so that its weights and its "
+                    "optimizer's state are per device" % (op.type, n))
             if len(v.components) != n:
                 raise errors.PlacementError(
                     "oh.ParallelHandler: op %s got a tensor with %d components on a handler "

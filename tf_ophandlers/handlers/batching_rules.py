@@ -1,0 +1,341 @@
+"""Batching rules of `oh.vectorized_map`: the representation `Batched` and, per op type,
+a rule ``rule(handler, execute, op, inputs) -> [Batched] or None`` (None: no rule for
+these inputs), as JAX's `batching.primitive_batchers` table. vectorized_map.py looks ops
+up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a loop.
+"""
+import numpy as np
+import tensorflow as tf
+
+from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.op import Op
+
+
+class Batched:
+    """A value and whether its leading axis is the batch (the handler's representation)."""
+
+    __slots__ = ("value", "batched")
+
+    def __init__(self, value, batched):
+        self.value = value
+        self.batched = batched
+
+    def __repr__(self):
+        return "Batched(%r, batched=%s)" % (self.value, self.batched)
+
+
+def _rank(b):
+    """Per-example rank of a Batched."""
+    r = b.value.shape.rank
+    return r - 1 if b.batched else r
+
+
+# tf.int32 constants for shapes and axes, by value (a few per program).
+_shape_constants = BoundedCache("vectorized_map.shape_constants", 4096)
+
+
+def _int32(values):
+    """A (cached) int32 tensor: shape arguments as tensors keep TensorFlow's op wrappers
+    on their fast path (a Python list sends tf.reshape to its slow eager fallback)."""
+    key = tuple(values)
+    if not tf.executing_eagerly():  # replaying a function: a constant of that graph
+        return tf.constant(key, dtype=tf.int32)
+    t = _shape_constants.get(key)
+    if t is None:
+        t = _shape_constants[key] = tf.constant(key, dtype=tf.int32)
+    return t
+
+
+def _prepended(first, values):
+    """A constant: `values` (a numpy array) with `first` in front, in their dtype."""
+    return tf.constant(np.concatenate([[first], values]).astype(values.dtype))
+
+
+def batched(outputs):
+    return [Batched(o, True) for o in outputs]
+
+
+def _static(t):
+    v = tf.get_static_value(t)
+    return None if v is None else np.asarray(v)
+
+
+def broadcast_batch(b, size):
+    """`b` as a batched value (an unbatched one is broadcast along a new batch axis)."""
+    if b.batched:
+        return b.value
+    v = b.value
+    return tf.broadcast_to(v[None], tf.concat([[size], tf.shape(v)], 0))
+
+
+def _align(inputs, rank):
+    """Batched values expanded to per-example rank `rank` (for broadcasting ops)."""
+    out = []
+    for b in inputs:
+        v = b.value
+        if b.batched:
+            missing = rank - (v.shape.rank - 1)
+            if missing > 0:
+                v = tf.reshape(v, tf.concat([tf.shape(v)[:1], tf.ones([missing], tf.int32),
+                                             tf.shape(v)[1:]], 0))
+        out.append(v)
+    return out
+
+
+# -- direct rules: fn(handler, execute, op, inputs) -> list of Batched or None (no rule) ----
+
+def _elementwise(handler, execute, op, inputs):
+    """Ops that broadcast their inputs like numpy (and unary elementwise ops)."""
+    if any(b.value.shape.rank is None for b in inputs):
+        return None
+    return batched(execute(op, _align(inputs, max(_rank(b) for b in inputs))))
+
+
+def _same_shape(handler, execute, op, inputs):
+    """Elementwise ops whose inputs must have one shape (the *Grad kernels)."""
+    return batched(execute(op, [broadcast_batch(b, handler.size) for b in inputs]))
+
+
+def _matmul(handler, execute, op, inputs):
+    a, b = inputs
+    if _rank(a) != 2 or _rank(b) != 2:
+        return None
+    attrs = op.attrs
+    if attrs["T"].is_complex and (attrs["transpose_a"] or attrs["transpose_b"]):
+        return None  # BatchMatMul's adj_x/adj_y would also conjugate: leave it to pfor
+    if a.batched and not b.batched and not attrs["transpose_a"]:
+        # [B, m, k] @ [k, n]: one MatMul on [B*m, k] (much faster than a broadcast
+        # batched matmul), as pfor's converter does.
+        shape = a.value.shape
+        if shape[1:].is_fully_defined():
+            m = int(shape[1])
+            flat = tf.reshape(a.value, _int32((-1, int(shape[2]))))
+            (out,) = execute(op, [flat, b.value])
+            return [Batched(tf.reshape(out, _int32((handler.size, m, -1))), True)]
+    bmm = Op.cached("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
+                    adj_y=attrs["transpose_b"])
+    return batched(execute(bmm, [a.value, b.value]))
+
+
+def _batch_matmul(handler, execute, op, inputs):
+    rank = max(_rank(b) for b in inputs)
+    return batched(execute(op, _align(inputs, rank)))
+
+
+def _shift_axes(axes, rank):
+    axes = np.atleast_1d(axes).astype(np.int64)
+    return [int(a) % rank + 1 for a in axes] if rank else []
+
+
+def _reduction(handler, execute, op, inputs):
+    x, axis = inputs
+    if not x.batched or axis.batched or _rank(x) is None:
+        return None
+    axes = _static(axis.value)
+    if axes is None:
+        return None
+    shifted = _shift_axes(axes, _rank(x))
+    if axes.ndim == 0:
+        shifted = shifted[0]  # ArgMax/ArgMin take a scalar axis
+    shifted = tf.constant(shifted, dtype=axis.value.dtype)
+    return batched(execute(op, [x.value, shifted]))
+
+
+def _reshape(handler, execute, op, inputs):
+    x, shape = inputs
+    if not x.batched or shape.batched:
+        return None
+    target = _static(shape.value)
+    if target is None:
+        return None
+    return batched(execute(op, [x.value, _prepended(handler.size, target)]))
+
+
+def _transpose(handler, execute, op, inputs):
+    x, perm = inputs
+    p = _static(perm.value)
+    if not x.batched or perm.batched or p is None:
+        return None
+    new = tf.constant([0] + [int(i) % _rank(x) + 1 for i in p], dtype=perm.value.dtype)
+    return batched(execute(op, [x.value, new]))
+
+
+def _expand_dims(handler, execute, op, inputs):
+    x, axis = inputs
+    a = _static(axis.value)
+    if not x.batched or axis.batched or a is None:
+        return None
+    a = int(a)
+    a = a if a >= 0 else a + _rank(x) + 1
+    new = tf.constant(a + 1, dtype=axis.value.dtype)
+    return batched(execute(op, [x.value, new]))
+
+
+def _squeeze(handler, execute, op, inputs):
+    (x,) = inputs
+    dims = op.attrs.get("squeeze_dims") or []
+    rank = _rank(x)
+    if not dims:
+        shape = x.value.shape[1:]
+        if not shape.is_fully_defined():
+            return None
+        dims = [i for i, d in enumerate(shape) if d == 1]
+        if not dims:
+            return [Batched(x.value, True)]  # nothing to squeeze (never the batch axis)
+    new = op.replace(squeeze_dims=[int(d) % rank + 1 for d in dims])
+    return batched(execute(new, [x.value]))
+
+
+def _concat(handler, execute, op, inputs):
+    *values, axis = inputs
+    a = _static(axis.value)
+    if axis.batched or a is None:
+        return None
+    rank = _rank(next(b for b in values if b.batched))
+    new_axis = tf.constant(int(a) % rank + 1, dtype=axis.value.dtype)
+    vals = [broadcast_batch(b, handler.size) for b in values]
+    return batched(execute(op, vals + [new_axis]))
+
+
+def _pack(handler, execute, op, inputs):
+    rank = _rank(next(b for b in inputs if b.batched))
+    axis = op.attrs["axis"]
+    new = op.replace(axis=(axis if axis >= 0 else axis + rank + 1) + 1)
+    return batched(execute(new, [broadcast_batch(b, handler.size) for b in inputs]))
+
+
+def _shape(handler, execute, op, inputs):
+    (x,) = inputs
+    static = x.value.shape[1:]
+    if static.is_fully_defined():
+        return [Batched(tf.constant(static.as_list(), dtype=op.attrs["out_type"]), False)]
+    (out,) = execute(op, [x.value])
+    return [Batched(tf.raw_ops.Slice(input=out, begin=[1], size=[-1]), False)]
+
+
+def _strided_slice(handler, execute, op, inputs):
+    x, begin, end, strides = inputs
+    if not x.batched or begin.batched or end.batched or strides.batched:
+        return None
+    # A leading full slice over the batch axis; every mask moves up one bit.
+    values = [_static(t.value) for t in (begin, end, strides)]
+    if any(v is None for v in values):
+        return None
+    args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
+    attrs = op.attrs
+    new = op.replace(begin_mask=(attrs["begin_mask"] << 1) | 1,
+                     end_mask=(attrs["end_mask"] << 1) | 1,
+                     ellipsis_mask=attrs["ellipsis_mask"] << 1,
+                     new_axis_mask=attrs["new_axis_mask"] << 1,
+                     shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
+    return batched(execute(new, [x.value] + args))
+
+
+def _sparse_xent(handler, execute, op, inputs):
+    features, labels = inputs
+    if _rank(features) != 2 or _rank(labels) != 1:
+        return None
+    f = broadcast_batch(features, handler.size)
+    lab = broadcast_batch(labels, handler.size)
+    if not f.shape.is_fully_defined():
+        return None
+    loss, grad = execute(op, [tf.reshape(f, _int32((-1, int(f.shape[-1])))),
+                              tf.reshape(lab, _int32((-1,)))])
+    return [Batched(tf.reshape(loss, _int32((handler.size, -1))), True),
+            Batched(tf.reshape(grad, _int32(f.shape.as_list())), True)]
+
+
+def _rank_op(handler, execute, op, inputs):
+    (x,) = inputs
+    (out,) = execute(op, [x.value])
+    return [Batched(out - 1, False)]
+
+
+def _gather(handler, execute, op, inputs):
+    params, indices, axis = inputs
+    a = _static(axis.value)
+    if axis.batched or a is None or op.attrs.get("batch_dims", 0) != 0:
+        return None
+    a = int(a) % max(_rank(params), 1)
+    if params.batched and not indices.batched:
+        new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
+        return batched(execute(op, [params.value, indices.value, new_axis]))
+    if params.batched and indices.batched:
+        new = op.replace(batch_dims=1)
+        new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
+        return batched(execute(new, [params.value, indices.value, new_axis]))
+    if a == 0:  # batched indices into unbatched params: the batch axis comes first
+        return batched(execute(op, [params.value, indices.value, axis.value]))
+    return None
+
+
+def _last_axis(handler, execute, op, inputs):
+    (x,) = inputs
+    return batched(execute(op, [x.value]))
+
+
+def _bias_add(handler, execute, op, inputs):
+    value, bias = inputs
+    if bias.batched or op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC"):
+        return None  # pfor
+    return batched(execute(op, [value.value, bias.value]))
+
+
+def _random(handler, execute, op, inputs):
+    """A stateful random op inside the map draws independently for every example."""
+    shape = _static(inputs[0].value)
+    if inputs[0].batched or shape is None:
+        return None
+    return batched(execute(op, [_prepended(handler.size, shape)]
+                            + [b.value for b in inputs[1:]]))
+
+
+def _l2_loss(handler, execute, op, inputs):
+    (x,) = inputs
+    rank = x.value.shape.rank
+    if rank is None:
+        return None
+    return [Batched(tf.reduce_sum(tf.square(x.value), axis=list(range(1, rank))) * 0.5, True)]
+
+
+def _bias_add_grad(handler, execute, op, inputs):
+    (x,) = inputs
+    if op.attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC") or x.value.shape.rank is None:
+        return None
+    axes = list(range(1, x.value.shape.rank - 1))
+    return [Batched(tf.reduce_sum(x.value, axis=axes), True)]
+
+
+_BROADCASTING = (
+    "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+    "Pow", "SquaredDifference", "FloorDiv", "FloorMod", "Greater", "GreaterEqual", "Less",
+    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Atan2",
+    "MulNoNan", "Xdivy", "Xlogy",
+    # unary
+    "Neg", "Exp", "Log", "Log1p", "Expm1", "Sin", "Cos", "Tan", "Tanh", "Sigmoid", "Relu",
+    "Relu6", "Elu", "Selu", "Softplus", "Softsign", "Sqrt", "Rsqrt", "Square", "Abs", "Sign",
+    "Reciprocal", "Floor", "Ceil", "Round", "Erf", "Erfc", "Identity", "Cast", "LogicalNot",
+    "ZerosLike", "OnesLike", "IsNan", "IsInf", "IsFinite", "StopGradient", "LeakyRelu",
+    "Gelu", "CheckNumerics", "CheckNumericsV2", "Real", "Imag", "Conj", "Asin", "Acos",
+    "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
+    "CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad",
+)
+RULES = {name: _elementwise for name in _BROADCASTING}
+RULES.update({name: _same_shape for name in (
+    "ReluGrad", "Relu6Grad", "TanhGrad", "SigmoidGrad", "SoftplusGrad", "SqrtGrad",
+    "RsqrtGrad", "ReciprocalGrad", "EluGrad", "SeluGrad", "LeakyReluGrad", "AddN")})
+# Stateful random ops whose first input is the output shape: they run even without a
+# batched input, one draw per example.
+RANDOM = frozenset(("RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+                     "RandomUniformInt"))
+RULES.update({name: _random for name in RANDOM})
+RULES.update({name: _reduction for name in (
+    "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin")})
+RULES.update({
+    "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
+    "Squeeze": _squeeze, "ConcatV2": _concat, "Pack": _pack, "Shape": _shape,
+    "Rank": _rank_op, "GatherV2": _gather, "Softmax": _last_axis, "LogSoftmax": _last_axis,
+    "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "StridedSlice": _strided_slice,
+    "BiasAdd": _bias_add,
+    "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
+})

@@ -1,0 +1,298 @@
+"""The backward pass of `oh.GradientTape`: gradient functions from TensorFlow's registry
+run over the recorded ops in reverse, each on the stack its forward op ran on (RFC:
+gradient ops are placed where the forward op ran); `jacobian` and `batch_jacobian`
+backpropagate one seed per target element, vectorized with `oh.vectorized_map` over the
+seeds when every recorded op ran on physical devices (as tf.GradientTape's pfor), else one
+backward pass per seed. A mixin of `GradientTape` (recording lives in gradient_tape.py),
+so that each module reads in one sitting; argument checks shared by both are here too.
+"""
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import backprop as _tf_backprop
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework.composite_tensor import CompositeTensor
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest
+
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
+
+_key = tensor_key
+_stack_of = stack_of
+
+# Gradient functions that accept None for these output gradients; TensorFlow's tape
+# (pywrap_tfe_src.cc, FunctionsAcceptingNoneForIndicesMap) skips building zeros for them.
+_ACCEPTS_NONE = {
+    "SoftmaxCrossEntropyWithLogits": (1,),
+    "SparseSoftmaxCrossEntropyWithLogits": (1,),
+    "FusedBatchNorm": (1, 2, 3, 4),
+}
+
+
+def differentiable_value(value):
+    """Whether `value` is something a tape differentiates: a tensor, a variable (also a
+    Keras one) or a composite tensor."""
+    return (tf.is_tensor(value) or isinstance(value, (tf.Variable, CompositeTensor))
+            or resource_variable_ops.is_resource_variable(value))
+
+
+def check_differentiable(method, argument, structure):
+    """Raises for a value in `structure` that is not a tensor, as tf.GradientTape does
+    (same exception types: AttributeError for numpy values and Python ints, TypeError for
+    other objects), instead of returning a silent None."""
+    for i, value in enumerate(nest.flatten(structure)):
+        if differentiable_value(value):
+            continue
+        error = (AttributeError if isinstance(value, (np.ndarray, np.generic, int))
+                 else TypeError)
+        raise error(
+            "oh.GradientTape.%s: argument `%s` should be a Tensor, Variable or "
+            "CompositeTensor (or a nested structure of them), but element %d is %s of type "
+            "%s; convert it with tf.constant (and watch it) before computing the value to "
+            "differentiate." % (method, argument, i, short_repr(value),
+                                type(value).__name__))
+
+
+def short_repr(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class BackwardPass:
+    """The backward pass, `jacobian` and `batch_jacobian` of `oh.GradientTape`."""
+
+    def _backprop(self, targets, sources, output_gradients, sources_raw, unconnected):
+        unconnected = UnconnectedGradients(unconnected)
+        targets = [self._level_of(t) for t in targets]
+        sources = [self._level_of(s) for s in sources]
+        producer = self._producer
+        source_ids = {_key(s) for s in sources}
+
+        # Records on a path from a source to a target, in recording order.
+        needed, pending, seen = {}, [_key(t) for t in targets], set()
+        while pending:
+            i = pending.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            record = producer.get(i)
+            if record is not None and record.seq not in needed:
+                needed[record.seq] = record
+                pending.extend(_key(x) for x in record.inputs)
+        live = set(source_ids)
+        path = []
+        for seq in sorted(needed):
+            record = needed[seq]
+            if any(_key(x) in live for x in record.inputs):
+                path.append(record)
+                live.update(_key(o) for o in record.outputs if o is not None)
+
+        grads = {}
+        for i, t in enumerate(targets):
+            if _key(t) not in live:
+                continue
+            g = output_gradients[i] if output_gradients is not None else None
+            if g is None:
+                with self._where(t):
+                    g = default_gradient.ones_like(t)
+            grads.setdefault(_key(t), []).append(g)
+
+        for record in reversed(path):
+            self._run_backward(record, grads, live, source_ids)
+
+        result = []
+        for s, raw in zip(sources, sources_raw):
+            parts = grads.get(_key(s))
+            if parts:
+                with self._where(parts[0]):
+                    result.append(_tf_backprop._aggregate_grads(parts))  # pylint: disable=protected-access
+            elif unconnected is UnconnectedGradients.ZERO:
+                result.append(default_gradient.zeros_like(raw))
+            else:
+                result.append(None)
+        return result
+
+    def _run_backward(self, record, grads, live, source_ids):
+        outputs = record.outputs
+        parts = [grads.get(_key(o)) if o is not None else None for o in outputs]
+        if not any(parts):
+            return
+        for o in outputs:
+            if o is not None and _key(o) not in source_ids:
+                grads.pop(_key(o), None)
+        with self._placed(record.stack):
+            accepts_none = _ACCEPTS_NONE.get(record.op_type, ())
+            out_grads = []
+            for k, (o, p) in enumerate(zip(outputs, parts)):
+                if p:
+                    out_grads.append(_tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
+                elif k in accepts_none or o is None or o.dtype in (tf.string, tf.resource):
+                    out_grads.append(None)
+                else:
+                    out_grads.append(default_gradient.zeros_like(o))
+            in_grads = self._call_gradient_function(record, out_grads)
+        for x, g in zip(record.inputs, in_grads):
+            if g is not None and _key(x) in live:
+                grads.setdefault(_key(x), []).append(g)
+
+    def _call_gradient_function(self, record, out_grads):
+        if record.backward is not None:
+            in_grads = record.backward(*out_grads)
+        else:
+            try:
+                grad_fn = _ops._gradient_registry.lookup(record.op_type)  # pylint: disable=protected-access
+            except LookupError as e:
+                raise LookupError(
+                    "oh.GradientTape: op %s has no registered gradient (%s); register one "
+                    "with tf.RegisterGradient or stop it with tf.stop_gradient"
+                    % (record.op_type, e)) from e
+            if grad_fn is None:  # tf.no_gradient / ops.NotDifferentiable
+                return [None] * len(record.inputs)
+            mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
+                record.op.attr_tuple(), record.inputs, record.outputs, record.op_type,
+                record.skip)
+            in_grads = grad_fn(mock, *out_grads)
+        if not isinstance(in_grads, (list, tuple)):
+            in_grads = [in_grads]
+        if len(in_grads) != len(record.inputs):
+            raise ValueError(
+                "oh.GradientTape: the gradient function of op %s returned %d gradients "
+                "for %d inputs" % (record.op_type, len(in_grads), len(record.inputs)))
+        return in_grads
+
+    def _where(self, tensor):
+        """Runs ops where `tensor` lives: its stack, or the physical devices for an
+        ordinary tensor (not the ambient scope: a parallel handler around would
+        broadcast it), except inside this tape's own vectorized jacobian."""
+        stack = _stack_of(tensor)
+        if stack is not None:
+            return self._placed(stack)
+        if current_stack() is PHYSICAL or self._vectorizing:
+            return contextlib.nullcontext()
+        return _scope.physical()
+
+    @staticmethod
+    def _placed(stack):
+        """Runs gradient ops on `stack` (entered within the current scope, per the RFC)."""
+        current = current_stack()
+        if stack is current or all(any(h is c for c in current.handlers)
+                                   for h in stack.handlers):
+            return contextlib.nullcontext()  # re-entering would open nothing
+        return _scope.handler(stack)
+
+    # -- jacobians (a loop of backward passes; vectorized with oh.vectorized_map) -----------
+
+    def jacobian(self, target, sources, unconnected_gradients=UnconnectedGradients.NONE,
+                 parallel_iterations=None, experimental_use_pfor=True):
+        """The Jacobian of `target` with respect to each of `sources`.
+
+        Each result has shape ``target.shape + source.shape``. One backward pass over the
+        recording, vectorized over the rows with `oh.vectorized_map` (with
+        ``experimental_use_pfor=False``, or when a recorded op ran under another handler,
+        one backward pass per row). A non-persistent tape allows it, as
+        tf.GradientTape's default does.
+        """
+        if self._traced is not None:
+            return self._traced.jacobian(target, sources, unconnected_gradients,
+                                         parallel_iterations, experimental_use_pfor)
+        del parallel_iterations
+        self._check_usable()
+        if not hasattr(target, "shape"):  # tf.GradientTape reads target.shape
+            raise AttributeError(
+                "oh.GradientTape.jacobian: argument `target` should be a Tensor, but "
+                "received %s of type %s." % (short_repr(target), type(target).__name__))
+        check_differentiable("jacobian", "sources", sources)
+        self._stop_if_non_persistent_in_scope()
+        flat_sources = nest.flatten(sources)
+        target = _ops.convert_to_tensor(target)
+        size = target.shape.num_elements()
+        if size is None:
+            raise ValueError("oh.GradientTape.jacobian: the target needs a static shape, "
+                             "got %s" % target.shape)
+        with self._where(target):
+            seeds = tf.reshape(tf.eye(size, dtype=target.dtype), [size] + target.shape.as_list())
+        rows = self._backprop_rows(target, flat_sources, seeds, unconnected_gradients,
+                                   experimental_use_pfor)
+        self._release_if_non_persistent()
+        out = []
+        for source, g in zip(flat_sources, rows):
+            out.append(None if g is None else
+                       tf.reshape(g, target.shape.concatenate(source.shape)))
+        return nest.pack_sequence_as(sources, out)
+
+    def batch_jacobian(self, target, source, unconnected_gradients=UnconnectedGradients.NONE,
+                       parallel_iterations=None, experimental_use_pfor=True):
+        """Per-example Jacobians: result ``[b, y1, ..., yn, x1, ..., xm]``.
+
+        `target[i, ...]` must depend only on `source[i, ...]` (as for tf.GradientTape).
+        Vectorized over the target's per-example elements, as `jacobian`.
+        """
+        if self._traced is not None:
+            return self._traced.batch_jacobian(target, source, unconnected_gradients,
+                                               parallel_iterations, experimental_use_pfor)
+        del parallel_iterations
+        self._check_usable()
+        for argument, value in (("target", target), ("source", source)):
+            if not hasattr(value, "shape"):  # tf.GradientTape reads their shapes
+                raise AttributeError(
+                    "oh.GradientTape.batch_jacobian: argument `%s` should be a Tensor, "
+                    "but received %s of type %s." % (argument, short_repr(value),
+                                                     type(value).__name__))
+        check_differentiable("batch_jacobian", "source", source)
+        t_shape, s_shape = tf.TensorShape(target.shape), tf.TensorShape(source.shape)
+        for argument, shape in (("target", t_shape), ("source", s_shape)):
+            if shape.rank is not None and shape.rank < 2:
+                # tf.GradientTape's message (TensorShape.with_rank_at_least).
+                raise ValueError(
+                    "oh.GradientTape.batch_jacobian: Shape %s must have rank at least 2 "
+                    "(the %s is [batch, ...])" % (shape, argument))
+        self._stop_if_non_persistent_in_scope()
+        target = _ops.convert_to_tensor(target)
+        if (t_shape.rank is None or s_shape.rank is None
+                or not t_shape[:1].is_compatible_with(s_shape[:1])):
+            raise ValueError("oh.GradientTape.batch_jacobian: need first dimension of target "
+                             "shape (%s) and source shape (%s) to match." % (t_shape, s_shape))
+        if not t_shape.is_fully_defined():
+            raise ValueError("oh.GradientTape.batch_jacobian: the target needs a static "
+                             "shape, got %s" % t_shape)
+        batch = int(t_shape[0])
+        row = t_shape.num_elements() // batch
+        with self._where(target):
+            seeds = tf.reshape(tf.tile(tf.eye(row, dtype=target.dtype)[:, None, :],
+                                       [1, batch, 1]), [row] + t_shape.as_list())
+        (g,) = self._backprop_rows(target, [source], seeds, unconnected_gradients,
+                                   experimental_use_pfor)
+        self._release_if_non_persistent()
+        if g is None:
+            return None
+        out = tf.experimental.numpy.moveaxis(g, 0, 1)  # [b, row, x...]
+        return tf.reshape(out, t_shape.concatenate(s_shape[1:]))
+
+    def _backprop_rows(self, target, sources, seeds, unconnected, use_pfor):
+        """For each source, the gradients for every seed, stacked: [len(seeds), ...]."""
+        handles = [_tf_backprop._handle_or_self(s) for s in sources]  # pylint: disable=protected-access
+
+        def one(seed):
+            grads = self._backprop([target], handles, [seed], sources, unconnected)
+            return [None if g is None else _ops.convert_to_tensor(g) for g in grads]
+
+        if use_pfor and all(r.stack is PHYSICAL for r in self._producer.values()):
+            from tf_ophandlers.handlers.vectorized_map import vectorized_map  # pylint: disable=import-outside-toplevel
+            self._vectorizing = True
+            try:
+                return vectorized_map(one, seeds)
+            finally:
+                self._vectorizing = False
+        rows = [one(seeds[i]) for i in range(int(seeds.shape[0]))]
+        out = []
+        for j, source in enumerate(sources):
+            col = [r[j] for r in rows]
+            if all(g is None for g in col):
+                out.append(None)
+            else:
+                out.append(tf.stack([tf.zeros_like(source) if g is None else g for g in col]))
+        return out

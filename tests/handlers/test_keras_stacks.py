@@ -65,14 +65,7 @@ def _dense(g):
 @pytest.mark.parametrize("handler", sorted(HANDLERS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("tape_outside", [True, False], ids=["tape_outside", "tape_inside"])
-def test_keras_gradients_under_a_handler_pair_equal_tf(model_name, handler, tape_outside,
-                                                      request):
-    if (model_name, handler, tape_outside) == ("transformer", "Lazy", True):
-        # Found by this test, not fixed yet: a read variable gathered in Lazy's compiled
-        # subgraph, run on the tape below, gives the embedding a dense gradient (values
-        # equal). A plain tf.function on the same read keeps IndexedSlices.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="Lazy over oh.GradientTape: embedding gradient dense"))
+def test_keras_gradients_under_a_handler_pair_equal_tf(model_name, handler, tape_outside):
     model, x = MODELS[model_name]()
     want = _reference(model, x)
     variables = model.trainable_variables

@@ -33,7 +33,7 @@ from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import next_stack, stack_of, tensor_key
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
@@ -48,6 +48,16 @@ def _is_stateful(op_type):
         op_def = op_def_registry.get(op_type)
         s = _stateful[op_type] = op_def is None or op_def.is_stateful
     return s
+
+
+def _run_op_by_op(order, plan, external):
+    """The `live` outputs of `plan` (as `_compile`'s function returns them), each op run
+    on the stack its node was recorded on."""
+    results = []
+    for node, (op, refs, _) in zip(order, plan):
+        ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
+        results.append(node.next.execute(op, ins))
+    return [outs[k] for outs, (_, _, live) in zip(results, plan) for k in live]
 
 
 class _Node:
@@ -326,13 +336,21 @@ class Lazy(OpHandler):
             plan.append((node.op, refs, live))
         key = (tuple(parts), tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
         try:
-            entry = self._functions.get(key)
-            if entry is None:
-                entry = self._compile(plan, external)
-                if len(self._functions) >= _CACHE_SIZE:
-                    self._functions.clear()
-                self._functions[key] = entry
-            outputs = entry.run(order[-1].next, external)
+            if order[-1].next is not PHYSICAL:
+                # A handler below (a tape) would see one function call: its gradient
+                # treats the call's outputs as one unit (a pending value the program
+                # keeps, e.g. a variable read's Identity, adds a dense zero to a
+                # gather's sparse gradient). It sees the ops one by one instead, as
+                # eagerly.
+                outputs = _run_op_by_op(order, plan, external)
+            else:
+                entry = self._functions.get(key)
+                if entry is None:
+                    entry = self._compile(plan, external)
+                    if len(self._functions) >= _CACHE_SIZE:
+                        self._functions.clear()
+                    self._functions[key] = entry
+                outputs = entry.run(PHYSICAL, external)
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
                 node.failed = True

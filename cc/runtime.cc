@@ -29,7 +29,7 @@ bool PythonAlive() {
 bool RequireInit() {
   if (g_ctx == nullptr || g_op_type == nullptr) {
     PyErr_SetString(PyExc_RuntimeError,
-                    "tf_ophandlers: the dispatcher is not initialized (import tf_ophandlers)");
+                    "tf_ophandlers: the dispatcher is not initialized (open a handler scope first)");
     return false;
   }
   return true;

@@ -183,3 +183,19 @@ def test_patches_name_their_reason():
     assert len(names) == len(set(names))
     for p in oh.patches():
         assert p.reason and p.target and p.when in ("runtime", "scoped", "first-use")
+
+
+def test_ops_and_stacks_start_the_runtime_without_a_scope():
+    _run("""
+        import tensorflow as tf
+        import tf_ophandlers as oh
+        op = oh.Op.create("AddV2", T=tf.float32)   # the guide's example, before any scope
+        print(oh.PHYSICAL.execute(op, [tf.constant(1.), tf.constant(2.)])[0].numpy())
+        stack = oh.HandlerStack.merged(oh.OpLogHandler(), oh.PHYSICAL)
+        t = stack.copy_on(tf.constant([1.0]))
+        assert oh.handler_of(t) is stack and t.numpy().tolist() == [1.0]
+        try:
+            oh.handler("not a handler")
+        except TypeError:
+            pass
+    """)

@@ -156,3 +156,21 @@ def test_outputs_the_kernel_cannot_check_are_left_alone():
         q = tf.cast(tf.constant([1, 2]), tf.uint8) + 1
     assert s.numpy().tolist() == [b"1", b"2"] and b.numpy().tolist() == [False, True]
     assert q.dtype == tf.uint8 and q.numpy().tolist() == [2, 3]
+
+
+def test_replayed_function_with_complex_and_float8_outputs():
+    """A replayed tf.function checks complex and float8 outputs as eagerly (review of
+    issue 23 item 5: the replay branch built CheckNumericsV2 on complex64 and failed)."""
+    f = tf.function(lambda x: (tf.complex(x, x * 2.), tf.cast(x, _FLOAT8[0])))
+    x = tf.constant([1.0, 2.0])
+    want = f(x)
+    with oh.CheckNumericsHandler():
+        got = f(x)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(tf.cast(g, tf.complex64).numpy(),
+                                      tf.cast(w, tf.complex64).numpy())
+    bad = tf.function(lambda x: tf.complex(x, tf.math.log(x - 5.)))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="op Log produced"):
+        with oh.CheckNumericsHandler():
+            bad(x)

@@ -149,3 +149,18 @@ def test_py_function_body_runs_below_the_handler():
         y = tf.py_function(lambda a: tf.sin(a), [tf.constant([1.0])], tf.float32)
     np.testing.assert_allclose(y.numpy(), np.sin([1.0]), rtol=1e-6)
     assert "Sin" not in [r.op_type for r in log.records]  # the body is not the handler's
+
+
+def test_scope_entered_that_opens_a_scope_and_raises_leaves_nothing_open():
+    inner = oh.OpLogHandler()
+
+    class OpensThenRaises(oh.OpHandler):
+        def scope_entered(self):
+            inner.__enter__()  # left open by the failing hook
+            raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        with OpensThenRaises():
+            pass
+    assert state.current is oh.PHYSICAL and not state.scopes
+    assert oh.handler_of(tf.constant(1.0) * 2.0) is None

@@ -11,10 +11,10 @@ on. Every cache of the package is a `BoundedCache` with a name and a size, liste
 >>> list(c)
 ['b', 'c']
 
-Eviction drops the oldest insertion (cheap; a hit costs one dict lookup). With
-``lru=True`` a hit also refreshes the entry, for caches whose entries are expensive to
-rebuild (replayed functions). Reads and writes are safe from several threads (single
-dict operations under the GIL; eviction takes a lock).
+Eviction drops the oldest insertion (cheap; a hit costs one dict lookup). An
+`LRUCache` also refreshes an entry on a hit, for entries that are expensive to rebuild
+(replayed functions). Reads and writes are safe from several threads (single dict
+operations under the GIL; insertion and eviction take a lock).
 """
 import collections
 import threading
@@ -24,50 +24,57 @@ _all = weakref.WeakValueDictionary()  # name -> BoundedCache
 
 
 class BoundedCache(collections.OrderedDict):
-    """An insertion-ordered dict holding at most `maxsize` entries."""
+    """An insertion-ordered dict holding at most `maxsize` entries (the oldest go first).
 
-    def __init__(self, name, maxsize, lru=False):
+    Lookups are OrderedDict's own (C) methods: caches on per-op paths pay nothing extra.
+    """
+
+    def __init__(self, name, maxsize):
         super().__init__()
         if maxsize < 1:
             raise ValueError("BoundedCache %s: maxsize must be positive" % name)
         self.name = name
         self.maxsize = maxsize
-        self.lru = lru
-        self._lock = threading.Lock()
+        # Reentrant: an evicted value's finalizer may touch the cache again.
+        self._lock = threading.RLock()
         _all[name] = self
 
     def __setitem__(self, key, value):
+        evicted = []
         with self._lock:
             super().__setitem__(key, value)
-            if self.lru:
-                self.move_to_end(key)
+            self._touch(key)
             while len(self) > self.maxsize:
-                self.popitem(last=False)
+                evicted.append(self.popitem(last=False))
+        del evicted  # evicted values are released outside the lock
+
+    def _touch(self, key):
+        pass
+
+    def __repr__(self):
+        return "<%s %s: %d/%d>" % (type(self).__name__, self.name, len(self), self.maxsize)
+
+    # OrderedDict's pickling/copy would lose name and size; caches are never copied.
+    def __reduce__(self):
+        raise TypeError("%s %s cannot be pickled" % (type(self).__name__, self.name))
+
+
+class LRUCache(BoundedCache):
+    """A `BoundedCache` whose hits also refresh the entry (least recently used go first),
+    for entries that are expensive to rebuild (replayed functions)."""
+
+    def _touch(self, key):
+        self.move_to_end(key)
 
     def get(self, key, default=None):
         value = super().get(key, _MISSING)
         if value is _MISSING:
             return default
-        if self.lru:
-            try:
-                self.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile
-                pass
+        try:
+            self.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile
+            pass
         return value
-
-    def setdefault(self, key, default=None):
-        value = self.get(key, _MISSING)
-        if value is _MISSING:
-            self[key] = default
-            return default
-        return value
-
-    def __repr__(self):
-        return "<BoundedCache %s: %d/%d>" % (self.name, len(self), self.maxsize)
-
-    # OrderedDict's pickling/copy would lose name and size; caches are never copied.
-    def __reduce__(self):
-        raise TypeError("BoundedCache %s cannot be pickled" % self.name)
 
 
 _MISSING = object()

@@ -18,7 +18,7 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
-from tf_ophandlers.core.state import state
+from tf_ophandlers.core.state import register_runtime_start, state
 
 #: The one custom device every handler tensor lives on (DESIGN.md decision 1).
 DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
@@ -192,6 +192,9 @@ def initialize():
                 copy_from_device, errors.stash_error, num_dims, dim, summarize, output_error)
         tf_patches.install_runtime()
         _initialized = True
+
+
+register_runtime_start(initialize)
 
 
 def initialized():

@@ -16,6 +16,7 @@ from tensorflow.python.framework import tensor_util
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.state import start_runtime
 
 
 def decode_attr(value):
@@ -165,6 +166,7 @@ class Op(_C.OpBase):
     @classmethod
     def create(cls, op_type, **attrs):
         """Builds an Op from its type and attributes given as Python values."""
+        start_runtime()  # Ops are objects of the C++ boundary
         op_def = op_def_registry.get(op_type)
         types = {a.name: a.type for a in op_def.attr} if op_def is not None else {}
         protos = {}

@@ -113,6 +113,7 @@ def stack_named(name):
 
 def _open(target):
     """Opens a scope for an OpHandler or a stack; returns its entry (for `_close`)."""
+    _handlers_of(target)  # a bad target raises before anything starts
     _dispatch.initialize()  # the dispatcher device and runtime patches, on first use
     if not tf.executing_eagerly():
         return _open_traced(target)
@@ -137,12 +138,31 @@ def _open(target):
             h.scope_entered()
         except BaseException:
             # A scope whose handler refused to open is not left open: the handlers
-            # already told hear of the exit, and the thread's stack is as before.
-            entry.opened = opened[:i]
-            _close(entry)
+            # already told hear of the exit (their errors give way to this one), and
+            # the thread's scopes and stack are as before, whatever the hook left open.
+            _abandon(entry, opened[:i])
             raise
     entry.opened = opened
     return entry
+
+
+def _abandon(entry, opened):
+    """Undoes `_open` of `entry` after a failed `scope_entered`: drops it and any scope a
+    hook opened above it, tells `opened` of the exit (ignoring their errors), restores
+    the thread's stack and device scope."""
+    scopes = state.scopes
+    while scopes and any(e is entry for e in scopes):
+        scopes.pop()
+    state.current = entry.previous
+    try:
+        for h in reversed(opened):
+            try:
+                h.scope_exited()
+            except BaseException:  # pylint: disable=broad-except
+                pass
+    finally:
+        if entry.device_scope is not None:
+            entry.device_scope.__exit__(None, None, None)
 
 
 def _close(entry):

@@ -23,7 +23,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
-from tf_ophandlers.core.state import register_bottom, state
+from tf_ophandlers.core.state import register_bottom, start_runtime, state
 
 #: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
 #: copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
@@ -212,6 +212,8 @@ class HandlerStack(Stack):
         cls = type(handler)
         self._default_execute = getattr(cls.execute, "_oh_default", False)
         self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
+        self.default_function_input = getattr(cls.function_input, "_oh_default", False)
+        self.default_function_output = getattr(cls.function_output, "_oh_default", False)
         self._off_stack = bool(handler.returns_off_stack)
         # A handler that only moves tensors on (default copy_on, or a tape) lets the
         # handler below decide which inputs to take as they are (a parallel pack).
@@ -227,6 +229,7 @@ class HandlerStack(Stack):
         key = (id(handler), id(next_stack))
         stack = _merges.get(key)
         if stack is None or stack.next is not next_stack:
+            start_runtime()  # a stack's tensors live on the dispatcher device
             state = handler.merge(next_stack)
             stack = HandlerStack(state if state is not None else handler, next_stack)
             _merges[key] = stack
@@ -342,7 +345,7 @@ class HandlerStack(Stack):
     def _unwrap_symbolic(self, inputs, mode):
         values, foreign = list(inputs), []
         for i, t in enumerate(inputs):
-            p = mode.payload(t)
+            p = payload(t)  # an eager tensor of this stack too (copy_on returns it)
             if p is not None and p[0] is self:
                 values[i] = p[1]
             else:

@@ -56,6 +56,20 @@ class Mode:
 
 
 _bottom = [None]  # PHYSICAL, registered by core/stack.py (which defines it)
+_runtime_start = [None]  # core/dispatch.initialize, registered by core/dispatch.py
+
+
+def register_runtime_start(start):
+    """Called by core/dispatch.py: `start()` registers the dispatcher device and installs
+    the runtime patches (idempotent). Lower layers call `start_runtime()` before using
+    the C++ boundary (Op creation, merging a stack), so nothing starts at import."""
+    _runtime_start[0] = start
+
+
+def start_runtime():
+    start = _runtime_start[0]
+    if start is not None:
+        start()
 
 
 def register_bottom(stack):

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 _lock = threading.RLock()
 _registry = {}  # name -> Patch
+_runtime_started = [False]
 
 
 @dataclasses.dataclass
@@ -52,7 +53,9 @@ def register(name, target, reason, when, install, uninstall):
         patch = _registry.get(name)
         if patch is None:
             patch = _registry[name] = Patch(name, target, reason, when, install, uninstall)
-        return patch
+    if when == "runtime" and _runtime_started[0]:
+        ensure(name)  # registered after the runtime started: needed now
+    return patch
 
 
 def ensure(name):
@@ -68,9 +71,11 @@ def ensure(name):
 
 def install_runtime():
     """Installs every "runtime" patch (called once, when the dispatcher starts)."""
-    for patch in list(_registry.values()):
-        if patch.when == "runtime":
-            ensure(patch.name)
+    with _lock:
+        _runtime_started[0] = True
+        for patch in list(_registry.values()):
+            if patch.when == "runtime":
+                ensure(patch.name)
 
 
 @contextlib.contextmanager

@@ -99,11 +99,17 @@ class CheckNumericsHandler(OpHandler):
             for i, out in enumerate(outputs):
                 dtype = out.dtype
                 if dtype.is_floating or dtype.is_complex:
-                    nxt.execute(Op.create("CheckNumericsV2", T=dtype, message=(
-                        "CheckNumericsHandler: op %s produced NaN or Inf in output %d (%s), "
-                        "at %s (graph node %s of function %s)" % (
-                            op.type, i, dtype.name, where or "<no stack trace recorded>",
-                            op.node_name, op.function_name))), [out])
+                    checked = out
+                    view = _checked_view(dtype)  # complex and float8: as eagerly, below
+                    if view is not None:
+                        (checked,) = nxt.execute(view, [out])
+                    nxt.execute(Op.create(
+                        "CheckNumericsV2", T=_CHECKED_DTYPES.get(dtype, dtype), message=(
+                            "CheckNumericsHandler: op %s produced NaN or Inf in output %d "
+                            "(%s), at %s (graph node %s of function %s)" % (
+                                op.type, i, dtype.name,
+                                where or "<no stack trace recorded>", op.node_name,
+                                op.function_name))), [checked])
             return outputs
         for i, out in enumerate(outputs):
             dtype = out.dtype

@@ -27,7 +27,7 @@ from tensorflow.python.ops import handle_data_util as _handle_data_util
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.functions import library
 from tf_ophandlers.core.functions.control_flow import as_list
@@ -40,7 +40,7 @@ from tf_ophandlers.core.state import state
 
 # Keyed by everything a replay depends on: the function, placement, device, argument
 # summaries and specs, the handlers' cache keys and types, and the bottom stack.
-_cache = BoundedCache("functions.replays", 512, lru=True)  # key -> _Entry
+_cache = LRUCache("functions.replays", 512)  # key -> _Entry
 
 
 class CompiledCall:

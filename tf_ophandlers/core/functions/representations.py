@@ -16,10 +16,6 @@ _RESOURCE = _dtypes.resource
 _VARIANT = _dtypes.variant
 
 
-def _is_default(handler, hook):
-    return getattr(getattr(type(handler), hook), "_oh_default", False)
-
-
 def split(tensor, segment, leaf_key, comps):
     """Appends the bottom tensors carrying `tensor` to `comps`; returns its summary tree."""
     p = payload(tensor)
@@ -28,7 +24,7 @@ def split(tensor, segment, leaf_key, comps):
         for level, s in enumerate(segment):
             if s is stack:
                 handler = stack.handler
-                if _is_default(handler, "function_input"):
+                if stack.default_function_input:
                     summary, parts = None, (p[1],)  # no frame needed
                 else:
                     summary, parts = stack.call_hook(handler.function_input, p[1])  # pylint: disable=protected-access
@@ -51,7 +47,7 @@ def rebuild(tree, segment, comps):
     stack = segment[level]
     parts = [rebuild(t, segment, comps) for t in subtrees]
     handler = stack.handler
-    if _is_default(handler, "function_output"):
+    if stack.default_function_output:
         return stack.wrap(parts[0])
     value = stack.call_hook(handler.function_output, summary, parts)  # pylint: disable=protected-access
     return stack.wrap(value)

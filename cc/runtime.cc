@@ -21,9 +21,21 @@ PyObject* g_summarize = nullptr;
 PyObject* g_error_text = nullptr;
 std::atomic<bool> g_shutdown{false};
 
+namespace {
+// Python 3.13 made the finalization check public (Py_IsFinalizing) and removed the
+// private one; older versions only have _Py_IsFinalizing.
+bool IsFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+}  // namespace
+
 bool PythonAlive() {
   return !g_shutdown.load(std::memory_order_acquire) && Py_IsInitialized() &&
-         !_Py_IsFinalizing();
+         !IsFinalizing();
 }
 
 bool RequireInit() {

@@ -14,6 +14,20 @@
 namespace tf_ophandlers {
 namespace {
 
+// A new EagerTensor sharing `h`'s buffer (it owns its own handle), for passing a
+// tensor TensorFlow lends a callback to Python. Returns null with `status` set on
+// failure. GIL: must be held.
+PyObject* EagerTensorSharing(TFE_TensorHandle* h, TF_Status* status) {
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, status);
+  if (TF_GetCode(status) != TF_OK) return nullptr;
+  PyObject* t = EagerTensorFromHandle(copy, false);  // owns `copy` on success
+  if (t == nullptr) {
+    TFE_DeleteTensorHandle(copy);
+    StatusFromPyErr(status);
+  }
+  return t;
+}
+
 // The op of the innermost execute callback running on this thread (see CurrentOpType).
 thread_local OpObject* t_current_op = nullptr;
 
@@ -109,14 +123,8 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
   for (int i = 0; i < n_in; ++i) {
     TFE_TensorHandle* h = TFE_OpGetFlatInput(tfe_op, i, status);
     if (TF_GetCode(status) != TF_OK) goto done;
-    TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, status);
-    if (TF_GetCode(status) != TF_OK) goto done;
-    PyObject* t = EagerTensorFromHandle(copy, false);  // owns `copy` on success
-    if (t == nullptr) {
-      TFE_DeleteTensorHandle(copy);
-      StatusFromPyErr(status);
-      goto done;
-    }
+    PyObject* t = EagerTensorSharing(h, status);
+    if (t == nullptr) goto done;
     PyList_SET_ITEM(inputs, i, t);
   }
   {
@@ -174,17 +182,11 @@ TFE_TensorHandle* DeviceCopyTo(TFE_Context* context, TFE_TensorHandle* tensor,
   }
   PyGILState_STATE g = PyGILState_Ensure();
   TFE_TensorHandle* out = nullptr;
-  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(tensor, status);
-  if (TF_GetCode(status) == TF_OK) {
-    PyObject* t = EagerTensorFromHandle(copy, false);
-    if (t == nullptr) {
-      TFE_DeleteTensorHandle(copy);
-      StatusFromPyErr(status);
-    } else {
-      PyObject* r = PyObject_CallOneArg(g_copy_to, t);
-      out = ReturnSingle(r, TFE_TensorHandleDataType(tensor), false, status);
-      Py_DECREF(t);
-    }
+  PyObject* t = EagerTensorSharing(tensor, status);
+  if (t != nullptr) {
+    PyObject* r = PyObject_CallOneArg(g_copy_to, t);
+    out = ReturnSingle(r, TFE_TensorHandleDataType(tensor), false, status);
+    Py_DECREF(t);
   }
   PyGILState_Release(g);
   return out;
@@ -200,17 +202,11 @@ TFE_TensorHandle* DeviceCopyFrom(TFE_Context* context, TFE_TensorHandle* tensor,
   PyGILState_STATE g = PyGILState_Ensure();
   DrainPending();
   TFE_TensorHandle* out = nullptr;
-  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(tensor, status);
-  if (TF_GetCode(status) == TF_OK) {
-    PyObject* t = EagerTensorFromHandle(copy, false);
-    if (t == nullptr) {
-      TFE_DeleteTensorHandle(copy);
-      StatusFromPyErr(status);
-    } else {
-      PyObject* r = PyObject_CallFunction(g_copy_from, "Os", t, target_device_name);
-      out = ReturnSingle(r, TFE_TensorHandleDataType(tensor), true, status);
-      Py_DECREF(t);
-    }
+  PyObject* t = EagerTensorSharing(tensor, status);
+  if (t != nullptr) {
+    PyObject* r = PyObject_CallFunction(g_copy_from, "Os", t, target_device_name);
+    out = ReturnSingle(r, TFE_TensorHandleDataType(tensor), true, status);
+    Py_DECREF(t);
   }
   PyGILState_Release(g);
   return out;

@@ -83,9 +83,3 @@ _MISSING = object()
 def caches():
     """Every live cache of the package: ``{name: (entries, maxsize)}``."""
     return {name: (len(c), c.maxsize) for name, c in sorted(_all.items())}
-
-
-def clear_all():
-    """Empties every cache (tests; after changing TensorFlow's function library)."""
-    for c in list(_all.values()):
-        c.clear()

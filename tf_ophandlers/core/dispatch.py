@@ -196,7 +196,3 @@ def initialize():
 
 register_runtime_start(initialize)
 
-
-def initialized():
-    """Whether the runtime has started (a handler scope was opened in this process)."""
-    return _initialized

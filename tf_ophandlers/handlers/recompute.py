@@ -1,0 +1,376 @@
+"""`Recompute`: automatic gradient checkpointing as an op handler (the RFC's first
+motivation: "gradient checkpointing requires recursively recomputing").
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> ws = [tf.Variable(tf.random.normal([64, 64]) * 0.1) for _ in range(32)]
+>>> x = tf.random.normal([256, 64])
+>>> with oh.GradientTape() as tape:
+...     with oh.Recompute():                 # policy="sqrt": about sqrt(n) segments
+...         h = x
+...         for w in ws:
+...             h = tf.tanh(h @ w)
+...         loss = tf.reduce_sum(h * h)
+>>> grads = tape.gradient(loss, ws)          # equal to tf.GradientTape's
+
+Opened inside a tape's scope, the handler runs each op eagerly on the stack below it with
+the tapes paused, and groups the recomputable ops it ran (stateless ops with a tracked
+input and a differentiable output) into *segments*. Each segment is recorded on the tapes
+as one operation (recompute_segments.py) whose inputs are kept and whose gradient
+recomputes the segment, so the values inside a segment are freed as soon as the program
+drops them instead of being held by the tape until the backward pass.
+
+Ops that must not be recomputed run as they are and the tape records them itself:
+stateful ops (random ops with hidden state, variable reads and updates, prints),
+function calls, ops on resources or variants. Their outputs are kept, so a variable read
+sees the value of the forward pass even if the variable changes before the backward pass.
+
+Policies (where segments end):
+
+- ``policy="sqrt"`` (default): a segment ends once the bytes it computed reach
+  sqrt(total bytes x mean value bytes): about sqrt(n) segments of sqrt(n) values (Chen et
+  al.). The total is the one seen so far, or the previous scope's when the handler is
+  reused across steps (then the segments are the optimal ones from the second step).
+- ``save=("MatMul", "Conv2D", ...)``: a segment ends after each op of these types, so
+  their outputs are kept and only the ops between them are recomputed (JAX's
+  ``checkpoint_dots``, PyTorch's selective activation checkpointing).
+- ``memory_budget=bytes``: keeps the estimated activation memory (kept values plus the
+  largest segment) under the budget, recomputing only the first part of the computation
+  (in sqrt(n) segments) and keeping the rest, so that more budget means less
+  recomputation. The plan needs the computation's size: the first scope of a handler runs
+  the sqrt policy and measures it; reuse the handler (``with rc:`` per step). A budget
+  below the minimum (the sqrt policy's estimate) raises ValueError naming both.
+"""
+import math
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.ops import gradients_util
+
+from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.errors import HandlerError
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.stack import COPY_OPS
+from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
+
+_stateful = BoundedCache("recompute.stateful_ops", 4096)  # op type -> must not recompute
+_NOT_RECOMPUTED = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless", "Print", "PrintV2"))
+_TRAINABLE = frozenset(d.as_datatype_enum for d in (
+    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
+_OPAQUE = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
+
+
+def _is_stateful(op_type):
+    s = _stateful.get(op_type)
+    if s is None:
+        op_def = op_def_registry.get(op_type)
+        s = _stateful[op_type] = (op_def is None or op_def.is_stateful
+                                  or op_type in _NOT_RECOMPUTED or op_type in COPY_OPS)
+    return s
+
+
+def _trainable(tensor):
+    return tensor.dtype.as_datatype_enum in _TRAINABLE
+
+
+class _Value:
+    """The representation: a tensor of the next stack, and the segment computing it
+    while that segment is not recorded yet (`node`, `index` inside it)."""
+
+    __slots__ = ("tensor", "segment", "node", "index", "tracked", "__weakref__")
+
+    def __init__(self, tensor, segment=None, node=0, index=0, tracked=False):
+        self.tensor = tensor
+        self.segment = segment
+        self.node = node
+        self.index = index
+        self.tracked = tracked
+
+
+class Recompute(OpHandler):
+    """Gradient checkpointing for the tapes it is opened in (see the module docstring).
+
+    Use it inside a tape's scope: ``with oh.GradientTape() as tape: with
+    oh.Recompute(): loss = model(x)``; then ``tape.gradient`` outside the Recompute scope.
+    """
+
+    TYPE_NAME = "RECOMPUTE"
+    transparent = True
+    replays_functions = False  # a tf.function call is kept whole (the tape records it)
+
+    def __init__(self, policy="sqrt", save=None, memory_budget=None):
+        given = [name for name, v in (("save", save), ("memory_budget", memory_budget))
+                 if v is not None]
+        if len(given) > 1:
+            raise ValueError("oh.Recompute: give at most one of save= and memory_budget=, "
+                             "got %s" % " and ".join(given))
+        if given:
+            policy = given[0]
+        elif policy != "sqrt":
+            raise ValueError("oh.Recompute: unknown policy %r; use policy=\"sqrt\", "
+                             "save=(op types...) or memory_budget=bytes" % (policy,))
+        if save is not None:
+            if isinstance(save, str) or not all(isinstance(s, str) for s in save):
+                raise TypeError("oh.Recompute: save= must be a tuple of op type names "
+                                "(e.g. (\"MatMul\", \"Conv2D\")), got %r" % (save,))
+            unknown = [s for s in save if op_def_registry.get(s) is None]
+            if unknown:
+                raise ValueError("oh.Recompute: save= names unknown op types %s"
+                                 % ", ".join(unknown))
+            save = frozenset(save)
+        if memory_budget is not None:
+            if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) \
+                    or memory_budget <= 0:
+                raise ValueError("oh.Recompute: memory_budget= must be a positive number "
+                                 "of bytes, got %r" % (memory_budget,))
+        self.policy = policy
+        self.save = save
+        self.memory_budget = memory_budget
+        self._open = None  # the segment receiving nodes
+        self._pending = []  # closed segments not recorded yet (recorded one behind)
+        self._depth = 0
+        self._computed = 0  # bytes of values computed by segments in this scope
+        self._count = 0  # values computed by segments in this scope
+        self._kept = 0  # bytes kept by the tapes (segment outputs) in this scope
+        self._largest = 0  # bytes of the largest segment in this scope
+        self._expected = None  # (total bytes, mean value bytes) of the previous scope
+        self.segments = 0  # segments recorded (all scopes)
+        self.stats = None  # of the last scope: dict(computed, kept, largest, segments)
+
+    def debug_string(self):
+        if self.policy == "save":
+            return "Recompute(save=%s)" % (tuple(sorted(self.save)),)
+        if self.policy == "memory_budget":
+            return "Recompute(memory_budget=%d)" % self.memory_budget
+        return "Recompute()"
+
+    # -- scopes ---------------------------------------------------------------------------
+
+    def scope_entered(self):
+        self._depth += 1
+        if self._depth == 1:
+            self._computed = self._count = self._kept = self._largest = 0
+            self._segments_at_entry = self.segments
+            self._threshold_cache = None
+            if self.policy == "memory_budget" and self._expected is not None:
+                self._plan_budget()
+
+    def scope_exited(self):
+        self._depth -= 1
+        if self._depth == 0:
+            self.flush()
+            if self._count:
+                self._expected = (self._computed, self._computed / self._count)
+            self.stats = dict(computed=self._computed, kept=self._kept,
+                              largest=self._largest,
+                              segments=self.segments - self._segments_at_entry)
+            if self.policy == "memory_budget" and self._count:
+                minimum = self.minimum_budget()
+                if self.memory_budget < minimum:
+                    raise ValueError(
+                        "oh.Recompute: memory_budget=%d bytes is below the minimum "
+                        "feasible for this computation, about %d bytes (%d bytes of "
+                        "activations in sqrt(n) segments)" % (
+                            self.memory_budget, minimum, self._computed))
+
+    def minimum_budget(self):
+        """The smallest activation memory of sqrt(n) segments for the last scope's
+        computation (bytes): 2 * sqrt(total bytes * mean value bytes)."""
+        if self._expected is None:
+            return None
+        total, mean = self._expected
+        return int(math.ceil(2 * math.sqrt(total * mean)))
+
+    def _plan_budget(self):
+        """Chooses how many bytes to recompute (the first part, in segments) so that the
+        rest kept plus the segments' checkpoints and largest segment fit the budget."""
+        total, mean = self._expected
+        budget = self.memory_budget
+        lo, hi = 0.0, 1.0  # fraction of the computation recomputed
+        for _ in range(40):
+            f = (lo + hi) / 2
+            need = (1 - f) * total + 2 * math.sqrt(f * total * mean)
+            if need <= budget:
+                hi = f
+            else:
+                lo = f
+        self._recompute_bytes = hi * total
+        self._segment_bytes = max(mean, math.sqrt(hi * total * mean))
+
+    def flush(self):
+        """Records every segment not recorded yet (at scope exit and value requests)."""
+        if self._open is not None:
+            self._close()
+        if not self._pending:
+            return
+        if not _record.could_possibly_record():
+            return  # no tape records now; recorded when one does
+        pending, self._pending = self._pending, []
+        for segment in pending:
+            self._record(segment)
+
+    # -- the representation ---------------------------------------------------------------
+
+    def value_dtype(self, value):
+        return value.tensor.dtype
+
+    def num_dims(self, value):
+        rank = value.tensor.shape.rank
+        return -1 if rank is None else rank
+
+    def dim(self, value, index):
+        d = value.tensor.shape[index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        return tf.get_static_value(value.tensor)
+
+    def device_string(self, value, stack):
+        return value.tensor.device
+
+    def tensor_debug_string(self, value):
+        from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+        return ops.value_text(value.tensor)
+
+    def copy_off(self, value, device):
+        # A value request (tape.gradient asking for the tape's view of a target or
+        # source, .numpy()): the tapes must know the segments computing it.
+        if value.segment is not None:
+            self.flush()
+        return value.tensor
+
+    def function_input(self, value):
+        if value.segment is not None:
+            self.flush()
+        return None, [value.tensor]
+
+    def function_output(self, summary, tensors):
+        return _Value(tensors[0], tracked=True)
+
+    @staticmethod
+    def needs_copy(op, index):
+        return False  # inputs from elsewhere enter as they are
+
+    # -- the handler ----------------------------------------------------------------------
+
+    def execute(self, op, inputs):
+        below = self.next
+        if not _record.could_possibly_record():
+            # No tape records: nothing to checkpoint (also during a backward pass).
+            if any(type(v) is _Value and v.segment is not None for v in inputs):
+                self.flush()
+            return self._wrap(below.execute(op, self._tensors(inputs)), False)
+        enums = op.output_dtype_enums
+        interior = any(type(v) is _Value and v.segment is not None for v in inputs)
+        trainable_out = enums is None or any(e in _TRAINABLE for e in enums)
+        if not trainable_out:
+            return self._wrap(below.execute(op, self._tensors(inputs)), False)
+        recomputable = (enums is not None and not _is_stateful(op.type)
+                        and not any(e in _OPAQUE for e in enums)
+                        and not any(self._tensor(v).dtype.as_datatype_enum in _OPAQUE
+                                    for v in inputs)
+                        and not self._keep_all())
+        if recomputable:
+            tracked = [self._is_tracked(v) for v in inputs]
+            if any(tracked):
+                return self._run_in_segment(op, inputs, tracked)
+            return self._wrap(below.execute(op, self._tensors(inputs)), False)
+        # Kept: the tape records the op itself, so the segments computing its inputs
+        # must be recorded first.
+        if interior or any(type(v) is _Value and v.segment is not None for v in inputs):
+            self.flush()
+        tracked = any(self._is_tracked(v) for v in inputs)
+        return self._wrap(below.execute(op, self._tensors(inputs)), tracked)
+
+    @staticmethod
+    def _tensor(v):
+        return v.tensor if type(v) is _Value else v
+
+    @staticmethod
+    def _tensors(inputs):
+        return [v.tensor if type(v) is _Value else v for v in inputs]
+
+    @staticmethod
+    def _wrap(outputs, tracked):
+        return [o if o.dtype.as_datatype_enum in _OPAQUE
+                else _Value(o, tracked=tracked and _trainable(o)) for o in outputs]
+
+    def _is_tracked(self, v):
+        if type(v) is _Value:
+            return v.segment is not None or v.tracked
+        return gradients_util.PossibleTapeGradientTypes([v]) != 0
+
+    def _keep_all(self):
+        """Under a memory budget, past the part planned for recomputation."""
+        return (self.policy == "memory_budget" and self._expected is not None
+                and self._computed >= self._recompute_bytes)
+
+    def _run_in_segment(self, op, inputs, tracked):
+        segment = self._open
+        if segment is not None and self._segment_full(segment):
+            self._close()
+            segment = None
+        if segment is None:
+            segment = self._open = Segment()
+        refs = []
+        for v, tr in zip(inputs, tracked):
+            if type(v) is _Value and v.segment is segment:
+                refs.append((v.node, v.index))
+                continue
+            if type(v) is _Value and v.segment is not None:
+                # A value of a closed segment not recorded yet: one of its outputs.
+                v.segment.used[(v.node, v.index)] = v.tensor
+            refs.append((-1, segment.external(self._tensor(v), tr)))
+        with _record.stop_recording():
+            outputs = self.next.execute(op, self._tensors(inputs))
+        node = len(segment.nodes)
+        segment.nodes.append((op, tuple(refs)))
+        values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
+        segment.values.append([weakref.ref(v) for v in values])
+        size = sum(nbytes(o) for o in outputs)
+        segment.bytes += size
+        self._computed += size
+        self._count += len(outputs)
+        if self.policy == "save" and op.type in self.save:
+            self._close()
+        return values
+
+    def _segment_full(self, segment):
+        if self.policy == "save":
+            return False
+        if self.policy == "memory_budget" and self._expected is not None:
+            return segment.bytes >= self._segment_bytes
+        total, count = self._computed, max(self._count, 1)
+        if self._expected is not None:
+            total = max(total, self._expected[0])
+        return segment.bytes * segment.bytes >= total * (self._computed / count)
+
+    def _close(self):
+        segment, self._open = self._open, None
+        if segment is None or not segment.nodes:
+            return
+        self._largest = max(self._largest, segment.bytes)
+        # Recorded one segment behind: by then the program has dropped the values its
+        # layers held while they ran, so only values really used later are kept.
+        pending = self._pending
+        pending.append(segment)
+        while len(pending) > 1 and _record.could_possibly_record():
+            self._record(pending.pop(0))
+
+    def _record(self, segment):
+        try:
+            outputs = record(segment, _trainable)
+        except Exception as e:
+            raise HandlerError("oh.Recompute: recording a segment of %d ops (%s ...) "
+                               "failed: %s" % (len(segment.nodes), ", ".join(
+                                   op.type for op, _ in segment.nodes[:4]), e)) from e
+        self.segments += 1
+        recorded = dict(outputs)
+        for n, refs in enumerate(segment.values):
+            for k, ref in enumerate(refs):
+                v = ref()
+                if v is not None:
+                    v.segment = None
+                    v.tracked = (n, k) in recorded
+        self._kept += sum(nbytes(t) for _, t in outputs)

@@ -1,0 +1,165 @@
+"""Segments of `oh.Recompute`: runs of recorded ops that a tape sees as one operation
+whose gradient recomputes them (what `tf.recompute_grad` does for a function the user
+chose, here for ops the handler grouped).
+
+A `Segment` collects nodes `(op, refs)` while the forward pass runs them eagerly (the
+values exist, the tapes do not record them). Its *inputs* are the tensors that entered it
+(outputs of earlier segments, variable reads, the user's tensors, constants), kept; its
+*outputs*, chosen when it is recorded, are the values used later (by later segments, by
+ops the tape records itself) or still referenced by the program. Every other value the
+segment computed is freed as soon as the program drops it.
+
+`record(segment)` records the segment on the thread's tapes through TensorFlow's
+`record_operation` (the hook `oh.GradientTape` and `tf.GradientTape` both listen to). Its
+backward function is one call of a `tf.function` built from the nodes: it recomputes the
+nodes from the inputs and returns `tf.gradients` of the outputs with respect to the
+tracked inputs, weighted by the output gradients. The function is cached by the
+segment's structure (op types, attributes, wiring, input specs), so the segments of a
+deep network of repeated layers share a handful of functions.
+"""
+import tensorflow as tf
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import ops as _ops
+
+from tf_ophandlers.core.cache import LRUCache
+from tf_ophandlers.core.functions import CompiledCall
+from tf_ophandlers.core.stack import PHYSICAL, current_stack, tensor_key
+
+_gradients = LRUCache("recompute.gradient_functions", 256)  # structure -> _GradientFunction
+
+_DENSE, _SLICES, _NONE = 1, 2, 0
+
+
+def nbytes(tensor):
+    """Bytes of an eager tensor's value (0 if its shape is unknown)."""
+    n = tensor.shape.num_elements()
+    return 0 if n is None else n * tensor.dtype.size
+
+
+class Segment:
+    """Consecutive recomputable ops of a forward pass, recorded on the tapes as one op."""
+
+    __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
+                 "bytes", "__weakref__")
+
+    def __init__(self):
+        self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
+        self.values = []  # per node: weak references to the outputs' representations
+        self.externals = []  # input tensors of the next stack (kept)
+        self.ext_index = {}  # tensor_key -> index in externals
+        self.ext_tracked = []  # whether a tape tracks each external
+        self.used = {}  # (node, output) -> tensor used by a later op (kept)
+        self.bytes = 0  # bytes of the values computed (what recomputation saves)
+
+    def external(self, tensor, tracked):
+        """The index of input `tensor`, added if new."""
+        key = tensor_key(tensor)
+        i = self.ext_index.get(key)
+        if i is None:
+            i = self.ext_index[key] = len(self.externals)
+            self.externals.append(tensor)
+            self.ext_tracked.append(bool(tracked))
+        elif tracked and not self.ext_tracked[i]:
+            self.ext_tracked[i] = True
+        return i
+
+
+def record(segment, trainable):
+    """Records `segment` on the current tapes; returns the recorded outputs as a list of
+    `((node, output), tensor)`. `trainable(value)` says whether an output is
+    differentiable. Values neither used later nor referenced are not outputs."""
+    outputs = dict(segment.used)
+    for n, refs in enumerate(segment.values):
+        for k, ref in enumerate(refs):
+            v = ref()
+            if v is not None and (n, k) not in outputs:
+                outputs[(n, k)] = v.tensor
+    outputs = sorted((nk, t) for nk, t in outputs.items() if trainable(t))
+    if not outputs:
+        return []
+    xs = [t for t, tr in zip(segment.externals, segment.ext_tracked) if tr]
+    cs = [t for t, tr in zip(segment.externals, segment.ext_tracked) if not tr]
+    if not xs:
+        return []
+    structure = (tuple((op.type, op.attrs_key(), refs) for op, refs in segment.nodes),
+                 tuple(nk for nk, _ in outputs), tuple(segment.ext_tracked),
+                 tuple((t.dtype, t._shape_tuple()) for t in segment.externals))  # pylint: disable=protected-access
+    fn = _gradients.get(structure)
+    if fn is None:
+        fn = _gradients[structure] = _GradientFunction(
+            segment, [nk for nk, _ in outputs], [t for _, t in outputs])
+    outs = [t for _, t in outputs]
+
+    def backward(*grads):
+        gs = [tf.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
+        return fn.run(xs, cs, gs)
+
+    _record.record_operation("RecomputeSegment", outs, xs, backward)
+    return outputs
+
+
+class _GradientFunction:
+    """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
+    segment's nodes inside."""
+
+    def __init__(self, segment, output_refs, output_tensors):
+        nodes = [(op, refs) for op, refs in segment.nodes]
+        tracked = list(segment.ext_tracked)
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
+        x_specs = [s for s, tr in zip(specs, tracked) if tr]
+        c_specs = [s for s, tr in zip(specs, tracked) if not tr]
+        self.kinds = []
+
+        def build(*args):
+            xs = list(args[:len(x_specs)])
+            cs = list(args[len(x_specs):len(x_specs) + len(c_specs)])
+            gs = list(args[len(x_specs) + len(c_specs):])
+            it_x, it_c = iter(xs), iter(cs)
+            ext = [next(it_x) if tr else next(it_c) for tr in tracked]
+            graph = _ops.get_default_graph()
+            results = []
+            for op, refs in nodes:
+                ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
+                results.append(graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs)
+            outs = [results[n][k] for n, k in output_refs]
+            grads = tf.gradients(outs, xs, grad_ys=gs)
+            flat = []
+            for g in grads:
+                if g is None:
+                    self.kinds.append(_NONE)
+                elif isinstance(g, tf.IndexedSlices):
+                    self.kinds.append(_SLICES)
+                    flat.extend([g.values, g.indices, g.dense_shape])
+                else:
+                    self.kinds.append(_DENSE)
+                    flat.append(g)
+            return flat
+
+        g_specs = [tf.TensorSpec(t.shape, t.dtype) for t in output_tensors]
+        with _ops.init_scope():
+            self.function = tf.function(
+                build, input_signature=x_specs + c_specs + g_specs,
+                autograph=False).get_concrete_function()
+        self.call = CompiledCall(self.function)
+
+    def run(self, xs, cs, gs):
+        """The gradients of the tracked inputs (None where unconnected)."""
+        stack = current_stack()
+        args = list(xs) + list(cs) + list(gs)
+        if stack is PHYSICAL and _record.could_possibly_record():
+            # A tape records the backward pass (higher order): ConcreteFunction's call
+            # path records the call with TensorFlow's function gradient.
+            flat = self.function._call_flat(args, self.function.captured_inputs)  # pylint: disable=protected-access
+            flat = [flat] if not isinstance(flat, (list, tuple)) else list(flat)
+        else:
+            flat = self.call.run(stack, args)
+        it = iter(flat)
+        out = []
+        for kind in self.kinds:
+            if kind == _NONE:
+                out.append(None)
+            elif kind == _SLICES:
+                out.append(tf.IndexedSlices(next(it), next(it), next(it)))
+            else:
+                out.append(next(it))
+        return out

@@ -64,6 +64,26 @@ class Segment:
         return i
 
 
+_TRACKED, _CONSTANT = "x", "c"
+
+
+def _kind(tensor, tracked):
+    """How an input enters the gradient function: differentiated (`_TRACKED`), as an
+    argument (`_CONSTANT`), or, for a small untracked value (an axis, a shape, a
+    scalar factor), as its value `(bytes,)`: gradient functions and shape inference
+    need such values static (a gather's gradient is sparse only for a known axis)."""
+    if tracked:
+        return _TRACKED
+    n = tensor.shape.num_elements()
+    if n is not None and n <= 16 and tensor.dtype != tf.string:
+        try:
+            value = tensor.numpy()
+        except Exception:  # pylint: disable=broad-except  (a value of another handler)
+            return _CONSTANT
+        return (value.tobytes(),)
+    return _CONSTANT
+
+
 def record(segment, trainable):
     """Records `segment` on the current tapes; returns the recorded outputs as a list of
     `((node, output), tensor)`. `trainable(value)` says whether an output is
@@ -77,17 +97,18 @@ def record(segment, trainable):
     outputs = sorted((nk, t) for nk, t in outputs.items() if trainable(t))
     if not outputs:
         return []
-    xs = [t for t, tr in zip(segment.externals, segment.ext_tracked) if tr]
-    cs = [t for t, tr in zip(segment.externals, segment.ext_tracked) if not tr]
+    kinds = [_kind(t, tr) for t, tr in zip(segment.externals, segment.ext_tracked)]
+    xs = [t for t, k in zip(segment.externals, kinds) if k is _TRACKED]
+    cs = [t for t, k in zip(segment.externals, kinds) if k is _CONSTANT]
     if not xs:
         return []
     structure = (tuple((op.type, op.attrs_key(), refs) for op, refs in segment.nodes),
-                 tuple(nk for nk, _ in outputs), tuple(segment.ext_tracked),
+                 tuple(nk for nk, _ in outputs), tuple(kinds),
                  tuple((t.dtype, t._shape_tuple()) for t in segment.externals))  # pylint: disable=protected-access
     fn = _gradients.get(structure)
     if fn is None:
         fn = _gradients[structure] = _GradientFunction(
-            segment, [nk for nk, _ in outputs], [t for _, t in outputs])
+            segment, kinds, [nk for nk, _ in outputs], [t for _, t in outputs])
     outs = [t for _, t in outputs]
 
     def backward(*grads):
@@ -102,12 +123,13 @@ class _GradientFunction:
     """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
     segment's nodes inside."""
 
-    def __init__(self, segment, output_refs, output_tensors):
+    def __init__(self, segment, kinds, output_refs, output_tensors):
         nodes = [(op, refs) for op, refs in segment.nodes]
-        tracked = list(segment.ext_tracked)
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
-        x_specs = [s for s, tr in zip(specs, tracked) if tr]
-        c_specs = [s for s, tr in zip(specs, tracked) if not tr]
+        x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
+        c_specs = [s for s, k in zip(specs, kinds) if k is _CONSTANT]
+        values = [t.numpy() if type(k) is tuple else None
+                  for t, k in zip(segment.externals, kinds)]
         self.kinds = []
 
         def build(*args):
@@ -115,7 +137,8 @@ class _GradientFunction:
             cs = list(args[len(x_specs):len(x_specs) + len(c_specs)])
             gs = list(args[len(x_specs) + len(c_specs):])
             it_x, it_c = iter(xs), iter(cs)
-            ext = [next(it_x) if tr else next(it_c) for tr in tracked]
+            ext = [next(it_x) if k is _TRACKED else next(it_c) if k is _CONSTANT
+                   else tf.constant(v) for k, v in zip(kinds, values)]
             graph = _ops.get_default_graph()
             results = []
             for op, refs in nodes:

@@ -1,0 +1,236 @@
+"""oh.Recompute (gradient checkpointing) against tf.GradientTape: equal gradients on an MLP
+and Keras models, eager and in tf.function, stateful ops kept, a real drop of the peak
+memory measured with TensorFlow's BFC CPU allocator (in a subprocess), clear errors."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+
+RNG = np.random.default_rng(0)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _mlp(layers=24, width=32):
+    ws = [tf.Variable(RNG.standard_normal((width, width)).astype(np.float32) / width ** 0.5)
+          for _ in range(layers)]
+    bs = [tf.Variable(RNG.standard_normal(width).astype(np.float32) * 0.1)
+          for _ in range(layers)]
+
+    def f(x):
+        h = x
+        for w, b in zip(ws, bs):
+            h = tf.tanh(tf.matmul(h, w) + b)
+        return tf.reduce_mean(h * h)
+    return f, ws + bs
+
+
+def _assert_grads(expected, got):
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert g is not None
+        assert type(e) is type(g), (type(e), type(g))
+        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
+                                   tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-7)
+
+
+def _tf_grads(fn, x, sources):
+    with tf.GradientTape() as tape:
+        loss = fn(x)
+    return loss, tape.gradient(loss, sources)
+
+
+def _oh_grads(fn, x, sources, recompute):
+    with oh.GradientTape() as tape:
+        with recompute:
+            loss = fn(x)
+    return loss, tape.gradient(loss, sources)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: oh.Recompute(), lambda: oh.Recompute(save=("MatMul",)),
+    lambda: oh.Recompute(policy="sqrt")], ids=["sqrt", "save", "sqrt-explicit"])
+def test_mlp_gradients_equal_tf(make):
+    fn, variables = _mlp()
+    x = tf.constant(RNG.standard_normal((16, 32)).astype(np.float32))
+    loss0, g0 = _tf_grads(fn, x, variables)
+    rc = make()
+    loss1, g1 = _oh_grads(fn, x, variables, rc)
+    np.testing.assert_allclose(loss1.numpy(), loss0.numpy(), rtol=1e-6)
+    _assert_grads(g0, g1)
+    assert rc.stats["segments"] >= 3  # the tape saw segments, not the 96 ops
+    assert rc.stats["kept"] < rc.stats["computed"] / 2
+
+
+def test_reused_handler_and_watched_input():
+    fn, variables = _mlp(layers=16)
+    x = tf.constant(RNG.standard_normal((8, 32)).astype(np.float32))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = fn(x)
+    g0 = tape.gradient(loss, [x] + variables)
+    rc = oh.Recompute()
+    for _ in range(2):  # the second scope plans with the first one's size
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            with rc:
+                loss = fn(x)
+        _assert_grads(g0, tape.gradient(loss, [x] + variables))
+
+
+def _keras_model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((12,))
+    h = keras.layers.Dense(32, activation="relu")(inputs)
+    skip = h
+    for _ in range(4):
+        h = keras.layers.Dense(32, activation="tanh")(h)
+        h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Add()([h, skip])
+    e = keras.layers.Embedding(10, 32)(keras.ops.zeros_like(inputs[:, :1], dtype="int32"))
+    h = h + keras.ops.squeeze(e, 1)
+    out = keras.layers.Dense(3)(h)
+    return keras.Model(inputs, out)
+
+
+def test_keras_model_gradients_equal_tf_eager_and_in_function():
+    model = _keras_model()
+    x = tf.constant(RNG.standard_normal((10, 12)).astype(np.float32))
+    y = tf.constant(RNG.integers(0, 3, 10))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def fn(x):
+        return loss_fn(y, model(x, training=True))
+
+    loss0, g0 = _tf_grads(fn, x, model.trainable_variables)
+    rc = oh.Recompute()
+    loss1, g1 = _oh_grads(fn, x, model.trainable_variables, rc)
+    np.testing.assert_allclose(loss1.numpy(), loss0.numpy(), rtol=1e-6)
+    _assert_grads(g0, g1)  # the embedding's gradient stays IndexedSlices
+    assert rc.stats["segments"] >= 2
+
+    # A tf.function called inside the scope is kept whole (TensorFlow's function
+    # gradient), and equals too.
+    fn_graph = tf.function(fn)
+    loss2, g2 = _oh_grads(fn_graph, x, model.trainable_variables, oh.Recompute())
+    np.testing.assert_allclose(loss2.numpy(), loss0.numpy(), rtol=1e-6)
+    _assert_grads(g0, g2)
+
+
+def test_stateful_ops_are_kept_not_recomputed():
+    v = tf.Variable(2.0)
+    w = tf.Variable(tf.ones([4, 4]) * 0.5)
+    x = tf.ones([3, 4])
+    tf.random.set_seed(5)
+    with tf.GradientTape() as tape:
+        h = tf.tanh(x @ w)
+        noise = tf.random.uniform([3, 4])  # stateful: a second run would differ
+        h = tf.tanh(h * noise) * v  # reads v: its value now, not after the update
+        for _ in range(10):
+            h = tf.sin(h) * 1.1
+        loss = tf.reduce_sum(h)
+    g0 = tape.gradient(loss, [v, w])
+    tf.random.set_seed(5)
+    rc = oh.Recompute()
+    with oh.GradientTape() as tape:
+        with rc:
+            h = tf.tanh(x @ w)
+            noise = tf.random.uniform([3, 4])
+            h = tf.tanh(h * noise) * v
+            v.assign(100.0)  # changes between forward and backward
+            for _ in range(10):
+                h = tf.sin(h) * 1.1
+            loss = tf.reduce_sum(h)
+    v.assign(-7.0)
+    g1 = tape.gradient(loss, [v, w])
+    _assert_grads(g0, g1)
+    assert rc.stats["segments"] >= 1
+
+
+def test_no_tape_is_a_pass_through():
+    rc = oh.Recompute()
+    with rc:
+        y = tf.tanh(tf.ones([2, 2])) * 3.0
+    np.testing.assert_allclose(y.numpy(), np.tanh(np.ones([2, 2])) * 3.0, rtol=1e-6)
+    assert rc.stats["segments"] == 0
+
+
+def test_gradient_tape_outside_a_tf_gradient_tape_second_order():
+    x = tf.constant([0.3, -0.2, 0.5])
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            h = x
+            for _ in range(8):
+                h = tf.tanh(h * 1.3)
+            y = tf.reduce_sum(h)
+        g = inner.gradient(y, x)
+    hess0 = outer.gradient(g, x)
+    with oh.GradientTape() as outer:
+        outer.watch(x)
+        with oh.GradientTape() as inner:
+            inner.watch(x)
+            with oh.Recompute():
+                h = x
+                for _ in range(8):
+                    h = tf.tanh(h * 1.3)
+                y = tf.reduce_sum(h)
+        g1 = inner.gradient(y, x)
+    np.testing.assert_allclose(g1.numpy(), g.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(outer.gradient(g1, x).numpy(), hess0.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(policy="fast"), ValueError, "unknown policy"),
+    (dict(save="MatMul"), TypeError, "tuple of op type names"),
+    (dict(save=("MatMull",)), ValueError, "MatMull"),
+    (dict(memory_budget=-5), ValueError, "positive number of bytes"),
+    (dict(memory_budget=1.5), ValueError, "positive number of bytes"),
+    (dict(save=("MatMul",), memory_budget=10), ValueError, "at most one"),
+])
+def test_bad_policy_arguments(kwargs, error, text):
+    with pytest.raises(error, match="oh.Recompute.*" + text):
+        oh.Recompute(**kwargs)
+
+
+def test_memory_budget_below_minimum_names_both():
+    fn, variables = _mlp(layers=16)
+    x = tf.constant(RNG.standard_normal((8, 32)).astype(np.float32))
+    rc = oh.Recompute(memory_budget=1000)
+    with oh.GradientTape():
+        with pytest.raises(ValueError, match=r"memory_budget=1000 bytes .* minimum feasible"
+                                             r" .* about \d+ bytes"):
+            with rc:
+                fn(x)
+
+
+def _run(code):
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_peak_memory_drops_on_a_deep_mlp():
+    """TensorFlow's BFC CPU allocator's peak bytes, one step each, same process."""
+    out = _run("""
+        import sys
+        sys.path.insert(0, "benchmarks")
+        import recompute as bench
+        r = bench.measure_mlp(layers=48, width=64, batch=512, configs=("tape", "recompute",
+                                                                       "budget"))
+        print(r["tape"]["peak"], r["recompute"]["peak"], r["budget"]["peak"],
+              r["budget"]["budget"])
+    """)
+    tape, recompute, budget, limit = (int(v) for v in out.split())
+    assert tape >= 3 * recompute, (tape, recompute)
+    assert budget <= limit, (budget, limit)

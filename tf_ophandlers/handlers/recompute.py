@@ -58,6 +58,8 @@ _stateful = BoundedCache("recompute.stateful_ops", 4096)  # op type -> must not 
 _NOT_RECOMPUTED = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless", "Print", "PrintV2"))
 _TRAINABLE = frozenset(d.as_datatype_enum for d in (
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
+_MARGIN = 0.9  # share of a memory budget planned for the estimated activations
+_WORKING = 4  # values of the largest size the backward pass holds besides them
 _OPAQUE = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
 
 
@@ -134,7 +136,7 @@ class Recompute(OpHandler):
         self._count = 0  # values computed by segments in this scope
         self._kept = 0  # bytes kept by the tapes (segment outputs) in this scope
         self._largest = 0  # bytes of the largest segment in this scope
-        self._expected = None  # (total bytes, mean value bytes) of the previous scope
+        self._expected = None  # (total bytes, mean and largest value bytes), last scope
         self.segments = 0  # segments recorded (all scopes)
         self.stats = None  # of the last scope: dict(computed, kept, largest, segments)
 
@@ -151,6 +153,7 @@ class Recompute(OpHandler):
         self._depth += 1
         if self._depth == 1:
             self._computed = self._count = self._kept = self._largest = 0
+            self._largest_value = 0
             self._segments_at_entry = self.segments
             self._threshold_cache = None
             if self.policy == "memory_budget" and self._expected is not None:
@@ -161,7 +164,8 @@ class Recompute(OpHandler):
         if self._depth == 0:
             self.flush()
             if self._count:
-                self._expected = (self._computed, self._computed / self._count)
+                self._expected = (self._computed, self._computed / self._count,
+                                  self._largest_value)
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
                               segments=self.segments - self._segments_at_entry)
@@ -176,17 +180,20 @@ class Recompute(OpHandler):
 
     def minimum_budget(self):
         """The smallest activation memory of sqrt(n) segments for the last scope's
-        computation (bytes): 2 * sqrt(total bytes * mean value bytes)."""
+        computation (bytes): 2 * sqrt(total bytes * mean value bytes), plus the
+        backward pass's working values and a margin, as budgets are planned."""
         if self._expected is None:
             return None
-        total, mean = self._expected
-        return int(math.ceil(2 * math.sqrt(total * mean)))
+        total, mean, largest = self._expected
+        return int(math.ceil((2 * math.sqrt(total * mean) + _WORKING * largest) / _MARGIN))
 
     def _plan_budget(self):
         """Chooses how many bytes to recompute (the first part, in segments) so that the
         rest kept plus the segments' checkpoints and largest segment fit the budget."""
-        total, mean = self._expected
-        budget = self.memory_budget
+        total, mean, largest = self._expected
+        # What the estimate leaves out (the backward pass's gradients in flight, the
+        # tape's own references) comes off the budget first.
+        budget = self.memory_budget * _MARGIN - _WORKING * largest
         lo, hi = 0.0, 1.0  # fraction of the computation recomputed
         for _ in range(40):
             f = (lo + hi) / 2
@@ -269,19 +276,38 @@ class Recompute(OpHandler):
         recomputable = (enums is not None and not _is_stateful(op.type)
                         and not any(e in _OPAQUE for e in enums)
                         and not any(self._tensor(v).dtype.as_datatype_enum in _OPAQUE
-                                    for v in inputs)
-                        and not self._keep_all())
+                                    for v in inputs))
+        if recomputable and self._keep_all():
+            # Under a memory budget, past the part planned for recomputation: the tape
+            # keeps it (counted, so that the next scope plans with the whole size).
+            recomputable = False
+            if interior or any(self._is_tracked(v) for v in inputs):
+                outputs = self._run_kept(op, inputs, True)
+                self._count_values([v.tensor for v in outputs if type(v) is _Value])
+                return outputs
         if recomputable:
             tracked = [self._is_tracked(v) for v in inputs]
             if any(tracked):
                 return self._run_in_segment(op, inputs, tracked)
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
-        # Kept: the tape records the op itself, so the segments computing its inputs
-        # must be recorded first.
-        if interior or any(type(v) is _Value and v.segment is not None for v in inputs):
+        return self._run_kept(op, inputs, interior)
+
+    def _run_kept(self, op, inputs, interior):
+        """Runs `op` as it is; the tape records it itself, so the segments computing its
+        inputs are recorded first."""
+        if interior:
             self.flush()
         tracked = any(self._is_tracked(v) for v in inputs)
-        return self._wrap(below.execute(op, self._tensors(inputs)), tracked)
+        return self._wrap(self.next.execute(op, self._tensors(inputs)), tracked)
+
+    def _count_values(self, outputs):
+        sizes = [nbytes(o) for o in outputs]
+        size = sum(sizes)
+        self._computed += size
+        self._count += len(outputs)
+        if sizes and max(sizes) > self._largest_value:
+            self._largest_value = max(sizes)
+        return size
 
     @staticmethod
     def _tensor(v):
@@ -328,10 +354,7 @@ class Recompute(OpHandler):
         segment.nodes.append((op, tuple(refs)))
         values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
         segment.values.append([weakref.ref(v) for v in values])
-        size = sum(nbytes(o) for o in outputs)
-        segment.bytes += size
-        self._computed += size
-        self._count += len(outputs)
+        segment.bytes += self._count_values(outputs)
         if self.policy == "save" and op.type in self.save:
             self._close()
         return values

@@ -234,3 +234,52 @@ def test_peak_memory_drops_on_a_deep_mlp():
     tape, recompute, budget, limit = (int(v) for v in out.split())
     assert tape >= 3 * recompute, (tape, recompute)
     assert budget <= limit, (budget, limit)
+
+
+def test_inside_a_traced_function_and_around_fit():
+    fn, variables = _mlp(layers=8)
+    x = tf.constant(RNG.standard_normal((8, 32)).astype(np.float32))
+    _, g0 = _tf_grads(fn, x, variables)
+
+    @tf.function
+    def step(x):
+        with oh.GradientTape() as tape:  # trace time: TensorFlow's tape
+            with oh.Recompute():  # does nothing while tracing
+                loss = fn(x)
+        return tape.gradient(loss, variables)
+    _assert_grads(g0, step(x))
+
+    def fit(recompute):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        data = (np.arange(60, dtype=np.float32).reshape(10, 6) / 60, np.ones((10, 1)))
+        if recompute:
+            with oh.Recompute():
+                return model.fit(*data, batch_size=4, epochs=2, verbose=0).history["loss"]
+        return model.fit(*data, batch_size=4, epochs=2, verbose=0).history["loss"]
+    np.testing.assert_allclose(fit(True), fit(False), rtol=1e-6)
+
+
+def test_hessian_vector_product_with_forward_accumulator():
+    fn, variables = _mlp(layers=6, width=8)
+    x = tf.constant(RNG.standard_normal((4, 8)).astype(np.float32))
+    w = variables[0]
+    v = tf.constant(RNG.standard_normal(w.shape).astype(np.float32))
+    results = []
+    for rc in (None, oh.Recompute()):
+        acc_type = tf.autodiff.ForwardAccumulator if rc is None else oh.ForwardAccumulator
+        tape_type = tf.GradientTape if rc is None else oh.GradientTape
+        with acc_type(w, v) as acc:
+            with tape_type() as tape:
+                if rc is None:
+                    loss = fn(x)
+                else:
+                    with rc:
+                        loss = fn(x)
+            g = tape.gradient(loss, w)
+        results.append((g, acc.jvp(g)))
+    np.testing.assert_allclose(results[1][0].numpy(), results[0][0].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(results[1][1].numpy(), results[0][1].numpy(), rtol=1e-4,
+                               atol=1e-6)

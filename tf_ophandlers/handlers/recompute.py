@@ -76,6 +76,10 @@ def _trainable(tensor):
     return tensor.dtype.as_datatype_enum in _TRAINABLE
 
 
+def _tensor_of(value):
+    return value.tensor if type(value) is _Value else value
+
+
 class _Value:
     """The representation: a tensor of the next stack, and the segment computing it
     while that segment is not recorded yet (`node`, `index` inside it)."""
@@ -149,6 +153,21 @@ class Recompute(OpHandler):
 
     # -- scopes ---------------------------------------------------------------------------
 
+    def __enter__(self):
+        if not tf.executing_eagerly():
+            # Inside a function being traced the tape is TensorFlow's own (trace time);
+            # the handler does nothing there (see the guide, "Limits").
+            self._traced = True
+            return self
+        self._traced = False
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        if getattr(self, "_traced", False):
+            self._traced = False
+            return False
+        return super().__exit__(*exc_info)
+
     def scope_entered(self):
         self._depth += 1
         if self._depth == 1:
@@ -219,38 +238,41 @@ class Recompute(OpHandler):
 
     # -- the representation ---------------------------------------------------------------
 
+    # Representations are `_Value`s, or the next stack's tensor itself for resources and
+    # variants (a dataset, a list), which are never recomputed.
+
     def value_dtype(self, value):
-        return value.tensor.dtype
+        return _tensor_of(value).dtype
 
     def num_dims(self, value):
-        rank = value.tensor.shape.rank
+        rank = _tensor_of(value).shape.rank
         return -1 if rank is None else rank
 
     def dim(self, value, index):
-        d = value.tensor.shape[index]
+        d = _tensor_of(value).shape[index]
         return -1 if d is None else int(d)
 
     def static_value(self, value):
-        return tf.get_static_value(value.tensor)
+        return tf.get_static_value(_tensor_of(value))
 
     def device_string(self, value, stack):
-        return value.tensor.device
+        return _tensor_of(value).device
 
     def tensor_debug_string(self, value):
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
-        return ops.value_text(value.tensor)
+        return ops.value_text(_tensor_of(value))
 
     def copy_off(self, value, device):
         # A value request (tape.gradient asking for the tape's view of a target or
         # source, .numpy()): the tapes must know the segments computing it.
-        if value.segment is not None:
+        if type(value) is _Value and value.segment is not None:
             self.flush()
-        return value.tensor
+        return _tensor_of(value)
 
     def function_input(self, value):
-        if value.segment is not None:
+        if type(value) is _Value and value.segment is not None:
             self.flush()
-        return None, [value.tensor]
+        return None, [_tensor_of(value)]
 
     def function_output(self, summary, tensors):
         return _Value(tensors[0], tracked=True)

@@ -396,12 +396,12 @@ class Recompute(OpHandler):
         if segment is None or not segment.nodes:
             return
         self._largest = max(self._largest, segment.bytes)
-        # Recorded one segment behind: by then the program has dropped the values its
-        # layers held while they ran, so only values really used later are kept.
-        pending = self._pending
-        pending.append(segment)
-        while len(pending) > 1 and _record.could_possibly_record():
-            self._record(pending.pop(0))
+        # Recorded at the scope's exit (or a value request, or before a kept op that uses
+        # its values): by then the program has dropped the values its layers held while
+        # they ran (a Keras functional model holds every layer's output until the call
+        # returns), so only values used by later segments, which the segment holds
+        # meanwhile, or still referenced are kept.
+        self._pending.append(segment)
 
     def _record(self, segment):
         try:

@@ -31,6 +31,8 @@ BENCHMARKS = [
                                      "MirroredStrategy"]),
     ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
     ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
+    ("recompute", ["--layers", "16", "--batch", "64"], ["memory vs oh tape",
+                                                        "tf.recompute_grad", "memory_budget"]),
 ]
 
 

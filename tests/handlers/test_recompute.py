@@ -322,3 +322,25 @@ def test_composes_with_parallel_handler_and_vectorized_map():
             loss = f(xs[i:i + 1])
         expected.append(tape.gradient(loss, ws[0]))
     np.testing.assert_allclose(got.numpy(), tf.stack(expected).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_inside_the_scopes_and_a_value_request_mid_forward():
+    fn, variables = _mlp(layers=12)
+    x = tf.constant(RNG.standard_normal((8, 32)).astype(np.float32))
+    _, g0 = _tf_grads(fn, x, variables)
+    with oh.GradientTape() as tape:
+        with oh.Recompute():
+            loss = fn(x)
+            g1 = tape.gradient(loss, variables)  # a non-persistent tape stops here
+    _assert_grads(g0, g1)
+
+    ws, bs = variables[:12], variables[12:]
+    with oh.GradientTape() as tape:
+        with oh.Recompute():
+            h = x
+            for i, (w, b) in enumerate(zip(ws, bs)):
+                h = tf.tanh(tf.matmul(h, w) + b)
+                if i == 5:
+                    assert np.isfinite(h.numpy()).all()  # records the segments so far
+            loss = tf.reduce_mean(h * h)
+    _assert_grads(g0, tape.gradient(loss, variables))

@@ -372,6 +372,12 @@ class GradientTape(BackwardPass, OpHandler):
                             "be differentiated, but received None.")
         check_differentiable("gradient", "target", target)
         check_differentiable("gradient", "sources", sources)
+        for t in nest.flatten(target):
+            if isinstance(t, _EagerTensor):
+                # The tape's view of a target is a value request for handlers inside it:
+                # one that records lazily (oh.Recompute) records what computed it now,
+                # while this tape still records.
+                self._level_of(t)
         self._stop_if_non_persistent_in_scope()
         flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
             nest.flatten(target))

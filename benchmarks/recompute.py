@@ -291,7 +291,14 @@ def render_md(summary, resnet, info, args, elapsed):
          "- `memory_budget=` holds for three budgets (peak <= budget): %s; time falls as "
          "the budget rises: %s" % ("met" if held else "**not met**",
                                    "yes" if falls else "**no** (within noise?)"),
-         "- no user annotation (`tf.recompute_grad` needs the segments chosen by hand)."]
+         "- no user annotation (`tf.recompute_grad` needs the segments chosen by hand).",
+         "",
+         "Why checkpointing is not slower here: the tape backpropagates recorded ops one by "
+         "one eagerly, while a segment's gradient is one call of a cached `tf.function` "
+         "(recompute + gradient at graph speed), which pays for the recomputation. For the "
+         "same reason a larger budget (more of the model kept, so more of it "
+         "backpropagated op by op) need not be faster; the differences between budgets "
+         "are within the noise of this shared machine."]
     if resnet:
         r0, r1, r2 = resnet["tf"], resnet["tape"], resnet["recompute"]
         ratio = r1["peak"] / max(r2["peak"], 1)

@@ -139,6 +139,8 @@ def measure_mlp(layers=256, width=WIDTH, batch=2048, configs=tuple(NAMES), check
         minimum = probe.minimum_budget()
         total = probe.stats["computed"]
         for k, frac in (("budget1", 0.15), ("budget", 0.4), ("budget3", 0.7)):
+            if k not in configs:
+                continue
             budget = int(minimum + frac * (total - minimum))
             handlers[k] = oh.Recompute(memory_budget=budget)
             out.setdefault(k, {})["budget"] = budget

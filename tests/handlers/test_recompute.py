@@ -226,7 +226,7 @@ def test_peak_memory_drops_on_a_deep_mlp():
         import sys
         sys.path.insert(0, "benchmarks")
         import recompute as bench
-        r = bench.measure_mlp(layers=48, width=64, batch=512, configs=("tape", "recompute",
+        r = bench.measure_mlp(layers=32, width=64, batch=384, configs=("tape", "recompute",
                                                                        "budget"))
         print(r["tape"]["peak"], r["recompute"]["peak"], r["budget"]["peak"],
               r["budget"]["budget"])

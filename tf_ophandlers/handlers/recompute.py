@@ -134,7 +134,7 @@ class Recompute(OpHandler):
         self.save = save
         self.memory_budget = memory_budget
         self._open = None  # the segment receiving nodes
-        self._pending = []  # closed segments not recorded yet (recorded one behind)
+        self._pending = []  # closed segments not recorded yet (recorded at flush)
         self._depth = 0
         self._computed = 0  # bytes of values computed by segments in this scope
         self._count = 0  # values computed by segments in this scope

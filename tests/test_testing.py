@@ -15,6 +15,7 @@ HANDLERS = {
     "trace_and_execute": (oh.TraceAndExecute, {}),
     "lazy": (oh.Lazy, {}),
     "async": (oh.Async, {}),
+    "recompute": (oh.Recompute, {}),
 }
 
 

@@ -45,6 +45,8 @@ _FORMATS = {b"NCHW": (b"NHWC", 4), b"NCDHW": (b"NDHWC", 5),
 # that have no layout (filters); every other input of the op's rank is data.
 _VECTOR_ARGS = frozenset(("input_sizes", "orig_input_shape", "ksize", "strides"))
 _NO_LAYOUT_ARGS = frozenset(("filter", "filter_sizes"))
+# Ops whose "NCHW" means "channels at axis 1" at any rank (BiasAdd of a 5-D tensor).
+_ANY_RANK = frozenset(("BiasAdd", "BiasAddGrad"))
 _TARGETS = {"auto": "auto", "channels_last": "channels_last", "nhwc": "channels_last",
             "ndhwc": "channels_last"}
 
@@ -211,10 +213,13 @@ class DataFormat(OpHandler):
         if spec is None or len(roles) != len(inputs) or not self._converts(op):
             return None
         target_format, rank = spec
-        if rank is None:  # Conv: any rank, one batch dimension
+        if rank is None or op.type in _ANY_RANK:  # the channel axis is 1 at any rank
             rank = rank_of(inputs[0])
             if rank is None or rank < 3 or attrs.get("batch_dims", 1) != 1:
                 return None
+        if any(role == "data" and rank_of(x) not in (rank, None)
+               for x, role in zip(inputs, roles)):
+            return None  # not the layout this conversion knows: TensorFlow decides
         perm = channels_first_perm(rank)
         self.converted_ranks.add(rank)
         args = []

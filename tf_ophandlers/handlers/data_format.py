@@ -217,8 +217,8 @@ class DataFormat(OpHandler):
             rank = rank_of(inputs[0])
             if rank is None or rank < 3 or attrs.get("batch_dims", 1) != 1:
                 return None
-        if any(role == "data" and rank_of(x) not in (rank, None)
-               for x, role in zip(inputs, roles)):
+        first = next((x for x, role in zip(inputs, roles) if role == "data"), None)
+        if first is not None and rank_of(first) not in (rank, None):
             return None  # not the layout this conversion knows: TensorFlow decides
         perm = channels_first_perm(rank)
         self.converted_ranks.add(rank)

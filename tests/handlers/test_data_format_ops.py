@@ -236,6 +236,8 @@ RULE_CASES = {
     "broadcast_to": lambda t: tf.broadcast_to(tf.reduce_sum(t, [2, 3], keepdims=True), t.shape),
     "matmul": lambda t: tf.matmul(t, tf.ones([2, 4, 6, 3])),
     "identity_n": lambda t: tf.identity_n([t, t + 1.0])[1],
+    "bias_add_nhwc": lambda t: tf.nn.bias_add(t, tf.range(6.)),
+    "bias_add_nchw": lambda t: tf.nn.bias_add(t, tf.range(4.), data_format="NCHW"),
 }
 
 

@@ -35,7 +35,7 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
 from tf_ophandlers.handlers.data_format_rules import (
-    RULES, Permuted, channels_first_perm, fallback, logical, perm_of, permuted, physical,
+    RULES, Permuted, bias_add_permuted, channels_first_perm, fallback, logical, perm_of, permuted, physical,
     rank_of, relayout, relayout_transposes, static, vector_to_physical)
 
 # data_format attribute value -> (its channels-last twin, rank or None: the input's).
@@ -188,6 +188,8 @@ class DataFormat(OpHandler):
             return rule(self, nxt, op, inputs)
         roles = _input_roles(op.type)
         if roles is not None:
+            if op.type == "BiasAdd" and type(inputs[0]) is Permuted and self._converts(op):
+                return bias_add_permuted(self, nxt, op, inputs)
             outputs = self._channels_last(nxt, op, inputs, roles)
             if outputs is not None:
                 return outputs

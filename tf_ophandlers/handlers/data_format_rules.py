@@ -449,6 +449,26 @@ def last_axis(handler, nxt, op, inputs):
     return [Permuted(o, x.perm) for o in nxt.execute(op, [x.value])]
 
 
+def bias_add_permuted(handler, nxt, op, inputs):
+    """BiasAdd (either data format) of a permuted tensor: a BiasAdd NHWC on the physical
+    data when the channel axis is physically last, else an AddV2 of the bias reshaped
+    to broadcast along the physical channel axis (no transpose either way)."""
+    x, bias = inputs
+    perm = x.perm
+    rank = len(perm)
+    fmt = op.attrs.get("data_format", b"NHWC")
+    k = perm[1 if fmt in (b"NCHW", "NCHW") else rank - 1]
+    if k == rank - 1:
+        new_op = Op.cached("BiasAdd", T=x.dtype, data_format=b"NHWC")
+        return [Permuted(o, perm) for o in nxt.execute(new_op, [x.value, physical(bias)])]
+    length = physical(bias).shape[0]
+    shape = [1] * rank
+    shape[k] = -1 if length is None else int(length)
+    b = reshape(nxt, physical(bias), shape)
+    return [Permuted(o, perm) for o in nxt.execute(Op.cached("AddV2", T=x.dtype),
+                                                   [x.value, b])]
+
+
 def ensure_shape(handler, nxt, op, inputs):
     (x,) = inputs
     if type(x) is not Permuted:

@@ -98,6 +98,8 @@ def make_configs():
         except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError):
             pass
         configs += [Config(case, "twin", twin), Config(case, "oh", ours)]
+    # Information: the one transpose the handler adds (the NCHW input to channels-last).
+    configs.append(Config("transpose", "info", lambda: tf.transpose(x, [0, 2, 3, 1]).numpy()))
     return configs
 
 
@@ -162,6 +164,7 @@ def main(argv=None):
             % (BATCH, SIZE, SIZE, args.rounds, args.calls),
             _common.machine_md(info, len(configs), elapsed),
             _common.image_md("time per call, oh.DataFormat vs twin", png_name, plotted))
+        tr = _common.stats(by[("transpose", "info")].times)
         rows = []
         for case, title, _ in CASES:
             s = summary[case]
@@ -173,8 +176,17 @@ def main(argv=None):
                 rows.append([title, label, "%.2f" % (st["t"] * 1e3), ratio,
                              "%.2f – %.2f" % (st["q1"] * 1e3, st["q3"] * 1e3),
                              "%.2f" % (st["min"] * 1e3)])
+        rows.append(["information", "`tf.transpose(x_nchw, [0, 2, 3, 1]).numpy()` alone",
+                     "%.2f" % (tr["t"] * 1e3), "—", "%.2f – %.2f" % (tr["q1"] * 1e3,
+                                                                 tr["q3"] * 1e3),
+                     "%.2f" % (tr["min"] * 1e3)])
         L += [_common.md_table(["case", "model", "ms/call", "ratio to twin",
                                 "IQR ms/call", "best round ms/call"], rows), ""]
+        L += ["Under the handler the model runs the twin's channels-last kernels plus one "
+              "transpose of its NCHW input (a 3-channel image batch: TensorFlow's CPU "
+              "transpose of a tensor whose last axis becomes 3 long is slow, see the "
+              "last row) and, eagerly, the handler's Python work per op (about 35 ops "
+              "per call); the twin is given its input already channels-last.", ""]
         bullets = []
         for case, title, target in CASES:
             r = summary[case]["ratio"]

@@ -211,6 +211,24 @@ def test_saved_model_runs_under_the_handler(twins):
     all_close([g.numpy() for g in grads], [ref_grads[i].numpy() for i in index])
 
 
+def test_model_fit_with_a_partial_last_batch(twins):
+    """`fit` under the handler (its train step replayed, the step's TensorFlow tape
+    gradients converted) trains as the channels-last twin does."""
+    cf, cl, weights, x = twins
+    images = np.random.RandomState(0).normal(size=(10, 3, 20, 20)).astype("float32")
+    labels = np.arange(10) % 4
+    histories = {}
+    for name, model, inp in (("cf", cf, images), ("cl", cl, images.transpose(0, 2, 3, 1))):
+        model.set_weights(weights)
+        model.compile(keras.optimizers.SGD(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with oh.DataFormat() if name == "cf" else oh.OpHandler():
+            histories[name] = model.fit(inp, labels, batch_size=4, epochs=2, verbose=0,
+                                        shuffle=False).history["loss"]
+    np.testing.assert_allclose(histories["cf"], histories["cl"], rtol=TOL)
+    all_close(cf.get_weights(), cl.get_weights())
+
+
 def test_conforms():
     report = oh.testing.check_handler(oh.DataFormat)
     assert report.failures == []

@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/lazy.py
 	$(VPY) benchmarks/async_execution.py
 	$(VPY) benchmarks/recompute.py
+	$(VPY) benchmarks/data_format.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

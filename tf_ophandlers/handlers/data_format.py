@@ -1,0 +1,278 @@
+"""`DataFormat`: channels-first (NCHW/NCDHW) models on the CPU, layout as an op handler.
+
+TensorFlow's CPU kernels refuse channels-first convolutions and pools ("The Conv2D op
+currently only supports the NHWC tensor format on the CPU"). Under `oh.DataFormat()`,
+every op with a `data_format` attribute of NCHW, NCDHW or CHANNELS_FIRST (found in
+TensorFlow's op registry: Conv2D/3D and their backprops, DepthwiseConv2dNative and its
+backprops, MaxPool/AvgPool 2D/3D and their gradients, BiasAdd(Grad), FusedBatchNorm*
+and their gradients, SpaceToDepth/DepthToSpace) runs as its channels-last twin on data
+kept channels-last:
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> x = tf.random.normal([2, 3, 8, 8])                     # NCHW
+>>> w = tf.random.normal([3, 3, 3, 4])
+>>> with oh.DataFormat():
+...     y = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME", data_format="NCHW"))
+>>> y.shape                                                 # what the model promises
+TensorShape([2, 4, 8, 8])
+
+A tensor's representation carries its physical layout (data_format_rules.py:
+`Permuted(value, perm)`, or the plain next-stack tensor when physical == logical), so
+the output of a converted op stays channels-last: elementwise ops, reductions,
+concatenation, splits, pads, slices and transposes run on it directly (axes remapped,
+broadcast operands reshaped), and only ops without a rule (a Flatten's Reshape, a
+MatMul) and copies off the handler (`.numpy()`, printing, leaving through `copy_off`)
+transpose back to the logical layout. What users see is exactly what the channels-first
+model gives, in shape and value.
+"""
+import collections
+
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import ops as _ops
+
+from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
+from tf_ophandlers.handlers.data_format_rules import (
+    RULES, Permuted, bias_add_permuted, channels_first_perm, fallback, logical, perm_of, permuted, physical,
+    rank_of, relayout, relayout_transposes, static, vector_to_physical)
+
+# data_format attribute value -> (its channels-last twin, rank or None: the input's).
+_FORMATS = {b"NCHW": (b"NHWC", 4), b"NCDHW": (b"NDHWC", 5),
+            b"CHANNELS_FIRST": (b"CHANNELS_LAST", None)}
+# Inputs (OpDef argument names) that are per-axis vectors in the op's layout, and those
+# that have no layout (filters); every other input of the op's rank is data.
+_VECTOR_ARGS = frozenset(("input_sizes", "orig_input_shape", "ksize", "strides"))
+_NO_LAYOUT_ARGS = frozenset(("filter", "filter_sizes"))
+# Ops whose "NCHW" means "channels at axis 1" at any rank (BiasAdd of a 5-D tensor).
+_ANY_RANK = frozenset(("BiasAdd", "BiasAddGrad"))
+_TARGETS = {"auto": "auto", "channels_last": "channels_last", "nhwc": "channels_last",
+            "ndhwc": "channels_last"}
+
+_roles = BoundedCache("data_format.input_roles", 1024)  # op type -> roles or None
+_converted = BoundedCache("data_format.converted_ops", 1024)  # (type, attrs) -> Op
+
+
+def _input_roles(op_type):
+    """Per input, 'vector', 'free' or 'data' (from the OpDef's argument names); None
+    for ops without a `data_format` attribute (or with list inputs)."""
+    roles = _roles.get(op_type, False)
+    if roles is False:
+        op_def = op_def_registry.get(op_type)
+        roles = None
+        if op_def is not None and any(a.name == "data_format" for a in op_def.attr) and not any(
+                a.number_attr or a.type_list_attr for a in op_def.input_arg):
+            roles = tuple("vector" if a.name in _VECTOR_ARGS else
+                          "free" if a.name in _NO_LAYOUT_ARGS else "data"
+                          for a in op_def.input_arg)
+        _roles[op_type] = roles
+    return roles
+
+
+def _converted_op(op, target_format, rank):
+    """`op` with its channels-last data format and its per-axis attributes (strides,
+    ksize, dilations, explicit_paddings) in channels-last axis order."""
+    key = (op.type, op.attrs_key())
+    new = _converted.get(key)
+    if new is None:
+        idx = channels_first_perm(rank)  # result[k] = attr[idx'[k]] with idx' its inverse
+        inv = [0] * rank
+        for i, k in enumerate(idx):
+            inv[k] = i
+        changes = {"data_format": target_format}
+        for name, value in op.attrs.items():
+            if not isinstance(value, list) or not value or not all(
+                    isinstance(v, int) for v in value):
+                continue
+            if len(value) == rank:
+                changes[name] = [value[i] for i in inv]
+            elif len(value) == 2 * rank and name == "explicit_paddings":
+                changes[name] = [value[2 * i + j] for i in inv for j in (0, 1)]
+        new = _converted[key] = op.replace(**changes)
+    return new
+
+
+class DataFormat(OpHandler):
+    """Runs channels-first ops channels-last, keeping data channels-last in between.
+
+    Args:
+      target: "auto" (default): convert ops that run on the CPU (all of them when
+        TensorFlow sees no GPU; with a GPU, only ops placed on a CPU explicitly, since
+        GPU kernels take NCHW); "channels_last" (or "NHWC"): convert every channels-first
+        op wherever it runs.
+
+    `fallbacks` counts, per op type, the ops that had to see a permuted input in its
+    logical layout (a transpose back): what to look at when a model runs slower than
+    its channels-last twin. In a replayed function it counts once per replay.
+
+    >>> import tensorflow as tf, tf_ophandlers as oh
+    >>> with oh.DataFormat() as df:
+    ...     y = tf.nn.max_pool2d(tf.ones([1, 2, 4, 4]), 2, 2, "VALID", data_format="NCHW")
+    >>> y.shape, dict(df.fallbacks)
+    (TensorShape([1, 2, 2, 2]), {})
+    """
+
+    transparent = True
+    TYPE_NAME = "DATAFORMAT"
+
+    def __init__(self, target="auto"):
+        key = _TARGETS.get(str(target).lower()) if isinstance(target, str) else None
+        if key is None:
+            raise ValueError(
+                "oh.DataFormat: target must be 'auto', 'channels_last' or 'NHWC', got %r "
+                "(channels-first targets are not implemented: GPU kernels take NCHW "
+                "directly)" % (target,))
+        self.target = key
+        self._gpu = bool(tf.config.list_logical_devices("GPU")) if key == "auto" else False
+        self.fallbacks = collections.Counter()
+        self.converted_ranks = set()  # ranks of the channels-first ops converted so far
+        # Eagerly, the channels-last copies of the last few data inputs made for
+        # converted ops: a backward pass (Conv2DBackpropInput and ...Filter) or a second
+        # consumer uses the same input again. Keyed by the input tensor (kept alive by
+        # the entry, so its key is not reused) and the layout.
+        self._moved = BoundedCache("data_format.moved_inputs.%x" % id(self), 4)
+
+    def debug_string(self):
+        return "DataFormat(target=%r)" % self.target
+
+    def note_transpose_back(self, op_type):
+        self.fallbacks[op_type] += 1
+
+    # -- the representation's view ------------------------------------------------------
+
+    def value_dtype(self, value):
+        return value.dtype
+
+    def num_dims(self, value):
+        rank = physical(value).shape.rank
+        return -1 if rank is None else rank
+
+    def dim(self, value, index):
+        if type(value) is Permuted:
+            d = value.value.shape[value.perm[index]]
+        else:
+            d = value.shape[index]
+        return -1 if d is None else int(d)
+
+    def static_value(self, value):
+        known = static(physical(value))
+        if known is None or type(value) is not Permuted:
+            return known
+        return known.transpose(value.perm)
+
+    def tensor_debug_string(self, value):
+        if type(value) is Permuted:  # the logical value, as TensorFlow prints it
+            return str(value.value.numpy().transpose(value.perm))
+        return _ops.value_text(value) if hasattr(value, "_id") else repr(value)
+
+    # -- copies -------------------------------------------------------------------------
+
+    def copy_on(self, tensor):
+        nxt = next_stack()
+        source = stack_of(tensor)
+        if source is not None and source.handler is self:  # ours, from an earlier merge
+            value = source.unwrap(tensor)
+            return permuted(nxt.copy_on(physical(value)), perm_of(value))
+        return nxt.copy_on(tensor)
+
+    def copy_off(self, value, device):
+        return logical(next_stack(), value)
+
+    # -- ops ----------------------------------------------------------------------------
+
+    def execute(self, op, inputs):
+        nxt = next_stack()
+        rule = RULES.get(op.type)
+        if rule is not None:
+            return rule(self, nxt, op, inputs)
+        roles = _input_roles(op.type)
+        if roles is not None:
+            if op.type == "BiasAdd" and type(inputs[0]) is Permuted and self._converts(op):
+                return bias_add_permuted(self, nxt, op, inputs)
+            outputs = self._channels_last(nxt, op, inputs, roles)
+            if outputs is not None:
+                return outputs
+        for x in inputs:
+            if type(x) is Permuted:
+                return fallback(self, nxt, op, inputs)
+        return nxt.execute(op, inputs)
+
+    def _converts(self, op):
+        if self.target != "auto":
+            return True
+        device = op.requested_device or ""
+        if "GPU" in device.upper():
+            return False
+        return not self._gpu or "CPU" in device.upper()
+
+    def _channels_last(self, nxt, op, inputs, roles):
+        """A layout-sensitive op given a channels-first format, run channels-last on
+        physical data (its data outputs stay channels-last); None to run it as it is."""
+        attrs = op.attrs
+        fmt = attrs.get("data_format")
+        spec = _FORMATS.get(fmt)
+        if spec is None or len(roles) != len(inputs) or not self._converts(op):
+            return None
+        target_format, rank = spec
+        if rank is None or op.type in _ANY_RANK:  # the channel axis is 1 at any rank
+            rank = rank_of(inputs[0])
+            if rank is None or rank < 3 or attrs.get("batch_dims", 1) != 1:
+                return None
+        first = next((x for x, role in zip(inputs, roles) if role == "data"), None)
+        if first is not None and rank_of(first) not in (rank, None):
+            return None  # not the layout this conversion knows: TensorFlow decides
+        perm = channels_first_perm(rank)
+        self.converted_ranks.add(rank)
+        args = []
+        for x, role in zip(inputs, roles):
+            if role == "data" and rank_of(x) == rank:
+                args.append(self._relayout(nxt, x, perm))
+            elif role == "vector" and rank_of(x) == 1 and physical(x).shape[0] == rank:
+                args.append(vector_to_physical(nxt, physical(x), perm))
+            elif role == "vector" and rank_of(x) == 1 and physical(x).shape[0] is None:
+                return None  # a vector of unknown length (2 or 4 input sizes): as it is
+            else:
+                args.append(logical(nxt, x))
+        new_op = _converted_op(op, target_format, rank)
+        try:
+            outputs = nxt.execute(new_op, args)
+        except tf.errors.OpError as e:
+            raise type(e)(e.node_def, e.op, (
+                "oh.DataFormat: op %s (data_format=%s, run as data_format=%s on the "
+                "channels-last data): %s" % (op.type, fmt.decode(), target_format.decode(),
+                                             e.message))) from None
+        if "BackpropFilter" in op.type:
+            return outputs  # a filter has no data layout
+        return [Permuted(o, perm) if o.shape.rank == rank else o for o in outputs]
+
+    def _relayout(self, nxt, x, perm):
+        if nxt is not PHYSICAL or not relayout_transposes(x, perm) or not tf.executing_eagerly():
+            # (On a handler below, a kept copy could bypass what it records; a replayed
+            # function's duplicate transposes are merged by TensorFlow's optimizer.)
+            return relayout(nxt, x, perm)
+        key = (tensor_key(physical(x)), perm_of(x), perm)
+        hit = self._moved.get(key)
+        if hit is None:
+            hit = self._moved[key] = (x, relayout(nxt, x, perm))
+        return hit[1]
+
+    # -- functions (core/functions) -----------------------------------------------------
+
+    def function_input(self, value):
+        return perm_of(value), [physical(value)]
+
+    def function_output(self, summary, tensors):
+        return permuted(tensors[0], summary)
+
+    def function_join(self, summaries):
+        first = summaries[0]
+        return first if all(s == first for s in summaries[1:]) else None
+
+    def function_coerce(self, value, summary):
+        return permuted(relayout(next_stack(), value, summary), summary)
+
+    def function_cache_key(self):
+        # The replay depends on the layouts (the summaries) and the target only.
+        return ("DataFormat", self.target, self._gpu)
+

@@ -97,13 +97,13 @@ class Mesh(OpHandler):
     def shard(self, tensor, layout):
         """`tensor` (any tensor) as a mesh tensor with `layout` (one mesh dimension name
         or None per axis); each device keeps only its shard."""
-        return self.relayout(tensor, layout)
+        return self.relayout(tensor, layout, "shard")
 
-    def relayout(self, tensor, layout):
+    def relayout(self, tensor, layout, what="relayout"):
         """`tensor` with a new layout (same values; all-gathers and slices as needed).
         Differentiable: a tape records it as an Identity."""
         tensor = tf.convert_to_tensor(tensor)
-        layout = self._checked_layout(layout, tensor.shape, "relayout")
+        layout = self._checked_layout(layout, tensor.shape, what)
         with self._scope_for(tensor):
             self._local.request = (layout, tuple(tensor.shape.as_list()))
             try:
@@ -362,7 +362,7 @@ class Mesh(OpHandler):
         if t == "VariableShape" and var.shape is not None:
             dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
             return [self.constant(np.asarray(var.shape, dtype))]
-        if t in ("VarIsInitializedOp", "DestroyResourceOp"):
+        if t in ("VarIsInitializedOp", "DestroyResourceOp", "DisableCopyOnRead"):
             outs = self.run(op, [handle])
             return [MeshValue(o, (), ()) for o in outs]
         if t == "ResourceGather":
@@ -429,6 +429,10 @@ class Mesh(OpHandler):
                 return copies.parallel_pack(shards)
             finally:
                 self._local.pack_layout = None
+
+    def _concat(self, parts, axis, device_index):
+        with self.on_device(device_index):
+            return tf.concat(parts, axis)
 
     @staticmethod
     def _copy_to(below, tensor, device):

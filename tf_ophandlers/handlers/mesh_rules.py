@@ -170,7 +170,8 @@ def _batch_matmul(mesh, op, inputs):
 
 
 def _einsum(mesh, op, inputs):
-    eq = op.attrs["equation"].replace(" ", "")
+    eq = op.attrs["equation"]
+    eq = (eq.decode() if isinstance(eq, bytes) else eq).replace(" ", "")
     lhs, arrow, out = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != len(inputs):
@@ -342,6 +343,69 @@ def _concat(mesh, op, inputs):
     return _out(mesh.run(op, values + [axis_v]), tuple(target), tuple(shape))
 
 
+def _broadcast_to(mesh, op, inputs):
+    x, shape_v = inputs
+    target = _static(mesh, shape_v, "shape", op)
+    if target is None or None in x.shape:
+        return None
+    target = tuple(int(n) for n in np.atleast_1d(target))
+    if _broadcast_shape([x.shape, target]) != target:
+        return None
+    off = len(target) - len(x.shape)
+    layout = [None] * off + [m if n == target[off + a] else None
+                             for a, (m, n) in enumerate(zip(x.layout, x.shape))]
+    x = mesh.relayout_value(x, tuple(layout[off:]))
+    local = [n // mesh.dim_size(m) if m else n for n, m in zip(target, layout)]
+    local_v = mesh.constant(np.asarray(local, dtype=shape_v.dtype.as_numpy_dtype))
+    return _out(mesh.run(op, [x, local_v]), tuple(layout), target)
+
+
+def _slice(mesh, op, inputs):
+    """Slice: axes taken whole keep their sharding; sliced axes are gathered first."""
+    x, begin_v, size_v = inputs
+    begin, size = _static(mesh, begin_v, "begin", op), _static(mesh, size_v, "size", op)
+    if begin is None or size is None or None in x.shape:
+        return None
+    begin, size = [int(b) for b in begin], [int(n) for n in size]
+    size = [n - b if k == -1 else k for b, k, n in zip(begin, size, x.shape)]
+    whole = [b == 0 and k == n for b, k, n in zip(begin, size, x.shape)]
+    layout = tuple(m if w else None for m, w in zip(x.layout, whole))
+    x = mesh.relayout_value(x, layout)
+    local = [k // mesh.dim_size(m) if m else k for k, m in zip(size, layout)]
+    local_v = mesh.constant(np.asarray(local, dtype=size_v.dtype.as_numpy_dtype))
+    return _out(mesh.run(op, [x, begin_v, local_v]), layout, tuple(size))
+
+
+def _strided_slice(mesh, op, inputs):
+    """StridedSlice without ellipsis or new axes: axes taken whole (stride 1) keep their
+    sharding; others are gathered first; shrunk axes disappear."""
+    x, b_v, e_v, s_v = inputs
+    a = op.attrs
+    if a.get("ellipsis_mask") or a.get("new_axis_mask") or None in x.shape:
+        return None
+    begin, end, strides = (_static(mesh, v, "slice", op) for v in (b_v, e_v, s_v))
+    if begin is None or end is None or strides is None or len(begin) != len(x.shape):
+        return None
+    bm, em, sm = a.get("begin_mask", 0), a.get("end_mask", 0), a.get("shrink_axis_mask", 0)
+    whole = [(bm >> i & 1 or begin[i] == 0) and (em >> i & 1 or end[i] >= n)
+             and strides[i] == 1 and not sm >> i & 1 for i, n in enumerate(x.shape)]
+    layout = tuple(m if w else None for m, w in zip(x.layout, whole))
+    x = mesh.relayout_value(x, layout)
+    local_end = np.array(end)
+    for i, m in enumerate(layout):
+        if m is not None:
+            local_end[i] = x.shape[i] // mesh.dim_size(m)
+    e_local = mesh.constant(local_end.astype(e_v.dtype.as_numpy_dtype))
+    outs = mesh.run(op, [x, b_v, e_local, s_v])
+    kept = [i for i in range(len(x.shape)) if not sm >> i & 1]
+    shape = []
+    for i in kept:
+        sl = slice(None if bm >> i & 1 else int(begin[i]), None if em >> i & 1 else int(end[i]),
+                   int(strides[i]))
+        shape.append(len(range(*sl.indices(x.shape[i]))))
+    return _out(outs, tuple(layout[i] for i in kept), tuple(shape))
+
+
 # -- shape queries: computed from the global shape ------------------------------------
 
 def _shape(mesh, op, inputs):
@@ -454,5 +518,7 @@ RULES.update({"MatMul": _matmul, "BatchMatMul": _batch_matmul,
               "Shape": _shape, "Size": _shape, "Rank": _shape, "Softmax": _softmax,
               "LogSoftmax": _softmax, "GatherV2": _gather,
               "ResourceGather": _resource_gather, "ArgMax": _argminmax,
-              "ArgMin": _argminmax, "BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad})
+              "ArgMin": _argminmax, "BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad,
+              "BroadcastTo": _broadcast_to, "Slice": _slice,
+              "StridedSlice": _strided_slice})
 RULES.update({t: _reduction for t in _REDUCE_KIND})

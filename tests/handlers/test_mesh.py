@@ -328,3 +328,57 @@ def test_transformer_block_trains_20_steps_like_a_single_device(mesh):
     np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5, atol=1e-5)
     assert losses[-1, 0] < losses[0, 0]
     assert not mesh.fallbacks
+
+
+def test_replayed_tf_function_runs_the_spmd_program(mesh):
+    rng = np.random.default_rng(0)
+    x0, y0 = _rng_tensor(rng, [8, 8]), _rng_tensor(rng, [8, 8])
+    w10, w20 = _rng_tensor(rng, [8, 16]) * 0.3, _rng_tensor(rng, [16, 8]) * 0.3
+
+    @tf.function
+    def step(x, y, w1, w2):
+        with tf.GradientTape() as tape:
+            err = tf.matmul(tf.nn.gelu(tf.matmul(x, w1)), w2) - y
+            loss = tf.reduce_mean(err * err)
+        g1, g2 = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.1 * g1)
+        w2.assign_sub(0.1 * g2)
+        return loss
+
+    with mesh:
+        x, y = mesh.shard(x0, ("batch", None)), mesh.shard(y0, ("batch", None))
+        w1 = tf.Variable(mesh.shard(w10, (None, "model")))
+        w2 = tf.Variable(mesh.shard(w20, ("model", None)))
+    r1, r2 = tf.Variable(w10), tf.Variable(w20)
+    for _ in range(3):
+        with mesh:
+            loss = step(x, y, w1, w2)
+        assert_close(loss, step(x0, y0, r1, r2), 1e-5)
+    assert mesh.layout_of(w1) == (None, "model") and mesh.layout_of(w2) == ("model", None)
+    assert [s.shape.as_list() for s in mesh.unpack(w1.value())] == [[8, 8]] * 4
+    assert_close(w1, r1, 1e-5)
+    assert not mesh.fallbacks
+
+
+def test_forward_accumulator_and_vectorized_map_on_sharded_values(mesh):
+    rng = np.random.default_rng(0)
+    x0, w0, t0 = _rng_tensor(rng, [4, 6]), _rng_tensor(rng, [6, 8]), _rng_tensor(rng, [6, 8])
+
+    def f(x, w):
+        return tf.reduce_sum(tf.tanh(tf.matmul(x, w)), axis=1)
+
+    with tf.autodiff.ForwardAccumulator(w0, t0) as ref_acc:
+        ref_y = f(x0, w0)
+    with mesh:
+        x, w = mesh.shard(x0, ("batch", None)), mesh.shard(w0, (None, "model"))
+        with oh.ForwardAccumulator(w, mesh.shard(t0, (None, "model"))) as acc:
+            y = f(x, w)
+        jvp = acc.jvp(y)
+        assert mesh.layout_of(jvp) == ("batch",)
+        per_example = oh.vectorized_map(
+            lambda e: tf.tanh(tf.linalg.matvec(w, e, transpose_a=True)), x)
+        assert mesh.layout_of(per_example) == ("batch", "model")
+    assert_close(y, ref_y, 1e-5)
+    assert_close(jvp, ref_acc.jvp(ref_y), 1e-5)
+    assert_close(per_example, tf.tanh(tf.matmul(x0, w0)), 1e-5)
+    assert not mesh.fallbacks

@@ -127,12 +127,34 @@ def make_step_configs(args, dmesh, omesh, rng):
             ow2.assign_sub(0.01 * g2)
         return loss
 
+    @tf.function
+    def traced_step(x, y, w1, w2):  # the same step as one tf.function
+        with tf.GradientTape() as tape:
+            loss = _mlp_loss(x, y, w1, w2)
+        g1, g2 = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.01 * g1)
+        w2.assign_sub(0.01 * g2)
+        return loss
+
+    with omesh:
+        rw1 = tf.Variable(omesh.shard(w10, (None, "model")))
+        rw2 = tf.Variable(omesh.shard(w20, ("model", None)))
+
+    def step_oh_replayed():  # replayed through the mesh once, then a cached function
+        with omesh:
+            return traced_step(ox, oy, rw1, rw2)
+
     for _ in range(3):  # same losses, step by step
-        np.testing.assert_allclose(float(step_oh()), float(step_dtensor()), rtol=1e-5)
+        want = float(step_dtensor())
+        np.testing.assert_allclose(float(step_oh()), want, rtol=1e-5)
+        np.testing.assert_allclose(float(step_oh_replayed()), want, rtol=1e-5)
     assert not omesh.fallbacks, omesh.fallbacks
-    case = "Megatron MLP training step (%dx%d, hidden %d)" % (N, D, F)
+    case = "Megatron MLP training step (%dx%d, hidden %d), oh.Mesh eager" % (N, D, F)
+    traced = "same step, oh.Mesh replaying a tf.function"
     return [Config(case, "dtensor", step_dtensor, args.steps),
-            Config(case, "oh", step_oh, args.steps)]
+            Config(case, "oh", step_oh, args.steps),
+            Config(traced, "dtensor", step_dtensor, args.steps),
+            Config(traced, "oh", step_oh_replayed, args.steps)]
 
 
 def render(configs, info, args, elapsed):
@@ -148,7 +170,8 @@ def render(configs, info, args, elapsed):
                      "%.0f" % (_common.median(o.times) * 1e6),
                      "**%.2f×** (%.2f–%.2f)" % (ratio, q1, q3)])
     step = [c for c in cases if c.startswith("Megatron")][0]
-    per_op = [ratios[c] for c in cases if c != step]
+    traced = [c for c in cases if c.startswith("same step")][0]
+    per_op = [ratios[c] for c in cases if c not in (step, traced)]
     L = ["## `oh.Mesh` vs. TensorFlow's DTensor (`benchmarks/mesh.py`)", "",
          "Same 2×2 (\"batch\", \"model\") mesh of four logical CPUs, same layouts, eager; "
          "one process, configurations interleaved in shuffled order, %d rounds%s. "
@@ -160,11 +183,15 @@ def render(configs, info, args, elapsed):
                  info.get("cpu", "?"), elapsed)), "",
          _common.md_table(["case", "DTensor µs", "oh.Mesh µs", "oh.Mesh / DTensor"], rows), "",
          "Targets (issue 21): per-op cost ≤ 0.5× DTensor's — %s (ratios %s); a training "
-         "step ≤ 1.0× DTensor's eager step — %s (%.2f×; DTensor's step is a tf.function: "
-         "its eager gradient of this loss fails in TF 2.21 with \"The op/function Mul got "
-         "a regular tensor for input 0 (shape [64,64]) but was expecting a DTensor\")." % (
+         "step ≤ 1.0× DTensor's eager step — DTensor has no eager step to compare with: its "
+         "eager gradient of this loss fails in TF 2.21 with \"The op/function Mul got a "
+         "regular tensor for input 0 (shape [64,64]) but was expecting a DTensor\", so its "
+         "step is a tf.function (its documented training path) in both rows. oh.Mesh's "
+         "eager step is %.2f× that (%s); the same step as a tf.function replayed through "
+         "the mesh (one SPMD-expanded function, cached) is %.2f× (%s)." % (
              "met" if max(per_op) <= 0.5 else "not met", ", ".join("%.2f" % r for r in per_op),
-             "met" if ratios[step] <= 1.0 else "not met", ratios[step]), "",
+             ratios[step], "not met" if ratios[step] > 1.0 else "met", ratios[traced],
+             "not met" if ratios[traced] > 1.0 else "met"), "",
          "oh.Mesh communicates with explicit cross-device ops (AddN on a group's first device "
          "and copies; concatenations for all-gathers) issued eagerly from Python; DTensor "
          "runs each op as an SPMD-expanded function on its custom device with collectives."]

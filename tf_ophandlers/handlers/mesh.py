@@ -44,6 +44,7 @@ from tf_ophandlers.handlers.parallel import ParallelHandler
 _log = logging.getLogger("tf_ophandlers")
 _COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multiply,
             "all": tf.logical_and, "any": tf.logical_or}
+_SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
 _VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 
 
@@ -179,35 +180,48 @@ class Mesh(OpHandler):
         """A replicated mesh value of a numpy constant."""
         t = tf.constant(value)
         below = next_stack()
-        return MeshValue([self._copy_to(below, t, d) for d in self.devices],
+        return MeshValue([self._replica(below, t, i) for i in range(len(self.devices))],
                          (None,) * t.shape.rank, t.shape.as_list())
 
     def all_reduce(self, shards, dims, kind):
-        """Combines shards over the devices of each mesh dimension in `dims` (partial
-        sums, maxima, ...); every device of a group gets the result."""
+        """Combines shards over the devices that differ only in the mesh dimensions
+        `dims` (partial sums, maxima, ...): one reduction per group, on the group's first
+        device, whose result every device of the group gets."""
         shards = list(shards)
         combine = _COMBINE[kind]
-        for name in dims:
-            done = {}
-            for i in range(len(self.devices)):
-                group = self._groups[name][i]
-                if group[0] not in done:
-                    with self.on_device(group[0]):
-                        parts = [shards[j] for j in group]
-                        if combine is None:
-                            total = tf.add_n(parts)
-                        else:
-                            total = parts[0]
-                            for p in parts[1:]:
-                                total = combine(total, p)
-                    done[group[0]] = total
-                total = done[group[0]]
-                if i == group[0]:
-                    shards[i] = total
+        groups = self._reduce_groups(frozenset(dims))
+        below = next_stack()
+        for group in groups:
+            with self.on_device(group[0]):
+                parts = [shards[j] for j in group]
+                if combine is None:
+                    total = tf.add_n(parts)
                 else:
-                    with self.on_device(i):
-                        shards[i] = tf.identity(total)
+                    total = parts[0]
+                    for p in parts[1:]:
+                        total = combine(total, p)
+            for i in group:
+                shards[i] = total if i == group[0] else self._replica(below, total, i)
         return shards
+
+    def _reduce_groups(self, dims):
+        groups = self._groups.get(dims)
+        if groups is None:
+            keep = [d for n, d in self._index.items() if n not in dims]
+            by_key = {}
+            for i, c in enumerate(self._coords):
+                by_key.setdefault(tuple(c[d] for d in keep), []).append(i)
+            groups = self._groups[dims] = list(by_key.values())
+        return groups
+
+    def _replica(self, below, tensor, device_index):
+        """`tensor` for device `device_index`: a copy there, except for small tensors
+        (scalars, shapes, axes), which TensorFlow copies where an op uses them."""
+        n = tensor.shape.num_elements()
+        if (n is not None and n <= _SMALL and tensor.dtype != tf.resource
+                and stack_of(tensor) is None):
+            return tensor
+        return self._copy_to(below, tensor, self.devices[device_index])
 
     def relayout_value(self, value, layout):
         """`value` (a MeshValue) with `layout`: all-gathers along axes that lose their
@@ -283,7 +297,7 @@ class Mesh(OpHandler):
         if found:  # ours, from an earlier merge
             return MeshValue([below.copy_on(s) for s in value.shards], value.layout,
                              value.shape, value.var)
-        shards = [self._copy_to(below, tensor, d) for d in self.devices]
+        shards = [self._replica(below, tensor, i) for i in range(len(self.devices))]
         shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
         var = VarInfo(broadcast=True) if tensor.dtype == tf.resource else None
         return MeshValue(shards, (None,) * len(shape), shape, var)
@@ -399,7 +413,7 @@ class Mesh(OpHandler):
             outs = below.execute(op, full)
         result = []
         for o in outs:
-            shards = [o] + [self._copy_to(below, o, d) for d in self.devices[1:]]
+            shards = [o] + [self._replica(below, o, i) for i in range(1, len(self.devices))]
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result

@@ -74,6 +74,10 @@ def _broadcast_shape(shapes):
 def _elementwise(mesh, op, inputs):
     """Unary/binary/n-ary elementwise ops with numpy broadcasting: every input is
     relayouted to one target layout (the first sharding found per output axis)."""
+    first = inputs[0]
+    if all(v.shape == first.shape and v.layout == first.layout for v in inputs[1:]) \
+            and None not in first.shape:  # the common case: nothing to relayout
+        return _out(mesh.run(op, inputs), first.layout, first.shape)
     if any(None in v.shape for v in inputs):
         return None
     shape = _broadcast_shape([v.shape for v in inputs])

@@ -382,3 +382,75 @@ def test_forward_accumulator_and_vectorized_map_on_sharded_values(mesh):
     assert_close(jvp, ref_acc.jvp(ref_y), 1e-5)
     assert_close(per_example, tf.tanh(tf.matmul(x0, w0)), 1e-5)
     assert not mesh.fallbacks
+
+
+# -- scale out: a mesh over two tf.distribute.Server processes (loopback) ----------------
+
+_SERVER = r'''
+import sys, time, tensorflow as tf
+cluster = tf.train.ClusterSpec({"worker": sys.argv[1].split(",")})
+config = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+server = tf.distribute.Server(cluster, job_name="worker", task_index=int(sys.argv[2]), config=config, start=True)
+print("ready", flush=True)
+server.join()
+'''
+
+_CLIENT = r'''
+import socket, subprocess, sys, os, time
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+addrs = ["127.0.0.1:%d" % free_port() for _ in range(2)]
+procs = [subprocess.Popen([sys.executable, sys.argv[1], ",".join(addrs), str(i)], stdout=subprocess.PIPE, text=True) for i in range(2)]
+try:
+    for p in procs: p.stdout.readline()
+    import numpy as np, tensorflow as tf
+    import tf_ophandlers as oh
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({"worker": addrs}))
+    devices = ["/job:worker/replica:0/task:%d/device:CPU:%d" % (t, c) for t in range(2) for c in range(2)]
+    mesh = oh.Mesh({"batch": 2, "model": 2}, devices)
+    rng = np.random.default_rng(0)
+    x0, y0 = rng.normal(size=[8, 8]).astype("float32"), rng.normal(size=[8, 8]).astype("float32")
+    w10, w20 = (rng.normal(size=[8, 16]) * .3).astype("float32"), (rng.normal(size=[16, 8]) * .3).astype("float32")
+    def loss_fn(x, y, w1, w2):
+        err = tf.matmul(tf.nn.gelu(tf.matmul(x, w1)), w2) - y
+        return tf.reduce_mean(err * err)
+    with mesh:
+        x, y = mesh.shard(x0, ("batch", None)), mesh.shard(y0, ("batch", None))
+        w1 = tf.Variable(mesh.shard(w10, (None, "model"))); w2 = tf.Variable(mesh.shard(w20, ("model", None)))
+    r1, r2 = tf.Variable(w10), tf.Variable(w20)
+    for step in range(5):
+        with mesh:
+            with oh.GradientTape() as tape:
+                loss = loss_fn(x, y, w1, w2)
+            g1, g2 = tape.gradient(loss, [w1, w2])
+            w1.assign_sub(0.1 * g1); w2.assign_sub(0.1 * g2)
+        with tf.GradientTape() as tape:
+            ref = loss_fn(x0, y0, r1, r2)
+        h1, h2 = tape.gradient(ref, [r1, r2]); r1.assign_sub(0.1 * h1); r2.assign_sub(0.1 * h2)
+        print("loss", float(loss), float(ref))
+    print("devices", [s.device for s in mesh.unpack(w1.value())])
+    print("fallbacks", dict(mesh.fallbacks))
+finally:
+    for p in procs: p.kill()
+'''
+
+
+@pytest.mark.slow
+def test_training_on_a_mesh_over_two_server_processes(tmp_path):
+    """Two tf.distribute.Server processes with two CPUs each form the 2x2 mesh; a client
+    process trains the Megatron MLP step on it with the single-device losses."""
+    import os  # pylint: disable=import-outside-toplevel
+    import pathlib  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    root = pathlib.Path(__file__).resolve().parents[2]
+    (tmp_path / "server.py").write_text(_SERVER)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", _CLIENT, str(tmp_path / "server.py")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [[float(v) for v in line.split()[1:]] for line in proc.stdout.splitlines()
+              if line.startswith("loss ")]
+    assert len(losses) == 5
+    np.testing.assert_allclose(*np.array(losses).T, rtol=1e-5)
+    assert "task:1/device:CPU:1" in proc.stdout and "fallbacks {}" in proc.stdout

@@ -384,6 +384,53 @@ def test_forward_accumulator_and_vectorized_map_on_sharded_values(mesh):
     assert not mesh.fallbacks
 
 
+def test_embedding_sharded_on_vocabulary_trains(mesh):
+    rng = np.random.default_rng(0)
+    table = _rng_tensor(rng, [8, 4])
+    ids = tf.constant([[0, 7, 3], [5, 5, 1], [2, 6, 4], [1, 0, 7]])
+    ref = tf.Variable(table)
+    with mesh:
+        emb = tf.Variable(mesh.shard(table, ("model", None)))
+    for _ in range(2):
+        with mesh:
+            with oh.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.gather(emb, mesh.shard(ids, ("batch", None))) ** 2)
+            grad = tape.gradient(loss, emb)
+            assert isinstance(grad, tf.IndexedSlices)  # as tf.GradientTape gives
+            emb.assign_sub(0.1 * tf.convert_to_tensor(grad))
+        with tf.GradientTape() as tape:
+            ref_loss = tf.reduce_sum(tf.gather(ref, ids) ** 2)
+        ref_grad = tape.gradient(ref_loss, ref)
+        ref.assign_sub(0.1 * tf.convert_to_tensor(ref_grad))
+        assert_close(loss, ref_loss, 1e-5)
+    assert_close(emb, ref, 1e-5)
+    assert mesh.layout_of(emb) == ("model", None)
+    assert not mesh.fallbacks
+
+
+def test_keras_conv2d_on_the_batch_axis(mesh):
+    def build():
+        return keras.Sequential([
+            keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.MaxPooling2D(), keras.layers.AveragePooling2D(2),
+            keras.layers.Flatten(), keras.layers.Dense(2)])
+    with mesh:
+        model = build()
+    ref = build()
+    ref.set_weights(model.get_weights())
+    x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("float32")
+    with mesh:
+        with oh.GradientTape() as tape:
+            loss = tf.reduce_sum(model(mesh.shard(x, ("batch", None, None, None))) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+    with tf.GradientTape() as tape:
+        ref_loss = tf.reduce_sum(ref(x) ** 2)
+    assert_close(loss, ref_loss, 1e-5)
+    for g, r in zip(grads, tape.gradient(ref_loss, ref.trainable_variables)):
+        assert_close(g, r, 1e-5)
+    assert not mesh.fallbacks
+
+
 # -- scale out: a mesh over two tf.distribute.Server processes (loopback) ----------------
 
 _SERVER = r'''

@@ -413,10 +413,14 @@ def _strided_slice(mesh, op, inputs):
 # -- shape queries: computed from the global shape ------------------------------------
 
 def _shape(mesh, op, inputs):
+    dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
+    if op.type == "ShapeN":
+        if any(None in v.shape for v in inputs):
+            return None
+        return [mesh.constant(np.asarray(v.shape, dtype)) for v in inputs]
     (x,) = inputs
     if None in x.shape:
         return None
-    dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
     if op.type == "Shape":
         value = np.asarray(x.shape, dtype)
     elif op.type == "Size":
@@ -499,6 +503,87 @@ def _resource_gather(mesh, op, inputs):
                 indices.shape + tuple(var.shape[1:]))
 
 
+def _unsorted_segment_sum(mesh, op, inputs):
+    """Sums rows into segments (an embedding's gradient made dense): local sums of the
+    rows each device holds, then a sum over the mesh dimensions sharding the rows."""
+    data, ids, num = inputs
+    k = len(ids.shape)
+    n = _static(mesh, num, "num_segments", op)
+    if n is None or None in data.shape or data.shape[:k] != ids.shape:
+        return None
+    rows = data.layout[:k]
+    used = {m for m in rows if m}
+    rest = tuple(None if m in used else m for m in data.layout[k:])
+    data = mesh.relayout_value(data, rows + rest)
+    ids = mesh.relayout_value(ids, rows)
+    (shards,) = mesh.run(op, [data, ids, num])
+    if used:
+        shards = mesh.all_reduce(shards, sorted(used), "sum")
+    return [MeshValue(shards, (None,) + rest, (int(n),) + data.shape[k:])]
+
+
+def _nhwc(op):
+    fmt = op.attrs.get("data_format", "NHWC")
+    return (fmt.decode() if isinstance(fmt, bytes) else fmt) == "NHWC"
+
+
+def _batch_only(mesh, x):
+    return mesh.relayout_value(x, x.layout[:1] + (None,) * (len(x.shape) - 1))
+
+
+def _conv_or_pool(mesh, op, inputs):
+    """Conv2D, pooling and their input gradients on the batch axis: every input with a
+    batch axis keeps only its batch sharding, filters are replicated."""
+    if not _nhwc(op) or any(None in v.shape for v in inputs):
+        return None
+    batched = [i for i, v in enumerate(inputs) if len(v.shape) == 4 and (
+        op.type not in _FILTER_AT or i != _FILTER_AT[op.type])]
+    m = next((inputs[i].layout[0] for i in batched if inputs[i].layout[0]), None)
+    args = []
+    for i, v in enumerate(inputs):
+        if i in batched:
+            args.append(mesh.relayout_value(v, (m,) + (None,) * 3))
+        else:
+            args.append(mesh.relayout_value(v, (None,) * len(v.shape)))
+    shape_at = _SHAPE_AT.get(op.type)
+    out_shape = None
+    if shape_at is not None:  # an input giving the (global) output shape
+        out_shape = _static(mesh, args[shape_at], "shape", op)
+        if out_shape is None:
+            return None
+        local = np.array(out_shape)
+        if m is not None:
+            local[0] //= mesh.dim_size(m)
+        args[shape_at] = mesh.constant(local.astype(args[shape_at].dtype.as_numpy_dtype))
+    outs = mesh.run(op, args)
+    results = []
+    for shards in outs:
+        shape = list(shards[0].shape.as_list())
+        if m is not None:
+            shape[0] *= mesh.dim_size(m)
+        results.append(MeshValue(shards, (m,) + (None,) * (len(shape) - 1), shape))
+    return results
+
+
+def _conv_filter_grad(mesh, op, inputs):
+    """Conv2DBackpropFilter: per-device batch shards give partial sums of the filter's
+    gradient, summed over the batch's mesh dimension."""
+    x, sizes, dy = inputs
+    if not _nhwc(op) or None in x.shape or None in dy.shape:
+        return None
+    m = x.layout[0] or dy.layout[0]
+    x = mesh.relayout_value(x, (m, None, None, None))
+    dy = mesh.relayout_value(dy, (m, None, None, None))
+    (shards,) = mesh.run(op, [x, sizes, dy])
+    if m is not None:
+        shards = mesh.all_reduce(shards, [m], "sum")
+    return [MeshValue(shards, (None,) * 4, shards[0].shape.as_list())]
+
+
+_FILTER_AT = {"Conv2D": 1, "Conv2DBackpropInput": 1}
+_SHAPE_AT = {"Conv2DBackpropInput": 0, "AvgPoolGrad": 0}
+
+
 # -- the table -------------------------------------------------------------------------
 
 _ELEMENTWISE = """
@@ -519,10 +604,13 @@ RULES.update({"MatMul": _matmul, "BatchMatMul": _batch_matmul,
               "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
               "Einsum": _einsum, "Transpose": _transpose, "Reshape": _reshape,
               "ExpandDims": _expand_dims, "Squeeze": _squeeze, "ConcatV2": _concat,
-              "Shape": _shape, "Size": _shape, "Rank": _shape, "Softmax": _softmax,
+              "Shape": _shape, "ShapeN": _shape, "Size": _shape, "Rank": _shape, "Softmax": _softmax,
               "LogSoftmax": _softmax, "GatherV2": _gather,
               "ResourceGather": _resource_gather, "ArgMax": _argminmax,
               "ArgMin": _argminmax, "BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad,
               "BroadcastTo": _broadcast_to, "Slice": _slice,
-              "StridedSlice": _strided_slice})
+              "StridedSlice": _strided_slice, "UnsortedSegmentSum": _unsorted_segment_sum,
+              "Conv2DBackpropFilter": _conv_filter_grad})
+RULES.update({t: _conv_or_pool for t in ("Conv2D", "Conv2DBackpropInput", "MaxPool",
+                                         "MaxPoolGrad", "AvgPool", "AvgPoolGrad")})
 RULES.update({t: _reduction for t in _REDUCE_KIND})

@@ -38,10 +38,12 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
-from tf_ophandlers.handlers.mesh_rules import RULES, MeshValue, VarInfo
+from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn
+from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
 
 _log = logging.getLogger("tf_ophandlers")
+RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
 _COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multiply,
             "all": tf.logical_and, "any": tf.logical_or}
 _SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
@@ -50,7 +52,15 @@ _VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 
 class Mesh(OpHandler):
     """Shards tensors over a mesh of devices (`dims`: {name: size}, row-major over
-    `devices`) and runs ops SPMD on the local shards."""
+    `devices`) and runs ops SPMD on the local shards.
+
+    >>> mesh = oh.Mesh({"model": 2}, ["CPU:0", "CPU:1"])
+    >>> with mesh:
+    ...     w = tf.Variable(mesh.shard(tf.ones([4, 6]), (None, "model")))  # 4x3 per device
+    ...     y = tf.matmul(tf.ones([2, 4]), w)
+    >>> mesh.layout_of(y), float(y[0, 0])
+    ((None, 'model'), 4.0)
+    """
 
     transient = False  # variables created under it hold one shard per device
     returns_off_stack = True  # unpack's shards are ordinary tensors

@@ -6,7 +6,7 @@ on every device's shards (`mesh.run`), adds the communication the layouts need
 (`mesh.all_reduce`) and returns `MeshValue`s with the output layouts. `None` sends the op
 to the mesh's fallback (gather to full, run once, replicate), which is always correct.
 
->>> RULES["Relu"] is _elementwise
+>>> RULES["Relu"] is elementwise
 True
 """
 import string
@@ -50,7 +50,7 @@ class VarInfo:
         self.layout, self.shape, self.broadcast = layout, shape, broadcast
 
 
-def _static(mesh, value, what, op):
+def static_input(mesh, value, what, op):
     """The value of a replicated integer input (axes, permutations, shapes) as numpy."""
     v = tf.get_static_value(value.shards[0]) if value.replicated else None
     if v is None:
@@ -58,7 +58,7 @@ def _static(mesh, value, what, op):
     return np.asarray(v)
 
 
-def _out(shards_per_output, layout, shape):
+def outputs(shards_per_output, layout, shape):
     return [MeshValue(s, layout, shape) for s in shards_per_output]
 
 
@@ -71,13 +71,13 @@ def _broadcast_shape(shapes):
         return None
 
 
-def _elementwise(mesh, op, inputs):
+def elementwise(mesh, op, inputs):
     """Unary/binary/n-ary elementwise ops with numpy broadcasting: every input is
     relayouted to one target layout (the first sharding found per output axis)."""
     first = inputs[0]
     if all(v.shape == first.shape and v.layout == first.layout for v in inputs[1:]) \
             and None not in first.shape:  # the common case: nothing to relayout
-        return _out(mesh.run(op, inputs), first.layout, first.shape)
+        return outputs(mesh.run(op, inputs), first.layout, first.shape)
     if any(None in v.shape for v in inputs):
         return None
     shape = _broadcast_shape([v.shape for v in inputs])
@@ -98,25 +98,7 @@ def _elementwise(mesh, op, inputs):
         want = tuple(target[off + i] if v.shape[i] == shape[off + i] else None
                      for i in range(len(v.shape)))
         args.append(mesh.relayout_value(v, want))
-    return _out(mesh.run(op, args), target, shape)
-
-
-def _bias_add(mesh, op, inputs):
-    if op.attrs.get("data_format", "NHWC") not in ("NHWC", b"NHWC"):
-        return None
-    return _elementwise(mesh, op, inputs)
-
-
-def _bias_add_grad(mesh, op, inputs):
-    """The sum over every axis but the last (NHWC)."""
-    (g,) = inputs
-    if op.attrs.get("data_format", "NHWC") not in ("NHWC", b"NHWC") or None in g.shape:
-        return None
-    (shards,) = mesh.run(op, [g])
-    summed = [m for m in g.layout[:-1] if m is not None]
-    if summed:
-        shards = mesh.all_reduce(shards, summed, "sum")
-    return [MeshValue(shards, g.layout[-1:], g.shape[-1:])]
+    return outputs(mesh.run(op, args), target, shape)
 
 
 # -- contractions: MatMul, BatchMatMul, Einsum -----------------------------------------
@@ -209,7 +191,7 @@ _REDUCE_KIND = {"Sum": "sum", "Mean": "sum", "Max": "max", "Min": "min", "Prod":
 
 def _reduction(mesh, op, inputs):
     x, axes_v = inputs
-    axes = _static(mesh, axes_v, "axes", op)
+    axes = static_input(mesh, axes_v, "axes", op)
     rank = len(x.shape)
     if axes is None or None in x.shape:
         return None
@@ -233,25 +215,25 @@ def _reduction(mesh, op, inputs):
 
 def _argminmax(mesh, op, inputs):
     x, axis_v = inputs
-    axis = _static(mesh, axis_v, "axis", op)
+    axis = static_input(mesh, axis_v, "axis", op)
     if axis is None or None in x.shape:
         return None
     axis = int(axis) % len(x.shape)
     x = mesh.relayout_value(x, tuple(None if a == axis else m for a, m in enumerate(x.layout)))
     layout = tuple(m for a, m in enumerate(x.layout) if a != axis)
     shape = tuple(n for a, n in enumerate(x.shape) if a != axis)
-    return _out(mesh.run(op, [x, axis_v]), layout, shape)
+    return outputs(mesh.run(op, [x, axis_v]), layout, shape)
 
 
 # -- shapes: Transpose, Reshape, ExpandDims, Squeeze, ConcatV2 ---------------------------
 
 def _transpose(mesh, op, inputs):
     x, perm_v = inputs
-    perm = _static(mesh, perm_v, "perm", op)
+    perm = static_input(mesh, perm_v, "perm", op)
     if perm is None:
         return None
     perm = [int(p) for p in perm]
-    return _out(mesh.run(op, [x, perm_v]), tuple(x.layout[p] for p in perm),
+    return outputs(mesh.run(op, [x, perm_v]), tuple(x.layout[p] for p in perm),
                 tuple(x.shape[p] for p in perm))
 
 
@@ -280,7 +262,7 @@ def _reshape_groups(src, dst):
 
 def _reshape(mesh, op, inputs):
     x, shape_v = inputs
-    target = _static(mesh, shape_v, "shape", op)
+    target = static_input(mesh, shape_v, "shape", op)
     if target is None or None in x.shape:
         return None
     target = [int(n) for n in np.atleast_1d(target)]
@@ -304,17 +286,17 @@ def _reshape(mesh, op, inputs):
     x = mesh.relayout_value(x, tuple(want))
     local = [n // mesh.dim_size(m) if m else n for n, m in zip(target, out_layout)]
     local_v = mesh.constant(np.asarray(local, dtype=shape_v.dtype.as_numpy_dtype))
-    return _out(mesh.run(op, [x, local_v]), tuple(out_layout), tuple(target))
+    return outputs(mesh.run(op, [x, local_v]), tuple(out_layout), tuple(target))
 
 
 def _expand_dims(mesh, op, inputs):
     x, axis_v = inputs
-    axis = _static(mesh, axis_v, "axis", op)
+    axis = static_input(mesh, axis_v, "axis", op)
     if axis is None:
         return None
     axis = int(axis) % (len(x.shape) + 1)
     layout = x.layout[:axis] + (None,) + x.layout[axis:]
-    return _out(mesh.run(op, [x, axis_v]), layout, x.shape[:axis] + (1,) + x.shape[axis:])
+    return outputs(mesh.run(op, [x, axis_v]), layout, x.shape[:axis] + (1,) + x.shape[axis:])
 
 
 def _squeeze(mesh, op, inputs):
@@ -324,13 +306,13 @@ def _squeeze(mesh, op, inputs):
     if None in x.shape:
         return None
     keep = [a for a in range(len(x.shape)) if a not in dims]
-    return _out(mesh.run(op, [x]), tuple(x.layout[a] for a in keep),
+    return outputs(mesh.run(op, [x]), tuple(x.layout[a] for a in keep),
                 tuple(x.shape[a] for a in keep))
 
 
 def _concat(mesh, op, inputs):
     *values, axis_v = inputs
-    axis = _static(mesh, axis_v, "axis", op)
+    axis = static_input(mesh, axis_v, "axis", op)
     if axis is None or any(None in v.shape for v in values):
         return None
     rank = len(values[0].shape)
@@ -344,12 +326,12 @@ def _concat(mesh, op, inputs):
     values = [mesh.relayout_value(v, tuple(target)) for v in values]
     shape = list(values[0].shape)
     shape[axis] = sum(v.shape[axis] for v in values)
-    return _out(mesh.run(op, values + [axis_v]), tuple(target), tuple(shape))
+    return outputs(mesh.run(op, values + [axis_v]), tuple(target), tuple(shape))
 
 
 def _broadcast_to(mesh, op, inputs):
     x, shape_v = inputs
-    target = _static(mesh, shape_v, "shape", op)
+    target = static_input(mesh, shape_v, "shape", op)
     if target is None or None in x.shape:
         return None
     target = tuple(int(n) for n in np.atleast_1d(target))
@@ -361,13 +343,13 @@ def _broadcast_to(mesh, op, inputs):
     x = mesh.relayout_value(x, tuple(layout[off:]))
     local = [n // mesh.dim_size(m) if m else n for n, m in zip(target, layout)]
     local_v = mesh.constant(np.asarray(local, dtype=shape_v.dtype.as_numpy_dtype))
-    return _out(mesh.run(op, [x, local_v]), tuple(layout), target)
+    return outputs(mesh.run(op, [x, local_v]), tuple(layout), target)
 
 
 def _slice(mesh, op, inputs):
     """Slice: axes taken whole keep their sharding; sliced axes are gathered first."""
     x, begin_v, size_v = inputs
-    begin, size = _static(mesh, begin_v, "begin", op), _static(mesh, size_v, "size", op)
+    begin, size = static_input(mesh, begin_v, "begin", op), static_input(mesh, size_v, "size", op)
     if begin is None or size is None or None in x.shape:
         return None
     begin, size = [int(b) for b in begin], [int(n) for n in size]
@@ -377,7 +359,7 @@ def _slice(mesh, op, inputs):
     x = mesh.relayout_value(x, layout)
     local = [k // mesh.dim_size(m) if m else k for k, m in zip(size, layout)]
     local_v = mesh.constant(np.asarray(local, dtype=size_v.dtype.as_numpy_dtype))
-    return _out(mesh.run(op, [x, begin_v, local_v]), layout, tuple(size))
+    return outputs(mesh.run(op, [x, begin_v, local_v]), layout, tuple(size))
 
 
 def _strided_slice(mesh, op, inputs):
@@ -387,7 +369,7 @@ def _strided_slice(mesh, op, inputs):
     a = op.attrs
     if a.get("ellipsis_mask") or a.get("new_axis_mask") or None in x.shape:
         return None
-    begin, end, strides = (_static(mesh, v, "slice", op) for v in (b_v, e_v, s_v))
+    begin, end, strides = (static_input(mesh, v, "slice", op) for v in (b_v, e_v, s_v))
     if begin is None or end is None or strides is None or len(begin) != len(x.shape):
         return None
     bm, em, sm = a.get("begin_mask", 0), a.get("end_mask", 0), a.get("shrink_axis_mask", 0)
@@ -407,7 +389,7 @@ def _strided_slice(mesh, op, inputs):
         sl = slice(None if bm >> i & 1 else int(begin[i]), None if em >> i & 1 else int(end[i]),
                    int(strides[i]))
         shape.append(len(range(*sl.indices(x.shape[i]))))
-    return _out(outs, tuple(layout[i] for i in kept), tuple(shape))
+    return outputs(outs, tuple(layout[i] for i in kept), tuple(shape))
 
 
 # -- shape queries: computed from the global shape ------------------------------------
@@ -430,160 +412,6 @@ def _shape(mesh, op, inputs):
     return [mesh.constant(value)]
 
 
-# -- softmax and gathers ---------------------------------------------------------------
-
-def _softmax(mesh, op, inputs):
-    (x,) = inputs
-    x = mesh.relayout_value(x, x.layout[:-1] + (None,))
-    return _out(mesh.run(op, [x]), x.layout, x.shape)
-
-
-def _gather_sharded_rows(mesh, op, params_layout, params_shape, indices, run_local):
-    """A gather from params whose axis 0 is sharded on mesh dimension m: each device
-    gathers the rows it holds (others masked to zero), then a sum over m."""
-    m = params_layout[0]
-    indices = mesh.relayout_value(indices, tuple(None if l == m else l for l in indices.layout))
-    rows = params_shape[0] // mesh.dim_size(m)
-    starts = [mesh.coord(i, m) * rows for i in range(len(mesh.devices))]
-    local, masks = [], []
-    for i, s in enumerate(indices.shards):
-        with mesh.on_device(i):
-            tf.debugging.assert_less(s, tf.cast(params_shape[0], s.dtype), message=(
-                "oh.Mesh: %s index out of range [0, %d)" % (op.type, params_shape[0])))
-            tf.debugging.assert_non_negative(s, message="oh.Mesh: %s negative index" % op.type)
-            shifted = s - tf.cast(starts[i], s.dtype)
-            inside = tf.logical_and(shifted >= 0, shifted < rows)
-            local.append(tf.where(inside, shifted, tf.zeros_like(shifted)))
-            masks.append(inside)
-    out = run_local(MeshValue(local, indices.layout, indices.shape))
-    shards = []
-    for i, (o, k) in enumerate(zip(out, masks)):
-        with mesh.on_device(i):
-            k = tf.reshape(k, tf.concat([tf.shape(k), tf.ones([len(o.shape) - len(k.shape)],
-                                                                tf.int32)], 0))
-            shards.append(tf.where(k, o, tf.zeros_like(o)))
-    shards = mesh.all_reduce(shards, [m], "sum")
-    layout = indices.layout + tuple(params_layout[1:])
-    return [MeshValue(shards, layout, indices.shape + tuple(params_shape[1:]))]
-
-
-def _gather_layout(params_layout, indices):
-    used = {l for l in params_layout if l}
-    return tuple(None if l in used else l for l in indices.layout)
-
-
-def _gather(mesh, op, inputs):
-    params, indices, axis_v = inputs
-    axis = _static(mesh, axis_v, "axis", op)
-    if axis is None or op.attrs.get("batch_dims", 0) != 0 or None in params.shape:
-        return None
-    axis = int(axis) % len(params.shape)
-    if params.layout[axis] is not None and axis == 0:
-        return _gather_sharded_rows(
-            mesh, op, params.layout, params.shape, indices,
-            lambda idx: mesh.run(op, [params, idx, axis_v])[0])
-    params = mesh.relayout_value(params, tuple(None if a == axis else l
-                                               for a, l in enumerate(params.layout)))
-    indices = mesh.relayout_value(indices, _gather_layout(params.layout, indices))
-    layout = params.layout[:axis] + indices.layout + params.layout[axis + 1:]
-    shape = params.shape[:axis] + indices.shape + params.shape[axis + 1:]
-    return _out(mesh.run(op, [params, indices, axis_v]), layout, shape)
-
-
-def _resource_gather(mesh, op, inputs):
-    handle, indices = inputs
-    var = handle.var
-    if var.layout is None or op.attrs.get("batch_dims", 0) != 0 or var.shape is None:
-        return None
-    if var.layout[0] is not None:
-        return _gather_sharded_rows(mesh, op, var.layout, var.shape, indices,
-                                    lambda idx: mesh.run(op, [handle, idx])[0])
-    indices = mesh.relayout_value(indices, _gather_layout(var.layout, indices))
-    return _out(mesh.run(op, [handle, indices]), indices.layout + tuple(var.layout[1:]),
-                indices.shape + tuple(var.shape[1:]))
-
-
-def _unsorted_segment_sum(mesh, op, inputs):
-    """Sums rows into segments (an embedding's gradient made dense): local sums of the
-    rows each device holds, then a sum over the mesh dimensions sharding the rows."""
-    data, ids, num = inputs
-    k = len(ids.shape)
-    n = _static(mesh, num, "num_segments", op)
-    if n is None or None in data.shape or data.shape[:k] != ids.shape:
-        return None
-    rows = data.layout[:k]
-    used = {m for m in rows if m}
-    rest = tuple(None if m in used else m for m in data.layout[k:])
-    data = mesh.relayout_value(data, rows + rest)
-    ids = mesh.relayout_value(ids, rows)
-    (shards,) = mesh.run(op, [data, ids, num])
-    if used:
-        shards = mesh.all_reduce(shards, sorted(used), "sum")
-    return [MeshValue(shards, (None,) + rest, (int(n),) + data.shape[k:])]
-
-
-def _nhwc(op):
-    fmt = op.attrs.get("data_format", "NHWC")
-    return (fmt.decode() if isinstance(fmt, bytes) else fmt) == "NHWC"
-
-
-def _batch_only(mesh, x):
-    return mesh.relayout_value(x, x.layout[:1] + (None,) * (len(x.shape) - 1))
-
-
-def _conv_or_pool(mesh, op, inputs):
-    """Conv2D, pooling and their input gradients on the batch axis: every input with a
-    batch axis keeps only its batch sharding, filters are replicated."""
-    if not _nhwc(op) or any(None in v.shape for v in inputs):
-        return None
-    batched = [i for i, v in enumerate(inputs) if len(v.shape) == 4 and (
-        op.type not in _FILTER_AT or i != _FILTER_AT[op.type])]
-    m = next((inputs[i].layout[0] for i in batched if inputs[i].layout[0]), None)
-    args = []
-    for i, v in enumerate(inputs):
-        if i in batched:
-            args.append(mesh.relayout_value(v, (m,) + (None,) * 3))
-        else:
-            args.append(mesh.relayout_value(v, (None,) * len(v.shape)))
-    shape_at = _SHAPE_AT.get(op.type)
-    out_shape = None
-    if shape_at is not None:  # an input giving the (global) output shape
-        out_shape = _static(mesh, args[shape_at], "shape", op)
-        if out_shape is None:
-            return None
-        local = np.array(out_shape)
-        if m is not None:
-            local[0] //= mesh.dim_size(m)
-        args[shape_at] = mesh.constant(local.astype(args[shape_at].dtype.as_numpy_dtype))
-    outs = mesh.run(op, args)
-    results = []
-    for shards in outs:
-        shape = list(shards[0].shape.as_list())
-        if m is not None:
-            shape[0] *= mesh.dim_size(m)
-        results.append(MeshValue(shards, (m,) + (None,) * (len(shape) - 1), shape))
-    return results
-
-
-def _conv_filter_grad(mesh, op, inputs):
-    """Conv2DBackpropFilter: per-device batch shards give partial sums of the filter's
-    gradient, summed over the batch's mesh dimension."""
-    x, sizes, dy = inputs
-    if not _nhwc(op) or None in x.shape or None in dy.shape:
-        return None
-    m = x.layout[0] or dy.layout[0]
-    x = mesh.relayout_value(x, (m, None, None, None))
-    dy = mesh.relayout_value(dy, (m, None, None, None))
-    (shards,) = mesh.run(op, [x, sizes, dy])
-    if m is not None:
-        shards = mesh.all_reduce(shards, [m], "sum")
-    return [MeshValue(shards, (None,) * 4, shards[0].shape.as_list())]
-
-
-_FILTER_AT = {"Conv2D": 1, "Conv2DBackpropInput": 1}
-_SHAPE_AT = {"Conv2DBackpropInput": 0, "AvgPoolGrad": 0}
-
-
 # -- the table -------------------------------------------------------------------------
 
 _ELEMENTWISE = """
@@ -599,18 +427,13 @@ SigmoidGrad RsqrtGrad SqrtGrad ReciprocalGrad InvGrad
 AddN SelectV2 ClipByValue
 """.split()
 
-RULES = {t: _elementwise for t in _ELEMENTWISE}
+RULES = {t: elementwise for t in _ELEMENTWISE}
 RULES.update({"MatMul": _matmul, "BatchMatMul": _batch_matmul,
               "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
               "Einsum": _einsum, "Transpose": _transpose, "Reshape": _reshape,
               "ExpandDims": _expand_dims, "Squeeze": _squeeze, "ConcatV2": _concat,
-              "Shape": _shape, "ShapeN": _shape, "Size": _shape, "Rank": _shape, "Softmax": _softmax,
-              "LogSoftmax": _softmax, "GatherV2": _gather,
-              "ResourceGather": _resource_gather, "ArgMax": _argminmax,
-              "ArgMin": _argminmax, "BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad,
+              "Shape": _shape, "ShapeN": _shape, "Size": _shape, "Rank": _shape,
+              "ArgMax": _argminmax, "ArgMin": _argminmax,
               "BroadcastTo": _broadcast_to, "Slice": _slice,
-              "StridedSlice": _strided_slice, "UnsortedSegmentSum": _unsorted_segment_sum,
-              "Conv2DBackpropFilter": _conv_filter_grad})
-RULES.update({t: _conv_or_pool for t in ("Conv2D", "Conv2DBackpropInput", "MaxPool",
-                                         "MaxPoolGrad", "AvgPool", "AvgPoolGrad")})
+              "StridedSlice": _strided_slice})
 RULES.update({t: _reduction for t in _REDUCE_KIND})

@@ -178,9 +178,9 @@ def render(configs, info, args, elapsed):
          "Medians per call in µs; the ratio is the median of the same-round ratios "
          "oh.Mesh / DTensor (quartiles in parentheses). %s" % (
              args.rounds, " (`--quick`: noisy)" if args.quick else "",
-             "Machine: %s; it was shared with other jobs while measuring (load "
-             "affects both sides of a ratio alike). Run time %.0f s." % (
-                 info.get("cpu", "?"), elapsed)), "",
+             "Machine: %s; it was shared with other jobs while measuring (load average "
+             "%.1f at the end; load affects both sides of a ratio alike). Run time %.0f s."
+             % (info.get("cpu", "?"), os.getloadavg()[0], elapsed)), "",
          _common.md_table(["case", "DTensor µs", "oh.Mesh µs", "oh.Mesh / DTensor"], rows), "",
          "Targets (issue 21): per-op cost ≤ 0.5× DTensor's — %s (ratios %s); a training "
          "step ≤ 1.0× DTensor's eager step — DTensor has no eager step to compare with: its "

@@ -431,6 +431,11 @@ def test_keras_conv2d_on_the_batch_axis(mesh):
     assert not mesh.fallbacks
 
 
+def test_mesh_passes_the_conformance_kit():
+    report = oh.testing.check_handler(lambda: oh.Mesh({"batch": 2}, DEVICES[:2]))
+    assert report.checks and not report.failures, report.failures
+
+
 # -- scale out: a mesh over two tf.distribute.Server processes (loopback) ----------------
 
 _SERVER = r'''

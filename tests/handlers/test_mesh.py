@@ -73,15 +73,16 @@ def _random_layout(rng, shape):
     return tuple(layout)
 
 
-def _fuzz_program(mesh, rng):
+def _fuzz_program(mesh, rng, watch):
     """A random program of elementwise, contraction, reduction and shape ops on sharded
-    values; returns the (mesh, reference) pairs it computed."""
+    values; returns the (mesh, reference) pairs it computed (`watch` gets the first)."""
     def new(shape):
         t = _rng_tensor(rng, shape)
         return mesh.shard(t, _random_layout(rng, shape)), t
 
     shape = tuple(int(n) for n in rng.choice([2, 4], size=rng.integers(1, 4)))
     pool = [new(shape)]
+    watch(*pool[0])
     for _ in range(6):
         a, ra = pool[rng.integers(len(pool))]
         s = tuple(a.shape.as_list())
@@ -135,16 +136,30 @@ def _fuzz_program(mesh, rng):
 
 
 def test_fuzz_random_programs_with_random_layouts_match_tensorflow(mesh):
+    """Values of every intermediate and the gradient of their total with respect to the
+    first input (oh.GradientTape inside the mesh vs tf.GradientTape)."""
     rng = np.random.default_rng(1)
     checked = 0
-    for _ in range(40):
-        with mesh:
-            pool = _fuzz_program(mesh, rng)
+    for _ in range(30):
+        sources = []
+        with tf.GradientTape() as ref_tape:
+            with mesh:
+                with oh.GradientTape() as tape:
+                    def watch(got, ref):
+                        tape.watch(got)
+                        ref_tape.watch(ref)
+                        sources.extend([got, ref])
+                    pool = _fuzz_program(mesh, rng, watch)
+                    total = tf.add_n([tf.reduce_sum(tf.sin(g)) for g, _ in pool])
+                grad = tape.gradient(total, sources[0])
+            ref_total = tf.add_n([tf.reduce_sum(tf.sin(r)) for _, r in pool])
         for got, ref in pool:
             assert got.shape == ref.shape and got.dtype == ref.dtype
             assert_close(got, ref, 1e-5)
             checked += 1
-    assert checked == 40 * 7
+        assert_close(total, ref_total, 1e-4)
+        assert_close(grad, ref_tape.gradient(ref_total, sources[1]), 1e-4)
+    assert checked == 30 * 7
     assert not mesh.fallbacks, mesh.fallbacks  # every op of the corpus has a rule
 
 

@@ -329,6 +329,28 @@ def _concat(mesh, op, inputs):
     return outputs(mesh.run(op, values + [axis_v]), tuple(target), tuple(shape))
 
 
+def _split(mesh, op, inputs):
+    """Split/SplitV (a concatenation's gradient): the split axis is gathered first."""
+    if op.type == "Split":
+        axis_v, x = inputs
+        rest = []
+    else:
+        x, sizes_v, axis_v = inputs
+        rest = [sizes_v]
+    axis = static_input(mesh, axis_v, "axis", op)
+    if axis is None or None in x.shape:
+        return None
+    axis = int(axis) % len(x.shape)
+    x = mesh.relayout_value(x, tuple(None if a == axis else m for a, m in enumerate(x.layout)))
+    args = [axis_v, x] if op.type == "Split" else [x] + rest + [axis_v]
+    results = []
+    for shards in mesh.run(op, args):
+        shape = list(x.shape)
+        shape[axis] = shards[0].shape[axis]
+        results.append(MeshValue(shards, x.layout, shape))
+    return results
+
+
 def _broadcast_to(mesh, op, inputs):
     x, shape_v = inputs
     target = static_input(mesh, shape_v, "shape", op)
@@ -435,5 +457,5 @@ RULES.update({"MatMul": _matmul, "BatchMatMul": _batch_matmul,
               "Shape": _shape, "ShapeN": _shape, "Size": _shape, "Rank": _shape,
               "ArgMax": _argminmax, "ArgMin": _argminmax,
               "BroadcastTo": _broadcast_to, "Slice": _slice,
-              "StridedSlice": _strided_slice})
+              "StridedSlice": _strided_slice, "Split": _split, "SplitV": _split})
 RULES.update({t: _reduction for t in _REDUCE_KIND})

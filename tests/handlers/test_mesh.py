@@ -233,6 +233,19 @@ def test_variables_stay_sharded_and_checkpoint(mesh, tmp_path):
     assert [p.shape.as_list() for p in mesh.unpack(v.read_value())] == [[4, 4]] * 4
 
 
+def test_host_variables_and_variable_ops_without_rules(mesh):
+    host = tf.Variable([[1., 2.], [3., 4.], [5., 6.]])
+    with mesh:
+        rows = tf.gather(host, mesh.shard(tf.constant([2, 0]), ("batch",)))
+        with pytest.raises(oh.PlacementError, match="oh.Mesh: op AssignAddVariableOp"):
+            host.assign_add(tf.ones([3, 2]))
+        v = tf.Variable(mesh.shard(tf.ones([4, 2]), ("batch", None)))
+        with pytest.raises(NotImplementedError, match="oh.Mesh: op ResourceScatterAdd"):
+            v.scatter_add(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3])))
+    assert_close(rows, [[5., 6.], [1., 2.]])
+    assert_close(host, [[1., 2.], [3., 4.], [5., 6.]])
+    assert_close(v, tf.ones([4, 2]))
+
 def test_gradient_tape_gradients_match_and_have_variable_layouts(mesh):
     rng = np.random.default_rng(0)
     x0, w0, b0 = _rng_tensor(rng, [4, 6]), _rng_tensor(rng, [6, 8]), _rng_tensor(rng, [8])

@@ -360,8 +360,11 @@ class Mesh(OpHandler):
             return [MeshValue(handles, (), (), VarInfo())]
         handle = inputs[0]
         var = handle.var
+        unsupported = NotImplementedError(
+            "oh.Mesh: op %s on a variable has no SPMD rule in %s (for these inputs)"
+            % (t, self.debug_string()))
         if var is None or any(v.var is not None for v in inputs[1:]):
-            return None
+            raise unsupported  # never gathered: one device would see only its shard
         if var.broadcast and (t in _VAR_WRITES or t.startswith("ResourceApply")):
             raise errors.PlacementError(
                 "oh.Mesh: op %s would write a variable created outside %s once per device; "
@@ -390,16 +393,15 @@ class Mesh(OpHandler):
             outs = self.run(op, [handle])
             return [MeshValue(o, (), ()) for o in outs]
         if t == "ResourceGather":
-            return RULES[t](self, op, inputs)
-        if t.startswith("ResourceApply") and var.layout is not None:
-            args = [handle] + [v if not v.shape else self.relayout_value(v, var.layout)
-                               for v in inputs[1:]]
-            if any(v.shape and v.shape != var.shape for v in inputs[1:]):
-                return None
-            self.run(op, args)
+            out = RULES[t](self, op, inputs)
+            if out is not None:
+                return out
+        if t.startswith("ResourceApply") and var.layout is not None and not any(
+                v.shape and v.shape != var.shape for v in inputs[1:]):
+            self.run(op, [handle] + [v if not v.shape else self.relayout_value(v, var.layout)
+                                     for v in inputs[1:]])
             return []
-        raise NotImplementedError(
-            "oh.Mesh: op %s on a variable has no SPMD rule in %s" % (t, self.debug_string()))
+        raise unsupported
 
     # -- internals ------------------------------------------------------------------------
 

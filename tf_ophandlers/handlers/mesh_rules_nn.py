@@ -90,8 +90,14 @@ def _gather(mesh, op, inputs):
 def _resource_gather(mesh, op, inputs):
     handle, indices = inputs
     var = handle.var
-    if var.layout is None or op.attrs.get("batch_dims", 0) != 0 or var.shape is None:
+    if op.attrs.get("batch_dims", 0) != 0:
         return None
+    if var.layout is None or var.shape is None:  # a host variable: the same on every device
+        indices = mesh.relayout_value(indices, (None,) * len(indices.shape))
+        (shards,) = mesh.run(op, [handle, indices])
+        tail = tuple(shards[0].shape.as_list()[len(indices.shape):])
+        return [MeshValue(shards, (None,) * (len(indices.shape) + len(tail)),
+                          indices.shape + tail)]
     if var.layout[0] is not None:
         return _gather_sharded_rows(mesh, op, var.layout, var.shape, indices,
                                     lambda idx: mesh.run(op, [handle, idx])[0])

@@ -8,12 +8,12 @@ import tensorflow as tf  # noqa: E402
 
 import tf_ophandlers as oh  # noqa: E402
 
-# Two logical CPUs for the parallel handler's tests. Logical devices must be configured
+# Four logical CPUs: two for the parallel handler's tests, a 2x2 mesh for oh.Mesh's. Logical devices must be configured
 # before TensorFlow initializes its context; importing tf_ophandlers does not (the first
 # handler scope does), so users configure devices after their imports, as here.
 _CPUS = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(
-    _CPUS[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+    _CPUS[0], [tf.config.LogicalDeviceConfiguration()] * 4)
 
 
 class RecordingHandler(oh.OpHandler):

@@ -42,6 +42,7 @@ from tf_ophandlers.handlers.forward_accumulator import ForwardAccumulator  # noq
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap, vectorized_map  # noqa: E402
 from tf_ophandlers.handlers.parallel import (  # noqa: E402
     ParallelHandler, ParallelValue, ParallelVariable)
+from tf_ophandlers.handlers.mesh import Mesh  # noqa: E402
 from tf_ophandlers.handlers.shape_inference import ShapeInference, eval_shape  # noqa: E402
 from tf_ophandlers.handlers.trace import TraceAndExecute  # noqa: E402
 from tf_ophandlers.handlers.lazy import Lazy  # noqa: E402
@@ -68,9 +69,8 @@ __all__ = [
     "handler_of", "current_stack", "install", "copy_on", "copy_off", "OpLogHandler",
     "OpRecord", "CheckNumericsHandler", "GradientTape",
     "ForwardAccumulator", "VectorizedMap", "vectorized_map", "ParallelHandler",
-    "ParallelValue", "ParallelVariable", "OffStack", "ShapeInference", "eval_shape", "TraceAndExecute", "Lazy", "Async",
-    "Recompute",
-    "DataFormat",
+    "ParallelValue", "ParallelVariable", "Mesh", "OffStack", "ShapeInference", "eval_shape", "TraceAndExecute", "Lazy", "Async",
+    "Recompute", "DataFormat",
     "testing", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
     # for handler authors (docs/guide.md, "The handler author's API")

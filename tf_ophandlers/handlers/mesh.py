@@ -1,0 +1,512 @@
+"""`oh.Mesh`: Mesh-TensorFlow/DTensor-style sharding as an op handler.
+
+A tensor of the mesh is a `MeshValue`: one local shard per mesh device and a layout,
+one mesh dimension name (or None, replicated) per tensor axis. Every op runs on each
+device's shards under an SPMD rule (`mesh_rules.py`: elementwise with broadcasting,
+contractions with partial sums reduced, reductions, reshapes, softmax, gathers, shape
+queries, variables); ops without a rule are gathered to full tensors, run once and
+replicated, and reported once per op type (`mesh.fallbacks`). Copying a mesh tensor off
+(`.numpy()`, `print`) gives the full tensor.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> mesh = oh.Mesh({"batch": 2, "model": 2}, ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+>>> with mesh:
+...     x = mesh.shard(tf.ones([4, 6]), ("batch", None))
+...     w = mesh.shard(tf.ones([6, 8]), (None, "model"))
+...     y = tf.matmul(x, w)                 # no communication: rows x columns
+>>> mesh.layout_of(y), [s.shape.as_list() for s in mesh.unpack(y)][0]
+(('batch', 'model'), [2, 4])
+>>> float(tf.reduce_sum(y))               # a sum over sharded axes: all-reduced
+192.0
+
+Communication uses explicit cross-device ops among the devices of one mesh dimension
+(an AddN on the group's first device, then copies; concatenations for all-gathers),
+which TensorFlow's eager runtime places and copies between logical devices.
+"""
+import collections
+import logging
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+
+from tf_ophandlers.core import copies
+from tf_ophandlers.core import errors
+from tf_ophandlers.core import scope
+from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import (
+    OffStack, current_stack, next_stack, representation_of, stack_of)
+from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn
+from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
+from tf_ophandlers.handlers.parallel import ParallelHandler
+
+_log = logging.getLogger("tf_ophandlers")
+RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
+_COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multiply,
+            "all": tf.logical_and, "any": tf.logical_or}
+_SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
+_VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+class Mesh(OpHandler):
+    """Shards tensors over a mesh of devices (`dims`: {name: size}, row-major over
+    `devices`) and runs ops SPMD on the local shards.
+
+    >>> mesh = oh.Mesh({"model": 2}, ["CPU:0", "CPU:1"])
+    >>> with mesh:
+    ...     w = tf.Variable(mesh.shard(tf.ones([4, 6]), (None, "model")))  # 4x3 per device
+    ...     y = tf.matmul(tf.ones([2, 4]), w)
+    >>> mesh.layout_of(y), float(y[0, 0])
+    ((None, 'model'), 4.0)
+    """
+
+    transient = False  # variables created under it hold one shard per device
+    returns_off_stack = True  # unpack's shards are ordinary tensors
+    TYPE_NAME = "MESH"
+
+    def __init__(self, dims, devices):
+        dims = list(dims.items()) if isinstance(dims, dict) else list(dims)
+        names = [n for n, _ in dims]
+        sizes = [s for _, s in dims]
+        if not dims or len(set(names)) != len(names) or not all(
+                isinstance(n, str) for n in names):
+            raise ValueError("oh.Mesh: dims must map distinct names to sizes, got %r" % (dims,))
+        if not all(isinstance(s, (int, np.integer)) and s >= 1 for s in sizes):
+            raise ValueError("oh.Mesh: dimension sizes must be positive ints, got %r" % (dims,))
+        devices = list(devices)
+        if int(np.prod(sizes)) != len(devices):
+            raise ValueError("oh.Mesh: a %s mesh needs %d devices, got %d" % (
+                "x".join(map(str, sizes)), int(np.prod(sizes)), len(devices)))
+        try:  # the parallel handler's checks: canonical, known, distinct devices
+            self.devices = ParallelHandler(devices).components
+        except (ValueError, TypeError) as e:
+            raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
+        self.dims = dict(zip(names, [int(s) for s in sizes]))
+        self._index = {n: i for i, n in enumerate(names)}
+        self._coords = [tuple(int(c) for c in np.unravel_index(i, sizes))
+                        for i in range(len(devices))]
+        # For each mesh dimension, each device's group: the devices differing only there.
+        self._groups = {}
+        for n, k in self.dims.items():
+            d = self._index[n]
+            self._groups[n] = [
+                [j for c in range(k) for j in range(len(devices))
+                 if self._coords[j][d] == c and all(
+                     self._coords[j][e] == self._coords[i][e] for e in range(len(sizes))
+                     if e != d)]
+                for i in range(len(devices))]
+        self.fallbacks = collections.Counter()
+        self._local = threading.local()
+
+    def debug_string(self):
+        return "Mesh(%s)" % ", ".join("%s=%d" % kv for kv in self.dims.items())
+
+    # -- the public API --------------------------------------------------------------------
+
+    def shard(self, tensor, layout):
+        """`tensor` (any tensor) as a mesh tensor with `layout` (one mesh dimension name
+        or None per axis); each device keeps only its shard."""
+        return self.relayout(tensor, layout, "shard")
+
+    def relayout(self, tensor, layout, what="relayout"):
+        """`tensor` with a new layout (same values; all-gathers and slices as needed).
+        Differentiable: a tape records it as an Identity."""
+        tensor = tf.convert_to_tensor(tensor)
+        layout = self._checked_layout(layout, tensor.shape, what)
+        with self._scope_for(tensor):
+            self._local.request = (layout, tuple(tensor.shape.as_list()))
+            try:
+                return tf.identity(tensor)
+            finally:
+                self._local.request = None
+
+    def layout_of(self, tensor):
+        """The layout of a mesh tensor or variable (a tuple); None for other tensors."""
+        value = self._value_of(getattr(tensor, "handle", tensor))
+        if value is None:
+            return None
+        if value.var is not None:
+            return value.var.layout
+        return value.layout
+
+    def unpack(self, tensor):
+        """The local shards of a mesh tensor, one ordinary tensor per device."""
+        with self._scope_for(tensor):
+            return copies.parallel_unpack(tensor, len(self.devices))
+
+    def unshard(self, tensor):
+        """The full (unsharded) tensor, on the mesh's first device."""
+        with self._scope_for(tensor):
+            return copies.copy_off(tensor, self.devices[0])
+
+    def shard_variable(self, variable, layout):
+        """Changes a variable's layout in place (each device then holds only its shard);
+        later assignments keep it. For Keras weights created in the mesh's scope."""
+        handle = getattr(variable, "handle", None)
+        value = self._value_of(handle) if handle is not None else None
+        if value is None or value.var is None:
+            raise TypeError("oh.Mesh.shard_variable: %r is not a variable of %s"
+                            % (variable, self.debug_string()))
+        layout = self._checked_layout(layout, variable.shape, "shard_variable")
+        with self._scope_for(handle):
+            self._local.var_request = (value, layout)
+            try:
+                variable.assign(tf.identity(variable))
+            finally:
+                self._local.var_request = None
+        return variable
+
+    # -- helpers for the rules (mesh_rules.py) ------------------------------------------
+
+    def dim_size(self, name):
+        return self.dims[name]
+
+    def coord(self, device_index, name):
+        return self._coords[device_index][self._index[name]]
+
+    def on_device(self, device_index):
+        return scope.on_device(self.devices[device_index])
+
+    def run(self, op, args):
+        """Runs `op` on every device's shards of `args` (MeshValues); a list per output
+        of the per-device results."""
+        below = next_stack()
+        outs = []
+        for i, device in enumerate(self.devices):
+            with scope.on_device(device):
+                outs.append(below.execute(op, [v.shards[i] for v in args]))
+        return list(zip(*outs)) if outs and outs[0] else []
+
+    def map_shards(self, fn, shards):
+        out = []
+        for i, s in enumerate(shards):
+            with self.on_device(i):
+                out.append(fn(s))
+        return out
+
+    def constant(self, value):
+        """A replicated mesh value of a numpy constant."""
+        t = tf.constant(value)
+        below = next_stack()
+        return MeshValue([self._replica(below, t, i) for i in range(len(self.devices))],
+                         (None,) * t.shape.rank, t.shape.as_list())
+
+    def all_reduce(self, shards, dims, kind):
+        """Combines shards over the devices that differ only in the mesh dimensions
+        `dims` (partial sums, maxima, ...): one reduction per group, on the group's first
+        device, whose result every device of the group gets."""
+        shards = list(shards)
+        combine = _COMBINE[kind]
+        groups = self._reduce_groups(frozenset(dims))
+        below = next_stack()
+        for group in groups:
+            with self.on_device(group[0]):
+                parts = [shards[j] for j in group]
+                if combine is None:
+                    total = tf.add_n(parts)
+                else:
+                    total = parts[0]
+                    for p in parts[1:]:
+                        total = combine(total, p)
+            for i in group:
+                shards[i] = total if i == group[0] else self._replica(below, total, i)
+        return shards
+
+    def _reduce_groups(self, dims):
+        groups = self._groups.get(dims)
+        if groups is None:
+            keep = [d for n, d in self._index.items() if n not in dims]
+            by_key = {}
+            for i, c in enumerate(self._coords):
+                by_key.setdefault(tuple(c[d] for d in keep), []).append(i)
+            groups = self._groups[dims] = list(by_key.values())
+        return groups
+
+    def _replica(self, below, tensor, device_index):
+        """`tensor` for device `device_index`: a copy there, except for small tensors
+        (scalars, shapes, axes), which TensorFlow copies where an op uses them."""
+        n = tensor.shape.num_elements()
+        if (n is not None and n <= _SMALL and tensor.dtype != tf.resource
+                and stack_of(tensor) is None):
+            return tensor
+        return self._copy_to(below, tensor, self.devices[device_index])
+
+    def relayout_value(self, value, layout):
+        """`value` (a MeshValue) with `layout`: all-gathers along axes that lose their
+        mesh dimension, then slices along axes that gain one."""
+        layout = tuple(layout)
+        if value.layout == layout:
+            return value
+        shards, cur = list(value.shards), list(value.layout)
+        for a, (m, m2) in enumerate(zip(value.layout, layout)):
+            if m is not None and m != m2:
+                shards = [self._concat([shards[j] for j in self._groups[m][i]], a, i)
+                          for i in range(len(self.devices))]
+                cur[a] = None
+        for a, m2 in enumerate(layout):
+            if m2 is not None and cur[a] is None:
+                n, k = value.shape[a], self.dims[m2]
+                if n is None or n % k:
+                    raise ValueError("oh.Mesh: axis %d of size %s cannot be sharded over mesh "
+                                     "dimension %r of size %d" % (a, n, m2, k))
+                rows = n // k
+                for i in range(len(self.devices)):
+                    c = self._coords[i][self._index[m2]]
+                    with self.on_device(i):
+                        shards[i] = shards[i][(slice(None),) * a + (slice(c * rows, (c + 1) * rows),)]
+                cur[a] = m2
+        return MeshValue(shards, layout, value.shape)
+
+    def gather_full(self, value, device_index=0):
+        """The full tensor of `value` on one device (a next-stack tensor)."""
+        unused = [self._index[n] for n in self.dims if n not in value.layout]
+        live = {i: s for i, s in enumerate(value.shards)
+                if all(self._coords[i][d] == 0 for d in unused)}
+        with self.on_device(device_index):
+            for a, m in enumerate(value.layout):
+                if m is None:
+                    continue
+                d = self._index[m]
+                live = {i: tf.concat([live[j] for j in self._groups[m][i]], a)
+                        for i in live if self._coords[i][d] == 0}
+            (full,) = live.values()
+            return tf.identity(full) if value.replicated and device_index else full
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def needs_copy(self, op, index):  # pylint: disable=method-hidden
+        return op.type != "ParallelPack"
+
+    def value_dtype(self, value):
+        return value.shards[0].dtype
+
+    def num_dims(self, value):
+        return len(value.shape)
+
+    def dim(self, value, index):
+        n = value.shape[index]
+        return -1 if n is None else int(n)
+
+    def static_value(self, value):
+        if value.replicated and value.var is None:
+            return tf.get_static_value(value.shards[0])
+        return None
+
+    def tensor_debug_string(self, value):
+        if value.var is not None:
+            return "MeshVariableHandle(layout=%s)" % (value.var.layout,)
+        return "MeshValue(layout=%s, value=%s)" % (
+            value.layout, np.asarray(self.gather_full(value)) if hasattr(
+                value.shards[0], "numpy") else value.shards[0])
+
+    def copy_on(self, tensor):
+        below = next_stack()
+        found, value = representation_of(self, tensor)
+        if found:  # ours, from an earlier merge
+            return MeshValue([below.copy_on(s) for s in value.shards], value.layout,
+                             value.shape, value.var)
+        shards = [self._replica(below, tensor, i) for i in range(len(self.devices))]
+        shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
+        var = VarInfo(broadcast=True) if tensor.dtype == tf.resource else None
+        return MeshValue(shards, (None,) * len(shape), shape, var)
+
+    def copy_off(self, value, device):
+        if value.var is not None:
+            raise errors.CopyOffError("oh.Mesh: a variable handle of %s cannot be copied off"
+                                      % self.debug_string())
+        return self.gather_full(value)
+
+    def copy_on_grad(self, value, original_device):
+        return self.gather_full(value)
+
+    def function_input(self, value):
+        var = value.var
+        summary = (value.layout, value.shape,
+                   None if var is None else (var.layout, tuple(var.shape or ()), var.broadcast))
+        return summary, list(value.shards)
+
+    def function_output(self, summary, tensors):
+        layout, shape, var = summary
+        if var is not None:
+            var = VarInfo(var[0], var[1], var[2])
+        return MeshValue(tensors, layout, shape, var)
+
+    def execute(self, op, inputs):
+        t = op.type
+        if t == "ParallelPack":
+            return [self._pack(inputs)]
+        if t == "ParallelUnpack":
+            return [OffStack(s) for s in inputs[0].shards]
+        if t == "Identity" and getattr(self._local, "request", None) is not None:
+            layout, shape = self._local.request
+            if inputs[0].shape == shape:
+                self._local.request = None
+                return [self.relayout_value(inputs[0], layout)]
+        if any(v.var is not None for v in inputs) or t == "VarHandleOp":
+            out = self._variable_op(op, inputs)
+        else:
+            rule = RULES.get(t)
+            out = rule(self, op, inputs) if rule is not None else None
+        return out if out is not None else self._fallback(op, inputs)
+
+    # -- variables ------------------------------------------------------------------------
+
+    def _variable_op(self, op, inputs):
+        t = op.type
+        if t == "VarHandleOp":
+            (handles,) = self.run(op, [])
+            return [MeshValue(handles, (), (), VarInfo())]
+        handle = inputs[0]
+        var = handle.var
+        unsupported = NotImplementedError(
+            "oh.Mesh: op %s on a variable has no SPMD rule in %s (for these inputs)"
+            % (t, self.debug_string()))
+        if var is None or any(v.var is not None for v in inputs[1:]):
+            raise unsupported  # never gathered: one device would see only its shard
+        if var.broadcast and (t in _VAR_WRITES or t.startswith("ResourceApply")):
+            raise errors.PlacementError(
+                "oh.Mesh: op %s would write a variable created outside %s once per device; "
+                "create the variable inside the mesh's scope" % (t, self.debug_string()))
+        if t in _VAR_WRITES:
+            value = inputs[1]
+            request = getattr(self._local, "var_request", None)
+            if request is not None and request[0] is handle and t == "AssignVariableOp":
+                var.layout = None
+                value = self.relayout_value(value, request[1])
+            if t == "AssignVariableOp" and (var.layout is None or var.shape != value.shape):
+                var.layout, var.shape = value.layout, value.shape
+                op = op.replace(validate_shape=False)
+            value = self.relayout_value(value, var.layout)
+            self.run(op, [handle, value])
+            return []
+        if t == "ReadVariableOp":
+            (reads,) = self.run(op, [handle])
+            if var.layout is None:  # a host variable, or read before its first assignment
+                return [MeshValue(reads, (None,) * reads[0].shape.rank, reads[0].shape)]
+            return [MeshValue(reads, var.layout, var.shape)]
+        if t == "VariableShape" and var.shape is not None:
+            dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
+            return [self.constant(np.asarray(var.shape, dtype))]
+        if t in ("VarIsInitializedOp", "DestroyResourceOp", "DisableCopyOnRead"):
+            outs = self.run(op, [handle])
+            return [MeshValue(o, (), ()) for o in outs]
+        if t == "ResourceGather":
+            out = RULES[t](self, op, inputs)
+            if out is not None:
+                return out
+        if t.startswith("ResourceApply") and var.layout is not None and not any(
+                v.shape and v.shape != var.shape for v in inputs[1:]):
+            self.run(op, [handle] + [v if not v.shape else self.relayout_value(v, var.layout)
+                                     for v in inputs[1:]])
+            return []
+        raise unsupported
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _fallback(self, op, inputs):
+        """Gathers the inputs, runs the op once on the first device, replicates."""
+        below = next_stack()
+        sharded = [v for v in inputs if not v.replicated]
+        op_def = op_def_registry.get(op.type)
+        if inputs and not sharded and op_def is not None and not op_def.is_stateful:
+            # Replicated inputs of a stateless op: the same result on every device.
+            outs = self.run(op, inputs)
+            return [MeshValue(o, (None,) * o[0].shape.rank, o[0].shape.as_list()) for o in outs]
+        if sharded:
+            self.fallbacks[op.type] += 1
+            if self.fallbacks[op.type] == 1:
+                _log.warning("oh.Mesh: op %s has no SPMD rule for layouts %s; its inputs are "
+                             "gathered to full tensors and its outputs replicated (reported "
+                             "once per op type)", op.type, [v.layout for v in inputs])
+        full = [v.shards[0] if v.replicated else self.gather_full(v) for v in inputs]
+        with scope.on_device(self.devices[0]):
+            outs = below.execute(op, full)
+        result = []
+        for o in outs:
+            shards = [o] + [self._replica(below, o, i) for i in range(1, len(self.devices))]
+            shape = o.shape.as_list() if o.shape.rank is not None else []
+            result.append(MeshValue(shards, (None,) * len(shape), shape))
+        return result
+
+    def _pack(self, tensors):
+        layout = getattr(self._local, "pack_layout", None)
+        below = next_stack()
+        shards = [t.shards[i] if isinstance(t, MeshValue) else self._copy_to(below, t, d)
+                  for i, (d, t) in enumerate(zip(self.devices, tensors))]
+        local = shards[0].shape.as_list()
+        layout = layout or (None,) * len(local)
+        shape = [n * self.dims[m] if m else n for n, m in zip(local, layout)]
+        return MeshValue(shards, layout, shape)
+
+    def pack(self, shards, layout):
+        """A mesh tensor from its local shards (one per device, in device order)."""
+        shards = [tf.convert_to_tensor(s) for s in shards]
+        if len(shards) != len(self.devices):
+            raise ValueError("oh.Mesh.pack: got %d shards for %d devices"
+                             % (len(shards), len(self.devices)))
+        global_shape = [n * self.dims[m] if m else n for n, m in zip(
+            shards[0].shape.as_list(), layout)]
+        layout = self._checked_layout(layout, tf.TensorShape(global_shape), "pack")
+        with self._scope_for(None):
+            self._local.pack_layout = layout
+            try:
+                return copies.parallel_pack(shards)
+            finally:
+                self._local.pack_layout = None
+
+    def _concat(self, parts, axis, device_index):
+        with self.on_device(device_index):
+            return tf.concat(parts, axis)
+
+    @staticmethod
+    def _copy_to(below, tensor, device):
+        with scope.on_device(device):
+            (copy,) = below.execute(Op.cached("Identity", T=tensor.dtype), [tensor])
+        return copy
+
+    def _value_of(self, tensor):
+        if tensor is None:
+            return None
+        found, value = representation_of(self, tensor)
+        return value if found else None
+
+    def _checked_layout(self, layout, shape, what):
+        layout = tuple(layout)
+        shape = tf.TensorShape(shape)
+        if shape.rank is not None and len(layout) != shape.rank:
+            raise ValueError("oh.Mesh.%s: layout %s has %d entries for a tensor of rank %d"
+                             % (what, layout, len(layout), shape.rank))
+        used = [m for m in layout if m is not None]
+        for m in used:
+            if m not in self.dims:
+                raise ValueError("oh.Mesh.%s: %r is not a dimension of %s"
+                                 % (what, m, self.debug_string()))
+        if len(set(used)) != len(used):
+            raise ValueError("oh.Mesh.%s: layout %s uses a mesh dimension twice" % (what, layout))
+        for a, m in enumerate(layout):
+            n = shape[a] if shape.rank is not None else None
+            if m is not None and (n is None or n % self.dims[m]):
+                raise ValueError("oh.Mesh.%s: axis %d of size %s cannot be sharded over mesh "
+                                 "dimension %r of size %d" % (what, a, n, m, self.dims[m]))
+        return layout
+
+    def _scope_for(self, tensor):
+        """A scope where ops run on this mesh: the current one if it holds the mesh, the
+        tensor's stack if it does, else the mesh's own scope."""
+        if any(h is self for h in current_stack().handlers):
+            return _NullScope()
+        stack = stack_of(tensor) if tensor is not None else None
+        if stack is not None and any(h is self for h in stack.handlers):
+            return scope.handler(stack)
+        return scope.handler(self)
+
+
+class _NullScope:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc_info):
+        return False
+

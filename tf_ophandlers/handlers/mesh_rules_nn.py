@@ -1,0 +1,190 @@
+"""SPMD rules of `oh.Mesh` for neural-network ops: biases, softmax, gathers (embeddings
+sharded on the vocabulary), segment sums, convolutions and pooling on the batch axis.
+Same contract as `mesh_rules.py`, whose table `RULES` this module's table extends.
+
+>>> sorted(RULES)[:3]
+['AvgPool', 'AvgPoolGrad', 'BiasAdd']
+"""
+import numpy as np
+import tensorflow as tf
+
+from tf_ophandlers.handlers.mesh_rules import MeshValue, elementwise, outputs, static_input
+
+
+def _bias_add(mesh, op, inputs):
+    if op.attrs.get("data_format", "NHWC") not in ("NHWC", b"NHWC"):
+        return None
+    return elementwise(mesh, op, inputs)
+
+
+def _bias_add_grad(mesh, op, inputs):
+    """The sum over every axis but the last (NHWC)."""
+    (g,) = inputs
+    if op.attrs.get("data_format", "NHWC") not in ("NHWC", b"NHWC") or None in g.shape:
+        return None
+    (shards,) = mesh.run(op, [g])
+    summed = [m for m in g.layout[:-1] if m is not None]
+    if summed:
+        shards = mesh.all_reduce(shards, summed, "sum")
+    return [MeshValue(shards, g.layout[-1:], g.shape[-1:])]
+
+
+def _softmax(mesh, op, inputs):
+    (x,) = inputs
+    x = mesh.relayout_value(x, x.layout[:-1] + (None,))
+    return outputs(mesh.run(op, [x]), x.layout, x.shape)
+
+
+def _gather_sharded_rows(mesh, op, params_layout, params_shape, indices, run_local):
+    """A gather from params whose axis 0 is sharded on mesh dimension m: each device
+    gathers the rows it holds (others masked to zero), then a sum over m."""
+    m = params_layout[0]
+    indices = mesh.relayout_value(indices, tuple(None if l == m else l for l in indices.layout))
+    rows = params_shape[0] // mesh.dim_size(m)
+    starts = [mesh.coord(i, m) * rows for i in range(len(mesh.devices))]
+    local, masks = [], []
+    for i, s in enumerate(indices.shards):
+        with mesh.on_device(i):
+            tf.debugging.assert_less(s, tf.cast(params_shape[0], s.dtype), message=(
+                "oh.Mesh: %s index out of range [0, %d)" % (op.type, params_shape[0])))
+            tf.debugging.assert_non_negative(s, message="oh.Mesh: %s negative index" % op.type)
+            shifted = s - tf.cast(starts[i], s.dtype)
+            inside = tf.logical_and(shifted >= 0, shifted < rows)
+            local.append(tf.where(inside, shifted, tf.zeros_like(shifted)))
+            masks.append(inside)
+    out = run_local(MeshValue(local, indices.layout, indices.shape))
+    shards = []
+    for i, (o, k) in enumerate(zip(out, masks)):
+        with mesh.on_device(i):
+            k = tf.reshape(k, tf.concat([tf.shape(k), tf.ones([len(o.shape) - len(k.shape)],
+                                                                tf.int32)], 0))
+            shards.append(tf.where(k, o, tf.zeros_like(o)))
+    shards = mesh.all_reduce(shards, [m], "sum")
+    layout = indices.layout + tuple(params_layout[1:])
+    return [MeshValue(shards, layout, indices.shape + tuple(params_shape[1:]))]
+
+
+def _gather_layout(params_layout, indices):
+    used = {l for l in params_layout if l}
+    return tuple(None if l in used else l for l in indices.layout)
+
+
+def _gather(mesh, op, inputs):
+    params, indices, axis_v = inputs
+    axis = static_input(mesh, axis_v, "axis", op)
+    if axis is None or op.attrs.get("batch_dims", 0) != 0 or None in params.shape:
+        return None
+    axis = int(axis) % len(params.shape)
+    if params.layout[axis] is not None and axis == 0:
+        return _gather_sharded_rows(
+            mesh, op, params.layout, params.shape, indices,
+            lambda idx: mesh.run(op, [params, idx, axis_v])[0])
+    params = mesh.relayout_value(params, tuple(None if a == axis else l
+                                               for a, l in enumerate(params.layout)))
+    indices = mesh.relayout_value(indices, _gather_layout(params.layout, indices))
+    layout = params.layout[:axis] + indices.layout + params.layout[axis + 1:]
+    shape = params.shape[:axis] + indices.shape + params.shape[axis + 1:]
+    return outputs(mesh.run(op, [params, indices, axis_v]), layout, shape)
+
+
+def _resource_gather(mesh, op, inputs):
+    handle, indices = inputs
+    var = handle.var
+    if op.attrs.get("batch_dims", 0) != 0:
+        return None
+    if var.layout is None or var.shape is None:  # a host variable: the same on every device
+        indices = mesh.relayout_value(indices, (None,) * len(indices.shape))
+        (shards,) = mesh.run(op, [handle, indices])
+        tail = tuple(shards[0].shape.as_list()[len(indices.shape):])
+        return [MeshValue(shards, (None,) * (len(indices.shape) + len(tail)),
+                          indices.shape + tail)]
+    if var.layout[0] is not None:
+        return _gather_sharded_rows(mesh, op, var.layout, var.shape, indices,
+                                    lambda idx: mesh.run(op, [handle, idx])[0])
+    indices = mesh.relayout_value(indices, _gather_layout(var.layout, indices))
+    return outputs(mesh.run(op, [handle, indices]), indices.layout + tuple(var.layout[1:]),
+                indices.shape + tuple(var.shape[1:]))
+
+
+def _unsorted_segment_sum(mesh, op, inputs):
+    """Sums rows into segments (an embedding's gradient made dense): local sums of the
+    rows each device holds, then a sum over the mesh dimensions sharding the rows."""
+    data, ids, num = inputs
+    k = len(ids.shape)
+    n = static_input(mesh, num, "num_segments", op)
+    if n is None or None in data.shape or data.shape[:k] != ids.shape:
+        return None
+    rows = data.layout[:k]
+    used = {m for m in rows if m}
+    rest = tuple(None if m in used else m for m in data.layout[k:])
+    data = mesh.relayout_value(data, rows + rest)
+    ids = mesh.relayout_value(ids, rows)
+    (shards,) = mesh.run(op, [data, ids, num])
+    if used:
+        shards = mesh.all_reduce(shards, sorted(used), "sum")
+    return [MeshValue(shards, (None,) + rest, (int(n),) + data.shape[k:])]
+
+
+def _nhwc(op):
+    fmt = op.attrs.get("data_format", "NHWC")
+    return (fmt.decode() if isinstance(fmt, bytes) else fmt) == "NHWC"
+
+
+def _conv_or_pool(mesh, op, inputs):
+    """Conv2D, pooling and their input gradients on the batch axis: every input with a
+    batch axis keeps only its batch sharding, filters are replicated."""
+    if not _nhwc(op) or any(None in v.shape for v in inputs):
+        return None
+    batched = [i for i, v in enumerate(inputs) if len(v.shape) == 4 and (
+        op.type not in _FILTER_AT or i != _FILTER_AT[op.type])]
+    m = next((inputs[i].layout[0] for i in batched if inputs[i].layout[0]), None)
+    args = []
+    for i, v in enumerate(inputs):
+        if i in batched:
+            args.append(mesh.relayout_value(v, (m,) + (None,) * 3))
+        else:
+            args.append(mesh.relayout_value(v, (None,) * len(v.shape)))
+    shape_at = _SHAPE_AT.get(op.type)
+    out_shape = None
+    if shape_at is not None:  # an input giving the (global) output shape
+        out_shape = static_input(mesh, args[shape_at], "shape", op)
+        if out_shape is None:
+            return None
+        local = np.array(out_shape)
+        if m is not None:
+            local[0] //= mesh.dim_size(m)
+        args[shape_at] = mesh.constant(local.astype(args[shape_at].dtype.as_numpy_dtype))
+    outs = mesh.run(op, args)
+    results = []
+    for shards in outs:
+        shape = list(shards[0].shape.as_list())
+        if m is not None:
+            shape[0] *= mesh.dim_size(m)
+        results.append(MeshValue(shards, (m,) + (None,) * (len(shape) - 1), shape))
+    return results
+
+
+def _conv_filter_grad(mesh, op, inputs):
+    """Conv2DBackpropFilter: per-device batch shards give partial sums of the filter's
+    gradient, summed over the batch's mesh dimension."""
+    x, sizes, dy = inputs
+    if not _nhwc(op) or None in x.shape or None in dy.shape:
+        return None
+    m = x.layout[0] or dy.layout[0]
+    x = mesh.relayout_value(x, (m, None, None, None))
+    dy = mesh.relayout_value(dy, (m, None, None, None))
+    (shards,) = mesh.run(op, [x, sizes, dy])
+    if m is not None:
+        shards = mesh.all_reduce(shards, [m], "sum")
+    return [MeshValue(shards, (None,) * 4, shards[0].shape.as_list())]
+
+
+_FILTER_AT = {"Conv2D": 1, "Conv2DBackpropInput": 1}
+_SHAPE_AT = {"Conv2DBackpropInput": 0, "AvgPoolGrad": 0}
+
+
+RULES = {"BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad, "Softmax": _softmax,
+         "LogSoftmax": _softmax, "GatherV2": _gather, "ResourceGather": _resource_gather,
+         "UnsortedSegmentSum": _unsorted_segment_sum, "Conv2DBackpropFilter": _conv_filter_grad}
+RULES.update({t: _conv_or_pool for t in ("Conv2D", "Conv2DBackpropInput", "MaxPool",
+                                         "MaxPoolGrad", "AvgPool", "AvgPoolGrad")})

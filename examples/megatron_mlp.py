@@ -42,7 +42,7 @@ def megatron_layouts(block):
                     (block.f2.kernel, ("model", None))]
 
 
-def main(steps=10, lr=0.1):
+def main(steps=6, lr=0.1):
     mesh = oh.Mesh({"batch": 2, "model": 2}, ["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     with mesh:  # weights created in the mesh's scope are mesh variables
         model = Block()

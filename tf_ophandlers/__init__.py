@@ -46,6 +46,7 @@ from tf_ophandlers.handlers.shape_inference import ShapeInference, eval_shape  #
 from tf_ophandlers.handlers.trace import TraceAndExecute  # noqa: E402
 from tf_ophandlers.handlers.lazy import Lazy  # noqa: E402
 from tf_ophandlers.handlers.async_execution import Async  # noqa: E402
+from tf_ophandlers.handlers.debugger import DebuggerHandler  # noqa: E402
 from tf_ophandlers import testing  # noqa: E402
 
 __version__ = "0.1.0"
@@ -67,6 +68,7 @@ __all__ = [
     "OpRecord", "CheckNumericsHandler", "GradientTape",
     "ForwardAccumulator", "VectorizedMap", "vectorized_map", "ParallelHandler",
     "ParallelValue", "ParallelVariable", "OffStack", "ShapeInference", "eval_shape", "TraceAndExecute", "Lazy", "Async",
+    "DebuggerHandler",
     "testing", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
     # for handler authors (docs/guide.md, "The handler author's API")

@@ -1,0 +1,287 @@
+"""The tfdbg V2 file set of a dump root and the debug values of tensors (for
+`DebuggerHandler`, handlers/debugger.py).
+
+Everything is written through TensorFlow's own `DebugEventsWriter` and mirrors
+`tensorflow/python/debug/lib/dumping_callback.py` (what
+`tf.debugging.experimental.enable_dump_debug_info` writes): source files and stack frames
+before the events that refer to them, `Execution` events for eager ops,
+`DebuggedGraph`/`GraphOpCreation` events for the ops of replayed functions, and
+`DebugIdentityV2` nodes (TensorFlow's kernel writes their `GraphExecutionTrace`s).
+
+TensorFlow's writer is one C++ object per dump root and process: once closed it cannot be
+reopened (later events are lost). So every handler writing to a dump root shares one
+`DumpFiles` (one tfdbg run id, one list of source files and stack frames, as the reader
+needs), handlers flush when their scope closes, and the files are closed at exit.
+"""
+import atexit
+import os
+import re
+import socket
+import sys
+import threading
+import uuid
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_debug_info_pb2
+from tensorflow.core.framework import tensor_pb2
+from tensorflow.core.protobuf import debug_event_pb2
+from tensorflow.python.debug.lib import debug_events_writer
+from tensorflow.python.debug.lib import op_callbacks_common
+from tensorflow.python.debug.lib import source_utils
+from tensorflow.python.framework import tensor_util
+
+from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.op import Op
+
+MODES = debug_event_pb2.TensorDebugMode
+NO_TENSOR = MODES.NO_TENSOR
+CURT_HEALTH = MODES.CURT_HEALTH
+CONCISE_HEALTH = MODES.CONCISE_HEALTH
+FULL_HEALTH = MODES.FULL_HEALTH
+SHAPE = MODES.SHAPE
+FULL_TENSOR = MODES.FULL_TENSOR
+SUPPORTED_MODES = ("NO_TENSOR", "CURT_HEALTH", "CONCISE_HEALTH", "FULL_HEALTH", "SHAPE",
+                   "FULL_TENSOR")
+HEALTH_MODES = frozenset((CURT_HEALTH, CONCISE_HEALTH, FULL_HEALTH))
+
+# Ops TensorFlow's dumping callback neither records eagerly nor instruments in graphs
+# (op_callbacks_common.OP_CALLBACK_SKIP_OPS), plus the summary op itself.
+SKIP_OPS = frozenset(t.decode() for t in op_callbacks_common.OP_CALLBACK_SKIP_OPS)
+SKIP_EAGER = SKIP_OPS | {"DebugNumericSummaryV2"}
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def parse_mode(tensor_debug_mode):
+    """The TensorDebugMode enum of a mode name, or a ValueError naming the handler."""
+    if not isinstance(tensor_debug_mode, str) or tensor_debug_mode not in SUPPORTED_MODES:
+        raise ValueError(
+            "DebuggerHandler: invalid tensor_debug_mode %r; valid modes are %s (as for "
+            "tf.debugging.experimental.enable_dump_debug_info)"
+            % (tensor_debug_mode, ", ".join(SUPPORTED_MODES)))
+    return MODES.Value(tensor_debug_mode)
+
+
+class TensorFilter:
+    """`op_regex` and `tensor_dtypes` of `enable_dump_debug_info`: which outputs get a
+    debug value (the events are written for every op either way)."""
+
+    def __init__(self, op_regex, tensor_dtypes):
+        if op_regex is not None:
+            try:
+                op_regex = re.compile(op_regex)
+            except (re.error, TypeError) as e:
+                raise ValueError("DebuggerHandler: invalid op_regex %r: %s" % (op_regex, e)) \
+                    from None
+        self.op_regex = op_regex
+        if tensor_dtypes is not None:
+            if isinstance(tensor_dtypes, (list, tuple)):
+                tensor_dtypes = frozenset(tf.as_dtype(d) for d in tensor_dtypes)
+            elif not callable(tensor_dtypes):
+                raise ValueError(
+                    "DebuggerHandler: tensor_dtypes must be a list, a tuple or a callable "
+                    "taking a DType, not %r" % (tensor_dtypes,))
+        self.tensor_dtypes = tensor_dtypes
+        self._ops = {}
+
+    def op_matches(self, op_type):
+        hit = self._ops.get(op_type)
+        if hit is None:
+            hit = self._ops[op_type] = (self.op_regex is None
+                                        or self.op_regex.match(op_type) is not None)
+        return hit
+
+    def dumps(self, op_type, dtype):
+        if not self.op_matches(op_type):
+            return False
+        dtypes = self.tensor_dtypes
+        if dtypes is None:
+            return True
+        if isinstance(dtypes, frozenset):
+            return dtype in dtypes
+        return bool(dtypes(dtype))
+
+
+def summarized(mode, dtype):
+    """Whether `mode` computes a DebugNumericSummaryV2 of a `dtype` tensor (TensorFlow's
+    rule: floating-point for the health modes; also integers and booleans for SHAPE)."""
+    if mode in HEALTH_MODES:
+        return dtype.is_floating
+    return dtype.is_floating or dtype.is_integer or dtype.is_bool
+
+
+def summary_op(mode, dtype, tensor_id=-1):
+    return Op.cached("DebugNumericSummaryV2", T=dtype, output_dtype=tf.float64,
+                     tensor_debug_mode=int(mode), tensor_id=int(tensor_id))
+
+
+def eager_tensor_protos(mode, op_type, outputs, tensor_filter, next_stack):
+    """The `tensor_protos` of an eager op's Execution event (`_dump_eager_tensors`): one
+    per dumped output, a summary computed by TensorFlow's kernel on the next stack, the
+    full value, or an empty placeholder for outputs the mode does not summarize."""
+    protos = []
+    for t in outputs:
+        dtype = t.dtype
+        if not (tensor_filter.dumps(op_type, dtype) and dtype.is_numpy_compatible):
+            continue
+        if mode == FULL_TENSOR:
+            protos.append(tensor_util.make_tensor_proto(t.numpy()))
+        elif summarized(mode, dtype):
+            (summary,) = next_stack.execute(summary_op(mode, dtype), [t])
+            protos.append(tensor_util.make_tensor_proto(summary.numpy()))
+        else:
+            protos.append(tensor_pb2.TensorProto())
+    return protos
+
+
+class DumpFiles:
+    """The DebugEvents file set of one dump root in this process."""
+
+    def __init__(self, dump_root, circular_buffer_size):
+        self.dump_root = dump_root
+        self.run_id = str(uuid.uuid4())[:8]
+        self.circular_buffer_size = circular_buffer_size
+        self.writer = debug_events_writer.DebugEventsWriter(
+            dump_root, self.run_id, circular_buffer_size=circular_buffer_size)
+        self.host = socket.gethostname()
+        self.debug_urls = ["file://" + dump_root]
+        self._lock = threading.Lock()
+        self._files = {}    # absolute path -> index in the .source_files file
+        self._frames = {}   # (code or path, line, function) -> stack frame id
+        self._devices = {}  # device name -> id
+        self._tensor_ids = 0
+        self._graph_ops = set()  # (graph id, op name) written
+        self._abspaths = BoundedCache("debugger.abspaths", 4096)
+
+    # -- source files and stack frames ---------------------------------------------------
+
+    def _file_index(self, path):
+        index = self._files.get(path)
+        if index is None:
+            lines = None
+            if source_utils.is_extension_uncompiled_python_source(path):
+                try:
+                    lines, _ = source_utils.load_source(path)
+                except (IOError, OSError, UnicodeDecodeError):
+                    lines = None
+            self.writer.WriteSourceFile(debug_event_pb2.SourceFile(
+                file_path=path, host_name=self.host, lines=lines))
+            index = self._files[path] = len(self._files)
+        return index
+
+    def _frame_id(self, key, filename, lineno, func):
+        with self._lock:
+            frame_id = self._frames.get(key)
+            if frame_id is None:
+                path = self._abspaths.get(filename)
+                if path is None:
+                    path = self._abspaths[filename] = os.path.abspath(filename)
+                frame_id = str(uuid.uuid4())
+                self.writer.WriteStackFrameWithId(debug_event_pb2.StackFrameWithId(
+                    id=frame_id, file_line_col=graph_debug_info_pb2.GraphDebugInfo.FileLineCol(
+                        file_index=self._file_index(path), line=lineno, func=func)))
+                self._frames[key] = frame_id
+            return frame_id
+
+    def code_location_here(self, outside_package=False):
+        """The CodeLocation of the caller's Python stack (outermost frame first), without
+        the innermost frames of this package (the dispatcher and the handlers' hooks);
+        with `outside_package`, from the caller of the outermost frame of this package
+        (the user's call that a replay or a handler's own work started from)."""
+        frame = sys._getframe(1)  # pylint: disable=protected-access
+        if outside_package:
+            outermost = None
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+                    outermost = frame
+                frame = frame.f_back
+            frame = outermost.f_back if outermost is not None else sys._getframe(1)  # pylint: disable=protected-access
+        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            frame = frame.f_back
+        ids = []
+        frames = self._frames
+        while frame is not None:
+            code = frame.f_code
+            key = (code, frame.f_lineno)
+            frame_id = frames.get(key)
+            if frame_id is None:
+                frame_id = self._frame_id(key, code.co_filename, frame.f_lineno, code.co_name)
+            ids.append(frame_id)
+            frame = frame.f_back
+        ids.reverse()
+        return debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids)
+
+    def code_location_of(self, frames):
+        """The CodeLocation of FrameSummary-like `frames` (a graph node's traceback)."""
+        ids = [self._frame_id((f.filename, f.lineno, f.name), f.filename, f.lineno, f.name)
+               for f in frames]
+        return debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids)
+
+    # -- ids -------------------------------------------------------------------------------
+
+    def device_id(self, device):
+        device_id = self._devices.get(device)
+        if device_id is None:
+            device_id = self._devices[device] = self.writer.RegisterDeviceAndGetId(device)
+        return device_id
+
+    def symbolic_tensor_ids(self, n):
+        with self._lock:
+            first = self._tensor_ids + 1
+            self._tensor_ids += n
+        return list(range(first, first + n))
+
+    def new_graph(self, name, outer_graph_id=None):
+        """Writes a DebuggedGraph; returns its id."""
+        graph_id = str(uuid.uuid4())
+        self.writer.WriteDebuggedGraph(debug_event_pb2.DebuggedGraph(
+            graph_id=graph_id, graph_name=name, outer_context_id=outer_graph_id))
+        return graph_id
+
+    def first_creation(self, graph_id, op_name):
+        """Whether the creation of `op_name` in graph `graph_id` is not written yet (a
+        replay sees the ops of branches and loop bodies twice: a probe, then the body)."""
+        key = (graph_id, op_name)
+        with self._lock:
+            if key in self._graph_ops:
+                return False
+            self._graph_ops.add(key)
+            return True
+
+    def flush(self):
+        self.writer.FlushNonExecutionFiles()
+        self.writer.FlushExecutionFiles()
+
+
+_open = {}  # absolute dump root -> DumpFiles
+_open_lock = threading.Lock()
+
+
+def dump_files(dump_root, circular_buffer_size):
+    """The DumpFiles of `dump_root`, opened on first use."""
+    if not isinstance(dump_root, (str, os.PathLike)) or not os.fspath(dump_root):
+        raise ValueError("DebuggerHandler: dump_root must be a non-empty path, not %r"
+                         % (dump_root,))
+    root = os.path.abspath(os.fspath(dump_root))
+    with _open_lock:
+        files = _open.get(root)
+        if files is None:
+            files = _open[root] = DumpFiles(root, circular_buffer_size)
+        elif files.circular_buffer_size != circular_buffer_size:
+            raise ValueError(
+                "DebuggerHandler: dump root %s is already written with circular_buffer_size="
+                "%d in this process; TensorFlow's writer keeps one file set per dump root, "
+                "so circular_buffer_size=%d cannot be honored (use another dump_root)"
+                % (root, files.circular_buffer_size, circular_buffer_size))
+    return files
+
+
+@atexit.register
+def _close_all():
+    with _open_lock:
+        for files in _open.values():
+            try:
+                files.writer.Close()
+            except Exception:  # pylint: disable=broad-except
+                pass
+        _open.clear()

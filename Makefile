@@ -12,7 +12,7 @@ $(VPY):
 	$(VPY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
-	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib setuptools wheel
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib tensorboard setuptools wheel
 	$(VPY) -m pip install -q --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -281,3 +281,65 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
     oh.DebuggerHandler(str(tmp_path), circular_buffer_size=10)
     with pytest.raises(ValueError, match="DebuggerHandler: dump root .* circular_buffer_size"):
         oh.DebuggerHandler(str(tmp_path), circular_buffer_size=20)
+
+
+def _free_port():
+    import socket  # pylint: disable=import-outside-toplevel
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url):
+    import urllib.request  # pylint: disable=import-outside-toplevel
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read().decode())
+
+
+def test_tensorboard_debugger_plugin_lists_the_run(tmp_path):
+    pytest.importorskip("tensorboard.plugins.debugger_v2")
+    import time  # pylint: disable=import-outside-toplevel
+    import urllib.error  # pylint: disable=import-outside-toplevel
+    root = str(tmp_path / "dump")
+    f = tf.function(lambda t: tf.reduce_sum(tf.sqrt(t)))
+    with oh.DebuggerHandler(root, tensor_debug_mode="FULL_HEALTH"):
+        tf.math.log(tf.constant([-1.0, 1.0]))    # NaN: an alert
+        f(tf.constant([1.0, 4.0]))
+    port = _free_port()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    log = tmp_path / "tensorboard.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", root, "--host",
+             "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    plugin = "http://127.0.0.1:%d/data/plugin/debugger-v2" % port
+    run = "__default_debugger_run__"
+    try:
+        deadline = time.time() + 120
+        runs, digests, alerts = {}, {}, {}
+        while time.time() < deadline:
+            assert server.poll() is None, log.read_text()[-3000:]
+            try:
+                runs = _get_json(plugin + "/runs")
+                if run in runs:
+                    query = "?run=%s&begin=0&end=-1" % run
+                    digests = _get_json(plugin + "/execution/digests" + query)
+                    alerts = _get_json(plugin + "/alerts" + query)
+                    if digests.get("num_digests") == 2 and alerts.get("num_alerts"):
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        assert run in runs, runs
+        assert [d["op_type"] for d in digests["execution_digests"]] == [
+            "Log", f.get_concrete_function(tf.constant([1.0, 4.0])).name.decode()]
+        assert alerts["num_alerts"] == 1 and alerts["alerts"][0]["op_type"] == "Log"
+        traces = _get_json(plugin + "/graph_execution/digests?run=%s&begin=0&end=-1" % run)
+        assert [d["op_type"] for d in traces["graph_execution_digests"]] == ["Sqrt", "Sum"]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=20)

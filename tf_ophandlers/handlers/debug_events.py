@@ -25,6 +25,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_debug_info_pb2
 from tensorflow.core.framework import tensor_pb2
 from tensorflow.core.protobuf import debug_event_pb2
+from tensorflow.python.client import _pywrap_debug_events_writer
 from tensorflow.python.debug.lib import debug_events_writer
 from tensorflow.python.debug.lib import op_callbacks_common
 from tensorflow.python.debug.lib import source_utils
@@ -152,6 +153,9 @@ class DumpFiles:
         self._tensor_ids = 0
         self._graph_ops = set()  # (graph id, op name) written
         self._abspaths = BoundedCache("debugger.abspaths", 4096)
+        # (code, line) of every frame of a Python stack -> its CodeLocation (a loop's ops
+        # repeat a few stacks); the frame ids stay in _frames.
+        self._locations = BoundedCache("debugger.code_locations", 4096)
 
     # -- source files and stack frames ---------------------------------------------------
 
@@ -198,18 +202,25 @@ class DumpFiles:
             frame = outermost.f_back if outermost is not None else sys._getframe(1)  # pylint: disable=protected-access
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
             frame = frame.f_back
-        ids = []
-        frames = self._frames
+        keys = []
+        append = keys.append
         while frame is not None:
-            code = frame.f_code
-            key = (code, frame.f_lineno)
-            frame_id = frames.get(key)
-            if frame_id is None:
-                frame_id = self._frame_id(key, code.co_filename, frame.f_lineno, code.co_name)
-            ids.append(frame_id)
+            append((frame.f_code, frame.f_lineno))
             frame = frame.f_back
-        ids.reverse()
-        return debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids)
+        keys = tuple(keys)
+        location = self._locations.get(keys)
+        if location is None:
+            frames = self._frames
+            ids = []
+            for key in reversed(keys):
+                frame_id = frames.get(key)
+                if frame_id is None:
+                    code, lineno = key
+                    frame_id = self._frame_id(key, code.co_filename, lineno, code.co_name)
+                ids.append(frame_id)
+            location = debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids)
+            self._locations[keys] = location
+        return location
 
     def code_location_of(self, frames):
         """The CodeLocation of FrameSummary-like `frames` (a graph node's traceback)."""
@@ -247,6 +258,11 @@ class DumpFiles:
                 return False
             self._graph_ops.add(key)
             return True
+
+    def write_execution_event(self, event):
+        """Writes a DebugEvent holding an Execution (DebugEventsWriter.WriteExecution
+        without building the DebugEvent around it again)."""
+        _pywrap_debug_events_writer.WriteExecution(self.dump_root, event)
 
     def flush(self):
         self.writer.FlushNonExecutionFiles()

@@ -343,3 +343,15 @@ def test_tensorboard_debugger_plugin_lists_the_run(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(timeout=20)
+
+
+def test_handlers_sharing_a_dump_root_keep_their_modes(tmp_path):
+    x = tf.constant([1.0, -1.0])
+    for mode in ("NO_TENSOR", "FULL_HEALTH", "NO_TENSOR"):
+        with oh.DebuggerHandler(str(tmp_path), tensor_debug_mode=mode):
+            tf.sqrt(x)  # the same line, so the same Python stack, each time
+    executions = _reader(str(tmp_path)).executions()
+    modes = [e.tensor_debug_mode for e in executions]
+    assert modes == [1, 4, 1]  # TensorDebugMode: NO_TENSOR = 1, FULL_HEALTH = 4
+    assert [len(e.debug_tensor_values or []) for e in executions] == [0, 1, 0]
+    assert executions[1].debug_tensor_values[0][7] == 1.0  # one NaN

@@ -153,9 +153,10 @@ class DumpFiles:
         self._tensor_ids = 0
         self._graph_ops = set()  # (graph id, op name) written
         self._abspaths = BoundedCache("debugger.abspaths", 4096)
-        # (code, line) of every frame of a Python stack -> its CodeLocation (a loop's ops
-        # repeat a few stacks); the frame ids stay in _frames.
-        self._locations = BoundedCache("debugger.code_locations", 4096)
+        # (code, line) of every frame of a Python stack -> [its CodeLocation, the eager
+        # Execution events prebuilt for it] (a loop's ops repeat a few stacks); the frame
+        # ids stay in _frames.
+        self._locations = BoundedCache("debugger.code_locations", 2048)
 
     # -- source files and stack frames ---------------------------------------------------
 
@@ -188,11 +189,18 @@ class DumpFiles:
             return frame_id
 
     def code_location_here(self, outside_package=False):
+        """See `stack_here`: the CodeLocation alone."""
+        return self.stack_here(outside_package, 1)[0]
+
+    def stack_here(self, outside_package=False, depth=0):
         """The CodeLocation of the caller's Python stack (outermost frame first), without
         the innermost frames of this package (the dispatcher and the handlers' hooks);
         with `outside_package`, from the caller of the outermost frame of this package
-        (the user's call that a replay or a handler's own work started from)."""
-        frame = sys._getframe(1)  # pylint: disable=protected-access
+        (the user's call that a replay or a handler's own work started from).
+
+        Returns `[location, templates]`, cached per stack: `templates` is a dict where
+        callers keep events prebuilt for that stack (a loop's ops repeat a few stacks)."""
+        frame = sys._getframe(1 + depth)  # pylint: disable=protected-access
         if outside_package:
             outermost = None
             while frame is not None:
@@ -218,7 +226,8 @@ class DumpFiles:
                     code, lineno = key
                     frame_id = self._frame_id(key, code.co_filename, lineno, code.co_name)
                 ids.append(frame_id)
-            location = debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids)
+            location = [debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids),
+                        {}]
             self._locations[keys] = location
         return location
 

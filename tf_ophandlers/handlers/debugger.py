@@ -90,17 +90,27 @@ class DebuggerHandler(OpHandler):
 
     def _eager_op(self, op, inputs, outputs):
         files, mode = self.files, self.tensor_debug_mode
-        # Built in place in its DebugEvent (what DebugEventsWriter.WriteExecution would
-        # wrap it in): the per-op cost is mostly protobuf copies.
-        event = debug_event_pb2.DebugEvent(wall_time=time.time())
+        # The event is a copy of one prebuilt per (stack, op type, output devices, mode), with
+        # the time and tensor ids set: the per-op cost is mostly protobuf work.
+        location, templates = files.stack_here()
+        devices = tuple([t.device for t in outputs])
+        key = (op.type, devices, mode)  # handlers of one dump root share the stacks
+        template = templates.get(key)
+        if template is None:
+            template = debug_event_pb2.DebugEvent()
+            execution = template.execution
+            execution.op_type = op.type
+            execution.num_outputs = len(outputs)
+            execution.output_tensor_device_ids.extend([files.device_id(d) for d in devices])
+            execution.tensor_debug_mode = mode
+            execution.code_location.CopyFrom(location)
+            templates[key] = template
+        event = debug_event_pb2.DebugEvent()
+        event.CopyFrom(template)
+        event.wall_time = time.time()
         execution = event.execution
-        execution.op_type = op.type
-        execution.num_outputs = len(outputs)
         execution.input_tensor_ids.extend([t._id for t in inputs])  # pylint: disable=protected-access
         execution.output_tensor_ids.extend([t._id for t in outputs])  # pylint: disable=protected-access
-        execution.output_tensor_device_ids.extend([files.device_id(t.device) for t in outputs])
-        execution.tensor_debug_mode = mode
-        execution.code_location.CopyFrom(files.code_location_here())
         if mode != de.NO_TENSOR:
             try:
                 execution.tensor_protos.extend(de.eager_tensor_protos(

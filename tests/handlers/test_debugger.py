@@ -263,6 +263,11 @@ def test_op_regex_and_dtypes_filter_values_not_events(tmp_path):
     reader = _reader(str(tmp_path))
     executions = reader.executions()
     assert [e.op_type for e in executions] == ["Sin", "Cos", "Cast"]
+    _, frames = reader.read_execution_stack_trace(executions[1])
+    assert (frames[-1][0], frames[-1][2]) != (__file__, "test_op_regex_and_dtypes_filter_values_not_events")
+    assert any(f[0] == __file__ and f[2] == "test_op_regex_and_dtypes_filter_values_not_events"
+               for f in frames)  # the user's line, under TensorFlow's own frames
+    assert not any("tf_ophandlers" + os.sep in f[0] for f in frames)  # no dispatcher frames
     assert_close(reader.execution_to_tensor_values(executions[0])[0], np.sin([1.0, 2.0]))
     assert reader.execution_to_tensor_values(executions[1]) == []
     assert reader.execution_to_tensor_values(executions[2]) == []  # int32: not listed

@@ -148,7 +148,8 @@ class DumpFiles:
         self.debug_urls = ["file://" + dump_root]
         self._lock = threading.Lock()
         self._files = {}    # absolute path -> index in the .source_files file
-        self._frames = {}   # (code or path, line, function) -> stack frame id
+        self._frames = {}   # (id of code, line) or (path, line, function) -> frame id
+        self._codes = {}    # id -> code object of the frames in _frames (kept alive)
         self._devices = {}  # device name -> id
         self._tensor_ids = 0
         self._graph_ops = set()  # (graph id, op name) written
@@ -181,7 +182,10 @@ class DumpFiles:
                 path = self._abspaths.get(filename)
                 if path is None:
                     path = self._abspaths[filename] = os.path.abspath(filename)
-                frame_id = str(uuid.uuid4())
+                # Short ids (TensorFlow uses uuid4s): an eager event repeats one per frame
+                # of its stack, so they are most of its bytes. Unique in the file set,
+                # which only this object writes.
+                frame_id = "%x" % len(self._frames)
                 self.writer.WriteStackFrameWithId(debug_event_pb2.StackFrameWithId(
                     id=frame_id, file_line_col=graph_debug_info_pb2.GraphDebugInfo.FileLineCol(
                         file_index=self._file_index(path), line=lineno, func=func)))
@@ -207,25 +211,32 @@ class DumpFiles:
                 if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
                     outermost = frame
                 frame = frame.f_back
-            frame = outermost.f_back if outermost is not None else sys._getframe(1)  # pylint: disable=protected-access
+            frame = (outermost.f_back if outermost is not None
+                     else sys._getframe(1 + depth))  # pylint: disable=protected-access
         while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
             frame = frame.f_back
+        # The key: id and line of each frame's code, flat (ints hash fast; a code
+        # object's own hash is recomputed from its contents at every call). The code
+        # objects are kept alive by `_codes`, so their ids are never reused.
+        start = frame
         keys = []
         append = keys.append
         while frame is not None:
-            append((frame.f_code, frame.f_lineno))
+            append(id(frame.f_code))
+            append(frame.f_lineno)
             frame = frame.f_back
         keys = tuple(keys)
         location = self._locations.get(keys)
         if location is None:
-            frames = self._frames
             ids = []
-            for key in reversed(keys):
-                frame_id = frames.get(key)
-                if frame_id is None:
-                    code, lineno = key
-                    frame_id = self._frame_id(key, code.co_filename, lineno, code.co_name)
-                ids.append(frame_id)
+            frame = start
+            while frame is not None:
+                code, lineno = frame.f_code, frame.f_lineno
+                self._codes[id(code)] = code
+                ids.append(self._frame_id((id(code), lineno), code.co_filename, lineno,
+                                          code.co_name))
+                frame = frame.f_back
+            ids.reverse()
             location = [debug_event_pb2.CodeLocation(host_name=self.host, stack_frame_ids=ids),
                         {}]
             self._locations[keys] = location

@@ -360,3 +360,36 @@ def test_handlers_sharing_a_dump_root_keep_their_modes(tmp_path):
     assert modes == [1, 4, 1]  # TensorDebugMode: NO_TENSOR = 1, FULL_HEALTH = 4
     assert [len(e.debug_tensor_values or []) for e in executions] == [0, 1, 0]
     assert executions[1].debug_tensor_values[0][7] == 1.0  # one NaN
+
+
+def test_dtypes_without_a_summary_kernel_are_summarized_widened(tmp_path):
+    float8 = tf.dtypes.experimental.float8_e4m3fn
+    f = tf.function(lambda t: tf.cast(t * 2.0, float8))
+    with oh.DebuggerHandler(str(tmp_path), tensor_debug_mode="CONCISE_HEALTH"):
+        eager = tf.cast(tf.constant([1.0, np.nan, np.inf]), float8)
+        traced = f(tf.constant([np.nan, 1.0]))
+    assert eager.dtype == traced.dtype == float8
+    reader = _reader(str(tmp_path))
+    cast = reader.executions()[0]
+    assert cast.op_type == "Cast"
+    # CONCISE_HEALTH: [id, size, -inf, +inf, nan]; float8_e4m3fn has no Inf (it saturates
+    # to NaN), so TensorFlow's cast gives two NaNs.
+    assert cast.debug_tensor_values[0][1:] == [3.0, 0.0, 0.0, 2.0]
+    trace = next(t for t in reader.graph_execution_traces() if t.op_type == "Cast")
+    assert list(trace.debug_tensor_value[1:]) == [2.0, 0.0, 0.0, 1.0]
+
+
+class _RefusingSummaries(oh.OpHandler):
+    def execute(self, op, inputs):
+        if op.type == "DebugNumericSummaryV2":
+            raise tf.errors.InvalidArgumentError(None, None, "no summaries here")
+        return self.next.execute(op, inputs)
+
+
+def test_a_failing_summary_names_the_handler_the_mode_and_the_op(tmp_path):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="DebuggerHandler: cannot compute the SHAPE debug values of op "
+                             "Sin: no summaries here"):
+        with _RefusingSummaries():
+            with oh.DebuggerHandler(str(tmp_path), tensor_debug_mode="SHAPE"):
+                tf.sin(tf.constant(1.0))

@@ -111,9 +111,36 @@ def summarized(mode, dtype):
     return dtype.is_floating or dtype.is_integer or dtype.is_bool
 
 
-def summary_op(mode, dtype, tensor_id=-1):
-    return Op.cached("DebugNumericSummaryV2", T=dtype, output_dtype=tf.float64,
-                     tensor_debug_mode=int(mode), tensor_id=int(tensor_id))
+_kernel_dtypes = []  # the dtypes DebugNumericSummaryV2 has kernels for (on first use)
+
+
+def _summarizable(dtype):
+    if not _kernel_dtypes:
+        from tensorflow.python.framework import kernels  # pylint: disable=import-outside-toplevel
+        found = set()
+        for kernel in kernels.get_registered_kernels_for_op("DebugNumericSummaryV2").kernel:
+            for constraint in kernel.constraint:
+                if constraint.name == "T":
+                    found.update(constraint.allowed_values.list.type)
+        _kernel_dtypes.append(frozenset(found))
+    return dtype.as_datatype_enum in _kernel_dtypes[0]
+
+
+def summarize(stack, mode, value, tensor_id=-1):
+    """The DebugNumericSummaryV2 of `value` computed on `stack`. A dtype the kernel does
+    not take (float8 variants, some unsigned integers) is summarized as float32 or int64
+    (casts keep NaN, Inf and the shape; FULL_HEALTH's dtype field then names that dtype),
+    where TensorFlow's callback would fail."""
+    dtype = value.dtype
+    if not _summarizable(dtype):
+        wide = tf.float32 if dtype.is_floating else tf.int64
+        (value,) = stack.execute(Op.cached("Cast", SrcT=dtype, DstT=wide, Truncate=False),
+                                 [value])
+        dtype = wide
+    (summary,) = stack.execute(Op.cached(
+        "DebugNumericSummaryV2", T=dtype, output_dtype=tf.float64,
+        tensor_debug_mode=int(mode), tensor_id=int(tensor_id)), [value])
+    return summary
 
 
 def eager_tensor_protos(mode, op_type, outputs, tensor_filter, next_stack):
@@ -128,7 +155,7 @@ def eager_tensor_protos(mode, op_type, outputs, tensor_filter, next_stack):
         if mode == FULL_TENSOR:
             protos.append(tensor_util.make_tensor_proto(t.numpy()))
         elif summarized(mode, dtype):
-            (summary,) = next_stack.execute(summary_op(mode, dtype), [t])
+            summary = summarize(next_stack, mode, t)
             protos.append(tensor_util.make_tensor_proto(summary.numpy()))
         else:
             protos.append(tensor_pb2.TensorProto())

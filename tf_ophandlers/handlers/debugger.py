@@ -160,7 +160,7 @@ class DebuggerHandler(OpHandler):
         else:
             if not de.summarized(mode, dtype):
                 return
-            (traced,) = nxt.execute(de.summary_op(mode, dtype, tensor_id), [out])
+            traced = de.summarize(nxt, mode, out, tensor_id)
         files = self.files
         nxt.execute(Op.create(
             "DebugIdentityV2", T=traced.dtype, tfdbg_context_id=graph_id, op_name=op_name,

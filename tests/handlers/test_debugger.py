@@ -393,3 +393,26 @@ def test_a_failing_summary_names_the_handler_the_mode_and_the_op(tmp_path):
         with _RefusingSummaries():
             with oh.DebuggerHandler(str(tmp_path), tensor_debug_mode="SHAPE"):
                 tf.sin(tf.constant(1.0))
+
+
+def test_saved_model_function_calls_are_traced(tmp_path):
+    module = tf.Module()
+    module.w = tf.Variable([[2.0], [-1.0]])
+    module.f = tf.function(lambda x: tf.nn.softplus(tf.matmul(x, module.w)),
+                           input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    tf.saved_model.save(module, str(tmp_path / "model"))
+    loaded = tf.saved_model.load(str(tmp_path / "model"))
+    x = tf.constant([[1.0, 3.0], [0.5, 0.5]])
+    expected = loaded.f(x)
+    root = str(tmp_path / "dump")
+    with oh.DebuggerHandler(root, tensor_debug_mode="FULL_TENSOR"):
+        got = [loaded.f(x), loaded.f(x[:1])]
+    assert_close(got[0], expected)
+    assert_close(got[1], expected[:1])
+    reader = _reader(root)
+    calls = [e for e in reader.executions() if e.graph_id]
+    assert len(calls) == 2
+    traces = [t for t in reader.graph_execution_traces(digest=True)
+              if t.op_type == "Softplus"]
+    assert [reader.graph_execution_trace_to_tensor_value(t).shape for t in traces] == [
+        (2, 1), (1, 1)]  # each call's own values

@@ -150,6 +150,12 @@ def test_function_called_three_times_matches_enable_dump_debug_info(programs, tf
     # the cond branch each call took.
     assert ours["traces"] == sorted(
         t for t in theirs["traces"] if t not in _NOT_SEEN_BY_HANDLERS)
+    # CURT_HEALTH's first element is the symbolic tensor id the op's creation recorded
+    # (the cond branches and the loop body are seen twice while replaying).
+    reader = _reader(str(tmp_path))
+    traces = reader.graph_execution_traces()
+    assert traces and all(t.debug_tensor_value[0] == reader.graph_execution_trace_to_tensor_id(t)
+                          for t in traces)
 
 
 def test_reader_shows_graph_ops_and_three_executions(tmp_path):

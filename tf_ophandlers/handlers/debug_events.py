@@ -179,7 +179,7 @@ class DumpFiles:
         self._codes = {}    # id -> code object of the frames in _frames (kept alive)
         self._devices = {}  # device name -> id
         self._tensor_ids = 0
-        self._graph_ops = set()  # (graph id, op name) written
+        self._graph_ops = {}  # (graph id, op name) written -> its output tensor ids
         self._abspaths = BoundedCache("debugger.abspaths", 4096)
         # (code, line) of every frame of a Python stack -> [its CodeLocation, the eager
         # Execution events prebuilt for it] (a loop's ops repeat a few stacks); the frame
@@ -283,11 +283,20 @@ class DumpFiles:
             device_id = self._devices[device] = self.writer.RegisterDeviceAndGetId(device)
         return device_id
 
-    def symbolic_tensor_ids(self, n):
+    def graph_op_tensor_ids(self, graph_id, op_name, n):
+        """(the symbolic tensor ids of the `n` outputs of graph op `op_name`, whether its
+        creation is still to be written). A replay sees the ops of branches and loop
+        bodies twice (a probe, then the body), a callee inlined twice twice: the op is
+        written once and its outputs keep their ids."""
+        key = (graph_id, op_name)
         with self._lock:
-            first = self._tensor_ids + 1
+            ids = self._graph_ops.get(key)
+            if ids is not None:
+                return ids, False
+            ids = self._graph_ops[key] = list(range(self._tensor_ids + 1,
+                                                    self._tensor_ids + 1 + n))
             self._tensor_ids += n
-        return list(range(first, first + n))
+            return ids, True
 
     def new_graph(self, name, outer_graph_id=None):
         """Writes a DebuggedGraph; returns its id."""
@@ -295,16 +304,6 @@ class DumpFiles:
         self.writer.WriteDebuggedGraph(debug_event_pb2.DebuggedGraph(
             graph_id=graph_id, graph_name=name, outer_context_id=outer_graph_id))
         return graph_id
-
-    def first_creation(self, graph_id, op_name):
-        """Whether the creation of `op_name` in graph `graph_id` is not written yet (a
-        replay sees the ops of branches and loop bodies twice: a probe, then the body)."""
-        key = (graph_id, op_name)
-        with self._lock:
-            if key in self._graph_ops:
-                return False
-            self._graph_ops.add(key)
-            return True
 
     def write_execution_event(self, event):
         """Writes a DebugEvent holding an Execution (DebugEventsWriter.WriteExecution

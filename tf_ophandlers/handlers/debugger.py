@@ -133,8 +133,8 @@ class DebuggerHandler(OpHandler):
         files = self.files
         graph_id, graph_name = graphs.graph_of(op.function_name)
         op_name = op.node_name or graphs.generated_name(op.type)
-        tensor_ids = files.symbolic_tensor_ids(len(outputs))
-        if files.first_creation(graph_id, op_name):
+        tensor_ids, new = files.graph_op_tensor_ids(graph_id, op_name, len(outputs))
+        if new:
             frames = op.traceback
             files.writer.WriteGraphOpCreation(debug_event_pb2.GraphOpCreation(
                 op_type=op.type, op_name=op_name, graph_name=graph_name, graph_id=graph_id,

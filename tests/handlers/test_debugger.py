@@ -154,8 +154,9 @@ def test_function_called_three_times_matches_enable_dump_debug_info(programs, tf
     # (the cond branches and the loop body are seen twice while replaying).
     reader = _reader(str(tmp_path))
     traces = reader.graph_execution_traces()
-    assert traces and all(t.debug_tensor_value[0] == reader.graph_execution_trace_to_tensor_id(t)
-                          for t in traces)
+    assert traces
+    for t in traces:
+        assert t.debug_tensor_value[0] == reader.graph_execution_trace_to_tensor_id(t)
 
 
 def test_reader_shows_graph_ops_and_three_executions(tmp_path):
@@ -252,7 +253,8 @@ def test_composes_with_gradient_tape(tmp_path, order):
 
 
 def test_composes_with_check_numerics(tmp_path):
-    with pytest.raises(tf.errors.InvalidArgumentError, match="CheckNumericsHandler: op Log produced"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="CheckNumericsHandler: op Log produced"):
         with oh.DebuggerHandler(str(tmp_path), tensor_debug_mode="CURT_HEALTH"):
             with oh.CheckNumericsHandler():
                 tf.math.log(tf.constant([0.0, 1.0]))
@@ -270,9 +272,9 @@ def test_op_regex_and_dtypes_filter_values_not_events(tmp_path):
     executions = reader.executions()
     assert [e.op_type for e in executions] == ["Sin", "Cos", "Cast"]
     _, frames = reader.read_execution_stack_trace(executions[1])
-    assert (frames[-1][0], frames[-1][2]) != (__file__, "test_op_regex_and_dtypes_filter_values_not_events")
-    assert any(f[0] == __file__ and f[2] == "test_op_regex_and_dtypes_filter_values_not_events"
-               for f in frames)  # the user's line, under TensorFlow's own frames
+    here = (__file__, "test_op_regex_and_dtypes_filter_values_not_events")
+    assert (frames[-1][0], frames[-1][2]) != here  # TensorFlow's own frames come last
+    assert here in [(f[0], f[2]) for f in frames]  # below the user's line
     assert not any("tf_ophandlers" + os.sep in f[0] for f in frames)  # no dispatcher frames
     assert_close(reader.execution_to_tensor_values(executions[0])[0], np.sin([1.0, 2.0]))
     assert reader.execution_to_tensor_values(executions[1]) == []

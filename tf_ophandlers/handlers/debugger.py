@@ -109,8 +109,10 @@ class DebuggerHandler(OpHandler):
         event.CopyFrom(template)
         event.wall_time = time.time()
         execution = event.execution
-        execution.input_tensor_ids.extend([t._id for t in inputs])  # pylint: disable=protected-access
-        execution.output_tensor_ids.extend([t._id for t in outputs])  # pylint: disable=protected-access
+        # pylint: disable=protected-access
+        execution.input_tensor_ids.extend([t._id for t in inputs])
+        execution.output_tensor_ids.extend([t._id for t in outputs])
+        # pylint: enable=protected-access
         if mode != de.NO_TENSOR:
             try:
                 execution.tensor_protos.extend(de.eager_tensor_protos(

@@ -12,7 +12,7 @@ $(VPY):
 	$(VPY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
-	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib setuptools wheel
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib tensorboard setuptools wheel
 	$(VPY) -m pip install -q --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/async_execution.py
 	$(VPY) benchmarks/recompute.py
 	$(VPY) benchmarks/data_format.py
+	$(VPY) benchmarks/debugger.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

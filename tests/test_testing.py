@@ -1,10 +1,13 @@
 """oh.testing: our handlers pass the conformance kit, and broken handlers fail it."""
+import tempfile
+
 import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
 
 _X = tf.constant([1., 2.])
+_DUMP_ROOT = tempfile.mkdtemp(prefix="oh-conformance-dump-")
 HANDLERS = {
     "pass_through": (oh.OpHandler, {}),
     "op_log": (oh.OpLogHandler, {}),
@@ -16,6 +19,7 @@ HANDLERS = {
     "lazy": (oh.Lazy, {}),
     "async": (oh.Async, {}),
     "recompute": (oh.Recompute, {}),
+    "debugger": (lambda: oh.DebuggerHandler(_DUMP_ROOT, tensor_debug_mode="FULL_HEALTH"), {}),
 }
 
 

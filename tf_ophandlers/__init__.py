@@ -49,6 +49,7 @@ from tf_ophandlers.handlers.lazy import Lazy  # noqa: E402
 from tf_ophandlers.handlers.async_execution import Async  # noqa: E402
 from tf_ophandlers.handlers.recompute import Recompute  # noqa: E402
 from tf_ophandlers.handlers.data_format import DataFormat  # noqa: E402
+from tf_ophandlers.handlers.debugger import DebuggerHandler  # noqa: E402
 from tf_ophandlers import testing  # noqa: E402
 
 __version__ = "0.1.0"
@@ -70,7 +71,7 @@ __all__ = [
     "OpRecord", "CheckNumericsHandler", "GradientTape",
     "ForwardAccumulator", "VectorizedMap", "vectorized_map", "ParallelHandler",
     "ParallelValue", "ParallelVariable", "Mesh", "OffStack", "ShapeInference", "eval_shape", "TraceAndExecute", "Lazy", "Async",
-    "Recompute", "DataFormat",
+    "Recompute", "DataFormat", "DebuggerHandler",
     "testing", "HandlerError", "PlacementError",
     "HandlerOutputError", "CopyOffError",
     # for handler authors (docs/guide.md, "The handler author's API")

@@ -43,6 +43,20 @@ def test_trace_executes_eagerly_and_builds_a_function_of_its_inputs():
     assert "Sin" in [n.op for n in trace.graph_def(z).node]
 
 
+def test_trace_write_graph_for_tensorboard(tmp_path):
+    x = tf.constant([0.5, -1.0])
+    with oh.TraceAndExecute() as trace:
+        z = tf.nn.relu(tf.sin(x) * 3.0)
+    written = trace.write_graph(str(tmp_path), z)
+    from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+    events = [e for f in tmp_path.iterdir()
+              for e in tf.compat.v1.train.summary_iterator(str(f))]
+    graphs = [graph_pb2.GraphDef.FromString(e.graph_def) for e in events if e.graph_def]
+    assert len(graphs) == 1 and graphs[0] == written
+    ops = [n.op for n in graphs[0].node]
+    assert {"Sin", "Mul", "Relu", "Placeholder"} <= set(ops)
+
+
 def test_trace_of_a_keras_model_captures_variables_and_saves(tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"),

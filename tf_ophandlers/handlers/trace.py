@@ -13,7 +13,8 @@ Every op in the scope runs as usual (the handler is transparent) and is recorded
 its attributes. `trace.inputs` are the tensors that entered the scope from outside, in
 order of first use; Python constants created in the scope are baked into the function,
 and variables read in it are captured (so the function can be saved in a SavedModel
-along with them, and shown in TensorBoard's graph view with `trace.graph_def()`).
+along with them, and shown in TensorBoard's graph view: `trace.write_graph(logdir, y)`
+writes it for `tensorboard --logdir logdir`, `trace.graph_def(y)` returns it).
 `tf.function` calls are recorded as calls of the same function.
 """
 import tensorflow as tf
@@ -24,6 +25,7 @@ from tensorflow.python.util import nest
 from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import functions as _functions
+from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import representation_of, tensor_key
 
@@ -179,6 +181,20 @@ class TraceAndExecute(OpHandler):
     def graph_def(self, outputs):
         """The GraphDef of `function(outputs)` (for TensorBoard's graph view)."""
         return self.function(outputs).graph.as_graph_def()
+
+    def write_graph(self, logdir, outputs):
+        """Writes the graph of `function(outputs)` to an event file in `logdir` for
+        TensorBoard's graph dashboard (`tensorboard --logdir logdir`, "Graphs"); returns
+        the GraphDef written."""
+        graph_def = self.graph_def(outputs)
+        with _scope.physical():  # the summary ops are not part of anything traced
+            writer = tf.summary.create_file_writer(logdir)
+            try:
+                with writer.as_default():
+                    tf.summary.graph(graph_def)
+            finally:
+                writer.close()
+        return graph_def
 
 
 def _call_attrs(name, ins, outs):

@@ -73,11 +73,18 @@ def run(key, plan, external, jit):
     return outputs, built + 1, entry
 
 
-def _segments(plan, no_xla):
+# XLA has no string, variant or resource values: ops taking or giving them stay outside.
+_NO_XLA_DTYPES = frozenset(d.as_datatype_enum for d in (tf.string, tf.variant, tf.resource))
+
+
+def _segments(plan, external, no_xla):
     """Maximal runs of consecutive plan entries, ``[(xla, [index, ...])]``."""
     out = []
-    for j, (op, _, _, _) in enumerate(plan):
-        xla = op.type not in no_xla
+    for j, (op, refs, _, _) in enumerate(plan):
+        enums = op.output_dtype_enums
+        xla = op.type not in no_xla and not any(e in _NO_XLA_DTYPES for e in enums) and not any(
+            (external[i].dtype.as_datatype_enum if p < 0
+             else plan[p][0].output_dtype_enums[i]) in _NO_XLA_DTYPES for p, i in refs)
         if out and out[-1][0] == xla:
             out[-1][1].append(j)
         else:
@@ -131,14 +138,14 @@ def compile_plan(plan, external, jit, no_xla=()):
     """A CompiledCall of the external inputs returning the `live` outputs of `plan`:
     XLA-compiled if `jit` (the runs of ops not in `no_xla` if that is not empty)."""
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in external]
-    segmented = jit and bool(no_xla)
+    segments = _segments(plan, external, no_xla) if jit else [(False, range(len(plan)))]
+    whole = len(segments) == 1 and segments[0][0]  # all of it is one XLA call
 
     def build(*args):
         graph = tf.compat.v1.get_default_graph()
         results = [[None] * len(op.output_dtype_enums) for op, _, _, _ in plan]
-        segments = _segments(plan, no_xla) if segmented else [(False, range(len(plan)))]
         for xla, indices in segments:
-            if xla:
+            if xla and not whole:
                 _xla_call(graph, plan, indices, results, args)
                 continue
             for j in indices:
@@ -150,7 +157,7 @@ def compile_plan(plan, external, jit, no_xla=()):
     with _ops.init_scope():
         try:
             fn = tf.function(build, input_signature=specs, autograph=False,
-                             jit_compile=jit and not segmented).get_concrete_function()
+                             jit_compile=True if whole else None).get_concrete_function()
         except ValueError as e:
             # A shape function rejected an op while building the function: eagerly
             # the kernel would have, with InvalidArgumentError (same error class).

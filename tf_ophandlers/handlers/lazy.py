@@ -7,7 +7,7 @@
 ...     for _ in range(100):
 ...         h = tf.tanh(h) * 1.01      # nothing runs yet
 ...     total = float(tf.reduce_sum(h))  # a value request: one compiled function runs
->>> lazy.compiled, lazy.flushes
+>>> lazy.compiled + lazy.cache_hits, lazy.flushes  # one function, built or cached
 (1, 1)
 
 An op on the handler becomes a node of a pending graph; its outputs are tensors of the
@@ -15,8 +15,10 @@ handler whose dtypes come from the OpDef and whose shapes are inferred (TensorFl
 shape functions, only when asked for). A value request — `.numpy()`, printing, a copy
 off the handler, a Python decision (`if t > 0:`) — compiles the pending subgraph that
 the value depends on into a function, cached by its structure (op types, attributes,
-wiring and input specs), and runs it once. The values the program still references
-(and those other pending ops need) are kept; intermediate values nobody can ask for
+wiring, devices and input specs) in one process-wide cache that every `Lazy()` shares
+(handlers/lazy_compile.py; `Lazy(jit_compile=True)` compiles with XLA), and runs it
+once. The values the program still references (and those other pending ops need) are
+kept; intermediate values nobody can ask for
 stay inside the function. Stateful ops (variables, random ops with state, prints) and
 `tf.function` calls run eagerly in program order, after their inputs are computed.
 Results equal eager execution.
@@ -133,7 +135,18 @@ def _ready(tensor):
 
 
 class Lazy(OpHandler):
-    """Defers ops until a value is needed, then runs the pending ops as one function."""
+    """Defers ops until a value is needed, then runs the pending ops as one function.
+
+    Args:
+      jit_compile: compile the pending ops with XLA (`tf.function(jit_compile=True)`),
+        ops without an XLA kernel running as ordinary kernels between XLA calls.
+
+    >>> x = tf.ones([8, 8])
+    >>> with oh.Lazy(jit_compile=True):
+    ...     y = tf.reduce_sum(tf.tanh(x) * 2.0)
+    ...     float(y) > 0
+    True
+    """
 
     TYPE_NAME = "LAZY"
     replays_functions = False  # a tf.function call is already one compiled op

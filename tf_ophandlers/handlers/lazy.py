@@ -120,7 +120,9 @@ def _upstream(roots, follow):
             continue
         seen[node.seq] = node
         for i in node.inputs:
-            if type(i) is tuple and follow(i[0]):
+            # (follow None: the pending producers, the value request's common case)
+            if type(i) is tuple and (i[0].inputs is not None if follow is None
+                                     else follow(i[0])):
                 todo.append(i[0])
     return [seen[k] for k in sorted(seen)], seen
 
@@ -313,9 +315,15 @@ class Lazy(OpHandler):
                         producer.consumers = [(ref, v[1])]
                     else:
                         producer.consumers.append((ref, v[1]))
-        get = _dtypes.get
-        outputs = [LazyValue(node, i, get(e) or _dtype(e)) for i, e in enumerate(enums)]
-        node.outputs = [weakref.ref(o) for o in outputs]
+        if len(enums) == 1:  # most ops: no comprehension frames
+            e = enums[0]
+            o = LazyValue(node, 0, _dtypes.get(e) or _dtype(e))
+            node.outputs = [weakref.ref(o)]
+            outputs = [o]
+        else:
+            get = _dtypes.get
+            outputs = [LazyValue(node, i, get(e) or _dtype(e)) for i, e in enumerate(enums)]
+            node.outputs = [weakref.ref(o) for o in outputs]
         pending = self._pending
         pending.append(ref)
         if len(pending) > 2 * self._live_nodes:
@@ -342,7 +350,7 @@ class Lazy(OpHandler):
         by a pending node outside this computation, or `keep` (a `(node, index)`). The
         others stay inside it (returning them would keep TensorFlow from freeing them).
         """
-        order, seen = _upstream(roots, lambda p: p.inputs is not None)
+        order, seen = _upstream(roots, None)  # the pending nodes they depend on
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
         for node in order:  # outputs that pending nodes outside `order` will need
             if node.consumers is not None:

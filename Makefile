@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/functions.py
 	$(VPY) benchmarks/lazy.py
 	$(VPY) benchmarks/async_execution.py
+	$(VPY) benchmarks/small_ops.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

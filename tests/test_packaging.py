@@ -31,6 +31,8 @@ BENCHMARKS = [
                                      "MirroredStrategy"]),
     ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
     ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
+    ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
+                                      "vectorized_map", "issue (before)"]),
 ]
 
 

@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/recompute.py
 	$(VPY) benchmarks/data_format.py
 	$(VPY) benchmarks/debugger.py
+	$(VPY) benchmarks/small_ops.py
 
 clean:
 	rm -rf build *.egg-info tf_ophandlers/_C*.so

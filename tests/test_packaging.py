@@ -33,6 +33,8 @@ BENCHMARKS = [
     ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
     ("recompute", ["--layers", "16", "--batch", "64"], ["memory vs oh tape",
                                                         "tf.recompute_grad", "memory_budget"]),
+    ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
+                                      "vectorized_map", "issue (before)"]),
 ]
 
 

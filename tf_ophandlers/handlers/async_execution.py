@@ -28,6 +28,7 @@ their ops and errors apart; `sync()` waits for what the calling thread queued.
 """
 import functools
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
@@ -43,6 +44,17 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
 
 _RESOURCE = tf.resource
+_RESOURCE_ENUM = _RESOURCE.as_datatype_enum
+_EagerTensor = _ops.EagerTensor
+
+
+def _is_resource(t):
+    """Whether `t` (a tensor of the next stack) is a resource handle, cheaply for eager
+    tensors (their `dtype` property is Python; this runs per input and output of every
+    op)."""
+    if type(t) is _EagerTensor:
+        return t._datatype_enum() == _RESOURCE_ENUM  # pylint: disable=protected-access
+    return t.dtype is _RESOURCE
 
 
 def _swap_executor(handle):
@@ -198,7 +210,7 @@ class Async(OpHandler):
 
     def execute(self, op, inputs):
         tensors = [v.tensor if type(v) is AsyncValue else v for v in inputs]
-        active = _active_queues()
+        active = getattr(_threads, "queues", None)
         queue = active[-1] if active else None  # None: outside every scope, it runs now
         try:
             outputs = next_stack().execute(op, tensors)  # queued, returns at once
@@ -214,8 +226,8 @@ class Async(OpHandler):
             _note_reshapes(queue, op, tensors)
         inferred = _infer(op, inputs) if op.output_dtype_enums is not None else None
         if inferred is None:
-            return [o if o.dtype is _RESOURCE else AsyncValue(o) for o in outputs]
-        return [o if o.dtype is _RESOURCE else AsyncValue(o, spec, None, part)
+            return [o if _is_resource(o) else AsyncValue(o) for o in outputs]
+        return [o if _is_resource(o) else AsyncValue(o, spec, None, part)
                 for o, (spec, part) in zip(outputs, inferred)]
 
     def _read_spec(self, op, handle, queue):
@@ -364,16 +376,34 @@ def _note_reshapes(queue, op, tensors):
     elif op.type in _OPAQUE:
         queue.opaque = True
         return
-    elif not any(t.dtype is _RESOURCE for t in tensors) or not _may_reshape(op.type, op.attrs):
+    elif not any(_is_resource(t) for t in tensors) or not _may_reshape(op.type, op.attrs):
         return
     for t in tensors:
-        if t.dtype is _RESOURCE:
+        if _is_resource(t):
             queue.assigned.add(tensor_key(t))
 
 
 def _part(tensor, known):
     """A computed tensor's part of an op signature."""
     return shapes.signature_part(tensor.dtype, tensor._shape_tuple(), known)  # pylint: disable=protected-access
+
+
+# id of a tensor from outside the handler -> (weak reference to it, its signature part):
+# a constant or a captured tensor used by op after op is described once. The reference
+# check makes a reused id harmless.
+_outside_parts = BoundedCache("async.outside_parts", 1024)
+
+
+def _outside_part(tensor):
+    hit = _outside_parts.get(id(tensor))
+    if hit is not None and hit[0]() is tensor:
+        return hit[1]
+    part = _part(tensor, shapes.known_value(tensor))
+    try:
+        _outside_parts[id(tensor)] = (weakref.ref(tensor), part)
+    except TypeError:  # not weakly referenceable (a symbolic tensor): not cached
+        pass
+    return part
 
 
 def _spec_part(spec):
@@ -396,7 +426,7 @@ def _infer(op, inputs):
             if part is None:
                 part = (v.tensor.dtype, None, None)
         else:  # from outside the handler (a constant, a physical tensor): computed
-            part = _part(v, shapes.known_value(v))
+            part = _outside_part(v)
         parts.append(part)
     key = (op.type, op.attrs_key(), tuple(parts))
     try:

@@ -29,25 +29,44 @@ def _rank(b):
     return r - 1 if b.batched else r
 
 
-# tf.int32 constants for shapes and axes, by value (a few per program).
+# Constants for shapes, axes and permutations, by value and dtype (a few per program):
+# the rule of an op signature seen before builds none (issue 17).
 _shape_constants = BoundedCache("vectorized_map.shape_constants", 4096)
+# (op type, attributes, replaced attributes) -> Op: the rewritten ops of the rules.
+_replaced = BoundedCache("vectorized_map.replaced_ops", 4096)
+
+
+def _constant(values, dtype):
+    """A (cached) constant tensor of `values` (an int or a flat sequence of ints)."""
+    key = (int(values) if isinstance(values, (int, np.integer))
+           else tuple(int(v) for v in values),
+           tf.as_dtype(dtype))
+    if not tf.executing_eagerly():  # replaying a function: a constant of that graph
+        return tf.constant(key[0], dtype=dtype)
+    t = _shape_constants.get(key)
+    if t is None:
+        t = _shape_constants[key] = tf.constant(key[0], dtype=dtype)
+    return t
 
 
 def _int32(values):
     """A (cached) int32 tensor: shape arguments as tensors keep TensorFlow's op wrappers
     on their fast path (a Python list sends tf.reshape to its slow eager fallback)."""
-    key = tuple(values)
-    if not tf.executing_eagerly():  # replaying a function: a constant of that graph
-        return tf.constant(key, dtype=tf.int32)
-    t = _shape_constants.get(key)
-    if t is None:
-        t = _shape_constants[key] = tf.constant(key, dtype=tf.int32)
-    return t
+    return _constant(values, tf.int32)
+
+
+def _replace(op, **attrs):
+    """`op.replace(**attrs)`, memoized per op signature (Ops are read-only templates)."""
+    key = (op.type, op.attrs_key(), tuple(sorted(attrs.items())))
+    new = _replaced.get(key)
+    if new is None:
+        new = _replaced[key] = op.replace(**attrs)
+    return new
 
 
 def _prepended(first, values):
     """A constant: `values` (a numpy array) with `first` in front, in their dtype."""
-    return tf.constant(np.concatenate([[first], values]).astype(values.dtype))
+    return _constant([first] + [int(v) for v in values], values.dtype)
 
 
 def batched(outputs):
@@ -136,7 +155,7 @@ def _reduction(handler, execute, op, inputs):
     shifted = _shift_axes(axes, _rank(x))
     if axes.ndim == 0:
         shifted = shifted[0]  # ArgMax/ArgMin take a scalar axis
-    shifted = tf.constant(shifted, dtype=axis.value.dtype)
+    shifted = _constant(shifted, axis.value.dtype)
     return batched(execute(op, [x.value, shifted]))
 
 
@@ -155,7 +174,7 @@ def _transpose(handler, execute, op, inputs):
     p = _static(perm.value)
     if not x.batched or perm.batched or p is None:
         return None
-    new = tf.constant([0] + [int(i) % _rank(x) + 1 for i in p], dtype=perm.value.dtype)
+    new = _constant([0] + [int(i) % _rank(x) + 1 for i in p], perm.value.dtype)
     return batched(execute(op, [x.value, new]))
 
 
@@ -166,7 +185,7 @@ def _expand_dims(handler, execute, op, inputs):
         return None
     a = int(a)
     a = a if a >= 0 else a + _rank(x) + 1
-    new = tf.constant(a + 1, dtype=axis.value.dtype)
+    new = _constant(a + 1, axis.value.dtype)
     return batched(execute(op, [x.value, new]))
 
 
@@ -181,7 +200,7 @@ def _squeeze(handler, execute, op, inputs):
         dims = [i for i, d in enumerate(shape) if d == 1]
         if not dims:
             return [Batched(x.value, True)]  # nothing to squeeze (never the batch axis)
-    new = op.replace(squeeze_dims=[int(d) % rank + 1 for d in dims])
+    new = _replace(op, squeeze_dims=tuple(int(d) % rank + 1 for d in dims))
     return batched(execute(new, [x.value]))
 
 
@@ -191,7 +210,7 @@ def _concat(handler, execute, op, inputs):
     if axis.batched or a is None:
         return None
     rank = _rank(next(b for b in values if b.batched))
-    new_axis = tf.constant(int(a) % rank + 1, dtype=axis.value.dtype)
+    new_axis = _constant(int(a) % rank + 1, axis.value.dtype)
     vals = [broadcast_batch(b, handler.size) for b in values]
     return batched(execute(op, vals + [new_axis]))
 
@@ -199,7 +218,7 @@ def _concat(handler, execute, op, inputs):
 def _pack(handler, execute, op, inputs):
     rank = _rank(next(b for b in inputs if b.batched))
     axis = op.attrs["axis"]
-    new = op.replace(axis=(axis if axis >= 0 else axis + rank + 1) + 1)
+    new = _replace(op, axis=(axis if axis >= 0 else axis + rank + 1) + 1)
     return batched(execute(new, [broadcast_batch(b, handler.size) for b in inputs]))
 
 
@@ -207,7 +226,7 @@ def _shape(handler, execute, op, inputs):
     (x,) = inputs
     static = x.value.shape[1:]
     if static.is_fully_defined():
-        return [Batched(tf.constant(static.as_list(), dtype=op.attrs["out_type"]), False)]
+        return [Batched(_constant(static.as_list(), op.attrs["out_type"]), False)]
     (out,) = execute(op, [x.value])
     return [Batched(tf.raw_ops.Slice(input=out, begin=[1], size=[-1]), False)]
 
@@ -222,7 +241,7 @@ def _strided_slice(handler, execute, op, inputs):
         return None
     args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
     attrs = op.attrs
-    new = op.replace(begin_mask=(attrs["begin_mask"] << 1) | 1,
+    new = _replace(op, begin_mask=(attrs["begin_mask"] << 1) | 1,
                      end_mask=(attrs["end_mask"] << 1) | 1,
                      ellipsis_mask=attrs["ellipsis_mask"] << 1,
                      new_axis_mask=attrs["new_axis_mask"] << 1,
@@ -257,11 +276,11 @@ def _gather(handler, execute, op, inputs):
         return None
     a = int(a) % max(_rank(params), 1)
     if params.batched and not indices.batched:
-        new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
+        new_axis = _constant(a + 1, axis.value.dtype)
         return batched(execute(op, [params.value, indices.value, new_axis]))
     if params.batched and indices.batched:
-        new = op.replace(batch_dims=1)
-        new_axis = tf.constant(a + 1, dtype=axis.value.dtype)
+        new = _replace(op, batch_dims=1)
+        new_axis = _constant(a + 1, axis.value.dtype)
         return batched(execute(new, [params.value, indices.value, new_axis]))
     if a == 0:  # batched indices into unbatched params: the batch axis comes first
         return batched(execute(op, [params.value, indices.value, axis.value]))

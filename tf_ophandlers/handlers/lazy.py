@@ -7,7 +7,7 @@
 ...     for _ in range(100):
 ...         h = tf.tanh(h) * 1.01      # nothing runs yet
 ...     total = float(tf.reduce_sum(h))  # a value request: one compiled function runs
->>> lazy.compiled, lazy.flushes
+>>> lazy.compiled + lazy.cache_hits, lazy.flushes  # one function, built or cached
 (1, 1)
 
 An op on the handler becomes a node of a pending graph; its outputs are tensors of the
@@ -15,8 +15,10 @@ handler whose dtypes come from the OpDef and whose shapes are inferred (TensorFl
 shape functions, only when asked for). A value request — `.numpy()`, printing, a copy
 off the handler, a Python decision (`if t > 0:`) — compiles the pending subgraph that
 the value depends on into a function, cached by its structure (op types, attributes,
-wiring and input specs), and runs it once. The values the program still references
-(and those other pending ops need) are kept; intermediate values nobody can ask for
+wiring, devices and input specs) in one process-wide cache that every `Lazy()` shares
+(handlers/lazy_compile.py; `Lazy(jit_compile=True)` compiles with XLA), and runs it
+once. The values the program still references (and those other pending ops need) are
+kept; intermediate values nobody can ask for
 stay inside the function. Stateful ops (variables, random ops with state, prints) and
 `tf.function` calls run eagerly in program order, after their inputs are computed.
 Results equal eager execution.
@@ -26,20 +28,21 @@ import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
-
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
+from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.handlers import lazy_compile
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
 _sequence = itertools.count()
 _RESOURCE = tf.resource
-_CACHE_SIZE = 256
+_RESOURCE_ENUM = tf.resource.as_datatype_enum
+_EagerTensor = _ops.EagerTensor
 
 
 def _is_stateful(op_type):
@@ -51,13 +54,18 @@ def _is_stateful(op_type):
 
 
 def _run_op_by_op(order, plan, external):
-    """The `live` outputs of `plan` (as `_compile`'s function returns them), each op run
+    """The `live` outputs of `plan` (as the compiled function returns them), each op run
     on the stack its node was recorded on."""
     results = []
-    for node, (op, refs, _) in zip(order, plan):
-        ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
-        results.append(node.next.execute(op, ins))
-    return [outs[k] for outs, (_, _, live) in zip(results, plan) for k in live]
+    saved = _state.device
+    try:
+        for node, (op, refs, _, device) in zip(order, plan):
+            ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
+            _state.device = device  # as when it was recorded
+            results.append(node.next.execute(op, ins))
+    finally:
+        _state.device = saved
+    return [outs[k] for outs, (_, _, live, _) in zip(results, plan) for k in live]
 
 
 class _Node:
@@ -67,11 +75,12 @@ class _Node:
     unreferenced (its weak reference is dead) and is not returned by the function."""
 
     __slots__ = ("op", "inputs", "outputs", "values", "specs", "next", "failed", "seq",
-                 "consumers", "__weakref__")
+                 "consumers", "device", "__weakref__")
 
     def __init__(self, op, inputs, next_stack):
         self.seq = next(_sequence)  # recording order
         self.op = op
+        self.device = _state.device  # the `tf.device` placement it was recorded under
         self.inputs = inputs  # None once computed
         self.outputs = None  # weak references to the LazyValues (no reference cycle)
         # Once computed: the outputs that pending nodes still need, by index.
@@ -111,7 +120,9 @@ def _upstream(roots, follow):
             continue
         seen[node.seq] = node
         for i in node.inputs:
-            if type(i) is tuple and follow(i[0]):
+            # (follow None: the pending producers, the value request's common case)
+            if type(i) is tuple and (i[0].inputs is not None if follow is None
+                                     else follow(i[0])):
                 todo.append(i[0])
     return [seen[k] for k in sorted(seen)], seen
 
@@ -126,18 +137,34 @@ def _ready(tensor):
 
 
 class Lazy(OpHandler):
-    """Defers ops until a value is needed, then runs the pending ops as one function."""
+    """Defers ops until a value is needed, then runs the pending ops as one function.
+
+    Args:
+      jit_compile: compile the pending ops with XLA (`tf.function(jit_compile=True)`),
+        ops without an XLA kernel running as ordinary kernels between XLA calls.
+
+    >>> x = tf.ones([8, 8])
+    >>> with oh.Lazy(jit_compile=True):
+    ...     y = tf.reduce_sum(tf.tanh(x) * 2.0)
+    ...     float(y) > 0
+    True
+    """
 
     TYPE_NAME = "LAZY"
     replays_functions = False  # a tf.function call is already one compiled op
 
-    def __init__(self):
-        self._functions = {}   # structure key -> replay.CompiledCall
+    def __init__(self, jit_compile=False):
+        if not isinstance(jit_compile, bool):
+            raise TypeError("oh.Lazy: jit_compile must be True or False, not %r"
+                            % (jit_compile,))
+        self.jit_compile = jit_compile
         self._pending = []  # weak references to nodes, some computed or gone (pruned)
         self._live_nodes = 64  # prune _pending when it grows past twice this
         self._depth = 0
-        self.compiled = 0      # functions built
+        self.compiled = 0      # functions this handler built (process-wide cache misses)
+        self.cache_hits = 0    # compiled functions it found in the process-wide cache
         self.flushes = 0       # value requests that ran pending ops
+        self.last_function = None  # the ConcreteFunction its last compiled run called
 
     def scope_entered(self):
         self._depth += 1
@@ -164,7 +191,7 @@ class Lazy(OpHandler):
             self._prune()
 
     def debug_string(self):
-        return "Lazy()"
+        return "Lazy(jit_compile=True)" if self.jit_compile else "Lazy()"
 
     # -- the representation ---------------------------------------------------------------
 
@@ -246,36 +273,59 @@ class Lazy(OpHandler):
     # -- the handler ----------------------------------------------------------------------
 
     def execute(self, op, inputs):
+        # The record path runs for every op of the scope: kept to plain loops and
+        # C-level lookups (benchmarks/small_ops.py measures it against eager).
         enums = op.output_dtype_enums
-        if enums is None or _is_stateful(op.type) or any(
-                v.dtype is _RESOURCE for v in inputs):
+        node_inputs = None
+        if enums is not None:
+            stateful = _stateful.get(op.type)
+            if stateful is None:
+                stateful = _is_stateful(op.type)
+            if not stateful:
+                node_inputs = []
+                producers = False
+                for v in inputs:
+                    kind = type(v)
+                    if kind is LazyValue:
+                        if v.dtype is _RESOURCE:
+                            node_inputs = None
+                            break
+                        if v.value is None:
+                            v = (v.node, v.index)
+                            producers = True
+                        else:
+                            v = v.value
+                    elif (v._datatype_enum() == _RESOURCE_ENUM if kind is _EagerTensor  # pylint: disable=protected-access
+                          else v.dtype is _RESOURCE):
+                        node_inputs = None
+                        break
+                    node_inputs.append(v)
+        if node_inputs is None:
             # Runs now, in program order, on computed inputs.
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
-        node_inputs = []
-        for v in inputs:
-            if type(v) is LazyValue:
-                if v.value is not None:
-                    v = v.value
-                else:
-                    v = (v.node, v.index)
-            node_inputs.append(v)
-        node = _Node(op, node_inputs, next_stack())
-        ref = None
-        for v in node_inputs:
-            if type(v) is tuple:
-                producer = v[0]
-                if ref is None:
-                    ref = weakref.ref(node)
-                if producer.consumers is None:
-                    producer.consumers = [(ref, v[1])]
-                else:
-                    producer.consumers.append((ref, v[1]))
-        outputs = [LazyValue(node, i, _dtypes.get(e) or _dtype(e)) for i, e in enumerate(enums)]
-        node.outputs = [weakref.ref(o) for o in outputs]
+        node = _Node(op, node_inputs, _state.frames[-1].next)
+        ref = weakref.ref(node)
+        if producers:
+            for v in node_inputs:
+                if type(v) is tuple:
+                    producer = v[0]
+                    if producer.consumers is None:
+                        producer.consumers = [(ref, v[1])]
+                    else:
+                        producer.consumers.append((ref, v[1]))
+        if len(enums) == 1:  # most ops: no comprehension frames
+            e = enums[0]
+            o = LazyValue(node, 0, _dtypes.get(e) or _dtype(e))
+            node.outputs = [weakref.ref(o)]
+            outputs = [o]
+        else:
+            get = _dtypes.get
+            outputs = [LazyValue(node, i, get(e) or _dtype(e)) for i, e in enumerate(enums)]
+            node.outputs = [weakref.ref(o) for o in outputs]
         pending = self._pending
-        pending.append(weakref.ref(node))
+        pending.append(ref)
         if len(pending) > 2 * self._live_nodes:
             self._prune()
         return outputs
@@ -300,7 +350,7 @@ class Lazy(OpHandler):
         by a pending node outside this computation, or `keep` (a `(node, index)`). The
         others stay inside it (returning them would keep TensorFlow from freeing them).
         """
-        order, seen = _upstream(roots, lambda p: p.inputs is not None)
+        order, seen = _upstream(roots, None)  # the pending nodes they depend on
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
         for node in order:  # outputs that pending nodes outside `order` will need
             if node.consumers is not None:
@@ -332,9 +382,12 @@ class Lazy(OpHandler):
                     e = ext_index[k] = len(external)
                     external.append(i)
                 refs.append((-1, e))
-            parts.append((node.op.type, node.op.attrs_key(), tuple(refs), live))
-            plan.append((node.op, refs, live))
-        key = (tuple(parts), tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
+            op = node.op
+            parts.append((op.type, op.attrs_key(), tuple(refs), live, node.device))
+            plan.append((op, refs, live, node.device))
+        # Everything the compiled function depends on (handlers/lazy_compile.py).
+        key = (self.jit_compile, tuple(parts),
+               tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
         try:
             if order[-1].next is not PHYSICAL:
                 # A handler below (a tape) would see one function call: its gradient
@@ -344,13 +397,13 @@ class Lazy(OpHandler):
                 # eagerly.
                 outputs = _run_op_by_op(order, plan, external)
             else:
-                entry = self._functions.get(key)
-                if entry is None:
-                    entry = self._compile(plan, external)
-                    if len(self._functions) >= _CACHE_SIZE:
-                        self._functions.clear()
-                    self._functions[key] = entry
-                outputs = entry.run(PHYSICAL, external)
+                outputs, built, entry = lazy_compile.run(key, plan, external,
+                                                         self.jit_compile)
+                if built:
+                    self.compiled += built
+                else:
+                    self.cache_hits += 1
+                self.last_function = entry.function
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
                 node.failed = True
@@ -366,28 +419,3 @@ class Lazy(OpHandler):
             node.inputs = None  # computed: release the inputs and the consumer list
             node.consumers = None
         self.flushes += 1
-
-    def _compile(self, plan, external):
-        """A function of the external inputs returning the `live` outputs of `plan`."""
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in external]
-
-        def build(*args):
-            graph = tf.compat.v1.get_default_graph()
-            results = []
-            for op, refs, _ in plan:
-                ins = [args[i] if p < 0 else results[p][i] for p, i in refs]
-                results.append(graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs)
-            return [outs[k] for outs, (_, _, live) in zip(results, plan) for k in live]
-
-        with _ops.init_scope():
-            try:
-                fn = tf.function(build, input_signature=specs,
-                                 autograph=False).get_concrete_function()
-            except ValueError as e:
-                # A shape function rejected an op while building the function: eagerly
-                # the kernel would have, with InvalidArgumentError (same error class).
-                raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
-        self.compiled += 1
-        return _functions.CompiledCall(fn)
-
-

@@ -1,0 +1,283 @@
+"""Per-op speed (issue 17): the six figures of the issue's target table in one run.
+
+Configurations, each timed in one process with the TensorFlow counterpart interleaved
+(shuffled order every round), as the time of one call:
+
+  chain16     `h = tf.tanh(h) * 1.01`, 100 times (200 ops) on x [16, 16], then `.numpy()`
+  chain256    the same chain on x [256, 256] (kernels dominate)
+  tape100     `h = tf.sin(h) * 1.01`, 50 times (100 ops) on a [4, 4] watched tensor under
+              a tape opened per call, forward only (no gradient call)
+  pe-grads    per-example gradients of an MLP (benchmarks/vectorized_map.py's
+              `Workload`: 64 -> 128 relu -> 10, batch 256), op by op
+
+and the ratios:
+
+  pass-through   `with oh.OpHandler():` chain16 / eager chain16
+  tape forward   oh.GradientTape / tf.GradientTape on tape100
+  fresh Lazy     eager chain16 / `with oh.Lazy():` chain16, a new handler per call
+  Lazy XLA       `with oh.Lazy(jit_compile=True):` chain256 (a new handler per call) /
+                 `tf.function(chain, jit_compile=True)` chain256
+  vectorized_map eager `tf.vectorized_map` / `oh.vectorized_map` on pe-grads (the mapped
+                 function uses `tf.GradientTape` / `oh.GradientTape`)
+  Async          `with runner:` chain16 (one `oh.Async()` created once) / eager chain16
+
+Before timing every configuration must give the eager result (allclose), a fresh
+`oh.Lazy()` of an already seen structure must hit the process-wide cache (no compile),
+and `Lazy(jit_compile=True)` must call an XLA-compiled function. The script exits
+non-zero otherwise. Writes the `small_ops` section of docs/benchmarks.md.
+
+    python benchmarks/small_ops.py            # full run (~2 min on 2 loaded cores)
+    python benchmarks/small_ops.py --quick    # smoke run (noisy)
+"""
+import logging
+import os
+import sys
+import time
+
+import _common  # also puts the repository on sys.path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_ophandlers as oh  # noqa: E402
+
+import vectorized_map as _vm  # noqa: E402  (benchmarks/vectorized_map.py's Workload)
+
+SECTION = "small_ops"
+TOLERANCE = 1e-4
+
+
+def chain(h):
+    for _ in range(100):
+        h = tf.tanh(h) * 1.01
+    return h
+
+
+def sin_chain(h):
+    for _ in range(50):
+        h = tf.sin(h) * 1.01
+    return h
+
+
+class Workload:
+    def __init__(self):
+        self.x16 = tf.random.stateless_uniform([16, 16], seed=[1, 2])
+        self.x256 = tf.random.stateless_uniform([256, 256], seed=[1, 2])
+        self.a4 = tf.random.stateless_uniform([4, 4], seed=[3, 4])
+        self.xla = tf.function(chain, jit_compile=True)
+        self.graph = tf.function(chain)
+        self.runner = oh.Async()
+        self.vm = _vm.Workload()
+
+    # chain16
+    def eager16(self):
+        return chain(self.x16).numpy()
+
+    def pass16(self):
+        with oh.OpHandler():
+            return chain(self.x16).numpy()
+
+    def lazy16(self):
+        with oh.Lazy():
+            return chain(self.x16).numpy()
+
+    def async16(self):
+        with self.runner:
+            return chain(self.x16).numpy()
+
+    # chain256
+    def eager256(self):
+        return chain(self.x256).numpy()
+
+    def xla256(self):
+        return self.xla(self.x256).numpy()
+
+    def graph256(self):
+        return self.graph(self.x256).numpy()
+
+    def lazy256(self):
+        with oh.Lazy():
+            return chain(self.x256).numpy()
+
+    def lazyxla256(self):
+        with oh.Lazy(jit_compile=True):
+            return chain(self.x256).numpy()
+
+    # tape100 (forward only)
+    def tape_tf(self):
+        with tf.GradientTape() as t:
+            t.watch(self.a4)
+            h = sin_chain(self.a4)
+        return h
+
+    def tape_oh(self):
+        with oh.GradientTape() as t:
+            t.watch(self.a4)
+            h = sin_chain(self.a4)
+        return h
+
+    # pe-grads
+    def vm_oh(self):
+        return self.vm.grads_oh()
+
+    def vm_tf(self):
+        return self.vm.grads_eager()
+
+
+CONFIGS = (
+    # key, description, calls per round (full, quick)
+    ("eager16", "eager chain16", (10, 3)),
+    ("pass16", "oh.OpHandler() (pass-through) chain16", (10, 3)),
+    ("lazy16", "fresh oh.Lazy() chain16", (10, 3)),
+    ("async16", "oh.Async() chain16", (10, 3)),
+    ("eager256", "eager chain256", (3, 1)),
+    ("xla256", "tf.function(jit_compile=True) chain256", (3, 1)),
+    ("graph256", "tf.function chain256 (information)", (3, 1)),
+    ("lazy256", "fresh oh.Lazy() chain256 (information)", (3, 1)),
+    ("lazyxla256", "fresh oh.Lazy(jit_compile=True) chain256", (3, 1)),
+    ("tape_tf", "tf.GradientTape tape100 forward", (20, 5)),
+    ("tape_oh", "oh.GradientTape tape100 forward", (20, 5)),
+    ("vm_tf", "eager tf.vectorized_map pe-grads", (1, 1)),
+    ("vm_oh", "oh.vectorized_map pe-grads (op by op)", (5, 2)),
+)
+# figure, numerator, denominator, "now" in the issue, target, higher is better
+FIGURES = (
+    ("pass-through Python handler per small op / plain eager", "pass16", "eager16",
+     "1.43x", 1.25, False),
+    ("100-op small chain forward under the tape, oh / tf", "tape_oh", "tape_tf", "1.77x",
+     1.3, False),
+    ("`with oh.Lazy():` fresh per call, 200 small ops on 16x16: eager / lazy", "eager16",
+     "lazy16", "0.1x", 1.0, True),
+    ("`oh.Lazy(jit_compile=True)`, 200 elementwise ops on 256x256: time / "
+     "`tf.function(jit_compile=True)`", "lazyxla256", "xla256", "no fusion", 1.3, False),
+    ("per-example grads op by op: eager `tf.vectorized_map` / `oh.vectorized_map`",
+     "vm_tf", "vm_oh", "9.7x", 15.0, True),
+    ("`oh.Async` per tiny op / eager", "async16", "eager16", "2.8x", 1.5, False),
+)
+
+
+class SanityError(AssertionError):
+    pass
+
+
+class Config:
+    def __init__(self, w, key, desc, n):
+        self.key, self.desc, self.n = key, desc, n
+        self.call = getattr(w, key)
+        self.times = []
+
+    def run(self, n):
+        return _common.warm_time(self.call, 1, n)
+
+
+def _close(name, got, want):
+    got, want = tf.nest.flatten(got), tf.nest.flatten(want)
+    for g, e in zip(got, want):
+        g, e = np.asarray(g), np.asarray(e)
+        if g.shape != e.shape or not np.allclose(g, e, rtol=TOLERANCE, atol=TOLERANCE):
+            raise SanityError("%s: result differs from the reference" % name)
+
+
+def check(w):
+    """Values equal the references; fresh Lazy scopes hit the shared cache; the XLA
+    Lazy runs an XLA-compiled function."""
+    _close("pass16", w.pass16(), w.eager16())
+    _close("async16", w.async16(), w.eager16())
+    for name in ("lazy16", "lazy256"):
+        _close(name, getattr(w, name)(), chain(w.x16 if name == "lazy16" else w.x256))
+    lazy = oh.Lazy()
+    with lazy:
+        chain(w.x16).numpy()
+    if (lazy.compiled, lazy.cache_hits) != (0, 1):
+        raise SanityError("a fresh oh.Lazy() of a seen structure compiled %d functions "
+                          "(cache hits %d); expected a cache hit" % (lazy.compiled,
+                                                                     lazy.cache_hits))
+    w.lazyxla256()
+    lazy = oh.Lazy(jit_compile=True)
+    with lazy:
+        got = chain(w.x256).numpy()
+    if lazy.compiled or not lazy.last_function.function_def.attr["_XlaMustCompile"].b:
+        raise SanityError("oh.Lazy(jit_compile=True) did not hit an XLA-compiled function")
+    _close("lazyxla256", got, w.xla256())
+    _close("xla256", w.xla256(), w.eager256())
+    _close("tape_oh", w.tape_oh(), w.tape_tf())
+    _close("vm_oh", w.vm_oh(), w.vm_tf())
+
+
+def summarize(configs):
+    by = {c.key: c for c in configs}
+    rows = []
+    for key, desc, _ in CONFIGS:
+        s = _common.stats(by[key].times)
+        rows.append([desc, "%.3f" % (s["t"] * 1e3), "%.3f – %.3f" % (s["q1"] * 1e3,
+                                                                    s["q3"] * 1e3),
+                     "%.3f" % (s["min"] * 1e3)])
+    figures = []
+    for title, num, den, now, target, higher in FIGURES:
+        ratios = [a / b for a, b in zip(by[num].times, by[den].times)]
+        r = _common.median(ratios)
+        q1, q3 = _common.quartiles(ratios)
+        ok = r >= target if higher else r <= target
+        figures.append([title, now, ("≥ %.2gx" if higher else "≤ %.2gx") % target,
+                        "%.2fx (IQR %.2f – %.2f)" % (r, q1, q3), _common.verdict(ok)])
+    return rows, figures
+
+
+def render(info, rows, figures, rounds, elapsed, quick):
+    method = (
+        "One process times every configuration below; after a warm-up pass, each of %d "
+        "rounds runs every configuration once in a freshly shuffled order, as 1 untimed + "
+        "N timed back-to-back calls with the garbage collector off. Ratios are medians of "
+        "the same-round ratios (their IQR in brackets), so a disturbance of one round hits "
+        "both sides alike. Cases: *chain16* `h = tf.tanh(h) * 1.01` 100 times (200 ops) "
+        "on x [16, 16], then `.numpy()`; *chain256* the same on [256, 256]; *tape100* "
+        "`h = tf.sin(h) * 1.01` 50 times on a watched [4, 4] tensor under a tape opened "
+        "per call, forward only; *pe-grads* per-example gradients of "
+        "`benchmarks/vectorized_map.py`'s MLP (batch 256) with the mapped function run op "
+        "by op. Every `oh.Lazy` configuration opens a **new** handler per call (the way "
+        "one writes `with tf.GradientTape():`), so its compiled function comes from the "
+        "process-wide cache; `oh.Async()` is created once. The script first checks that "
+        "every configuration gives the reference values, that a fresh Lazy hits the "
+        "cache and that `Lazy(jit_compile=True)` runs an XLA-compiled function." % rounds)
+    lines = _common.intro_md("Per-op speed: the issue-17 figures (`benchmarks/small_ops.py`)",
+                             quick, method, _common.machine_md(info, len(CONFIGS), elapsed),
+                             "")
+    lines += ["### Figures", "",
+              _common.md_table(["figure", "issue (before)", "target", "this run",
+                                "verdict"], figures), "",
+              "### Times", "",
+              _common.md_table(["configuration", "ms/call", "IQR ms/call (rounds)",
+                                "best round ms/call"], rows), "",
+              "The verdicts compare this run's medians with the targets as measured. The "
+              "machine was shared with other jobs while measuring (see *Machine*); rerun "
+              "on an idle machine before reading a MISS as a regression.", "",
+              "Reproduce: `python benchmarks/small_ops.py` (writes this section)."]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = _common.parse_args(argv, __doc__, SECTION, (9, 2), [])
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    w = Workload()
+    check(w)
+    configs = [Config(w, key, desc, n[1] if args.quick else n[0])
+               for key, desc, n in CONFIGS]
+    info = _common.machine_info()
+    t0 = time.perf_counter()
+    _common.measure_under_load(
+        info, lambda: _common.run_rounds(configs, args.rounds, lambda c: c.n))
+    elapsed = time.perf_counter() - t0
+    rows, figures = summarize(configs)
+    body = render(info, rows, figures, args.rounds, elapsed, args.quick)
+    _common.write_section(args.out, SECTION, body)
+    for f in figures:
+        print("%s: %s %s" % (f[0], f[3], f[4]))
+    print("wrote %s (%.0f s)" % (args.out, elapsed))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SanityError as e:
+        print("sanity check failed: %s" % e, file=sys.stderr)
+        sys.exit(1)

@@ -3,7 +3,8 @@
 #
 # For each Python (found under pyenv or as python3.X on PATH; a missing one is skipped
 # with a message), a build venv .venvs/py3X with tensorflow-cpu 2.21 (reused between
-# runs), then `pip wheel --no-build-isolation --no-deps` against that TensorFlow, then
+# runs; the wheels it installed are kept in .venvs/wheelhouse-py3X for make smoke;
+# VENVS=dir puts both elsewhere), then `pip wheel --no-build-isolation --no-deps` against that TensorFlow, then
 # scripts/check_wheel.py: tags cp3X-cp3X-linux_x86_64, the three extension modules, a
 # RUNPATH with no absolute path, tensorflow 2.21 required. Exits non-zero if a build or a
 # check fails, or if no Python was found.
@@ -20,13 +21,25 @@ for v in $PYTHONS; do
     continue
   fi
   venv=$VENVS/$(venv_name "$v")
+  wheelhouse=$VENVS/wheelhouse-$(venv_name "$v")
   start=$(now)
   # The venv is reused if it was completed for the same TensorFlow requirement.
-  if [ "$(cat "$venv/.ready" 2>/dev/null)" != "$TF_REQUIREMENT" ] || ! "$venv/bin/python" -c "" 2>/dev/null; then
+  ready=$([ "$(cat "$venv/.ready" 2>/dev/null)" = "$TF_REQUIREMENT" ] \
+          && "$venv/bin/python" -c "" 2>/dev/null && echo 1 || echo 0)
+  if [ "$ready" = 0 ]; then
     echo "wheel: creating the build venv $venv ($py)"
     "$py" -m venv --clear "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q "$TF_REQUIREMENT" "setuptools>=64" wheel
+  fi
+  # The wheels go to a wheelhouse first: make smoke installs its fresh venvs from it.
+  if [ "$(cat "$wheelhouse/.complete" 2>/dev/null)" != "$TF_REQUIREMENT" ]; then
+    "$venv/bin/python" -m pip download -q --only-binary=:all: -d "$wheelhouse" \
+      "$TF_REQUIREMENT" "pytest>=7" "setuptools>=64" wheel
+    echo "$TF_REQUIREMENT" > "$wheelhouse/.complete"
+  fi
+  if [ "$ready" = 0 ]; then
+    "$venv/bin/python" -m pip install -q --no-index --find-links "$wheelhouse" \
+      "$TF_REQUIREMENT" "setuptools>=64" wheel
     echo "$TF_REQUIREMENT" > "$venv/.ready"
   fi
   tag=cp${v/./}

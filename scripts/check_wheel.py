@@ -1,5 +1,6 @@
-"""Checks a built tf-ophandlers wheel: python/ABI/platform tags, its extension modules,
-no absolute path in their RUNPATH, and TensorFlow among its declared dependencies.
+"""Checks a built tf-ophandlers wheel: python/ABI/platform tags, every Python module of
+the source tree's tf_ophandlers/, its extension modules, no absolute path in their
+RUNPATH, and TensorFlow among its declared dependencies.
 
     python scripts/check_wheel.py dist/tf_ophandlers-0.1.0-cp313-cp313-linux_x86_64.whl 3.13
 
@@ -39,8 +40,20 @@ def absolute_entries(entries):
     return [e for e in entries if not (e.startswith("$ORIGIN") or e.startswith("${ORIGIN}"))]
 
 
-def wheel_problems(wheel, python_version):
-    """A list of what is wrong with `wheel` built for `python_version` ("3.13")."""
+def source_modules(root):
+    """The package's Python files under `root` (a source tree), as wheel member names."""
+    out = []
+    for d, dirs, files in os.walk(os.path.join(root, "tf_ophandlers")):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        out += [os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/")
+                for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def wheel_problems(wheel, python_version, source=None):
+    """A list of what is wrong with `wheel` built for `python_version` ("3.13") from the
+    source tree `source` (default: this checkout)."""
+    source = source or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     problems = []
     tag = "cp" + python_version.replace(".", "")
     name = os.path.basename(wheel)
@@ -49,6 +62,9 @@ def wheel_problems(wheel, python_version):
         problems.append("%s: tags are not %s" % (name, expected[1:-4]))
     with zipfile.ZipFile(wheel) as zf, tempfile.TemporaryDirectory() as tmp:
         names = zf.namelist()
+        missing = sorted(set(source_modules(source)) - set(names))
+        if missing:
+            problems.append("modules of the source tree missing: %s" % missing)
         shared = sorted(n for n in names if n.endswith(".so"))
         want = sorted("tf_ophandlers/%s.cpython-%s-x86_64-linux-gnu.so" % (e, tag[2:])
                       for e in EXTENSIONS)
@@ -78,7 +94,7 @@ def main(argv):
         print("check_wheel: " + p, file=sys.stderr)
     if not problems:
         print("check_wheel: %s ok (tags, extensions, RUNPATH only $ORIGIN-relative, "
-              "requires tensorflow 2.21)" % os.path.basename(argv[1]))
+              "all modules, requires tensorflow 2.21)" % os.path.basename(argv[1]))
     return 1 if problems else 0
 
 

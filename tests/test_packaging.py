@@ -163,6 +163,7 @@ def test_the_wheel_checker_finds_absolute_runpaths_wrong_tags_and_missing_tensor
     assert "tags are not cp3%d-cp3%d-linux_x86_64" % ((sys.version_info[1],) * 2) in text
     assert "expected" in text  # two extension modules missing
     assert "does not require tensorflow 2.21" in text
+    assert "modules of the source tree missing: ['tf_ophandlers/__init__.py'" in text
     assert ("absolute RUNPATH" in text) == so.startswith(str(ROOT))
 
 
@@ -188,3 +189,15 @@ def test_declared_dependencies_and_pythons():
         c for c in project["classifiers"] if c.startswith("Programming Language :: Python")]
     assert project["requires-python"] == ">=3.10"
     assert "%d.%d" % sys.version_info[:2] in pythons
+
+
+def test_every_package_directory_goes_into_the_wheel():
+    """pyproject's package discovery finds every directory of Python files under
+    tf_ophandlers/ (a hand-written list once left out tf_ophandlers.core.functions)."""
+    from setuptools import find_packages  # pylint: disable=import-outside-toplevel
+    dirs = {p.parent for p in (ROOT / "tf_ophandlers").rglob("*.py")}
+    assert all((d / "__init__.py").exists() for d in dirs), "a directory without __init__.py"
+    expected = sorted(".".join(d.relative_to(ROOT).parts) for d in dirs)
+    find = _pyproject()["tool"]["setuptools"]["packages"]["find"]
+    assert sorted(find_packages(str(ROOT), include=find["include"])) == expected
+    assert "tf_ophandlers.core.functions" in expected

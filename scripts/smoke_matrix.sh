@@ -53,7 +53,8 @@ step() {
   fi
 }
 
-declare -a summary failed
+summary=()
+failed=()
 found=0
 for v in $PYTHONS; do
   tag=cp${v/./}

@@ -1,11 +1,13 @@
 # make demo / make test work on a fresh machine: each creates .venv and installs
 # TensorFlow 2.21 (CPU wheel) and this package with its compiled extension.
+# make wheel: a wheel per available Python 3.10-3.13 in dist/ (build venvs in .venvs/).
+# make smoke: each wheel in a fresh venv without a compiler: quickstart + a test subset.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench build clean
+.PHONY: demo test bench build wheel smoke clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -13,7 +15,8 @@ $(VPY):
 
 $(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
 	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib tensorboard setuptools wheel
-	$(VPY) -m pip install -q --no-build-isolation -e .
+	# --no-deps: the package requires `tensorflow`, which would go in over tensorflow-cpu.
+	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
 build: $(STAMP)
@@ -38,5 +41,11 @@ bench: $(STAMP)
 	$(VPY) benchmarks/debugger.py
 	$(VPY) benchmarks/small_ops.py
 
+wheel:
+	bash scripts/build_wheels.sh
+
+smoke: wheel
+	bash scripts/smoke_matrix.sh
+
 clean:
-	rm -rf build *.egg-info tf_ophandlers/_C*.so
+	rm -rf build dist *.egg-info tf_ophandlers/*.so

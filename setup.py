@@ -5,12 +5,23 @@ The extension links libtensorflow_cc.so.2 (TFE_* C API), libtensorflow_framework
 helpers, private symbols: hence the exact version pin), as DESIGN.md records. It never
 links libpython. TensorFlow is located without importing it (importing TF takes seconds
 and is not needed for a build).
+
+RUNPATH. A wheel (`pip wheel`, `pip install .`, `make wheel`) gets only
+`$ORIGIN/../tensorflow` and `$ORIGIN/../tensorflow/python`: installed, the package sits
+next to `tensorflow/` in site-packages. An in-place or editable build (`pip install -e .`,
+`setup.py build_ext --inplace`, `make build`) also gets the absolute TensorFlow
+directories it was built against, since its `.so` files stay in the source tree. Neither
+gets the interpreter's own `-Wl,-rpath` (pyenv's LDSHARED carries one): the extension
+does not link libpython. In every case `tf_ophandlers/__init__.py` imports TensorFlow
+first, so its libraries are already loaded (matched by SONAME) when the extension loads.
 """
+import glob
 import importlib.util
 import os
 import sysconfig
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 SUPPORTED_TF = "2.21"
 
@@ -40,16 +51,61 @@ common = dict(
         "-l:libtensorflow_framework.so.2",
         "-l:libtensorflow_cc.so.2",
         os.path.join(tf_python, "lib_pywrap_tensorflow_common.so"),
-        # Installed next to tensorflow/ in site-packages; the absolute paths serve
-        # editable installs. TensorFlow is imported first, so these libraries are
-        # normally already loaded.
+        # Installed next to tensorflow/ in site-packages (build_ext below adds the
+        # absolute directories for in-place and editable builds).
         "-Wl,-rpath,$ORIGIN/../tensorflow:$ORIGIN/../tensorflow/python",
-        "-Wl,-rpath," + tf_dir + ":" + tf_python,
     ],
+    # Headers too, so that a changed header rebuilds (distutils compares dates).
+    depends=sorted(glob.glob("cc/*.h") + glob.glob("cc/include/tf_ophandlers/*.h")),
     language="c++",
 )
 
-setup(ext_modules=[
+# The RUNPATH entry only in-place and editable builds get (see the module docstring).
+SOURCE_TREE_RPATH = "-Wl,-rpath," + tf_dir + ":" + tf_python
+
+
+def without_interpreter_rpaths(command):
+    """`command` (a linker command list from sysconfig's LDSHARED) without its
+    `-Wl,-rpath,...` / `-Wl,-R...` entries: pyenv's interpreters put their own absolute
+    lib directory there, which an extension that never links libpython does not need."""
+    return [a for a in command
+            if not (a.startswith("-Wl,-rpath") or a.startswith("-Wl,-R"))]
+
+
+class build_ext(_build_ext):  # pylint: disable=invalid-name
+    """Links with absolute TensorFlow RUNPATHs only for in-place and editable builds, and
+    never with the interpreter's. In-place builds link into their own build directory, so
+    a later wheel build never reuses an extension linked with absolute paths."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # setuptools' run() clears `inplace` while building: remember it now.
+        self.inplace_requested = bool(self.inplace)
+        if self.inplace and not getattr(self, "editable_mode", False):
+            self.build_lib = os.path.join(os.path.dirname(self.build_lib) or "build",
+                                          "inplace-" + os.path.basename(self.build_lib))
+
+    def source_tree(self):
+        """Whether the extensions stay in the source tree (in-place or editable build)."""
+        return bool(getattr(self, "inplace_requested", self.inplace)
+                    or getattr(self, "editable_mode", False))
+
+    def link_args(self):
+        """The RUNPATH entries this build adds to every extension's link."""
+        return [SOURCE_TREE_RPATH] if self.source_tree() else []
+
+    def build_extensions(self):
+        for attr in ("linker_so", "linker_so_cxx"):
+            if getattr(self.compiler, attr, None):
+                setattr(self.compiler, attr, without_interpreter_rpaths(
+                    getattr(self.compiler, attr)))
+        for ext in self.extensions:
+            ext.extra_link_args = [a for a in ext.extra_link_args
+                                   if a != SOURCE_TREE_RPATH] + self.link_args()
+        super().build_extensions()
+
+
+setup(cmdclass={"build_ext": build_ext}, ext_modules=[
     # The Python extension: the dispatcher device and the handler-tensor payloads.
     Extension("tf_ophandlers._C", sources=[
         "cc/module.cc", "cc/runtime.cc", "cc/status.cc", "cc/op.cc", "cc/handler_tensor.cc",

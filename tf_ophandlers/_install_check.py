@@ -1,12 +1,9 @@
 """Installation checks run first by `import tf_ophandlers`, with messages saying what to do.
 
-TensorFlow is not a hard dependency of the package (as for TensorFlow Addons): the
-`tensorflow` and `tensorflow-cpu` wheels both provide the `tensorflow` module, and pip
-cannot express "one of them". Naming either in `dependencies` would install it next to
-the other one a user already has (a GPU user's `tensorflow` clobbered by
-`tensorflow-cpu`, or the reverse), so the choice is the extras `tf-ophandlers[cpu]`
-(`tensorflow-cpu==2.21.*`) and `tf-ophandlers[gpu]` (`tensorflow==2.21.*`), and importing
-without a usable TensorFlow fails with an ImportError naming them.
+The package declares `tensorflow>=2.21,<2.22` (pyproject.toml says why `tensorflow` and
+not `tensorflow-cpu`), but a user of `tensorflow-cpu` installs it with `--no-deps`, and a
+source checkout can run without any TensorFlow: importing without a usable TensorFlow
+fails with an ImportError naming both wheels.
 
 This module imports nothing of the package (only the standard library) so that it can
 run before TensorFlow and the extension are known to load. `tf_ophandlers/__init__.py`
@@ -26,13 +23,12 @@ SUPPORTED_TENSORFLOW = "2.21"
 VERSION = "0.1.0"
 
 _INSTALL = (
-    "Install TensorFlow %(v)s with the package: pip install 'tf-ophandlers[cpu]' "
-    "(tensorflow-cpu==%(v)s.*) or pip install 'tf-ophandlers[gpu]' (tensorflow==%(v)s.*, "
-    "GPU support on Linux), or install either wheel yourself: "
+    "Install either TensorFlow wheel: pip install 'tensorflow==%(v)s.*' (the package's "
+    "declared dependency; 'tensorflow[and-cuda]==%(v)s.*' for NVIDIA GPUs) or "
     "pip install 'tensorflow-cpu==%(v)s.*'" % {"v": SUPPORTED_TENSORFLOW})
 
 _BUILD = ("build the extension first (make build / pip install -e .); in an environment "
-          "that already has TensorFlow %s: pip install --no-build-isolation -e ."
+          "that already has TensorFlow %s: pip install --no-build-isolation --no-deps -e ."
           % SUPPORTED_TENSORFLOW)
 
 
@@ -52,7 +48,7 @@ def check_tensorflow():
         raise ImportError(
             "tf-ophandlers %s supports TensorFlow %s.x only (its C++ extension uses private "
             "symbols of that release); found TensorFlow %s. Install 'tensorflow==%s.*' or "
-            "'tensorflow-cpu==%s.*' (pip install 'tf-ophandlers[gpu]' or '[cpu]')."
+            "'tensorflow-cpu==%s.*'."
             % (VERSION, SUPPORTED_TENSORFLOW, version, SUPPORTED_TENSORFLOW,
                SUPPORTED_TENSORFLOW))
     return tf

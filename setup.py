@@ -53,10 +53,20 @@ setup(ext_modules=[
     # The Python extension: the dispatcher device and the handler-tensor payloads.
     Extension("tf_ophandlers._C", sources=[
         "cc/module.cc", "cc/runtime.cc", "cc/status.cc", "cc/op.cc", "cc/handler_tensor.cc",
-        "cc/device.cc"], **common),
+        "cc/device.cc", "cc/native.cc"], **common),
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
     Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc"], **common),
+    # A handler library (no Python module): oh.native.PassThrough and OpCounter, built
+    # only against the public header cc/include/tf_ophandlers/handler.h and loaded with
+    # oh.load_handler_library. It links TensorFlow's framework library (TF_Status) only.
+    Extension("tf_ophandlers._native_handlers", sources=["cc/native_handlers.cc"],
+              include_dirs=["cc/include", os.path.join(tf_dir, "include")],
+              define_macros=common["define_macros"],
+              extra_compile_args=common["extra_compile_args"],
+              extra_link_args=["-L" + tf_dir, "-l:libtensorflow_framework.so.2",
+                               "-Wl,-rpath,$ORIGIN/../tensorflow", "-Wl,-rpath," + tf_dir],
+              language="c++"),
     # A measurement aid for benchmarks/: a custom device that runs nothing.
     Extension("tf_ophandlers._null_device", sources=["cc/null_device.cc"], **common),
 ])

@@ -9,6 +9,7 @@
 
 #include "device.h"
 #include "handler_tensor.h"
+#include "native.h"
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
@@ -358,9 +359,12 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
 
 PyMODINIT_FUNC PyInit__C(void) {
   using namespace tf_ophandlers;
-  if (!ReadyOpBaseType()) return nullptr;
+  if (!ReadyOpBaseType() || !ReadyNativeTypes()) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
+  if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
+  Py_INCREF(&NativeHandlerBaseType);
+  PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&OpBaseType);
   PyModule_AddObject(m, "OpBase", reinterpret_cast<PyObject*>(&OpBaseType));
   return m;

@@ -293,6 +293,22 @@ done:
   }
 }
 
+// Runs `op` on `stack` in C when its handler is native and every input (`in`, borrowed
+// handles) is already on it, or is physical and taken as it is (the next stack is
+// PHYSICAL and the type has no copy_on). Returns false when not (nothing done, `status`
+// untouched); true when it ran: `status` tells whether it succeeded, and on success
+// `outputs` holds `*num_outputs` new handles (handler tensors of `stack`, or tensors that
+// left the stacks below). `op->num_outputs` < 0: read from the OpDef. GIL: held.
+bool NativeStackExecute(PyObject* stack, const TFOH_Op* op, int n_in, TFE_TensorHandle** in,
+                        int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+
+bool IsCopyOrConst(const char* type) {
+  if (type[0] == '_' && std::strcmp(type, "_EagerConst") == 0) return true;
+  return std::strncmp(type, "Copy", 4) == 0 &&
+         (!std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
+          !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad"));
+}
+
 void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor* const* in,
                     int* num_outputs, TFOH_Tensor** outputs, TF_Status* status) {
   bool physical = ctx->eager && ctx->next == g_physical;
@@ -305,7 +321,24 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
   }
   if (physical && op->num_outputs >= 0) {
     ExecutePhysical(ctx, op, n_in, in, num_outputs, outputs, status);
-  } else {
+    return;
+  }
+  if (ctx->eager && ctx->next != g_physical && op->num_outputs >= 0) {
+    // A native handler below: run it in C too.
+    absl::InlinedVector<TFE_TensorHandle*, 4> handles;
+    for (int i = 0; i < n_in && in[i]->h != nullptr; ++i) handles.push_back(in[i]->h);
+    absl::InlinedVector<TFE_TensorHandle*, 4> outs(op->num_outputs > 0 ? op->num_outputs : 1);
+    int n = op->num_outputs;
+    if (static_cast<int>(handles.size()) == n_in && n <= *num_outputs &&
+        NativeStackExecute(ctx->next, op, n_in, handles.data(), &n, outs.data(), status)) {
+      if (TF_GetCode(status) == TF_OK) {
+        for (int i = 0; i < n; ++i) outputs[i] = TensorFromHandle(outs[i]);
+        *num_outputs = n;
+      }
+      return;
+    }
+  }
+  {
     ExecuteThroughPython(ctx, op, n_in, in, num_outputs, outputs, status);
   }
 }
@@ -427,6 +460,98 @@ bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
   }
   outs.resize(n);
   return true;
+}
+
+bool NativeStackExecute(PyObject* stack, const TFOH_Op* op_in, int n_in, TFE_TensorHandle** in,
+                        int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
+  if (stack == g_physical || IsCopyOrConst(op_in->type)) return false;
+  PyObject* handler = PyObject_GetAttr(stack, s_handler);
+  PyObject* next = nullptr;
+  PyObject* dev = nullptr;
+  PyObject* producer = nullptr;
+  NativeHandlerObject* self = nullptr;
+  std::vector<TF_DataType> want;
+  absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
+  bool handled = false;
+  bool shape_hooks = false;
+  TFOH_Op op = *op_in;
+  if (handler == nullptr || !PyObject_TypeCheck(handler, &NativeHandlerBaseType)) goto out;
+  self = reinterpret_cast<NativeHandlerObject*>(handler);
+  if (self->state == nullptr) goto out;
+  next = PyObject_GetAttr(stack, s_next);
+  if (next == nullptr) goto out;
+  if (!ExpectedOutputs(op.tfe, &want) || static_cast<int>(want.size()) > *num_outputs) goto out;
+  op.num_outputs = static_cast<int>(want.size());
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    if (p != nullptr) {
+      PyObject* v = reinterpret_cast<PyObject*>(p->value);
+      if (p->kind != TFOH_PAYLOAD_PYTHON || p->stack != stack || !EagerTensor_CheckExact(v)) goto out;
+      ins.push_back(TensorFromPy(v));
+    } else if (next == g_physical && self->type->hooks.copy_on == nullptr) {
+      // The default copy-on of a physical tensor onto PHYSICAL is the tensor itself.
+      TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(in[i], status);
+      if (TF_GetCode(status) != TF_OK) {
+        TF_SetStatus(status, TF_OK, "");
+        goto out;
+      }
+      ins.push_back(TensorFromHandle(copy));
+    } else {
+      goto out;
+    }
+  }
+  // From here on the op is ours: every failure is reported through `status`.
+  handled = true;
+  dev = PyObject_GetAttr(g_state, s_device);
+  if (dev == nullptr) {
+    StatusFromPyErr(status);
+    goto out;
+  }
+  {
+    TFOH_Context ctx{stack, next, true, dev};
+    if (!RunExecute(self, &ctx, &op, ins, outs, &want, status)) goto out;
+  }
+  producer = InternedString(op.type);
+  if (producer == nullptr) {
+    StatusFromPyErr(status);
+    goto out;
+  }
+  shape_hooks = self->type->hooks.num_dims != nullptr || self->type->hooks.dim != nullptr;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    TFOH_Tensor* t = outs[i];
+    TFE_TensorHandle* result = nullptr;
+    TF_DataType dt = want[i];
+    bool leaves = dt == TF_RESOURCE;  // native handlers are transient (handler.h)
+    if (!leaves && next != g_physical && t->h != nullptr) {
+      TFOH_Payload* p = PayloadOf(t->h);
+      leaves = p == nullptr || p->stack != next;  // left the stacks below
+    }
+    if (leaves && t->h != nullptr) {
+      result = TFE_TensorHandleCopySharingTensor(t->h, status);
+    } else {
+      PyObject* v = PyOf(t);
+      if (v != nullptr) {
+        result = NewHandlerTensorHandle(stack, v, dt, producer, !shape_hooks);
+        Py_DECREF(v);
+      }
+      if (result == nullptr) StatusFromPyErr(status);
+    }
+    if (TF_GetCode(status) != TF_OK) {
+      for (size_t j = 0; j < i; ++j) TFE_DeleteTensorHandle(outputs[j]);
+      goto out;
+    }
+    outputs[i] = result;
+  }
+  *num_outputs = static_cast<int>(outs.size());
+out:
+  for (auto* t : ins) Unref(t);
+  for (auto* t : outs) Unref(t);
+  Py_XDECREF(producer);
+  Py_XDECREF(dev);
+  Py_XDECREF(next);
+  Py_XDECREF(handler);
+  if (!handled && PyErr_Occurred()) PyErr_Clear();
+  return handled;
 }
 
 // ---- NativeHandlerBase methods ------------------------------------------------------------
@@ -767,12 +892,7 @@ bool ReadyNativeTypes() {
 bool TryNativeExecute(const TFE_Op* tfe_op, const char* type, const char* device, int n_in,
                       int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (g_state == nullptr || device == nullptr || g_device_name != device) return false;
-  if (type[0] == '_' && std::strcmp(type, "_EagerConst") == 0) return false;
-  if (std::strncmp(type, "Copy", 4) == 0 &&
-      (!std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
-       !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad"))) {
-    return false;
-  }
+  if (IsCopyOrConst(type)) return false;
   PyObject* mode = PyObject_GetAttr(g_state, s_mode);
   if (mode == nullptr) {
     PyErr_Clear();
@@ -785,98 +905,22 @@ bool TryNativeExecute(const TFE_Op* tfe_op, const char* type, const char* device
     PyErr_Clear();
     return false;
   }
-  PyObject* handler = nullptr;
-  PyObject* next = nullptr;
-  PyObject* dev = nullptr;
-  PyObject* producer = nullptr;
-  NativeHandlerObject* self = nullptr;
-  std::vector<TF_DataType> want;
-  absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
-  bool handled = false;
-  bool shape_hooks = false;
-  handler = stack == g_physical ? nullptr : PyObject_GetAttr(stack, s_handler);
-  if (handler == nullptr || !PyObject_TypeCheck(handler, &NativeHandlerBaseType)) goto out;
-  self = reinterpret_cast<NativeHandlerObject*>(handler);
-  if (self->state == nullptr) goto out;
-  next = PyObject_GetAttr(stack, s_next);
-  if (next == nullptr) goto out;
-  if (!ExpectedOutputs(tfe_op, &want) || static_cast<int>(want.size()) > *num_outputs) goto out;
-  for (int i = 0; i < n_in; ++i) {
-    TFE_TensorHandle* h = TFE_OpGetFlatInput(tfe_op, i, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TF_SetStatus(status, TF_OK, "");
-      goto out;
-    }
-    TFOH_Payload* p = PayloadOf(h);
-    if (p != nullptr) {
-      PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (p->kind != TFOH_PAYLOAD_PYTHON || p->stack != stack || !EagerTensor_CheckExact(v)) goto out;
-      ins.push_back(TensorFromPy(v));
-    } else if (next == g_physical && self->type->hooks.copy_on == nullptr) {
-      // The default copy-on of a physical tensor onto PHYSICAL is the tensor itself.
-      TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, status);
-      if (TF_GetCode(status) != TF_OK) {
-        TF_SetStatus(status, TF_OK, "");
-        goto out;
-      }
-      ins.push_back(TensorFromHandle(copy));
-    } else {
-      goto out;
-    }
+  absl::InlinedVector<TFE_TensorHandle*, 4> ins;
+  bool ok = true;
+  for (int i = 0; ok && i < n_in; ++i) {
+    ins.push_back(TFE_OpGetFlatInput(tfe_op, i, status));
+    ok = TF_GetCode(status) == TF_OK;
   }
-  // From here on the op is ours: every failure is reported through `status`.
-  handled = true;
-  dev = PyObject_GetAttr(g_state, s_device);
-  if (dev == nullptr) {
-    StatusFromPyErr(status);
-    goto out;
+  if (!ok) {
+    TF_SetStatus(status, TF_OK, "");
+    Py_DECREF(stack);
+    return false;
   }
-  {
-    TFOH_Context ctx{stack, next, true, dev};
-    TFOH_Op op{tfe_op, nullptr, type, device, static_cast<int>(want.size())};
-    if (!RunExecute(self, &ctx, &op, ins, outs, &want, status)) goto out;
-  }
-  producer = InternedString(type);
-  if (producer == nullptr) {
-    StatusFromPyErr(status);
-    goto out;
-  }
-  shape_hooks = self->type->hooks.num_dims != nullptr || self->type->hooks.dim != nullptr;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    TFOH_Tensor* t = outs[i];
-    TFE_TensorHandle* result = nullptr;
-    TF_DataType dt = want[i];
-    bool leaves = dt == TF_RESOURCE;  // native handlers are transient (handler.h)
-    if (!leaves && next != g_physical && t->h != nullptr) {
-      TFOH_Payload* p = PayloadOf(t->h);
-      leaves = p == nullptr || p->stack != next;  // left the stacks below
-    }
-    if (leaves && t->h != nullptr) {
-      result = TFE_TensorHandleCopySharingTensor(t->h, status);
-    } else {
-      PyObject* v = PyOf(t);
-      if (v != nullptr) {
-        result = NewHandlerTensorHandle(stack, v, dt, producer, !shape_hooks);
-        Py_DECREF(v);
-      }
-      if (result == nullptr) StatusFromPyErr(status);
-    }
-    if (TF_GetCode(status) != TF_OK) {
-      for (size_t j = 0; j < i; ++j) TFE_DeleteTensorHandle(outputs[j]);
-      goto out;
-    }
-    outputs[i] = result;
-  }
-  *num_outputs = static_cast<int>(outs.size());
-out:
-  for (auto* t : ins) Unref(t);
-  for (auto* t : outs) Unref(t);
-  Py_XDECREF(producer);
-  Py_XDECREF(dev);
-  Py_XDECREF(next);
-  Py_XDECREF(handler);
+  TFOH_Op op{tfe_op, nullptr, type, device, -1};
+  int n = *num_outputs;
+  bool handled = NativeStackExecute(stack, &op, n_in, ins.data(), &n, outputs, status);
+  if (handled && TF_GetCode(status) == TF_OK) *num_outputs = n;
   Py_DECREF(stack);
-  if (!handled && PyErr_Occurred()) PyErr_Clear();
   return handled;
 }
 

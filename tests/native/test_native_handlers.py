@@ -235,3 +235,26 @@ def test_library_object():
         t = tf.constant([1.0]) + 1.0
     assert "device:CPU" in t.device  # transparent: shows the physical device
     assert repr(c) == "<OpCounter(1 ops)>"
+
+
+def test_eager_ops_on_native_stacks_run_without_python_frames(xw):
+    """The per-op path of C++ handlers (nested, too) never enters the package's Python."""
+    import sys
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    want = tf.sin(tf.sin(tf.sin(xw[0])))
+    with oh.native.OpCounter() as outer, oh.native.PassThrough():
+        a = tf.identity(xw[0])  # physical input under a non-bottom stack: the Python path
+        sys.setprofile(profile)
+        try:
+            for _ in range(3):
+                a = tf.sin(a)
+        finally:
+            sys.setprofile(None)
+    assert calls == []
+    assert outer.counts == {"Identity": 1, "Sin": 3}
+    assert_same(a, want)

@@ -258,3 +258,14 @@ def test_eager_ops_on_native_stacks_run_without_python_frames(xw):
     assert calls == []
     assert outer.counts == {"Identity": 1, "Sin": 3}
     assert_same(a, want)
+
+
+def test_cc_handler_example_runs(capsys):
+    """examples/cc_handler: built with the oh.sysconfig one-liner, loaded, used."""
+    import os
+    import runpy
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    example = runpy.run_path(os.path.join(root, "examples", "cc_handler", "op_timer.py"))
+    assert example["main"]() == 0
+    out = capsys.readouterr().out
+    assert "MatMul" in out

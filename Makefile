@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/functions.py
 	$(VPY) benchmarks/lazy.py
 	$(VPY) benchmarks/async_execution.py
+	$(VPY) benchmarks/native_handlers.py
 
 clean:
-	rm -rf build *.egg-info tf_ophandlers/_C*.so
+	rm -rf build *.egg-info tf_ophandlers/_C*.so tf_ophandlers/_native_handlers*.so tf_ophandlers/include

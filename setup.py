@@ -26,6 +26,19 @@ def _tensorflow_dir():
     return list(spec.submodule_search_locations)[0]
 
 
+def _copy_public_headers():
+    """Copies cc/include/tf_ophandlers/*.h into the package (tf_ophandlers/include), so an
+    installed package has the headers handler libraries build against (oh.sysconfig)."""
+    import shutil
+    src = os.path.join("cc", "include", "tf_ophandlers")
+    dst = os.path.join("tf_ophandlers", "include", "tf_ophandlers")
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".h"):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
+_copy_public_headers()
 tf_dir = _tensorflow_dir()
 tf_python = os.path.join(tf_dir, "python")
 

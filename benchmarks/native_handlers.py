@@ -13,7 +13,7 @@ the handler stack, the steady state of a chain of ops in a scope) under:
 Configurations are interleaved (shuffled order every round), gc disabled while timing;
 the reported time is the median over rounds of the mean per-op time, ratios are
 same-round ratios to plain. Also checks that OpCounter's counts equal OpLogHandler's
-records for the timed ops. Writes the `native-handlers` section of docs/benchmarks.md.
+records for the timed ops. Writes the `native_handlers` section of docs/benchmarks.md.
 
     python benchmarks/native_handlers.py           # full run (~1 min on 2 cores)
     python benchmarks/native_handlers.py --quick   # smoke run
@@ -143,7 +143,7 @@ def render_md(s, info, args, agree, elapsed):
 
 
 def main(argv=None):
-    args = _common.parse_args(argv, __doc__, "native-handlers", (15, 3),
+    args = _common.parse_args(argv, __doc__, "native_handlers", (15, 3),
                               [("n", "timed ops per round", 2000, 200)], what="ops")
     start = time.perf_counter()
     info = _common.machine_info()
@@ -152,7 +152,7 @@ def main(argv=None):
     s = summarize(times)
     elapsed = time.perf_counter() - start
     body, verdicts = render_md(s, info, args, agree, elapsed)
-    _common.write_section(args.out, "native-handlers", body)
+    _common.write_section(args.out, "native_handlers", body)
     for key, _, _ in CONFIGS:
         print("%-8s %8.2f us %5.2fx" % (key, s[key]["us"], s[key]["ratio"]))
     print("level +%.2f us; counter +%.2f us vs oplog +%.2f us; counts agree: %s" % (

@@ -31,6 +31,7 @@ BENCHMARKS = [
                                      "MirroredStrategy"]),
     ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
     ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
+    ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
 ]
 
 

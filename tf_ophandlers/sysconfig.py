@@ -16,10 +16,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def get_include():
-    """The directory holding ``tf_ophandlers/handler.h`` (the package's ``include`` when
-    installed with its headers, else the source tree's ``cc/include``)."""
-    for candidate in (os.path.join(_HERE, "include"),
-                      os.path.join(os.path.dirname(_HERE), "cc", "include")):
+    """The directory holding ``tf_ophandlers/handler.h``: the source tree's ``cc/include``
+    in a checkout (editable installs), else the copy installed in the package."""
+    for candidate in (os.path.join(os.path.dirname(_HERE), "cc", "include"),
+                      os.path.join(_HERE, "include")):
         if os.path.exists(os.path.join(candidate, "tf_ophandlers", "handler.h")):
             return candidate
     raise OSError("tf_ophandlers: the C headers (tf_ophandlers/handler.h) are not installed")

@@ -215,9 +215,24 @@ void ExecutePhysical(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor
       TF_SetStatus(status, TF_INVALID_ARGUMENT,
                    "tf_ophandlers: execute_next: too few output slots for the op");
     } else {
+      // Ops that run Python inside their kernel (tf.py_function's body) run it below
+      // the handler: state.current is the next stack meanwhile, as for the Python
+      // stack's forwarding (only these ops pay for it).
+      PyObject* saved = nullptr;
+      if (std::strstr(op->type, "PyFunc") != nullptr) {
+        saved = PyObject_GetAttr(g_state, s_current);
+        if (saved == nullptr || PyObject_SetAttr(g_state, s_current, ctx->next) < 0) {
+          Py_CLEAR(saved);
+          PyErr_Clear();
+        }
+      }
       Py_BEGIN_ALLOW_THREADS;
       TFE_Execute(tfe, rets.data(), &num, status);
       Py_END_ALLOW_THREADS;
+      if (saved != nullptr) {
+        if (PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
+        Py_DECREF(saved);
+      }
     }
   }
   if (TF_GetCode(status) == TF_OK) {

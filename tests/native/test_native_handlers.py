@@ -269,3 +269,41 @@ def test_cc_handler_example_runs(capsys):
     assert example["main"]() == 0
     out = capsys.readouterr().out
     assert "MatMul" in out
+
+
+def test_variables_devices_py_function_and_threads():
+    import threading
+    with oh.native.PassThrough():
+        v = tf.Variable([1.0, 2.0])
+        v.assign_add([1.0, 1.0])
+        with tf.device("/cpu:0"):
+            a = v * 2.0
+        i = tf.range(5) * 3
+        s = tf.strings.join(["a", "b"])
+        # The body runs below the handler (as under a Python pass-through).
+        p = tf.py_function(lambda x: x * 10.0, [a], tf.float32)
+    np.testing.assert_array_equal(v.numpy(), [2.0, 3.0])
+    np.testing.assert_array_equal(p.numpy(), [40.0, 60.0])
+    np.testing.assert_array_equal(i.numpy(), [0, 3, 6, 9, 12])
+    assert s.numpy() == b"ab" and a.shape == (2,) and "value=[4. 6.]" in repr(a)
+
+    shared, errors = oh.native.OpCounter(), []
+
+    def work():
+        try:
+            own = oh.native.OpCounter()
+            with shared, own:
+                x = tf.ones([3])
+                for _ in range(30):
+                    x = x + 1.0
+            assert own.counts == {"Fill": 1, "AddV2": 30}, own.counts
+            assert float(x[0]) == 31.0  # x[0] reaches the stacks by type: one StridedSlice
+        except Exception as e:  # pylint: disable=broad-except
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert shared.counts == {"Fill": 4, "AddV2": 120, "StridedSlice": 4}

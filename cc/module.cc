@@ -90,7 +90,7 @@ PyObject* PyWrap(PyObject* self, PyObject* args) {
   if (!DtypeFromHook(stack, dtype_obj, CurrentOpType(), "a tensor it wraps", &dtype)) {
     return nullptr;
   }
-  return WrapHandlerTensor(stack, value, dtype, nullptr);
+  return WrapHandlerTensor(stack, value, dtype, nullptr, !HasNativeShapeHooks(stack));
 }
 
 PyObject* PyPayload(PyObject* self, PyObject* t) {
@@ -251,6 +251,7 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
                            " (it must return a list of outputs)");
     return nullptr;
   }
+  const bool shape_from_value = !HasNativeShapeHooks(stack);
   PyObject* seq = PySequence_Tuple(values);  // a copy: value_dtype hooks cannot resize it
   if (seq == nullptr) return nullptr;
   Py_ssize_t n = PyTuple_GET_SIZE(seq);
@@ -269,7 +270,7 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
         Py_INCREF(v);
         t = v;
       } else {
-        t = WrapHandlerTensor(stack, v, dt, op_type);
+        t = WrapHandlerTensor(stack, v, dt, op_type, shape_from_value);
       }
     } else {
       std::string what = "output " + std::to_string(i);
@@ -291,7 +292,7 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
       }
       TF_DataType dt;
       if (e != nullptr && DtypeFromHook(stack, e, op_type, what.c_str(), &dt)) {
-        t = WrapHandlerTensor(stack, v, dt, op_type);
+        t = WrapHandlerTensor(stack, v, dt, op_type, shape_from_value);
       }
       Py_XDECREF(e);
     }

@@ -904,6 +904,23 @@ bool ReadyNativeTypes() {
   return PyType_Ready(&NativeHandlerBaseType) >= 0;
 }
 
+bool HasNativeShapeHooks(PyObject* stack) {
+  if (s_handler == nullptr || stack == g_physical) return false;
+  PyObject* handler = PyObject_GetAttr(stack, s_handler);
+  if (handler == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  bool r = false;
+  if (PyObject_TypeCheck(handler, &NativeHandlerBaseType)) {
+    auto* self = reinterpret_cast<NativeHandlerObject*>(handler);
+    r = self->type != nullptr &&
+        (self->type->hooks.num_dims != nullptr || self->type->hooks.dim != nullptr);
+  }
+  Py_DECREF(handler);
+  return r;
+}
+
 bool TryNativeExecute(const TFE_Op* tfe_op, const char* type, const char* device, int n_in,
                       int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (g_state == nullptr || device == nullptr || g_device_name != device) return false;

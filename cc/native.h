@@ -41,6 +41,11 @@ extern PyMethodDef kNativeModuleMethods[];
 bool TryNativeExecute(const TFE_Op* op, const char* type, const char* device, int num_inputs,
                       int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
 
+// Whether `stack`'s handler is native with a num_dims or dim hook: its tensors then
+// answer rank and dims through those hooks, not from their representation. Never fails.
+// GIL: must be held.
+bool HasNativeShapeHooks(PyObject* stack);
+
 }  // namespace tf_ophandlers
 
 #endif  // TF_OPHANDLERS_NATIVE_H_

@@ -1,7 +1,8 @@
 // A tiny third-party handler library for the tests, built with the oh.sysconfig flags:
 //   FailOn(config="Sin")   forwards every op except those of type `config`, which fail
 //                          with TF_INVALID_ARGUMENT and a message naming the op;
-//   NoCopyOff()            forwards ops and refuses copy-off (TF_FAILED_PRECONDITION).
+//   NoCopyOff()            forwards ops and refuses copy-off (TF_FAILED_PRECONDITION);
+//   HiddenDims()           forwards ops; its tensors' axis lengths are unknown (dim hook).
 #include <cstring>
 #include <string>
 
@@ -36,6 +37,19 @@ static void NoCopyDebug(void*, TF_Buffer* out) {
   out->data_deallocator = nullptr;
 }
 
+// HiddenDims(): forwards ops; its tensors report rank from the representation and every
+// axis length as unknown (-1), through the num_dims/dim hooks.
+static int HiddenNumDims(void*, const TFOH_Tensor* value, TF_Status* status) {
+  return api->tensor_num_dims(value, status);
+}
+static int64_t HiddenDim(void*, const TFOH_Tensor*, int, TF_Status*) { return -1; }
+static void* HiddenCreate(void*, const char*, TF_Status*) { return new int(0); }
+static void HiddenDelete(void* s) { delete static_cast<int*>(s); }
+static void Forward(void*, TFOH_Context* ctx, const TFOH_Op* op, int n, TFOH_Tensor* const* in,
+                    int* nout, TFOH_Tensor** out, TF_Status* status) {
+  api->execute_next(ctx, op, n, in, nout, out, status);
+}
+
 extern "C" TFOH_EXPORT void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* a, TFOH_Library* lib,
                                                     TF_Status* status) {
   api = a;
@@ -55,4 +69,16 @@ extern "C" TFOH_EXPORT void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* a, TF
   t.copy_off = NoCopyOff;
   t.debug_string = NoCopyDebug;
   api->register_type(lib, &t, status);
+  if (TF_GetCode(status) != TF_OK) return;
+  std::memset(&t, 0, sizeof(t));
+  t.abi_version = TFOH_ABI_VERSION;
+  t.struct_size = sizeof(t);
+  t.name = "HiddenDims";
+  t.create = HiddenCreate;
+  t.delete_state = HiddenDelete;
+  t.execute = Forward;
+  t.num_dims = HiddenNumDims;
+  t.dim = HiddenDim;
+  api->register_type(lib, &t, status);
 }
+

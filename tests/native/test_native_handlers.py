@@ -1,12 +1,49 @@
 """Handlers in C++ (cc/include/tf_ophandlers/handler.h): oh.native.PassThrough and
 OpCounter, a third-party library built with oh.sysconfig, against plain TensorFlow."""
 import collections
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+
+# tests/native/failing_handler.cc is built once with the oh.sysconfig flags (cached by the
+# hash of the source, the header and the flags, so reruns skip the compiler).
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def build_handler_library(source):
+    cflags = oh.sysconfig.get_compile_flags()
+    lflags = oh.sysconfig.get_link_flags()
+    with open(source, "rb") as f:
+        text = f.read()
+    header = os.path.join(oh.sysconfig.get_include(), "tf_ophandlers", "handler.h")
+    with open(header, "rb") as f:
+        text += f.read()
+    key = hashlib.sha256(text + repr((cflags, lflags)).encode()).hexdigest()[:16]
+    out_dir = os.path.join(tempfile.gettempdir(), "tf_ophandlers_test_libs")
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, "%s_%s.so" % (os.path.basename(source)[:-3], key))
+    if not os.path.exists(out):
+        compiler = shutil.which("g++") or pytest.skip("no g++ to build a handler library")
+        tmp = out + ".%d.tmp" % os.getpid()
+        # The one-liner of docs/guide.md: g++ -shared -fPIC $(flags) h.cc -o h.so $(link)
+        subprocess.run([compiler, "-shared", "-fPIC", "-O1"] + cflags + [source, "-o", tmp]
+                       + lflags, check=True)
+        os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def failing_library():
+    return oh.load_handler_library(build_handler_library(os.path.join(HERE, "failing_handler.cc")))
+
 
 
 def program(x, w):
@@ -307,3 +344,15 @@ def test_variables_devices_py_function_and_threads():
         t.join()
     assert not errors, errors
     assert shared.counts == {"Fill": 4, "AddV2": 120, "StridedSlice": 4}
+
+
+def test_shape_hooks_answer_rank_and_dims(failing_library, xw):
+    Hidden = failing_library.handler_types()["HiddenDims"]
+    with Hidden():
+        a = tf.sin(xw[0])  # the C path
+    with oh.OpLogHandler():
+        with Hidden():
+            b = tf.sin(xw[0])  # the Python path (a physical input over another handler)
+    for t in (a, b):
+        assert t.shape.rank == 2 and t.shape.as_list() == [None, None]
+        np.testing.assert_allclose(t.numpy(), tf.sin(xw[0]).numpy())

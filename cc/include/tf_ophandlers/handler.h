@@ -189,7 +189,7 @@ typedef struct TFOH_HandlerType {
   // runtime; set data/length/data_deallocator, or use a buffer from
   // TF_NewBufferFromString's content). `debug_string` names the handler in errors
   // (NULL: "<name>()"); `tensor_debug_string` is repr() of its tensors (NULL: the
-  // type name and the representation's value).
+  // representation's value as TensorFlow shows it; these handlers are transparent).
   void (*debug_string)(void* state, TF_Buffer* out);
   void (*tensor_debug_string)(void* state, const TFOH_Tensor* value, TF_Buffer* out,
                               TF_Status* status);

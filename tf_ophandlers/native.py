@@ -7,7 +7,7 @@ library ``tf_ophandlers/_native_handlers*.so``, loaded on first use.
 >>> with counter:
 ...     y = tf.sin(tf.constant([1.0, 2.0])) * 2.0
 >>> counter.counts
-{'Sin': 1, 'Mul': 1}
+{'Mul': 1, 'Sin': 1}
 >>> with oh.native.PassThrough():
 ...     float(tf.add(1.0, 2.0))
 3.0
@@ -36,13 +36,14 @@ def library():
 
 def _op_counter_class(base):
     def counts(self):
-        """op type -> number of times this counter executed it (a new dict)."""
+        """op type -> number of times this counter executed it (a new dict, sorted by
+        op type)."""
         text = self.query("counts").decode()
         result = {}
         for line in text.splitlines():
             op_type, _, n = line.rpartition("\t")
             result[op_type] = int(n)
-        return result
+        return dict(sorted(result.items()))
 
     def total(self):
         """The number of ops executed."""

@@ -2,7 +2,9 @@
 //   FailOn(config="Sin")   forwards every op except those of type `config`, which fail
 //                          with TF_INVALID_ARGUMENT and a message naming the op;
 //   NoCopyOff()            forwards ops and refuses copy-off (TF_FAILED_PRECONDITION);
-//   HiddenDims()           forwards ops; its tensors' axis lengths are unknown (dim hook).
+//   HiddenDims()           forwards ops; its tensors' axis lengths are unknown (dim hook);
+//   OldLayout()            forwards ops; registered with a shorter struct_size.
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -79,6 +81,19 @@ extern "C" TFOH_EXPORT void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* a, TF
   t.execute = Forward;
   t.num_dims = HiddenNumDims;
   t.dim = HiddenDim;
+  api->register_type(lib, &t, status);
+  if (TF_GetCode(status) != TF_OK) return;
+  // OldLayout(): a type as a library built against a shorter TFOH_HandlerType would
+  // register it: the fields past its struct_size (set to garbage here) must be ignored.
+  std::memset(&t, 0, sizeof(t));
+  t.abi_version = TFOH_ABI_VERSION;
+  t.struct_size = offsetof(TFOH_HandlerType, copy_on);
+  t.name = "OldLayout";
+  t.create = HiddenCreate;
+  t.delete_state = HiddenDelete;
+  t.execute = Forward;
+  t.copy_on = reinterpret_cast<decltype(t.copy_on)>(0x1);
+  t.query = reinterpret_cast<decltype(t.query)>(0x1);
   api->register_type(lib, &t, status);
 }
 

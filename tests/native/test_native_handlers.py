@@ -356,3 +356,16 @@ def test_shape_hooks_answer_rank_and_dims(failing_library, xw):
     for t in (a, b):
         assert t.shape.rank == 2 and t.shape.as_list() == [None, None]
         np.testing.assert_allclose(t.numpy(), tf.sin(xw[0]).numpy())
+
+
+def test_abi_versions(failing_library, xw):
+    OldLayout = failing_library.handler_types()["OldLayout"]
+    assert not OldLayout._oh_hooks["copy_on"] and not OldLayout._oh_hooks["query"]
+    with OldLayout():
+        y = tf.sin(xw[0]) + 1.0
+    assert_same(y, tf.sin(xw[0]) + 1.0)
+    with pytest.raises(ValueError, match="no queries"):
+        OldLayout().query("x")
+    bad = build_handler_library(os.path.join(HERE, "bad_abi_handler.cc"))
+    with pytest.raises(RuntimeError, match="unknown abi_version"):
+        oh.load_handler_library(bad)

@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/data_format.py
 	$(VPY) benchmarks/debugger.py
 	$(VPY) benchmarks/small_ops.py
+	$(VPY) benchmarks/native_handlers.py
 
 wheel:
 	bash scripts/build_wheels.sh
@@ -48,4 +49,4 @@ smoke: wheel
 	bash scripts/smoke_matrix.sh
 
 clean:
-	rm -rf build dist *.egg-info tf_ophandlers/*.so
+	rm -rf build dist *.egg-info tf_ophandlers/*.so tf_ophandlers/include

@@ -37,6 +37,19 @@ def _tensorflow_dir():
     return list(spec.submodule_search_locations)[0]
 
 
+def _copy_public_headers():
+    """Copies cc/include/tf_ophandlers/*.h into the package (tf_ophandlers/include), so an
+    installed package has the headers handler libraries build against (oh.sysconfig)."""
+    import shutil
+    src = os.path.join("cc", "include", "tf_ophandlers")
+    dst = os.path.join("tf_ophandlers", "include", "tf_ophandlers")
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".h"):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
+_copy_public_headers()
 tf_dir = _tensorflow_dir()
 tf_python = os.path.join(tf_dir, "python")
 
@@ -109,10 +122,20 @@ setup(cmdclass={"build_ext": build_ext}, ext_modules=[
     # The Python extension: the dispatcher device and the handler-tensor payloads.
     Extension("tf_ophandlers._C", sources=[
         "cc/module.cc", "cc/runtime.cc", "cc/status.cc", "cc/op.cc", "cc/handler_tensor.cc",
-        "cc/device.cc"], **common),
+        "cc/device.cc", "cc/native.cc"], **common),
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
     Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc"], **common),
+    # A handler library (no Python module): oh.native.PassThrough and OpCounter, built
+    # only against the public header cc/include/tf_ophandlers/handler.h and loaded with
+    # oh.load_handler_library. It links TensorFlow's framework library (TF_Status) only.
+    Extension("tf_ophandlers._native_handlers", sources=["cc/native_handlers.cc"],
+              include_dirs=["cc/include", os.path.join(tf_dir, "include")],
+              define_macros=common["define_macros"],
+              extra_compile_args=common["extra_compile_args"],
+              extra_link_args=["-L" + tf_dir, "-l:libtensorflow_framework.so.2",
+                               "-Wl,-rpath,$ORIGIN/../tensorflow"],
+              language="c++"),
     # A measurement aid for benchmarks/: a custom device that runs nothing.
     Extension("tf_ophandlers._null_device", sources=["cc/null_device.cc"], **common),
 ])

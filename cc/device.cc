@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "handler_tensor.h"
+#include "native.h"
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
@@ -109,6 +110,8 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
   PyObject* inputs = nullptr;
   PyObject* result = nullptr;
   if (TF_GetCode(status) != TF_OK) goto done;
+  // A native handler's stack runs the op without entering Python when it can.
+  if (TryNativeExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) goto done;
   op = NewOpObject(name, dev, *num_outputs);
   if (op == nullptr) {
     StatusFromPyErr(status);

@@ -186,8 +186,8 @@ TFOH_Payload* PayloadOf(TFE_TensorHandle* handle) {
   return p;
 }
 
-PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
-                            PyObject* producer) {
+TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_DataType dtype,
+                                         PyObject* producer, bool shape_from_value) {
   if (g_ctx == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: dispatcher not initialized");
     return nullptr;
@@ -202,8 +202,8 @@ PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
   p->shape_source = nullptr;
   if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
   p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
-  TF_Status* s = TF_NewStatus();
-  if (EagerTensor_CheckExact(value)) {
+  TF_Status* s = ThreadStatus();
+  if (shape_from_value && EagerTensor_CheckExact(value)) {
     p->shape_source = TFE_TensorHandleCopySharingTensor(EagerTensor_Handle(value), s);
     if (TF_GetCode(s) != TF_OK) p->shape_source = nullptr;
     TF_SetStatus(s, TF_OK, "");
@@ -219,10 +219,15 @@ PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
   if (TF_GetCode(s) != TF_OK) {
     PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot create handler tensor: %s",
                  TF_Message(s));
-    TF_DeleteStatus(s);
     return nullptr;
   }
-  TF_DeleteStatus(s);
+  return h;
+}
+
+PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
+                            PyObject* producer, bool shape_from_value) {
+  TFE_TensorHandle* h = NewHandlerTensorHandle(stack, value, dtype, producer, shape_from_value);
+  if (h == nullptr) return nullptr;
   PyObject* t = EagerTensorFromHandle(h, false);
   if (t == nullptr) TFE_DeleteTensorHandle(h);  // frees the payload through its deallocator
   return t;

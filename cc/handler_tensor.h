@@ -24,8 +24,15 @@ namespace tf_ophandlers {
 // it and names the hook that gave it. Returns a new EagerTensor, or null with a Python
 // exception set (the payload is then already released).
 // GIL: must be held. Also drains the pending-free queue (DrainPending).
+// `shape_from_value`: answer rank and dims from `value` in C when it is an EagerTensor
+// (false: always ask the handler's num_dims/dim hooks).
 PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
-                            PyObject* producer);
+                            PyObject* producer, bool shape_from_value = true);
+
+// As WrapHandlerTensor, but returns the new TFE_TensorHandle (owned by the caller)
+// instead of an EagerTensor. Null with a Python exception set on failure.
+TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_DataType dtype,
+                                         PyObject* producer, bool shape_from_value);
 
 // Returns the payload of `handle` (borrowed: valid while `handle` is) if it lives on the
 // dispatcher device, else null. Never sets an error. GIL: not needed.

@@ -9,6 +9,7 @@
 
 #include "device.h"
 #include "handler_tensor.h"
+#include "native.h"
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
@@ -89,7 +90,7 @@ PyObject* PyWrap(PyObject* self, PyObject* args) {
   if (!DtypeFromHook(stack, dtype_obj, CurrentOpType(), "a tensor it wraps", &dtype)) {
     return nullptr;
   }
-  return WrapHandlerTensor(stack, value, dtype, nullptr);
+  return WrapHandlerTensor(stack, value, dtype, nullptr, !HasNativeShapeHooks(stack));
 }
 
 PyObject* PyPayload(PyObject* self, PyObject* t) {
@@ -250,6 +251,7 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
                            " (it must return a list of outputs)");
     return nullptr;
   }
+  const bool shape_from_value = !HasNativeShapeHooks(stack);
   PyObject* seq = PySequence_Tuple(values);  // a copy: value_dtype hooks cannot resize it
   if (seq == nullptr) return nullptr;
   Py_ssize_t n = PyTuple_GET_SIZE(seq);
@@ -268,7 +270,7 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
         Py_INCREF(v);
         t = v;
       } else {
-        t = WrapHandlerTensor(stack, v, dt, op_type);
+        t = WrapHandlerTensor(stack, v, dt, op_type, shape_from_value);
       }
     } else {
       std::string what = "output " + std::to_string(i);
@@ -290,7 +292,7 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
       }
       TF_DataType dt;
       if (e != nullptr && DtypeFromHook(stack, e, op_type, what.c_str(), &dt)) {
-        t = WrapHandlerTensor(stack, v, dt, op_type);
+        t = WrapHandlerTensor(stack, v, dt, op_type, shape_from_value);
       }
       Py_XDECREF(e);
     }
@@ -358,9 +360,12 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
 
 PyMODINIT_FUNC PyInit__C(void) {
   using namespace tf_ophandlers;
-  if (!ReadyOpBaseType()) return nullptr;
+  if (!ReadyOpBaseType() || !ReadyNativeTypes()) return nullptr;
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
+  if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
+  Py_INCREF(&NativeHandlerBaseType);
+  PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&OpBaseType);
   PyModule_AddObject(m, "OpBase", reinterpret_cast<PyObject*>(&OpBaseType));
   return m;

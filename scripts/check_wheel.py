@@ -16,7 +16,7 @@ import sys
 import tempfile
 import zipfile
 
-EXTENSIONS = ("_C", "_copy_ops", "_null_device")
+EXTENSIONS = ("_C", "_copy_ops", "_native_handlers", "_null_device")
 REQUIRED_DEPENDENCY = re.compile(r"^tensorflow\s*(\(|[<>=!~]).*2\.21", re.I)
 
 
@@ -65,6 +65,9 @@ def wheel_problems(wheel, python_version, source=None):
         missing = sorted(set(source_modules(source)) - set(names))
         if missing:
             problems.append("modules of the source tree missing: %s" % missing)
+        # The public C headers oh.sysconfig.get_include() points handler libraries at.
+        if "tf_ophandlers/include/tf_ophandlers/handler.h" not in names:
+            problems.append("public header tf_ophandlers/include/tf_ophandlers/handler.h missing")
         shared = sorted(n for n in names if n.endswith(".so"))
         want = sorted("tf_ophandlers/%s.cpython-%s-x86_64-linux-gnu.so" % (e, tag[2:])
                       for e in EXTENSIONS)

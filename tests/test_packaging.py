@@ -40,6 +40,7 @@ BENCHMARKS = [
                                                         "tf.recompute_grad", "memory_budget"]),
     ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
                                       "vectorized_map", "issue (before)"]),
+    ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
 ]
 
 
@@ -119,9 +120,12 @@ def _link(setup_py, monkeypatch, **options):
 def test_a_wheel_build_links_with_origin_relative_runpaths_only(setup_py, monkeypatch):
     _, (linker, linker_cxx, link_args) = _link(setup_py, monkeypatch)
     assert set(link_args) == {"tf_ophandlers._C", "tf_ophandlers._copy_ops",
-                              "tf_ophandlers._null_device"}
-    for args in link_args.values():
-        assert _rpaths(args) == ["$ORIGIN/../tensorflow", "$ORIGIN/../tensorflow/python"]
+                              "tf_ophandlers._native_handlers", "tf_ophandlers._null_device"}
+    for name, args in link_args.items():
+        # The handler library links only libtensorflow_framework (in tensorflow/).
+        want = (["$ORIGIN/../tensorflow"] if name == "tf_ophandlers._native_handlers"
+                else ["$ORIGIN/../tensorflow", "$ORIGIN/../tensorflow/python"])
+        assert _rpaths(args) == want
     # The interpreter's own rpath is gone (the extension never links libpython).
     assert not _rpaths(linker) and not _rpaths(linker_cxx)
     assert linker_cxx == ["g++", "-shared"]
@@ -132,9 +136,10 @@ def test_in_place_and_editable_builds_also_get_the_absolute_tensorflow_dirs(
         setup_py, monkeypatch, mode):
     cmd, (linker, _, link_args) = _link(setup_py, monkeypatch, **{mode: True})
     tf_dir = os.path.dirname(tf.__file__)
-    for args in link_args.values():
-        assert _rpaths(args) == ["$ORIGIN/../tensorflow", "$ORIGIN/../tensorflow/python",
-                                 tf_dir, os.path.join(tf_dir, "python")]
+    for name, args in link_args.items():
+        origin = (["$ORIGIN/../tensorflow"] if name == "tf_ophandlers._native_handlers"
+                  else ["$ORIGIN/../tensorflow", "$ORIGIN/../tensorflow/python"])
+        assert _rpaths(args) == origin + [tf_dir, os.path.join(tf_dir, "python")]
     assert not _rpaths(linker)
     if mode == "inplace":
         # Linked into its own directory: a later wheel build cannot reuse this link.
@@ -167,6 +172,7 @@ def test_the_wheel_checker_finds_absolute_runpaths_wrong_tags_and_missing_tensor
     assert "tags are not cp3%d-cp3%d-linux_x86_64" % ((sys.version_info[1],) * 2) in text
     assert "expected" in text  # two extension modules missing
     assert "does not require tensorflow 2.21" in text
+    assert "public header tf_ophandlers/include/tf_ophandlers/handler.h missing" in text
     assert "modules of the source tree missing: ['tf_ophandlers/__init__.py'" in text
     assert ("absolute RUNPATH" in text) == so.startswith(str(ROOT))
 

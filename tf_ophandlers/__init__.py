@@ -51,6 +51,10 @@ from tf_ophandlers.handlers.recompute import Recompute  # noqa: E402
 from tf_ophandlers.handlers.data_format import DataFormat  # noqa: E402
 from tf_ophandlers.handlers.debugger import DebuggerHandler  # noqa: E402
 from tf_ophandlers import testing  # noqa: E402
+from tf_ophandlers.core.native import (  # noqa: E402
+    HandlerLibrary, NativeHandler, load_handler_library)
+from tf_ophandlers import native  # noqa: E402  (classes load the library on first use)
+from tf_ophandlers import sysconfig  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -77,4 +81,6 @@ __all__ = [
     # for handler authors (docs/guide.md, "The handler author's API")
     "next_stack", "stack_of", "tensor_key", "representation_of", "COPY_OPS", "patches",
     "caches", "per_call",
+    # handlers in C++ (docs/guide.md, "Writing a handler in C++")
+    "load_handler_library", "HandlerLibrary", "NativeHandler", "native", "sysconfig",
 ]

@@ -4,10 +4,12 @@
    device `/job:localhost/replica:0/task:0/device:OPHANDLER:0` (DESIGN.md decision 1).
    Its device memory (`TFE_TensorHandleDevicePointer`) is a `TFOH_Payload`.
 
-   Only handlers written in Python exist today: every payload has kind
-   TFOH_PAYLOAD_PYTHON. There is no C handler API yet (no exported creation function, no
-   methods table); `kind` is the field a later C handler ABI will extend, and code
-   reading a payload must check it.
+   Every payload has kind TFOH_PAYLOAD_PYTHON, also for handlers written in C/C++ against
+   tf_ophandlers/handler.h: their handler is a Python object (a NativeHandler) and their
+   representation an EagerTensor of the next stack, so `stack` and `value` are Python
+   objects for every handler. `kind` is the field a later ABI (handler-defined
+   representations) will extend, and code reading a payload must check it. Handler
+   libraries never see payloads: they get TFOH_Tensor handles (handler.h).
 
    Ownership: the dispatcher (cc/handler_tensor.cc, WrapHandlerTensor) allocates every
    payload (C++ new) when it creates a handler tensor; the TFE_TensorHandle that carries

@@ -1,0 +1,51 @@
+/* tf-ophandlers C++ boundary: handlers written against the public C ABI
+   (include/tf_ophandlers/handler.h); internal header. Implementation: native.cc.
+
+   A loaded handler type is a `TypeRecord`; a handler instance is a Python object of a
+   subclass of `_C.NativeHandlerBase` (tf_ophandlers.core.native.NativeHandler) that
+   owns the handler state. Its hooks are called from two places:
+   - the dispatcher's execute callback (TryNativeExecute), without any Python frame,
+     for an eager op placed by a scope whose current stack is a native handler's, when
+     every input is already on that stack or a physical tensor the default copy-on
+     takes as it is;
+   - the Python stack (HandlerStack.execute -> NativeHandler.execute ->
+     `NativeHandlerBase._oh_execute`) in every other case: type-based dispatch, inputs
+     to copy on, a Python handler above, function replay (symbolic tensors).
+*/
+#ifndef TF_OPHANDLERS_NATIVE_H_
+#define TF_OPHANDLERS_NATIVE_H_
+
+#include <Python.h>
+
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/tf_status.h"
+
+namespace tf_ophandlers {
+
+// The type `_C.NativeHandlerBase`. Usable after ReadyNativeTypes() returned true.
+extern PyTypeObject NativeHandlerBaseType;
+
+// Readies NativeHandlerBaseType. Returns false with a Python exception set on failure.
+// GIL: held (PyInit__C).
+bool ReadyNativeTypes();
+
+// The module functions of native.cc (load_handler_library, native_setup), appended to
+// the module's method table by module.cc. Null-terminated.
+extern PyMethodDef kNativeModuleMethods[];
+
+// Executes `op` on a native handler's stack without entering Python code, if the op
+// qualifies (see the header comment). Returns false when it does not (nothing was done,
+// `status` untouched): the caller takes the Python path. Returns true when it ran the
+// op: `status` tells whether it succeeded, and on success `outputs` holds
+// `*num_outputs` new handles. GIL: must be held.
+bool TryNativeExecute(const TFE_Op* op, const char* type, const char* device, int num_inputs,
+                      int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+
+// Whether `stack`'s handler is native with a num_dims or dim hook: its tensors then
+// answer rank and dims through those hooks, not from their representation. Never fails.
+// GIL: must be held.
+bool HasNativeShapeHooks(PyObject* stack);
+
+}  // namespace tf_ophandlers
+
+#endif  // TF_OPHANDLERS_NATIVE_H_

@@ -1,0 +1,39 @@
+"""`oh.sysconfig`: flags to build a handler library against the installed package (like
+`tf.sysconfig`).
+
+    g++ -shared -fPIC $(python -c "import tf_ophandlers as oh; \\
+        print(' '.join(oh.sysconfig.get_compile_flags()))") my_handler.cc -o my_handler.so \\
+        $(python -c "import tf_ophandlers as oh; print(' '.join(oh.sysconfig.get_link_flags()))")
+
+The library includes ``tf_ophandlers/handler.h`` and exports ``TFOH_InitHandlerLibrary``
+(docs/guide.md, "Writing a handler in C++").
+"""
+import os
+
+import tensorflow as tf
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def get_include():
+    """The directory holding ``tf_ophandlers/handler.h``: the source tree's ``cc/include``
+    in a checkout (editable installs), else the copy installed in the package."""
+    for candidate in (os.path.join(os.path.dirname(_HERE), "cc", "include"),
+                      os.path.join(_HERE, "include")):
+        if os.path.exists(os.path.join(candidate, "tf_ophandlers", "handler.h")):
+            return candidate
+    raise OSError("tf_ophandlers: the C headers (tf_ophandlers/handler.h) are not installed")
+
+
+def get_compile_flags():
+    """Compiler flags: this package's and TensorFlow's include directories, TensorFlow's
+    ABI and language flags."""
+    return ["-I" + get_include()] + list(tf.sysconfig.get_compile_flags())
+
+
+def get_link_flags():
+    """Linker flags: TensorFlow's framework library (TF_Status, TF_Buffer), with an rpath
+    so the library also loads outside a TensorFlow process. A handler library does not
+    link this package: the runtime hands it its functions (TFOH_RuntimeApi)."""
+    tf_lib = tf.sysconfig.get_lib()
+    return list(tf.sysconfig.get_link_flags()) + ["-Wl,-rpath," + tf_lib]

@@ -3,6 +3,7 @@
 #define PY_SSIZE_T_CLEAN
 #include "handler_tensor.h"
 
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -36,45 +37,12 @@ PyObject* ProducerOf(const TFOH_Payload* p) {
 // Called by TensorFlow on any thread, with or without the GIL. Each reports failure only
 // through `status` and leaves no Python exception set.
 
-int PayloadNumDims(void* data, TF_Status* status) {
-  auto* p = static_cast<TFOH_Payload*>(data);
-  if (p->shape_source != nullptr) return TFE_TensorHandleNumDims(p->shape_source, status);
-  if (!PythonAlive()) {
-    TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
-    return -1;
-  }
-  PyGILState_STATE g = PyGILState_Ensure();
-  int result = -1;
-  PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
-  PyObject* r = PyObject_CallFunctionObjArgs(g_num_dims, stack,
-                                             reinterpret_cast<PyObject*>(p->value),
-                                             ProducerOf(p), nullptr);
-  if (r != nullptr) {
-    // dispatch.num_dims validates; this is the last line of defence before an int.
-    int overflow = 0;
-    long long v = PyLong_Check(r) ? PyLong_AsLongLongAndOverflow(r, &overflow) : -1;
-    if (!PyErr_Occurred()) {
-      if (overflow != 0 || v < 0 || v > kMaxRank) {
-        SetHookOutputError(stack, "num_dims", ProducerOf(p),
-                           SafeRepr(r) + " (a rank is an int from 0 to " +
-                               std::to_string(kMaxRank) + ")");
-      } else {
-        result = static_cast<int>(v);
-      }
-    }
-    Py_DECREF(r);
-  }
-  if (PyErr_Occurred()) {
-    StatusFromPyErr(status, /*accessor=*/true);
-    result = -1;
-  }
-  PyGILState_Release(g);
-  return result;
-}
-
-int64_t PayloadDim(void* data, int dim_index, TF_Status* status) {
-  auto* p = static_cast<TFOH_Payload*>(data);
-  if (p->shape_source != nullptr) return TFE_TensorHandleDim(p->shape_source, dim_index, status);
+// The one body behind num_dims and dim: asks Python's hook (`call`, run with the GIL
+// held) for the answer and accepts an int in [min_value, max_value]; anything else is
+// reported as the hook's error naming `hook` and what was expected (`expected`).
+template <typename Call>
+int64_t AskShapeHook(TFOH_Payload* p, const char* hook, Call call, long long min_value,
+                     long long max_value, const std::string& expected, TF_Status* status) {
   if (!PythonAlive()) {
     TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
     return -1;
@@ -82,16 +50,14 @@ int64_t PayloadDim(void* data, int dim_index, TF_Status* status) {
   PyGILState_STATE g = PyGILState_Ensure();
   int64_t result = -1;
   PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
-  PyObject* r = PyObject_CallFunction(g_dim, "OOiO", stack, reinterpret_cast<PyObject*>(p->value),
-                                      dim_index, ProducerOf(p));
+  PyObject* r = call(stack);
   if (r != nullptr) {
+    // dispatch validates; this is the last line of defence before an int.
     int overflow = 0;
-    long long v = PyLong_Check(r) ? PyLong_AsLongLongAndOverflow(r, &overflow) : -2;
+    long long v = PyLong_Check(r) ? PyLong_AsLongLongAndOverflow(r, &overflow) : min_value - 1;
     if (!PyErr_Occurred()) {
-      if (overflow != 0 || v < -1) {
-        SetHookOutputError(stack, "dim", ProducerOf(p),
-                           SafeRepr(r) + " for axis " + std::to_string(dim_index) +
-                               " (an axis length is an int >= 0, or -1 when unknown)");
+      if (overflow != 0 || v < min_value || v > max_value) {
+        SetHookOutputError(stack, hook, ProducerOf(p), SafeRepr(r) + expected);
       } else {
         result = v;
       }
@@ -104,6 +70,34 @@ int64_t PayloadDim(void* data, int dim_index, TF_Status* status) {
   }
   PyGILState_Release(g);
   return result;
+}
+
+int PayloadNumDims(void* data, TF_Status* status) {
+  auto* p = static_cast<TFOH_Payload*>(data);
+  if (p->shape_source != nullptr) return TFE_TensorHandleNumDims(p->shape_source, status);
+  return static_cast<int>(AskShapeHook(
+      p, "num_dims",
+      [p](PyObject* stack) {
+        return PyObject_CallFunctionObjArgs(g_num_dims, stack,
+                                            reinterpret_cast<PyObject*>(p->value),
+                                            ProducerOf(p), nullptr);
+      },
+      0, kMaxRank, " (a rank is an int from 0 to " + std::to_string(kMaxRank) + ")", status));
+}
+
+int64_t PayloadDim(void* data, int dim_index, TF_Status* status) {
+  auto* p = static_cast<TFOH_Payload*>(data);
+  if (p->shape_source != nullptr) return TFE_TensorHandleDim(p->shape_source, dim_index, status);
+  return AskShapeHook(
+      p, "dim",
+      [p, dim_index](PyObject* stack) {
+        return PyObject_CallFunction(g_dim, "OOiO", stack, reinterpret_cast<PyObject*>(p->value),
+                                     dim_index, ProducerOf(p));
+      },
+      -1, std::numeric_limits<long long>::max(),
+      " for axis " + std::to_string(dim_index) +
+          " (an axis length is an int >= 0, or -1 when unknown)",
+      status);
 }
 
 void PayloadDeallocate(void* data) {

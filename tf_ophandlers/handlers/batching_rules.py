@@ -6,6 +6,7 @@ up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a 
 import numpy as np
 import tensorflow as tf
 
+from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.op import Op
 
@@ -324,24 +325,13 @@ def _bias_add_grad(handler, execute, op, inputs):
     return [Batched(tf.reduce_sum(x.value, axis=axes), True)]
 
 
-_BROADCASTING = (
-    "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
-    "Pow", "SquaredDifference", "FloorDiv", "FloorMod", "Greater", "GreaterEqual", "Less",
-    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Atan2",
-    "MulNoNan", "Xdivy", "Xlogy",
-    # unary
-    "Neg", "Exp", "Log", "Log1p", "Expm1", "Sin", "Cos", "Tan", "Tanh", "Sigmoid", "Relu",
-    "Relu6", "Elu", "Selu", "Softplus", "Softsign", "Sqrt", "Rsqrt", "Square", "Abs", "Sign",
-    "Reciprocal", "Floor", "Ceil", "Round", "Erf", "Erfc", "Identity", "Cast", "LogicalNot",
-    "ZerosLike", "OnesLike", "IsNan", "IsInf", "IsFinite", "StopGradient", "LeakyRelu",
-    "Gelu", "CheckNumerics", "CheckNumericsV2", "Real", "Imag", "Conj", "Asin", "Acos",
-    "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Lgamma", "Digamma",
-    "CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad",
-)
-RULES = {name: _elementwise for name in _BROADCASTING}
-RULES.update({name: _same_shape for name in (
-    "ReluGrad", "Relu6Grad", "TanhGrad", "SigmoidGrad", "SoftplusGrad", "SqrtGrad",
-    "RsqrtGrad", "ReciprocalGrad", "EluGrad", "SeluGrad", "LeakyReluGrad", "AddN")})
+# Elementwise ops from core's table. ClipByValue is left to pfor's converter: its bounds
+# must be scalars or of the input's shape, which aligning them to the batched rank breaks.
+# The project's copy ops are elementwise identities too.
+RULES = {name: _elementwise for name in (
+    op_kinds.UNARY | op_kinds.BROADCASTING_BINARY | {"SelectV2"}
+    | {"CopyOn", "CopyOnGrad", "CopyOff", "CopyOffGrad"})}
+RULES.update({name: _same_shape for name in op_kinds.SAME_SHAPE_BINARY | {"AddN"}})
 # Stateful random ops whose first input is the output shape: they run even without a
 # batched input, one draw per example.
 RANDOM = frozenset(("RandomUniform", "RandomStandardNormal", "TruncatedNormal",

@@ -14,6 +14,7 @@ logical NCHW tensor stored as NHWC has ``perm == (0, 3, 1, 2)``.
 import numpy as np
 import tensorflow as tf
 
+from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import stack_of
@@ -482,23 +483,8 @@ def ensure_shape(handler, nxt, op, inputs):
     return [Permuted(out, x.perm)]
 
 
-ELEMENTWISE = (
-    "AddV2", "Add", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
-    "Pow", "SquaredDifference", "FloorDiv", "FloorMod", "Greater", "GreaterEqual", "Less",
-    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "SelectV2", "Atan2",
-    "MulNoNan", "Xdivy", "Xlogy", "ClipByValue", "AddN",
-    "Neg", "Exp", "Log", "Log1p", "Expm1", "Sin", "Cos", "Tan", "Tanh", "Sigmoid", "Relu",
-    "Relu6", "Elu", "Selu", "Softplus", "Softsign", "Sqrt", "Rsqrt", "Square", "Abs", "Sign",
-    "Reciprocal", "Inv", "Floor", "Ceil", "Round", "Rint", "Erf", "Erfc", "Identity", "Cast",
-    "LogicalNot", "ZerosLike", "OnesLike", "IsNan", "IsInf", "IsFinite", "StopGradient",
-    "PreventGradient", "Snapshot", "LeakyRelu", "CheckNumerics", "CheckNumericsV2", "Real",
-    "Imag", "Conj", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh",
-    "Lgamma", "Digamma",
-    "ReluGrad", "Relu6Grad", "TanhGrad", "SigmoidGrad", "SoftplusGrad", "SoftsignGrad",
-    "SqrtGrad", "RsqrtGrad", "ReciprocalGrad", "InvGrad", "EluGrad", "SeluGrad",
-    "LeakyReluGrad",
-)
-RULES = {name: elementwise for name in ELEMENTWISE}
+# Every elementwise op of core's table: layout-agnostic on same-layout inputs.
+RULES = {name: elementwise for name in op_kinds.ELEMENTWISE}
 RULES.update({name: reduction for name in (
     "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm")})
 RULES.update({name: per_axis_vectors for name in ("Pad", "PadV2", "MirrorPad", "Slice", "Tile")})

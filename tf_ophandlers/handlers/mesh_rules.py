@@ -14,6 +14,8 @@ import string
 import numpy as np
 import tensorflow as tf
 
+from tf_ophandlers.core import op_kinds
+
 
 class MeshValue:
     """`oh.Mesh`'s representation: one next-stack tensor per mesh device (`shards`, in
@@ -436,20 +438,8 @@ def _shape(mesh, op, inputs):
 
 # -- the table -------------------------------------------------------------------------
 
-_ELEMENTWISE = """
-Abs Acos Asin Atan Ceil Cos Cosh Cast Elu Erf Erfc Exp Expm1 Floor Identity Inv IsFinite
-IsInf IsNan LeakyRelu Log Log1p LogicalNot Neg OnesLike PreventGradient Reciprocal Relu
-Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square
-StopGradient Tan Tanh ZerosLike Snapshot CheckNumerics CheckNumericsV2
-Add AddV2 Sub Mul RealDiv Div DivNoNan FloorDiv FloorMod TruncateDiv Maximum Minimum Pow
-SquaredDifference Greater GreaterEqual Less LessEqual Equal NotEqual LogicalAnd LogicalOr
-Atan2 Xdivy Xlogy MulNoNan BitwiseAnd BitwiseOr BitwiseXor
-ReluGrad Relu6Grad EluGrad SeluGrad SoftplusGrad SoftsignGrad LeakyReluGrad TanhGrad
-SigmoidGrad RsqrtGrad SqrtGrad ReciprocalGrad InvGrad
-AddN SelectV2 ClipByValue
-""".split()
-
-RULES = {t: elementwise for t in _ELEMENTWISE}
+# Every elementwise op of core's table: sharded like its (broadcast) inputs.
+RULES = {t: elementwise for t in op_kinds.ELEMENTWISE}
 RULES.update({"MatMul": _matmul, "BatchMatMul": _batch_matmul,
               "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
               "Einsum": _einsum, "Transpose": _transpose, "Reshape": _reshape,

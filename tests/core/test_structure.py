@@ -199,3 +199,27 @@ def test_ops_and_stacks_start_the_runtime_without_a_scope():
         except TypeError:
             pass
     """)
+
+
+def test_no_handler_module_defines_its_own_elementwise_op_list():
+    """core/op_kinds.py holds the one table of elementwise op types: a handler module
+    with a literal list of them (a tuple, list, set or a split string) would let the
+    tables drift apart again."""
+    from tf_ophandlers.core.op_kinds import ELEMENTWISE
+    for name, path in _modules():
+        if not name.startswith("tf_ophandlers.handlers"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = []
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                names = [e.value for e in node.elts
+                         if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = node.value.split()
+            found = sorted(set(names) & ELEMENTWISE)
+            # A few elementwise names among others (forward_accumulator's linear ops, its
+            # real-only *Grad rules) state another property; a list of mostly elementwise
+            # ops is a copy of the table.
+            assert len(found) < 10 or 2 * len(found) <= len(set(names)), (
+                "%s:%d lists elementwise ops %s: use core/op_kinds.py" % (
+                    name, node.lineno, found))

@@ -10,6 +10,7 @@ while building a graph, never with an invented shape.
 import numpy as np
 import tensorflow as tf
 
+from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import BoundedCache
 
 #: Ops that read a variable (their output shape comes from the variable itself).
@@ -97,7 +98,6 @@ def infer(op, inputs):
     specs = _inferred.get(key)
     if specs is not None:
         return specs
-    attrs = op.attr_protos()
     graph = tf.Graph()
     with graph.as_default():
         args = []
@@ -106,8 +106,7 @@ def infer(op, inputs):
                 args.append(tf.constant(s.value, dtype=s.spec.dtype))
             else:
                 args.append(tf.compat.v1.placeholder(s.spec.dtype, s.spec.shape))
-        node = graph.create_op(op.type, args, dtypes=op.output_dtypes, attrs=attrs)
-        specs = [tf.TensorSpec(o.shape, o.dtype) for o in node.outputs]
+        specs = [tf.TensorSpec(o.shape, o.dtype) for o in graph_builder.create(graph, op, args)]
     _inferred[key] = specs
     return specs
 

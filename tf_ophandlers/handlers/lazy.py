@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import shapes
+from tf_ophandlers.core import graph_builder, shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
@@ -359,7 +359,7 @@ class Lazy(OpHandler):
                     if c is not None and c.inputs is not None and c.seq not in seen:
                         needed.add((node.seq, k))
         position = {n.seq: k for k, n in enumerate(order)}
-        external, ext_index, parts, plan, kept = [], {}, [], [], []
+        external, ext_index, plan, kept = [], {}, [], []
         for node in order:
             live = []
             for k, r in enumerate(node.outputs):
@@ -382,12 +382,12 @@ class Lazy(OpHandler):
                     e = ext_index[k] = len(external)
                     external.append(i)
                 refs.append((-1, e))
-            op = node.op
-            parts.append((op.type, op.attrs_key(), tuple(refs), live, node.device))
-            plan.append((op, refs, live, node.device))
+            plan.append((node.op, refs, live, node.device))
         # Everything the compiled function depends on (handlers/lazy_compile.py).
-        key = (self.jit_compile, tuple(parts),
-               tuple((t.dtype, t._shape_tuple()) for t in external))  # pylint: disable=protected-access
+        key = graph_builder.program_key(
+            [(op, refs, device) for op, refs, _, device in plan],
+            [(j, k) for j, (_, _, live, _) in enumerate(plan) for k in live], external,
+            jit_compile=self.jit_compile)
         try:
             if order[-1].next is not PHYSICAL:
                 # A handler below (a tape) would see one function call: its gradient

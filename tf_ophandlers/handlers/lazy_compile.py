@@ -4,8 +4,8 @@ A *plan* is the pending subgraph of one value request, in recording order: for e
 node ``(op, refs, live, device)`` where `refs` names each input as ``(-1, k)`` (external
 input k) or ``(p, i)`` (output i of plan entry p), `live` the outputs the function
 returns and `device` the physical placement (`tf.device`) the op was recorded under.
-The key of a plan (`Lazy._run` builds it) holds everything the compiled function
-depends on: op types, attributes, wiring, live outputs, devices, the dtypes and shapes
+The key of a plan (`Lazy._run` builds it with core/graph_builder.py's `program_key`)
+holds everything the compiled function depends on: op types, attributes, wiring, live outputs, devices, the dtypes and shapes
 of the external inputs (constants are inputs too, never captured, so their values are
 not part of it), whether XLA is asked for. Functions are only compiled for plans that
 run on the physical devices (over another handler Lazy runs the ops one by one), so the
@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import functions as _functions
+from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
 from tf_ophandlers.core.stack import PHYSICAL
 
@@ -92,13 +93,6 @@ def _segments(plan, external, no_xla):
     return out
 
 
-def _create(graph, op, ins, device):
-    if device:
-        with graph.device(device):
-            return graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs
-    return graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs
-
-
 def _xla_call(graph, plan, indices, results, args):
     """Entries `indices` of `plan` as one XLA-compiled call inside the function being
     built; fills `results` with the outputs that later entries or the function need."""
@@ -124,7 +118,7 @@ def _xla_call(graph, plan, indices, results, args):
         for j in indices:
             op, refs, _, device = plan[j]
             ins = [local[r] if r[0] in inside else xs[position[r]] for r in refs]
-            for k, t in enumerate(_create(g, op, ins, device)):
+            for k, t in enumerate(graph_builder.create(g, op, ins, device)):
                 local[(j, k)] = t
         return [local[w] for w in wanted]
 
@@ -140,6 +134,7 @@ def compile_plan(plan, external, jit, no_xla=()):
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in external]
     segments = _segments(plan, external, no_xla) if jit else [(False, range(len(plan)))]
     whole = len(segments) == 1 and segments[0][0]  # all of it is one XLA call
+    nodes = [(op, refs, device) for op, refs, _, device in plan]
 
     def build(*args):
         graph = tf.compat.v1.get_default_graph()
@@ -147,11 +142,8 @@ def compile_plan(plan, external, jit, no_xla=()):
         for xla, indices in segments:
             if xla and not whole:
                 _xla_call(graph, plan, indices, results, args)
-                continue
-            for j in indices:
-                op, refs, _, device = plan[j]
-                ins = [args[i] if p < 0 else results[p][i] for p, i in refs]
-                results[j] = _create(graph, op, ins, device)
+            else:
+                graph_builder.replay(graph, nodes, args, results, indices)
         return [results[j][k] for j, (_, _, live, _) in enumerate(plan) for k in live]
 
     with _ops.init_scope():

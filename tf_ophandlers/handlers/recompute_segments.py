@@ -21,6 +21,7 @@ import tensorflow as tf
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 
+from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.functions import CompiledCall
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, tensor_key
@@ -102,9 +103,9 @@ def record(segment, trainable):
     cs = [t for t, k in zip(segment.externals, kinds) if k is _CONSTANT]
     if not xs:
         return []
-    structure = (tuple((op.type, op.attrs_key(), refs) for op, refs in segment.nodes),
-                 tuple(nk for nk, _ in outputs), tuple(kinds),
-                 tuple((t.dtype, t._shape_tuple()) for t in segment.externals))  # pylint: disable=protected-access
+    structure = graph_builder.program_key(
+        [(op, refs, None) for op, refs in segment.nodes], [nk for nk, _ in outputs],
+        segment.externals, kinds=tuple(kinds))
     fn = _gradients.get(structure)
     if fn is None:
         fn = _gradients[structure] = _GradientFunction(
@@ -124,7 +125,7 @@ class _GradientFunction:
     segment's nodes inside."""
 
     def __init__(self, segment, kinds, output_refs, output_tensors):
-        nodes = [(op, refs) for op, refs in segment.nodes]
+        nodes = [(op, refs, None) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
         x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
         c_specs = [s for s, k in zip(specs, kinds) if k is _CONSTANT]
@@ -139,11 +140,7 @@ class _GradientFunction:
             it_x, it_c = iter(xs), iter(cs)
             ext = [next(it_x) if k is _TRACKED else next(it_c) if k is _CONSTANT
                    else tf.constant(v) for k, v in zip(kinds, values)]
-            graph = _ops.get_default_graph()
-            results = []
-            for op, refs in nodes:
-                ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
-                results.append(graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs)
+            results = graph_builder.replay(_ops.get_default_graph(), nodes, ext)
             outs = [results[n][k] for n, k in output_refs]
             grads = tf.gradients(outs, xs, grad_ys=gs)
             flat = []

@@ -25,6 +25,7 @@ from tensorflow.python.util import nest
 from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import functions as _functions
+from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import representation_of, tensor_key
@@ -166,13 +167,13 @@ class TraceAndExecute(OpHandler):
                 op = rec.op
                 ins = [get(r) for r in rec.inputs]
                 if op.output_dtypes is None:  # a tf.function call
-                    node = graph.create_op(
+                    outs = graph.create_op(
                         "StatefulPartitionedCall", ins,
                         dtypes=[o.dtype for o in rec.outputs],
-                        attrs=_call_attrs(op.type, ins, rec.outputs))
+                        attrs=_call_attrs(op.type, ins, rec.outputs)).outputs
                 else:
-                    node = graph.create_op(op.type, ins, attrs=op.attr_protos())
-                for j, o in enumerate(node.outputs):
+                    outs = graph_builder.create(graph, op, ins)
+                for j, o in enumerate(outs):
                     values[("op", index, j)] = o
             return nest.pack_sequence_as(outputs, [tf.identity(get(r)) for r in wanted])
 

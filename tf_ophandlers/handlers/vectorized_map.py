@@ -32,7 +32,7 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import errors
+from tf_ophandlers.core import errors, graph_builder
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
@@ -90,10 +90,7 @@ def _signature(op, inputs):
 
 def _pfor_function(op, inputs):
     """A tf.function running `op` vectorized by TensorFlow's pfor converters."""
-    attrs = op.attr_protos()
-    op_type = op.type
     mask = [b.batched for b in inputs]
-    dtypes = op.output_dtypes
     specs = [tf.TensorSpec([None] + b.value.shape.as_list()[1:] if b.batched
                            else b.value.shape, b.value.dtype) for b in inputs]
 
@@ -103,9 +100,7 @@ def _pfor_function(op, inputs):
 
         def loop_fn(i):
             args = [tf.gather(v, i) if m else v for v, m in zip(values, mask)]
-            node = _ops.get_default_graph().create_op(
-                op_type, args, dtypes=dtypes, attrs=attrs)
-            return node.outputs
+            return graph_builder.create(_ops.get_default_graph(), op, args)
 
         return _pfor_ops.pfor(loop_fn, size, fallback_to_while_loop=False)
 

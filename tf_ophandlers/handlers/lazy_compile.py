@@ -5,11 +5,11 @@ node ``(op, refs, live, device)`` where `refs` names each input as ``(-1, k)`` (
 input k) or ``(p, i)`` (output i of plan entry p), `live` the outputs the function
 returns and `device` the physical placement (`tf.device`) the op was recorded under.
 The key of a plan (`Lazy._run` builds it with core/graph_builder.py's `program_key`)
-holds everything the compiled function depends on: op types, attributes, wiring, live outputs, devices, the dtypes and shapes
-of the external inputs (constants are inputs too, never captured, so their values are
-not part of it), whether XLA is asked for. Functions are only compiled for plans that
-run on the physical devices (over another handler Lazy runs the ops one by one), so the
-stack below needs no key. The cache is shared by every `oh.Lazy()`: a scope opened
+holds everything the compiled function depends on: op types, attributes, wiring, live
+outputs, devices, the dtypes and shapes of the external inputs (constants are inputs
+too, never captured, so their values are not part of it), whether XLA is asked for.
+Functions are only compiled for plans that run on the physical devices (over another
+handler Lazy runs the ops one by one), so the stack below needs no key. The cache is shared by every `oh.Lazy()`: a scope opened
 afresh per step (``with oh.Lazy():`` as one writes ``with tf.GradientTape():``)
 compiles on its first step only.
 

@@ -1,17 +1,17 @@
 """The functions `oh.Lazy` compiles, in one process-wide cache (handlers/lazy.py).
 
-A *plan* is the pending subgraph of one value request, in recording order: for each
-node ``(op, refs, live, device)`` where `refs` names each input as ``(-1, k)`` (external
+A *plan* is the pending subgraph of one value request, in recording order: for each node
+``(op, refs, live, device)`` where `refs` names each input as ``(-1, k)`` (external
 input k) or ``(p, i)`` (output i of plan entry p), `live` the outputs the function
-returns and `device` the physical placement (`tf.device`) the op was recorded under.
-The key of a plan (`Lazy._run` builds it with core/graph_builder.py's `program_key`)
-holds everything the compiled function depends on: op types, attributes, wiring, live
-outputs, devices, the dtypes and shapes of the external inputs (constants are inputs
-too, never captured, so their values are not part of it), whether XLA is asked for.
-Functions are only compiled for plans that run on the physical devices (over another
-handler Lazy runs the ops one by one), so the stack below needs no key. The cache is shared by every `oh.Lazy()`: a scope opened
-afresh per step (``with oh.Lazy():`` as one writes ``with tf.GradientTape():``)
-compiles on its first step only.
+returns and `device` the physical placement (`tf.device`) the op was recorded under. The
+key of a plan (`Lazy._run` builds it with core/graph_builder.py's `program_key`) holds
+everything the compiled function depends on: op types, attributes, wiring, live outputs,
+devices, the dtypes and shapes of the external inputs (constants are inputs too, never
+captured, so their values are not part of it), whether XLA is asked for. Functions are
+only compiled for plans that run on the physical devices (over another handler Lazy runs
+the ops one by one), so the stack below needs no key. The cache is shared by every
+`oh.Lazy()`: a scope opened afresh per step (``with oh.Lazy():`` as one writes ``with
+tf.GradientTape():``) compiles on its first step only.
 
 With ``jit_compile=True`` the function is `tf.function(jit_compile=True)`: XLA fuses the
 chain into a few kernels. An op XLA has no kernel for (string ops, some others on CPU)

@@ -36,6 +36,7 @@ from tensorflow.python.util import nest
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.functions.call_records import replayed_call
 from tf_ophandlers.core.op import Op
@@ -474,10 +475,21 @@ def _possible_gradient_types(tensors):
     for tape in _active_tapes():
         tape._harvest_variables()  # a function's captured variables were just read  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
-        if any(_key(tape._level_of(t)) in tracked for t in tensors):  # pylint: disable=protected-access
+        if any(_maybe_tracked(tape, t, tracked) for t in tensors):
             kind = (gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER if kind == 0
                     else gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER)
     return kind
+
+
+def _maybe_tracked(tape, tensor, tracked):
+    try:
+        return _key(tape._level_of(tensor)) in tracked  # pylint: disable=protected-access
+    except CopyOffError:
+        # A tensor of a handler above with no tensor at the tape's level (a per-example
+        # value of vectorized_map): a function call on it is replayed, and the tape
+        # records the replayed function (core/functions/call_records.py); TensorFlow
+        # must take its recording path for that.
+        return True
 
 
 def _install_tape_hooks():

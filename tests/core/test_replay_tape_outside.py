@@ -163,3 +163,27 @@ def test_function_call_without_handlers_after_a_replayed_one(conv_data):
         tape.watch(xl)
         y = f(xl, w)
     assert_close([tape.gradient(y, xl)], [ref_grad])
+
+
+def test_static_value_of_a_symbolic_handler_tensor_during_replay(conv_data):
+    """tf.get_static_value of a symbolic tensor of a handler stack while a function is
+    replayed asks its handler (core/tensor.py), as it does eagerly: DataFormat's rules
+    read the reduction axes, a tensor of the log below it, without a transpose back."""
+    x, w, b = conv_data
+    f = tf.function(lambda a: tf.reduce_mean(
+        tf.nn.conv2d(a, w, 1, "SAME", data_format="NCHW"), axis=tf.constant([2, 3])))
+    xl = tf.transpose(x, [0, 2, 3, 1])
+    ref = tf.reduce_mean(tf.nn.conv2d(xl, w, 1, "SAME"), axis=[1, 2])
+    seen = []
+
+    class Probe(oh.OpHandler):  # below DataFormat: asks the static value of its inputs
+        def execute(self, op, inputs):
+            if op.type == "Mean":
+                seen.append(tf.get_static_value(inputs[1]))
+            return self.next.execute(op, inputs)
+
+    with oh.OpLogHandler(), Probe(), oh.DataFormat() as df:
+        y = f(x)
+    assert_close([y], [ref])
+    assert dict(df.fallbacks) == {}
+    assert len(seen) == 1 and list(seen[0]) == [1, 2]  # the axes remapped to NHWC

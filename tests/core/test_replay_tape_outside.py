@@ -187,3 +187,38 @@ def test_static_value_of_a_symbolic_handler_tensor_during_replay(conv_data):
     assert_close([y], [ref])
     assert dict(df.fallbacks) == {}
     assert len(seen) == 1 and list(seen[0]) == [1, 2]  # the axes remapped to NHWC
+
+
+def test_data_format_saved_model_with_tape_outside(conv_data, tmp_path):
+    """A channels-first Keras export loaded with tf.saved_model.load, called inside the
+    scope, a tape outside watching the input: its gradient equals the twin's."""
+    import keras
+
+    def build(fmt):
+        keras.utils.set_random_seed(0)
+        cf = fmt == "channels_first"
+        inp = keras.Input((3, 8, 8) if cf else (8, 8, 3))
+        h = keras.layers.Conv2D(4, 3, data_format=fmt)(inp)
+        h = keras.layers.MaxPooling2D(data_format=fmt)(h)
+        h = keras.layers.GlobalAveragePooling2D(data_format=fmt)(h)
+        return keras.Model(inp, keras.layers.Dense(2)(h))
+
+    first, last = build("channels_first"), build("channels_last")
+    last.set_weights(first.get_weights())
+    first.export(str(tmp_path / "m"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "m"))
+    x = conv_data[0]
+    xl = tf.transpose(x, [0, 2, 3, 1])
+    with tf.GradientTape() as ref_tape:
+        ref_tape.watch(xl)
+        ref = tf.reduce_sum(last(xl) ** 2)
+    ref_grad = tf.transpose(ref_tape.gradient(ref, xl), [0, 3, 1, 2])
+    with pytest.raises((tf.errors.UnimplementedError, tf.errors.InvalidArgumentError)):
+        loaded.serve(x)  # the CPU refuses the channels-first export without the handler
+    for kind in sorted(TAPES):
+        with TAPES[kind]() as tape:
+            tape.watch(x)
+            with oh.DataFormat():
+                loss = tf.reduce_sum(loaded.serve(x) ** 2)
+        assert_close([loss], [ref])
+        assert_close([tape.gradient(loss, x)], [ref_grad])

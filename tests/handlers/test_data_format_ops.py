@@ -94,12 +94,9 @@ def test_raw_program_fails_without_the_handler(data):
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("mode", ["eager", "function"])
 @pytest.mark.parametrize("tape_inside", [False, True], ids=["tape_outside", "tape_inside"])
-def test_raw_program_values_and_gradients(data, training, mode, tape_inside, request):
-    if mode == "function" and not tape_inside:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "known limit: a tape outside the scope gets TensorFlow's record of the "
-            "tf.function call whose arguments it watches, with the original "
-            "(channels-first) function's gradient; see the guide")))
+def test_raw_program_values_and_gradients(data, training, mode, tape_inside):
+    """With the tape outside, a tf.function called inside the scope is recorded as its
+    replayed (channels-last) function (core/functions/call_records.py)."""
     x, p = data
     ref, ref_grads = _twin(x, p, training)
     fn = (lambda a, q: net(a, q, "NCHW", training))

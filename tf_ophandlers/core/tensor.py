@@ -12,6 +12,7 @@ from tensorflow.python.framework import tensor_util as _tensor_util
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.state import state
 
 
 def _install_device():
@@ -34,11 +35,17 @@ def _install_static_value():
 
     # tf.get_static_value / tensor_util.constant_value: gradient functions use it to
     # short-circuit. A handler tensor answers through its handler's `static_value` hook
-    # instead of a copy-off (which a handler may refuse).
+    # instead of a copy-off (which a handler may refuse); so does a symbolic tensor of a
+    # stack while a function is replayed (its payload is the replay's).
     original_constant_value = _tensor_util.constant_value
 
     def constant_value(tensor, partial=False):
-        p = _C.payload(tensor) if isinstance(tensor, eager_tensor) else None
+        if isinstance(tensor, eager_tensor):
+            p = _C.payload(tensor)
+        elif state.mode is not None:  # a symbolic tensor of a stack, during a replay
+            p = state.mode.payload(tensor)
+        else:
+            p = None
         if p is None:
             return original_constant_value(tensor, partial)
         stack, value = p

@@ -17,7 +17,6 @@ import tensorflow as tf
 from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import stack_of
 
 
 class Permuted:
@@ -97,12 +96,10 @@ def moves_no_data(dims, q):
 
 
 def static(t):
-    """The value of `t` (numpy) if known without running anything, else None (asking the
-    handler of a tensor of a stack below, also while a function is replayed, where its
-    tensors are symbolic)."""
-    stack = stack_of(t)
-    v = tf.get_static_value(t) if stack is None else stack.handler.static_value(
-        stack.unwrap(t))
+    """The value of `t` (numpy) if known without running anything, else None (a tensor
+    of a stack below answers through its handler, also a symbolic one while a function
+    is replayed: core/tensor.py)."""
+    v = tf.get_static_value(t)
     return None if v is None else np.asarray(v)
 
 

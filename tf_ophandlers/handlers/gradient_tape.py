@@ -36,7 +36,9 @@ from tensorflow.python.util import nest
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.functions.call_records import replayed_call
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.core.stack import (
@@ -431,18 +433,23 @@ class GradientTape(BackwardPass, OpHandler):
 # its own tape set; these patches also send them to the oh.GradientTapes of the current
 # scope, at each tape's level.
 
-_original_record_operation = _record.record_operation
+_original_record_operation = [_record.record_operation]  # the one replaced at install
 _original_could_possibly_record = _record.could_possibly_record
 _original_possible_gradient_types = gradients_util.PossibleTapeGradientTypes
 
 
 def _record_operation(op_type, output_tensors, input_tensors, backward_function,
                       forward_function=None):
-    _original_record_operation(op_type, output_tensors, input_tensors, backward_function,
-                               forward_function)
+    # A call replayed by handlers: the tapes on its stack recorded the replayed function
+    # (core/functions/call_records.py), not this record of the original one.
+    replayed = replayed_call(op_type)
+    _original_record_operation[0](op_type, output_tensors, input_tensors, backward_function,
+                                  forward_function)
     if not all(isinstance(t, _EagerTensor) for t in output_tensors):
         return  # a record made while tracing a function: only TensorFlow's tapes use it
     for tape in _active_tapes():
+        if replayed is not None and replayed.recorded_by(tape):
+            continue
         inputs = [tape._level_of(t) for t in input_tensors]  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
         if any(_key(t) in tracked for t in inputs):
@@ -468,13 +475,25 @@ def _possible_gradient_types(tensors):
     for tape in _active_tapes():
         tape._harvest_variables()  # a function's captured variables were just read  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
-        if any(_key(tape._level_of(t)) in tracked for t in tensors):  # pylint: disable=protected-access
+        if any(_maybe_tracked(tape, t, tracked) for t in tensors):
             kind = (gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER if kind == 0
                     else gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER)
     return kind
 
 
+def _maybe_tracked(tape, tensor, tracked):
+    try:
+        return _key(tape._level_of(tensor)) in tracked  # pylint: disable=protected-access
+    except CopyOffError:
+        # A tensor of a handler above with no tensor at the tape's level (a per-example
+        # value of vectorized_map): a function call on it is replayed, and the tape
+        # records the replayed function (core/functions/call_records.py); TensorFlow
+        # must take its recording path for that.
+        return True
+
+
 def _install_tape_hooks():
+    _original_record_operation[0] = _record.record_operation  # other patches chain
     _record.record_operation = _record_operation
     _record.could_possibly_record = _could_possibly_record
     gradients_util.PossibleTapeGradientTypes = _possible_gradient_types

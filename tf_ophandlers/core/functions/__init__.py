@@ -8,6 +8,7 @@ control flow"; DESIGN.md decision 5).
   control_flow.py     If/Case/While rebuilt around replayed branches and bodies
   call.py             the call path, the replay cache, `CompiledCall` (registers itself
                       with core/stack.py as the function-call rule)
+  call_records.py     how tapes outside a replaying handler record a replayed call
   saving.py           refusing to save functions that depend on live handlers
 
 Importing this package registers the function-call rule with the stacks.

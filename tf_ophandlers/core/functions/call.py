@@ -15,11 +15,14 @@ A `tf.function` call reaches a stack as one op named after the function
    active (symbolic.py): the body is interpreted node by node through the segment's
    stacks (interpreter.py, control_flow.py); what reaches the bottom becomes the body.
 4. The replayed ConcreteFunction is called on the bottom stack (so a tape there records
-   it with TensorFlow's function gradient), and its results are rebuilt into the
-   segment's representations.
+   it with TensorFlow's function gradient; for TensorFlow's forward function of a call
+   a tape records, with recording on: call_records.py), and its results are rebuilt
+   into the segment's representations.
 
 A cache hit costs the splits, one dictionary lookup and one function call.
 """
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
@@ -29,7 +32,7 @@ import tf_ophandlers._C as _C
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
-from tf_ophandlers.core.functions import library
+from tf_ophandlers.core.functions import call_records, library
 from tf_ophandlers.core.functions.control_flow import as_list
 from tf_ophandlers.core.functions.representations import (
     count_leaves, eager_leaf, graph_leaf, rebuild, split)
@@ -96,6 +99,21 @@ def _segment(stack, op):
 def call(stack, op, inputs):
     """Runs function call `op` placed on `stack` by replaying it; returns its outputs."""
     segment, bottom = _segment(stack, op)
+    if not call_records.is_forward_call(op.type):
+        return _call(stack, op, inputs, segment, bottom)
+    # TensorFlow's forward function of a call a tape records (call_records.py): tapes at
+    # the bottom record the copies of the arguments and the replayed function itself,
+    # TensorFlow's tapes the original call with its backward replayed on this stack.
+    with call_records.recording_restarted() if bottom is not PHYSICAL else _no_context:
+        outputs = _call(stack, op, inputs, segment, bottom)
+    call_records.note_replayed_call(op.type, stack)
+    return outputs
+
+
+_no_context = contextlib.nullcontext()
+
+
+def _call(stack, op, inputs, segment, bottom):
     scope_placed = state.scope_placed
     if scope_placed and not all(s.default_copy_on for s in segment):
         # As for any op placed by a scope, the arguments are copied onto the stack first

@@ -1,0 +1,139 @@
+"""How tapes outside a replaying handler record a replayed function call.
+
+When a tape watches an argument of a `tf.function` call, TensorFlow's ConcreteFunction
+call path runs the function's *forward* function (``__forward_f_123``) with recording
+stopped and then records the call itself (`record.record_operation`) with the
+*original* function's backward function. Under a handler that replays the call and
+changes representations (DataFormat keeps data channels-last, Mesh shards it,
+vectorized_map batches it), that record is wrong for every tape that sees the
+handler's physical tensors, and fragile for one that sees its logical tensors:
+
+- **Tapes at or below the replay's bottom** (`oh.GradientTape` under the handler) must
+  see the *replayed* function, whose inputs and outputs are the tensors they track:
+  `call` runs the replayed ConcreteFunction with recording on there, so TensorFlow's
+  function gradient machinery records it with the replayed function's forward and
+  backward functions. The record of the original call that follows is then skipped
+  for those tapes (`replayed_call`, asked by the tape hooks).
+- **TensorFlow's tapes** (`tf.GradientTape`, recording the logical tensors): the record
+  of the original call is kept, but its backward function runs on the stack the call
+  ran on, so it is replayed through the same handlers (the backward's channels-first
+  kernels become channels-last ones), whatever stacks the gradients live on.
+
+A "runtime" patch of `record.record_operation` (registered in core/tf_patches.py) does
+the second; `call` notes each replayed forward call (`note_replayed_call`).
+"""
+import contextlib
+import threading
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import record as _record
+
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.stack import PHYSICAL, current_stack
+
+_FORWARD_PREFIX = "__forward_"  # TensorFlow's forward functions (ConcreteFunction)
+
+
+class _Local(threading.local):
+    def __init__(self):
+        super().__init__()
+        self.noted = None  # the last replayed forward call, until TensorFlow records it
+        self.recording = None  # the call whose record is being made
+
+
+_local = _Local()
+
+
+class ReplayedCall:
+    """A replayed forward call about to be recorded: its op type and the stack it ran
+    on (whose tapes recorded the replayed function already)."""
+
+    __slots__ = ("op_type", "stack")
+
+    def __init__(self, op_type, stack):
+        self.op_type = op_type
+        self.stack = stack
+
+    def recorded_by(self, handler):
+        """Whether `handler` (a tape) is on the call's stack, so it recorded the replay."""
+        return any(h is handler for h in self.stack.handlers)
+
+
+def is_forward_call(op_type):
+    """Whether `op_type` is the forward function TensorFlow runs for a call it records."""
+    return op_type.startswith(_FORWARD_PREFIX)
+
+
+@contextlib.contextmanager
+def recording_restarted():
+    """Lets tapes record inside TensorFlow's function call (which stops recording)."""
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
+def note_replayed_call(op_type, stack):
+    """Called by `call` after a replayed forward call `op_type` ran on `stack`."""
+    _local.noted = ReplayedCall(op_type, stack)
+
+
+def replayed_call(op_type):
+    """The `ReplayedCall` TensorFlow is recording now as `op_type`, or None."""
+    for noted in (_local.recording, _local.noted):
+        if noted is not None and noted.op_type == op_type:
+            return noted
+    return None
+
+
+def _placed(stack):
+    current = current_stack()
+    if stack is current or all(any(h is c for c in current.handlers) for h in stack.handlers):
+        return contextlib.nullcontext()
+    return _scope.handler(stack)
+
+
+def _on_stack(backward_function, stack):
+    def backward(*args, **kwargs):
+        with _placed(stack):
+            return backward_function(*args, **kwargs)
+    return backward
+
+
+_previous = [None]
+
+
+def _record_operation(op_type, output_tensors, input_tensors, backward_function,
+                      forward_function=None):
+    noted = _local.noted
+    if noted is not None and noted.op_type == op_type:
+        _local.noted = None
+        if noted.stack is not PHYSICAL:
+            backward_function = _on_stack(backward_function, noted.stack)
+    else:
+        noted = None
+    saved = _local.recording
+    _local.recording = noted
+    try:
+        return _previous[0](op_type, output_tensors, input_tensors, backward_function,
+                            forward_function)
+    finally:
+        _local.recording = saved
+
+
+def _install():
+    _previous[0] = _record.record_operation
+    _record.record_operation = _record_operation
+
+
+tf_patches.register(
+    "function call records", "tensorflow.python.eager.record.record_operation",
+    "TensorFlow records a tf.function call with the original function's backward "
+    "function; for a call replayed by handlers it must run on the stack the call ran on "
+    "(replayed through the same handlers), and tapes under the handlers must not get "
+    "that record (they recorded the replayed function).", "runtime", _install, None)

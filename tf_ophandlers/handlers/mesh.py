@@ -29,6 +29,7 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import copies
@@ -48,6 +49,9 @@ _COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multip
             "all": tf.logical_and, "any": tf.logical_or}
 _SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
 _VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_UNEVEN_OK = ("shard", "relayout")  # requests whose non-dividing axes stay replicated
+_ITERATOR_OPS = ("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
+                 "MultiDeviceIteratorGetNextFromShard")
 
 
 class Mesh(OpHandler):
@@ -98,6 +102,7 @@ class Mesh(OpHandler):
                      if e != d)]
                 for i in range(len(devices))]
         self.fallbacks = collections.Counter()
+        self.uneven = collections.Counter()  # shard/relayout requests kept replicated
         self._local = threading.local()
 
     def debug_string(self):
@@ -344,6 +349,14 @@ class Mesh(OpHandler):
             if inputs[0].shape == shape:
                 self._local.request = None
                 return [self.relayout_value(inputs[0], layout)]
+        if t in _ITERATOR_OPS and not tf.executing_eagerly():
+            raise NotImplementedError(
+                "oh.Mesh: op %s iterates a dataset inside a function replayed on %s; batches "
+                "read there have unknown shapes, which the SPMD rules need. Keras: compile "
+                "with run_eagerly=True (model.fit then runs in the mesh's scope, weights "
+                "sharded), or write the loop: iterate the dataset outside, shard each batch "
+                "with mesh.shard and call a tf.function step in the mesh's scope"
+                % (t, self.debug_string()))
         if any(v.var is not None for v in inputs) or t == "VarHandleOp":
             out = self._variable_op(op, inputs)
         else:
@@ -369,14 +382,18 @@ class Mesh(OpHandler):
             raise errors.PlacementError(
                 "oh.Mesh: op %s would write a variable created outside %s once per device; "
                 "create the variable inside the mesh's scope" % (t, self.debug_string()))
+        if t in _VAR_WRITES or t.startswith("ResourceApply"):
+            self._adopt_layout(op, handle, inputs[1:])
         if t in _VAR_WRITES:
             value = inputs[1]
             request = getattr(self._local, "var_request", None)
             if request is not None and request[0] is handle and t == "AssignVariableOp":
                 var.layout = None
                 value = self.relayout_value(value, request[1])
+                var.chosen = True
             if t == "AssignVariableOp" and (var.layout is None or var.shape != value.shape):
                 var.layout, var.shape = value.layout, value.shape
+                var.chosen = var.chosen or not value.replicated
                 op = op.replace(validate_shape=False)
             value = self.relayout_value(value, var.layout)
             self.run(op, [handle, value])
@@ -403,6 +420,24 @@ class Mesh(OpHandler):
             return []
         raise unsupported
 
+    def _adopt_layout(self, op, handle, values):
+        """A variable whose replicated layout was never chosen (an optimizer's slot
+        variable, created from zeros) takes the layout of the first sharded value of its
+        shape written to it: its stored value is sliced in place, eagerly (in a replayed
+        function the layout stays; the function's variable summary is a copy)."""
+        var = handle.var
+        if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+            return
+        source = next((v for v in values if v.shape == var.shape and not v.replicated), None)
+        if source is None:
+            return
+        dtype = op.attrs.get("dtype", op.attrs.get("T"))
+        (reads,) = self.run(Op.cached("ReadVariableOp", dtype=dtype), [handle])
+        value = self.relayout_value(MeshValue(reads, var.layout, var.shape), source.layout)
+        self.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
+                 [handle, value])
+        var.layout, var.chosen = source.layout, True
+
     # -- internals ------------------------------------------------------------------------
 
     def _fallback(self, op, inputs):
@@ -412,6 +447,9 @@ class Mesh(OpHandler):
         op_def = op_def_registry.get(op.type)
         if inputs and not sharded and op_def is not None and not op_def.is_stateful:
             # Replicated inputs of a stateless op: the same result on every device.
+            folded = self._fold(op, inputs)
+            if folded is not None:
+                return folded
             outs = self.run(op, inputs)
             return [MeshValue(o, (None,) * o[0].shape.rank, o[0].shape.as_list()) for o in outs]
         if sharded:
@@ -429,6 +467,20 @@ class Mesh(OpHandler):
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result
+
+    def _fold(self, op, inputs):
+        """In a replay, a stateless op of small known values (BroadcastGradientArgs of
+        shapes, a gradient's reduction axes) computed now, so rules see constants."""
+        if tf.executing_eagerly() or op.output_dtypes is None:
+            return None
+        values = [self.static_value(v) for v in inputs]
+        if any(v is None or np.size(v) > _SMALL for v in values):
+            return None
+        with tf.init_scope(), scope.physical():
+            outs = execute.execute(op.type, len(op.output_dtypes),
+                                   [tf.constant(v) for v in values], op.attr_tuple(),
+                                   context.context())
+        return [self.constant(o.numpy()) for o in outs]
 
     def _pack(self, tensors):
         layout = getattr(self._local, "pack_layout", None)
@@ -487,10 +539,21 @@ class Mesh(OpHandler):
             raise ValueError("oh.Mesh.%s: layout %s uses a mesh dimension twice" % (what, layout))
         for a, m in enumerate(layout):
             n = shape[a] if shape.rank is not None else None
-            if m is not None and (n is None or n % self.dims[m]):
+            if m is not None and n is not None and n % self.dims[m] and what in _UNEVEN_OK:
+                layout = layout[:a] + (None,) + layout[a + 1:]
+                self._report_uneven(what, a, n, m)
+            elif m is not None and (n is None or n % self.dims[m]):
                 raise ValueError("oh.Mesh.%s: axis %d of size %s cannot be sharded over mesh "
                                  "dimension %r of size %d" % (what, a, n, m, self.dims[m]))
         return layout
+
+    def _report_uneven(self, what, axis, n, m):
+        self.uneven[m] += 1
+        if self.uneven[m] == 1:
+            _log.warning("oh.Mesh.%s: axis %d of size %d does not divide over mesh dimension "
+                         "%r of size %d; that axis is kept replicated (a partial last batch: "
+                         "same values, no parallelism on it; reported once per mesh "
+                         "dimension, counted in mesh.uneven)", what, axis, n, m, self.dims[m])
 
     def _scope_for(self, tensor):
         """A scope where ops run on this mesh: the current one if it holds the mesh, the

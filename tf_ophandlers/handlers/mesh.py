@@ -40,6 +40,7 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
 from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn
+from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
 
@@ -70,7 +71,11 @@ class Mesh(OpHandler):
     returns_off_stack = True  # unpack's shards are ordinary tensors
     TYPE_NAME = "MESH"
 
-    def __init__(self, dims, devices):
+    def __init__(self, dims, devices, compile_ops=False):
+        """`compile_ops`: run an op's per-device shards as one compiled multi-device
+        function call (cached per op signature; `mesh_compiled.py`) instead of one eager
+        op per device; off by default: slower on the loaded 2-core machine it was
+        measured on (`benchmarks/mesh.py`)."""
         dims = list(dims.items()) if isinstance(dims, dict) else list(dims)
         names = [n for n, _ in dims]
         sizes = [s for _, s in dims]
@@ -102,6 +107,7 @@ class Mesh(OpHandler):
                      if e != d)]
                 for i in range(len(devices))]
         self.fallbacks = collections.Counter()
+        self._per_op = PerOpCalls(self.devices, enabled=compile_ops)
         self.uneven = collections.Counter()  # shard/relayout requests kept replicated
         self._local = threading.local()
 
@@ -177,6 +183,10 @@ class Mesh(OpHandler):
     def run(self, op, args):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output
         of the per-device results."""
+        per_device = [[v.shards[i] for v in args] for i in range(len(self.devices))]
+        compiled = self._per_op.run(op, per_device, next_stack)
+        if compiled is not None:
+            return compiled
         below = next_stack()
         outs = []
         for i, device in enumerate(self.devices):

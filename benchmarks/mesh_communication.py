@@ -110,7 +110,7 @@ def make_configs(rng):
         return out
 
     cases = [("per-op: Mul on 4 devices", "four eager ops", mul_eager,
-              "one compiled tf.function", lambda: mul_compiled(*xs, *ys), None),
+              "one compiled tf.function (ConcreteFunction call)", lambda: mul_compiled(*xs, *ys), None),
              ("all-reduce over \"model\"", "AddN + copy", all_reduce_explicit,
               "CollectiveAllReduce (tf.function)", lambda: all_reduce_coll(*xs), None),
              ("all-gather over \"model\"", "ConcatV2 per device", all_gather_explicit,

@@ -183,10 +183,12 @@ class Mesh(OpHandler):
     def run(self, op, args):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output
         of the per-device results."""
-        per_device = [[v.shards[i] for v in args] for i in range(len(self.devices))]
-        compiled = self._per_op.run(op, per_device, next_stack)
-        if compiled is not None:
-            return compiled
+        if self._per_op.enabled:
+            compiled = self._per_op.run(
+                op, [[v.shards[i] for v in args] for i in range(len(self.devices))],
+                next_stack)
+            if compiled is not None:
+                return compiled
         below = next_stack()
         outs = []
         for i, device in enumerate(self.devices):

@@ -242,3 +242,35 @@ def test_compiled_per_op_calls_train_like_tensorflow():
     entries, maxsize = cache.caches()["mesh.per_op_functions"]
     assert 0 < entries <= maxsize
     assert not mesh.fallbacks
+
+
+def test_shard_inside_a_traced_function_is_applied_when_replayed(mesh):
+    """mesh.shard/relayout inside a tf.function (unknown batch dim): the traced Identity
+    carries the layout and the replay relayouts; an uneven batch stays replicated."""
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(8, 4)).astype("float32")
+    with mesh:
+        w = tf.Variable(mesh.shard(w0, (None, "model")))
+    r = tf.Variable(w0)
+
+    def make(v, shard):
+        @tf.function(input_signature=[tf.TensorSpec([None, 8])])
+        def f(x):
+            with tf.GradientTape() as tape:
+                y = tf.tanh(tf.matmul(shard(x, ("batch", None)), v))
+                loss = tf.reduce_mean(y * y)
+            return y, shard(y, (None, None)), loss, tape.gradient(loss, v)
+        return f
+
+    f = make(w, mesh.shard)
+    ref = make(r, lambda t, layout: t)
+    for n, layout in ((6, ("batch", "model")), (3, (None, "model"))):
+        x = rng.normal(size=(n, 8)).astype("float32")
+        with mesh:
+            y, y_rep, loss, g = f(x)
+        assert mesh.layout_of(y) == layout and mesh.layout_of(y_rep) == (None, None)
+        assert mesh.layout_of(g) == (None, "model")
+        for a, b in zip((y, y_rep, loss, g), ref(x)):
+            assert_close(a, b, 1e-5)
+    assert mesh.uneven["batch"] == 1
+    assert not mesh.fallbacks

@@ -25,6 +25,7 @@ which TensorFlow's eager runtime places and copies between logical devices.
 """
 import collections
 import logging
+import re
 import threading
 
 import numpy as np
@@ -39,7 +40,7 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
-from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn
+from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn, mesh_variables
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
@@ -49,8 +50,8 @@ RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
 _COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multiply,
             "all": tf.logical_and, "any": tf.logical_or}
 _SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
-_VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
-_UNEVEN_OK = ("shard", "relayout")  # requests whose non-dividing axes stay replicated
+_UNEVEN_OK = ("shard", "relayout", "traced")  # requests whose non-dividing axes stay replicated
+_MARKER = re.compile(r"ohmesh([0-9a-f]+)_([0-9n]+)(?:_\d+)?$")  # a traced shard's Identity
 _ITERATOR_OPS = ("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
                  "MultiDeviceIteratorGetNextFromShard")
 
@@ -125,6 +126,13 @@ class Mesh(OpHandler):
         """`tensor` with a new layout (same values; all-gathers and slices as needed).
         Differentiable: a tape records it as an Identity."""
         tensor = tf.convert_to_tensor(tensor)
+        if tf.inside_function() and stack_of(tensor) is None:
+            # Traced (a tf.function called later in the mesh's scope): an Identity whose
+            # node name carries the layout; its replay relayouts (`_traced_relayout`).
+            layout = self._checked_layout(layout, tensor.shape, "traced")
+            code = "".join("n" if m is None else str(self._index[m]) for m in layout)
+            with self._scope_for(tensor):
+                return tf.identity(tensor, name="ohmesh%x_%s" % (id(self), code))
         layout = self._checked_layout(layout, tensor.shape, what)
         with self._scope_for(tensor):
             self._local.request = (layout, tuple(tensor.shape.as_list()))
@@ -361,6 +369,13 @@ class Mesh(OpHandler):
             if inputs[0].shape == shape:
                 self._local.request = None
                 return [self.relayout_value(inputs[0], layout)]
+        if t == "Identity" and op.node_name is not None and "ohmesh" in op.node_name:
+            marked = _MARKER.search(op.node_name)
+            if marked is not None and int(marked.group(1), 16) == id(self):
+                names = list(self.dims)
+                layout = tuple(None if c == "n" else names[int(c)] for c in marked.group(2))
+                layout = self._checked_layout(layout, inputs[0].shape, "shard")
+                return [self.relayout_value(inputs[0], layout)]
         if t in _ITERATOR_OPS and not tf.executing_eagerly():
             raise NotImplementedError(
                 "oh.Mesh: op %s iterates a dataset inside a function replayed on %s; batches "
@@ -370,85 +385,12 @@ class Mesh(OpHandler):
                 "with mesh.shard and call a tf.function step in the mesh's scope"
                 % (t, self.debug_string()))
         if any(v.var is not None for v in inputs) or t == "VarHandleOp":
-            out = self._variable_op(op, inputs)
+            out = mesh_variables.variable_op(
+                self, op, inputs, getattr(self._local, "var_request", None))
         else:
             rule = RULES.get(t)
             out = rule(self, op, inputs) if rule is not None else None
         return out if out is not None else self._fallback(op, inputs)
-
-    # -- variables ------------------------------------------------------------------------
-
-    def _variable_op(self, op, inputs):
-        t = op.type
-        if t == "VarHandleOp":
-            (handles,) = self.run(op, [])
-            return [MeshValue(handles, (), (), VarInfo())]
-        handle = inputs[0]
-        var = handle.var
-        unsupported = NotImplementedError(
-            "oh.Mesh: op %s on a variable has no SPMD rule in %s (for these inputs)"
-            % (t, self.debug_string()))
-        if var is None or any(v.var is not None for v in inputs[1:]):
-            raise unsupported  # never gathered: one device would see only its shard
-        if var.broadcast and (t in _VAR_WRITES or t.startswith("ResourceApply")):
-            raise errors.PlacementError(
-                "oh.Mesh: op %s would write a variable created outside %s once per device; "
-                "create the variable inside the mesh's scope" % (t, self.debug_string()))
-        if t in _VAR_WRITES or t.startswith("ResourceApply"):
-            self._adopt_layout(op, handle, inputs[1:])
-        if t in _VAR_WRITES:
-            value = inputs[1]
-            request = getattr(self._local, "var_request", None)
-            if request is not None and request[0] is handle and t == "AssignVariableOp":
-                var.layout = None
-                value = self.relayout_value(value, request[1])
-                var.chosen = True
-            if t == "AssignVariableOp" and (var.layout is None or var.shape != value.shape):
-                var.layout, var.shape = value.layout, value.shape
-                var.chosen = var.chosen or not value.replicated
-                op = op.replace(validate_shape=False)
-            value = self.relayout_value(value, var.layout)
-            self.run(op, [handle, value])
-            return []
-        if t == "ReadVariableOp":
-            (reads,) = self.run(op, [handle])
-            if var.layout is None:  # a host variable, or read before its first assignment
-                return [MeshValue(reads, (None,) * reads[0].shape.rank, reads[0].shape)]
-            return [MeshValue(reads, var.layout, var.shape)]
-        if t == "VariableShape" and var.shape is not None:
-            dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
-            return [self.constant(np.asarray(var.shape, dtype))]
-        if t in ("VarIsInitializedOp", "DestroyResourceOp", "DisableCopyOnRead"):
-            outs = self.run(op, [handle])
-            return [MeshValue(o, (), ()) for o in outs]
-        if t == "ResourceGather":
-            out = RULES[t](self, op, inputs)
-            if out is not None:
-                return out
-        if t.startswith("ResourceApply") and var.layout is not None and not any(
-                v.shape and v.shape != var.shape for v in inputs[1:]):
-            self.run(op, [handle] + [v if not v.shape else self.relayout_value(v, var.layout)
-                                     for v in inputs[1:]])
-            return []
-        raise unsupported
-
-    def _adopt_layout(self, op, handle, values):
-        """A variable whose replicated layout was never chosen (an optimizer's slot
-        variable, created from zeros) takes the layout of the first sharded value of its
-        shape written to it: its stored value is sliced in place, eagerly (in a replayed
-        function the layout stays; the function's variable summary is a copy)."""
-        var = handle.var
-        if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
-            return
-        source = next((v for v in values if v.shape == var.shape and not v.replicated), None)
-        if source is None:
-            return
-        dtype = op.attrs.get("dtype", op.attrs.get("T"))
-        (reads,) = self.run(Op.cached("ReadVariableOp", dtype=dtype), [handle])
-        value = self.relayout_value(MeshValue(reads, var.layout, var.shape), source.layout)
-        self.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
-                 [handle, value])
-        var.layout, var.chosen = source.layout, True
 
     # -- internals ------------------------------------------------------------------------
 
@@ -551,6 +493,8 @@ class Mesh(OpHandler):
             raise ValueError("oh.Mesh.%s: layout %s uses a mesh dimension twice" % (what, layout))
         for a, m in enumerate(layout):
             n = shape[a] if shape.rank is not None else None
+            if m is not None and n is None and what == "traced":
+                continue  # decided when the function is replayed, with the global shape
             if m is not None and n is not None and n % self.dims[m] and what in _UNEVEN_OK:
                 layout = layout[:a] + (None,) + layout[a + 1:]
                 self._report_uneven(what, a, n, m)

@@ -51,8 +51,10 @@ def test_bad_layouts_and_meshes_raise_naming_the_mesh(mesh):
         mesh.shard(x, ("data", None))
     with pytest.raises(ValueError, match=r"oh.Mesh.shard.*2 entries for a tensor of rank 1"):
         mesh.shard(tf.ones([4]), ("batch", None))
-    with pytest.raises(ValueError, match=r"oh.Mesh.shard.*axis 0 of size 3 cannot be sharded"):
-        mesh.shard(tf.ones([3, 2]), ("batch", None))
+    with mesh:
+        v = tf.Variable(tf.ones([3, 2]))
+    with pytest.raises(ValueError, match=r"oh.Mesh.shard_variable.*axis 0 of size 3 cannot be"):
+        mesh.shard_variable(v, ("batch", None))
     with pytest.raises(ValueError, match=r"uses a mesh dimension twice"):
         mesh.shard(tf.ones([4, 4]), ("batch", "batch"))
     with pytest.raises(ValueError, match=r"oh.Mesh: a 2x2 mesh needs 4 devices, got 2"):

@@ -25,10 +25,12 @@ which TensorFlow's eager runtime places and copies between logical devices.
 """
 import collections
 import logging
+import re
 import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import copies
@@ -38,7 +40,8 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
-from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn
+from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn, mesh_variables
+from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
 
@@ -47,7 +50,10 @@ RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
 _COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multiply,
             "all": tf.logical_and, "any": tf.logical_or}
 _SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
-_VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_UNEVEN_OK = ("shard", "relayout", "traced")  # requests whose non-dividing axes stay replicated
+_MARKER = re.compile(r"ohmesh([0-9a-f]+)_([0-9n]+)(?:_\d+)?$")  # a traced shard's Identity
+_ITERATOR_OPS = ("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
+                 "MultiDeviceIteratorGetNextFromShard")
 
 
 class Mesh(OpHandler):
@@ -66,7 +72,11 @@ class Mesh(OpHandler):
     returns_off_stack = True  # unpack's shards are ordinary tensors
     TYPE_NAME = "MESH"
 
-    def __init__(self, dims, devices):
+    def __init__(self, dims, devices, compile_ops=False):
+        """`compile_ops`: run an op's per-device shards as one compiled multi-device
+        function call (cached per op signature; `mesh_compiled.py`) instead of one eager
+        op per device; off by default: slower on the loaded 2-core machine it was
+        measured on (`benchmarks/mesh.py`)."""
         dims = list(dims.items()) if isinstance(dims, dict) else list(dims)
         names = [n for n, _ in dims]
         sizes = [s for _, s in dims]
@@ -98,6 +108,8 @@ class Mesh(OpHandler):
                      if e != d)]
                 for i in range(len(devices))]
         self.fallbacks = collections.Counter()
+        self._per_op = PerOpCalls(self.devices, enabled=compile_ops)
+        self.uneven = collections.Counter()  # shard/relayout requests kept replicated
         self._local = threading.local()
 
     def debug_string(self):
@@ -114,6 +126,13 @@ class Mesh(OpHandler):
         """`tensor` with a new layout (same values; all-gathers and slices as needed).
         Differentiable: a tape records it as an Identity."""
         tensor = tf.convert_to_tensor(tensor)
+        if tf.inside_function() and stack_of(tensor) is None:
+            # Traced (a tf.function called later in the mesh's scope): an Identity whose
+            # node name carries the layout; its replay relayouts (`_traced_relayout`).
+            layout = self._checked_layout(layout, tensor.shape, "traced")
+            code = "".join("n" if m is None else str(self._index[m]) for m in layout)
+            with self._scope_for(tensor):
+                return tf.identity(tensor, name="ohmesh%x_%s" % (id(self), code))
         layout = self._checked_layout(layout, tensor.shape, what)
         with self._scope_for(tensor):
             self._local.request = (layout, tuple(tensor.shape.as_list()))
@@ -172,6 +191,12 @@ class Mesh(OpHandler):
     def run(self, op, args):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output
         of the per-device results."""
+        if self._per_op.enabled:
+            compiled = self._per_op.run(
+                op, [[v.shards[i] for v in args] for i in range(len(self.devices))],
+                next_stack)
+            if compiled is not None:
+                return compiled
         below = next_stack()
         outs = []
         for i, device in enumerate(self.devices):
@@ -344,64 +369,28 @@ class Mesh(OpHandler):
             if inputs[0].shape == shape:
                 self._local.request = None
                 return [self.relayout_value(inputs[0], layout)]
+        if t == "Identity" and op.node_name is not None and "ohmesh" in op.node_name:
+            marked = _MARKER.search(op.node_name)
+            if marked is not None and int(marked.group(1), 16) == id(self):
+                names = list(self.dims)
+                layout = tuple(None if c == "n" else names[int(c)] for c in marked.group(2))
+                layout = self._checked_layout(layout, inputs[0].shape, "shard")
+                return [self.relayout_value(inputs[0], layout)]
+        if t in _ITERATOR_OPS and not tf.executing_eagerly():
+            raise NotImplementedError(
+                "oh.Mesh: op %s iterates a dataset inside a function replayed on %s; batches "
+                "read there have unknown shapes, which the SPMD rules need. Keras: compile "
+                "with run_eagerly=True (model.fit then runs in the mesh's scope, weights "
+                "sharded), or write the loop: iterate the dataset outside, shard each batch "
+                "with mesh.shard and call a tf.function step in the mesh's scope"
+                % (t, self.debug_string()))
         if any(v.var is not None for v in inputs) or t == "VarHandleOp":
-            out = self._variable_op(op, inputs)
+            out = mesh_variables.variable_op(
+                self, op, inputs, getattr(self._local, "var_request", None))
         else:
             rule = RULES.get(t)
             out = rule(self, op, inputs) if rule is not None else None
         return out if out is not None else self._fallback(op, inputs)
-
-    # -- variables ------------------------------------------------------------------------
-
-    def _variable_op(self, op, inputs):
-        t = op.type
-        if t == "VarHandleOp":
-            (handles,) = self.run(op, [])
-            return [MeshValue(handles, (), (), VarInfo())]
-        handle = inputs[0]
-        var = handle.var
-        unsupported = NotImplementedError(
-            "oh.Mesh: op %s on a variable has no SPMD rule in %s (for these inputs)"
-            % (t, self.debug_string()))
-        if var is None or any(v.var is not None for v in inputs[1:]):
-            raise unsupported  # never gathered: one device would see only its shard
-        if var.broadcast and (t in _VAR_WRITES or t.startswith("ResourceApply")):
-            raise errors.PlacementError(
-                "oh.Mesh: op %s would write a variable created outside %s once per device; "
-                "create the variable inside the mesh's scope" % (t, self.debug_string()))
-        if t in _VAR_WRITES:
-            value = inputs[1]
-            request = getattr(self._local, "var_request", None)
-            if request is not None and request[0] is handle and t == "AssignVariableOp":
-                var.layout = None
-                value = self.relayout_value(value, request[1])
-            if t == "AssignVariableOp" and (var.layout is None or var.shape != value.shape):
-                var.layout, var.shape = value.layout, value.shape
-                op = op.replace(validate_shape=False)
-            value = self.relayout_value(value, var.layout)
-            self.run(op, [handle, value])
-            return []
-        if t == "ReadVariableOp":
-            (reads,) = self.run(op, [handle])
-            if var.layout is None:  # a host variable, or read before its first assignment
-                return [MeshValue(reads, (None,) * reads[0].shape.rank, reads[0].shape)]
-            return [MeshValue(reads, var.layout, var.shape)]
-        if t == "VariableShape" and var.shape is not None:
-            dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
-            return [self.constant(np.asarray(var.shape, dtype))]
-        if t in ("VarIsInitializedOp", "DestroyResourceOp", "DisableCopyOnRead"):
-            outs = self.run(op, [handle])
-            return [MeshValue(o, (), ()) for o in outs]
-        if t == "ResourceGather":
-            out = RULES[t](self, op, inputs)
-            if out is not None:
-                return out
-        if t.startswith("ResourceApply") and var.layout is not None and not any(
-                v.shape and v.shape != var.shape for v in inputs[1:]):
-            self.run(op, [handle] + [v if not v.shape else self.relayout_value(v, var.layout)
-                                     for v in inputs[1:]])
-            return []
-        raise unsupported
 
     # -- internals ------------------------------------------------------------------------
 
@@ -412,6 +401,9 @@ class Mesh(OpHandler):
         op_def = op_def_registry.get(op.type)
         if inputs and not sharded and op_def is not None and not op_def.is_stateful:
             # Replicated inputs of a stateless op: the same result on every device.
+            folded = self._fold(op, inputs)
+            if folded is not None:
+                return folded
             outs = self.run(op, inputs)
             return [MeshValue(o, (None,) * o[0].shape.rank, o[0].shape.as_list()) for o in outs]
         if sharded:
@@ -429,6 +421,20 @@ class Mesh(OpHandler):
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result
+
+    def _fold(self, op, inputs):
+        """In a replay, a stateless op of small known values (BroadcastGradientArgs of
+        shapes, a gradient's reduction axes) computed now, so rules see constants."""
+        if tf.executing_eagerly() or op.output_dtypes is None:
+            return None
+        values = [self.static_value(v) for v in inputs]
+        if any(v is None or np.size(v) > _SMALL for v in values):
+            return None
+        with tf.init_scope(), scope.physical():
+            outs = execute.execute(op.type, len(op.output_dtypes),
+                                   [tf.constant(v) for v in values], op.attr_tuple(),
+                                   context.context())
+        return [self.constant(o.numpy()) for o in outs]
 
     def _pack(self, tensors):
         layout = getattr(self._local, "pack_layout", None)
@@ -487,10 +493,23 @@ class Mesh(OpHandler):
             raise ValueError("oh.Mesh.%s: layout %s uses a mesh dimension twice" % (what, layout))
         for a, m in enumerate(layout):
             n = shape[a] if shape.rank is not None else None
-            if m is not None and (n is None or n % self.dims[m]):
+            if m is not None and n is None and what == "traced":
+                continue  # decided when the function is replayed, with the global shape
+            if m is not None and n is not None and n % self.dims[m] and what in _UNEVEN_OK:
+                layout = layout[:a] + (None,) + layout[a + 1:]
+                self._report_uneven(what, a, n, m)
+            elif m is not None and (n is None or n % self.dims[m]):
                 raise ValueError("oh.Mesh.%s: axis %d of size %s cannot be sharded over mesh "
                                  "dimension %r of size %d" % (what, a, n, m, self.dims[m]))
         return layout
+
+    def _report_uneven(self, what, axis, n, m):
+        self.uneven[m] += 1
+        if self.uneven[m] == 1:
+            _log.warning("oh.Mesh.%s: axis %d of size %d does not divide over mesh dimension "
+                         "%r of size %d; that axis is kept replicated (a partial last batch: "
+                         "same values, no parallelism on it; reported once per mesh "
+                         "dimension, counted in mesh.uneven)", what, axis, n, m, self.dims[m])
 
     def _scope_for(self, tensor):
         """A scope where ops run on this mesh: the current one if it holds the mesh, the

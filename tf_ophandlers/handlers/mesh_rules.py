@@ -44,12 +44,16 @@ class MeshValue:
 
 
 class VarInfo:
-    """What a mesh resource handle knows about its variable's value (mutable)."""
+    """What a mesh resource handle knows about its variable's value (mutable). `chosen`:
+    the layout was chosen (a sharded initial value, `shard_variable`, or adopted from
+    the first sharded value written, as an optimizer's slot variables do); a replicated
+    layout not chosen follows the first sharded write."""
 
-    __slots__ = ("layout", "shape", "broadcast")
+    __slots__ = ("layout", "shape", "broadcast", "chosen")
 
-    def __init__(self, layout=None, shape=None, broadcast=False):
+    def __init__(self, layout=None, shape=None, broadcast=False, chosen=False):
         self.layout, self.shape, self.broadcast = layout, shape, broadcast
+        self.chosen = chosen
 
 
 def static_input(mesh, value, what, op):
@@ -438,8 +442,14 @@ def _shape(mesh, op, inputs):
 
 # -- the table -------------------------------------------------------------------------
 
+def _identity_n(mesh, op, inputs):
+    """IdentityN (a custom gradient's outputs): every input keeps its layout."""
+    return [MeshValue(s, v.layout, v.shape) for s, v in zip(mesh.run(op, inputs), inputs)]
+
+
 # Every elementwise op of core's table: sharded like its (broadcast) inputs.
 RULES = {t: elementwise for t in op_kinds.ELEMENTWISE}
+RULES["IdentityN"] = _identity_n
 RULES.update({"MatMul": _matmul, "BatchMatMul": _batch_matmul,
               "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
               "Einsum": _einsum, "Transpose": _transpose, "Reshape": _reshape,

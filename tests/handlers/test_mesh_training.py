@@ -1,0 +1,276 @@
+"""oh.Mesh in the training loops users write: partial last batches (an axis that does not
+divide stays replicated), Keras optimizers (slot variables take their variables'
+layouts), `model.fit`; against single-device TensorFlow on the same inputs."""
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from conftest import assert_close
+
+DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+LAYOUTS = {"dense/kernel": (None, "model"), "dense/bias": ("model",),
+           "dense_1/kernel": ("model", None), "dense_1/bias": (None,)}
+
+
+@pytest.fixture
+def mesh():
+    return oh.Mesh({"batch": 2, "model": 2}, DEVICES)
+
+
+def _data(n=11):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 4)).astype("float32")
+
+
+def _mlp():
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu",
+                                                                   name="dense"),
+                             keras.layers.Dense(4, name="dense_1")])
+
+
+def _sharded_mlp(mesh):
+    with mesh:
+        model = _mlp()
+    ref = _mlp()
+    ref.set_weights(model.get_weights())
+    for v in model.trainable_variables:
+        layout = LAYOUTS[v.path.split("/", 1)[1]]
+        if any(layout):
+            mesh.shard_variable(v, layout)
+    return model, ref
+
+
+def test_uneven_shard_keeps_the_axis_replicated_and_reports_once(mesh, caplog):
+    x = tf.reshape(tf.range(18.), [3, 6])
+    with caplog.at_level(logging.WARNING, logger="tf_ophandlers"):
+        with mesh:
+            s = mesh.shard(x, ("batch", "model"))
+            r = mesh.relayout(mesh.shard(tf.ones([5, 4]), ("batch", None)), (None, "model"))
+            t = mesh.relayout(r, ("batch", "model"))
+    assert mesh.layout_of(s) == (None, "model")
+    assert [p.shape.as_list() for p in mesh.unpack(s)] == [[3, 3]] * 4
+    assert_close(s, x)
+    assert mesh.layout_of(r) == (None, "model") and mesh.layout_of(t) == (None, "model")
+    assert mesh.uneven["batch"] == 3 and "model" not in mesh.uneven
+    assert sum("does not divide" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_partial_last_batch_eager_and_in_a_replayed_step_with_unknown_batch_dim(mesh):
+    """11 examples in batches of 4: the last batch of 3 runs replicated on "batch" and
+    gives TensorFlow's loss, eagerly (Keras MLP, oh.GradientTape) and in a tf.function
+    whose input_signature leaves the batch dimension unknown."""
+    x_all, y_all = _data()
+    ds = tf.data.Dataset.from_tensor_slices((x_all, y_all)).batch(4)
+    model, ref = _sharded_mlp(mesh)
+    sizes = []
+    for x, y in ds:
+        with mesh:
+            xs, ys = mesh.shard(x, ("batch", None)), mesh.shard(y, ("batch", None))
+            with oh.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xs) - ys))
+            for v, g in zip(model.trainable_variables,
+                            tape.gradient(loss, model.trainable_variables)):
+                assert mesh.layout_of(g) == mesh.layout_of(v)
+                v.assign_sub(0.1 * g)
+        with tf.GradientTape() as tape:
+            ref_loss = tf.reduce_mean(tf.square(ref(x) - y))
+        for v, g in zip(ref.trainable_variables, tape.gradient(ref_loss,
+                                                               ref.trainable_variables)):
+            v.assign_sub(0.1 * g)
+        assert_close(loss, ref_loss, 1e-5)
+        sizes.append(int(x.shape[0]))
+    assert sizes == [4, 4, 3]
+
+    spec = [tf.TensorSpec([None, 8]), tf.TensorSpec([None, 4])]
+
+    def make_step(w1, w2):
+        @tf.function(input_signature=spec)
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                err = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) - y
+                loss = tf.reduce_mean(err * err)
+            g1, g2 = tape.gradient(loss, [w1, w2])
+            w1.assign_sub(0.1 * g1)
+            w2.assign_sub(0.1 * g2)
+            return loss
+        return step
+
+    w10, w20 = model.layers[0].kernel.numpy(), model.layers[1].kernel.numpy()
+    with mesh:
+        w1 = tf.Variable(mesh.shard(w10, (None, "model")))
+        w2 = tf.Variable(mesh.shard(w20, ("model", None)))
+    r1, r2 = tf.Variable(w10), tf.Variable(w20)
+    step, ref_step = make_step(w1, w2), make_step(r1, r2)
+    for _ in range(2):
+        for x, y in ds:
+            with mesh:
+                loss = step(mesh.shard(x, ("batch", None)), mesh.shard(y, ("batch", None)))
+            assert_close(loss, ref_step(x, y), 1e-5)
+    assert_close(w1, r1, 1e-5)
+    assert mesh.layout_of(w1) == (None, "model")
+    assert [s.shape.as_list() for s in mesh.unpack(w1.value())] == [[8, 8]] * 4
+    assert mesh.uneven["batch"] > 0
+    assert not mesh.fallbacks
+
+
+def _slot_layouts(mesh, optimizer, model):
+    """{slot path: (its layout, its variable's layout)} for the Keras optimizer's slots."""
+    out = {}
+    for v in model.trainable_variables:
+        prefix = v.path.replace("/", "_") + "_"
+        for s in optimizer.variables:
+            if s.path.split("/")[-1].startswith(prefix):
+                out[s.path] = (mesh.layout_of(s), mesh.layout_of(v))
+    return out
+
+
+def test_keras_adam_eager_steps_shard_slot_variables_like_their_variables(mesh):
+    x, y = _data(8)
+    model, ref = _sharded_mlp(mesh)
+    with mesh:
+        opt = keras.optimizers.Adam(0.01)
+    ref_opt = keras.optimizers.Adam(0.01)
+    for _ in range(4):
+        with mesh:
+            xs, ys = mesh.shard(x, ("batch", None)), mesh.shard(y, ("batch", None))
+            with oh.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xs) - ys))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+        with tf.GradientTape() as tape:
+            ref_loss = tf.reduce_mean(tf.square(ref(x) - y))
+        ref_opt.apply_gradients(zip(tape.gradient(ref_loss, ref.trainable_variables),
+                                    ref.trainable_variables))
+        assert_close(loss, ref_loss, 1e-5)
+    for v, r in zip(model.trainable_variables, ref.trainable_variables):
+        assert_close(v, r, 1e-5)
+    slots = _slot_layouts(mesh, opt, model)
+    assert len(slots) == 8  # momentum and velocity of four variables
+    for path, (layout, var_layout) in slots.items():
+        assert layout == var_layout, path
+    kernel_slot = next(s for s in opt.variables if s.path.endswith("dense_kernel_momentum"))
+    shards = mesh.unpack(kernel_slot.value)  # each device holds half of it
+    assert [s.shape.as_list() for s in shards] == [[8, 8]] * 4
+    for s, r in zip(opt.variables, ref_opt.variables):
+        assert_close(s, r, 1e-5)
+    assert not mesh.fallbacks
+
+
+def test_keras_adam_in_a_replayed_tf_function_step(mesh):
+    x, y = _data(8)
+    model, ref = _sharded_mlp(mesh)
+    with mesh:
+        opt = keras.optimizers.Adam(0.01)
+        opt.build(model.trainable_variables)  # slots made eagerly, in the mesh
+    ref_opt = keras.optimizers.Adam(0.01)
+
+    def make_step(model, opt):
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+        return step
+
+    step, ref_step = make_step(model, opt), make_step(ref, ref_opt)
+    for _ in range(3):
+        with mesh:
+            loss = step(mesh.shard(x, ("batch", None)), mesh.shard(y, ("batch", None)))
+        assert_close(loss, ref_step(x, y), 1e-5)
+    for v, r in zip(model.trainable_variables, ref.trainable_variables):
+        # Adam's m / sqrt(v) amplifies the rounding of partial sums added in another
+        # order on near-zero gradients (one element off by 1e-5 after three steps)
+        assert_close(v, r, 1e-4)
+        assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
+    assert not mesh.fallbacks
+
+
+def test_model_fit_run_eagerly_with_a_partial_batch_and_compiled_fit_error(mesh):
+    x, y = _data()
+    model, ref = _sharded_mlp(mesh)
+    with mesh:
+        model.compile(keras.optimizers.Adam(0.01), "mse", run_eagerly=True)
+    ref.compile(keras.optimizers.Adam(0.01), "mse")
+    with mesh:
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    ref_history = ref.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"],
+                               rtol=1e-5)
+    for v, r in zip(model.trainable_variables, ref.trainable_variables):
+        assert_close(v, r, 1e-5)
+    assert mesh.layout_of(model.layers[0].kernel) == (None, "model")
+    assert not mesh.fallbacks
+
+    compiled, _ = _sharded_mlp(mesh)
+    with mesh:
+        compiled.compile(keras.optimizers.SGD(0.1), "mse")
+        with pytest.raises(NotImplementedError,
+                           match=r"oh.Mesh: op IteratorGetNext .*run_eagerly=True"):
+            compiled.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_compiled_per_op_calls_train_like_tensorflow():
+    """oh.Mesh(compile_ops=True): each op's per-device shards run as one cached
+    multi-device function; the Keras MLP trains with TensorFlow's losses and gradients."""
+    from tf_ophandlers.core import cache
+    mesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, compile_ops=True)
+    x, y = _data(8)
+    model, ref = _sharded_mlp(mesh)
+    for _ in range(3):
+        with mesh:
+            xs, ys = mesh.shard(x, ("batch", None)), mesh.shard(y, ("batch", None))
+            with oh.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xs) - ys))
+            grads = tape.gradient(loss, model.trainable_variables)
+            for v, g in zip(model.trainable_variables, grads):
+                assert mesh.layout_of(g) == mesh.layout_of(v)
+                v.assign_sub(0.1 * g)
+        with tf.GradientTape() as tape:
+            ref_loss = tf.reduce_mean(tf.square(ref(x) - y))
+        ref_grads = tape.gradient(ref_loss, ref.trainable_variables)
+        for v, g in zip(ref.trainable_variables, ref_grads):
+            v.assign_sub(0.1 * g)
+        assert_close(loss, ref_loss, 1e-5)
+        for g, r in zip(grads, ref_grads):
+            assert_close(g, r, 1e-5)
+    entries, maxsize = cache.caches()["mesh.per_op_functions"]
+    assert 0 < entries <= maxsize
+    assert not mesh.fallbacks
+
+
+def test_shard_inside_a_traced_function_is_applied_when_replayed(mesh):
+    """mesh.shard/relayout inside a tf.function (unknown batch dim): the traced Identity
+    carries the layout and the replay relayouts; an uneven batch stays replicated."""
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(8, 4)).astype("float32")
+    with mesh:
+        w = tf.Variable(mesh.shard(w0, (None, "model")))
+    r = tf.Variable(w0)
+
+    def make(v, shard):
+        @tf.function(input_signature=[tf.TensorSpec([None, 8])])
+        def f(x):
+            with tf.GradientTape() as tape:
+                y = tf.tanh(tf.matmul(shard(x, ("batch", None)), v))
+                loss = tf.reduce_mean(y * y)
+            return y, shard(y, (None, None)), loss, tape.gradient(loss, v)
+        return f
+
+    f = make(w, mesh.shard)
+    ref = make(r, lambda t, layout: t)
+    for n, layout in ((6, ("batch", "model")), (3, (None, "model"))):
+        x = rng.normal(size=(n, 8)).astype("float32")
+        with mesh:
+            y, y_rep, loss, g = f(x)
+        assert mesh.layout_of(y) == layout and mesh.layout_of(y_rep) == (None, None)
+        assert mesh.layout_of(g) == (None, "model")
+        for a, b in zip((y, y_rep, loss, g), ref(x)):
+            assert_close(a, b, 1e-5)
+    assert mesh.uneven["batch"] == 1
+    assert not mesh.fallbacks

@@ -1,0 +1,95 @@
+"""Variable ops of `oh.Mesh` (tf_ophandlers/handlers/mesh.py): creation, reads, writes
+relayouted to the variable's layout, `ResourceGather`, dense `ResourceApply*` kernels,
+and the layout adoption that gives an optimizer's slot variables their variables'
+layouts. Other ops on a mesh variable raise (never gathered: one device would see only
+its shard).
+
+>>> "AssignVariableOp" in VAR_WRITES
+True
+"""
+import numpy as np
+import tensorflow as tf
+
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.handlers import mesh_rules_nn
+from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
+
+VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+
+def variable_op(mesh, op, inputs, var_request):
+    """The outputs of variable op `op` on `mesh` (`var_request`: a pending
+    `shard_variable`, (handle value, layout) or None)."""
+    t = op.type
+    if t == "VarHandleOp":
+        (handles,) = mesh.run(op, [])
+        return [MeshValue(handles, (), (), VarInfo())]
+    handle = inputs[0]
+    var = handle.var
+    unsupported = NotImplementedError(
+        "oh.Mesh: op %s on a variable has no SPMD rule in %s (for these inputs)"
+        % (t, mesh.debug_string()))
+    if var is None or any(v.var is not None for v in inputs[1:]):
+        raise unsupported  # never gathered: one device would see only its shard
+    if var.broadcast and (t in VAR_WRITES or t.startswith("ResourceApply")):
+        raise errors.PlacementError(
+            "oh.Mesh: op %s would write a variable created outside %s once per device; "
+            "create the variable inside the mesh's scope" % (t, mesh.debug_string()))
+    if t in VAR_WRITES or t.startswith("ResourceApply"):
+        adopt_layout(mesh, op, handle, inputs[1:])
+    if t in VAR_WRITES:
+        value = inputs[1]
+        request = var_request
+        if request is not None and request[0] is handle and t == "AssignVariableOp":
+            var.layout = None
+            value = mesh.relayout_value(value, request[1])
+            var.chosen = True
+        if t == "AssignVariableOp" and (var.layout is None or var.shape != value.shape):
+            var.layout, var.shape = value.layout, value.shape
+            var.chosen = var.chosen or not value.replicated
+            op = op.replace(validate_shape=False)
+        value = mesh.relayout_value(value, var.layout)
+        mesh.run(op, [handle, value])
+        return []
+    if t == "ReadVariableOp":
+        (reads,) = mesh.run(op, [handle])
+        if var.layout is None:  # a host variable, or read before its first assignment
+            return [MeshValue(reads, (None,) * reads[0].shape.rank, reads[0].shape)]
+        return [MeshValue(reads, var.layout, var.shape)]
+    if t == "VariableShape" and var.shape is not None:
+        dtype = op.attrs.get("out_type", tf.int32).as_numpy_dtype
+        return [mesh.constant(np.asarray(var.shape, dtype))]
+    if t in ("VarIsInitializedOp", "DestroyResourceOp", "DisableCopyOnRead"):
+        outs = mesh.run(op, [handle])
+        return [MeshValue(o, (), ()) for o in outs]
+    if t == "ResourceGather":
+        out = mesh_rules_nn.RULES[t](mesh, op, inputs)
+        if out is not None:
+            return out
+    if t.startswith("ResourceApply") and var.layout is not None and not any(
+            v.shape and v.shape != var.shape for v in inputs[1:]):
+        mesh.run(op, [handle] + [v if not v.shape else mesh.relayout_value(v, var.layout)
+                                 for v in inputs[1:]])
+        return []
+    raise unsupported
+
+
+def adopt_layout(mesh, op, handle, values):
+    """A variable whose replicated layout was never chosen (an optimizer's slot
+    variable, created from zeros) takes the layout of the first sharded value of its
+    shape written to it: its stored value is sliced in place, eagerly (in a replayed
+    function the layout stays; the function's variable summary is a copy)."""
+    var = handle.var
+    if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+        return
+    source = next((v for v in values if v.shape == var.shape and not v.replicated), None)
+    if source is None:
+        return
+    dtype = op.attrs.get("dtype", op.attrs.get("T"))
+    (reads,) = mesh.run(Op.cached("ReadVariableOp", dtype=dtype), [handle])
+    value = mesh.relayout_value(MeshValue(reads, var.layout, var.shape), source.layout)
+    mesh.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
+             [handle, value])
+    var.layout, var.chosen = source.layout, True

@@ -2,8 +2,9 @@
 github.com/tensorflow/custom-op's tf/tf_configure.bzl).
 
 configure.sh asks the Python interpreter where TensorFlow and the Python headers are and
-writes them to .tf_configure.bazelrc as `--action_env`/`--repo_env` variables; this rule
-reads them and makes `@local_config_tf` from the installed files, without network access:
+writes them to .tf_configure.bazelrc as `build --action_env=NAME=value` lines (which
+repository rules see too); this rule reads them and makes `@local_config_tf` from the
+installed files, without network access:
 
   TF_HEADER_DIR            tf.sysconfig.get_include()
   TF_SHARED_LIBRARY_DIR    tf.sysconfig.get_lib() (libtensorflow_framework.so.2,

@@ -2,12 +2,14 @@
 # TensorFlow 2.21 (CPU wheel) and this package with its compiled extension.
 # make wheel: a wheel per available Python 3.10-3.13 in dist/ (build venvs in .venvs/).
 # make smoke: each wheel in a fresh venv without a compiler: quickstart + a test subset.
+# make bazel: the Bazel build (BUILD, WORKSPACE; Debian's bazel-bootstrap, installed when
+#   missing) of the four libraries and examples/cc_handler, then tests/native/test_bazel.py.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench build wheel smoke clean
+.PHONY: demo test bench build wheel smoke bazel clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -48,5 +50,20 @@ wheel:
 smoke: wheel
 	bash scripts/smoke_matrix.sh
 
+# Bazel from Debian (bazel-bootstrap 4.2): apt-get as root, else through sudo. The build
+# itself is offline (WORKSPACE). TFOH_BAZEL_BIN makes the test fail, not skip, when a
+# library is missing.
+BAZEL ?= bazel
+bazel: $(STAMP)
+	@command -v $(BAZEL) >/dev/null || { \
+	  echo "make bazel: installing Debian's bazel-bootstrap"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bazel-bootstrap; }
+	./configure.sh $(VPY)
+	$(BAZEL) build //...
+	TFOH_BAZEL_BIN="$$($(BAZEL) info bazel-bin)" $(VPY) -m pytest -q -ra tests/native/test_bazel.py
+
 clean:
 	rm -rf build dist *.egg-info tf_ophandlers/*.so tf_ophandlers/include
+	if [ -L bazel-bin ] && command -v $(BAZEL) >/dev/null; then $(BAZEL) clean; fi

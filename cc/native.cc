@@ -12,6 +12,7 @@
 
 #include "absl/container/inlined_vector.h"
 #include "handler_tensor.h"
+#include "native_hooks.h"
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
@@ -359,9 +360,9 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
 }
 
 void ApiRegisterType(TFOH_Library* library, const TFOH_HandlerType* type, TF_Status* status) {
-  if (type == nullptr || type->abi_version < 1 || type->abi_version > TFOH_ABI_VERSION) {
+  if (type == nullptr || !KnownAbiVersion(type->abi_version)) {
     TF_SetStatus(status, TF_INVALID_ARGUMENT,
-                 "tf_ophandlers: register_type: unknown abi_version (this runtime knows 1)");
+                 UnknownAbiVersionMessage(type ? type->abi_version : 0).c_str());
     return;
   }
   if (type->name == nullptr || type->name[0] == '\0' || type->create == nullptr ||
@@ -381,8 +382,7 @@ void ApiRegisterType(TFOH_Library* library, const TFOH_HandlerType* type, TF_Sta
   }
   auto* rec = new TypeRecord();
   std::memset(&rec->hooks, 0, sizeof(rec->hooks));
-  size_t n = type->struct_size < sizeof(rec->hooks) ? type->struct_size : sizeof(rec->hooks);
-  std::memcpy(&rec->hooks, type, n);
+  std::memcpy(&rec->hooks, type, HandlerTypeBytes(type));  // later versions' fields: NULL
   rec->name = type->name;
   rec->doc = type->doc ? type->doc : "";
   rec->hooks.name = rec->name.c_str();
@@ -781,6 +781,17 @@ PyObject* NativeValueText(NativeHandlerObject* self, PyObject* args) {
   return r;
 }
 
+// _oh_static_value(value) -> EagerTensor, None (unknown) or NotImplemented (no hook).
+PyObject* NativeStaticValue(NativeHandlerObject* self, PyObject* value) {
+  if (!CheckState(self)) return nullptr;
+  if (self->type->hooks.static_value == nullptr) Py_RETURN_NOTIMPLEMENTED;
+  TFOH_Tensor* in = TensorFromPy(value);
+  PyObject* r = CallStaticValueHook(self->type->hooks.static_value, self->state, in,
+                                    ApiTensorDtype(in), DebugString(self));
+  Unref(in);
+  return r;
+}
+
 PyObject* NativeTypeName(NativeHandlerObject* self, void*) {
   if (self->type == nullptr) Py_RETURN_NONE;
   return PyUnicode_FromString(self->type->name.c_str());
@@ -797,6 +808,8 @@ PyMethodDef kNativeMethods[] = {
      "_oh_shape(value[, index]) -> int or None."},
     {"_oh_value_text", reinterpret_cast<PyCFunction>(NativeValueText), METH_VARARGS,
      "_oh_value_text(kind, value) -> bytes or None."},
+    {"_oh_static_value", reinterpret_cast<PyCFunction>(NativeStaticValue), METH_O,
+     "_oh_static_value(value) -> EagerTensor, None or NotImplemented."},
     {"query", reinterpret_cast<PyCFunction>(NativeQuery), METH_VARARGS,
      "query(key) -> bytes: a read-only request the handler defines."},
     {"_oh_debug_string", reinterpret_cast<PyCFunction>(NativeDebugString), METH_NOARGS, nullptr},
@@ -861,12 +874,13 @@ PyObject* PyLoadHandlerLibrary(PyObject*, PyObject* args) {
     PyObject* cap = PyCapsule_New(rec, "tf_ophandlers.type", nullptr);
     const TFOH_HandlerType& k = rec->hooks;
     PyObject* hooks = Py_BuildValue(
-        "{sOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
+        "{sOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
         k.copy_off ? Py_True : Py_False, "num_dims", k.num_dims ? Py_True : Py_False, "dim",
         k.dim ? Py_True : Py_False, "debug_string", k.debug_string ? Py_True : Py_False,
         "tensor_debug_string", k.tensor_debug_string ? Py_True : Py_False, "query",
         k.query ? Py_True : Py_False, "function_input_summary",
-        k.function_input_summary ? Py_True : Py_False);
+        k.function_input_summary ? Py_True : Py_False, "static_value",
+        k.static_value ? Py_True : Py_False);
     PyObject* item = cap && hooks ? Py_BuildValue("(ssNN)", rec->name.c_str(), rec->doc.c_str(),
                                                   cap, hooks)
                                   : nullptr;

@@ -1,10 +1,10 @@
 // OpTimer: a third-party op handler in C++ that measures the wall time every op type
 // takes on the stack below it (per-op profiling without Python in the loop).
 //
-// Written only against tf_ophandlers/handler.h. Build it with the package's flags:
-//   g++ -shared -fPIC -O2 $(python -c "import tf_ophandlers as oh; \
-//       print(' '.join(oh.sysconfig.get_compile_flags()))") op_timer.cc -o op_timer.so \
-//       $(python -c "import tf_ophandlers as oh; print(' '.join(oh.sysconfig.get_link_flags()))")
+// Written only against tf_ophandlers/handler.h. Build it with the package's flags
+// (README.md here has the oh.sysconfig one-liner: g++ -shared -fPIC -O2 <compile flags>
+// op_timer.cc -o op_timer.so <link flags>), or with Bazel from the repository root:
+//   ./configure.sh && bazel build //examples/cc_handler:op_timer.so
 // and use it from Python:
 //   timer = oh.load_handler_library("op_timer.so").OpTimer()
 //   with timer: ...

@@ -18,14 +18,19 @@ import tf_ophandlers as oh
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def build_handler_library(source):
-    cflags = oh.sysconfig.get_compile_flags()
+def build_handler_library(source, include_dirs=()):
+    """`source` built into a handler library with the oh.sysconfig one-liner; headers of
+    `include_dirs` come first (tests/native/abi_v1: a library of the version 1 header)."""
+    cflags = ["-I" + d for d in include_dirs] + oh.sysconfig.get_compile_flags()
     lflags = oh.sysconfig.get_link_flags()
     with open(source, "rb") as f:
         text = f.read()
-    header = os.path.join(oh.sysconfig.get_include(), "tf_ophandlers", "handler.h")
-    with open(header, "rb") as f:
-        text += f.read()
+    for d in list(include_dirs) + [oh.sysconfig.get_include()]:
+        header = os.path.join(d, "tf_ophandlers", "handler.h")
+        if os.path.exists(header):
+            with open(header, "rb") as f:
+                text += f.read()
+            break
     key = hashlib.sha256(text + repr((cflags, lflags)).encode()).hexdigest()[:16]
     out_dir = os.path.join(tempfile.gettempdir(), "tf_ophandlers_test_libs")
     os.makedirs(out_dir, exist_ok=True)

@@ -89,6 +89,18 @@ def _function_input(self, value):
     return self._oh_value_text(1, value), [value]
 
 
+def _static_value(self, value):
+    result = self._oh_static_value(value)
+    if result is None or result is NotImplemented:
+        return None
+    shape = getattr(value, "shape", None)
+    if shape is not None and not shape.is_compatible_with(result.shape):
+        raise errors.HandlerOutputError(
+            "tf_ophandlers: %s.static_value returned a value of shape %s for a tensor of "
+            "shape %s" % (self.debug_string(), result.shape, shape))
+    return result.numpy()
+
+
 class HandlerLibrary:
     """A loaded handler library: `handler_types()` -> {name: class}."""
 
@@ -127,6 +139,8 @@ def _make_class(name, doc, capsule, hooks):
         namespace["copy_off"] = _copy_off
     if hooks.get("function_input_summary"):
         namespace["function_input"] = _function_input
+    if hooks.get("static_value"):  # ABI version 2
+        namespace["static_value"] = _static_value
     return type(name, (NativeHandler,), namespace)
 
 

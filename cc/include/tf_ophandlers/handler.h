@@ -25,9 +25,14 @@
    Versioning: both structs start with `abi_version` and `struct_size`. The runtime
    refuses a type whose abi_version it does not know; fields are only ever appended, so
    a library built against an older header (smaller struct_size) keeps working and a
-   newer library checks `api->struct_size` before using a field added later.
+   newer library checks `api->struct_size` before using a field added later. The runtime
+   reads a type's fields up to the smaller of its struct_size and the size its
+   abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE for version 1): a field added in a later
+   version is NULL for a type of an earlier version.
+   - Version 1: the hooks up to `function_input_summary`.
+   - Version 2: `static_value` (tf.get_static_value of a handler's tensors).
 
-   A handler's *representation* of a tensor (ABI version 1) is a tensor of the next
+   A handler's *representation* of a tensor (ABI versions 1 and 2) is a tensor of the next
    stack: the runtime keeps it in the handler tensor it creates for each output. The
    handler sees it as a TFOH_Tensor.
 
@@ -48,7 +53,7 @@
      tensors a runtime function returns are new references the handler owns; tensors a
      hook returns are new references the runtime takes. A handler releases a reference
      with `api->tensor_unref` and must not keep a TFOH_Tensor beyond the hook call that
-     received or created it (ABI version 1).
+     received or created it (ABI versions 1 and 2).
 */
 #ifndef TF_OPHANDLERS_HANDLER_H_
 #define TF_OPHANDLERS_HANDLER_H_
@@ -65,7 +70,7 @@
 extern "C" {
 #endif
 
-#define TFOH_ABI_VERSION 1
+#define TFOH_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define TFOH_EXPORT __declspec(dllexport)
@@ -202,12 +207,30 @@ typedef struct TFOH_HandlerType {
   // Function replay (optional): a summary of how a representation crosses a function
   // boundary, written to `out` (part of the replay cache key; NULL hook: an empty
   // summary, which suits a tensor of the next stack; the representation itself is what
-  // crosses). Function replay is otherwise transparent to ABI version 1 handlers: their
+  // crosses). Function replay is otherwise transparent to ABI version 1 and 2 handlers: their
   // `execute` is called for each op of a replayed function, with symbolic tensors
   // (tensor_handle returns NULL) that they pass to execute_next.
   void (*function_input_summary)(void* state, const TFOH_Tensor* value, TF_Buffer* out,
                                  TF_Status* status);
+
+  // ---- ABI version 2 (read only for a type whose abi_version is 2 or more) ----
+
+  // StaticValue (optional): the value of this handler's tensor whose representation is
+  // `value`, when it is known without running anything (tf.get_static_value; TensorFlow's
+  // gradient functions use it to short-circuit, e.g. a parallel handler whose components
+  // are all equal). Known: set `*out` to a new TF_Tensor of the tensor's dtype and a
+  // shape compatible with its shape (the runtime takes it; it checks both and raises
+  // otherwise) and return 1. Unknown: return 0 and leave `*out` unset
+  // (tf.get_static_value returns None). Must not block on pending computations or
+  // execute ops; `value` may be symbolic (api->tensor_handle returns NULL). On failure
+  // set `status` (the Python caller raises; the return value is ignored). NULL hook:
+  // the representation's own static value (tf.get_static_value of it).
+  int (*static_value)(void* state, const TFOH_Tensor* value, TF_Tensor** out,
+                      TF_Status* status);
 } TFOH_HandlerType;
+
+// sizeof(TFOH_HandlerType) of ABI version 1: what a version 1 type's struct_size is.
+#define TFOH_HANDLER_TYPE_V1_SIZE offsetof(TFOH_HandlerType, static_value)
 
 // The entry point every handler library exports (looked up by this name). Called once,
 // with the GIL held, by tf_ophandlers.load_handler_library. `api` lives for the process;

@@ -3,6 +3,7 @@ profiles a small Keras model's forward and backward pass per op type.
 
     python examples/cc_handler/op_timer.py
 """
+import hashlib
 import os
 import subprocess
 import sys
@@ -15,11 +16,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def build(source=os.path.join(HERE, "op_timer.cc")):
-    out = os.path.join(tempfile.gettempdir(), "tf_ophandlers_op_timer.so")
-    if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(source):
-        cmd = (["g++", "-shared", "-fPIC", "-O2"] + oh.sysconfig.get_compile_flags()
-               + [source, "-o", out] + oh.sysconfig.get_link_flags())
+    # The output's name hashes the source, the installed public header and the flags, so a
+    # library built against another version of the package (another ABI) is never reused.
+    cflags, lflags = oh.sysconfig.get_compile_flags(), oh.sysconfig.get_link_flags()
+    digest = hashlib.sha256()
+    for path in (source, os.path.join(oh.sysconfig.get_include(), "tf_ophandlers", "handler.h")):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(repr((cflags, lflags)).encode())
+    out = os.path.join(tempfile.gettempdir(), "tf_ophandlers_op_timer_%s.so" % digest.hexdigest()[:16])
+    if not os.path.exists(out):
+        tmp = "%s.%d.tmp" % (out, os.getpid())  # concurrent builds never see a partial file
+        cmd = ["g++", "-shared", "-fPIC", "-O2"] + cflags + [source, "-o", tmp] + lflags
         subprocess.run(cmd, check=True)
+        os.replace(tmp, out)
     return out
 
 

@@ -344,3 +344,97 @@ def test_gradient_inside_the_scopes_and_a_value_request_mid_forward():
                     assert np.isfinite(h.numpy()).all()  # records the segments so far
             loss = tf.reduce_mean(h * h)
     _assert_grads(g0, tape.gradient(loss, variables))
+
+
+# -- gradients with respect to values computed inside the scope (segment interiors) -------
+
+def _chain(x, w, keep, steps=12):
+    """A chain whose every value is also used by the next op (a residual), so any value
+    kept by the program is a segment's output that ops of the segment also use."""
+    h = x
+    for _ in range(steps):
+        h = tf.tanh(h @ w) + 0.5 * h
+        keep.append(h)
+    return tf.reduce_sum(h * h)
+
+
+def _interior_sources(tape_type, rc, x, w, picks, persistent=False):
+    keep = []
+    with tape_type(persistent=persistent) as tape:
+        tape.watch(x)
+        if rc is None:
+            loss = _chain(x, w, keep)
+        else:
+            with rc:
+                loss = _chain(x, w, keep)
+    sources = [keep[i] for i in picks] + [x, w]
+    return tape, loss, sources
+
+
+@pytest.mark.parametrize("make", [lambda: oh.Recompute(), lambda: oh.Recompute(
+    save=("MatMul",))], ids=["sqrt", "save"])
+def test_gradient_wrt_interior_values_includes_in_segment_uses(make):
+    x = tf.constant(np.linspace(-0.3, 1, 12, dtype=np.float32).reshape(3, 4))
+    w = tf.Variable(tf.ones([4, 4]) * 0.3)
+    picks = [0, 2, 3, 5, 11]
+    tape, loss, sources = _interior_sources(tf.GradientTape, None, x, w, picks, True)
+    expected = tape.gradient(loss, sources)
+    rc = make()
+    tape, loss, sources = _interior_sources(oh.GradientTape, rc, x, w, picks, True)
+    assert rc.stats["segments"] >= 2
+    _assert_grads(expected, tape.gradient(loss, sources))
+    _assert_grads(expected, tape.gradient(loss, sources))  # a persistent tape, twice
+    # One at a time too (each source on its own is differentiated through the rest).
+    for s, e in zip(sources, expected):
+        _assert_grads([e], [tape.gradient(loss, s)])
+    # The jacobian (pfor over the recorded gradient functions, and the while loop).
+    for pfor in (True, False):
+        keep = []
+        with tf.GradientTape(persistent=True) as t0:
+            _chain(x, w, keep)
+            out0 = tf.reduce_sum(keep[-1], axis=1)
+        keep1 = []
+        with oh.GradientTape(persistent=True) as t1:
+            with oh.Recompute():
+                _chain(x, w, keep1)
+                out1 = tf.reduce_sum(keep1[-1], axis=1)
+        _assert_grads(t0.jacobian(out0, [keep[2], w], experimental_use_pfor=pfor),
+                      t1.jacobian(out1, [keep1[2], w], experimental_use_pfor=pfor))
+
+
+def test_gradient_wrt_a_value_watched_inside_the_scope_and_second_order():
+    x = tf.constant(np.linspace(-0.3, 1, 12, dtype=np.float32).reshape(3, 4))
+    w = tf.Variable(tf.ones([4, 4]) * 0.3)
+    results = []
+    for rc in (None, oh.Recompute()):
+        tape_type = tf.GradientTape if rc is None else oh.GradientTape
+        keep = []
+        with tape_type() as outer:
+            with tape_type() as inner:
+                with (rc if rc is not None else tf.name_scope("plain")):
+                    h = tf.sin(x * 1.5)
+                    a = tf.cos(h) * 2.0
+                    inner.watch(a)  # a value computed in the scope, watched there
+                    loss = _chain(a, w, keep, steps=8)
+            g = inner.gradient(loss, [a, keep[1], w])
+            second = tf.reduce_sum(g[0] * g[0]) + tf.reduce_sum(g[1]) + tf.reduce_sum(g[2])
+        results.append(g + outer.gradient(second, [w, keep[3]]))
+    _assert_grads(results[0], results[1])
+
+
+def test_gradient_wrt_interior_values_in_a_fresh_function():
+    x = tf.constant(np.linspace(-0.3, 1, 12, dtype=np.float32).reshape(3, 4))
+    w = tf.Variable(tf.ones([4, 4]) * 0.3)
+    expected = None
+    for rc in (None, oh.Recompute()):
+        @tf.function
+        def step(x, rc=rc):
+            keep = []
+            with (oh.GradientTape() if rc else tf.GradientTape()) as tape:
+                with (rc if rc is not None else tf.name_scope("plain")):
+                    loss = _chain(x, w, keep)
+            return tape.gradient(loss, [keep[1], keep[6], w])
+        got = step(x)
+        if expected is None:
+            expected = got
+    _assert_grads(expected, got)

@@ -346,7 +346,9 @@ class Recompute(OpHandler):
 
     def _is_tracked(self, v):
         if type(v) is _Value:
-            return v.segment is not None or v.tracked
+            if v.segment is not None or v.tracked:
+                return True
+            v = v.tensor  # a tape may have watched it since (tape.watch in the scope)
         return gradients_util.PossibleTapeGradientTypes([v]) != 0
 
     def _keep_all(self):

@@ -87,16 +87,86 @@ def _kind(tensor, tracked):
 def record(segment, trainable):
     """Records `segment` on the current tapes; returns the recorded outputs as a list of
     `((node, output), tensor)`. `trainable(value)` says whether an output is
-    differentiable. Values neither used later nor referenced are not outputs."""
+    differentiable. Values neither used later nor referenced are not outputs.
+
+    An output that ops of the segment also use (a *cut*: a value the program still holds,
+    or one a later segment uses) must show those uses to the tapes, or a gradient with
+    respect to it would miss them. The segment is then recorded as several operations
+    (`split`): one per cut, computing it from the segment's inputs and the earlier cuts,
+    and one for the other outputs, computing them from the inputs and all cuts."""
     outputs = dict(segment.used)
     for n, refs in enumerate(segment.values):
         for k, ref in enumerate(refs):
             v = ref()
             if v is not None and (n, k) not in outputs:
                 outputs[(n, k)] = v.tensor
-    outputs = sorted((nk, t) for nk, t in outputs.items() if trainable(t))
+    outputs = {nk: t for nk, t in outputs.items() if trainable(t)}
     if not outputs:
         return []
+    recorded = []
+    for piece, back, piece_outputs in split(segment, outputs):
+        recorded.extend((back[nk], t) for nk, t in _record_piece(piece, piece_outputs))
+    return sorted(recorded)
+
+
+def split(segment, outputs):
+    """The pieces recording `segment`: a list of `(piece, back, piece_outputs)` where
+    `piece` is a `Segment` of some of its nodes, `back` maps the piece's `(node, output)`
+    to the segment's and `piece_outputs` maps the piece's output refs to tensors. A
+    segment without cuts is one piece, itself. A node needed by two pieces is in both
+    (recomputed by each gradient function); in a chain every node is in one piece."""
+    consumed = set()
+    for _, refs in segment.nodes:
+        consumed.update(r for r in refs if r[0] >= 0)
+    cuts = sorted(nk for nk in outputs if nk in consumed)
+    if not cuts:
+        return [(segment, {nk: nk for nk in outputs}, dict(outputs))]
+    groups = []  # the cuts of one node are one piece
+    for nk in cuts:
+        if groups and groups[-1][0][0] == nk[0]:
+            groups[-1].append(nk)
+        else:
+            groups.append([nk])
+    leaves = sorted(nk for nk in outputs if nk not in consumed)
+    pieces, done = [], set()
+    for targets in groups + ([leaves] if leaves else []):
+        pieces.append(_piece(segment, targets, done, outputs))
+        done.update(targets)
+    return pieces
+
+
+def _piece(segment, targets, cuts, outputs):
+    """The nodes computing `targets` from the segment's inputs and the `cuts` (values
+    of earlier pieces, inputs of this one)."""
+    needed, stack = set(), [n for n, _ in targets]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(p for p, i in segment.nodes[n][1] if p >= 0 and (p, i) not in cuts)
+    piece = Segment()
+    local = {}
+    for n in sorted(needed):
+        op, refs = segment.nodes[n]
+        new_refs = []
+        for p, i in refs:
+            if p < 0:
+                new_refs.append((-1, piece.external(segment.externals[i],
+                                                     segment.ext_tracked[i])))
+            elif (p, i) in cuts:
+                new_refs.append((-1, piece.external(outputs[(p, i)], True)))
+            else:
+                new_refs.append((local[p], i))
+        local[n] = len(piece.nodes)
+        piece.nodes.append((op, tuple(new_refs)))
+    back = {(local[n], k): (n, k) for n, k in targets}
+    return piece, back, {(local[n], k): outputs[(n, k)] for n, k in targets}
+
+
+def _record_piece(segment, outputs):
+    """Records one piece: `outputs` maps its `(node, output)` refs to tensors."""
+    outputs = sorted(outputs.items())
     kinds = [_kind(t, tr) for t, tr in zip(segment.externals, segment.ext_tracked)]
     xs = [t for t, k in zip(segment.externals, kinds) if k is _TRACKED]
     cs = [t for t, k in zip(segment.externals, kinds) if k is _CONSTANT]

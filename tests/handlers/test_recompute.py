@@ -438,3 +438,104 @@ def test_gradient_wrt_interior_values_in_a_fresh_function():
         if expected is None:
             expected = got
     _assert_grads(expected, got)
+
+
+_UNARY = {"tanh": tf.tanh, "sin": tf.sin, "sq": lambda h: 0.3 * h * h,
+          "gauss": lambda h: tf.exp(-h * h)}
+_BINARY = {"add": tf.add, "mul": lambda a, b: a * b * 0.5, "sub": tf.subtract}
+
+
+def _random_program(rng, steps):
+    """Instructions over numbered values (0: the watched input, 1: an unwatched
+    constant): ops on live values, values the program drops, value requests mid-forward
+    (records the segments so far) and tape.watch of a fresh untracked value."""
+    prog, live, tracked, n = [], [0, 1], {0}, 2
+    for _ in range(steps):
+        r = rng.random()
+        if r < 0.1 and len(live) > 3:
+            victim = live[int(rng.integers(2, len(live) - 1))]
+            live.remove(victim)
+            prog.append(("drop", victim))
+            continue
+        if r < 0.17:
+            prog.append(("flush", live[-1]))
+            continue
+        recent = live[-4:]
+        a = recent[int(rng.integers(len(recent)))]
+        b = live[int(rng.integers(len(live)))]
+        kind = rng.choice(["unary", "binary", "matmul"])
+        if kind == "unary":
+            prog.append(("unary", str(rng.choice(list(_UNARY))), a, n))
+        elif kind == "binary":
+            prog.append(("binary", str(rng.choice(list(_BINARY))), a, b, n))
+        else:
+            prog.append(("matmul", int(rng.integers(3)), a, n))
+        new_tracked = (a in tracked) or (kind == "binary" and b in tracked) or kind == "matmul"
+        if new_tracked:
+            tracked.add(n)
+        elif rng.random() < 0.5:
+            prog.append(("watch", n))
+            tracked.add(n)
+        live.append(n)
+        n += 1
+    return prog, live
+
+
+def _run_program(prog, tape, x, c, ws):
+    env = {0: x, 1: c}
+    for ins in prog:
+        if ins[0] == "unary":
+            env[ins[3]] = _UNARY[ins[1]](env[ins[2]])
+        elif ins[0] == "binary":
+            env[ins[4]] = _BINARY[ins[1]](env[ins[2]], env[ins[3]])
+        elif ins[0] == "matmul":
+            env[ins[3]] = tf.tanh(env[ins[2]] @ ws[ins[1]])
+        elif ins[0] == "drop":
+            del env[ins[1]]
+        elif ins[0] == "flush":
+            env[ins[1]].numpy()
+        else:
+            tape.watch(env[ins[1]])
+    loss = sum(tf.reduce_sum(v * (i + 1)) for i, v in env.items() if i >= 2)
+    return env, loss
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("OH_FUZZ_SEEDS", 12))))
+def test_fuzz_random_programs_with_interior_sources(seed):
+    """Random programs; random live intermediate values (and the input, the weights)
+    requested as sources; gradients equal tf.GradientTape's, first and second order."""
+    rng = np.random.default_rng(seed)
+    prog, live = _random_program(rng, int(rng.integers(12, 30)))
+    x = tf.constant(rng.standard_normal((3, 4)).astype(np.float32))
+    c = tf.constant(rng.standard_normal((3, 4)).astype(np.float32))
+    ws = [tf.Variable(rng.standard_normal((4, 4)).astype(np.float32) * 0.5)
+          for _ in range(3)]
+    picks = sorted(rng.choice(live[2:], size=min(len(live) - 2, 4), replace=False).tolist()) \
+        if len(live) > 2 else []
+    policy = int(rng.integers(3))
+    rc = [oh.Recompute(), oh.Recompute(save=("MatMul",)), oh.Recompute()][policy]
+    if policy == 2:  # a reused handler: the second scope plans with the first's size
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            with rc:
+                _run_program(prog, tape, x, c, ws)
+    results = []
+    for use in (False, True):
+        tape_type = oh.GradientTape if use else tf.GradientTape
+        with tape_type() as outer:
+            with tape_type(persistent=True) as tape:
+                tape.watch(x)
+                if use:
+                    with rc:
+                        env, loss = _run_program(prog, tape, x, c, ws)
+                else:
+                    env, loss = _run_program(prog, tape, x, c, ws)
+            sources = [env[i] for i in picks] + [x] + ws
+            grads = tape.gradient(loss, sources,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            g2 = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+        second = outer.gradient(g2, ws, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        results.append(grads + second)
+    for e, g in zip(*results):
+        scale = 1 + float(np.abs(e.numpy()).max())  # random programs can grow large values
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=2e-5, atol=2e-6 * scale)

@@ -539,3 +539,39 @@ def test_fuzz_random_programs_with_interior_sources(seed):
     for e, g in zip(*results):
         scale = 1 + float(np.abs(e.numpy()).max())  # random programs can grow large values
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=2e-5, atol=2e-6 * scale)
+
+
+def test_watch_after_a_use_gathered_interior_values_and_a_tape_inside_the_scope():
+    x = tf.constant(np.linspace(-0.3, 1, 12, dtype=np.float32).reshape(3, 4))
+    w = tf.Variable(tf.ones([4, 4]) * 0.3)
+    idx = tf.constant([2, 0, 2])
+    results = []
+    for use in (False, True):
+        rc = oh.Recompute()
+        with (oh.GradientTape if use else tf.GradientTape)(persistent=True) as tape:
+            with (rc if use else tf.name_scope("plain")):
+                a = tf.sin(x) * 2.0  # untracked
+                b = tf.tanh(a @ w)  # a enters a segment untracked
+                tape.watch(a)  # as for TensorFlow: the use above is not seen
+                c = tf.tanh(b + a)
+                e = tf.gather(c, idx)  # c's gradient from here is IndexedSlices
+                d = tf.reduce_sum(e * e) + tf.reduce_sum(tf.sin(c[:1]))
+                s = tf.reduce_sum(e) * 3.0
+        got = tape.gradient(d, [a, w, c]) + tape.gradient(s, [c, b])
+        if use:
+            assert rc.stats["segments"] >= 1
+        results.append(got)
+    _assert_grads(results[0], results[1])  # types too: IndexedSlices where TF gives them
+    assert isinstance(results[1][3], tf.IndexedSlices)
+
+    # A tape opened inside the Recompute scope: the handler leaves it alone (no segments),
+    # and the gradients are TensorFlow's.
+    keep0, keep1 = [], []
+    with tf.GradientTape(persistent=True) as t0:
+        loss0 = _chain(x, w, keep0)
+    with oh.Recompute() as rc:
+        for tape_type in (oh.GradientTape, tf.GradientTape):
+            keep1 = []
+            with tape_type(persistent=True) as t1:
+                loss1 = _chain(x, w, keep1)
+            _assert_grads(t0.gradient(loss0, [keep0[3], w]), t1.gradient(loss1, [keep1[3], w]))

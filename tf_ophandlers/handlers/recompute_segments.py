@@ -20,6 +20,7 @@ deep network of repeated layers share a handful of functions.
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gradients_util
 
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.functions import CompiledCall
@@ -103,6 +104,12 @@ def record(segment, trainable):
     outputs = {nk: t for nk, t in outputs.items() if trainable(t)}
     if not outputs:
         return []
+    for i, t in enumerate(segment.externals):
+        # An input watched since it entered (tape.watch after a use): as TensorFlow's
+        # tape, which records an op with all its inputs, its earlier uses count too.
+        if not segment.ext_tracked[i] and trainable(t) \
+                and gradients_util.PossibleTapeGradientTypes([t]) != 0:
+            segment.ext_tracked[i] = True
     recorded = []
     for piece, back, piece_outputs in split(segment, outputs):
         recorded.extend((back[nk], t) for nk, t in _record_piece(piece, piece_outputs))
@@ -175,15 +182,32 @@ def _record_piece(segment, outputs):
     structure = (tuple((op.type, op.attrs_key(), refs) for op, refs in segment.nodes),
                  tuple(nk for nk, _ in outputs), tuple(kinds),
                  tuple((t.dtype, t._shape_tuple()) for t in segment.externals))  # pylint: disable=protected-access
-    fn = _gradients.get(structure)
-    if fn is None:
-        fn = _gradients[structure] = _GradientFunction(
-            segment, kinds, [nk for nk, _ in outputs], [t for _, t in outputs])
+    refs = [nk for nk, _ in outputs]
     outs = [t for _, t in outputs]
 
+    def function(mask):
+        """The gradient function of the outputs whose gradients are given (the others
+        have no gradient: an input reached only from them gets none, so a gather's
+        input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
+        key = (structure, mask)
+        fn = _gradients.get(key)
+        if fn is None:
+            fn = _gradients[key] = _GradientFunction(
+                segment, kinds, [r for r, m in zip(refs, mask) if m],
+                [t for t, m in zip(outs, mask) if m])
+        return fn
+
+    function((True,) * len(outs))  # built now: the common case
+
     def backward(*grads):
-        gs = [tf.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
-        return fn.run(xs, cs, gs)
+        mask = tuple(g is not None for g in grads)
+        if not any(mask):
+            return [None] * len(xs)
+        # An IndexedSlices gradient (of a gathered output) enters densified, as a dense
+        # op's gradient function would take it.
+        return function(mask).run(xs, cs, [
+            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+            for g in grads if g is not None])
 
     _record.record_operation("RecomputeSegment", outs, xs, backward)
     return outputs

@@ -17,7 +17,10 @@ the tapes paused, and groups the recomputable ops it ran (stateless ops with a t
 input and a differentiable output) into *segments*. Each segment is recorded on the tapes
 as one operation (recompute_segments.py) whose inputs are kept and whose gradient
 recomputes the segment, so the values inside a segment are freed as soon as the program
-drops them instead of being held by the tape until the backward pass.
+drops them instead of being held by the tape until the backward pass. A segment whose
+outputs are also used inside it (values the program keeps) is recorded as several
+operations, so a gradient with respect to such a value sees all its uses (equal to
+tf.GradientTape's; recompute_segments.split).
 
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),

@@ -512,9 +512,11 @@ def test_fuzz_random_programs_with_interior_sources(seed):
           for _ in range(3)]
     picks = sorted(rng.choice(live[2:], size=min(len(live) - 2, 4), replace=False).tolist()) \
         if len(live) > 2 else []
-    policy = int(rng.integers(3))
-    rc = [oh.Recompute(), oh.Recompute(save=("MatMul",)), oh.Recompute()][policy]
-    if policy == 2:  # a reused handler: the second scope plans with the first's size
+    policy = seed % 4
+    rc = [oh.Recompute(), oh.Recompute(save=("MatMul",)), oh.Recompute(),
+          oh.Recompute(memory_budget=10 ** 9)][policy]
+    if policy >= 2:  # a reused handler: the second scope plans with the first's size
+        # (under a budget above the size: everything in kept segments, not recomputed)
         with oh.GradientTape() as tape:
             tape.watch(x)
             with rc:
@@ -535,7 +537,12 @@ def test_fuzz_random_programs_with_interior_sources(seed):
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
             g2 = tf.add_n([tf.reduce_sum(g * g) for g in grads])
         second = outer.gradient(g2, ws, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        results.append(grads + second)
+        # Again with no tape recording the backward pass (kept segments then use their
+        # saved values instead of recomputing).
+        again = tape.gradient(loss, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        results.append(grads + second + again)
+    if policy == 3:
+        assert rc.stats["kept"] > 0 or not rc.stats["segments"]
     for e, g in zip(*results):
         scale = 1 + float(np.abs(e.numpy()).max())  # random programs can grow large values
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=2e-5, atol=2e-6 * scale)
@@ -575,3 +582,38 @@ def test_watch_after_a_use_gathered_interior_values_and_a_tape_inside_the_scope(
             with tape_type(persistent=True) as t1:
                 loss1 = _chain(x, w, keep1)
             _assert_grads(t0.gradient(loss0, [keep0[3], w]), t1.gradient(loss1, [keep1[3], w]))
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.7, 3.0])
+def test_memory_budget_kept_segments_equal_tf(fraction):
+    """Past the part a budget recomputes, kept segments: their gradient functions take the
+    forward values (no recomputation); gradients, also of kept interior values and
+    through a gather (IndexedSlices), equal tf.GradientTape's."""
+    fn, variables = _mlp(layers=12)
+    x = tf.constant(RNG.standard_normal((8, 32)).astype(np.float32))
+    table = tf.Variable(RNG.standard_normal((10, 32)).astype(np.float32))
+    idx = tf.constant([3, 1, 3, 7, 0, 0, 2, 9])
+
+    def program(keep):
+        h = tf.gather(table, idx) * 0.5 + x
+        keep.append(h)
+        return fn(h) + tf.reduce_sum(tf.gather(h, [1, 2]))
+
+    probe = oh.Recompute()
+    with oh.GradientTape():
+        with probe:
+            program([])
+    minimum = probe.minimum_budget()
+    budget = int(minimum + fraction * probe.stats["computed"])
+    keep0 = []
+    with tf.GradientTape() as tape:
+        loss = program(keep0)
+    g0 = tape.gradient(loss, [keep0[0], table] + variables)
+    rc = oh.Recompute(memory_budget=budget)
+    for _ in range(2):  # the second scope plans
+        keep1 = []
+        with oh.GradientTape() as tape:
+            with rc:
+                loss = program(keep1)
+        _assert_grads(g0, tape.gradient(loss, [keep1[0], table] + variables))
+    assert rc.stats["segments"] >= 1

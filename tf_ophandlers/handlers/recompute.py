@@ -302,18 +302,13 @@ class Recompute(OpHandler):
                         and not any(e in _OPAQUE for e in enums)
                         and not any(self._tensor(v).dtype.as_datatype_enum in _OPAQUE
                                     for v in inputs))
-        if recomputable and self._keep_all():
-            # Under a memory budget, past the part planned for recomputation: the tape
-            # keeps it (counted, so that the next scope plans with the whole size).
-            recomputable = False
-            if interior or any(self._is_tracked(v) for v in inputs):
-                outputs = self._run_kept(op, inputs, True)
-                self._count_values([v.tensor for v in outputs if type(v) is _Value])
-                return outputs
         if recomputable:
             tracked = [self._is_tracked(v) for v in inputs]
             if any(tracked):
-                return self._run_in_segment(op, inputs, tracked)
+                # Under a memory budget, past the part planned for recomputation, a kept
+                # segment: it holds its values and its gradient function takes them (the
+                # backward pass at graph speed, without recomputation).
+                return self._run_in_segment(op, inputs, tracked, keep=self._keep_all())
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
         return self._run_kept(op, inputs, interior)
 
@@ -359,13 +354,14 @@ class Recompute(OpHandler):
         return (self.policy == "memory_budget" and self._expected is not None
                 and self._computed >= self._recompute_bytes)
 
-    def _run_in_segment(self, op, inputs, tracked):
+    def _run_in_segment(self, op, inputs, tracked, keep=False):
         segment = self._open
-        if segment is not None and self._segment_full(segment):
+        if segment is not None and ((segment.saved is not None) != keep
+                                    or self._segment_full(segment)):
             self._close()
             segment = None
         if segment is None:
-            segment = self._open = Segment()
+            segment = self._open = Segment(keep=keep)
         refs = []
         for v, tr in zip(inputs, tracked):
             if type(v) is _Value and v.segment is segment:
@@ -382,12 +378,15 @@ class Recompute(OpHandler):
         values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
         segment.values.append([weakref.ref(v) for v in values])
         segment.bytes += self._count_values(outputs)
+        if keep:
+            segment.saved.append(list(outputs))
+            return values
         if self.policy == "save" and op.type in self.save:
             self._close()
         return values
 
     def _segment_full(self, segment):
-        if self.policy == "save":
+        if self.policy == "save" or segment.saved is not None:
             return False
         if self.policy == "memory_budget" and self._expected is not None:
             return segment.bytes >= self._segment_bytes
@@ -400,7 +399,8 @@ class Recompute(OpHandler):
         segment, self._open = self._open, None
         if segment is None or not segment.nodes:
             return
-        self._largest = max(self._largest, segment.bytes)
+        if segment.saved is None:
+            self._largest = max(self._largest, segment.bytes)
         # Recorded at the scope's exit (or a value request, or before a kept op that uses
         # its values): by then the program has dropped the values its layers held while
         # they ran (a Keras functional model holds every layer's output until the call

@@ -18,6 +18,7 @@ segment's structure (op types, attributes, wiring, input specs), so the segments
 deep network of repeated layers share a handful of functions.
 """
 import tensorflow as tf
+from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util
@@ -41,9 +42,9 @@ class Segment:
     """Consecutive recomputable ops of a forward pass, recorded on the tapes as one op."""
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
-                 "bytes", "__weakref__")
+                 "bytes", "saved", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, keep=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
         self.values = []  # per node: weak references to the outputs' representations
         self.externals = []  # input tensors of the next stack (kept)
@@ -51,6 +52,9 @@ class Segment:
         self.ext_tracked = []  # whether a tape tracks each external
         self.used = {}  # (node, output) -> tensor used by a later op (kept)
         self.bytes = 0  # bytes of the values computed (what recomputation saves)
+        # A kept segment (keep=True) holds every value it computed: its gradient function
+        # takes them instead of recomputing (graph-speed backward, no recomputation).
+        self.saved = [] if keep else None  # per node: its output tensors
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""
@@ -152,7 +156,7 @@ def _piece(segment, targets, cuts, outputs):
             continue
         needed.add(n)
         stack.extend(p for p, i in segment.nodes[n][1] if p >= 0 and (p, i) not in cuts)
-    piece = Segment()
+    piece = Segment(keep=segment.saved is not None)
     local = {}
     for n in sorted(needed):
         op, refs = segment.nodes[n]
@@ -167,6 +171,8 @@ def _piece(segment, targets, cuts, outputs):
                 new_refs.append((local[p], i))
         local[n] = len(piece.nodes)
         piece.nodes.append((op, tuple(new_refs)))
+        if piece.saved is not None:
+            piece.saved.append(segment.saved[n])
     back = {(local[n], k): (n, k) for n, k in targets}
     return piece, back, {(local[n], k): outputs[(n, k)] for n, k in targets}
 
@@ -182,22 +188,21 @@ def _record_piece(segment, outputs):
     structure = (tuple((op.type, op.attrs_key(), refs) for op, refs in segment.nodes),
                  tuple(nk for nk, _ in outputs), tuple(kinds),
                  tuple((t.dtype, t._shape_tuple()) for t in segment.externals))  # pylint: disable=protected-access
+    saved = [] if segment.saved is None else [t for ts in segment.saved for t in ts]
     refs = [nk for nk, _ in outputs]
     outs = [t for _, t in outputs]
 
-    def function(mask):
+    def function(mask, kept):
         """The gradient function of the outputs whose gradients are given (the others
         have no gradient: an input reached only from them gets none, so a gather's
         input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
-        key = (structure, mask)
+        key = (structure, mask, kept)
         fn = _gradients.get(key)
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
                 segment, kinds, [r for r, m in zip(refs, mask) if m],
-                [t for t, m in zip(outs, mask) if m])
+                [t for t, m in zip(outs, mask) if m], kept)
         return fn
-
-    function((True,) * len(outs))  # built now: the common case
 
     def backward(*grads):
         mask = tuple(g is not None for g in grads)
@@ -205,7 +210,11 @@ def _record_piece(segment, outputs):
             return [None] * len(xs)
         # An IndexedSlices gradient (of a gathered output) enters densified, as a dense
         # op's gradient function would take it.
-        return function(mask).run(xs, cs, [
+        # A kept segment's saved values were computed with the tapes paused: a tape
+        # recording this backward pass (second order) would not see that they depend
+        # on the inputs, so it then gets the recomputing function instead.
+        kept = bool(saved) and not _record.could_possibly_record()
+        return function(mask, kept).run(xs, cs + saved if kept else cs, [
             tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
             for g in grads if g is not None])
 
@@ -217,13 +226,16 @@ class _GradientFunction:
     """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
     segment's nodes inside."""
 
-    def __init__(self, segment, kinds, output_refs, output_tensors):
+    def __init__(self, segment, kinds, output_refs, output_tensors, kept=False):
         nodes = [(op, refs) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
         x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
         c_specs = [s for s, k in zip(specs, kinds) if k is _CONSTANT]
         values = [t.numpy() if type(k) is tuple else None
                   for t, k in zip(segment.externals, kinds)]
+        saved = segment.saved if kept else None
+        if saved is not None:  # a kept segment: its values are arguments (after cs)
+            c_specs = c_specs + [tf.TensorSpec(t.shape, t.dtype) for ts in saved for t in ts]
         self.kinds = []
 
         def build(*args):
@@ -233,13 +245,18 @@ class _GradientFunction:
             it_x, it_c = iter(xs), iter(cs)
             ext = [next(it_x) if k is _TRACKED else next(it_c) if k is _CONSTANT
                    else tf.constant(v) for k, v in zip(kinds, values)]
-            graph = _ops.get_default_graph()
-            results = []
-            for op, refs in nodes:
-                ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
-                results.append(graph.create_op(op.type, ins, attrs=op.attr_protos()).outputs)
-            outs = [results[n][k] for n, k in output_refs]
-            grads = tf.gradients(outs, xs, grad_ys=gs)
+            if saved is not None:
+                results = [[next(it_c) for _ in ts] for ts in saved]
+                grads = backprop_kept(nodes, ext, results, output_refs, gs, xs)
+            else:
+                graph = _ops.get_default_graph()
+                results = []
+                for op, refs in nodes:
+                    ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
+                    results.append(graph.create_op(op.type, ins,
+                                                   attrs=op.attr_protos()).outputs)
+                outs = [results[n][k] for n, k in output_refs]
+                grads = tf.gradients(outs, xs, grad_ys=gs)
             flat = []
             for g in grads:
                 if g is None:
@@ -280,3 +297,44 @@ class _GradientFunction:
             else:
                 out.append(next(it))
         return out
+
+
+def _aggregate(parts):
+    if len(parts) == 1:
+        return parts[0]
+    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def backprop_kept(nodes, ext, results, output_refs, gs, xs):
+    """Reverse mode through a kept segment's nodes (inside its gradient function) with
+    the registered gradient functions, given the nodes' forward values `results` as
+    arguments: what the tape does op by op, at graph speed and without recomputation.
+    Returns the gradients of `xs` (tensors of `ext`)."""
+    grads = {}
+    for (n, k), g in zip(output_refs, gs):
+        grads.setdefault((n, k), []).append(g)
+    ext_grads = {}
+    for n in range(len(nodes) - 1, -1, -1):
+        op, refs = nodes[n]
+        outs = results[n]
+        parts = [grads.pop((n, k), None) for k in range(len(outs))]
+        if not any(parts):
+            continue
+        grad_fn = _ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
+        if grad_fn is None:  # not differentiable
+            continue
+        out_grads = [_aggregate(p) if p else
+                     (tf.zeros_like(o) if o.dtype.is_floating or o.dtype.is_complex else None)
+                     for o, p in zip(outs, parts)]
+        ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
+        mock = _backprop._MockOp(op.attr_tuple(), ins, outs, op.type, None)  # pylint: disable=protected-access
+        in_grads = grad_fn(mock, *out_grads)
+        if not isinstance(in_grads, (list, tuple)):
+            in_grads = [in_grads]
+        for (p, i), g in zip(refs, in_grads):
+            if g is not None:
+                (ext_grads.setdefault(i, []) if p < 0
+                 else grads.setdefault((p, i), [])).append(g)
+    ids = {id(t): i for i, t in enumerate(ext)}
+    return [_aggregate(ext_grads[ids[id(x)]]) if ids[id(x)] in ext_grads else None
+            for x in xs]

@@ -284,7 +284,9 @@ def test_memory_budget_kept_segments_equal_tf(fraction):
     idx = tf.constant([3, 1, 3, 7, 0, 0, 2, 9])
 
     def program(keep):
-        h = tf.gather(table, idx) * 0.5 + x
+        rows = tf.convert_to_tensor(table)  # a kept read; its two gathers are in a segment
+        pre = tf.tanh(x @ variables[0]) * 0.1  # (a budget recomputes at least the first op)
+        h = tf.gather(rows, idx) * 0.5 + pre + tf.gather(rows, idx[::-1])
         keep.append(h)
         return fn(h) + tf.reduce_sum(tf.gather(h, [1, 2]))
 
@@ -305,4 +307,5 @@ def test_memory_budget_kept_segments_equal_tf(fraction):
             with rc:
                 loss = program(keep1)
         _assert_grads(g0, tape.gradient(loss, [keep1[0], table] + variables))
+    assert isinstance(g0[1], tf.IndexedSlices)  # and so is Recompute's (checked above)
     assert rc.stats["segments"] >= 1

@@ -40,9 +40,10 @@ Policies (where segments end):
   largest segment) under the budget, recomputing only the first part of the computation
   (in sqrt(n) segments) and keeping the rest, so that more budget means less
   recomputation. The rest is recorded as kept segments, whose gradient function takes
-  their saved values (graph speed, no recomputation). The plan needs the computation's size: the first scope of a handler runs
-  the sqrt policy and measures it; reuse the handler (``with rc:`` per step). A budget
-  below the minimum (the sqrt policy's estimate) raises ValueError naming both.
+  their saved values (graph speed, no recomputation). The plan needs the computation's
+  size: the first scope of a handler runs the sqrt policy and measures it; reuse the
+  handler (``with rc:`` per step). A budget below the minimum (the sqrt policy's
+  estimate) raises ValueError naming both.
 """
 import math
 import weakref

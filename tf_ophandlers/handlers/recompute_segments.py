@@ -208,12 +208,12 @@ def _record_piece(segment, outputs):
         mask = tuple(g is not None for g in grads)
         if not any(mask):
             return [None] * len(xs)
-        # An IndexedSlices gradient (of a gathered output) enters densified, as a dense
-        # op's gradient function would take it.
         # A kept segment's saved values were computed with the tapes paused: a tape
         # recording this backward pass (second order) would not see that they depend
         # on the inputs, so it then gets the recomputing function instead.
         kept = bool(saved) and not _record.could_possibly_record()
+        # An IndexedSlices gradient (of a gathered output) enters densified, as a dense
+        # op's gradient function would take it.
         return function(mask, kept).run(xs, cs + saved if kept else cs, [
             tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
             for g in grads if g is not None])
@@ -300,8 +300,13 @@ class _GradientFunction:
 
 
 def _aggregate(parts):
+    """The sum of gradient parts, as TensorFlow's tape aggregates them: IndexedSlices
+    parts only stay IndexedSlices (concatenated), anything else is summed dense."""
     if len(parts) == 1:
         return parts[0]
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([p.indices for p in parts], 0), parts[0].dense_shape)
     return tf.add_n([tf.convert_to_tensor(p) for p in parts])
 
 

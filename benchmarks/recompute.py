@@ -297,10 +297,12 @@ def render_md(summary, resnet, info, args, elapsed):
          "",
          "Why checkpointing is not slower here: the tape backpropagates recorded ops one by "
          "one eagerly, while a segment's gradient is one call of a cached `tf.function` "
-         "(recompute + gradient at graph speed), which pays for the recomputation. For the "
-         "same reason a larger budget (more of the model kept, so more of it "
-         "backpropagated op by op) need not be faster; the differences between budgets "
-         "are within the noise of this shared machine."]
+         "(recompute + gradient at graph speed), which pays for the recomputation. Under a "
+         "budget, the part not recomputed is recorded as *kept* segments: they hold their "
+         "values and their gradient function takes them (reverse mode with the registered "
+         "gradients at graph speed, no recomputation), so a larger budget recomputes less "
+         "at the same per-op cost. The differences between budgets are a few percent, "
+         "within the noise of this shared machine."]
     if resnet:
         r0, r1, r2 = resnet["tf"], resnet["tape"], resnet["recompute"]
         ratio = r1["peak"] / max(r2["peak"], 1)

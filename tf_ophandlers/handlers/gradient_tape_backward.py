@@ -33,6 +33,17 @@ _ACCEPTS_NONE = {
 }
 
 
+class _EveryOutput:
+    def __contains__(self, index):
+        return True
+
+
+# oh.Recompute's segments (recorded with record_operation) take None for any output: an
+# input reached only from outputs without a gradient then gets none, as with TensorFlow's
+# tape op by op (a gather's input keeps its IndexedSlices gradient).
+_ACCEPTS_NONE["RecomputeSegment"] = _EveryOutput()
+
+
 def differentiable_value(value):
     """Whether `value` is something a tape differentiates: a tensor, a variable (also a
     Keras one) or a composite tensor."""

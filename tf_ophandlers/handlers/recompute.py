@@ -17,7 +17,10 @@ the tapes paused, and groups the recomputable ops it ran (stateless ops with a t
 input and a differentiable output) into *segments*. Each segment is recorded on the tapes
 as one operation (recompute_segments.py) whose inputs are kept and whose gradient
 recomputes the segment, so the values inside a segment are freed as soon as the program
-drops them instead of being held by the tape until the backward pass.
+drops them instead of being held by the tape until the backward pass. A segment whose
+outputs are also used inside it (values the program keeps) is recorded as several
+operations, so a gradient with respect to such a value sees all its uses (equal to
+tf.GradientTape's; recompute_segments.split).
 
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),
@@ -36,9 +39,11 @@ Policies (where segments end):
 - ``memory_budget=bytes``: keeps the estimated activation memory (kept values plus the
   largest segment) under the budget, recomputing only the first part of the computation
   (in sqrt(n) segments) and keeping the rest, so that more budget means less
-  recomputation. The plan needs the computation's size: the first scope of a handler runs
-  the sqrt policy and measures it; reuse the handler (``with rc:`` per step). A budget
-  below the minimum (the sqrt policy's estimate) raises ValueError naming both.
+  recomputation. The rest is recorded as kept segments, whose gradient function takes
+  their saved values (graph speed, no recomputation). The plan needs the computation's
+  size: the first scope of a handler runs the sqrt policy and measures it; reuse the
+  handler (``with rc:`` per step). A budget below the minimum (the sqrt policy's
+  estimate) raises ValueError naming both.
 """
 import math
 import weakref
@@ -299,18 +304,13 @@ class Recompute(OpHandler):
                         and not any(e in _OPAQUE for e in enums)
                         and not any(self._tensor(v).dtype.as_datatype_enum in _OPAQUE
                                     for v in inputs))
-        if recomputable and self._keep_all():
-            # Under a memory budget, past the part planned for recomputation: the tape
-            # keeps it (counted, so that the next scope plans with the whole size).
-            recomputable = False
-            if interior or any(self._is_tracked(v) for v in inputs):
-                outputs = self._run_kept(op, inputs, True)
-                self._count_values([v.tensor for v in outputs if type(v) is _Value])
-                return outputs
         if recomputable:
             tracked = [self._is_tracked(v) for v in inputs]
             if any(tracked):
-                return self._run_in_segment(op, inputs, tracked)
+                # Under a memory budget, past the part planned for recomputation, a kept
+                # segment: it holds its values and its gradient function takes them (the
+                # backward pass at graph speed, without recomputation).
+                return self._run_in_segment(op, inputs, tracked, keep=self._keep_all())
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
         return self._run_kept(op, inputs, interior)
 
@@ -346,7 +346,9 @@ class Recompute(OpHandler):
 
     def _is_tracked(self, v):
         if type(v) is _Value:
-            return v.segment is not None or v.tracked
+            if v.segment is not None or v.tracked:
+                return True
+            v = v.tensor  # a tape may have watched it since (tape.watch in the scope)
         return gradients_util.PossibleTapeGradientTypes([v]) != 0
 
     def _keep_all(self):
@@ -354,13 +356,14 @@ class Recompute(OpHandler):
         return (self.policy == "memory_budget" and self._expected is not None
                 and self._computed >= self._recompute_bytes)
 
-    def _run_in_segment(self, op, inputs, tracked):
+    def _run_in_segment(self, op, inputs, tracked, keep=False):
         segment = self._open
-        if segment is not None and self._segment_full(segment):
+        if segment is not None and ((segment.saved is not None) != keep
+                                    or self._segment_full(segment)):
             self._close()
             segment = None
         if segment is None:
-            segment = self._open = Segment()
+            segment = self._open = Segment(keep=keep)
         refs = []
         for v, tr in zip(inputs, tracked):
             if type(v) is _Value and v.segment is segment:
@@ -377,12 +380,15 @@ class Recompute(OpHandler):
         values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
         segment.values.append([weakref.ref(v) for v in values])
         segment.bytes += self._count_values(outputs)
+        if keep:
+            segment.saved.append(list(outputs))
+            return values
         if self.policy == "save" and op.type in self.save:
             self._close()
         return values
 
     def _segment_full(self, segment):
-        if self.policy == "save":
+        if self.policy == "save" or segment.saved is not None:
             return False
         if self.policy == "memory_budget" and self._expected is not None:
             return segment.bytes >= self._segment_bytes
@@ -395,7 +401,8 @@ class Recompute(OpHandler):
         segment, self._open = self._open, None
         if segment is None or not segment.nodes:
             return
-        self._largest = max(self._largest, segment.bytes)
+        if segment.saved is None:
+            self._largest = max(self._largest, segment.bytes)
         # Recorded at the scope's exit (or a value request, or before a kept op that uses
         # its values): by then the program has dropped the values its layers held while
         # they ran (a Keras functional model holds every layer's output until the call

@@ -18,8 +18,10 @@ segment's structure (op types, attributes, wiring, input specs), so the segments
 deep network of repeated layers share a handful of functions.
 """
 import tensorflow as tf
+from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gradients_util
 
 from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import LRUCache
@@ -41,9 +43,9 @@ class Segment:
     """Consecutive recomputable ops of a forward pass, recorded on the tapes as one op."""
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
-                 "bytes", "__weakref__")
+                 "bytes", "saved", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, keep=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
         self.values = []  # per node: weak references to the outputs' representations
         self.externals = []  # input tensors of the next stack (kept)
@@ -51,6 +53,9 @@ class Segment:
         self.ext_tracked = []  # whether a tape tracks each external
         self.used = {}  # (node, output) -> tensor used by a later op (kept)
         self.bytes = 0  # bytes of the values computed (what recomputation saves)
+        # A kept segment (keep=True) holds every value it computed: its gradient function
+        # takes them instead of recomputing (graph-speed backward, no recomputation).
+        self.saved = [] if keep else None  # per node: its output tensors
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""
@@ -88,16 +93,94 @@ def _kind(tensor, tracked):
 def record(segment, trainable):
     """Records `segment` on the current tapes; returns the recorded outputs as a list of
     `((node, output), tensor)`. `trainable(value)` says whether an output is
-    differentiable. Values neither used later nor referenced are not outputs."""
+    differentiable. Values neither used later nor referenced are not outputs.
+
+    An output that ops of the segment also use (a *cut*: a value the program still holds,
+    or one a later segment uses) must show those uses to the tapes, or a gradient with
+    respect to it would miss them. The segment is then recorded as several operations
+    (`split`): one per cut, computing it from the segment's inputs and the earlier cuts,
+    and one for the other outputs, computing them from the inputs and all cuts."""
     outputs = dict(segment.used)
     for n, refs in enumerate(segment.values):
         for k, ref in enumerate(refs):
             v = ref()
             if v is not None and (n, k) not in outputs:
                 outputs[(n, k)] = v.tensor
-    outputs = sorted((nk, t) for nk, t in outputs.items() if trainable(t))
+    outputs = {nk: t for nk, t in outputs.items() if trainable(t)}
     if not outputs:
         return []
+    for i, t in enumerate(segment.externals):
+        # An input watched since it entered (tape.watch after a use): as TensorFlow's
+        # tape, which records an op with all its inputs, its earlier uses count too.
+        if not segment.ext_tracked[i] and trainable(t) \
+                and gradients_util.PossibleTapeGradientTypes([t]) != 0:
+            segment.ext_tracked[i] = True
+    recorded = []
+    for piece, back, piece_outputs in split(segment, outputs):
+        recorded.extend((back[nk], t) for nk, t in _record_piece(piece, piece_outputs))
+    return sorted(recorded)
+
+
+def split(segment, outputs):
+    """The pieces recording `segment`: a list of `(piece, back, piece_outputs)` where
+    `piece` is a `Segment` of some of its nodes, `back` maps the piece's `(node, output)`
+    to the segment's and `piece_outputs` maps the piece's output refs to tensors. A
+    segment without cuts is one piece, itself. A node needed by two pieces is in both
+    (recomputed by each gradient function); in a chain every node is in one piece."""
+    consumed = set()
+    for _, refs in segment.nodes:
+        consumed.update(r for r in refs if r[0] >= 0)
+    cuts = sorted(nk for nk in outputs if nk in consumed)
+    if not cuts:
+        return [(segment, {nk: nk for nk in outputs}, dict(outputs))]
+    groups = []  # the cuts of one node are one piece
+    for nk in cuts:
+        if groups and groups[-1][0][0] == nk[0]:
+            groups[-1].append(nk)
+        else:
+            groups.append([nk])
+    leaves = sorted(nk for nk in outputs if nk not in consumed)
+    pieces, done = [], set()
+    for targets in groups + ([leaves] if leaves else []):
+        pieces.append(_piece(segment, targets, done, outputs))
+        done.update(targets)
+    return pieces
+
+
+def _piece(segment, targets, cuts, outputs):
+    """The nodes computing `targets` from the segment's inputs and the `cuts` (values
+    of earlier pieces, inputs of this one)."""
+    needed, stack = set(), [n for n, _ in targets]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(p for p, i in segment.nodes[n][1] if p >= 0 and (p, i) not in cuts)
+    piece = Segment(keep=segment.saved is not None)
+    local = {}
+    for n in sorted(needed):
+        op, refs = segment.nodes[n]
+        new_refs = []
+        for p, i in refs:
+            if p < 0:
+                new_refs.append((-1, piece.external(segment.externals[i],
+                                                     segment.ext_tracked[i])))
+            elif (p, i) in cuts:
+                new_refs.append((-1, piece.external(outputs[(p, i)], True)))
+            else:
+                new_refs.append((local[p], i))
+        local[n] = len(piece.nodes)
+        piece.nodes.append((op, tuple(new_refs)))
+        if piece.saved is not None:
+            piece.saved.append(segment.saved[n])
+    back = {(local[n], k): (n, k) for n, k in targets}
+    return piece, back, {(local[n], k): outputs[(n, k)] for n, k in targets}
+
+
+def _record_piece(segment, outputs):
+    """Records one piece: `outputs` maps its `(node, output)` refs to tensors."""
+    outputs = sorted(outputs.items())
     kinds = [_kind(t, tr) for t, tr in zip(segment.externals, segment.ext_tracked)]
     xs = [t for t, k in zip(segment.externals, kinds) if k is _TRACKED]
     cs = [t for t, k in zip(segment.externals, kinds) if k is _CONSTANT]
@@ -106,15 +189,35 @@ def record(segment, trainable):
     structure = graph_builder.program_key(
         [(op, refs, None) for op, refs in segment.nodes], [nk for nk, _ in outputs],
         segment.externals, kinds=tuple(kinds))
-    fn = _gradients.get(structure)
-    if fn is None:
-        fn = _gradients[structure] = _GradientFunction(
-            segment, kinds, [nk for nk, _ in outputs], [t for _, t in outputs])
+    saved = [] if segment.saved is None else [t for ts in segment.saved for t in ts]
+    refs = [nk for nk, _ in outputs]
     outs = [t for _, t in outputs]
 
+    def function(mask, kept):
+        """The gradient function of the outputs whose gradients are given (the others
+        have no gradient: an input reached only from them gets none, so a gather's
+        input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
+        key = (structure, mask, kept)
+        fn = _gradients.get(key)
+        if fn is None:
+            fn = _gradients[key] = _GradientFunction(
+                segment, kinds, [r for r, m in zip(refs, mask) if m],
+                [t for t, m in zip(outs, mask) if m], kept)
+        return fn
+
     def backward(*grads):
-        gs = [tf.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
-        return fn.run(xs, cs, gs)
+        mask = tuple(g is not None for g in grads)
+        if not any(mask):
+            return [None] * len(xs)
+        # A kept segment's saved values were computed with the tapes paused: a tape
+        # recording this backward pass (second order) would not see that they depend
+        # on the inputs, so it then gets the recomputing function instead.
+        kept = bool(saved) and not _record.could_possibly_record()
+        # An IndexedSlices gradient (of a gathered output) enters densified, as a dense
+        # op's gradient function would take it.
+        return function(mask, kept).run(xs, cs + saved if kept else cs, [
+            tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+            for g in grads if g is not None])
 
     _record.record_operation("RecomputeSegment", outs, xs, backward)
     return outputs
@@ -124,13 +227,16 @@ class _GradientFunction:
     """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
     segment's nodes inside."""
 
-    def __init__(self, segment, kinds, output_refs, output_tensors):
-        nodes = [(op, refs, None) for op, refs in segment.nodes]
+    def __init__(self, segment, kinds, output_refs, output_tensors, kept=False):
+        nodes = [(op, refs) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
         x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
         c_specs = [s for s, k in zip(specs, kinds) if k is _CONSTANT]
         values = [t.numpy() if type(k) is tuple else None
                   for t, k in zip(segment.externals, kinds)]
+        saved = segment.saved if kept else None
+        if saved is not None:  # a kept segment: its values are arguments (after cs)
+            c_specs = c_specs + [tf.TensorSpec(t.shape, t.dtype) for ts in saved for t in ts]
         self.kinds = []
 
         def build(*args):
@@ -140,9 +246,14 @@ class _GradientFunction:
             it_x, it_c = iter(xs), iter(cs)
             ext = [next(it_x) if k is _TRACKED else next(it_c) if k is _CONSTANT
                    else tf.constant(v) for k, v in zip(kinds, values)]
-            results = graph_builder.replay(_ops.get_default_graph(), nodes, ext)
-            outs = [results[n][k] for n, k in output_refs]
-            grads = tf.gradients(outs, xs, grad_ys=gs)
+            if saved is not None:
+                results = [[next(it_c) for _ in ts] for ts in saved]
+                grads = backprop_kept(nodes, ext, results, output_refs, gs, xs)
+            else:
+                results = graph_builder.replay(
+                    _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes], ext)
+                outs = [results[n][k] for n, k in output_refs]
+                grads = tf.gradients(outs, xs, grad_ys=gs)
             flat = []
             for g in grads:
                 if g is None:
@@ -183,3 +294,49 @@ class _GradientFunction:
             else:
                 out.append(next(it))
         return out
+
+
+def _aggregate(parts):
+    """The sum of gradient parts, as TensorFlow's tape aggregates them: IndexedSlices
+    parts only stay IndexedSlices (concatenated), anything else is summed dense."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, tf.IndexedSlices) for p in parts):
+        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
+                                tf.concat([p.indices for p in parts], 0), parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+def backprop_kept(nodes, ext, results, output_refs, gs, xs):
+    """Reverse mode through a kept segment's nodes (inside its gradient function) with
+    the registered gradient functions, given the nodes' forward values `results` as
+    arguments: what the tape does op by op, at graph speed and without recomputation.
+    Returns the gradients of `xs` (tensors of `ext`)."""
+    grads = {}
+    for (n, k), g in zip(output_refs, gs):
+        grads.setdefault((n, k), []).append(g)
+    ext_grads = {}
+    for n in range(len(nodes) - 1, -1, -1):
+        op, refs = nodes[n]
+        outs = results[n]
+        parts = [grads.pop((n, k), None) for k in range(len(outs))]
+        if not any(parts):
+            continue
+        grad_fn = _ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
+        if grad_fn is None:  # not differentiable
+            continue
+        out_grads = [_aggregate(p) if p else
+                     (tf.zeros_like(o) if o.dtype.is_floating or o.dtype.is_complex else None)
+                     for o, p in zip(outs, parts)]
+        ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
+        mock = _backprop._MockOp(op.attr_tuple(), ins, outs, op.type, None)  # pylint: disable=protected-access
+        in_grads = grad_fn(mock, *out_grads)
+        if not isinstance(in_grads, (list, tuple)):
+            in_grads = [in_grads]
+        for (p, i), g in zip(refs, in_grads):
+            if g is not None:
+                (ext_grads.setdefault(i, []) if p < 0
+                 else grads.setdefault((p, i), [])).append(g)
+    ids = {id(t): i for i, t in enumerate(ext)}
+    return [_aggregate(ext_grads[ids[id(x)]]) if ids[id(x)] in ext_grads else None
+            for x in xs]

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "fast_path.h"
 #include "handler_tensor.h"
 #include "native.h"
 #include "op.h"
@@ -110,8 +111,9 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
   PyObject* inputs = nullptr;
   PyObject* result = nullptr;
   if (TF_GetCode(status) != TF_OK) goto done;
-  // A native handler's stack runs the op without entering Python when it can.
-  if (TryNativeExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) goto done;
+  // Stacks that need no Python for this op (pass-through levels, C/C++ handlers) run it
+  // in C (fast_path.h); every other op takes the Python path below.
+  if (TryFastExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) goto done;
   op = NewOpObject(name, dev, *num_outputs);
   if (op == nullptr) {
     StatusFromPyErr(status);

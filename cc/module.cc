@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "device.h"
+#include "fast_path.h"
 #include "handler_tensor.h"
 #include "native.h"
 #include "op.h"
@@ -364,6 +365,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
   if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
+  if (PyModule_AddFunctions(m, kFastModuleMethods) < 0) return nullptr;
   Py_INCREF(&NativeHandlerBaseType);
   PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&OpBaseType);

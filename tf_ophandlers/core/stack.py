@@ -198,6 +198,25 @@ class PhysicalStack(Stack):
 
 PHYSICAL = PhysicalStack()
 register_bottom(PHYSICAL)
+# What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
+_C.fast_setup(state, PHYSICAL)
+
+#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE = 0, 1, 2
+
+
+def _handles_predicate(handler):
+    """``handler.handles_ops`` as a predicate on op types, or None (every op)."""
+    handles = handler.handles_ops
+    if handles is None:
+        return None
+    if callable(handles):
+        return handles
+    if isinstance(handles, (str, bytes)):
+        raise TypeError(
+            "%s.handles_ops must be a collection of op types or a function "
+            "op_type -> bool, not the string %r" % (handler.debug_string(), handles))
+    return frozenset(handles).__contains__
 
 
 class HandlerStack(Stack):
@@ -215,6 +234,9 @@ class HandlerStack(Stack):
         self.default_function_input = getattr(cls.function_input, "_oh_default", False)
         self.default_function_output = getattr(cls.function_output, "_oh_default", False)
         self._off_stack = bool(handler.returns_off_stack)
+        # Op types the handler's execute hook is not called for are forwarded to the
+        # next stack as with a default execute (OpHandler.handles_ops).
+        self._handles = _handles_predicate(handler)
         # A handler that only moves tensors on (default copy_on, or a tape) lets the
         # handler below decide which inputs to take as they are (a parallel pack).
         self._defer_copy = isinstance(next_stack, HandlerStack) and (
@@ -222,6 +244,35 @@ class HandlerStack(Stack):
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
+        # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
+        # stack objects, and this one may reuse a dead stack's address).
+        _C.stacks_changed(self._default_execute or self._handles is not None
+                          or isinstance(handler, _C.NativeHandlerBase))
+
+    def _oh_fast(self, op_type):
+        """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
+        this stack: ``(kind, next, transient, physical_as_is)``. `kind` is FAST_FORWARD
+        when the handler's execute is not called for the op type (so C++ unwraps,
+        runs the op on `next` and wraps, as `execute` below does), FAST_NATIVE for a
+        C/C++ handler, FAST_PYTHON otherwise. `physical_as_is`: a physical input is
+        the handler's value as it is (the default copy-on onto PHYSICAL). Asked once
+        per (stack, op type); the answer is cached in C++ until a stack is built."""
+        handler = self.handler
+        if isinstance(handler, _C.NativeHandlerBase):
+            kind = FAST_NATIVE
+        elif op_type not in COPY_OPS and not self._runs_execute(op_type):
+            kind = FAST_FORWARD
+        else:
+            kind = FAST_PYTHON
+        return (kind, self.next, bool(handler.transient),
+                self.next is PHYSICAL and self.default_copy_on)
+
+    def _runs_execute(self, op_type):
+        """Whether the handler's execute hook is called for ops of `op_type`."""
+        if self._default_execute:
+            return False
+        handles = self._handles
+        return handles is None or bool(handles(op_type))
 
     @staticmethod
     def merged(handler, next_stack):
@@ -298,8 +349,9 @@ class HandlerStack(Stack):
                 for i in foreign:
                     if self.wants_copy(op, i):
                         values[i] = self._copy_on_value(values[i])
-        if self._default_execute:
-            # A pass-through execute runs no ops of its own: forward without a frame.
+        if not self._runs_execute(op.type):
+            # A pass-through execute (or an op type outside the handler's handles_ops)
+            # runs no ops of its own: forward without a frame.
             # Ops that run *inside* the forwarded op (a tf.py_function's body) belong
             # below this stack, as they would with a frame.
             saved = state.current

@@ -1,0 +1,351 @@
+// tf-ophandlers: the per-op fast path. Contracts: fast_path.h.
+#define PY_SSIZE_T_CLEAN
+#include "fast_path.h"
+
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/container/inlined_vector.h"
+#include "handler_tensor.h"
+#include "native.h"
+#include "op.h"
+#include "runtime.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace {
+
+// How a stack runs an op type (HandlerStack._oh_fast; the values are core/stack.py's).
+enum Kind : int {
+  kPython = 0,   // the Python path (a Python execute hook, or unknown)
+  kForward = 1,  // the handler does not execute this op: forward it to the next stack
+  kNative = 2,   // a C/C++ handler (native.h)
+};
+
+struct Decision {
+  int kind = kPython;
+  PyObject* next = nullptr;  // borrowed: the stack holds it, and the stack is alive
+  bool transient = true;     // resource outputs stay on the next stack
+  bool physical_as_is = false;  // a physical input is the handler's value as it is
+};
+
+struct Key {
+  PyObject* stack;
+  std::string type;
+  bool operator==(const Key& o) const { return stack == o.stack && type == o.type; }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    return std::hash<std::string>()(k.type) ^ (reinterpret_cast<size_t>(k.stack) >> 4) * 31;
+  }
+};
+
+// Guarded by the GIL. Cleared by stacks_changed (every new stack) and when full.
+constexpr size_t kMaxDecisions = 4096;
+std::unordered_map<Key, Decision, KeyHash>* g_decisions = nullptr;
+bool g_enabled = false;  // set once a stack that may take the fast path exists
+uint64_t g_hits = 0, g_misses = 0, g_fast_ops = 0, g_clears = 0;
+
+// Set by fast_setup (core/stack.py at import). Strong references.
+PyObject* g_state = nullptr;     // tf_ophandlers.core.state.state
+PyObject* g_physical = nullptr;  // tf_ophandlers.core.stack.PHYSICAL
+PyObject* s_mode = nullptr;
+PyObject* s_current = nullptr;
+PyObject* s_device = nullptr;
+PyObject* s_fast = nullptr;
+
+constexpr int kMaxDepth = 64;
+
+// The decision for `stack` and `type`, asked from Python on a miss. Returns null when
+// the stack cannot be asked (the Python path then decides). GIL: held; never leaves a
+// Python exception set.
+const Decision* Decide(PyObject* stack, const char* type) {
+  if (g_decisions == nullptr) g_decisions = new std::unordered_map<Key, Decision, KeyHash>();
+  Key key{stack, type};
+  auto it = g_decisions->find(key);
+  if (it != g_decisions->end()) {
+    ++g_hits;
+    return &it->second;
+  }
+  ++g_misses;
+  Decision d;
+  // A function call op (a type without an OpDef) is replayed or taken whole in Python.
+  if (IsRegisteredOpType(type)) {
+    PyObject* name = PyUnicode_FromString(type);
+    PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
+    Py_XDECREF(name);
+    if (r == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    int kind = 0, transient = 1, as_is = 0;
+    PyObject* next = nullptr;
+    if (!PyArg_ParseTuple(r, "iOpp", &kind, &next, &transient, &as_is)) {
+      PyErr_Clear();
+      Py_DECREF(r);
+      return nullptr;
+    }
+    d.kind = kind;
+    d.next = next;  // the stack keeps its next stack alive
+    d.transient = transient != 0;
+    d.physical_as_is = as_is != 0;
+    Py_DECREF(r);
+  }
+  if (g_decisions->size() >= kMaxDecisions) {
+    g_decisions->clear();
+    ++g_clears;
+  }
+  return &g_decisions->emplace(std::move(key), d).first->second;
+}
+
+// Runs `type` on PHYSICAL: every input must be physical. GIL: held; released around
+// TFE_Execute.
+bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle** in,
+                 int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
+  for (int i = 0; i < n_in; ++i) {
+    if (PayloadOf(in[i]) != nullptr) return false;  // to copy off: Python
+  }
+  PyObject* dev_obj = PyObject_GetAttr(g_state, s_device);
+  const char* device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : nullptr;
+  if (device == nullptr) {
+    PyErr_Clear();
+    Py_XDECREF(dev_obj);
+    return false;
+  }
+  // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* tfe = cached_op;
+  cached_op = nullptr;
+  if (tfe != nullptr) {
+    TFE_OpReset(tfe, type, device, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TFE_DeleteOp(tfe);
+      tfe = nullptr;
+      TF_SetStatus(status, TF_OK, "");
+    }
+  }
+  if (tfe == nullptr) {
+    tfe = TFE_NewOp(g_ctx, type, status);
+    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
+  }
+  Py_DECREF(dev_obj);
+  if (TF_GetCode(status) == TF_OK) {
+    TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
+    for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
+      TFE_OpAddInput(tfe, in[i], status);
+    }
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    Py_BEGIN_ALLOW_THREADS;
+    TFE_Execute(tfe, outputs, num_outputs, status);
+    Py_END_ALLOW_THREADS;
+  }
+  if (tfe != nullptr) {
+    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
+      cached_op = tfe;
+    } else {
+      TFE_DeleteOp(tfe);
+    }
+  }
+  return true;  // ran (or failed like the Python path's TFE_Execute would)
+}
+
+bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
+           int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+           TF_Status* status, int depth);
+
+// HandlerStack.execute's forwarding path for a handler that does not execute `type`:
+// unwrap in C, run on the next stack, wrap in C. GIL: held.
+bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+                const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+                TFE_TensorHandle** outputs, TF_Status* status, int depth) {
+  absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    if (p == nullptr) {
+      if (!d.physical_as_is) return false;  // a copy-on hook to run: Python
+      values[i] = in[i];
+    } else {
+      PyObject* v = reinterpret_cast<PyObject*>(p->value);
+      if (p->kind != TFOH_PAYLOAD_PYTHON || reinterpret_cast<PyObject*>(p->stack) != stack ||
+          !EagerTensor_CheckExact(v)) {
+        return false;  // another stack's tensor, or not a tensor representation
+      }
+      values[i] = EagerTensor_Handle(v);
+    }
+  }
+  int n = *num_outputs;
+  absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
+  if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
+             depth + 1)) {
+    return false;
+  }
+  if (TF_GetCode(status) != TF_OK) return true;
+  PyObject* producer = InternedString(type);
+  int done = 0;
+  for (; producer != nullptr && done < n; ++done) {
+    TFE_TensorHandle* h = outs[done];
+    TF_DataType dt = TFE_TensorHandleDataType(h);
+    bool leaves = d.transient && dt == TF_RESOURCE;  // RFC "Placement of resource handles"
+    if (!leaves && d.next != g_physical) {
+      TFOH_Payload* p = PayloadOf(h);
+      leaves = p == nullptr || reinterpret_cast<PyObject*>(p->stack) != d.next;
+    }
+    if (leaves) {
+      outputs[done] = h;  // ownership moves to the caller
+      continue;
+    }
+    PyObject* value = EagerTensorFromHandle(h, false);  // owns `h` on success
+    if (value == nullptr) break;
+    outs[done] = nullptr;
+    outputs[done] = NewHandlerTensorHandle(stack, value, dt, producer, true);
+    Py_DECREF(value);
+    if (outputs[done] == nullptr) break;
+  }
+  Py_XDECREF(producer);
+  if (done < n) {  // a failure (Python exception set)
+    StatusFromPyErr(status);
+    for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);
+    for (int j = done; j < n; ++j) {
+      if (outs[j] != nullptr) TFE_DeleteTensorHandle(outs[j]);
+    }
+    return true;
+  }
+  *num_outputs = n;
+  return true;
+}
+
+bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
+           int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+           TF_Status* status, int depth) {
+  if (stack == g_physical) return RunPhysical(src, type, n_in, in, num_outputs, outputs, status);
+  if (depth > kMaxDepth) return false;
+  const Decision* d = Decide(stack, type);
+  if (d == nullptr) return false;
+  switch (d->kind) {
+    case kForward: {
+      Decision copy = *d;  // the cache may be cleared by nested decisions
+      return RunForward(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
+                        depth);
+    }
+    case kNative:
+      return NativeStackRun(stack, src, type, device, n_in, in, num_outputs, outputs, status);
+    default:
+      return false;
+  }
+}
+
+// Ops the fast path never takes: copy ops and _EagerConst (their own rules in Python),
+// and ops running Python in their kernel (tf.py_function), whose body must run with
+// state.current set to the next stack.
+bool Excluded(const char* type) {
+  if (type[0] == '_' && std::strcmp(type, "_EagerConst") == 0) return true;
+  if (std::strncmp(type, "Copy", 4) == 0 &&
+      (!std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
+       !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad"))) {
+    return true;
+  }
+  return std::strstr(type, "PyFunc") != nullptr;
+}
+
+// fast_setup(state, PHYSICAL)
+PyObject* PyFastSetup(PyObject*, PyObject* args) {
+  PyObject *state, *physical;
+  if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
+  Py_INCREF(state);
+  Py_INCREF(physical);
+  Py_XSETREF(g_state, state);
+  Py_XSETREF(g_physical, physical);
+  s_mode = PyUnicode_InternFromString("mode");
+  s_current = PyUnicode_InternFromString("current");
+  s_device = PyUnicode_InternFromString("device");
+  s_fast = PyUnicode_InternFromString("_oh_fast");
+  if (!s_mode || !s_current || !s_device || !s_fast) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// stacks_changed(enable): a stack was built; `enable` says whether it may take the fast
+// path for some op (turns the path on for the process).
+PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
+  if (g_decisions != nullptr && !g_decisions->empty()) {
+    g_decisions->clear();
+    ++g_clears;
+  }
+  if (PyObject_IsTrue(arg) == 1) g_enabled = true;
+  PyErr_Clear();
+  Py_RETURN_NONE;
+}
+
+// fast_stats() -> dict: counters of the fast path (tests and benchmarks).
+PyObject* PyFastStats(PyObject*, PyObject*) {
+  return Py_BuildValue("{sKsKsKsKsnsO}", "hits", (unsigned long long)g_hits, "misses",
+                       (unsigned long long)g_misses, "fast_ops",
+                       (unsigned long long)g_fast_ops, "clears",
+                       (unsigned long long)g_clears, "entries",
+                       (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "enabled",
+                       g_enabled ? Py_True : Py_False);
+}
+
+}  // namespace
+
+bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int n_in,
+                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
+  if (!g_enabled || g_state == nullptr || type == nullptr || Excluded(type)) return false;
+  PyObject* mode = PyObject_GetAttr(g_state, s_mode);
+  if (mode == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_DECREF(mode);  // None and the modes are kept alive elsewhere; only identity matters
+  if (mode != Py_None) return false;  // a function being replayed: Python
+  absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in);
+  for (int i = 0; i < n_in; ++i) {
+    in[i] = TFE_OpGetFlatInput(op, i, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TF_SetStatus(status, TF_OK, "");
+      return false;
+    }
+  }
+  PyObject* stack = nullptr;  // borrowed (kept alive by state.current or an input)
+  if (device != nullptr && g_device_name == device) {
+    // Placed by a scope: the current stack (dispatch.execute). PHYSICAL here means a
+    // hook's own ops placed under an outer scope: Python decides those.
+    PyObject* current = PyObject_GetAttr(g_state, s_current);
+    if (current == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_DECREF(current);  // state.current keeps it alive while the op runs
+    if (current == g_physical) return false;
+    stack = current;
+  } else {
+    // Type-based dispatch: the one stack of the handler inputs (dispatch._stack_for);
+    // inputs on two stacks need its rules: Python.
+    for (int i = 0; i < n_in; ++i) {
+      TFOH_Payload* p = PayloadOf(in[i]);
+      if (p == nullptr) continue;
+      PyObject* s = reinterpret_cast<PyObject*>(p->stack);
+      if (stack != nullptr && s != stack) return false;
+      stack = s;
+    }
+    if (stack == nullptr) return false;
+  }
+  if (!RunOn(stack, op, type, device, n_in, in.data(), num_outputs, outputs, status, 0)) {
+    return false;
+  }
+  ++g_fast_ops;
+  return true;
+}
+
+PyMethodDef kFastModuleMethods[] = {
+    {"fast_setup", PyFastSetup, METH_VARARGS,
+     "fast_setup(state, PHYSICAL): what the C++ per-op fast path reads."},
+    {"stacks_changed", PyStacksChanged, METH_O,
+     "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
+    {"fast_stats", PyFastStats, METH_NOARGS,
+     "fast_stats() -> {hits, misses, fast_ops, clears, entries, enabled}."},
+    {nullptr}};
+
+}  // namespace tf_ophandlers

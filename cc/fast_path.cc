@@ -55,6 +55,7 @@ PyObject* s_mode = nullptr;
 PyObject* s_current = nullptr;
 PyObject* s_device = nullptr;
 PyObject* s_fast = nullptr;
+PyObject* s_handler = nullptr;
 
 constexpr int kMaxDepth = 64;
 
@@ -71,8 +72,15 @@ const Decision* Decide(PyObject* stack, const char* type) {
   }
   ++g_misses;
   Decision d;
+  // A C/C++ handler decides in C (NativeStackRun), without asking Python.
+  PyObject* handler = PyObject_GetAttr(stack, s_handler);
+  if (handler == nullptr) PyErr_Clear();
+  bool native = handler != nullptr && PyObject_TypeCheck(handler, &NativeHandlerBaseType);
+  Py_XDECREF(handler);
   // A function call op (a type without an OpDef) is replayed or taken whole in Python.
-  if (IsRegisteredOpType(type)) {
+  if (native) {
+    d.kind = kNative;
+  } else if (IsRegisteredOpType(type)) {
     PyObject* name = PyUnicode_FromString(type);
     PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
     Py_XDECREF(name);
@@ -262,7 +270,8 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
   s_current = PyUnicode_InternFromString("current");
   s_device = PyUnicode_InternFromString("device");
   s_fast = PyUnicode_InternFromString("_oh_fast");
-  if (!s_mode || !s_current || !s_device || !s_fast) return nullptr;
+  s_handler = PyUnicode_InternFromString("handler");
+  if (!s_mode || !s_current || !s_device || !s_fast || !s_handler) return nullptr;
   Py_RETURN_NONE;
 }
 

@@ -28,7 +28,7 @@ struct Decision {
   int kind = kPython;
   PyObject* next = nullptr;  // borrowed: the stack holds it, and the stack is alive
   bool transient = true;     // resource outputs stay on the next stack
-  bool physical_as_is = false;  // a physical input is the handler's value as it is
+  bool default_copy_on = false;  // the handler's copy_on is OpHandler's (a move)
 };
 
 struct Key {
@@ -88,9 +88,9 @@ const Decision* Decide(PyObject* stack, const char* type) {
       PyErr_Clear();
       return nullptr;
     }
-    int kind = 0, transient = 1, as_is = 0;
+    int kind = 0, transient = 1, default_copy_on = 0;
     PyObject* next = nullptr;
-    if (!PyArg_ParseTuple(r, "iOpp", &kind, &next, &transient, &as_is)) {
+    if (!PyArg_ParseTuple(r, "iOpp", &kind, &next, &transient, &default_copy_on)) {
       PyErr_Clear();
       Py_DECREF(r);
       return nullptr;
@@ -98,7 +98,7 @@ const Decision* Decide(PyObject* stack, const char* type) {
     d.kind = kind;
     d.next = next;  // the stack keeps its next stack alive
     d.transient = transient != 0;
-    d.physical_as_is = as_is != 0;
+    d.default_copy_on = default_copy_on != 0;
     Py_DECREF(r);
   }
   if (g_decisions->size() >= kMaxDecisions) {
@@ -172,16 +172,18 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
   absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
-    if (p == nullptr) {
-      if (!d.physical_as_is) return false;  // a copy-on hook to run: Python
+    if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
+      PyObject* v = reinterpret_cast<PyObject*>(p->value);
+      if (p->kind != TFOH_PAYLOAD_PYTHON || !EagerTensor_CheckExact(v)) return false;
+      values[i] = EagerTensor_Handle(v);
+    } else if (d.default_copy_on) {
+      // The default copy-on moves a tensor that is not this stack's onto the next stack
+      // (stack.move_onto), where the next level unwraps it, or copies it on in turn: so
+      // it is passed down as it is. One that no level below owns reaches PHYSICAL as a
+      // handler tensor, and RunPhysical hands the op to Python (nothing done yet).
       values[i] = in[i];
     } else {
-      PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (p->kind != TFOH_PAYLOAD_PYTHON || reinterpret_cast<PyObject*>(p->stack) != stack ||
-          !EagerTensor_CheckExact(v)) {
-        return false;  // another stack's tensor, or not a tensor representation
-      }
-      values[i] = EagerTensor_Handle(v);
+      return false;  // a copy_on hook to run: Python
     }
   }
   int n = *num_outputs;
@@ -289,11 +291,12 @@ PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
 
 // fast_stats() -> dict: counters of the fast path (tests and benchmarks).
 PyObject* PyFastStats(PyObject*, PyObject*) {
-  return Py_BuildValue("{sKsKsKsKsnsO}", "hits", (unsigned long long)g_hits, "misses",
+  return Py_BuildValue("{sKsKsKsKsnsnsO}", "hits", (unsigned long long)g_hits, "misses",
                        (unsigned long long)g_misses, "fast_ops",
                        (unsigned long long)g_fast_ops, "clears",
                        (unsigned long long)g_clears, "entries",
-                       (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "enabled",
+                       (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "maxsize",
+                       (Py_ssize_t)kMaxDecisions, "enabled",
                        g_enabled ? Py_True : Py_False);
 }
 
@@ -354,7 +357,7 @@ PyMethodDef kFastModuleMethods[] = {
     {"stacks_changed", PyStacksChanged, METH_O,
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
     {"fast_stats", PyFastStats, METH_NOARGS,
-     "fast_stats() -> {hits, misses, fast_ops, clears, entries, enabled}."},
+     "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled}."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

@@ -23,6 +23,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
 
 #: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
@@ -201,6 +202,9 @@ register_bottom(PHYSICAL)
 # What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
 _C.fast_setup(state, PHYSICAL)
 
+register_external_cache(
+    "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
+
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
 FAST_PYTHON, FAST_FORWARD, FAST_NATIVE = 0, 1, 2
 
@@ -251,11 +255,11 @@ class HandlerStack(Stack):
 
     def _oh_fast(self, op_type):
         """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
-        this stack: ``(kind, next, transient, physical_as_is)``. `kind` is FAST_FORWARD
+        this stack: ``(kind, next, transient, default_copy_on)``. `kind` is FAST_FORWARD
         when the handler's execute is not called for the op type (so C++ unwraps,
         runs the op on `next` and wraps, as `execute` below does), FAST_NATIVE for a
-        C/C++ handler, FAST_PYTHON otherwise. `physical_as_is`: a physical input is
-        the handler's value as it is (the default copy-on onto PHYSICAL). Asked once
+        C/C++ handler, FAST_PYTHON otherwise. `default_copy_on`: a tensor that is not
+        this stack's is moved to the next stack as it is (`move_onto`). Asked once
         per (stack, op type); the answer is cached in C++ until a stack is built."""
         handler = self.handler
         if isinstance(handler, _C.NativeHandlerBase):
@@ -264,8 +268,7 @@ class HandlerStack(Stack):
             kind = FAST_FORWARD
         else:
             kind = FAST_PYTHON
-        return (kind, self.next, bool(handler.transient),
-                self.next is PHYSICAL and self.default_copy_on)
+        return (kind, self.next, bool(handler.transient), self.default_copy_on)
 
     def _runs_execute(self, op_type):
         """Whether the handler's execute hook is called for ops of `op_type`."""

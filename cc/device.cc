@@ -30,11 +30,11 @@ PyObject* EagerTensorSharing(TFE_TensorHandle* h, TF_Status* status) {
   return t;
 }
 
+}  // namespace
+
 // The op of the innermost execute callback running on this thread (see CurrentOpType).
 thread_local OpObject* t_current_op = nullptr;
 
-// Checks what dispatch.execute returned for `op` and moves it into `outputs` (new
-// handles). Returns false with `status` set on any mismatch. GIL: held.
 bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_outputs,
                  TFE_TensorHandle** outputs, TF_Status* status) {
   auto fail = [&](const char* kind, const std::string& detail) {
@@ -94,6 +94,14 @@ bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_
   Py_DECREF(seq);
   return true;
 }
+
+OpObject* SwapCurrentOp(OpObject* op) {
+  OpObject* outer = t_current_op;
+  t_current_op = op;
+  return outer;
+}
+
+namespace {
 
 void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
                    TF_Status* status, void* device_info) {

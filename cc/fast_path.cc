@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
+#include "device.h"
 #include "handler_tensor.h"
 #include "native.h"
 #include "op.h"
@@ -22,6 +23,7 @@ enum Kind : int {
   kPython = 0,   // the Python path (a Python execute hook, or unknown)
   kForward = 1,  // the handler does not execute this op: forward it to the next stack
   kNative = 2,   // a C/C++ handler (native.h)
+  kHook = 3,     // a Python execute hook, called from C (the op's first stack only)
 };
 
 struct Decision {
@@ -29,6 +31,7 @@ struct Decision {
   PyObject* next = nullptr;  // borrowed: the stack holds it, and the stack is alive
   bool transient = true;     // resource outputs stay on the next stack
   bool default_copy_on = false;  // the handler's copy_on is OpHandler's (a move)
+  bool copy_all = true;      // every foreign input is copied on (no needs_copy, no deferral)
 };
 
 struct Key {
@@ -56,6 +59,13 @@ PyObject* s_current = nullptr;
 PyObject* s_device = nullptr;
 PyObject* s_fast = nullptr;
 PyObject* s_handler = nullptr;
+PyObject* s_frames = nullptr;
+PyObject* s_execute = nullptr;
+PyObject* s_value_dtype = nullptr;
+PyObject* s_wants_copy = nullptr;
+PyObject* s_copy_on_value = nullptr;
+PyObject* s_not_a_list = nullptr;
+PyObject* s_wrap_eager = nullptr;
 
 constexpr int kMaxDepth = 64;
 
@@ -88,9 +98,10 @@ const Decision* Decide(PyObject* stack, const char* type) {
       PyErr_Clear();
       return nullptr;
     }
-    int kind = 0, transient = 1, default_copy_on = 0;
+    int kind = 0, transient = 1, default_copy_on = 0, copy_all = 1;
     PyObject* next = nullptr;
-    if (!PyArg_ParseTuple(r, "iOpp", &kind, &next, &transient, &default_copy_on)) {
+    if (!PyArg_ParseTuple(r, "iOppp", &kind, &next, &transient, &default_copy_on,
+                          &copy_all)) {
       PyErr_Clear();
       Py_DECREF(r);
       return nullptr;
@@ -99,6 +110,7 @@ const Decision* Decide(PyObject* stack, const char* type) {
     d.next = next;  // the stack keeps its next stack alive
     d.transient = transient != 0;
     d.default_copy_on = default_copy_on != 0;
+    d.copy_all = copy_all != 0;
     Py_DECREF(r);
   }
   if (g_decisions->size() >= kMaxDecisions) {
@@ -227,6 +239,137 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
   return true;
 }
 
+// A new EagerTensor sharing `h`'s tensor, or null with a Python exception set. GIL: held.
+PyObject* Sharing(TFE_TensorHandle* h) {
+  TF_Status* s = ThreadStatus();
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
+    return nullptr;
+  }
+  PyObject* t = EagerTensorFromHandle(copy, false);
+  if (t == nullptr) TFE_DeleteTensorHandle(copy);
+  return t;
+}
+
+// Runs `fn(*args)` as HandlerStack.call_hook does: `stack` pushed on state.frames and
+// state.current set to `next` meanwhile (restored on failure too, keeping the error).
+// Returns a new reference, or null with a Python exception set. GIL: held.
+PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, PyObject* b) {
+  PyObject* frames = PyObject_GetAttr(g_state, s_frames);
+  if (frames == nullptr) return nullptr;
+  if (!PyList_Check(frames) || PyList_Append(frames, stack) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "state.frames is not a list");
+    Py_DECREF(frames);
+    return nullptr;
+  }
+  PyObject* saved = PyObject_GetAttr(g_state, s_current);
+  PyObject* r = nullptr;
+  if (saved != nullptr && PyObject_SetAttr(g_state, s_current, next) == 0) {
+    r = PyObject_CallFunctionObjArgs(fn, a, b, nullptr);
+  }
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  if (saved != nullptr && PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
+  Py_ssize_t n = PyList_GET_SIZE(frames);
+  if (n > 0 && PyList_SetSlice(frames, n - 1, n, nullptr) < 0) PyErr_Clear();
+  PyErr_Restore(et, ev, tb);
+  Py_XDECREF(saved);
+  Py_DECREF(frames);
+  return r;
+}
+
+// HandlerStack.execute for a Python handler whose execute hook runs for the op, on the
+// op's first stack: unwrap and copy-on, the hook, and the wrap, with only the hook (and
+// copy_on hooks) in Python; then the dispatcher's output validation (TakeOutputs).
+// Always handled: errors are reported through `status` as the Python path raises them.
+// GIL: held.
+bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+             const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+             TFE_TensorHandle** outputs, TF_Status* status) {
+  OpObject* op = NewOpObject(type, device, *num_outputs);
+  if (op == nullptr) {
+    StatusFromPyErr(status);
+    return true;
+  }
+  op->borrowed = src;
+  // Read per op (the handler may rebind them); not cached, so the cache keeps no handler
+  // alive.
+  PyObject* handler = PyObject_GetAttr(stack, s_handler);
+  PyObject* execute = handler != nullptr ? PyObject_GetAttr(handler, s_execute) : nullptr;
+  PyObject* value_dtype = nullptr;
+  PyObject* values = execute != nullptr ? PyList_New(n_in) : nullptr;
+  PyObject* result = nullptr;
+  PyObject* wrapped = nullptr;
+  absl::InlinedVector<int, 4> foreign;
+  OpObject* outer = SwapCurrentOp(op);  // names the op in wrap errors (CurrentOpType)
+  bool swapped = true;
+  if (values == nullptr) goto fail;
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    PyObject* v;
+    if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
+        reinterpret_cast<PyObject*>(p->stack) == stack) {
+      v = reinterpret_cast<PyObject*>(p->value);
+      Py_INCREF(v);
+    } else {
+      v = Sharing(in[i]);
+      if (v == nullptr) goto fail;
+      foreign.push_back(i);
+    }
+    PyList_SET_ITEM(values, i, v);
+  }
+  for (int i : foreign) {
+    if (!d.copy_all) {
+      PyObject* idx = PyLong_FromLong(i);
+      PyObject* want = idx ? PyObject_CallMethodObjArgs(stack, s_wants_copy, op, idx, nullptr)
+                           : nullptr;
+      Py_XDECREF(idx);
+      int yes = want != nullptr ? PyObject_IsTrue(want) : -1;
+      Py_XDECREF(want);
+      if (yes < 0) goto fail;
+      if (yes == 0) continue;
+    }
+    PyObject* moved = PyObject_CallMethodOneArg(stack, s_copy_on_value, PyList_GET_ITEM(values, i));
+    if (moved == nullptr) goto fail;
+    PyList_SetItem(values, i, moved);  // steals `moved`, releases the input
+  }
+  result = CallHook(stack, d.next, execute, reinterpret_cast<PyObject*>(op), values);
+  if (result == nullptr) goto fail;
+  if (!PyList_Check(result) && !PyTuple_Check(result)) {
+    PyObject* r = PyObject_CallMethodObjArgs(stack, s_not_a_list, op, result, nullptr);
+    Py_XDECREF(r);  // raises
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "execute did not return a list");
+    goto fail;
+  }
+  if (d.next == g_physical) {
+    value_dtype = PyObject_GetAttr(handler, s_value_dtype);
+    if (value_dtype == nullptr) goto fail;
+    wrapped = WrapOutputs(stack, result, d.transient, value_dtype, op->type);
+  } else {
+    // Outputs that left the stacks below (HandlerStack._wrap_eager).
+    wrapped = PyObject_CallMethodOneArg(stack, s_wrap_eager, result);
+  }
+  if (wrapped == nullptr) goto fail;
+  SwapCurrentOp(outer);
+  swapped = false;
+  TakeOutputs(op, src, wrapped, num_outputs, outputs, status);
+  goto done;
+fail:
+  StatusFromPyErr(status);
+done:
+  if (swapped) SwapCurrentOp(outer);
+  Py_XDECREF(wrapped);
+  Py_XDECREF(result);
+  Py_XDECREF(values);
+  Py_XDECREF(value_dtype);
+  Py_XDECREF(execute);
+  Py_XDECREF(handler);
+  EndBorrow(op, g_ctx);
+  Py_DECREF(op);
+  return true;
+}
+
 bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
            int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
            TF_Status* status, int depth) {
@@ -242,6 +385,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
     }
     case kNative:
       return NativeStackRun(stack, src, type, device, n_in, in, num_outputs, outputs, status);
+    case kHook: {
+      if (depth > 0) return false;  // below a forwarding level: its copy-on rules, Python
+      Decision copy = *d;
+      return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
+    }
     default:
       return false;
   }
@@ -273,7 +421,18 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
   s_device = PyUnicode_InternFromString("device");
   s_fast = PyUnicode_InternFromString("_oh_fast");
   s_handler = PyUnicode_InternFromString("handler");
-  if (!s_mode || !s_current || !s_device || !s_fast || !s_handler) return nullptr;
+  s_frames = PyUnicode_InternFromString("frames");
+  s_execute = PyUnicode_InternFromString("execute");
+  s_value_dtype = PyUnicode_InternFromString("value_dtype");
+  s_wants_copy = PyUnicode_InternFromString("wants_copy");
+  s_copy_on_value = PyUnicode_InternFromString("_copy_on_value");
+  s_not_a_list = PyUnicode_InternFromString("_raise_not_a_list");
+  s_wrap_eager = PyUnicode_InternFromString("_wrap_eager");
+  if (!s_mode || !s_current || !s_device || !s_fast || !s_handler || !s_frames ||
+      !s_wants_copy || !s_copy_on_value || !s_not_a_list || !s_wrap_eager || !s_execute ||
+      !s_value_dtype) {
+    return nullptr;
+  }
   Py_RETURN_NONE;
 }
 

@@ -10,11 +10,18 @@
      that leaves `execute` at its default, or whose `handles_ops` excludes the type):
      inputs on the stack are unwrapped in C, the op runs on the next stack, outputs are
      wrapped in C (HandlerStack.execute's forwarding path);
-   - a stack of a C/C++ handler (native.h): its execute hook runs in C.
-   Anything else (a Python `execute` hook for the op, inputs to copy on, a function call
-   op, copy ops and `_EagerConst`, ops that run Python inside their kernel, a function
-   being replayed) returns "not handled" before anything was done, and the callback
-   takes the Python path (core/dispatch.py), which gives the same results and errors.
+   - a stack of a C/C++ handler (native.h): its execute hook runs in C;
+   - on the op's first stack only, a Python handler whose `execute` runs for the op:
+     C does HandlerStack.execute's unwrap and copy-on (calling `_copy_on_value` and
+     `wants_copy` for inputs that are not the stack's), `call_hook`'s frame, the wrap
+     (WrapOutputs, or `_wrap_eager` when the next stack is not PHYSICAL) and the
+     dispatcher's output validation (device.h TakeOutputs), so the hook is the only
+     Python on the path.
+   Anything else (a function call op, copy ops and `_EagerConst`, ops that run Python
+   inside their kernel, a function being replayed, `returns_off_stack` handlers, a Python
+   hook below a forwarding level, an input no level below owns) returns "not handled"
+   before anything was done, and the callback takes the Python path
+   (core/dispatch.py), which gives the same results and errors.
 
    The decision per (stack, op type) is asked once from Python
    (`HandlerStack._oh_fast(op_type)`) and kept in a bounded C++ cache keyed by the stack
@@ -44,6 +51,15 @@ namespace tf_ophandlers {
 // TFE_Execute.
 bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int num_inputs,
                     int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+
+// Wraps what an execute hook of `stack` returned (`values`, borrowed: a list or tuple)
+// as handler tensors of `stack`, as `_C.wrap_outputs` does: a tensor gives its own dtype,
+// another representation asks `value_dtype(value)` (borrowed callable); with
+// `transient`, resource tensors are returned as they are. `op_type` (borrowed str, may
+// be null) names the op in errors. Returns a new list, or null with a HandlerOutputError
+// naming the handler, the hook and the op. Defined in module.cc. GIL: must be held.
+PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
+                      PyObject* value_dtype, PyObject* op_type);
 
 // The module functions of fast_path.cc (fast_setup, stacks_changed, fast_stats), appended
 // to the module's method table by module.cc. Null-terminated.

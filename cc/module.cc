@@ -239,6 +239,13 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
   } else {
     op_type = CurrentOpType();
   }
+  return WrapOutputs(stack, values, transient != 0, value_dtype, op_type);
+}
+
+}  // namespace
+
+PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
+                      PyObject* value_dtype, PyObject* op_type) {
   if (!PyList_Check(values) && !PyTuple_Check(values)) {
     // A generator or coroutine execute: close it so that it does not run later (or warn
     // that it was never awaited).
@@ -307,6 +314,8 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
   Py_DECREF(seq);
   return out;
 }
+
+namespace {
 
 PyObject* PyShutdown(PyObject* self, PyObject* unused) {
   g_shutdown.store(true, std::memory_order_release);

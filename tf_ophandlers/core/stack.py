@@ -206,7 +206,7 @@ register_external_cache(
     "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
 
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE = 0, 1, 2
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK = 0, 1, 2, 3
 
 
 def _handles_predicate(handler):
@@ -255,20 +255,28 @@ class HandlerStack(Stack):
 
     def _oh_fast(self, op_type):
         """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
-        this stack: ``(kind, next, transient, default_copy_on)``. `kind` is FAST_FORWARD
+        this stack: ``(kind, next, transient, default_copy_on, copy_all)``. `kind` is FAST_FORWARD
         when the handler's execute is not called for the op type (so C++ unwraps,
         runs the op on `next` and wraps, as `execute` below does), FAST_NATIVE for a
-        C/C++ handler, FAST_PYTHON otherwise. `default_copy_on`: a tensor that is not
+        C/C++ handler, FAST_HOOK when the Python execute hook runs for it (C++ does
+        this method's unwrap, copy-on and wrap around the hook, on the op's first
+        stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
+        stack's is copied on (no `needs_copy`, no deferral to the stack below). `default_copy_on`: a tensor that is not
         this stack's is moved to the next stack as it is (`move_onto`). Asked once
         per (stack, op type); the answer is cached in C++ until a stack is built."""
         handler = self.handler
         if isinstance(handler, _C.NativeHandlerBase):
             kind = FAST_NATIVE
-        elif op_type not in COPY_OPS and not self._runs_execute(op_type):
+        elif op_type in COPY_OPS:
+            kind = FAST_PYTHON
+        elif not self._runs_execute(op_type):
             kind = FAST_FORWARD
+        elif not self._off_stack:
+            kind = FAST_HOOK
         else:
             kind = FAST_PYTHON
-        return (kind, self.next, bool(handler.transient), self.default_copy_on)
+        copy_all = handler.needs_copy is None and not self._defer_copy
+        return (kind, self.next, bool(handler.transient), self.default_copy_on, copy_all)
 
     def _runs_execute(self, op_type):
         """Whether the handler's execute hook is called for ops of `op_type`."""
@@ -369,6 +377,15 @@ class HandlerStack(Stack):
                 raise _not_a_list(handler, op, outputs)
         if mode is not None:
             return self._wrap_symbolic(outputs, mode)
+        return self._wrap_eager(outputs)
+
+    def _raise_not_a_list(self, op, outputs):
+        """Raises the error for an execute hook that did not return a list (C++ path)."""
+        raise _not_a_list(self.handler, op, outputs)
+
+    def _wrap_eager(self, outputs):
+        """What `execute` returns for the outputs of the handler's hook (eager)."""
+        handler = self.handler
         next_stack = self.next
         if next_stack is not PHYSICAL or self._off_stack:
             # Outputs that leave this stack: those the handler returned as OffStack, and

@@ -250,7 +250,8 @@ class HandlerStack(Stack):
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
         # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
         # stack objects, and this one may reuse a dead stack's address).
-        _C.stacks_changed(self._default_execute or self._handles is not None
+        _C.stacks_changed(not self._off_stack or self._default_execute
+                          or self._handles is not None
                           or isinstance(handler, _C.NativeHandlerBase))
 
     def _oh_fast(self, op_type):

@@ -4,7 +4,8 @@
    A loaded handler type is a `TypeRecord`; a handler instance is a Python object of a
    subclass of `_C.NativeHandlerBase` (tf_ophandlers.core.native.NativeHandler) that
    owns the handler state. Its hooks are called from two places:
-   - the dispatcher's execute callback (TryNativeExecute), without any Python frame,
+   - the dispatcher's execute callback (through fast_path.h's TryFastExecute, which
+     calls NativeStackRun), without any Python frame,
      for an eager op placed by a scope whose current stack is a native handler's, when
      every input is already on that stack or a physical tensor the default copy-on
      takes as it is;

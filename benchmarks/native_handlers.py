@@ -7,6 +7,8 @@ the handler stack, the steady state of a chain of ops in a scope) under:
   cxx-1        oh.native.PassThrough()
   cxx-2        two nested oh.native.PassThrough() (the cost of a further C++ level)
   py-1         oh.OpHandler() (the Python pass-through)
+  py-2         two nested oh.OpHandler()
+  py-skip      a Python handler whose handles_ops excludes the op
   counter      oh.native.OpCounter()
   oplog        oh.OpLogHandler()
 
@@ -34,9 +36,21 @@ CONFIGS = (
     ("cxx-2", "2 nested `oh.native.PassThrough()`",
      lambda: [oh.native.PassThrough(), oh.native.PassThrough()]),
     ("py-1", "`oh.OpHandler()` (Python pass-through)", lambda: [oh.OpHandler()]),
+    ("py-2", "2 nested `oh.OpHandler()`", lambda: [oh.OpHandler(), oh.OpHandler()]),
+    ("py-skip", "Python handler whose `handles_ops` excludes the op (`MatMul` only)",
+     lambda: [MatMulOnly()]),
     ("counter", "`oh.native.OpCounter()` (C++)", lambda: [oh.native.OpCounter()]),
     ("oplog", "`oh.OpLogHandler()` (Python)", lambda: [oh.OpLogHandler()]),
 )
+class MatMulOnly(oh.OpHandler):
+    """A Python handler that executes only MatMul: other ops cost no Python call."""
+
+    handles_ops = frozenset({"MatMul"})
+
+    def execute(self, op, inputs):
+        return self.next.execute(op, inputs)
+
+
 TARGET_CXX = 1.15      # a C++ pass-through: at most 1.15x plain eager per small op
 TARGET_LEVEL_US = 1.0  # each further C++ level: at most +1 us per small op
 TARGET_COUNTER = 5.0   # OpCounter at least 5x cheaper per op than OpLogHandler (overhead)

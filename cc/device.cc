@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "fast_path.h"
 #include "handler_tensor.h"
 #include "native.h"
 #include "op.h"
@@ -29,11 +30,11 @@ PyObject* EagerTensorSharing(TFE_TensorHandle* h, TF_Status* status) {
   return t;
 }
 
+}  // namespace
+
 // The op of the innermost execute callback running on this thread (see CurrentOpType).
 thread_local OpObject* t_current_op = nullptr;
 
-// Checks what dispatch.execute returned for `op` and moves it into `outputs` (new
-// handles). Returns false with `status` set on any mismatch. GIL: held.
 bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_outputs,
                  TFE_TensorHandle** outputs, TF_Status* status) {
   auto fail = [&](const char* kind, const std::string& detail) {
@@ -94,6 +95,14 @@ bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_
   return true;
 }
 
+OpObject* SwapCurrentOp(OpObject* op) {
+  OpObject* outer = t_current_op;
+  t_current_op = op;
+  return outer;
+}
+
+namespace {
+
 void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
                    TF_Status* status, void* device_info) {
   if (!PythonAlive()) {
@@ -110,8 +119,9 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
   PyObject* inputs = nullptr;
   PyObject* result = nullptr;
   if (TF_GetCode(status) != TF_OK) goto done;
-  // A native handler's stack runs the op without entering Python when it can.
-  if (TryNativeExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) goto done;
+  // Stacks that need no Python for this op (pass-through levels, C/C++ handlers) run it
+  // in C (fast_path.h); every other op takes the Python path below.
+  if (TryFastExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) goto done;
   op = NewOpObject(name, dev, *num_outputs);
   if (op == nullptr) {
     StatusFromPyErr(status);

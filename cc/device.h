@@ -24,6 +24,21 @@ namespace tf_ophandlers {
 // GIL: not needed (held by the caller, _C.init). Status: the only error report.
 void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status);
 
+struct OpObject;
+
+// Checks what an execute hook's stack returned for `op` (`result`: a list or tuple of
+// EagerTensors, borrowed) against the op's OpDef (`tfe_op`, borrowed; count and dtypes)
+// and `*num_outputs` (the capacity TensorFlow gave), and on success stores new handles
+// sharing the tensors in `outputs` and sets `*num_outputs`. Returns false with `status`
+// set (a HandlerOutputError naming the handler and op, via dispatch.output_error) on any
+// mismatch; `outputs` then holds nothing. GIL: must be held.
+bool TakeOutputs(OpObject* op, const TFE_Op* tfe_op, PyObject* result, int* num_outputs,
+                 TFE_TensorHandle** outputs, TF_Status* status);
+
+// Makes `op` (borrowed, may be null) the op CurrentOpType() names on this thread and
+// returns the previous one (restore it when the hook returns). GIL: must be held.
+OpObject* SwapCurrentOp(OpObject* op);
+
 // The type (a borrowed str) of the op of the innermost execute callback running on this
 // thread, or null outside any execute callback. Valid while that callback runs.
 // Used to name the op in errors about outputs wrapped by `_C.wrap_outputs`.

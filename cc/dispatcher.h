@@ -11,6 +11,9 @@
                        deallocation and the pending-free queue
      device.h          the dispatcher device's execute/copy callbacks and the
                        validation of what handlers return
+     fast_path.h       the per-op fast path the execute callback tries first: stacks
+                       that need no Python for an op, Python hooks called from C, and
+                       the bounded per-(stack, op type) decision cache
      module.cc         the _C module (init and the functions tf_ophandlers.core calls)
      include/tf_ophandlers/payload.h   the payload layout
 
@@ -35,6 +38,7 @@
 #define TF_OPHANDLERS_DISPATCHER_H_
 
 #include "device.h"
+#include "fast_path.h"
 #include "handler_tensor.h"
 #include "op.h"
 #include "runtime.h"

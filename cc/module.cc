@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "device.h"
+#include "fast_path.h"
 #include "handler_tensor.h"
 #include "native.h"
 #include "op.h"
@@ -238,6 +239,13 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
   } else {
     op_type = CurrentOpType();
   }
+  return WrapOutputs(stack, values, transient != 0, value_dtype, op_type);
+}
+
+}  // namespace
+
+PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
+                      PyObject* value_dtype, PyObject* op_type) {
   if (!PyList_Check(values) && !PyTuple_Check(values)) {
     // A generator or coroutine execute: close it so that it does not run later (or warn
     // that it was never awaited).
@@ -307,6 +315,8 @@ PyObject* PyWrapOutputs(PyObject* self, PyObject* args) {
   return out;
 }
 
+namespace {
+
 PyObject* PyShutdown(PyObject* self, PyObject* unused) {
   g_shutdown.store(true, std::memory_order_release);
   Py_RETURN_NONE;
@@ -364,6 +374,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
   if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
+  if (PyModule_AddFunctions(m, kFastModuleMethods) < 0) return nullptr;
   Py_INCREF(&NativeHandlerBaseType);
   PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&OpBaseType);

@@ -935,38 +935,14 @@ bool HasNativeShapeHooks(PyObject* stack) {
   return r;
 }
 
-bool TryNativeExecute(const TFE_Op* tfe_op, const char* type, const char* device, int n_in,
-                      int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
-  if (g_state == nullptr || device == nullptr || g_device_name != device) return false;
-  if (IsCopyOrConst(type)) return false;
-  PyObject* mode = PyObject_GetAttr(g_state, s_mode);
-  if (mode == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  Py_DECREF(mode);  // None and the modes are kept alive elsewhere; only identity matters
-  if (mode != Py_None) return false;
-  PyObject* stack = PyObject_GetAttr(g_state, s_current);
-  if (stack == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  absl::InlinedVector<TFE_TensorHandle*, 4> ins;
-  bool ok = true;
-  for (int i = 0; ok && i < n_in; ++i) {
-    ins.push_back(TFE_OpGetFlatInput(tfe_op, i, status));
-    ok = TF_GetCode(status) == TF_OK;
-  }
-  if (!ok) {
-    TF_SetStatus(status, TF_OK, "");
-    Py_DECREF(stack);
-    return false;
-  }
+bool NativeStackRun(PyObject* stack, const TFE_Op* tfe_op, const char* type,
+                    const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+                    TFE_TensorHandle** outputs, TF_Status* status) {
+  if (g_state == nullptr || IsCopyOrConst(type)) return false;
   TFOH_Op op{tfe_op, nullptr, type, device, -1};
   int n = *num_outputs;
-  bool handled = NativeStackExecute(stack, &op, n_in, ins.data(), &n, outputs, status);
+  bool handled = NativeStackExecute(stack, &op, n_in, in, &n, outputs, status);
   if (handled && TF_GetCode(status) == TF_OK) *num_outputs = n;
-  Py_DECREF(stack);
   return handled;
 }
 

@@ -4,7 +4,8 @@
    A loaded handler type is a `TypeRecord`; a handler instance is a Python object of a
    subclass of `_C.NativeHandlerBase` (tf_ophandlers.core.native.NativeHandler) that
    owns the handler state. Its hooks are called from two places:
-   - the dispatcher's execute callback (TryNativeExecute), without any Python frame,
+   - the dispatcher's execute callback (through fast_path.h's TryFastExecute, which
+     calls NativeStackRun), without any Python frame,
      for an eager op placed by a scope whose current stack is a native handler's, when
      every input is already on that stack or a physical tensor the default copy-on
      takes as it is;
@@ -33,13 +34,17 @@ bool ReadyNativeTypes();
 // the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kNativeModuleMethods[];
 
-// Executes `op` on a native handler's stack without entering Python code, if the op
-// qualifies (see the header comment). Returns false when it does not (nothing was done,
-// `status` untouched): the caller takes the Python path. Returns true when it ran the
+// Executes `op` (type `type`, requested device `device`, `n_in` flat inputs `in`, all
+// borrowed) on `stack` in C when `stack`'s handler is native and every input is already
+// on it, or is physical and taken as it is (next stack PHYSICAL, no copy_on hook).
+// Returns false when it does not qualify (nothing was done, `status` untouched, no
+// Python exception set): the caller takes another path. Returns true when it ran the
 // op: `status` tells whether it succeeded, and on success `outputs` holds
-// `*num_outputs` new handles. GIL: must be held.
-bool TryNativeExecute(const TFE_Op* op, const char* type, const char* device, int num_inputs,
-                      int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+// `*num_outputs` new handles (`*num_outputs` is the capacity on entry). Called by the
+// fast path (fast_path.h). GIL: must be held; released around TFE_Execute.
+bool NativeStackRun(PyObject* stack, const TFE_Op* op, const char* type, const char* device,
+                    int n_in, TFE_TensorHandle** in, int* num_outputs,
+                    TFE_TensorHandle** outputs, TF_Status* status);
 
 // Whether `stack`'s handler is native with a num_dims or dim hook: its tensors then
 // answer rank and dims through those hooks, not from their representation. Never fails.

@@ -234,6 +234,11 @@ bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
   return true;
 }
 
+bool IsRegisteredOpType(const char* type) {
+  const tensorflow::OpDef* def = nullptr;
+  return tensorflow::OpRegistry::Global()->LookUpOpDef(type, &def).ok();
+}
+
 PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   const TFE_Op* src = OpAttrSource(op);
   if (src == nullptr) return nullptr;

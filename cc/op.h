@@ -59,6 +59,10 @@ const TFE_Op* OpAttrSource(OpObject* op);
 // missing). `op` is borrowed. GIL: not needed. Never sets a Python exception.
 bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes);
 
+// Whether `type` is an op registered with TensorFlow (it has an OpDef); false for a
+// function call op (named after its function). GIL: not needed. Never fails.
+bool IsRegisteredOpType(const char* type);
+
 // Executes `op` (its type and attributes) on `inputs` (a sequence of EagerTensors; handler
 // tensors among them are first copied off their stack with dispatch.copy_from_device), on
 // `device` ("" lets TensorFlow place it; inside a callback always name one). Returns a

@@ -211,3 +211,20 @@ def test_every_package_directory_goes_into_the_wheel():
     find = _pyproject()["tool"]["setuptools"]["packages"]["find"]
     assert sorted(find_packages(str(ROOT), include=find["include"])) == expected
     assert "tf_ophandlers.core.functions" in expected
+
+
+def test_bazel_build_and_setup_py_compile_the_same_sources():
+    """BUILD (issue 18) and setup.py build the same four libraries; a source file added to one
+    and not the other would give a Bazel-built library with missing symbols."""
+    setup_text = (ROOT / "setup.py").read_text()
+    build_text = (ROOT / "BUILD").read_text()
+    setup_sources = {}
+    for name, body in re.findall(r'Extension\("tf_ophandlers\.(\w+)", sources=\[([^\]]*)\]',
+                                 setup_text):
+        setup_sources[name] = sorted(re.findall(r'"(cc/[\w.]+\.cc)"', body))
+    build_sources = {}
+    for name, body in re.findall(r'name = "tf_ophandlers/(\w+)\.so",\s*srcs = \[([^\]]*)\]',
+                                 build_text):
+        build_sources[name] = sorted(re.findall(r'"(cc/[\w.]+\.cc)"', body))
+    assert set(setup_sources) == {"_C", "_copy_ops", "_native_handlers", "_null_device"}
+    assert build_sources == setup_sources

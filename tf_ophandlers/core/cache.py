@@ -80,6 +80,17 @@ class LRUCache(BoundedCache):
 _MISSING = object()
 
 
+_external = {}  # name -> () -> (entries, maxsize): caches kept outside Python (C++)
+
+
+def register_external_cache(name, sizes):
+    """Lists a cache kept outside Python (the C++ fast path's decisions) in `caches()`:
+    ``sizes()`` returns ``(entries, maxsize)``."""
+    _external[name] = sizes
+
+
 def caches():
     """Every live cache of the package: ``{name: (entries, maxsize)}``."""
-    return {name: (len(c), c.maxsize) for name, c in sorted(_all.items())}
+    out = {name: (len(c), c.maxsize) for name, c in _all.items()}
+    out.update((name, tuple(sizes())) for name, sizes in _external.items())
+    return dict(sorted(out.items()))

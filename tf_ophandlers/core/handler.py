@@ -67,6 +67,14 @@ class OpHandler:
     #: some ops as they are, without copy-on (e.g. a parallel handler's pack op).
     needs_copy = None
 
+    #: The op types this handler's `execute` is called for: None (every op), a
+    #: collection of op type names (``frozenset({"MatMul", "Conv2D"})``), or a function
+    #: ``handles_ops(op_type) -> bool``. Other ops are forwarded to the next stack as
+    #: with the default `execute`, and cost no Python call at all where the C++ fast
+    #: path can run them (inputs already on the stack). Read once per (stack, op type):
+    #: set it on the class or in ``__init__``, not while the handler is in use.
+    handles_ops = None
+
     #: Set to a function ``handles_copy(op) -> bool`` to receive copy ops (CopyOn,
     #: CopyOnGrad, CopyOff, CopyOffGrad) placed on this handler's stack in `execute`,
     #: like any op, instead of the stack running them through `copy_on`/`copy_off`.

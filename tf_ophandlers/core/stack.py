@@ -23,6 +23,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
 
 #: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
@@ -198,6 +199,28 @@ class PhysicalStack(Stack):
 
 PHYSICAL = PhysicalStack()
 register_bottom(PHYSICAL)
+# What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
+_C.fast_setup(state, PHYSICAL)
+
+register_external_cache(
+    "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
+
+#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK = 0, 1, 2, 3
+
+
+def _handles_predicate(handler):
+    """``handler.handles_ops`` as a predicate on op types, or None (every op)."""
+    handles = handler.handles_ops
+    if handles is None:
+        return None
+    if callable(handles):
+        return handles
+    if isinstance(handles, (str, bytes)):
+        raise TypeError(
+            "%s.handles_ops must be a collection of op types or a function "
+            "op_type -> bool, not the string %r" % (handler.debug_string(), handles))
+    return frozenset(handles).__contains__
 
 
 class HandlerStack(Stack):
@@ -215,6 +238,9 @@ class HandlerStack(Stack):
         self.default_function_input = getattr(cls.function_input, "_oh_default", False)
         self.default_function_output = getattr(cls.function_output, "_oh_default", False)
         self._off_stack = bool(handler.returns_off_stack)
+        # Op types the handler's execute hook is not called for are forwarded to the
+        # next stack as with a default execute (OpHandler.handles_ops).
+        self._handles = _handles_predicate(handler)
         # A handler that only moves tensors on (default copy_on, or a tape) lets the
         # handler below decide which inputs to take as they are (a parallel pack).
         self._defer_copy = isinstance(next_stack, HandlerStack) and (
@@ -222,6 +248,43 @@ class HandlerStack(Stack):
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
+        # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
+        # stack objects, and this one may reuse a dead stack's address).
+        _C.stacks_changed(not self._off_stack or self._default_execute
+                          or self._handles is not None
+                          or isinstance(handler, _C.NativeHandlerBase))
+
+    def _oh_fast(self, op_type):
+        """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
+        this stack: ``(kind, next, transient, default_copy_on, copy_all)``. `kind` is FAST_FORWARD
+        when the handler's execute is not called for the op type (so C++ unwraps,
+        runs the op on `next` and wraps, as `execute` below does), FAST_NATIVE for a
+        C/C++ handler, FAST_HOOK when the Python execute hook runs for it (C++ does
+        this method's unwrap, copy-on and wrap around the hook, on the op's first
+        stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
+        stack's is copied on (no `needs_copy`, no deferral to the stack below). `default_copy_on`: a tensor that is not
+        this stack's is moved to the next stack as it is (`move_onto`). Asked once
+        per (stack, op type); the answer is cached in C++ until a stack is built."""
+        handler = self.handler
+        if isinstance(handler, _C.NativeHandlerBase):
+            kind = FAST_NATIVE
+        elif op_type in COPY_OPS:
+            kind = FAST_PYTHON
+        elif not self._runs_execute(op_type):
+            kind = FAST_FORWARD
+        elif not self._off_stack:
+            kind = FAST_HOOK
+        else:
+            kind = FAST_PYTHON
+        copy_all = handler.needs_copy is None and not self._defer_copy
+        return (kind, self.next, bool(handler.transient), self.default_copy_on, copy_all)
+
+    def _runs_execute(self, op_type):
+        """Whether the handler's execute hook is called for ops of `op_type`."""
+        if self._default_execute:
+            return False
+        handles = self._handles
+        return handles is None or bool(handles(op_type))
 
     @staticmethod
     def merged(handler, next_stack):
@@ -298,8 +361,9 @@ class HandlerStack(Stack):
                 for i in foreign:
                     if self.wants_copy(op, i):
                         values[i] = self._copy_on_value(values[i])
-        if self._default_execute:
-            # A pass-through execute runs no ops of its own: forward without a frame.
+        if not self._runs_execute(op.type):
+            # A pass-through execute (or an op type outside the handler's handles_ops)
+            # runs no ops of its own: forward without a frame.
             # Ops that run *inside* the forwarded op (a tf.py_function's body) belong
             # below this stack, as they would with a frame.
             saved = state.current
@@ -314,6 +378,15 @@ class HandlerStack(Stack):
                 raise _not_a_list(handler, op, outputs)
         if mode is not None:
             return self._wrap_symbolic(outputs, mode)
+        return self._wrap_eager(outputs)
+
+    def _raise_not_a_list(self, op, outputs):
+        """Raises the error for an execute hook that did not return a list (C++ path)."""
+        raise _not_a_list(self.handler, op, outputs)
+
+    def _wrap_eager(self, outputs):
+        """What `execute` returns for the outputs of the handler's hook (eager)."""
+        handler = self.handler
         next_stack = self.next
         if next_stack is not PHYSICAL or self._off_stack:
             # Outputs that leave this stack: those the handler returned as OffStack, and

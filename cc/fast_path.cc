@@ -1,0 +1,522 @@
+// tf-ophandlers: the per-op fast path. Contracts: fast_path.h.
+#define PY_SSIZE_T_CLEAN
+#include "fast_path.h"
+
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/container/inlined_vector.h"
+#include "device.h"
+#include "handler_tensor.h"
+#include "native.h"
+#include "op.h"
+#include "runtime.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace {
+
+// How a stack runs an op type (HandlerStack._oh_fast; the values are core/stack.py's).
+enum Kind : int {
+  kPython = 0,   // the Python path (a Python execute hook, or unknown)
+  kForward = 1,  // the handler does not execute this op: forward it to the next stack
+  kNative = 2,   // a C/C++ handler (native.h)
+  kHook = 3,     // a Python execute hook, called from C (the op's first stack only)
+};
+
+struct Decision {
+  int kind = kPython;
+  PyObject* next = nullptr;  // borrowed: the stack holds it, and the stack is alive
+  bool transient = true;     // resource outputs stay on the next stack
+  bool default_copy_on = false;  // the handler's copy_on is OpHandler's (a move)
+  bool copy_all = true;      // every foreign input is copied on (no needs_copy, no deferral)
+};
+
+struct Key {
+  PyObject* stack;
+  std::string type;
+  bool operator==(const Key& o) const { return stack == o.stack && type == o.type; }
+};
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    return std::hash<std::string>()(k.type) ^ (reinterpret_cast<size_t>(k.stack) >> 4) * 31;
+  }
+};
+
+// Guarded by the GIL. Cleared by stacks_changed (every new stack) and when full.
+constexpr size_t kMaxDecisions = 4096;
+std::unordered_map<Key, Decision, KeyHash>* g_decisions = nullptr;
+bool g_enabled = false;  // set once a stack that may take the fast path exists
+uint64_t g_hits = 0, g_misses = 0, g_fast_ops = 0, g_clears = 0;
+
+// Set by fast_setup (core/stack.py at import). Strong references.
+PyObject* g_state = nullptr;     // tf_ophandlers.core.state.state
+PyObject* g_physical = nullptr;  // tf_ophandlers.core.stack.PHYSICAL
+PyObject* s_mode = nullptr;
+PyObject* s_current = nullptr;
+PyObject* s_device = nullptr;
+PyObject* s_fast = nullptr;
+PyObject* s_handler = nullptr;
+PyObject* s_frames = nullptr;
+PyObject* s_execute = nullptr;
+PyObject* s_value_dtype = nullptr;
+PyObject* s_wants_copy = nullptr;
+PyObject* s_copy_on_value = nullptr;
+PyObject* s_not_a_list = nullptr;
+PyObject* s_wrap_eager = nullptr;
+
+constexpr int kMaxDepth = 64;
+
+// The decision for `stack` and `type`, asked from Python on a miss. Returns null when
+// the stack cannot be asked (the Python path then decides). GIL: held; never leaves a
+// Python exception set.
+const Decision* Decide(PyObject* stack, const char* type) {
+  if (g_decisions == nullptr) g_decisions = new std::unordered_map<Key, Decision, KeyHash>();
+  Key key{stack, type};
+  auto it = g_decisions->find(key);
+  if (it != g_decisions->end()) {
+    ++g_hits;
+    return &it->second;
+  }
+  ++g_misses;
+  Decision d;
+  // A C/C++ handler decides in C (NativeStackRun), without asking Python.
+  PyObject* handler = PyObject_GetAttr(stack, s_handler);
+  if (handler == nullptr) PyErr_Clear();
+  bool native = handler != nullptr && PyObject_TypeCheck(handler, &NativeHandlerBaseType);
+  Py_XDECREF(handler);
+  // A function call op (a type without an OpDef) is replayed or taken whole in Python.
+  if (native) {
+    d.kind = kNative;
+  } else if (IsRegisteredOpType(type)) {
+    PyObject* name = PyUnicode_FromString(type);
+    PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
+    Py_XDECREF(name);
+    if (r == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    int kind = 0, transient = 1, default_copy_on = 0, copy_all = 1;
+    PyObject* next = nullptr;
+    if (!PyArg_ParseTuple(r, "iOppp", &kind, &next, &transient, &default_copy_on,
+                          &copy_all)) {
+      PyErr_Clear();
+      Py_DECREF(r);
+      return nullptr;
+    }
+    d.kind = kind;
+    d.next = next;  // the stack keeps its next stack alive
+    d.transient = transient != 0;
+    d.default_copy_on = default_copy_on != 0;
+    d.copy_all = copy_all != 0;
+    Py_DECREF(r);
+  }
+  if (g_decisions->size() >= kMaxDecisions) {
+    g_decisions->clear();
+    ++g_clears;
+  }
+  return &g_decisions->emplace(std::move(key), d).first->second;
+}
+
+// Runs `type` on PHYSICAL: every input must be physical. GIL: held; released around
+// TFE_Execute.
+bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle** in,
+                 int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
+  for (int i = 0; i < n_in; ++i) {
+    if (PayloadOf(in[i]) != nullptr) return false;  // to copy off: Python
+  }
+  PyObject* dev_obj = PyObject_GetAttr(g_state, s_device);
+  const char* device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : nullptr;
+  if (device == nullptr) {
+    PyErr_Clear();
+    Py_XDECREF(dev_obj);
+    return false;
+  }
+  // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* tfe = cached_op;
+  cached_op = nullptr;
+  if (tfe != nullptr) {
+    TFE_OpReset(tfe, type, device, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TFE_DeleteOp(tfe);
+      tfe = nullptr;
+      TF_SetStatus(status, TF_OK, "");
+    }
+  }
+  if (tfe == nullptr) {
+    tfe = TFE_NewOp(g_ctx, type, status);
+    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
+  }
+  Py_DECREF(dev_obj);
+  if (TF_GetCode(status) == TF_OK) {
+    TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
+    for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
+      TFE_OpAddInput(tfe, in[i], status);
+    }
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    Py_BEGIN_ALLOW_THREADS;
+    TFE_Execute(tfe, outputs, num_outputs, status);
+    Py_END_ALLOW_THREADS;
+  }
+  if (tfe != nullptr) {
+    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
+      cached_op = tfe;
+    } else {
+      TFE_DeleteOp(tfe);
+    }
+  }
+  return true;  // ran (or failed like the Python path's TFE_Execute would)
+}
+
+bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
+           int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+           TF_Status* status, int depth);
+
+// HandlerStack.execute's forwarding path for a handler that does not execute `type`:
+// unwrap in C, run on the next stack, wrap in C. GIL: held.
+bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+                const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+                TFE_TensorHandle** outputs, TF_Status* status, int depth) {
+  absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
+      PyObject* v = reinterpret_cast<PyObject*>(p->value);
+      if (p->kind != TFOH_PAYLOAD_PYTHON || !EagerTensor_CheckExact(v)) return false;
+      values[i] = EagerTensor_Handle(v);
+    } else if (d.default_copy_on) {
+      // The default copy-on moves a tensor that is not this stack's onto the next stack
+      // (stack.move_onto), where the next level unwraps it, or copies it on in turn: so
+      // it is passed down as it is. One that no level below owns reaches PHYSICAL as a
+      // handler tensor, and RunPhysical hands the op to Python (nothing done yet).
+      values[i] = in[i];
+    } else {
+      return false;  // a copy_on hook to run: Python
+    }
+  }
+  int n = *num_outputs;
+  absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
+  if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
+             depth + 1)) {
+    return false;
+  }
+  if (TF_GetCode(status) != TF_OK) return true;
+  PyObject* producer = InternedString(type);
+  int done = 0;
+  for (; producer != nullptr && done < n; ++done) {
+    TFE_TensorHandle* h = outs[done];
+    TF_DataType dt = TFE_TensorHandleDataType(h);
+    bool leaves = d.transient && dt == TF_RESOURCE;  // RFC "Placement of resource handles"
+    if (!leaves && d.next != g_physical) {
+      TFOH_Payload* p = PayloadOf(h);
+      leaves = p == nullptr || reinterpret_cast<PyObject*>(p->stack) != d.next;
+    }
+    if (leaves) {
+      outputs[done] = h;  // ownership moves to the caller
+      continue;
+    }
+    PyObject* value = EagerTensorFromHandle(h, false);  // owns `h` on success
+    if (value == nullptr) break;
+    outs[done] = nullptr;
+    outputs[done] = NewHandlerTensorHandle(stack, value, dt, producer, true);
+    Py_DECREF(value);
+    if (outputs[done] == nullptr) break;
+  }
+  Py_XDECREF(producer);
+  if (done < n) {  // a failure (Python exception set)
+    StatusFromPyErr(status);
+    for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);
+    for (int j = done; j < n; ++j) {
+      if (outs[j] != nullptr) TFE_DeleteTensorHandle(outs[j]);
+    }
+    return true;
+  }
+  *num_outputs = n;
+  return true;
+}
+
+// A new EagerTensor sharing `h`'s tensor, or null with a Python exception set. GIL: held.
+PyObject* Sharing(TFE_TensorHandle* h) {
+  TF_Status* s = ThreadStatus();
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
+    return nullptr;
+  }
+  PyObject* t = EagerTensorFromHandle(copy, false);
+  if (t == nullptr) TFE_DeleteTensorHandle(copy);
+  return t;
+}
+
+// Runs `fn(*args)` as HandlerStack.call_hook does: `stack` pushed on state.frames and
+// state.current set to `next` meanwhile (restored on failure too, keeping the error).
+// Returns a new reference, or null with a Python exception set. GIL: held.
+PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, PyObject* b) {
+  PyObject* frames = PyObject_GetAttr(g_state, s_frames);
+  if (frames == nullptr) return nullptr;
+  if (!PyList_Check(frames) || PyList_Append(frames, stack) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "state.frames is not a list");
+    Py_DECREF(frames);
+    return nullptr;
+  }
+  PyObject* saved = PyObject_GetAttr(g_state, s_current);
+  PyObject* r = nullptr;
+  if (saved != nullptr && PyObject_SetAttr(g_state, s_current, next) == 0) {
+    r = PyObject_CallFunctionObjArgs(fn, a, b, nullptr);
+  }
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  if (saved != nullptr && PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
+  Py_ssize_t n = PyList_GET_SIZE(frames);
+  if (n > 0 && PyList_SetSlice(frames, n - 1, n, nullptr) < 0) PyErr_Clear();
+  PyErr_Restore(et, ev, tb);
+  Py_XDECREF(saved);
+  Py_DECREF(frames);
+  return r;
+}
+
+// HandlerStack.execute for a Python handler whose execute hook runs for the op, on the
+// op's first stack: unwrap and copy-on, the hook, and the wrap, with only the hook (and
+// copy_on hooks) in Python; then the dispatcher's output validation (TakeOutputs).
+// Always handled: errors are reported through `status` as the Python path raises them.
+// GIL: held.
+bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+             const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+             TFE_TensorHandle** outputs, TF_Status* status) {
+  OpObject* op = NewOpObject(type, device, *num_outputs);
+  if (op == nullptr) {
+    StatusFromPyErr(status);
+    return true;
+  }
+  op->borrowed = src;
+  // Read per op (the handler may rebind them); not cached, so the cache keeps no handler
+  // alive.
+  PyObject* handler = PyObject_GetAttr(stack, s_handler);
+  PyObject* execute = handler != nullptr ? PyObject_GetAttr(handler, s_execute) : nullptr;
+  PyObject* value_dtype = nullptr;
+  PyObject* values = execute != nullptr ? PyList_New(n_in) : nullptr;
+  PyObject* result = nullptr;
+  PyObject* wrapped = nullptr;
+  absl::InlinedVector<int, 4> foreign;
+  OpObject* outer = SwapCurrentOp(op);  // names the op in wrap errors (CurrentOpType)
+  bool swapped = true;
+  if (values == nullptr) goto fail;
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    PyObject* v;
+    if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
+        reinterpret_cast<PyObject*>(p->stack) == stack) {
+      v = reinterpret_cast<PyObject*>(p->value);
+      Py_INCREF(v);
+    } else {
+      v = Sharing(in[i]);
+      if (v == nullptr) goto fail;
+      foreign.push_back(i);
+    }
+    PyList_SET_ITEM(values, i, v);
+  }
+  for (int i : foreign) {
+    if (!d.copy_all) {
+      PyObject* idx = PyLong_FromLong(i);
+      PyObject* want = idx ? PyObject_CallMethodObjArgs(stack, s_wants_copy, op, idx, nullptr)
+                           : nullptr;
+      Py_XDECREF(idx);
+      int yes = want != nullptr ? PyObject_IsTrue(want) : -1;
+      Py_XDECREF(want);
+      if (yes < 0) goto fail;
+      if (yes == 0) continue;
+    }
+    PyObject* moved = PyObject_CallMethodOneArg(stack, s_copy_on_value, PyList_GET_ITEM(values, i));
+    if (moved == nullptr) goto fail;
+    PyList_SetItem(values, i, moved);  // steals `moved`, releases the input
+  }
+  result = CallHook(stack, d.next, execute, reinterpret_cast<PyObject*>(op), values);
+  if (result == nullptr) goto fail;
+  if (!PyList_Check(result) && !PyTuple_Check(result)) {
+    PyObject* r = PyObject_CallMethodObjArgs(stack, s_not_a_list, op, result, nullptr);
+    Py_XDECREF(r);  // raises
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "execute did not return a list");
+    goto fail;
+  }
+  if (d.next == g_physical) {
+    value_dtype = PyObject_GetAttr(handler, s_value_dtype);
+    if (value_dtype == nullptr) goto fail;
+    wrapped = WrapOutputs(stack, result, d.transient, value_dtype, op->type);
+  } else {
+    // Outputs that left the stacks below (HandlerStack._wrap_eager).
+    wrapped = PyObject_CallMethodOneArg(stack, s_wrap_eager, result);
+  }
+  if (wrapped == nullptr) goto fail;
+  SwapCurrentOp(outer);
+  swapped = false;
+  TakeOutputs(op, src, wrapped, num_outputs, outputs, status);
+  goto done;
+fail:
+  StatusFromPyErr(status);
+done:
+  if (swapped) SwapCurrentOp(outer);
+  Py_XDECREF(wrapped);
+  Py_XDECREF(result);
+  Py_XDECREF(values);
+  Py_XDECREF(value_dtype);
+  Py_XDECREF(execute);
+  Py_XDECREF(handler);
+  EndBorrow(op, g_ctx);
+  Py_DECREF(op);
+  return true;
+}
+
+bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
+           int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+           TF_Status* status, int depth) {
+  if (stack == g_physical) return RunPhysical(src, type, n_in, in, num_outputs, outputs, status);
+  if (depth > kMaxDepth) return false;
+  const Decision* d = Decide(stack, type);
+  if (d == nullptr) return false;
+  switch (d->kind) {
+    case kForward: {
+      Decision copy = *d;  // the cache may be cleared by nested decisions
+      return RunForward(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
+                        depth);
+    }
+    case kNative:
+      return NativeStackRun(stack, src, type, device, n_in, in, num_outputs, outputs, status);
+    case kHook: {
+      if (depth > 0) return false;  // below a forwarding level: its copy-on rules, Python
+      Decision copy = *d;
+      return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
+    }
+    default:
+      return false;
+  }
+}
+
+// Ops the fast path never takes: copy ops and _EagerConst (their own rules in Python),
+// and ops running Python in their kernel (tf.py_function), whose body must run with
+// state.current set to the next stack.
+bool Excluded(const char* type) {
+  if (type[0] == '_' && std::strcmp(type, "_EagerConst") == 0) return true;
+  if (std::strncmp(type, "Copy", 4) == 0 &&
+      (!std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
+       !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad"))) {
+    return true;
+  }
+  return std::strstr(type, "PyFunc") != nullptr;
+}
+
+// fast_setup(state, PHYSICAL)
+PyObject* PyFastSetup(PyObject*, PyObject* args) {
+  PyObject *state, *physical;
+  if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
+  Py_INCREF(state);
+  Py_INCREF(physical);
+  Py_XSETREF(g_state, state);
+  Py_XSETREF(g_physical, physical);
+  s_mode = PyUnicode_InternFromString("mode");
+  s_current = PyUnicode_InternFromString("current");
+  s_device = PyUnicode_InternFromString("device");
+  s_fast = PyUnicode_InternFromString("_oh_fast");
+  s_handler = PyUnicode_InternFromString("handler");
+  s_frames = PyUnicode_InternFromString("frames");
+  s_execute = PyUnicode_InternFromString("execute");
+  s_value_dtype = PyUnicode_InternFromString("value_dtype");
+  s_wants_copy = PyUnicode_InternFromString("wants_copy");
+  s_copy_on_value = PyUnicode_InternFromString("_copy_on_value");
+  s_not_a_list = PyUnicode_InternFromString("_raise_not_a_list");
+  s_wrap_eager = PyUnicode_InternFromString("_wrap_eager");
+  if (!s_mode || !s_current || !s_device || !s_fast || !s_handler || !s_frames ||
+      !s_wants_copy || !s_copy_on_value || !s_not_a_list || !s_wrap_eager || !s_execute ||
+      !s_value_dtype) {
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// stacks_changed(enable): a stack was built; `enable` says whether it may take the fast
+// path for some op (turns the path on for the process).
+PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
+  if (g_decisions != nullptr && !g_decisions->empty()) {
+    g_decisions->clear();
+    ++g_clears;
+  }
+  if (PyObject_IsTrue(arg) == 1) g_enabled = true;
+  PyErr_Clear();
+  Py_RETURN_NONE;
+}
+
+// fast_stats() -> dict: counters of the fast path (tests and benchmarks).
+PyObject* PyFastStats(PyObject*, PyObject*) {
+  return Py_BuildValue("{sKsKsKsKsnsnsO}", "hits", (unsigned long long)g_hits, "misses",
+                       (unsigned long long)g_misses, "fast_ops",
+                       (unsigned long long)g_fast_ops, "clears",
+                       (unsigned long long)g_clears, "entries",
+                       (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "maxsize",
+                       (Py_ssize_t)kMaxDecisions, "enabled",
+                       g_enabled ? Py_True : Py_False);
+}
+
+}  // namespace
+
+bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int n_in,
+                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
+  if (!g_enabled || g_state == nullptr || type == nullptr || Excluded(type)) return false;
+  PyObject* mode = PyObject_GetAttr(g_state, s_mode);
+  if (mode == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_DECREF(mode);  // None and the modes are kept alive elsewhere; only identity matters
+  if (mode != Py_None) return false;  // a function being replayed: Python
+  absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in);
+  for (int i = 0; i < n_in; ++i) {
+    in[i] = TFE_OpGetFlatInput(op, i, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TF_SetStatus(status, TF_OK, "");
+      return false;
+    }
+  }
+  PyObject* stack = nullptr;  // borrowed (kept alive by state.current or an input)
+  if (device != nullptr && g_device_name == device) {
+    // Placed by a scope: the current stack (dispatch.execute). PHYSICAL here means a
+    // hook's own ops placed under an outer scope: Python decides those.
+    PyObject* current = PyObject_GetAttr(g_state, s_current);
+    if (current == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_DECREF(current);  // state.current keeps it alive while the op runs
+    if (current == g_physical) return false;
+    stack = current;
+  } else {
+    // Type-based dispatch: the one stack of the handler inputs (dispatch._stack_for);
+    // inputs on two stacks need its rules: Python.
+    for (int i = 0; i < n_in; ++i) {
+      TFOH_Payload* p = PayloadOf(in[i]);
+      if (p == nullptr) continue;
+      PyObject* s = reinterpret_cast<PyObject*>(p->stack);
+      if (stack != nullptr && s != stack) return false;
+      stack = s;
+    }
+    if (stack == nullptr) return false;
+  }
+  if (!RunOn(stack, op, type, device, n_in, in.data(), num_outputs, outputs, status, 0)) {
+    return false;
+  }
+  ++g_fast_ops;
+  return true;
+}
+
+PyMethodDef kFastModuleMethods[] = {
+    {"fast_setup", PyFastSetup, METH_VARARGS,
+     "fast_setup(state, PHYSICAL): what the C++ per-op fast path reads."},
+    {"stacks_changed", PyStacksChanged, METH_O,
+     "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
+    {"fast_stats", PyFastStats, METH_NOARGS,
+     "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled}."},
+    {nullptr}};
+
+}  // namespace tf_ophandlers

@@ -1,0 +1,70 @@
+/* tf-ophandlers C++ boundary: the per-op fast path (internal header). Implementation:
+   fast_path.cc.
+
+   The dispatcher's execute callback (device.cc) first offers every op to
+   TryFastExecute, which runs it without any Python frame when every stack it passes
+   through lets it:
+   - PHYSICAL: every input is a physical tensor; the op is re-executed with
+     TFE_Execute on `state.device` (as core/stack.py's PhysicalStack.execute does);
+   - a stack whose handler does not run `execute` for this op type (a Python handler
+     that leaves `execute` at its default, or whose `handles_ops` excludes the type):
+     inputs on the stack are unwrapped in C, the op runs on the next stack, outputs are
+     wrapped in C (HandlerStack.execute's forwarding path);
+   - a stack of a C/C++ handler (native.h): its execute hook runs in C;
+   - on the op's first stack only, a Python handler whose `execute` runs for the op:
+     C does HandlerStack.execute's unwrap and copy-on (calling `_copy_on_value` and
+     `wants_copy` for inputs that are not the stack's), `call_hook`'s frame, the wrap
+     (WrapOutputs, or `_wrap_eager` when the next stack is not PHYSICAL) and the
+     dispatcher's output validation (device.h TakeOutputs), so the hook is the only
+     Python on the path.
+   Anything else (a function call op, copy ops and `_EagerConst`, ops that run Python
+   inside their kernel, a function being replayed, `returns_off_stack` handlers, a Python
+   hook below a forwarding level, an input no level below owns) returns "not handled"
+   before anything was done, and the callback takes the Python path
+   (core/dispatch.py), which gives the same results and errors.
+
+   The decision per (stack, op type) is asked once from Python
+   (`HandlerStack._oh_fast(op_type)`) and kept in a bounded C++ cache keyed by the stack
+   object and the op type. Python calls `_C.stacks_changed()` whenever a stack is built
+   (HandlerStack.__init__); that clears the cache, so an entry can never outlive the
+   stack it describes (a new stack at a dead one's address is built first). Handler
+   attributes the decision reads (`execute` overridden, `handles_ops`, `copy_on`,
+   `transient`) are read when the stack first sees an op type.
+*/
+#ifndef TF_OPHANDLERS_FAST_PATH_H_
+#define TF_OPHANDLERS_FAST_PATH_H_
+
+#include <Python.h>
+
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/tf_status.h"
+
+namespace tf_ophandlers {
+
+// Runs `op` (type `type`, requested device `device`, `num_inputs` flat inputs, all
+// borrowed) without entering Python if every stack on its way allows it (see above).
+// Returns false when it does not: nothing was done, `status` is untouched and no Python
+// exception is set; the caller takes the Python path. Returns true when it ran the op:
+// `status` tells whether it succeeded (a kernel's or a C handler's error, as TensorFlow
+// or the handler reported it), and on success `outputs` holds `*num_outputs` new handles
+// (`*num_outputs` is the capacity on entry). GIL: must be held; released around
+// TFE_Execute.
+bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int num_inputs,
+                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+
+// Wraps what an execute hook of `stack` returned (`values`, borrowed: a list or tuple)
+// as handler tensors of `stack`, as `_C.wrap_outputs` does: a tensor gives its own dtype,
+// another representation asks `value_dtype(value)` (borrowed callable); with
+// `transient`, resource tensors are returned as they are. `op_type` (borrowed str, may
+// be null) names the op in errors. Returns a new list, or null with a HandlerOutputError
+// naming the handler, the hook and the op. Defined in module.cc. GIL: must be held.
+PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
+                      PyObject* value_dtype, PyObject* op_type);
+
+// The module functions of fast_path.cc (fast_setup, stacks_changed, fast_stats), appended
+// to the module's method table by module.cc. Null-terminated.
+extern PyMethodDef kFastModuleMethods[];
+
+}  // namespace tf_ophandlers
+
+#endif  // TF_OPHANDLERS_FAST_PATH_H_

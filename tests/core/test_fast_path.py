@@ -1,0 +1,308 @@
+"""The C++ per-op fast path (cc/fast_path.h): stacks whose handler does not execute an op
+(default `execute`, or `handles_ops` excluding its type) run it without Python, and give
+the results, placements and errors of the Python path and of plain TensorFlow."""
+import re
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+import tf_ophandlers._C as _C
+
+
+def _same(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+class Forwarding(oh.OpHandler):
+    """Overrides execute: every op takes the Python path (the reference)."""
+
+    def execute(self, op, inputs):
+        return self.next.execute(op, inputs)
+
+
+class Seen(oh.OpHandler):
+    """Records the op types its execute hook is called for."""
+
+    def __init__(self, handles_ops=None):
+        if handles_ops is not None:
+            self.handles_ops = handles_ops
+        self.seen = []
+
+    def execute(self, op, inputs):
+        self.seen.append(op.type)
+        return self.next.execute(op, inputs)
+
+
+def _frames(fn):
+    """The package's Python frames entered while `fn` runs."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, calls
+
+
+def _chain(a, b):
+    for _ in range(3):
+        a = tf.tanh(a) * 1.5 + tf.matmul(a, b)
+    return a
+
+
+@pytest.fixture
+def ab():
+    return (tf.random.stateless_normal([3, 3], seed=[1, 2]),
+            tf.random.stateless_normal([3, 3], seed=[3, 4]))
+
+
+def test_pass_through_levels_run_without_python_frames(ab):
+    a0, b0 = ab
+    want = _chain(a0, b0)
+    with oh.OpHandler(), oh.OpHandler() as inner:
+        a, b = tf.identity(a0), tf.identity(b0)  # physical inputs: copied on in Python
+        _chain(a, b)  # each (stack, op type) is decided once, in Python
+        before = _C.fast_stats()
+        got, calls = _frames(lambda: _chain(a, b))
+    assert calls == []
+    assert _C.fast_stats()["fast_ops"] - before["fast_ops"] == 12
+    stack = oh.stack_of(got)
+    assert stack is not None and stack.handler is inner and len(stack.handlers) == 2
+    _same(got, want)
+
+
+def test_handles_ops_forwards_other_ops_without_calling_execute(ab):
+    a0, b0 = ab
+    want = _chain(a0, b0)
+    for handles in (frozenset({"MatMul"}), ["MatMul"], lambda t: t == "MatMul"):
+        h = Seen(handles)
+        with h:
+            a, b = tf.identity(a0), tf.identity(b0)
+            _chain(a, b)
+            got, calls = _frames(lambda: _chain(a, b))  # noqa: B023
+        assert h.seen == ["MatMul"] * 6
+        # Per MatMul only the hook's own Python (`self.next` and PHYSICAL's execute); the
+        # hook itself is in this file. The other ops: nothing.
+        assert calls == ["next", "execute"] * 3, calls
+        _same(got, want)
+        assert oh.stack_of(got).handler is h
+
+
+def test_handles_ops_in_the_python_path_too(ab):
+    """Where the fast path cannot run an op (a physical input to copy on below another
+    handler), the Python stack forwards unhandled types the same way."""
+    a0, b0 = ab
+    h = Seen({"MatMul"})
+    with Forwarding(), h:
+        got = _chain(a0, b0)
+    assert h.seen == ["MatMul"] * 3
+    _same(got, _chain(a0, b0))
+
+
+def test_handles_ops_string_is_an_error_naming_the_handler():
+    class Bad(oh.OpHandler):
+        handles_ops = "MatMul"
+    with pytest.raises(TypeError, match=r"Bad\(\)\.handles_ops"):
+        with Bad():
+            pass
+
+
+def test_same_errors_as_the_python_path_and_tensorflow():
+    x = tf.ones([2, 3])
+    y = tf.ones([4, 5])
+
+    def fail(handler_cls):
+        try:
+            if handler_cls is None:
+                tf.matmul(x, y)
+            else:
+                with handler_cls():
+                    a, b = tf.identity(x), tf.identity(y)
+                    tf.matmul(a, b)
+        except Exception as e:  # pylint: disable=broad-except
+            return type(e), str(e).split("[Op:")[0].strip()
+        raise AssertionError("no error")
+
+    plain, fast, slow = fail(None), fail(oh.OpHandler), fail(Forwarding)
+    assert plain[0] is fast[0] is slow[0] is tf.errors.InvalidArgumentError
+    assert plain[1] == fast[1] == slow[1]
+
+
+def test_a_handlers_own_error_reaches_the_user_unchanged(ab):
+    a0, _ = ab
+
+    class Refuses(oh.OpHandler):
+        handles_ops = frozenset({"Cos"})
+
+        def execute(self, op, inputs):
+            raise ValueError("Refuses() will not run %s" % op.type)
+
+    with Refuses():
+        a = tf.identity(a0)
+        s = tf.sin(a)  # forwarded (fast path)
+        with pytest.raises(ValueError, match=r"^Refuses\(\) will not run Cos$"):
+            tf.cos(a)
+    _same(s, tf.sin(a0))
+
+
+def test_invalid_outputs_below_a_fast_level_name_the_handler_and_op(ab):
+    a0, _ = ab
+
+    class WrongCount(oh.OpHandler):
+        def execute(self, op, inputs):
+            extra = [inputs[0]] if op.type == "Sin" else []
+            return self.next.execute(op, inputs) + extra
+
+    with WrongCount(), oh.OpHandler():
+        a = tf.identity(a0)
+        with pytest.raises(oh.HandlerOutputError, match=r"WrongCount.*Sin"):
+            tf.sin(a)
+
+
+def test_new_stacks_invalidate_decisions():
+    """Decisions are cached per stack object; a stack built later (possibly at a dead
+    stack's address) must never use an old stack's decision."""
+    x = tf.constant([[1.0, 2.0]])
+    for i in range(30):
+        before = _C.fast_stats()["clears"]
+        h = Seen() if i % 2 else oh.OpHandler()
+        with h:
+            a = tf.identity(x)
+            y = tf.sin(a) + 1.0
+        assert _C.fast_stats()["clears"] > before or _C.fast_stats()["entries"] <= 2
+        if i % 2:
+            assert h.seen == ["Identity", "Sin", "AddV2"], h.seen
+        _same(y, tf.sin(x) + 1.0)
+        del h, a, y
+    entries, maxsize = oh.caches()["fast_path.decisions"]
+    assert 0 <= entries <= maxsize
+
+
+def test_type_based_dispatch_and_resources_match_the_python_path(ab):
+    a0, b0 = ab
+    results = {}
+    for cls in (oh.OpHandler, Forwarding):
+        with cls() as h:
+            a = tf.identity(a0)
+            v = tf.Variable(b0)  # transient: the handle stays physical
+        y = tf.matmul(a, v)  # after the scope: type-based dispatch onto h's stack
+        results[cls] = y
+        assert oh.stack_of(y).handler is h
+        assert oh.stack_of(v.handle) is None
+    _same(results[oh.OpHandler], results[Forwarding])
+    _same(results[oh.OpHandler], tf.matmul(a0, b0))
+
+
+def _model():
+    tf.keras.utils.set_random_seed(5)
+    inputs = tf.keras.Input([4])
+    h = tf.keras.layers.Dense(8, activation="relu")(inputs)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize("make", [oh.OpHandler, lambda: Seen({"MatMul"})],
+                         ids=["default-execute", "handles_ops"])
+def test_keras_model_values_and_gradients_eager_and_in_a_function(make):
+    model = _model()
+    x = tf.random.stateless_normal([5, 4], seed=[7, 8])
+
+    def loss_grads(tape_cls):
+        with tape_cls() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    want_loss, want_grads = loss_grads(tf.GradientTape)
+    for tape_cls in (tf.GradientTape, oh.GradientTape):
+        with tape_cls() as tape:
+            with make():
+                loss = tf.reduce_sum(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        _same(loss, want_loss)
+        for g, w in zip(grads, want_grads):
+            assert type(g) is type(w) and g.dtype == w.dtype and g.shape == w.shape
+            _same(g, w)
+
+    @tf.function
+    def f(x):
+        with make():
+            return model(x)
+    _same(f(x), model(x))
+    _same(f(x[:3]), model(x[:3]))  # a partial batch
+
+
+def test_model_fit_under_a_pass_through_scope_matches_plain_fit():
+    x = tf.random.stateless_normal([10, 4], seed=[1, 1])
+    y = tf.random.stateless_normal([10, 2], seed=[2, 2])
+    weights = []
+    for scope in (None, oh.OpHandler):
+        model = _model()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+        if scope is None:
+            model.fit(x, y, batch_size=4, epochs=2, verbose=0)  # a partial last batch
+        else:
+            with scope():
+                model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        weights.append(model.get_weights())
+    for w_plain, w_oh in zip(*weights):
+        _same(w_oh, w_plain)
+
+
+class _Hooked(oh.OpHandler):
+    """A Python execute hook; `returns_off_stack = True` sends it down the Python path."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def execute(self, op, inputs):
+        outputs = self.next.execute(op, inputs)
+        if op.type != "Sin":
+            return outputs
+        if self.mode == "count":
+            return outputs + outputs
+        if self.mode == "dtype":
+            return [tf.cast(outputs[0], tf.float64)]
+        if self.mode == "tuple":
+            return tuple(outputs)
+        if self.mode == "bare":
+            return outputs[0]
+        if self.mode == "numpy":
+            return [outputs[0].numpy()]
+        if self.mode == "raise":
+            raise KeyError("no Sin here")
+        return [outputs[0] * 2.0]
+
+
+class _HookedSlow(_Hooked):
+    returns_off_stack = True  # (never used: only to take the Python path)
+
+
+@pytest.mark.parametrize("mode", ["ok", "tuple", "count", "dtype", "bare", "numpy", "raise"])
+def test_python_hooks_called_from_cpp_match_the_python_path(mode, ab):
+    a0, _ = ab
+    outcomes = []
+    for cls in (_Hooked, _HookedSlow):
+        h = cls(mode)
+        with h:
+            a = tf.identity(a0)
+            try:
+                y = tf.sin(a)
+                outcomes.append(("ok", oh.stack_of(y).handler is h, y.numpy().tolist()))
+            except Exception as e:  # pylint: disable=broad-except
+                text = re.sub(r"device:\w+:\d+", "device:?", str(e))  # the stack's name
+                outcomes.append((type(e), text.replace("_HookedSlow", "_Hooked")))
+    assert outcomes[0] == outcomes[1]
+    if mode in ("ok", "tuple"):
+        want = tf.sin(a0) * (2.0 if mode == "ok" else 1.0)
+        _same(outcomes[0][2], want)
+    elif mode == "raise":
+        assert outcomes[0][0] is KeyError
+    else:
+        assert issubclass(outcomes[0][0], oh.HandlerOutputError), outcomes[0]
+        assert "_Hooked()" in outcomes[0][1] and "Sin" in outcomes[0][1], outcomes[0]

@@ -37,13 +37,19 @@ Policies (where segments end):
   their outputs are kept and only the ops between them are recomputed (JAX's
   ``checkpoint_dots``, PyTorch's selective activation checkpointing).
 - ``memory_budget=bytes``: keeps the estimated activation memory (kept values plus the
-  largest segment) under the budget, recomputing only the first part of the computation
-  (in sqrt(n) segments) and keeping the rest, so that more budget means less
-  recomputation. The rest is recorded as kept segments, whose gradient function takes
-  their saved values (graph speed, no recomputation). The plan needs the computation's
-  size: the first scope of a handler runs the sqrt policy and measures it; reuse the
-  handler (``with rc:`` per step). A budget below the minimum (the sqrt policy's
-  estimate) raises ValueError naming both.
+  largest segment) under the budget, recomputing the cheapest tensors first. Cost model
+  (`EXPENSIVE_OPS`): outputs of contractions and convolutions (MatMul, BatchMatMul,
+  Einsum, Conv2D, ...) are expensive per byte, every other op's cheap. The plan divides
+  the computation (in the order it runs) into up to three parts: a first part
+  recomputed whole in sqrt(n) segments (only when the budget is too small otherwise), a
+  *selective* part where the outputs of expensive ops are kept and the cheap ops between
+  them recomputed (as ``save=EXPENSIVE_OPS``), and a last part recorded as kept segments
+  (nothing recomputed; their gradient function takes their saved values at graph
+  speed). More budget first shrinks the part that recomputes expensive ops, then grows
+  the kept part. The plan needs the computation's size and its expensive share: the
+  first scope of a handler runs the sqrt policy and measures them; reuse the handler
+  (``with rc:`` per step). A budget below the minimum of every plan
+  (``rc.minimum_budget()``) raises ValueError naming both.
 """
 import math
 import weakref
@@ -66,6 +72,15 @@ _TRAINABLE = frozenset(d.as_datatype_enum for d in (
 _MARGIN = 0.9  # share of a memory budget planned for the estimated activations
 _WORKING = 4  # values of the largest size the backward pass holds besides them
 _OPAQUE = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
+# The cost model of the budget policy: outputs of contractions and convolutions cost
+# O(contraction size) flops per byte to recompute, every other op (elementwise,
+# reductions, reshapes, gathers) O(1); a budget keeps the expensive ones first.
+EXPENSIVE_OPS = frozenset((
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv",
+    "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+    "Conv3DBackpropInputV2", "_FusedMatMul", "_FusedConv2D", "SparseMatMul",
+    "SparseTensorDenseMatMul", "TensorDot"))
+_GRID = 200  # plans tried by the budget planner (fractions of the computation)
 
 
 def _is_stateful(op_type):
@@ -145,9 +160,14 @@ class Recompute(OpHandler):
         self._count = 0  # values computed by segments in this scope
         self._kept = 0  # bytes kept by the tapes (segment outputs) in this scope
         self._largest = 0  # bytes of the largest segment in this scope
-        self._expected = None  # (total bytes, mean and largest value bytes), last scope
+        # Of the last scope: (total bytes, mean and largest value bytes, bytes of
+        # expensive ops' outputs, largest run of cheap bytes between expensive ops).
+        self._expected = None
+        self._regions = (0.0, 0.0)  # budget plan: bytes ending the sqrt, selective parts
         self.segments = 0  # segments recorded (all scopes)
-        self.stats = None  # of the last scope: dict(computed, kept, largest, segments)
+        # Of the last scope: dict(computed, kept, largest, segments, recomputed: op type ->
+        # ops the gradient functions recompute).
+        self.stats = None
 
     def debug_string(self):
         if self.policy == "save":
@@ -178,6 +198,8 @@ class Recompute(OpHandler):
         if self._depth == 1:
             self._computed = self._count = self._kept = self._largest = 0
             self._largest_value = 0
+            self._expensive = self._run = self._max_run = 0
+            self._recomputed = {}
             self._segments_at_entry = self.segments
             self._threshold_cache = None
             if self.policy == "memory_budget" and self._expected is not None:
@@ -189,45 +211,76 @@ class Recompute(OpHandler):
             self.flush()
             if self._count:
                 self._expected = (self._computed, self._computed / self._count,
-                                  self._largest_value)
+                                  self._largest_value, self._expensive,
+                                  max(self._max_run, self._run))
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
-                              segments=self.segments - self._segments_at_entry)
+                              segments=self.segments - self._segments_at_entry,
+                              recomputed=dict(self._recomputed))
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:
                     raise ValueError(
                         "oh.Recompute: memory_budget=%d bytes is below the minimum "
                         "feasible for this computation, about %d bytes (%d bytes of "
-                        "activations in sqrt(n) segments)" % (
+                        "activations, recomputed in sqrt(n) segments)" % (
                             self.memory_budget, minimum, self._computed))
 
     def minimum_budget(self):
-        """The smallest activation memory of sqrt(n) segments for the last scope's
-        computation (bytes): 2 * sqrt(total bytes * mean value bytes), plus the
-        backward pass's working values and a margin, as budgets are planned."""
+        """The smallest activation memory of any budget plan for the last scope's
+        computation (bytes; at most sqrt(n) segments' 2 * sqrt(total bytes * mean value
+        bytes)), plus the backward pass's working values and a margin, as budgets are
+        planned. None before a scope ran."""
         if self._expected is None:
             return None
-        total, mean, largest = self._expected
-        return int(math.ceil((2 * math.sqrt(total * mean) + _WORKING * largest) / _MARGIN))
+        largest = self._expected[2]
+        need = min(self._need(f / _GRID, 1 - f / _GRID) for f in range(_GRID + 1))
+        return int(math.ceil((need + _WORKING * largest) / _MARGIN))
+
+    def _need(self, f, s):
+        """Estimated activation bytes of the plan recomputing the first `f` of the
+        computation whole (sqrt(n) segments), the next `s` selectively (expensive ops'
+        outputs kept, the cheap ops between them recomputed) and keeping the rest."""
+        total, mean, _, expensive, max_run = self._expected
+        cap = self._selective_cap()
+        kept_share = min(1.0, expensive / max(total, 1) + mean / cap)
+        checkpoints = math.sqrt(f * total * mean) if f > 0 else 0.0
+        segment = max(checkpoints, min(max_run, cap) + mean if s > 0 else 0.0)
+        return checkpoints + segment + s * total * kept_share + max(0.0, 1 - f - s) * total
+
+    def _selective_cap(self):
+        total, mean = self._expected[:2]
+        return max(mean, math.sqrt(total * mean))
 
     def _plan_budget(self):
-        """Chooses how many bytes to recompute (the first part, in segments) so that the
-        rest kept plus the segments' checkpoints and largest segment fit the budget."""
-        total, mean, largest = self._expected
+        """Chooses the parts (see the module docstring): the smallest part recomputing
+        expensive ops, then the smallest selective part, whose estimate plus the
+        backward pass's working values fits the budget."""
+        total, mean, largest = self._expected[:3]
         # What the estimate leaves out (the backward pass's gradients in flight, the
         # tape's own references) comes off the budget first.
         budget = self.memory_budget * _MARGIN - _WORKING * largest
-        lo, hi = 0.0, 1.0  # fraction of the computation recomputed
-        for _ in range(40):
-            f = (lo + hi) / 2
-            need = (1 - f) * total + 2 * math.sqrt(f * total * mean)
-            if need <= budget:
-                hi = f
-            else:
-                lo = f
-        self._recompute_bytes = hi * total
-        self._segment_bytes = max(mean, math.sqrt(hi * total * mean))
+        f, s = 1.0, 0.0  # infeasible: all in sqrt(n) segments (an error at exit)
+        for i in range(_GRID + 1):
+            if self._need(i / _GRID, 1 - i / _GRID) <= budget:
+                f, s = i / _GRID, 1 - i / _GRID
+                break
+        if f == 0.0:
+            for i in range(_GRID + 1):
+                if self._need(0.0, i / _GRID) <= budget:
+                    s = i / _GRID
+                    break
+        self._regions = (f * total, (f + s) * total)
+        self._segment_bytes = max(mean, math.sqrt(f * total * mean))
+
+    def _region(self):
+        """Under a planned budget, the part the computation is in: "sqrt", "selective"
+        or "kept"; None otherwise."""
+        if self.policy != "memory_budget" or self._expected is None:
+            return None
+        if self._computed < self._regions[0]:
+            return "sqrt"
+        return "selective" if self._computed < self._regions[1] else "kept"
 
     def flush(self):
         """Records every segment not recorded yet (at scope exit and value requests)."""
@@ -322,9 +375,14 @@ class Recompute(OpHandler):
         tracked = any(self._is_tracked(v) for v in inputs)
         return self._wrap(self.next.execute(op, self._tensors(inputs)), tracked)
 
-    def _count_values(self, outputs):
+    def _count_values(self, op_type, outputs):
         sizes = [nbytes(o) for o in outputs]
         size = sum(sizes)
+        if op_type in EXPENSIVE_OPS:
+            self._expensive += size
+            self._max_run, self._run = max(self._max_run, self._run), 0
+        else:
+            self._run += size
         self._computed += size
         self._count += len(outputs)
         if sizes and max(sizes) > self._largest_value:
@@ -353,8 +411,7 @@ class Recompute(OpHandler):
 
     def _keep_all(self):
         """Under a memory budget, past the part planned for recomputation."""
-        return (self.policy == "memory_budget" and self._expected is not None
-                and self._computed >= self._recompute_bytes)
+        return self._region() == "kept"
 
     def _run_in_segment(self, op, inputs, tracked, keep=False):
         segment = self._open
@@ -379,19 +436,24 @@ class Recompute(OpHandler):
         segment.nodes.append((op, tuple(refs)))
         values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
         segment.values.append([weakref.ref(v) for v in values])
-        segment.bytes += self._count_values(outputs)
+        region = self._region()
+        segment.bytes += self._count_values(op.type, outputs)
         if keep:
             segment.saved.append(list(outputs))
             return values
-        if self.policy == "save" and op.type in self.save:
+        if (self.policy == "save" and op.type in self.save) or (
+                region == "selective" and op.type in EXPENSIVE_OPS):
             self._close()
         return values
 
     def _segment_full(self, segment):
         if self.policy == "save" or segment.saved is not None:
             return False
-        if self.policy == "memory_budget" and self._expected is not None:
+        region = self._region()
+        if region == "sqrt":
             return segment.bytes >= self._segment_bytes
+        if region == "selective":
+            return segment.bytes >= self._selective_cap()
         total, count = self._computed, max(self._count, 1)
         if self._expected is not None:
             total = max(total, self._expected[0])
@@ -426,3 +488,13 @@ class Recompute(OpHandler):
                     v.segment = None
                     v.tracked = (n, k) in recorded
         self._kept += sum(nbytes(t) for _, t in outputs)
+        if segment.saved is None:
+            # The ops its gradient function recomputes: all but those whose outputs are
+            # all recorded (kept) and unused inside (pruned from the function when their
+            # gradient does not need them, as for contractions and convolutions).
+            consumed = {r for _, refs in segment.nodes for r in refs if r[0] >= 0}
+            for n, (op, _) in enumerate(segment.nodes):
+                if any((n, k) not in recorded or (n, k) in consumed
+                       for k in range(len(segment.values[n]))) \
+                        or op.type not in EXPENSIVE_OPS:
+                    self._recomputed[op.type] = self._recomputed.get(op.type, 0) + 1

@@ -298,10 +298,12 @@ def render_md(summary, resnet, info, args, elapsed):
          "Why checkpointing is not slower here: the tape backpropagates recorded ops one by "
          "one eagerly, while a segment's gradient is one call of a cached `tf.function` "
          "(recompute + gradient at graph speed), which pays for the recomputation. Under a "
-         "budget, the part not recomputed is recorded as *kept* segments: they hold their "
-         "values and their gradient function takes them (reverse mode with the registered "
-         "gradients at graph speed, no recomputation), so a larger budget recomputes less "
-         "at the same per-op cost. The differences between budgets are a few percent, "
+         "budget the cheapest tensors are recomputed first: the MatMul outputs are kept "
+         "before any bias add or tanh output (a part recomputing MatMuls too only when "
+         "the budget is tight), and the last part is recorded as *kept* segments: they "
+         "hold their values and their gradient function takes them (reverse mode with the "
+         "registered gradients at graph speed, no recomputation), so a larger budget "
+         "recomputes less at the same per-op cost. The differences between budgets are a few percent, "
          "within the noise of this shared machine."]
     if resnet:
         r0, r1, r2 = resnet["tf"], resnet["tape"], resnet["recompute"]

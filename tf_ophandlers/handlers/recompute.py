@@ -250,7 +250,7 @@ class Recompute(OpHandler):
 
     def _selective_cap(self):
         total, mean = self._expected[:2]
-        return max(mean, math.sqrt(total * mean))
+        return max(mean, math.sqrt(total * mean), 1.0)
 
     def _plan_budget(self):
         """Chooses the parts (see the module docstring): the smallest part recomputing

@@ -241,11 +241,11 @@ class Recompute(OpHandler):
         """Estimated activation bytes of the plan recomputing the first `f` of the
         computation whole (sqrt(n) segments), the next `s` selectively (expensive ops'
         outputs kept, the cheap ops between them recomputed) and keeping the rest."""
-        total, mean, _, expensive, max_run = self._expected
+        total, mean, _, expensive, _ = self._expected
         cap = self._selective_cap()
         kept_share = min(1.0, expensive / max(total, 1) + mean / cap)
         checkpoints = math.sqrt(f * total * mean) if f > 0 else 0.0
-        segment = max(checkpoints, min(max_run, cap) + mean if s > 0 else 0.0)
+        segment = max(checkpoints, cap + mean if s > 0 else 0.0)
         return checkpoints + segment + s * total * kept_share + max(0.0, 1 - f - s) * total
 
     def _selective_cap(self):
@@ -363,7 +363,8 @@ class Recompute(OpHandler):
                 # Under a memory budget, past the part planned for recomputation, a kept
                 # segment: it holds its values and its gradient function takes them (the
                 # backward pass at graph speed, without recomputation).
-                return self._run_in_segment(op, inputs, tracked, keep=self._keep_all())
+                return self._run_in_segment(op, inputs, tracked, keep=self._keep_all(),
+                                            partial=self._region() == "selective")
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
         return self._run_kept(op, inputs, interior)
 
@@ -413,14 +414,15 @@ class Recompute(OpHandler):
         """Under a memory budget, past the part planned for recomputation."""
         return self._region() == "kept"
 
-    def _run_in_segment(self, op, inputs, tracked, keep=False):
+    def _run_in_segment(self, op, inputs, tracked, keep=False, partial=False):
         segment = self._open
-        if segment is not None and ((segment.saved is not None) != keep
+        if segment is not None and ((segment.saved is not None) != (keep or partial)
+                                    or segment.partial != partial
                                     or self._segment_full(segment)):
             self._close()
             segment = None
         if segment is None:
-            segment = self._open = Segment(keep=keep)
+            segment = self._open = Segment(keep=keep, partial=partial)
         refs = []
         for v, tr in zip(inputs, tracked):
             if type(v) is _Value and v.segment is segment:
@@ -436,18 +438,18 @@ class Recompute(OpHandler):
         segment.nodes.append((op, tuple(refs)))
         values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
         segment.values.append([weakref.ref(v) for v in values])
-        region = self._region()
         segment.bytes += self._count_values(op.type, outputs)
-        if keep:
+        if keep or (partial and op.type in EXPENSIVE_OPS):
             segment.saved.append(list(outputs))
             return values
-        if (self.policy == "save" and op.type in self.save) or (
-                region == "selective" and op.type in EXPENSIVE_OPS):
+        if partial:
+            segment.saved.append(None)  # recomputed by the gradient function
+        if self.policy == "save" and op.type in self.save:
             self._close()
         return values
 
     def _segment_full(self, segment):
-        if self.policy == "save" or segment.saved is not None:
+        if self.policy == "save" or (segment.saved is not None and not segment.partial):
             return False
         region = self._region()
         if region == "sqrt":
@@ -463,7 +465,7 @@ class Recompute(OpHandler):
         segment, self._open = self._open, None
         if segment is None or not segment.nodes:
             return
-        if segment.saved is None:
+        if segment.saved is None or segment.partial:
             self._largest = max(self._largest, segment.bytes)
         # Recorded at the scope's exit (or a value request, or before a kept op that uses
         # its values): by then the program has dropped the values its layers held while
@@ -488,7 +490,11 @@ class Recompute(OpHandler):
                     v.segment = None
                     v.tracked = (n, k) in recorded
         self._kept += sum(nbytes(t) for _, t in outputs)
-        if segment.saved is None:
+        if segment.partial:
+            for (op, _), ts in zip(segment.nodes, segment.saved):
+                if ts is None:
+                    self._recomputed[op.type] = self._recomputed.get(op.type, 0) + 1
+        elif segment.saved is None:
             # The ops its gradient function recomputes: all but those whose outputs are
             # all recorded (kept) and unused inside (pruned from the function when their
             # gradient does not need them, as for contractions and convolutions).

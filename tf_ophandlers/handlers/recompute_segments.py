@@ -43,9 +43,9 @@ class Segment:
     """Consecutive recomputable ops of a forward pass, recorded on the tapes as one op."""
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
-                 "bytes", "saved", "__weakref__")
+                 "bytes", "saved", "partial", "__weakref__")
 
-    def __init__(self, keep=False):
+    def __init__(self, keep=False, partial=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
         self.values = []  # per node: weak references to the outputs' representations
         self.externals = []  # input tensors of the next stack (kept)
@@ -55,7 +55,11 @@ class Segment:
         self.bytes = 0  # bytes of the values computed (what recomputation saves)
         # A kept segment (keep=True) holds every value it computed: its gradient function
         # takes them instead of recomputing (graph-speed backward, no recomputation).
-        self.saved = [] if keep else None  # per node: its output tensors
+        # A partial segment (partial=True, for `memory_budget=`'s selective part) holds
+        # only the outputs of the nodes it saves (None for the others): its gradient
+        # function takes them and recomputes the others (graph speed, one call).
+        self.saved = [] if keep or partial else None  # per node: its output tensors
+        self.partial = partial
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""
@@ -157,7 +161,7 @@ def _piece(segment, targets, cuts, outputs):
             continue
         needed.add(n)
         stack.extend(p for p, i in segment.nodes[n][1] if p >= 0 and (p, i) not in cuts)
-    piece = Segment(keep=segment.saved is not None)
+    piece = Segment(keep=segment.saved is not None, partial=segment.partial)
     local = {}
     for n in sorted(needed):
         op, refs = segment.nodes[n]
@@ -189,15 +193,18 @@ def _record_piece(segment, outputs):
     structure = graph_builder.program_key(
         [(op, refs, None) for op, refs in segment.nodes], [nk for nk, _ in outputs],
         segment.externals, kinds=tuple(kinds))
-    saved = [] if segment.saved is None else [t for ts in segment.saved for t in ts]
+    saved = [] if segment.saved is None else [t for ts in segment.saved if ts is not None
+                                              for t in ts]
     refs = [nk for nk, _ in outputs]
     outs = [t for _, t in outputs]
+    # which nodes' values are arguments (all of a kept segment's, some of a partial one's)
+    layout = None if segment.saved is None else tuple(ts is not None for ts in segment.saved)
 
     def function(mask, kept):
         """The gradient function of the outputs whose gradients are given (the others
         have no gradient: an input reached only from them gets none, so a gather's
         input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
-        key = (structure, mask, kept)
+        key = (structure, mask, kept, layout)
         fn = _gradients.get(key)
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
@@ -236,7 +243,8 @@ class _GradientFunction:
                   for t, k in zip(segment.externals, kinds)]
         saved = segment.saved if kept else None
         if saved is not None:  # a kept segment: its values are arguments (after cs)
-            c_specs = c_specs + [tf.TensorSpec(t.shape, t.dtype) for ts in saved for t in ts]
+            c_specs = c_specs + [tf.TensorSpec(t.shape, t.dtype) for ts in saved
+                                 if ts is not None for t in ts]
         self.kinds = []
 
         def build(*args):
@@ -247,7 +255,10 @@ class _GradientFunction:
             ext = [next(it_x) if k is _TRACKED else next(it_c) if k is _CONSTANT
                    else tf.constant(v) for k, v in zip(kinds, values)]
             if saved is not None:
-                results = [[next(it_c) for _ in ts] for ts in saved]
+                results = [None if ts is None else [next(it_c) for _ in ts] for ts in saved]
+                graph_builder.replay(  # a partial segment recomputes the others
+                    _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes], ext,
+                    results, [n for n, ts in enumerate(saved) if ts is None])
                 grads = backprop_kept(nodes, ext, results, output_refs, gs, xs)
             else:
                 results = graph_builder.replay(

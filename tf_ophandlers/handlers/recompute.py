@@ -43,7 +43,8 @@ Policies (where segments end):
   the computation (in the order it runs) into up to three parts: a first part
   recomputed whole in sqrt(n) segments (only when the budget is too small otherwise), a
   *selective* part where the outputs of expensive ops are kept and the cheap ops between
-  them recomputed (as ``save=EXPENSIVE_OPS``), and a last part recorded as kept segments
+  them recomputed (partial segments: each saves its expensive ops' outputs, and its
+  gradient function takes them and recomputes the rest in one graph-speed call), and a last part recorded as kept segments
   (nothing recomputed; their gradient function takes their saved values at graph
   speed). More budget first shrinks the part that recomputes expensive ops, then grows
   the kept part. The plan needs the computation's size and its expensive share: the

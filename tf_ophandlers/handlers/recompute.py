@@ -162,7 +162,8 @@ class Recompute(OpHandler):
         self._kept = 0  # bytes kept by the tapes (segment outputs) in this scope
         self._largest = 0  # bytes of the largest segment in this scope
         # Of the last scope: (total bytes, mean and largest value bytes, bytes of
-        # expensive ops' outputs, largest run of cheap bytes between expensive ops).
+        # expensive ops' outputs, largest run of cheap bytes between expensive ops, bytes
+        # of the variables read: their gradients).
         self._expected = None
         self._regions = (0.0, 0.0)  # budget plan: bytes ending the sqrt, selective parts
         self.segments = 0  # segments recorded (all scopes)
@@ -201,6 +202,7 @@ class Recompute(OpHandler):
             self._largest_value = 0
             self._expensive = self._run = self._max_run = 0
             self._recomputed = {}
+            self._variables, self._params = {}, 0
             self._segments_at_entry = self.segments
             self._threshold_cache = None
             if self.policy == "memory_budget" and self._expected is not None:
@@ -213,7 +215,8 @@ class Recompute(OpHandler):
             if self._count:
                 self._expected = (self._computed, self._computed / self._count,
                                   self._largest_value, self._expensive,
-                                  max(self._max_run, self._run))
+                                  max(self._max_run, self._run), self._params)
+            self._variables = {}
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
                               segments=self.segments - self._segments_at_entry,
@@ -236,13 +239,13 @@ class Recompute(OpHandler):
             return None
         largest = self._expected[2]
         need = min(self._need(f / _GRID, 1 - f / _GRID) for f in range(_GRID + 1))
-        return int(math.ceil((need + _WORKING * largest) / _MARGIN))
+        return int(math.ceil((need + _WORKING * largest + self._expected[5]) / _MARGIN))
 
     def _need(self, f, s):
         """Estimated activation bytes of the plan recomputing the first `f` of the
         computation whole (sqrt(n) segments), the next `s` selectively (expensive ops'
         outputs kept, the cheap ops between them recomputed) and keeping the rest."""
-        total, mean, _, expensive, _ = self._expected
+        total, mean, _, expensive = self._expected[:4]
         cap = self._selective_cap()
         kept_share = min(1.0, expensive / max(total, 1) + mean / cap)
         checkpoints = math.sqrt(f * total * mean) if f > 0 else 0.0
@@ -260,7 +263,7 @@ class Recompute(OpHandler):
         total, mean, largest = self._expected[:3]
         # What the estimate leaves out (the backward pass's gradients in flight, the
         # tape's own references) comes off the budget first.
-        budget = self.memory_budget * _MARGIN - _WORKING * largest
+        budget = self.memory_budget * _MARGIN - _WORKING * largest - self._expected[5]
         f, s = 1.0, 0.0  # infeasible: all in sqrt(n) segments (an error at exit)
         for i in range(_GRID + 1):
             if self._need(i / _GRID, 1 - i / _GRID) <= budget:
@@ -375,7 +378,15 @@ class Recompute(OpHandler):
         if interior:
             self.flush()
         tracked = any(self._is_tracked(v) for v in inputs)
-        return self._wrap(self.next.execute(op, self._tensors(inputs)), tracked)
+        outputs = self.next.execute(op, self._tensors(inputs))
+        if op.type == "ReadVariableOp" and outputs and _trainable(outputs[0]):
+            # The variable's gradient is computed during the backward pass too: its
+            # bytes come off a memory budget (once per variable).
+            handle = self._tensor(inputs[0])
+            if id(handle) not in self._variables:
+                self._variables[id(handle)] = handle  # (held: ids stay unique)
+                self._params += nbytes(outputs[0])
+        return self._wrap(outputs, tracked)
 
     def _count_values(self, op_type, outputs):
         sizes = [nbytes(o) for o in outputs]

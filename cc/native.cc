@@ -482,7 +482,8 @@ bool CheckState(NativeHandlerObject* self) {
 // `outs` holds `n_out` new tensors. Returns false with `status` set. GIL: held.
 bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
                 absl::InlinedVector<TFOH_Tensor*, 4>& ins,
-                absl::InlinedVector<TFOH_Tensor*, 4>& outs, const std::vector<TF_DataType>* want,
+                absl::InlinedVector<TFOH_Tensor*, 4>& outs,
+                const absl::InlinedVector<TF_DataType, 4>* want,
                 TF_Status* status) {
   int cap = op->num_outputs < 0 ? 0 : op->num_outputs;
   outs.assign(cap > 0 ? cap : 1, nullptr);
@@ -530,7 +531,7 @@ bool NativeStackExecute(PyObject* stack, const TFOH_Op* op_in, int n_in, TFE_Ten
   PyObject* dev = nullptr;
   PyObject* producer = nullptr;
   NativeHandlerObject* self = nullptr;
-  std::vector<TF_DataType> want;
+  absl::InlinedVector<TF_DataType, 4> want;
   absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
   bool handled = false;
   bool shape_hooks = false;

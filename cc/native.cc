@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -72,8 +73,38 @@ PyObject* s_execute = nullptr;
 
 // ---- TFOH_Tensor ------------------------------------------------------------------------
 
+// TFOH_Tensor objects are recycled through a small per-thread free list: the native
+// path makes two or three per op, and a heap allocation each was a visible part of its
+// cost. A tensor freed on another thread than the one that made it joins that thread's
+// list (plain heap memory either way).
+struct TensorFreeList {
+  static constexpr int kMax = 64;
+  TFOH_Tensor* items[kMax];
+  int size = 0;
+  ~TensorFreeList() {
+    while (size > 0) ::operator delete(items[--size]);
+  }
+};
+thread_local TensorFreeList t_free_tensors;
+
+TFOH_Tensor* AllocTensor() {
+  TensorFreeList& fl = t_free_tensors;
+  void* mem = fl.size > 0 ? fl.items[--fl.size] : ::operator new(sizeof(TFOH_Tensor));
+  return new (mem) TFOH_Tensor;
+}
+
+void FreeTensor(TFOH_Tensor* t) {
+  t->~TFOH_Tensor();
+  TensorFreeList& fl = t_free_tensors;
+  if (fl.size < TensorFreeList::kMax) {
+    fl.items[fl.size++] = t;
+  } else {
+    ::operator delete(t);
+  }
+}
+
 TFOH_Tensor* TensorFromHandle(TFE_TensorHandle* owned) {
-  auto* t = new TFOH_Tensor;
+  auto* t = AllocTensor();
   t->refs.store(1, std::memory_order_relaxed);
   t->h = owned;
   t->py = nullptr;
@@ -83,7 +114,7 @@ TFOH_Tensor* TensorFromHandle(TFE_TensorHandle* owned) {
 // A tensor for a Python object (an EagerTensor or a symbolic tensor); takes a new
 // reference to `py`. GIL: held.
 TFOH_Tensor* TensorFromPy(PyObject* py) {
-  auto* t = new TFOH_Tensor;
+  auto* t = AllocTensor();
   t->refs.store(1, std::memory_order_relaxed);
   Py_INCREF(py);
   t->py = py;
@@ -99,7 +130,7 @@ void Unref(TFOH_Tensor* t) {
   } else if (t->h != nullptr) {
     TFE_DeleteTensorHandle(t->h);
   }
-  delete t;
+  FreeTensor(t);
 }
 
 // A new Python object for `t` (its own, or a new EagerTensor sharing its handle), or
@@ -118,6 +149,20 @@ PyObject* PyOf(TFOH_Tensor* t) {
   PyObject* r = EagerTensorFromHandle(copy, false);
   if (r == nullptr) TFE_DeleteTensorHandle(copy);
   return r;
+}
+
+// PyOf for a tensor about to be released: when this is its last reference and it owns
+// a handle, the new EagerTensor takes that handle (no copy; `t` keeps only a reference
+// to the EagerTensor, released by its Unref). GIL: held.
+PyObject* PyOfLast(TFOH_Tensor* t) {
+  if (t->py == nullptr && t->h != nullptr && t->refs.load(std::memory_order_acquire) == 1) {
+    PyObject* r = EagerTensorFromHandle(t->h, false);  // owns t->h on success
+    if (r == nullptr) return nullptr;
+    Py_INCREF(r);
+    t->py = r;
+    return r;
+  }
+  return PyOf(t);
 }
 
 // ---- the runtime API ----------------------------------------------------------------------
@@ -437,7 +482,8 @@ bool CheckState(NativeHandlerObject* self) {
 // `outs` holds `n_out` new tensors. Returns false with `status` set. GIL: held.
 bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
                 absl::InlinedVector<TFOH_Tensor*, 4>& ins,
-                absl::InlinedVector<TFOH_Tensor*, 4>& outs, const std::vector<TF_DataType>* want,
+                absl::InlinedVector<TFOH_Tensor*, 4>& outs,
+                const absl::InlinedVector<TF_DataType, 4>* want,
                 TF_Status* status) {
   int cap = op->num_outputs < 0 ? 0 : op->num_outputs;
   outs.assign(cap > 0 ? cap : 1, nullptr);
@@ -485,7 +531,7 @@ bool NativeStackExecute(PyObject* stack, const TFOH_Op* op_in, int n_in, TFE_Ten
   PyObject* dev = nullptr;
   PyObject* producer = nullptr;
   NativeHandlerObject* self = nullptr;
-  std::vector<TF_DataType> want;
+  absl::InlinedVector<TF_DataType, 4> want;
   absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
   bool handled = false;
   bool shape_hooks = false;
@@ -544,7 +590,7 @@ bool NativeStackExecute(PyObject* stack, const TFOH_Op* op_in, int n_in, TFE_Ten
     if (leaves && t->h != nullptr) {
       result = TFE_TensorHandleCopySharingTensor(t->h, status);
     } else {
-      PyObject* v = PyOf(t);
+      PyObject* v = PyOfLast(t);
       if (v != nullptr) {
         result = NewHandlerTensorHandle(stack, v, dt, producer, !shape_hooks);
         Py_DECREF(v);

@@ -2,6 +2,8 @@
 #define PY_SSIZE_T_CLEAN
 #include "op.h"
 
+#include <memory>
+
 #include <string>
 
 #include "absl/container/inlined_vector.h"
@@ -180,7 +182,9 @@ const TFE_Op* OpAttrSource(OpObject* op) {
 
 // Fills `dtypes` with the flat output dtypes TensorFlow's OpDef implies for `op`, or
 // returns false when they cannot be known (function call ops). GIL: not needed.
-bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
+namespace {
+template <typename Dtypes>
+bool ExpectedOutputsInto(const TFE_Op* op, Dtypes* dtypes) {
   const tensorflow::ImmediateExecutionOperation* iop = tensorflow::unwrap(op);
   const tensorflow::OpDef* def = iop->OpDef();
   if (def == nullptr) {
@@ -191,15 +195,15 @@ bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
   const tensorflow::AbstractOpAttrs* attrs = iop->GetOpAttrs();
   // Attributes TensorFlow inferred from the inputs (the T and N of AddN, ConcatV2, Pack,
   // ...) are not visible through the typed getters; read them from the full attr list.
-  tensorflow::NameAttrList all;
-  bool have_all = false;
+  // Built only when needed (most ops never ask).
+  std::unique_ptr<tensorflow::NameAttrList> all;
   auto lookup = [&](const std::string& name) -> const tensorflow::AttrValue* {
-    if (!have_all) {
-      attrs->GetNameAttrList(&all);
-      have_all = true;
+    if (all == nullptr) {
+      all = std::make_unique<tensorflow::NameAttrList>();
+      attrs->GetNameAttrList(all.get());
     }
-    auto it = all.attr().find(name);
-    return it == all.attr().end() ? nullptr : &it->second;
+    auto it = all->attr().find(name);
+    return it == all->attr().end() ? nullptr : &it->second;
   };
   for (const auto& arg : def->output_arg()) {
     int64_t n = 1;
@@ -232,6 +236,15 @@ bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
     }
   }
   return true;
+}
+}  // namespace
+
+bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes) {
+  return ExpectedOutputsInto(op, dtypes);
+}
+
+bool ExpectedOutputs(const TFE_Op* op, absl::InlinedVector<TF_DataType, 4>* dtypes) {
+  return ExpectedOutputsInto(op, dtypes);
 }
 
 bool IsRegisteredOpType(const char* type) {

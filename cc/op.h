@@ -16,6 +16,7 @@
 
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "tensorflow/c/eager/c_api.h"
 #include "tensorflow/c/eager/c_api_experimental.h"
 
@@ -58,6 +59,9 @@ const TFE_Op* OpAttrSource(OpObject* op);
 // attributes, or returns false when they cannot be known (function call ops, attributes
 // missing). `op` is borrowed. GIL: not needed. Never sets a Python exception.
 bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes);
+// The same into an inline vector (no heap allocation for up to 4 outputs: the native
+// per-op path).
+bool ExpectedOutputs(const TFE_Op* op, absl::InlinedVector<TF_DataType, 4>* dtypes);
 
 // Whether `type` is an op registered with TensorFlow (it has an OpDef); false for a
 // function call op (named after its function). GIL: not needed. Never fails.

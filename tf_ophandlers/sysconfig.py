@@ -5,8 +5,14 @@
         print(' '.join(oh.sysconfig.get_compile_flags()))") my_handler.cc -o my_handler.so \\
         $(python -c "import tf_ophandlers as oh; print(' '.join(oh.sysconfig.get_link_flags()))")
 
-The library includes ``tf_ophandlers/handler.h`` and exports ``TFOH_InitHandlerLibrary``
-(docs/guide.md, "Writing a handler in C++").
+A handler written in C uses `get_c_compile_flags()` (the same without C++-only flags):
+
+    gcc -std=c11 -shared -fPIC $(python -c "import tf_ophandlers as oh; \\
+        print(' '.join(oh.sysconfig.get_c_compile_flags()))") my_handler.c -o my_handler.so \\
+        $(python -c "import tf_ophandlers as oh; print(' '.join(oh.sysconfig.get_link_flags()))")
+
+The library includes ``tf_ophandlers/handler.h`` (valid C and C++) and exports
+``TFOH_InitHandlerLibrary`` (docs/guide.md, "Writing a handler in C++").
 """
 import os
 
@@ -29,6 +35,20 @@ def get_compile_flags():
     """Compiler flags: this package's and TensorFlow's include directories, TensorFlow's
     ABI and language flags."""
     return ["-I" + get_include()] + list(tf.sysconfig.get_compile_flags())
+
+
+def _cxx_only(flag):
+    """A flag a C compiler rejects or warns about: a C++ language standard."""
+    for prefix in ("-std=", "--std="):
+        if flag.startswith(prefix):
+            return "++" in flag[len(prefix):]
+    return False
+
+
+def get_c_compile_flags():
+    """`get_compile_flags()` for a handler written in C: without C++-only flags
+    (TensorFlow's ``--std=c++17``); pick the C standard yourself (``-std=c11``)."""
+    return [f for f in get_compile_flags() if not _cxx_only(f)]
 
 
 def get_link_flags():

@@ -12,6 +12,7 @@
    like any other: `with` scopes, nesting with Python handlers in any order, function
    replay, `oh.testing.check_handler`.
 
+   The header is valid C (C99/C11) and C++: a handler library may be written in either.
    Everything that crosses this boundary is plain C: opaque handles (TFOH_Op,
    TFOH_Tensor, TFOH_Context, TFOH_Library), structs of function pointers
    (TFOH_RuntimeApi, given by the runtime; TFOH_HandlerType, given by the library) and
@@ -61,14 +62,30 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "tensorflow/c/c_api.h"
-#include "tensorflow/c/eager/c_api.h"
-#include "tensorflow/c/eager/c_api_experimental.h"  // TFE_OpAttrs
+// Only TensorFlow headers that are valid C (C99/C11): TF_Status, TF_Buffer, TF_DataType,
+// TF_Tensor. The eager types this header mentions (TFE_TensorHandle, TFE_OpAttrs) are
+// opaque and named by their struct tags below, so a C library does not need
+// tensorflow/c/eager/c_api_experimental.h (which is C++ only). A C library that reads a
+// tensor's value includes tensorflow/c/eager/c_api.h itself (valid C); one that reads an
+// op's attributes declares TFE_OpAttrsSerialize itself (see docs/guide.md).
+#include "tensorflow/c/tf_buffer.h"
+#include "tensorflow/c/tf_datatype.h"
 #include "tensorflow/c/tf_status.h"
+#include "tensorflow/c/tf_tensor.h"
 
 #ifdef __cplusplus
+// Source compatibility for C++ libraries written against earlier versions of this
+// header, which included TensorFlow's eager C API headers.
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/eager/c_api_experimental.h"
 extern "C" {
 #endif
+
+// TensorFlow's opaque eager types (tensorflow/c/eager/c_api.h, c_api_experimental.h),
+// named by struct tag: `struct TFE_TensorHandle*` is the same type as those headers'
+// `TFE_TensorHandle*` (no typedef here, so including them too is valid C99).
+struct TFE_TensorHandle;
+struct TFE_OpAttrs;
 
 #define TFOH_ABI_VERSION 2
 
@@ -107,7 +124,7 @@ typedef struct TFOH_RuntimeApi {
   int (*op_num_outputs)(const TFOH_Op* op);
   // The op's attributes (TensorFlow's C API type; read them with TFE_OpAttrsSerialize).
   // Borrowed: valid while `op` is.
-  const TFE_OpAttrs* (*op_attrs)(const TFOH_Op* op);
+  const struct TFE_OpAttrs* (*op_attrs)(const TFOH_Op* op);
 
   // ---- tensors ----
   // The tensor's dtype. Never fails, never blocks.
@@ -119,7 +136,7 @@ typedef struct TFOH_RuntimeApi {
   // The eager TensorFlow handle behind `t`, or NULL while a function is replayed (the
   // tensor is symbolic then). Borrowed: valid while the handler holds `t`. Reading its
   // value (TFE_TensorHandleResolve) may block and needs no GIL.
-  TFE_TensorHandle* (*tensor_handle)(const TFOH_Tensor* t);
+  struct TFE_TensorHandle* (*tensor_handle)(const TFOH_Tensor* t);
   // Takes / releases one reference. `tensor_unref` of the last reference frees it.
   void (*tensor_ref)(TFOH_Tensor* t);
   void (*tensor_unref)(TFOH_Tensor* t);

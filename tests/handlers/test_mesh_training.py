@@ -191,6 +191,31 @@ def test_keras_adam_in_a_replayed_tf_function_step(mesh):
     assert not mesh.fallbacks
 
 
+def test_optimizer_variables_created_while_tracing_give_a_clear_error(mesh):
+    """Without `optimizer.build` in the scope, Keras creates Adam's iteration counter and
+    slots while the step is first traced, with initial values assigned outside the mesh:
+    the first write names Mesh, the op and the fix (it was a bare TypeError)."""
+    x, _ = _data(8)
+    model, _ = _sharded_mlp(mesh)
+    before = [v.numpy() for v in model.trainable_variables]
+    with mesh:
+        opt = keras.optimizers.Adam(0.01)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x)))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+
+        with pytest.raises(oh.PlacementError,
+                           match=r"oh.Mesh: op Assign\w*VariableOp .*optimizer.build"):
+            step(mesh.shard(x, ("batch", None)))
+    for v, b in zip(model.trainable_variables, before):  # no weight was half-updated
+        np.testing.assert_array_equal(v.numpy(), b)
+
+
 def test_model_fit_run_eagerly_with_a_partial_batch_and_compiled_fit_error(mesh):
     x, y = _data()
     model, ref = _sharded_mlp(mesh)

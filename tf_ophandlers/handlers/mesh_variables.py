@@ -50,6 +50,15 @@ def variable_op(mesh, op, inputs, var_request):
             var.layout, var.shape = value.layout, value.shape
             var.chosen = var.chosen or not value.replicated
             op = op.replace(validate_shape=False)
+        if var.layout is None:
+            # E.g. Keras creates an optimizer's variables while a tf.function is first
+            # traced: their initial values are assigned outside the mesh, so this
+            # handler never saw a value and knows no layout to write with.
+            raise errors.PlacementError(
+                "oh.Mesh: op %s writes a variable whose initial value was never assigned "
+                "under %s, so its layout is unknown; create it inside the mesh's scope "
+                "eagerly first (for Keras, call optimizer.build(model.trainable_variables) "
+                "in the scope before the first tf.function step)" % (t, mesh.debug_string()))
         value = mesh.relayout_value(value, var.layout)
         mesh.run(op, [handle, value])
         return []

@@ -1,5 +1,7 @@
 /* tf-ophandlers C++ boundary: handlers written against the public C ABI
-   (include/tf_ophandlers/handler.h); internal header. Implementation: native.cc.
+   (include/tf_ophandlers/handler.h); internal header. Implementation: native_library.cc (loading,
+   registration, module functions), native_type.cc (the Python type), native_execute.cc
+   (the per-op path); what they share: native_internal.h.
 
    A loaded handler type is a `TypeRecord`; a handler instance is a Python object of a
    subclass of `_C.NativeHandlerBase` (tf_ophandlers.core.native.NativeHandler) that
@@ -30,7 +32,7 @@ extern PyTypeObject NativeHandlerBaseType;
 // GIL: held (PyInit__C).
 bool ReadyNativeTypes();
 
-// The module functions of native.cc (load_handler_library, native_setup), appended to
+// The module functions of native_library.cc (load_handler_library, native_setup), appended to
 // the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kNativeModuleMethods[];
 

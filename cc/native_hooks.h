@@ -1,5 +1,6 @@
-/* tf-ophandlers C++ boundary: what native.cc needs for the hooks ABI version 2 added
-   (include/tf_ophandlers/handler.h); internal header. Implementation: native_hooks.cc.
+/* tf-ophandlers C++ boundary: what native_library.cc and native_type.cc need for the
+   hooks ABI version 2 added (include/tf_ophandlers/handler.h); internal header.
+   Implementation: native_hooks.cc.
 
    - Versioning: which abi_versions the runtime accepts, and how many bytes of a
      library's TFOH_HandlerType it reads (fields of later versions stay NULL).

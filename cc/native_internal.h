@@ -1,0 +1,156 @@
+/* tf-ophandlers: what the pieces of the native-handler implementation share
+   (native_library.cc, native_type.cc, native_execute.cc); private to them, the
+   interface for the rest of the extension is native.h.
+
+   The opaque types of include/tf_ophandlers/handler.h are defined here. Everything else
+   lives in namespace tf_ophandlers::native_internal. Unless a comment says otherwise,
+   every function needs the GIL held, and "new"/"borrowed" describe references.
+*/
+#ifndef TF_OPHANDLERS_NATIVE_INTERNAL_H_
+#define TF_OPHANDLERS_NATIVE_INTERNAL_H_
+
+#include <Python.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "absl/container/inlined_vector.h"
+#include "native.h"
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/tf_status.h"
+#include "tf_ophandlers/handler.h"
+
+// ---- the opaque types of handler.h ------------------------------------------------------
+
+struct TFOH_Tensor {
+  std::atomic<int> refs;
+  TFE_TensorHandle* h;  // owned iff py == nullptr; null for a symbolic tensor
+  PyObject* py;         // owned; may be null (a tensor the C path made)
+};
+
+struct TFOH_Op {
+  const TFE_Op* tfe;  // attribute source, borrowed
+  PyObject* py;       // the Python Op (tf_ophandlers.Op), borrowed; may be null
+  const char* type;
+  const char* device;
+  int num_outputs;
+};
+
+struct TFOH_Context {
+  PyObject* stack;  // the handler's stack, borrowed
+  PyObject* next;   // its next stack, borrowed
+  bool eager;       // no function is being replayed
+  PyObject* device; // state.device (str), borrowed
+};
+
+struct TFOH_Library {
+  std::vector<void*>* types;  // tf_ophandlers::TypeRecord*
+};
+
+namespace tf_ophandlers {
+namespace native_internal {
+
+struct TypeRecord {
+  TFOH_HandlerType hooks;  // zero-filled past the library's struct_size
+  std::string name;
+  std::string doc;
+};
+
+struct NativeHandlerObject {
+  PyObject_HEAD
+  TypeRecord* type;  // never freed (libraries are never unloaded)
+  void* state;       // owned: delete_state on dealloc
+};
+
+// Set by native_setup (tf_ophandlers.core.native at import; native_library.cc). Strong
+// references; null until then (the C paths then decline: NativeStackRun returns false).
+extern PyObject* g_state;     // tf_ophandlers.core.state.state (thread-local object)
+extern PyObject* g_physical;  // tf_ophandlers.core.stack.PHYSICAL
+extern PyObject* s_mode;      // interned attribute names
+extern PyObject* s_current;
+extern PyObject* s_handler;
+extern PyObject* s_next;
+extern PyObject* s_device;
+extern PyObject* s_execute;
+
+// ---- TFOH_Tensor (native_execute.cc) ------------------------------------------------------
+
+// A new tensor (one reference) owning the handle `owned`. Never fails. GIL: not needed.
+TFOH_Tensor* TensorFromHandle(TFE_TensorHandle* owned);
+
+// A tensor for a Python object (an EagerTensor or a symbolic tensor); takes a new
+// reference to `py`. Never fails. GIL: held.
+TFOH_Tensor* TensorFromPy(PyObject* py);
+
+// Drops one reference to `t` (null allowed); the last one releases its Python object or
+// handle. GIL: held when `t` may hold a Python object.
+void Unref(TFOH_Tensor* t);
+
+// A new Python object for `t` (its own, or a new EagerTensor sharing its handle), or
+// null with a Python exception set. `t` stays borrowed. GIL: held.
+PyObject* PyOf(TFOH_Tensor* t);
+
+// PyOf for a tensor about to be released: when this is its last reference and it owns
+// a handle, the new EagerTensor takes that handle (no copy; `t` keeps only a reference
+// to the EagerTensor, released by its Unref). GIL: held.
+PyObject* PyOfLast(TFOH_Tensor* t);
+
+// ---- the runtime API (native_library.cc; ApiExecuteNext in native_execute.cc) --------------
+
+// The TFOH_RuntimeApi handed to every library's init function.
+extern const TFOH_RuntimeApi kApi;
+
+// `t`'s dtype (for a symbolic tensor read from Python; 0 if that fails, no exception
+// left set). GIL: held.
+TF_DataType ApiTensorDtype(const TFOH_Tensor* t);
+
+// handler.h's execute_next: runs `op` on ctx->next. Failures go to `status`; on success
+// `outputs` holds `*num_outputs` new tensors. GIL: held; released around TFE_Execute.
+void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor* const* in,
+                    int* num_outputs, TFOH_Tensor** outputs, TF_Status* status);
+
+// ---- the execute path (native_execute.cc) ---------------------------------------------------
+
+// Whether `type` is one of the copy ops or _EagerConst (never run by a native handler in
+// C). Never fails. GIL: not needed.
+bool IsCopyOrConst(const char* type);
+
+// Runs `op` on `stack` in C when its handler is native and every input (`in`, borrowed
+// handles) is already on it, or is physical and taken as it is (the next stack is
+// PHYSICAL and the type has no copy_on). Returns false when not (nothing done, `status`
+// untouched); true when it ran: `status` tells whether it succeeded, and on success
+// `outputs` holds `*num_outputs` new handles (handler tensors of `stack`, or tensors that
+// left the stacks below). `op->num_outputs` < 0: read from the OpDef. GIL: held.
+bool NativeStackExecute(PyObject* stack, const TFOH_Op* op, int n_in, TFE_TensorHandle** in,
+                        int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+
+// Runs the execute hook and checks what it returned against the op (`want`: the OpDef's
+// output dtypes, may be null). On success `outs` holds the new output tensors. Returns
+// false with `status` set (prefixed with the handler and op). `ins` stay borrowed. GIL: held.
+bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
+                absl::InlinedVector<TFOH_Tensor*, 4>& ins,
+                absl::InlinedVector<TFOH_Tensor*, 4>& outs,
+                const absl::InlinedVector<TF_DataType, 4>* want,
+                TF_Status* status);
+
+// ---- helpers (native_type.cc) ---------------------------------------------------------------
+
+// The handler's debug_string hook's text, or "<type name>()". Never fails. GIL: held.
+std::string DebugString(NativeHandlerObject* self);
+
+// Prefixes a failed `status` with the handler, hook and op (`op_type` may be null).
+// GIL: held.
+void PrefixStatus(NativeHandlerObject* self, const char* hook, const char* op_type,
+                  TF_Status* status);
+
+// Raises the failed `status` as a Python exception. GIL: held.
+void RaiseStatus(TF_Status* status);
+
+// Whether `self` was initialized; false with a Python exception set otherwise. GIL: held.
+bool CheckState(NativeHandlerObject* self);
+
+}  // namespace native_internal
+}  // namespace tf_ophandlers
+
+#endif  // TF_OPHANDLERS_NATIVE_INTERNAL_H_

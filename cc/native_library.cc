@@ -1,0 +1,219 @@
+// tf-ophandlers: loading handler libraries, registering their types, the runtime API
+// they call, and the module functions. Contracts: native.h, native_internal.h and
+// include/tf_ophandlers/handler.h.
+#define PY_SSIZE_T_CLEAN
+#include "native_internal.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "native_hooks.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace native_internal {
+
+// Set by native_setup (tf_ophandlers.core.native at import). Strong references.
+PyObject* g_state = nullptr;     // tf_ophandlers.core.state.state (thread-local object)
+PyObject* g_physical = nullptr;  // tf_ophandlers.core.stack.PHYSICAL
+PyObject* s_mode = nullptr;      // interned attribute names
+PyObject* s_current = nullptr;
+PyObject* s_handler = nullptr;
+PyObject* s_next = nullptr;
+PyObject* s_device = nullptr;
+PyObject* s_execute = nullptr;
+
+// ---- the runtime API ----------------------------------------------------------------------
+
+const char* ApiOpType(const TFOH_Op* op) { return op->type; }
+const char* ApiOpDevice(const TFOH_Op* op) { return op->device; }
+int ApiOpNumOutputs(const TFOH_Op* op) { return op->num_outputs; }
+const TFE_OpAttrs* ApiOpAttrs(const TFOH_Op* op) { return TFE_OpGetAttrs(op->tfe); }
+
+TF_DataType ApiTensorDtype(const TFOH_Tensor* t) {
+  if (t->h != nullptr) return TFE_TensorHandleDataType(t->h);
+  PyObject* d = PyObject_GetAttrString(t->py, "dtype");
+  PyObject* e = d ? PyObject_GetAttrString(d, "as_datatype_enum") : nullptr;
+  long v = e ? PyLong_AsLong(e) : 0;
+  Py_XDECREF(d);
+  Py_XDECREF(e);
+  PyErr_Clear();
+  return static_cast<TF_DataType>(v);
+}
+
+int ApiTensorNumDims(const TFOH_Tensor* t, TF_Status* status) {
+  if (t->h != nullptr) return TFE_TensorHandleNumDims(t->h, status);
+  PyObject* shape = PyObject_GetAttrString(t->py, "shape");
+  PyObject* rank = shape ? PyObject_GetAttrString(shape, "rank") : nullptr;
+  int r = (rank && rank != Py_None) ? static_cast<int>(PyLong_AsLong(rank)) : -1;
+  Py_XDECREF(shape);
+  Py_XDECREF(rank);
+  if (PyErr_Occurred()) {
+    StatusFromPyErr(status);
+    return -1;
+  }
+  return r;
+}
+
+int64_t ApiTensorDim(const TFOH_Tensor* t, int index, TF_Status* status) {
+  if (t->h != nullptr) return TFE_TensorHandleDim(t->h, index, status);
+  PyObject* shape = PyObject_GetAttrString(t->py, "shape");
+  PyObject* list = shape ? PyObject_CallMethod(shape, "as_list", nullptr) : nullptr;
+  int64_t r = -1;
+  if (list != nullptr) {
+    if (index < 0 || index >= PyList_GET_SIZE(list)) {
+      TF_SetStatus(status, TF_INVALID_ARGUMENT, "tf_ophandlers: dim index out of range");
+    } else {
+      PyObject* v = PyList_GET_ITEM(list, index);
+      r = v == Py_None ? -1 : PyLong_AsLongLong(v);
+    }
+  }
+  Py_XDECREF(shape);
+  Py_XDECREF(list);
+  if (PyErr_Occurred()) {
+    StatusFromPyErr(status);
+    return -1;
+  }
+  return r;
+}
+
+TFE_TensorHandle* ApiTensorHandle(const TFOH_Tensor* t) { return t->h; }
+void ApiTensorRef(TFOH_Tensor* t) { t->refs.fetch_add(1, std::memory_order_relaxed); }
+void ApiTensorUnref(TFOH_Tensor* t) { Unref(t); }
+
+namespace {
+
+void ApiRegisterType(TFOH_Library* library, const TFOH_HandlerType* type, TF_Status* status) {
+  if (type == nullptr || !KnownAbiVersion(type->abi_version)) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                 UnknownAbiVersionMessage(type ? type->abi_version : 0).c_str());
+    return;
+  }
+  if (type->name == nullptr || type->name[0] == '\0' || type->create == nullptr ||
+      type->delete_state == nullptr || type->execute == nullptr) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                 "tf_ophandlers: register_type: name, create, delete_state and execute are "
+                 "required");
+    return;
+  }
+  for (void* r : *library->types) {
+    if (static_cast<TypeRecord*>(r)->name == type->name) {
+      TF_SetStatus(status, TF_ALREADY_EXISTS,
+                   (std::string("tf_ophandlers: handler type ") + type->name +
+                    " registered twice").c_str());
+      return;
+    }
+  }
+  auto* rec = new TypeRecord();
+  std::memset(&rec->hooks, 0, sizeof(rec->hooks));
+  std::memcpy(&rec->hooks, type, HandlerTypeBytes(type));  // later versions' fields: NULL
+  rec->name = type->name;
+  rec->doc = type->doc ? type->doc : "";
+  rec->hooks.name = rec->name.c_str();
+  rec->hooks.doc = rec->doc.c_str();
+  library->types->push_back(rec);
+}
+
+}  // namespace
+
+const TFOH_RuntimeApi kApi = {
+    TFOH_ABI_VERSION,  sizeof(TFOH_RuntimeApi), ApiOpType,       ApiOpDevice,
+    ApiOpNumOutputs,   ApiOpAttrs,              ApiTensorDtype,  ApiTensorNumDims,
+    ApiTensorDim,      ApiTensorHandle,         ApiTensorRef,    ApiTensorUnref,
+    ApiExecuteNext,    ApiRegisterType,
+};
+
+namespace {
+
+// ---- module functions ---------------------------------------------------------------------
+
+PyObject* PyNativeSetup(PyObject*, PyObject* args) {
+  PyObject *state, *physical;
+  if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
+  Py_INCREF(state);
+  Py_INCREF(physical);
+  Py_XSETREF(g_state, state);
+  Py_XSETREF(g_physical, physical);
+  s_mode = PyUnicode_InternFromString("mode");
+  s_current = PyUnicode_InternFromString("current");
+  s_handler = PyUnicode_InternFromString("handler");
+  s_next = PyUnicode_InternFromString("next");
+  s_device = PyUnicode_InternFromString("device");
+  s_execute = PyUnicode_InternFromString("execute");
+  Py_RETURN_NONE;
+}
+
+// load_handler_library(path) -> [(name, doc, type_capsule, {hook: present}), ...]
+PyObject* PyLoadHandlerLibrary(PyObject*, PyObject* args) {
+  const char* path;
+  if (!PyArg_ParseTuple(args, "s", &path)) return nullptr;
+  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* e = dlerror();
+    PyErr_Format(PyExc_OSError, "tf_ophandlers: cannot load handler library %s: %s", path,
+                 e ? e : "unknown error");
+    return nullptr;
+  }
+  auto init = reinterpret_cast<TFOH_InitHandlerLibraryFn>(
+      dlsym(lib, TFOH_INIT_HANDLER_LIBRARY_SYMBOL));
+  if (init == nullptr) {
+    PyErr_Format(PyExc_OSError,
+                 "tf_ophandlers: %s is not a handler library (it does not export %s)", path,
+                 TFOH_INIT_HANDLER_LIBRARY_SYMBOL);
+    return nullptr;  // the library stays loaded (like tf.load_op_library)
+  }
+  std::vector<void*> types;
+  TFOH_Library library{&types};
+  TF_Status* s = TF_NewStatus();
+  init(&kApi, &library, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: handler library %s failed to load: %s",
+                 path, TF_Message(s));
+    TF_DeleteStatus(s);
+    return nullptr;  // records already registered leak with the library (never unloaded)
+  }
+  TF_DeleteStatus(s);
+  PyObject* out = PyList_New(0);
+  for (void* f : types) {
+    auto* rec = static_cast<TypeRecord*>(f);
+    PyObject* cap = PyCapsule_New(rec, "tf_ophandlers.type", nullptr);
+    const TFOH_HandlerType& k = rec->hooks;
+    PyObject* hooks = Py_BuildValue(
+        "{sOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
+        k.copy_off ? Py_True : Py_False, "num_dims", k.num_dims ? Py_True : Py_False, "dim",
+        k.dim ? Py_True : Py_False, "debug_string", k.debug_string ? Py_True : Py_False,
+        "tensor_debug_string", k.tensor_debug_string ? Py_True : Py_False, "query",
+        k.query ? Py_True : Py_False, "function_input_summary",
+        k.function_input_summary ? Py_True : Py_False, "static_value",
+        k.static_value ? Py_True : Py_False);
+    PyObject* item = cap && hooks ? Py_BuildValue("(ssNN)", rec->name.c_str(), rec->doc.c_str(),
+                                                  cap, hooks)
+                                  : nullptr;
+    if (item == nullptr || PyList_Append(out, item) < 0) {
+      Py_XDECREF(item);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(item);
+  }
+  return out;
+}
+
+}  // namespace
+
+}  // namespace native_internal
+
+using native_internal::PyLoadHandlerLibrary;
+using native_internal::PyNativeSetup;
+
+PyMethodDef kNativeModuleMethods[] = {
+    {"native_setup", PyNativeSetup, METH_VARARGS,
+     "native_setup(state, PHYSICAL): what the native execute path reads."},
+    {"load_handler_library", PyLoadHandlerLibrary, METH_VARARGS,
+     "load_handler_library(path) -> [(name, doc, type_capsule, {optional hook: present})]."},
+    {nullptr}};
+
+}  // namespace tf_ophandlers

@@ -11,6 +11,7 @@
 #include "device.h"
 #include "handler_tensor.h"
 #include "native.h"
+#include "native_internal.h"
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
@@ -51,16 +52,18 @@ std::unordered_map<Key, Decision, KeyHash>* g_decisions = nullptr;
 bool g_enabled = false;  // set once a stack that may take the fast path exists
 uint64_t g_hits = 0, g_misses = 0, g_fast_ops = 0, g_clears = 0;
 
-// Set by fast_setup (core/stack.py at import). Strong references.
-PyObject* g_state = nullptr;     // tf_ophandlers.core.state.state
-PyObject* g_physical = nullptr;  // tf_ophandlers.core.stack.PHYSICAL
-PyObject* s_mode = nullptr;
-PyObject* s_current = nullptr;
-PyObject* s_device = nullptr;
+// The runtime state and interned names shared with the native path (native_internal.h).
+using native_internal::g_physical;
+using native_internal::g_state;
+using native_internal::s_current;
+using native_internal::s_device;
+using native_internal::s_execute;
+using native_internal::s_handler;
+using native_internal::s_mode;
+
+// Set by fast_setup (core/stack.py at import). Interned attribute names of the fast path.
 PyObject* s_fast = nullptr;
-PyObject* s_handler = nullptr;
 PyObject* s_frames = nullptr;
-PyObject* s_execute = nullptr;
 PyObject* s_value_dtype = nullptr;
 PyObject* s_wants_copy = nullptr;
 PyObject* s_copy_on_value = nullptr;
@@ -412,17 +415,9 @@ bool Excluded(const char* type) {
 PyObject* PyFastSetup(PyObject*, PyObject* args) {
   PyObject *state, *physical;
   if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
-  Py_INCREF(state);
-  Py_INCREF(physical);
-  Py_XSETREF(g_state, state);
-  Py_XSETREF(g_physical, physical);
-  s_mode = PyUnicode_InternFromString("mode");
-  s_current = PyUnicode_InternFromString("current");
-  s_device = PyUnicode_InternFromString("device");
+  if (!native_internal::SetSharedState(state, physical)) return nullptr;
   s_fast = PyUnicode_InternFromString("_oh_fast");
-  s_handler = PyUnicode_InternFromString("handler");
   s_frames = PyUnicode_InternFromString("frames");
-  s_execute = PyUnicode_InternFromString("execute");
   s_value_dtype = PyUnicode_InternFromString("value_dtype");
   s_wants_copy = PyUnicode_InternFromString("wants_copy");
   s_copy_on_value = PyUnicode_InternFromString("_copy_on_value");

@@ -1,6 +1,7 @@
 /* tf-ophandlers: what the pieces of the native-handler implementation share
-   (native_library.cc, native_type.cc, native_execute.cc); private to them, the
-   interface for the rest of the extension is native.h.
+   (native_library.cc, native_type.cc, native_execute.cc); private to them (and to
+   fast_path.cc for the shared runtime state), the interface for the rest of the
+   extension is native.h.
 
    The opaque types of include/tf_ophandlers/handler.h are defined here. Everything else
    lives in namespace tf_ophandlers::native_internal. Unless a comment says otherwise,
@@ -63,8 +64,11 @@ struct NativeHandlerObject {
   void* state;       // owned: delete_state on dealloc
 };
 
-// Set by native_setup (tf_ophandlers.core.native at import; native_library.cc). Strong
-// references; null until then (the C paths then decline: NativeStackRun returns false).
+// The runtime state shared with the fast path (fast_path.cc), set by SetSharedState from
+// both native_setup (tf_ophandlers.core.native at import) and fast_setup (core/stack.py at
+// import), which pass the same objects. Strong references; null until then (the C paths
+// then decline: NativeStackRun and TryFastExecute return false). Defined in
+// native_library.cc.
 extern PyObject* g_state;     // tf_ophandlers.core.state.state (thread-local object)
 extern PyObject* g_physical;  // tf_ophandlers.core.stack.PHYSICAL
 extern PyObject* s_mode;      // interned attribute names
@@ -73,6 +77,11 @@ extern PyObject* s_handler;
 extern PyObject* s_next;
 extern PyObject* s_device;
 extern PyObject* s_execute;
+
+// Sets g_state and g_physical (new references to `state`, `physical`; the previous ones
+// released) and interns the names above. Returns false with a Python exception set when
+// interning fails. GIL: held.
+bool SetSharedState(PyObject* state, PyObject* physical);
 
 // ---- TFOH_Tensor (native_execute.cc) ------------------------------------------------------
 

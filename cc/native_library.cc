@@ -26,6 +26,20 @@ PyObject* s_next = nullptr;
 PyObject* s_device = nullptr;
 PyObject* s_execute = nullptr;
 
+bool SetSharedState(PyObject* state, PyObject* physical) {
+  Py_INCREF(state);
+  Py_INCREF(physical);
+  Py_XSETREF(g_state, state);
+  Py_XSETREF(g_physical, physical);
+  s_mode = PyUnicode_InternFromString("mode");
+  s_current = PyUnicode_InternFromString("current");
+  s_handler = PyUnicode_InternFromString("handler");
+  s_next = PyUnicode_InternFromString("next");
+  s_device = PyUnicode_InternFromString("device");
+  s_execute = PyUnicode_InternFromString("execute");
+  return s_mode && s_current && s_handler && s_next && s_device && s_execute;
+}
+
 // ---- the runtime API ----------------------------------------------------------------------
 
 const char* ApiOpType(const TFOH_Op* op) { return op->type; }
@@ -133,16 +147,7 @@ namespace {
 PyObject* PyNativeSetup(PyObject*, PyObject* args) {
   PyObject *state, *physical;
   if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
-  Py_INCREF(state);
-  Py_INCREF(physical);
-  Py_XSETREF(g_state, state);
-  Py_XSETREF(g_physical, physical);
-  s_mode = PyUnicode_InternFromString("mode");
-  s_current = PyUnicode_InternFromString("current");
-  s_handler = PyUnicode_InternFromString("handler");
-  s_next = PyUnicode_InternFromString("next");
-  s_device = PyUnicode_InternFromString("device");
-  s_execute = PyUnicode_InternFromString("execute");
+  if (!SetSharedState(state, physical)) return nullptr;
   Py_RETURN_NONE;
 }
 

@@ -20,11 +20,9 @@ Every other op with a registered gradient uses TensorFlow's own construction
 (`forwardprop._jvp_helper`: the transpose of the gradient function, traced once per op
 signature into a function cached here).
 """
-import contextlib
 import logging
 
 import tensorflow as tf
-from tensorflow.python import pywrap_tfe
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing_compilation
@@ -32,6 +30,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
@@ -220,7 +219,6 @@ _REAL_ONLY = frozenset(_RULES[n] for n in (
 _COMPLEX_ENUMS = frozenset((tf.complex64.as_datatype_enum, tf.complex128.as_datatype_enum))
 
 
-@contextlib.contextmanager
 def _tapes_recording():
     """Lets TensorFlow's tapes record on this thread while a JVP is built.
 
@@ -232,14 +230,7 @@ def _tapes_recording():
     use of the op, eager ones too. The accumulator's own state decides whether it
     computes tangents.
     """
-    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
-    if stopped:
-        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
-    try:
-        yield
-    finally:
-        if stopped:
-            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+    return recording_restarted()
 
 
 def _jvp_body(op_name, attr_tuple, inputs, outputs, tangents):

@@ -43,6 +43,8 @@ bench: $(STAMP)
 	$(VPY) benchmarks/debugger.py
 	$(VPY) benchmarks/small_ops.py
 	$(VPY) benchmarks/native_handlers.py
+	$(VPY) benchmarks/mesh.py
+	$(VPY) benchmarks/mesh_communication.py
 
 wheel:
 	bash scripts/build_wheels.sh

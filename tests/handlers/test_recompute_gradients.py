@@ -9,31 +9,16 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+import recompute_helpers
 
 RNG = np.random.default_rng(1)
 
 
-def _assert_grads(expected, got):
-    assert len(expected) == len(got)
-    for e, g in zip(expected, got):
-        assert g is not None
-        assert type(e) is type(g), (type(e), type(g))
-        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
-                                   tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-7)
+_assert_grads = recompute_helpers.assert_grads
 
 
 def _mlp(layers=12, width=32):
-    ws = [tf.Variable(RNG.standard_normal((width, width)).astype(np.float32) / width ** 0.5)
-          for _ in range(layers)]
-    bs = [tf.Variable(RNG.standard_normal(width).astype(np.float32) * 0.1)
-          for _ in range(layers)]
-
-    def f(x):
-        h = x
-        for w, b in zip(ws, bs):
-            h = tf.tanh(tf.matmul(h, w) + b)
-        return tf.reduce_mean(h * h)
-    return f, ws + bs
+    return recompute_helpers.mlp(RNG, layers, width)
 
 
 # -- gradients with respect to values computed inside the scope (segment interiors) -------

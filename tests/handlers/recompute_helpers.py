@@ -1,0 +1,29 @@
+"""Shared by the Recompute tests (test_recompute.py, test_recompute_gradients.py): a deep
+tanh MLP with its variables, and the gradient comparison against tf.GradientTape's."""
+import numpy as np
+import tensorflow as tf
+
+
+def mlp(rng, layers, width=32):
+    """`(f, variables)`: f(x) is the mean square of a `layers`-deep tanh MLP's output."""
+    ws = [tf.Variable(rng.standard_normal((width, width)).astype(np.float32) / width ** 0.5)
+          for _ in range(layers)]
+    bs = [tf.Variable(rng.standard_normal(width).astype(np.float32) * 0.1)
+          for _ in range(layers)]
+
+    def f(x):
+        h = x
+        for w, b in zip(ws, bs):
+            h = tf.tanh(tf.matmul(h, w) + b)
+        return tf.reduce_mean(h * h)
+    return f, ws + bs
+
+
+def assert_grads(expected, got):
+    """Every gradient present, of TensorFlow's type (dense vs IndexedSlices), and close."""
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert g is not None
+        assert type(e) is type(g), (type(e), type(g))
+        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
+                                   tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-7)

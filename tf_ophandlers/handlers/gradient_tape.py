@@ -42,7 +42,7 @@ from tf_ophandlers.core.functions.call_records import replayed_call
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.core.stack import (
-    COPY_OPS, current_stack, next_stack, representation_of, stack_of, tensor_key)
+    COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = stack_of
@@ -309,6 +309,15 @@ class GradientTape(BackwardPass, OpHandler):
             tracked[_key(o)] = o
             producer[_key(o)] = record
         return True
+
+    def record_sum(self, parts, total):
+        """Records `total = AddN(parts)`, computed on the physical devices by a tape
+        nested in this one (see BackwardPass._record_on_enclosing_tapes), if a part is
+        tracked here."""
+        canonical, skip = self._tracked_inputs(parts)
+        if canonical is not None and not _tape_set_is_stopped():
+            op = Op.cached("AddN", N=len(parts), T=total.dtype)
+            self._record("AddN", op, None, canonical, [total], PHYSICAL, skip)
 
     @staticmethod
     def _bridge_to_tf_tapes(op, inputs, outputs):

@@ -120,12 +120,29 @@ class BackwardPass:
             parts = grads.get(_key(s))
             if parts:
                 with self._where(parts[0]):
-                    result.append(_tf_backprop._aggregate_grads(parts))  # pylint: disable=protected-access
+                    total = _tf_backprop._aggregate_grads(parts)  # pylint: disable=protected-access
+                if len(parts) > 1 and _stack_of(total) is None:
+                    self._record_on_enclosing_tapes(parts, total)
+                result.append(total)
             elif unconnected is UnconnectedGradients.ZERO:
                 result.append(default_gradient.zeros_like(raw))
             else:
                 result.append(None)
         return result
+
+    def _record_on_enclosing_tapes(self, parts, total):
+        """Records the sum of a source's gradient parts computed on the physical devices
+        on the tapes recording around this one. The parts of a physical source used
+        twice arrive off the stack (CopyOnGrad), and `_where` sums them on the physical
+        devices, where the enclosing oh.GradientTapes do not see the AddN: their
+        gradient of this gradient was None. (tf.GradientTapes record it themselves.)"""
+        if not isinstance(total, tf.Tensor) or any(
+                not isinstance(p, tf.Tensor) for p in parts):
+            return  # IndexedSlices parts are concatenated, not summed with an op
+        for handler in current_stack().handlers:
+            if handler is not self and getattr(handler, "_live", False) and hasattr(
+                    handler, "record_sum"):
+                handler.record_sum(parts, total)
 
     def _run_backward(self, record, grads, live, source_ids):
         outputs = record.outputs

@@ -204,6 +204,42 @@ def check(w):
     _close("vm_oh", w.vm_oh(), w.vm_tf())
 
 
+def breakdown(w, n):
+    """Where a fresh `oh.Lazy()`'s time goes, per call (medians of `n` interleaved calls):
+    recording the 200 ops, then the value request (plan, key, cache lookup and the
+    compiled call), next to the same chain as one `tf.function` call (what the compiled
+    call alone costs) and eagerly. Wall clock, and this thread's CPU time in brackets
+    (the thread that records; a kernel on another thread is not in it), which a loaded
+    machine disturbs less."""
+    wall, cpu = time.perf_counter, time.thread_time
+    rows = []
+    for name, x, jit, compiled in (("chain16, `oh.Lazy()`", w.x16, False, w.graph),
+                                   ("chain256, `oh.Lazy(jit_compile=True)`", w.x256, True,
+                                    w.xla)):
+        compiled(x).numpy()
+        times = {k: [] for k in ("record", "request", "function", "eager")}
+        for _ in range(n):
+            t0 = (wall(), cpu())
+            with oh.Lazy(jit_compile=jit):
+                h = chain(x)
+                t1 = (wall(), cpu())
+                h.numpy()
+                t2 = (wall(), cpu())
+            compiled(x).numpy()
+            t3 = (wall(), cpu())
+            chain(x).numpy()
+            t4 = (wall(), cpu())
+            for k, (a, b) in zip(times, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+                times[k].append((b[0] - a[0], b[1] - a[1]))
+        cells = []
+        for k in times:
+            wall_ms = _common.median([t[0] for t in times[k]]) * 1e3
+            cpu_ms = _common.median([t[1] for t in times[k]]) * 1e3
+            cells.append("%.2f (%.2f)" % (wall_ms, cpu_ms))
+        rows.append([name] + cells)
+    return rows
+
+
 def summarize(configs):
     by = {c.key: c for c in configs}
     rows = []
@@ -223,7 +259,7 @@ def summarize(configs):
     return rows, figures
 
 
-def render(info, rows, figures, rounds, elapsed, quick):
+def render(info, rows, figures, rounds, elapsed, quick, split=()):
     method = (
         "One process times every configuration below; after a warm-up pass, each of %d "
         "rounds runs every configuration once in a freshly shuffled order, as 1 untimed + "
@@ -248,6 +284,15 @@ def render(info, rows, figures, rounds, elapsed, quick):
               "### Times", "",
               _common.md_table(["configuration", "ms/call", "IQR ms/call (rounds)",
                                 "best round ms/call"], rows), "",
+              "### Where a fresh Lazy's time goes", "",
+              "Per call, medians of interleaved calls after the rounds above: ms wall "
+              "clock (in brackets: CPU ms of the recording thread; a kernel another "
+              "thread runs is not in it). *record*: the 200 ops under a new "
+              "`oh.Lazy()`; *value request*: `.numpy()`, i.e. plan, key, cache lookup and "
+              "the compiled call; *tf.function*: the same chain as one compiled call "
+              "(`jit_compile` as the Lazy); *eager*: the chain without a handler.", "",
+              _common.md_table(["case", "record", "value request", "tf.function",
+                                "eager"], list(split)), "",
               "The verdicts compare this run's medians with the targets as measured. The "
               "machine was shared with other jobs while measuring (see *Machine*); rerun "
               "on an idle machine before reading a MISS as a regression.", "",
@@ -266,9 +311,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     _common.measure_under_load(
         info, lambda: _common.run_rounds(configs, args.rounds, lambda c: c.n))
+    split = breakdown(w, 5 if args.quick else 30)
     elapsed = time.perf_counter() - t0
     rows, figures = summarize(configs)
-    body = render(info, rows, figures, args.rounds, elapsed, args.quick)
+    body = render(info, rows, figures, args.rounds, elapsed, args.quick, split)
     _common.write_section(args.out, SECTION, body)
     for f in figures:
         print("%s: %s %s" % (f[0], f[3], f[4]))

@@ -244,3 +244,30 @@ def test_jit_compile_keras_model_matches_eager():
         with oh.Lazy(jit_compile=jit):
             got = model(x).numpy()
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _split_program(x):
+    """Multi-output ops whose outputs are dropped, kept, or needed by pending ops that a
+    first value request does not cover; returns (first request, the rest)."""
+    a, b, c = tf.split(tf.tanh(x), 3, axis=1)
+    u = a * 2.0  # pending, outside the first request's subgraph, needs a
+    del a, c  # dropped by the program: only u still needs a
+    first = tf.reduce_sum(b + 1.0).numpy()  # runs split (keeps a for u) and b's chain
+    m, i = tf.nn.top_k(u + b, k=2)  # two outputs, both kept
+    return first, (m.numpy(), i.numpy(), (u - 1.0).numpy())
+
+
+def test_partial_value_requests_keep_outputs_pending_ops_need():
+    x = tf.random.stateless_normal([4, 9], seed=[8, 1])
+    want = _split_program(x)
+    for step in range(3):  # a fresh scope per step: the first one compiles, then hits
+        lazy = oh.Lazy()
+        with lazy:
+            got = _split_program(x)
+        assert lazy.flushes >= 2
+        if step:
+            assert lazy.compiled == 0 and lazy.cache_hits == lazy.flushes
+        assert_close(got[0], want[0])
+        for g, w in zip(got[1], want[1]):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -39,10 +39,15 @@ def test_batching_rules_reuse_constants_and_ops_and_stay_correct():
 
 
 def test_async_outside_parts_never_describe_another_tensor():
-    a = tf.constant([[1.0, 2.0]])
+    a = tf.constant([[1, 2]])
     part = async_execution._outside_part(a)  # pylint: disable=protected-access
     assert part[1] == (1, 2)
     assert async_execution._outside_part(a) is part  # pylint: disable=protected-access
+    # A float tensor carries no value: described directly (a constant made afresh for
+    # every op would only churn the cache), the same description each time.
+    f = tf.constant([[1.0, 2.0]])
+    assert async_execution._outside_part(f) == (tf.float32, (1, 2), None)  # pylint: disable=protected-access
+    assert id(f) not in async_execution._outside_parts  # pylint: disable=protected-access
     # A dead tensor whose id a new tensor reuses: the weak reference tells them apart.
     b = tf.constant([1, 2, 3])
     dead = tf.constant(0.0)

@@ -42,10 +42,19 @@ def program_key(nodes, returned, inputs, **flags):
     `returned` (``(node, output)`` tuples, as refs are) of external `inputs` (tensors or specs): op
     types, attributes, wiring, per-op device, returned outputs, the inputs' dtypes and
     shapes, and `flags` (e.g. ``jit_compile=True``; any hashable values)."""
-    return (tuple((op.type, op.attrs_key(), tuple(refs), device)
-                  for op, refs, device in nodes),
-            tuple(returned),
-            input_signature(inputs),
+    return key_of_parts([node_part(op, refs, device) for op, refs, device in nodes],
+                        returned, inputs, **flags)
+
+
+def node_part(op, refs, device):
+    """One node's part of a program key (for handlers that build their plan and key in
+    one pass, `key_of_parts`): op type, attributes, wiring and device."""
+    return (op.type, op.attrs_key(), tuple(refs), device)
+
+
+def key_of_parts(parts, returned, inputs, **flags):
+    """`program_key` from the nodes' `node_part`s (a list, in program order)."""
+    return (tuple(parts), tuple(returned), input_signature(inputs),
             tuple(sorted(flags.items())))
 
 

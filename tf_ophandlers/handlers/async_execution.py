@@ -209,7 +209,23 @@ class Async(OpHandler):
         return False
 
     def execute(self, op, inputs):
-        tensors = [v.tensor if type(v) is AsyncValue else v for v in inputs]
+        # Runs for every op of the scope: one pass over the inputs collects the tensors,
+        # the signature parts (_infer) and whether a variable handle is among them.
+        tensors, parts = [], []
+        resource = False
+        for v in inputs:
+            if type(v) is AsyncValue:
+                t = v.tensor
+                part = v.part
+                if part is None:
+                    part = (t.dtype, None, None)
+            else:  # from outside the handler (a constant, a physical tensor): computed
+                t = v
+                part = _outside_part(v)
+            if part[0] is _RESOURCE:
+                resource = True
+            tensors.append(t)
+            parts.append(part)
         active = getattr(_threads, "queues", None)
         queue = active[-1] if active else None  # None: outside every scope, it runs now
         try:
@@ -220,14 +236,19 @@ class Async(OpHandler):
             if queue is not None:
                 queue.executor.clear_error()
             raise
-        if op.type == "ReadVariableOp" and type(inputs[0]) is not AsyncValue:
+        if resource and op.type == "ReadVariableOp" and type(inputs[0]) is not AsyncValue:
             return [AsyncValue(outputs[0], *self._read_spec(op, inputs[0], queue))]
-        if queue is not None:
+        enums = op.output_dtype_enums
+        if queue is not None and (resource or enums is None or op.type in _OPAQUE):
             _note_reshapes(queue, op, tensors)
-        inferred = _infer(op, inputs) if op.output_dtype_enums is not None else None
+        inferred = _infer(op, inputs, parts) if enums is not None else None
         if inferred is None:
             return [o if _is_resource(o) else AsyncValue(o) for o in outputs]
-        return [o if _is_resource(o) else AsyncValue(o, spec, None, part)
+        if len(outputs) == 1:  # most ops
+            (spec, part), = inferred
+            o = outputs[0]
+            return [o if part[0] is _RESOURCE else AsyncValue(o, spec, None, part)]
+        return [o if part[0] is _RESOURCE else AsyncValue(o, spec, None, part)
                 for o, (spec, part) in zip(outputs, inferred)]
 
     def _read_spec(self, op, handle, queue):
@@ -388,6 +409,13 @@ def _part(tensor, known):
     return shapes.signature_part(tensor.dtype, tensor._shape_tuple(), known)  # pylint: disable=protected-access
 
 
+# Dtypes whose tensors never carry a known value in a signature part (shapes.known_value
+# reads small integer and bool tensors only), by enum: a float constant made afresh for
+# every op (`x * 1.01`) is described without the cache below.
+_VALUELESS = {d.as_datatype_enum: d for d in (
+    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
+    tf.string)}
+
 # id of a tensor from outside the handler -> (weak reference to it, its signature part):
 # a constant or a captured tensor used by op after op is described once. The reference
 # check makes a reused id harmless.
@@ -395,6 +423,10 @@ _outside_parts = BoundedCache("async.outside_parts", 1024)
 
 
 def _outside_part(tensor):
+    if type(tensor) is _EagerTensor:
+        dtype = _VALUELESS.get(tensor._datatype_enum())  # pylint: disable=protected-access
+        if dtype is not None:  # no value is carried (shapes.known_value): no cache
+            return shapes.signature_part(dtype, tensor._shape_tuple(), None)  # pylint: disable=protected-access
     hit = _outside_parts.get(id(tensor))
     if hit is not None and hit[0]() is tensor:
         return hit[1]
@@ -416,18 +448,10 @@ def _spec_part(spec):
 _inferred = BoundedCache("async.inferred", 16384)
 
 
-def _infer(op, inputs):
+def _infer(op, inputs, parts):
     """The outputs' specs and signature parts, from TensorFlow's shape functions (cached
-    per op signature, with the parts precomputed so that a hit costs a lookup)."""
-    parts = []
-    for v in inputs:
-        if type(v) is AsyncValue:
-            part = v.part
-            if part is None:
-                part = (v.tensor.dtype, None, None)
-        else:  # from outside the handler (a constant, a physical tensor): computed
-            part = _outside_part(v)
-        parts.append(part)
+    per op signature, with the parts precomputed so that a hit costs a lookup). `parts`:
+    the inputs' signature parts (`Async.execute` collects them)."""
     key = (op.type, op.attrs_key(), tuple(parts))
     try:
         return _inferred[key]

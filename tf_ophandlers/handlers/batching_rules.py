@@ -5,6 +5,7 @@ up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a 
 """
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
@@ -24,10 +25,18 @@ class Batched:
         return "Batched(%r, batched=%s)" % (self.value, self.batched)
 
 
+def _ndim(v):
+    """Rank of a tensor (None if unknown); an eager tensor's without a TensorShape (this
+    runs for every input of a batched op)."""
+    if type(v) is _EagerTensor:
+        return len(v._shape_tuple())  # pylint: disable=protected-access
+    return v.shape.rank
+
+
 def _rank(b):
     """Per-example rank of a Batched."""
-    r = b.value.shape.rank
-    return r - 1 if b.batched else r
+    r = _ndim(b.value)
+    return r - 1 if b.batched and r is not None else r
 
 
 # Constants for shapes, axes and permutations, by value and dtype (a few per program):
@@ -75,6 +84,11 @@ def batched(outputs):
 
 
 def _static(t):
+    if type(t) is _EagerTensor:  # its value, as tf.get_static_value gives it
+        try:
+            return np.asarray(t.numpy())
+        except tf.errors.UnimplementedError:  # (a resource or variant tensor)
+            return None
     v = tf.get_static_value(t)
     return None if v is None else np.asarray(v)
 
@@ -93,7 +107,7 @@ def _align(inputs, rank):
     for b in inputs:
         v = b.value
         if b.batched:
-            missing = rank - (v.shape.rank - 1)
+            missing = rank - (_ndim(v) - 1)
             if missing > 0:
                 v = tf.reshape(v, tf.concat([tf.shape(v)[:1], tf.ones([missing], tf.int32),
                                              tf.shape(v)[1:]], 0))
@@ -105,9 +119,10 @@ def _align(inputs, rank):
 
 def _elementwise(handler, execute, op, inputs):
     """Ops that broadcast their inputs like numpy (and unary elementwise ops)."""
-    if any(b.value.shape.rank is None for b in inputs):
+    ranks = [_rank(b) for b in inputs]
+    if None in ranks:
         return None
-    return batched(execute(op, _align(inputs, max(_rank(b) for b in inputs))))
+    return batched(execute(op, _align(inputs, max(ranks))))
 
 
 def _same_shape(handler, execute, op, inputs):

@@ -43,6 +43,7 @@ _sequence = itertools.count()
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
+_FIRST = (0,)
 
 
 def _is_stateful(op_type):
@@ -358,16 +359,31 @@ class Lazy(OpHandler):
                     c = ref()
                     if c is not None and c.inputs is not None and c.seq not in seen:
                         needed.add((node.seq, k))
-        position = {n.seq: k for k, n in enumerate(order)}
-        external, ext_index, plan, kept = [], {}, [], []
-        for node in order:
-            live = []
-            for k, r in enumerate(node.outputs):
-                o = r()
-                if o is not None or (node.seq, k) in needed:
-                    live.append(k)
-                    kept.append((node, k, o))
-            live = tuple(live)
+        # The plan, the key (core/graph_builder.py's parts, built in the same pass) and
+        # the outputs to keep, in one loop: this runs on every value request.
+        position, external, ext_index = {}, [], {}
+        plan, parts, returned, kept = [], [], [], []
+        part = graph_builder.node_part
+        for j, node in enumerate(order):
+            position[node.seq] = j
+            outs = node.outputs
+            if len(outs) == 1 and not (needed and (node.seq, 0) in needed):  # most nodes
+                o = outs[0]()
+                if o is None:
+                    live = ()
+                else:
+                    live = _FIRST
+                    kept.append((node, 0, o))
+                    returned.append((j, 0))
+            else:
+                live = []
+                for k, r in enumerate(outs):
+                    o = r()
+                    if o is not None or (node.seq, k) in needed:
+                        live.append(k)
+                        kept.append((node, k, o))
+                        returned.append((j, k))
+                live = tuple(live)
             refs = []
             for i in node.inputs:
                 if type(i) is tuple:
@@ -382,12 +398,12 @@ class Lazy(OpHandler):
                     e = ext_index[k] = len(external)
                     external.append(i)
                 refs.append((-1, e))
-            plan.append((node.op, refs, live, node.device))
+            op, device = node.op, node.device
+            plan.append((op, refs, live, device))
+            parts.append(part(op, refs, device))
         # Everything the compiled function depends on (handlers/lazy_compile.py).
-        key = graph_builder.program_key(
-            [(op, refs, device) for op, refs, _, device in plan],
-            [(j, k) for j, (_, _, live, _) in enumerate(plan) for k in live], external,
-            jit_compile=self.jit_compile)
+        key = graph_builder.key_of_parts(parts, returned, external,
+                                         jit_compile=self.jit_compile)
         try:
             if order[-1].next is not PHYSICAL:
                 # A handler below (a tape) would see one function call: its gradient
@@ -411,7 +427,7 @@ class Lazy(OpHandler):
         for (node, k, o), value in zip(kept, outputs):
             if o is not None:
                 o.value = value
-            if (node.seq, k) in needed:
+            if needed and (node.seq, k) in needed:
                 if node.values is None:
                     node.values = [None] * len(node.outputs)
                 node.values[k] = value

@@ -162,6 +162,17 @@ def _resource_key(handle):
     return handle.ref()  # a symbolic tensor
 
 
+_RESOURCE_ENUM = tf.resource.as_datatype_enum
+
+
+def _is_resource(t):
+    """Whether `t` is a resource handle, cheaply for eager tensors (their `dtype` is a
+    Python property, and DType's `==` too: this runs per input and output of every op)."""
+    if type(t) is _ops.EagerTensor:
+        return t._datatype_enum() == _RESOURCE_ENUM  # pylint: disable=protected-access
+    return t.dtype == tf.resource
+
+
 def _writes_state(op_type):
     """Whether an op of this type updates a variable or table given as an input."""
     return op_type.startswith(_STATE_WRITERS)
@@ -261,7 +272,7 @@ class VectorizedMap(OpHandler):
     def execute(self, op, inputs):
         below = next_stack()
         execute = below.execute
-        resources = [b.value for b in inputs if not b.batched and b.value.dtype == tf.resource]
+        resources = [b.value for b in inputs if not b.batched and _is_resource(b.value)]
         if _writes_state(op.type) and not (
                 self._created and all(_resource_key(r) in self._created for r in resources)):
             # The mapped function runs once per example (tf.map_fn's result): so does an
@@ -282,7 +293,8 @@ class VectorizedMap(OpHandler):
             rule = RULES.get(op.type)
             if rule is not None:
                 result = rule(self, execute, op, inputs)
-            if result is None and op.output_dtypes is not None and op.type not in _CONTROL_FLOW:
+            if (result is None and op.output_dtype_enums is not None
+                    and op.type not in _CONTROL_FLOW):
                 result = _converted_by_pfor(self, execute, op, inputs)
             if result is None:
                 if not self.fallback_to_while_loop:
@@ -294,10 +306,14 @@ class VectorizedMap(OpHandler):
             return result
         # Resource handles stay on the next stack (variables created inside; their
         # initialization is not a per-example update).
+        results = []
         for o in outputs:
-            if o.dtype == tf.resource:
+            if _is_resource(o):
                 self._created.add(_resource_key(o))
-        return [o if o.dtype == tf.resource else Batched(o, False) for o in outputs]
+                results.append(o)
+            else:
+                results.append(Batched(o, False))
+        return results
 
     # -- functions (core/functions): a tf.function called in the map is replayed with
     # its arguments batched or not; cond branches and loops that disagree broadcast.

@@ -242,19 +242,6 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
   return true;
 }
 
-// A new EagerTensor sharing `h`'s tensor, or null with a Python exception set. GIL: held.
-PyObject* Sharing(TFE_TensorHandle* h) {
-  TF_Status* s = ThreadStatus();
-  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, s);
-  if (TF_GetCode(s) != TF_OK) {
-    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
-    return nullptr;
-  }
-  PyObject* t = EagerTensorFromHandle(copy, false);
-  if (t == nullptr) TFE_DeleteTensorHandle(copy);
-  return t;
-}
-
 // Runs `fn(*args)` as HandlerStack.call_hook does: `stack` pushed on state.frames and
 // state.current set to `next` meanwhile (restored on failure too, keeping the error).
 // Returns a new reference, or null with a Python exception set. GIL: held.
@@ -316,7 +303,7 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
       v = reinterpret_cast<PyObject*>(p->value);
       Py_INCREF(v);
     } else {
-      v = Sharing(in[i]);
+      v = native_internal::EagerTensorSharing(in[i]);
       if (v == nullptr) goto fail;
       foreign.push_back(i);
     }
@@ -416,16 +403,12 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
   PyObject *state, *physical;
   if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
   if (!native_internal::SetSharedState(state, physical)) return nullptr;
-  s_fast = PyUnicode_InternFromString("_oh_fast");
-  s_frames = PyUnicode_InternFromString("frames");
-  s_value_dtype = PyUnicode_InternFromString("value_dtype");
-  s_wants_copy = PyUnicode_InternFromString("wants_copy");
-  s_copy_on_value = PyUnicode_InternFromString("_copy_on_value");
-  s_not_a_list = PyUnicode_InternFromString("_raise_not_a_list");
-  s_wrap_eager = PyUnicode_InternFromString("_wrap_eager");
-  if (!s_mode || !s_current || !s_device || !s_fast || !s_handler || !s_frames ||
-      !s_wants_copy || !s_copy_on_value || !s_not_a_list || !s_wrap_eager || !s_execute ||
-      !s_value_dtype) {
+  using native_internal::InternOnce;
+  if (!InternOnce(&s_fast, "_oh_fast") || !InternOnce(&s_frames, "frames") ||
+      !InternOnce(&s_value_dtype, "value_dtype") || !InternOnce(&s_wants_copy, "wants_copy") ||
+      !InternOnce(&s_copy_on_value, "_copy_on_value") ||
+      !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
+      !InternOnce(&s_wrap_eager, "_wrap_eager")) {
     return nullptr;
   }
   Py_RETURN_NONE;

@@ -89,8 +89,12 @@ PyObject* PyOf(TFOH_Tensor* t) {
     Py_INCREF(t->py);
     return t->py;
   }
+  return EagerTensorSharing(t->h);
+}
+
+PyObject* EagerTensorSharing(TFE_TensorHandle* h) {
   TF_Status* s = ThreadStatus();
-  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(t->h, s);
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, s);
   if (TF_GetCode(s) != TF_OK) {
     PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
     return nullptr;

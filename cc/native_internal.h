@@ -79,9 +79,20 @@ extern PyObject* s_device;
 extern PyObject* s_execute;
 
 // Sets g_state and g_physical (new references to `state`, `physical`; the previous ones
-// released) and interns the names above. Returns false with a Python exception set when
-// interning fails. GIL: held.
+// released) and interns the names above, each once per process (a repeated call takes no
+// further references). Returns false with a Python exception set when interning fails.
+// GIL: held.
 bool SetSharedState(PyObject* state, PyObject* physical);
+
+// Interns `text` into `*slot` unless the slot already holds a name (one reference per
+// process, never released). Returns false with a Python exception set on failure.
+// GIL: held.
+bool InternOnce(PyObject** slot, const char* text);
+
+// A new EagerTensor sharing `h`'s tensor (its own handle; `h` stays borrowed), or null
+// with a RuntimeError (TensorFlow's message) set. Used wherever C hands a tensor it
+// borrows to Python: the fast path's hook inputs, PyOf. GIL: held.
+PyObject* EagerTensorSharing(TFE_TensorHandle* h);
 
 // ---- TFOH_Tensor (native_execute.cc) ------------------------------------------------------
 

@@ -30,6 +30,7 @@ enum Kind : int {
 struct Decision {
   int kind = kPython;
   PyObject* next = nullptr;  // borrowed: the stack holds it, and the stack is alive
+  PyObject* handler = nullptr;  // kNative: the stack's handler, borrowed (the stack holds it)
   bool transient = true;     // resource outputs stay on the next stack
   bool default_copy_on = false;  // the handler's copy_on is OpHandler's (a move)
   bool copy_all = true;      // every foreign input is copied on (no needs_copy, no deferral)
@@ -60,6 +61,8 @@ using native_internal::s_device;
 using native_internal::s_execute;
 using native_internal::s_handler;
 using native_internal::s_mode;
+using native_internal::s_next;
+using native_internal::StateGet;
 
 // Set by fast_setup (core/stack.py at import). Interned attribute names of the fast path.
 PyObject* s_fast = nullptr;
@@ -90,9 +93,26 @@ const Decision* Decide(PyObject* stack, const char* type) {
   if (handler == nullptr) PyErr_Clear();
   bool native = handler != nullptr && PyObject_TypeCheck(handler, &NativeHandlerBaseType);
   Py_XDECREF(handler);
+  handler = nullptr;
   // A function call op (a type without an OpDef) is replayed or taken whole in Python.
   if (native) {
+    // The stack's handler and next stack are fixed for its life (HandlerStack.__init__),
+    // so they are read once here, not per op.
+    PyObject* next = PyObject_GetAttr(stack, s_next);
+    if (next == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_DECREF(next);  // the stack keeps it alive
+    handler = PyObject_GetAttr(stack, s_handler);
+    if (handler == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_DECREF(handler);  // the stack keeps it alive
     d.kind = kNative;
+    d.next = next;
+    d.handler = handler;
   } else if (IsRegisteredOpType(type)) {
     PyObject* name = PyUnicode_FromString(type);
     PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
@@ -130,48 +150,13 @@ bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle
   for (int i = 0; i < n_in; ++i) {
     if (PayloadOf(in[i]) != nullptr) return false;  // to copy off: Python
   }
-  PyObject* dev_obj = PyObject_GetAttr(g_state, s_device);
+  PyObject* dev_obj = StateGet(s_device);  // borrowed; no Python runs before its use
   const char* device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : nullptr;
   if (device == nullptr) {
     PyErr_Clear();
-    Py_XDECREF(dev_obj);
     return false;
   }
-  // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
-  thread_local TFE_Op* cached_op = nullptr;
-  TFE_Op* tfe = cached_op;
-  cached_op = nullptr;
-  if (tfe != nullptr) {
-    TFE_OpReset(tfe, type, device, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TFE_DeleteOp(tfe);
-      tfe = nullptr;
-      TF_SetStatus(status, TF_OK, "");
-    }
-  }
-  if (tfe == nullptr) {
-    tfe = TFE_NewOp(g_ctx, type, status);
-    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
-  }
-  Py_DECREF(dev_obj);
-  if (TF_GetCode(status) == TF_OK) {
-    TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
-    for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
-      TFE_OpAddInput(tfe, in[i], status);
-    }
-  }
-  if (TF_GetCode(status) == TF_OK) {
-    Py_BEGIN_ALLOW_THREADS;
-    TFE_Execute(tfe, outputs, num_outputs, status);
-    Py_END_ALLOW_THREADS;
-  }
-  if (tfe != nullptr) {
-    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
-      cached_op = tfe;
-    } else {
-      TFE_DeleteOp(tfe);
-    }
-  }
+  ExecuteOnPhysical(src, type, device, n_in, in, num_outputs, outputs, status);
   return true;  // ran (or failed like the Python path's TFE_Execute would)
 }
 
@@ -373,8 +358,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
       return RunForward(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
                         depth);
     }
-    case kNative:
-      return NativeStackRun(stack, src, type, device, n_in, in, num_outputs, outputs, status);
+    case kNative: {
+      Decision copy = *d;
+      return NativeStackRun(stack, copy.handler, copy.next, src, type, device, n_in, in,
+                            num_outputs, outputs, status);
+    }
     case kHook: {
       if (depth > 0) return false;  // below a forwarding level: its copy-on rules, Python
       Decision copy = *d;
@@ -442,13 +430,8 @@ PyObject* PyFastStats(PyObject*, PyObject*) {
 bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int n_in,
                     int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (!g_enabled || g_state == nullptr || type == nullptr || Excluded(type)) return false;
-  PyObject* mode = PyObject_GetAttr(g_state, s_mode);
-  if (mode == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  Py_DECREF(mode);  // None and the modes are kept alive elsewhere; only identity matters
-  if (mode != Py_None) return false;  // a function being replayed: Python
+  PyObject* mode = StateGet(s_mode);  // borrowed; only identity matters
+  if (mode != Py_None) return false;  // a function being replayed (or unknown): Python
   absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in);
   for (int i = 0; i < n_in; ++i) {
     in[i] = TFE_OpGetFlatInput(op, i, status);
@@ -461,13 +444,8 @@ bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int 
   if (device != nullptr && g_device_name == device) {
     // Placed by a scope: the current stack (dispatch.execute). PHYSICAL here means a
     // hook's own ops placed under an outer scope: Python decides those.
-    PyObject* current = PyObject_GetAttr(g_state, s_current);
-    if (current == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    Py_DECREF(current);  // state.current keeps it alive while the op runs
-    if (current == g_physical) return false;
+    PyObject* current = StateGet(s_current);  // state.current keeps it alive while the op runs
+    if (current == nullptr || current == g_physical) return false;
     stack = current;
   } else {
     // Type-based dispatch: the one stack of the handler inputs (dispatch._stack_for);
@@ -486,6 +464,53 @@ bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int 
   }
   ++g_fast_ops;
   return true;
+}
+
+bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* device,
+               int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+               TF_Status* status) {
+  if (!g_enabled || g_state == nullptr || Excluded(type)) return false;
+  // Depth 1: a Python execute hook (kHook) is only run from C on the op's first stack.
+  return RunOn(stack, op, type, device, n_in, in, num_outputs, outputs, status, 1);
+}
+
+void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, int n_in,
+                       TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+                       TF_Status* status) {
+  // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* tfe = cached_op;
+  cached_op = nullptr;
+  if (tfe != nullptr) {
+    TFE_OpReset(tfe, type, device, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TFE_DeleteOp(tfe);
+      tfe = nullptr;
+      TF_SetStatus(status, TF_OK, "");
+    }
+  }
+  if (tfe == nullptr) {
+    tfe = TFE_NewOp(g_ctx, type, status);
+    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
+    for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
+      TFE_OpAddInput(tfe, in[i], status);
+    }
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    Py_BEGIN_ALLOW_THREADS;
+    TFE_Execute(tfe, outputs, num_outputs, status);
+    Py_END_ALLOW_THREADS;
+  }
+  if (tfe != nullptr) {
+    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
+      cached_op = tfe;
+    } else {
+      TFE_DeleteOp(tfe);
+    }
+  }
 }
 
 PyMethodDef kFastModuleMethods[] = {

@@ -43,6 +43,28 @@ bool SetSharedState(PyObject* state, PyObject* physical) {
          InternOnce(&s_device, "device") && InternOnce(&s_execute, "execute");
 }
 
+PyObject* StateGet(PyObject* name) {
+  // The thread's dict of the threading.local `state`, and which `state` it belongs to
+  // (SetSharedState may be given another object).
+  thread_local PyObject* dict = nullptr;
+  thread_local PyObject* owner = nullptr;
+  if (g_state == nullptr) return nullptr;
+  if (owner != g_state || dict == nullptr) {
+    static PyObject* s_dict = PyUnicode_InternFromString("__dict__");
+    PyObject* d = s_dict != nullptr ? PyObject_GetAttr(g_state, s_dict) : nullptr;
+    if (d == nullptr || !PyDict_Check(d)) {
+      Py_XDECREF(d);
+      PyErr_Clear();
+      return nullptr;
+    }
+    dict = d;  // kept: see native_internal.h
+    owner = g_state;
+  }
+  PyObject* v = PyDict_GetItemWithError(dict, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
 // ---- the runtime API ----------------------------------------------------------------------
 
 const char* ApiOpType(const TFOH_Op* op) { return op->type; }

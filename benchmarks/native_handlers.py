@@ -21,6 +21,7 @@ records for the timed ops. Writes the `native_handlers` section of docs/benchmar
     python benchmarks/native_handlers.py --quick   # smoke run
 """
 import collections
+import contextlib
 import os
 import time
 
@@ -73,15 +74,17 @@ class Config:
         return self._timed(self.handlers, n)
 
     def _timed(self, handlers, n):
-        def enter(i):
-            if i == len(handlers):
-                a, b = tf.identity(self.a0), tf.identity(self.b0)
-                for _ in range(WARMUP_OPS):
-                    tf.add(a, b)
-                return _common.time_per_call(lambda: tf.add(a, b), n)
-            with handlers[i]:
-                return enter(i + 1)
-        return enter(0)
+        # Every configuration times from the same Python stack depth: TensorFlow captures
+        # the Python stack on every op (StackTrace::Capture, a cost per frame), so
+        # entering the scopes by recursion (a frame per handler) would bill the deeper
+        # configurations for frames, not for their handlers.
+        with contextlib.ExitStack() as scopes:
+            for h in handlers:
+                scopes.enter_context(h)
+            a, b = tf.identity(self.a0), tf.identity(self.b0)
+            for _ in range(WARMUP_OPS):
+                tf.add(a, b)
+            return _common.time_per_call(lambda: tf.add(a, b), n)
 
 
 def measure(rounds, n):

@@ -30,6 +30,7 @@ enum Kind : int {
 struct Decision {
   int kind = kPython;
   PyObject* next = nullptr;  // borrowed: the stack holds it, and the stack is alive
+  PyObject* handler = nullptr;  // kNative: the stack's handler, borrowed (the stack holds it)
   bool transient = true;     // resource outputs stay on the next stack
   bool default_copy_on = false;  // the handler's copy_on is OpHandler's (a move)
   bool copy_all = true;      // every foreign input is copied on (no needs_copy, no deferral)
@@ -60,6 +61,8 @@ using native_internal::s_device;
 using native_internal::s_execute;
 using native_internal::s_handler;
 using native_internal::s_mode;
+using native_internal::s_next;
+using native_internal::StateGet;
 
 // Set by fast_setup (core/stack.py at import). Interned attribute names of the fast path.
 PyObject* s_fast = nullptr;
@@ -90,9 +93,26 @@ const Decision* Decide(PyObject* stack, const char* type) {
   if (handler == nullptr) PyErr_Clear();
   bool native = handler != nullptr && PyObject_TypeCheck(handler, &NativeHandlerBaseType);
   Py_XDECREF(handler);
+  handler = nullptr;
   // A function call op (a type without an OpDef) is replayed or taken whole in Python.
   if (native) {
+    // The stack's handler and next stack are fixed for its life (HandlerStack.__init__),
+    // so they are read once here, not per op.
+    PyObject* next = PyObject_GetAttr(stack, s_next);
+    if (next == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_DECREF(next);  // the stack keeps it alive
+    handler = PyObject_GetAttr(stack, s_handler);
+    if (handler == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_DECREF(handler);  // the stack keeps it alive
     d.kind = kNative;
+    d.next = next;
+    d.handler = handler;
   } else if (IsRegisteredOpType(type)) {
     PyObject* name = PyUnicode_FromString(type);
     PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
@@ -130,48 +150,13 @@ bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle
   for (int i = 0; i < n_in; ++i) {
     if (PayloadOf(in[i]) != nullptr) return false;  // to copy off: Python
   }
-  PyObject* dev_obj = PyObject_GetAttr(g_state, s_device);
+  PyObject* dev_obj = StateGet(s_device);  // borrowed; no Python runs before its use
   const char* device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : nullptr;
   if (device == nullptr) {
     PyErr_Clear();
-    Py_XDECREF(dev_obj);
     return false;
   }
-  // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
-  thread_local TFE_Op* cached_op = nullptr;
-  TFE_Op* tfe = cached_op;
-  cached_op = nullptr;
-  if (tfe != nullptr) {
-    TFE_OpReset(tfe, type, device, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TFE_DeleteOp(tfe);
-      tfe = nullptr;
-      TF_SetStatus(status, TF_OK, "");
-    }
-  }
-  if (tfe == nullptr) {
-    tfe = TFE_NewOp(g_ctx, type, status);
-    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
-  }
-  Py_DECREF(dev_obj);
-  if (TF_GetCode(status) == TF_OK) {
-    TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
-    for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
-      TFE_OpAddInput(tfe, in[i], status);
-    }
-  }
-  if (TF_GetCode(status) == TF_OK) {
-    Py_BEGIN_ALLOW_THREADS;
-    TFE_Execute(tfe, outputs, num_outputs, status);
-    Py_END_ALLOW_THREADS;
-  }
-  if (tfe != nullptr) {
-    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
-      cached_op = tfe;
-    } else {
-      TFE_DeleteOp(tfe);
-    }
-  }
+  ExecuteOnPhysical(src, type, device, n_in, in, num_outputs, outputs, status);
   return true;  // ran (or failed like the Python path's TFE_Execute would)
 }
 
@@ -242,19 +227,6 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
   return true;
 }
 
-// A new EagerTensor sharing `h`'s tensor, or null with a Python exception set. GIL: held.
-PyObject* Sharing(TFE_TensorHandle* h) {
-  TF_Status* s = ThreadStatus();
-  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, s);
-  if (TF_GetCode(s) != TF_OK) {
-    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
-    return nullptr;
-  }
-  PyObject* t = EagerTensorFromHandle(copy, false);
-  if (t == nullptr) TFE_DeleteTensorHandle(copy);
-  return t;
-}
-
 // Runs `fn(*args)` as HandlerStack.call_hook does: `stack` pushed on state.frames and
 // state.current set to `next` meanwhile (restored on failure too, keeping the error).
 // Returns a new reference, or null with a Python exception set. GIL: held.
@@ -316,7 +288,7 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
       v = reinterpret_cast<PyObject*>(p->value);
       Py_INCREF(v);
     } else {
-      v = Sharing(in[i]);
+      v = native_internal::EagerTensorSharing(in[i]);
       if (v == nullptr) goto fail;
       foreign.push_back(i);
     }
@@ -386,8 +358,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
       return RunForward(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
                         depth);
     }
-    case kNative:
-      return NativeStackRun(stack, src, type, device, n_in, in, num_outputs, outputs, status);
+    case kNative: {
+      Decision copy = *d;
+      return NativeStackRun(stack, copy.handler, copy.next, src, type, device, n_in, in,
+                            num_outputs, outputs, status);
+    }
     case kHook: {
       if (depth > 0) return false;  // below a forwarding level: its copy-on rules, Python
       Decision copy = *d;
@@ -416,16 +391,12 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
   PyObject *state, *physical;
   if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
   if (!native_internal::SetSharedState(state, physical)) return nullptr;
-  s_fast = PyUnicode_InternFromString("_oh_fast");
-  s_frames = PyUnicode_InternFromString("frames");
-  s_value_dtype = PyUnicode_InternFromString("value_dtype");
-  s_wants_copy = PyUnicode_InternFromString("wants_copy");
-  s_copy_on_value = PyUnicode_InternFromString("_copy_on_value");
-  s_not_a_list = PyUnicode_InternFromString("_raise_not_a_list");
-  s_wrap_eager = PyUnicode_InternFromString("_wrap_eager");
-  if (!s_mode || !s_current || !s_device || !s_fast || !s_handler || !s_frames ||
-      !s_wants_copy || !s_copy_on_value || !s_not_a_list || !s_wrap_eager || !s_execute ||
-      !s_value_dtype) {
+  using native_internal::InternOnce;
+  if (!InternOnce(&s_fast, "_oh_fast") || !InternOnce(&s_frames, "frames") ||
+      !InternOnce(&s_value_dtype, "value_dtype") || !InternOnce(&s_wants_copy, "wants_copy") ||
+      !InternOnce(&s_copy_on_value, "_copy_on_value") ||
+      !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
+      !InternOnce(&s_wrap_eager, "_wrap_eager")) {
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -459,13 +430,8 @@ PyObject* PyFastStats(PyObject*, PyObject*) {
 bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int n_in,
                     int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (!g_enabled || g_state == nullptr || type == nullptr || Excluded(type)) return false;
-  PyObject* mode = PyObject_GetAttr(g_state, s_mode);
-  if (mode == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  Py_DECREF(mode);  // None and the modes are kept alive elsewhere; only identity matters
-  if (mode != Py_None) return false;  // a function being replayed: Python
+  PyObject* mode = StateGet(s_mode);  // borrowed; only identity matters
+  if (mode != Py_None) return false;  // a function being replayed (or unknown): Python
   absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in);
   for (int i = 0; i < n_in; ++i) {
     in[i] = TFE_OpGetFlatInput(op, i, status);
@@ -478,13 +444,8 @@ bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int 
   if (device != nullptr && g_device_name == device) {
     // Placed by a scope: the current stack (dispatch.execute). PHYSICAL here means a
     // hook's own ops placed under an outer scope: Python decides those.
-    PyObject* current = PyObject_GetAttr(g_state, s_current);
-    if (current == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    Py_DECREF(current);  // state.current keeps it alive while the op runs
-    if (current == g_physical) return false;
+    PyObject* current = StateGet(s_current);  // state.current keeps it alive while the op runs
+    if (current == nullptr || current == g_physical) return false;
     stack = current;
   } else {
     // Type-based dispatch: the one stack of the handler inputs (dispatch._stack_for);
@@ -503,6 +464,53 @@ bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int 
   }
   ++g_fast_ops;
   return true;
+}
+
+bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* device,
+               int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+               TF_Status* status) {
+  if (!g_enabled || g_state == nullptr || Excluded(type)) return false;
+  // Depth 1: a Python execute hook (kHook) is only run from C on the op's first stack.
+  return RunOn(stack, op, type, device, n_in, in, num_outputs, outputs, status, 1);
+}
+
+void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, int n_in,
+                       TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+                       TF_Status* status) {
+  // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* tfe = cached_op;
+  cached_op = nullptr;
+  if (tfe != nullptr) {
+    TFE_OpReset(tfe, type, device, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TFE_DeleteOp(tfe);
+      tfe = nullptr;
+      TF_SetStatus(status, TF_OK, "");
+    }
+  }
+  if (tfe == nullptr) {
+    tfe = TFE_NewOp(g_ctx, type, status);
+    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
+    for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
+      TFE_OpAddInput(tfe, in[i], status);
+    }
+  }
+  if (TF_GetCode(status) == TF_OK) {
+    Py_BEGIN_ALLOW_THREADS;
+    TFE_Execute(tfe, outputs, num_outputs, status);
+    Py_END_ALLOW_THREADS;
+  }
+  if (tfe != nullptr) {
+    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
+      cached_op = tfe;
+    } else {
+      TFE_DeleteOp(tfe);
+    }
+  }
 }
 
 PyMethodDef kFastModuleMethods[] = {

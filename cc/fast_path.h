@@ -52,6 +52,25 @@ namespace tf_ophandlers {
 bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int num_inputs,
                     int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
 
+// The fast path's run of `op` on `stack` when `stack` is not the op's first stack (a C/C++
+// handler's execute_next, native_execute.cc): PHYSICAL, a forwarding level or a C/C++
+// handler run in C; a level whose Python execute hook runs for the op is declined.
+// Same contract as TryFastExecute (`in` borrowed handles; false: nothing done, `status`
+// untouched, no Python exception set). GIL: held; released around TFE_Execute.
+bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* device,
+               int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+               TF_Status* status);
+
+// Runs `type` with `src`'s attributes on the physical `device` (a C string; "" lets
+// TensorFlow place it) with the physical handles `in` (borrowed), reusing this thread's
+// TFE_Op. The one physical execution of both C paths (a forwarding level's PHYSICAL and
+// a C/C++ handler's execute_next). `*num_outputs` is the capacity of `outputs` on entry;
+// on success they hold `*num_outputs` new handles. Failures go to `status` (OK on
+// entry). GIL: held; released around TFE_Execute.
+void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, int n_in,
+                       TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+                       TF_Status* status);
+
 // Wraps what an execute hook of `stack` returned (`values`, borrowed: a list or tuple)
 // as handler tensors of `stack`, as `_C.wrap_outputs` does: a tensor gives its own dtype,
 // another representation asks `value_dtype(value)` (borrowed callable); with

@@ -3,6 +3,7 @@
 #define PY_SSIZE_T_CLEAN
 #include "handler_tensor.h"
 
+#include <atomic>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -20,6 +21,10 @@ namespace {
 // executor that runs the deallocator.
 std::mutex g_pending_mu;
 std::vector<TFOH_Payload*> g_pending;  // guarded by g_pending_mu
+// Whether g_pending may be non-empty: set under the mutex when a payload is queued,
+// cleared by the drain that empties it, read without the mutex so that the common case
+// (nothing queued) costs no lock on every op.
+std::atomic<bool> g_maybe_pending{false};
 
 // Drops the payload's Python references and frees it. GIL: held.
 void FreePayloadWithGil(TFOH_Payload* p) {
@@ -124,6 +129,7 @@ void PayloadDeallocate(void* data) {
     // this executor, so never wait for the GIL here.
     std::lock_guard<std::mutex> l(g_pending_mu);
     g_pending.push_back(p);
+    g_maybe_pending.store(true, std::memory_order_release);
   }
 }
 
@@ -159,9 +165,11 @@ TF_Buffer* PayloadSummarize(void* data, TF_Status* status) {
 }  // namespace
 
 void DrainPending() {
+  if (!g_maybe_pending.load(std::memory_order_acquire)) return;
   std::vector<TFOH_Payload*> todo;
   {
     std::lock_guard<std::mutex> l(g_pending_mu);
+    g_maybe_pending.store(false, std::memory_order_relaxed);
     if (g_pending.empty()) return;
     todo.swap(g_pending);
   }
@@ -173,7 +181,16 @@ TFOH_Payload* PayloadOf(TFE_TensorHandle* handle) {
   TF_Status* s = ThreadStatus();
   const char* d = TFE_TensorHandleDeviceName(handle, s);
   TFOH_Payload* p = nullptr;
-  if (TF_GetCode(s) == TF_OK && d != nullptr && g_device_name == d) {
+  // A custom-device handle names its device with the device's own name string, which
+  // lives as long as the device (the dispatcher: the process), so once a name at an
+  // address matched, that address is ours: no other live string can have it.
+  static std::atomic<const char*> ours{nullptr};
+  bool match = false;
+  if (TF_GetCode(s) == TF_OK && d != nullptr) {
+    match = d == ours.load(std::memory_order_relaxed) || g_device_name == d;
+  }
+  if (match) {
+    ours.store(d, std::memory_order_relaxed);
     p = static_cast<TFOH_Payload*>(TFE_TensorHandleDevicePointer(handle, s));
     if (TF_GetCode(s) != TF_OK) p = nullptr;
   }

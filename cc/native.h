@@ -37,16 +37,17 @@ bool ReadyNativeTypes();
 extern PyMethodDef kNativeModuleMethods[];
 
 // Executes `op` (type `type`, requested device `device`, `n_in` flat inputs `in`, all
-// borrowed) on `stack` in C when `stack`'s handler is native and every input is already
-// on it, or is physical and taken as it is (next stack PHYSICAL, no copy_on hook).
-// Returns false when it does not qualify (nothing was done, `status` untouched, no
-// Python exception set): the caller takes another path. Returns true when it ran the
-// op: `status` tells whether it succeeded, and on success `outputs` holds
-// `*num_outputs` new handles (`*num_outputs` is the capacity on entry). Called by the
-// fast path (fast_path.h). GIL: must be held; released around TFE_Execute.
-bool NativeStackRun(PyObject* stack, const TFE_Op* op, const char* type, const char* device,
-                    int n_in, TFE_TensorHandle** in, int* num_outputs,
-                    TFE_TensorHandle** outputs, TF_Status* status);
+// borrowed) on `stack`, whose handler is the native handler `handler` and whose next
+// stack is `next` (both borrowed; the fast path's decision cache holds them per stack),
+// in C when every input is already on `stack`, or is physical and taken as it is (next
+// stack PHYSICAL, no copy_on hook). Returns false when it does not qualify (nothing was
+// done, `status` untouched, no Python exception set): the caller takes another path.
+// Returns true when it ran the op: `status` tells whether it succeeded, and on success
+// `outputs` holds `*num_outputs` new handles (`*num_outputs` is the capacity on entry).
+// Called by the fast path (fast_path.h). GIL: must be held; released around TFE_Execute.
+bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TFE_Op* op,
+                    const char* type, const char* device, int n_in, TFE_TensorHandle** in,
+                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
 
 // Whether `stack`'s handler is native with a num_dims or dim hook: its tensors then
 // answer rank and dims through those hooks, not from their representation. Never fails.

@@ -8,6 +8,7 @@
 #include <new>
 #include <string>
 
+#include "fast_path.h"
 #include "handler_tensor.h"
 #include "native_hooks.h"
 #include "op.h"
@@ -89,8 +90,12 @@ PyObject* PyOf(TFOH_Tensor* t) {
     Py_INCREF(t->py);
     return t->py;
   }
+  return EagerTensorSharing(t->h);
+}
+
+PyObject* EagerTensorSharing(TFE_TensorHandle* h) {
   TF_Status* s = ThreadStatus();
-  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(t->h, s);
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(h, s);
   if (TF_GetCode(s) != TF_OK) {
     PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
     return nullptr;
@@ -120,69 +125,42 @@ namespace {
 // around TFE_Execute.
 void ExecutePhysical(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor* const* in,
                      int* num_outputs, TFOH_Tensor** outputs, TF_Status* status) {
-  thread_local TFE_Op* cached_op = nullptr;
-  const char* device = ctx->device ? PyUnicode_AsUTF8(ctx->device) : "";
+  int num = op->num_outputs;
+  if (num > *num_outputs) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                 "tf_ophandlers: execute_next: too few output slots for the op");
+    return;
+  }
+  // state.device now (a hook may have run Python since the op was placed).
+  PyObject* dev_obj = StateGet(s_device);
+  const char* device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : "";
   if (device == nullptr) {
     PyErr_Clear();
     device = "";
   }
-  TFE_Op* tfe = cached_op;
-  cached_op = nullptr;
-  if (tfe != nullptr) {
-    TFE_OpReset(tfe, op->type, device, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TFE_DeleteOp(tfe);
-      tfe = nullptr;
-      TF_SetStatus(status, TF_OK, "");
+  absl::InlinedVector<TFE_TensorHandle*, 4> handles(n_in);
+  for (int i = 0; i < n_in; ++i) handles[i] = in[i]->h;
+  absl::InlinedVector<TFE_TensorHandle*, 4> rets(num > 0 ? num : 1);
+  // Ops that run Python inside their kernel (tf.py_function's body) run it below the
+  // handler: state.current is the next stack meanwhile, as for the Python stack's
+  // forwarding (only these ops pay for it).
+  PyObject* saved = nullptr;
+  if (std::strstr(op->type, "PyFunc") != nullptr) {
+    saved = PyObject_GetAttr(g_state, s_current);
+    if (saved == nullptr || PyObject_SetAttr(g_state, s_current, ctx->next) < 0) {
+      Py_CLEAR(saved);
+      PyErr_Clear();
     }
   }
-  if (tfe == nullptr) {
-    tfe = TFE_NewOp(g_ctx, op->type, status);
-    if (TF_GetCode(status) != TF_OK) return;
-    TFE_OpSetDevice(tfe, device, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TFE_DeleteOp(tfe);
-      return;
-    }
+  ExecuteOnPhysical(op->tfe, op->type, device, n_in, handles.data(), &num, rets.data(),
+                    status);
+  if (saved != nullptr) {
+    if (PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
+    Py_DECREF(saved);
   }
-  TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(op->tfe));
-  for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) TFE_OpAddInput(tfe, in[i]->h, status);
-  absl::InlinedVector<TFE_TensorHandle*, 4> rets(op->num_outputs > 0 ? op->num_outputs : 1);
-  int num = op->num_outputs;
-  if (TF_GetCode(status) == TF_OK) {
-    if (num > *num_outputs) {
-      TF_SetStatus(status, TF_INVALID_ARGUMENT,
-                   "tf_ophandlers: execute_next: too few output slots for the op");
-    } else {
-      // Ops that run Python inside their kernel (tf.py_function's body) run it below
-      // the handler: state.current is the next stack meanwhile, as for the Python
-      // stack's forwarding (only these ops pay for it).
-      PyObject* saved = nullptr;
-      if (std::strstr(op->type, "PyFunc") != nullptr) {
-        saved = PyObject_GetAttr(g_state, s_current);
-        if (saved == nullptr || PyObject_SetAttr(g_state, s_current, ctx->next) < 0) {
-          Py_CLEAR(saved);
-          PyErr_Clear();
-        }
-      }
-      Py_BEGIN_ALLOW_THREADS;
-      TFE_Execute(tfe, rets.data(), &num, status);
-      Py_END_ALLOW_THREADS;
-      if (saved != nullptr) {
-        if (PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
-        Py_DECREF(saved);
-      }
-    }
-  }
-  if (TF_GetCode(status) == TF_OK) {
-    for (int i = 0; i < num; ++i) outputs[i] = TensorFromHandle(rets[i]);
-    *num_outputs = num;
-    if (cached_op == nullptr) {
-      cached_op = tfe;
-      return;
-    }
-  }
-  TFE_DeleteOp(tfe);
+  if (TF_GetCode(status) != TF_OK) return;
+  for (int i = 0; i < num; ++i) outputs[i] = TensorFromHandle(rets[i]);
+  *num_outputs = num;
 }
 
 // Executes on the next stack through Python (`next.execute(op, inputs)`), with
@@ -272,13 +250,15 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
     return;
   }
   if (ctx->eager && ctx->next != g_physical && op->num_outputs >= 0) {
-    // A native handler below: run it in C too.
+    // The fast path's levels below (a C/C++ handler, a Python level that does not
+    // execute the op): run them in C too.
     absl::InlinedVector<TFE_TensorHandle*, 4> handles;
     for (int i = 0; i < n_in && in[i]->h != nullptr; ++i) handles.push_back(in[i]->h);
     absl::InlinedVector<TFE_TensorHandle*, 4> outs(op->num_outputs > 0 ? op->num_outputs : 1);
     int n = op->num_outputs;
     if (static_cast<int>(handles.size()) == n_in && n <= *num_outputs &&
-        NativeStackExecute(ctx->next, op, n_in, handles.data(), &n, outs.data(), status)) {
+        FastRunOn(ctx->next, op->tfe, op->type, op->device, n_in, handles.data(), &n,
+                  outs.data(), status)) {
       if (TF_GetCode(status) == TF_OK) {
         for (int i = 0; i < n; ++i) outputs[i] = TensorFromHandle(outs[i]);
         *num_outputs = n;
@@ -336,24 +316,18 @@ bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
   return true;
 }
 
-bool NativeStackExecute(PyObject* stack, const TFOH_Op* op_in, int n_in, TFE_TensorHandle** in,
+bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* next,
+                        const TFOH_Op* op_in, int n_in, TFE_TensorHandle** in,
                         int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (stack == g_physical || IsCopyOrConst(op_in->type)) return false;
-  PyObject* handler = PyObject_GetAttr(stack, s_handler);
-  PyObject* next = nullptr;
   PyObject* dev = nullptr;
   PyObject* producer = nullptr;
-  NativeHandlerObject* self = nullptr;
   absl::InlinedVector<TF_DataType, 4> want;
   absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
   bool handled = false;
   bool shape_hooks = false;
   TFOH_Op op = *op_in;
-  if (handler == nullptr || !PyObject_TypeCheck(handler, &NativeHandlerBaseType)) goto out;
-  self = reinterpret_cast<NativeHandlerObject*>(handler);
-  if (self->state == nullptr) goto out;
-  next = PyObject_GetAttr(stack, s_next);
-  if (next == nullptr) goto out;
+  if (self == nullptr || next == nullptr || self->state == nullptr) goto out;
   if (!ExpectedOutputs(op.tfe, &want) || static_cast<int>(want.size()) > *num_outputs) goto out;
   op.num_outputs = static_cast<int>(want.size());
   for (int i = 0; i < n_in; ++i) {
@@ -376,9 +350,9 @@ bool NativeStackExecute(PyObject* stack, const TFOH_Op* op_in, int n_in, TFE_Ten
   }
   // From here on the op is ours: every failure is reported through `status`.
   handled = true;
-  dev = PyObject_GetAttr(g_state, s_device);
+  dev = StateGet(s_device);  // borrowed (ctx.device: read at the op's start)
   if (dev == nullptr) {
-    StatusFromPyErr(status);
+    TF_SetStatus(status, TF_INTERNAL, "tf_ophandlers: state.device is not set");
     goto out;
   }
   {
@@ -421,9 +395,6 @@ out:
   for (auto* t : ins) Unref(t);
   for (auto* t : outs) Unref(t);
   Py_XDECREF(producer);
-  Py_XDECREF(dev);
-  Py_XDECREF(next);
-  Py_XDECREF(handler);
   if (!handled && PyErr_Occurred()) PyErr_Clear();
   return handled;
 }
@@ -432,13 +403,15 @@ out:
 
 using namespace native_internal;  // NOLINT: this file's own internals
 
-bool NativeStackRun(PyObject* stack, const TFE_Op* tfe_op, const char* type,
-                    const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
-                    TFE_TensorHandle** outputs, TF_Status* status) {
+bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TFE_Op* tfe_op,
+                    const char* type, const char* device, int n_in, TFE_TensorHandle** in,
+                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (g_state == nullptr || IsCopyOrConst(type)) return false;
+  if (handler == nullptr || !PyObject_TypeCheck(handler, &NativeHandlerBaseType)) return false;
   TFOH_Op op{tfe_op, nullptr, type, device, -1};
   int n = *num_outputs;
-  bool handled = NativeStackExecute(stack, &op, n_in, in, &n, outputs, status);
+  bool handled = NativeStackExecute(stack, reinterpret_cast<NativeHandlerObject*>(handler),
+                                    next, &op, n_in, in, &n, outputs, status);
   if (handled && TF_GetCode(status) == TF_OK) *num_outputs = n;
   return handled;
 }

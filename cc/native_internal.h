@@ -79,9 +79,29 @@ extern PyObject* s_device;
 extern PyObject* s_execute;
 
 // Sets g_state and g_physical (new references to `state`, `physical`; the previous ones
-// released) and interns the names above. Returns false with a Python exception set when
-// interning fails. GIL: held.
+// released) and interns the names above, each once per process (a repeated call takes no
+// further references). Returns false with a Python exception set when interning fails.
+// GIL: held.
 bool SetSharedState(PyObject* state, PyObject* physical);
+
+// The value of attribute `name` (one of the interned names above) of `state` on this
+// thread, borrowed: valid until Python code next runs on this thread (which may rebind
+// the attribute). Read from the thread's instance dict of `state` (a threading.local),
+// which is looked up once per thread and then kept (one reference per thread that ran
+// an op, not released at thread exit: freeing it there would need the GIL). Null when
+// the setup has not run or the attribute is missing (no Python exception left set).
+// GIL: held.
+PyObject* StateGet(PyObject* name);
+
+// Interns `text` into `*slot` unless the slot already holds a name (one reference per
+// process, never released). Returns false with a Python exception set on failure.
+// GIL: held.
+bool InternOnce(PyObject** slot, const char* text);
+
+// A new EagerTensor sharing `h`'s tensor (its own handle; `h` stays borrowed), or null
+// with a RuntimeError (TensorFlow's message) set. Used wherever C hands a tensor it
+// borrows to Python: the fast path's hook inputs, PyOf. GIL: held.
+PyObject* EagerTensorSharing(TFE_TensorHandle* h);
 
 // ---- TFOH_Tensor (native_execute.cc) ------------------------------------------------------
 
@@ -125,14 +145,16 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
 // C). Never fails. GIL: not needed.
 bool IsCopyOrConst(const char* type);
 
-// Runs `op` on `stack` in C when its handler is native and every input (`in`, borrowed
-// handles) is already on it, or is physical and taken as it is (the next stack is
-// PHYSICAL and the type has no copy_on). Returns false when not (nothing done, `status`
-// untouched); true when it ran: `status` tells whether it succeeded, and on success
-// `outputs` holds `*num_outputs` new handles (handler tensors of `stack`, or tensors that
-// left the stacks below). `op->num_outputs` < 0: read from the OpDef. GIL: held.
-bool NativeStackExecute(PyObject* stack, const TFOH_Op* op, int n_in, TFE_TensorHandle** in,
-                        int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+// Runs `op` on `stack` in C when its handler `self` is native (`next`: the stack's next
+// stack; both borrowed) and every input (`in`, borrowed handles) is already on it, or is
+// physical and taken as it is (the next stack is PHYSICAL and the type has no copy_on).
+// Returns false when not (nothing done, `status` untouched); true when it ran: `status`
+// tells whether it succeeded, and on success `outputs` holds `*num_outputs` new handles
+// (handler tensors of `stack`, or tensors that left the stacks below).
+// `op->num_outputs` < 0: read from the OpDef. GIL: held.
+bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* next,
+                        const TFOH_Op* op, int n_in, TFE_TensorHandle** in, int* num_outputs,
+                        TFE_TensorHandle** outputs, TF_Status* status);
 
 // Runs the execute hook and checks what it returned against the op (`want`: the OpDef's
 // output dtypes, may be null). On success `outs` holds the new output tensors. Returns

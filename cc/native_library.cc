@@ -26,18 +26,43 @@ PyObject* s_next = nullptr;
 PyObject* s_device = nullptr;
 PyObject* s_execute = nullptr;
 
+bool InternOnce(PyObject** slot, const char* text) {
+  if (*slot == nullptr) *slot = PyUnicode_InternFromString(text);
+  return *slot != nullptr;
+}
+
 bool SetSharedState(PyObject* state, PyObject* physical) {
   Py_INCREF(state);
   Py_INCREF(physical);
   Py_XSETREF(g_state, state);
   Py_XSETREF(g_physical, physical);
-  s_mode = PyUnicode_InternFromString("mode");
-  s_current = PyUnicode_InternFromString("current");
-  s_handler = PyUnicode_InternFromString("handler");
-  s_next = PyUnicode_InternFromString("next");
-  s_device = PyUnicode_InternFromString("device");
-  s_execute = PyUnicode_InternFromString("execute");
-  return s_mode && s_current && s_handler && s_next && s_device && s_execute;
+  // Interned once per process: a second setup (native_setup and fast_setup both call
+  // this) keeps the names it has instead of taking another reference each time.
+  return InternOnce(&s_mode, "mode") && InternOnce(&s_current, "current") &&
+         InternOnce(&s_handler, "handler") && InternOnce(&s_next, "next") &&
+         InternOnce(&s_device, "device") && InternOnce(&s_execute, "execute");
+}
+
+PyObject* StateGet(PyObject* name) {
+  // The thread's dict of the threading.local `state`, and which `state` it belongs to
+  // (SetSharedState may be given another object).
+  thread_local PyObject* dict = nullptr;
+  thread_local PyObject* owner = nullptr;
+  if (g_state == nullptr) return nullptr;
+  if (owner != g_state || dict == nullptr) {
+    static PyObject* s_dict = PyUnicode_InternFromString("__dict__");
+    PyObject* d = s_dict != nullptr ? PyObject_GetAttr(g_state, s_dict) : nullptr;
+    if (d == nullptr || !PyDict_Check(d)) {
+      Py_XDECREF(d);
+      PyErr_Clear();
+      return nullptr;
+    }
+    dict = d;  // kept: see native_internal.h
+    owner = g_state;
+  }
+  PyObject* v = PyDict_GetItemWithError(dict, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
 }
 
 // ---- the runtime API ----------------------------------------------------------------------

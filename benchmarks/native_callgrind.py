@@ -1,0 +1,102 @@
+"""Instructions per small op of the native (C++) and Python pass-through paths, counted
+with callgrind: instruction counts repeat on a loaded machine, where wall-clock timing
+does not (docs/benchmarks.md, "Native path: instruction counts (callgrind)").
+
+    python benchmarks/native_callgrind.py          # runs itself under valgrind, prints
+    python benchmarks/native_callgrind.py --n 500  # fewer counted ops
+
+For each configuration, in one process: the scopes are entered from one Python frame,
+50 untimed and then N counted `r = tf.add(a, b)` on 2x2 float32 with both inputs on the
+innermost stack. The count covers the whole loop (Python, TensorFlow, the dispatcher and
+the release of each result); collection is toggled around it with callgrind client
+requests from a small helper library compiled here (valgrind/callgrind.h).
+Needs valgrind, its headers and gcc.
+"""
+import argparse
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KEYS = ("plain", "cxx-1", "cxx-2", "py-1", "py-2", "counter", "oplog")
+HELPER = r"""
+#include <valgrind/callgrind.h>
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void cg_dump(const char* name) { CALLGRIND_DUMP_STATS_AT(name); }
+"""
+
+
+def child(helper, n):
+    """Runs under valgrind: counts each configuration's loop."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, os.path.dirname(HERE))
+    import tensorflow as tf
+    import tf_ophandlers as oh
+    cg = ctypes.CDLL(helper)
+    make = {"plain": lambda: [], "cxx-1": lambda: [oh.native.PassThrough()],
+            "cxx-2": lambda: [oh.native.PassThrough(), oh.native.PassThrough()],
+            "py-1": lambda: [oh.OpHandler()], "py-2": lambda: [oh.OpHandler(), oh.OpHandler()],
+            "counter": lambda: [oh.native.OpCounter()], "oplog": lambda: [oh.OpLogHandler()]}
+    a0 = tf.random.stateless_uniform([2, 2], seed=[1, 2])
+    b0 = tf.random.stateless_uniform([2, 2], seed=[3, 4])
+    for key in KEYS:
+        with contextlib.ExitStack() as scopes:
+            for h in make[key]():
+                scopes.enter_context(h)
+            a, b = tf.identity(a0), tf.identity(b0)
+            r = None
+            for _ in range(50):
+                r = tf.add(a, b)
+            cg.cg_toggle()
+            for _ in range(n):
+                r = tf.add(a, b)
+            r = None
+            cg.cg_toggle()
+            cg.cg_dump(key.encode())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=1000, help="counted ops per configuration")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args.child, args.n)
+    if not shutil.which("valgrind") or not os.path.exists("/usr/include/valgrind/callgrind.h"):
+        sys.exit("needs valgrind and its headers (apt-get install valgrind)")
+    work = tempfile.mkdtemp(prefix="oh_callgrind_")
+    src, lib = os.path.join(work, "cg.c"), os.path.join(work, "libcg.so")
+    with open(src, "w") as f:
+        f.write(HELPER)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
+    out = os.path.join(work, "cg.out")
+    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
+                    "--callgrind-out-file=" + out, sys.executable, os.path.abspath(__file__),
+                    "--child", lib, "--n", str(args.n)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    per_op = {}
+    for name in os.listdir(work):
+        if not name.startswith("cg.out."):
+            continue
+        with open(os.path.join(work, name)) as f:
+            text = f.read()
+        key = re.search(r"Client Request: (\S+)", text).group(1)
+        total = int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1))
+        per_op[key] = total / args.n
+    plain = per_op["plain"]
+    print("%-8s %12s %10s" % ("config", "instr/op", "over plain"))
+    for key in KEYS:
+        print("%-8s %12.0f %+10.0f" % (key, per_op[key], per_op[key] - plain))
+    print("further C++ level %+.0f, further Python level %+.0f, oplog/counter overhead %.2fx"
+          % (per_op["cxx-2"] - per_op["cxx-1"], per_op["py-2"] - per_op["py-1"],
+             (per_op["oplog"] - plain) / (per_op["counter"] - plain)))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

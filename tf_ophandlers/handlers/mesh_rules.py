@@ -208,10 +208,8 @@ def _reduction(mesh, op, inputs):
     (shards,) = mesh.run(op, [x, axes_v])
     summed = [x.layout[a] for a in axes if x.layout[a] is not None]
     if summed:
-        shards = mesh.all_reduce(shards, summed, _REDUCE_KIND[op.type])
-        if op.type == "Mean":
-            k = int(np.prod([mesh.dim_size(m) for m in summed]))
-            shards = mesh.map_shards(lambda s: s / tf.cast(k, s.dtype), shards)
+        k = int(np.prod([mesh.dim_size(m) for m in summed])) if op.type == "Mean" else None
+        shards = mesh.all_reduce(shards, summed, _REDUCE_KIND[op.type], divide_by=k)
     keep = op.attrs.get("keep_dims")
     layout = tuple(None if a in axes else m for a, m in enumerate(x.layout)
                    if keep or a not in axes)

@@ -71,7 +71,7 @@ class Mesh(MeshCommunication, OpHandler):
     """
 
     transient = False  # variables created under it hold one shard per device
-    returns_off_stack = True  # unpack's shards are ordinary tensors
+    returns_off_stack = ("ParallelUnpack",)  # unpack's shards are ordinary tensors
     TYPE_NAME = "MESH"
 
     def __init__(self, dims, devices, compile_ops=False):

@@ -25,18 +25,19 @@ import tensorflow as tf
 from tensorflow.python.framework import device_spec, op_def_registry
 
 from tf_ophandlers.core import scope
-from tf_ophandlers.core.cache import LRUCache
+from tf_ophandlers.core.cache import BoundedCache, LRUCache
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import next_stack, stack_of
+from tf_ophandlers.core.stack import (
+    COPY_OPS, PHYSICAL, execute_physical, next_stack, stack_of)
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_rules import MeshValue
 
 SMALL = 16  # tensors up to this size are shared between devices, never copied eagerly
 _COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",
             "all": "LogicalAnd", "any": "LogicalOr"}
-_ops = LRUCache("mesh.ops", 256)  # (name, dtype, n) -> Op
+_ops = BoundedCache("mesh.ops", 256)  # (name, dtype, n) -> Op
 _constants = LRUCache("mesh.constants", 512)  # (bytes, dtype, shape) -> eager tensor
-_stateless_types = LRUCache("mesh.stateless_op_types", 1024)  # op type -> bool
+_stateless_types = BoundedCache("mesh.stateless_op_types", 1024)  # op type -> bool
 
 
 def raw_op(name, dtype, n=None):
@@ -114,13 +115,22 @@ class MeshCommunication:
             if compiled is not None:
                 return compiled
         below = next_stack()
-        if self.shares_host_memory and args and _stateless(op.type) and all(
-                s is v.shards[0] for v in args for s in v.shards):
+        if (self.shares_host_memory and args and args[0].shards[0] is args[0].shards[-1]
+                and _stateless(op.type) and all(
+                    s is v.shards[0] for v in args for s in v.shards)):
             # The same inputs on every device (replicated, shared): computed once, the
             # result read in place by every device.
             n = len(self.devices)
             return [(o,) * n for o in self.run_on(op, list(v.shards[0] for v in args), 0)]
         st = state
+        if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
+            # Eager, straight on TensorFlow's devices: one eager op per device.
+            if args:
+                outs = [execute_physical(op, shards, device) for device, shards in
+                        zip(self.devices, zip(*[v.shards for v in args]))]
+            else:
+                outs = [execute_physical(op, [], device) for device in self.devices]
+            return list(zip(*outs)) if outs[0] else []
         saved = st.device
         outs = []
         try:
@@ -139,10 +149,13 @@ class MeshCommunication:
     def run_on(self, op, inputs, device_index):
         """The outputs of `op` run once, on mesh device `device_index`."""
         st = state
+        below = next_stack()
+        if below is PHYSICAL and st.mode is None:
+            return execute_physical(op, inputs, self.devices[device_index])
         saved = st.device
         st.device = self.devices[device_index]
         try:
-            return next_stack().execute(op, inputs)
+            return below.execute(op, inputs)
         finally:
             st.device = saved
 

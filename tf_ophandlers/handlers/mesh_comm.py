@@ -254,6 +254,9 @@ class MeshCommunication:
     @staticmethod
     def _copy_to(below, tensor, device):
         st = state
+        if below is PHYSICAL and st.mode is None:
+            (copy,) = execute_physical(raw_op("Identity", tensor.dtype), [tensor], device)
+            return copy
         saved = st.device
         st.device = device
         try:

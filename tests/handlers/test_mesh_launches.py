@@ -139,3 +139,17 @@ def test_replayed_function_places_its_communication_and_copies_nothing(mesh):
     # Identities only at the function's outputs (none between devices).
     assert sum(n.op == "Identity" for n in nodes) <= 8
     assert not mesh.fallbacks
+
+
+def test_mesh_ops_take_the_cpp_per_op_path_and_unpack_still_leaves_the_stack(mesh):
+    import tf_ophandlers._C as native  # pylint: disable=import-outside-toplevel
+    a0 = np.arange(24, dtype=np.float32).reshape(4, 6)
+    with mesh:
+        a = mesh.shard(a0, ("batch", "model"))
+        before = native.fast_stats()["fast_ops"]
+        b = a * a + 1.
+        assert native.fast_stats()["fast_ops"] >= before + 2  # returns_off_stack names
+        shards = mesh.unpack(b)  # only ParallelUnpack
+    assert oh.handler_of(shards[0]) is None
+    assert_close(tf.concat([tf.concat(shards[:2], 1), tf.concat(shards[2:], 1)], 0),
+                 a0 * a0 + 1., 1e-6)

@@ -19,9 +19,9 @@ replicated, and reported once per op type (`mesh.fallbacks`). Copying a mesh ten
 >>> float(tf.reduce_sum(y))               # a sum over sharded axes: all-reduced
 192.0
 
-Communication uses explicit cross-device ops among the devices of one mesh dimension
-(an AddN on the group's first device, then copies; concatenations for all-gathers),
-which TensorFlow's eager runtime places and copies between logical devices.
+Ops are launched per device and communicate with explicit cross-device ops among the
+devices of one mesh dimension (an AddN on the group's first device, read in place by the
+group's other logical CPUs; concatenations for all-gathers): `mesh_comm.py`.
 """
 import collections
 import logging

@@ -242,11 +242,13 @@ def test_host_variables_and_variable_ops_without_rules(mesh):
         with pytest.raises(oh.PlacementError, match="oh.Mesh: op AssignAddVariableOp"):
             host.assign_add(tf.ones([3, 2]))
         v = tf.Variable(mesh.shard(tf.ones([4, 2]), ("batch", None)))
-        with pytest.raises(NotImplementedError, match="oh.Mesh: op ResourceScatterAdd"):
-            v.scatter_add(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3])))
+        with pytest.raises(NotImplementedError, match="oh.Mesh: op ResourceScatterNdAdd"):
+            tf.raw_ops.ResourceScatterNdAdd(ref=v.handle, indices=tf.constant([[3]]),
+                                            updates=tf.ones([1, 2]))
+        v.scatter_add(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([3])))  # a rule
     assert_close(rows, [[5., 6.], [1., 2.]])
     assert_close(host, [[1., 2.], [3., 4.], [5., 6.]])
-    assert_close(v, tf.ones([4, 2]))
+    assert_close(v, [[1., 1.], [1., 1.], [1., 1.], [2., 2.]])
 
 def test_gradient_tape_gradients_match_and_have_variable_layouts(mesh):
     rng = np.random.default_rng(0)

@@ -299,3 +299,41 @@ def test_shard_inside_a_traced_function_is_applied_when_replayed(mesh):
             assert_close(a, b, 1e-5)
     assert mesh.uneven["batch"] == 1
     assert not mesh.fallbacks
+
+
+@pytest.mark.parametrize("layout", [("model", None), (None, "model"), (None, None),
+                                    ("batch", "model")])
+def test_sparse_updates_of_an_embedding_from_its_indexed_slices_gradient(mesh, layout):
+    """scatter_sub of a tape's IndexedSlices gradient (a sparse SGD step), scatter_update
+    and scatter_max on a mesh variable, against the same updates of a plain variable."""
+    rng = np.random.default_rng(4)
+    table0 = rng.normal(size=(8, 4)).astype("float32")
+    ids = tf.constant([[1, 5], [5, 7], [0, 2]])
+    with mesh:
+        table = tf.Variable(mesh.shard(table0, layout))
+    ref = tf.Variable(table0)
+    for step in range(2):
+        with mesh:
+            with oh.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.gather(table, ids)))
+            grad = tape.gradient(loss, table)
+            assert isinstance(grad, tf.IndexedSlices)
+            table.scatter_sub(tf.IndexedSlices(0.1 * grad.values, grad.indices))
+        with tf.GradientTape() as tape:
+            loss_ref = tf.reduce_sum(tf.square(tf.gather(ref, ids)))
+        g = tape.gradient(loss_ref, ref)
+        ref.scatter_sub(tf.IndexedSlices(0.1 * g.values, g.indices))
+        assert_close(loss, loss_ref, 1e-5)
+        assert_close(table, ref, 1e-6)
+    rows = tf.IndexedSlices(tf.constant(rng.normal(size=(3, 4)).astype("float32")),
+                            tf.constant([6, 3, 1]))
+    with mesh:
+        table.scatter_update(rows)
+        table.scatter_max(rows)
+    ref.scatter_update(rows)
+    ref.scatter_max(rows)
+    assert_close(table, ref, 1e-6)
+    assert mesh.layout_of(table) == layout
+    assert not mesh.fallbacks
+    with mesh, pytest.raises(tf.errors.InvalidArgumentError, match="out of range|not in"):
+        table.scatter_add(tf.IndexedSlices(tf.ones([1, 4]), tf.constant([8])))

@@ -90,7 +90,9 @@ class OpHandler:
     replays_functions = True
 
     #: Whether `execute` may return `oh.OffStack(tensor)` outputs that leave the stack
-    #: as they are (a parallel handler's unpack gives ordinary component tensors).
+    #: as they are (a parallel handler's unpack gives ordinary component tensors): True
+    #: for any op, or the op types that may (the others then take the C++ per-op path
+    #: around the hook, as with False).
     returns_off_stack = False
 
     #: Whether this handler lets the handler below decide which inputs are copied on

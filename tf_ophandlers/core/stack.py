@@ -198,6 +198,12 @@ class PhysicalStack(Stack):
 
 
 PHYSICAL = PhysicalStack()
+
+#: ``execute_physical(op, inputs, device) -> outputs``: runs `op` eagerly on the physical
+#: device `device` (a canonical name), as ``PHYSICAL.execute`` does outside a replay for
+#: any op but the copy ops. For a handler that launches an op on many devices itself (a
+#: mesh's per-device shards): callers check ``state.mode is None`` and the op type.
+execute_physical = _execute
 register_bottom(PHYSICAL)
 # What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
 _C.fast_setup(state, PHYSICAL)
@@ -237,7 +243,10 @@ class HandlerStack(Stack):
         self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
         self.default_function_input = getattr(cls.function_input, "_oh_default", False)
         self.default_function_output = getattr(cls.function_output, "_oh_default", False)
-        self._off_stack = bool(handler.returns_off_stack)
+        off = handler.returns_off_stack
+        self._off_stack = bool(off)
+        # Op types whose outputs may leave the stack (None: any op type).
+        self._off_stack_ops = None if off is True or not off else frozenset(off)
         # Op types the handler's execute hook is not called for are forwarded to the
         # next stack as with a default execute (OpHandler.handles_ops).
         self._handles = _handles_predicate(handler)
@@ -250,7 +259,8 @@ class HandlerStack(Stack):
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
         # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
         # stack objects, and this one may reuse a dead stack's address).
-        _C.stacks_changed(not self._off_stack or self._default_execute
+        _C.stacks_changed(not self._off_stack or self._off_stack_ops is not None
+                          or self._default_execute
                           or self._handles is not None
                           or isinstance(handler, _C.NativeHandlerBase))
 
@@ -272,7 +282,8 @@ class HandlerStack(Stack):
             kind = FAST_PYTHON
         elif not self._runs_execute(op_type):
             kind = FAST_FORWARD
-        elif not self._off_stack:
+        elif not self._off_stack or (self._off_stack_ops is not None
+                                     and op_type not in self._off_stack_ops):
             kind = FAST_HOOK
         else:
             kind = FAST_PYTHON

@@ -19,9 +19,9 @@ replicated, and reported once per op type (`mesh.fallbacks`). Copying a mesh ten
 >>> float(tf.reduce_sum(y))               # a sum over sharded axes: all-reduced
 192.0
 
-Communication uses explicit cross-device ops among the devices of one mesh dimension
-(an AddN on the group's first device, then copies; concatenations for all-gathers),
-which TensorFlow's eager runtime places and copies between logical devices.
+Ops are launched per device and communicate with explicit cross-device ops among the
+devices of one mesh dimension (an AddN on the group's first device, read in place by the
+group's other logical CPUs; concatenations for all-gathers): `mesh_comm.py`.
 """
 import collections
 import logging
@@ -40,23 +40,25 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
-from tf_ophandlers.handlers import mesh_rules, mesh_rules_nn, mesh_variables
+from tf_ophandlers.handlers import mesh_comm, mesh_rules, mesh_rules_nn, mesh_variables
+from tf_ophandlers.handlers.mesh_comm import MeshCommunication
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
 
 _log = logging.getLogger("tf_ophandlers")
 RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
-_COMBINE = {"sum": None, "max": tf.maximum, "min": tf.minimum, "prod": tf.multiply,
-            "all": tf.logical_and, "any": tf.logical_or}
-_SMALL = 16  # tensors up to this size are shared between devices, not copied eagerly
+_SMALL = mesh_comm.SMALL
 _UNEVEN_OK = ("shard", "relayout", "traced")  # requests whose non-dividing axes stay replicated
 _MARKER = re.compile(r"ohmesh([0-9a-f]+)_([0-9n]+)(?:_\d+)?$")  # a traced shard's Identity
 _ITERATOR_OPS = ("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional",
                  "MultiDeviceIteratorGetNextFromShard")
+# Op types `execute` looks at before the rules.
+_SPECIAL_OPS = frozenset(("ParallelPack", "ParallelUnpack", "Identity", "VarHandleOp")
+                         + _ITERATOR_OPS)
 
 
-class Mesh(OpHandler):
+class Mesh(MeshCommunication, OpHandler):
     """Shards tensors over a mesh of devices (`dims`: {name: size}, row-major over
     `devices`) and runs ops SPMD on the local shards.
 
@@ -69,7 +71,7 @@ class Mesh(OpHandler):
     """
 
     transient = False  # variables created under it hold one shard per device
-    returns_off_stack = True  # unpack's shards are ordinary tensors
+    returns_off_stack = ("ParallelUnpack",)  # unpack's shards are ordinary tensors
     TYPE_NAME = "MESH"
 
     def __init__(self, dims, devices, compile_ops=False):
@@ -95,6 +97,8 @@ class Mesh(OpHandler):
             raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
         self.dims = dict(zip(names, [int(s) for s in sizes]))
         self._index = {n: i for i, n in enumerate(names)}
+        #: CPUs of one process: a shard of another device is read in place, not copied.
+        self.shares_host_memory = mesh_comm.host_memory_devices(self.devices)
         self._coords = [tuple(int(c) for c in np.unravel_index(i, sizes))
                         for i in range(len(devices))]
         # For each mesh dimension, each device's group: the devices differing only there.
@@ -185,120 +189,6 @@ class Mesh(OpHandler):
     def coord(self, device_index, name):
         return self._coords[device_index][self._index[name]]
 
-    def on_device(self, device_index):
-        return scope.on_device(self.devices[device_index])
-
-    def run(self, op, args):
-        """Runs `op` on every device's shards of `args` (MeshValues); a list per output
-        of the per-device results."""
-        if self._per_op.enabled:
-            compiled = self._per_op.run(
-                op, [[v.shards[i] for v in args] for i in range(len(self.devices))],
-                next_stack)
-            if compiled is not None:
-                return compiled
-        below = next_stack()
-        outs = []
-        for i, device in enumerate(self.devices):
-            with scope.on_device(device):
-                outs.append(below.execute(op, [v.shards[i] for v in args]))
-        return list(zip(*outs)) if outs and outs[0] else []
-
-    def map_shards(self, fn, shards):
-        out = []
-        for i, s in enumerate(shards):
-            with self.on_device(i):
-                out.append(fn(s))
-        return out
-
-    def constant(self, value):
-        """A replicated mesh value of a numpy constant."""
-        t = tf.constant(value)
-        below = next_stack()
-        return MeshValue([self._replica(below, t, i) for i in range(len(self.devices))],
-                         (None,) * t.shape.rank, t.shape.as_list())
-
-    def all_reduce(self, shards, dims, kind):
-        """Combines shards over the devices that differ only in the mesh dimensions
-        `dims` (partial sums, maxima, ...): one reduction per group, on the group's first
-        device, whose result every device of the group gets."""
-        shards = list(shards)
-        combine = _COMBINE[kind]
-        groups = self._reduce_groups(frozenset(dims))
-        below = next_stack()
-        for group in groups:
-            with self.on_device(group[0]):
-                parts = [shards[j] for j in group]
-                if combine is None:
-                    total = tf.add_n(parts)
-                else:
-                    total = parts[0]
-                    for p in parts[1:]:
-                        total = combine(total, p)
-            for i in group:
-                shards[i] = total if i == group[0] else self._replica(below, total, i)
-        return shards
-
-    def _reduce_groups(self, dims):
-        groups = self._groups.get(dims)
-        if groups is None:
-            keep = [d for n, d in self._index.items() if n not in dims]
-            by_key = {}
-            for i, c in enumerate(self._coords):
-                by_key.setdefault(tuple(c[d] for d in keep), []).append(i)
-            groups = self._groups[dims] = list(by_key.values())
-        return groups
-
-    def _replica(self, below, tensor, device_index):
-        """`tensor` for device `device_index`: a copy there, except for small tensors
-        (scalars, shapes, axes), which TensorFlow copies where an op uses them."""
-        n = tensor.shape.num_elements()
-        if (n is not None and n <= _SMALL and tensor.dtype != tf.resource
-                and stack_of(tensor) is None):
-            return tensor
-        return self._copy_to(below, tensor, self.devices[device_index])
-
-    def relayout_value(self, value, layout):
-        """`value` (a MeshValue) with `layout`: all-gathers along axes that lose their
-        mesh dimension, then slices along axes that gain one."""
-        layout = tuple(layout)
-        if value.layout == layout:
-            return value
-        shards, cur = list(value.shards), list(value.layout)
-        for a, (m, m2) in enumerate(zip(value.layout, layout)):
-            if m is not None and m != m2:
-                shards = [self._concat([shards[j] for j in self._groups[m][i]], a, i)
-                          for i in range(len(self.devices))]
-                cur[a] = None
-        for a, m2 in enumerate(layout):
-            if m2 is not None and cur[a] is None:
-                n, k = value.shape[a], self.dims[m2]
-                if n is None or n % k:
-                    raise ValueError("oh.Mesh: axis %d of size %s cannot be sharded over mesh "
-                                     "dimension %r of size %d" % (a, n, m2, k))
-                rows = n // k
-                for i in range(len(self.devices)):
-                    c = self._coords[i][self._index[m2]]
-                    with self.on_device(i):
-                        shards[i] = shards[i][(slice(None),) * a + (slice(c * rows, (c + 1) * rows),)]
-                cur[a] = m2
-        return MeshValue(shards, layout, value.shape)
-
-    def gather_full(self, value, device_index=0):
-        """The full tensor of `value` on one device (a next-stack tensor)."""
-        unused = [self._index[n] for n in self.dims if n not in value.layout]
-        live = {i: s for i, s in enumerate(value.shards)
-                if all(self._coords[i][d] == 0 for d in unused)}
-        with self.on_device(device_index):
-            for a, m in enumerate(value.layout):
-                if m is None:
-                    continue
-                d = self._index[m]
-                live = {i: tf.concat([live[j] for j in self._groups[m][i]], a)
-                        for i in live if self._coords[i][d] == 0}
-            (full,) = live.values()
-            return tf.identity(full) if value.replicated and device_index else full
-
     # -- hooks ----------------------------------------------------------------------------
 
     def needs_copy(self, op, index):  # pylint: disable=method-hidden
@@ -360,10 +250,18 @@ class Mesh(OpHandler):
 
     def execute(self, op, inputs):
         t = op.type
+        if t not in _SPECIAL_OPS:
+            for v in inputs:
+                if v.var is not None:
+                    break
+            else:  # the common case: a rule, else the fallback
+                rule = RULES.get(t)
+                out = rule(self, op, inputs) if rule is not None else None
+                return out if out is not None else self._fallback(op, inputs)
         if t == "ParallelPack":
             return [self._pack(inputs)]
         if t == "ParallelUnpack":
-            return [OffStack(s) for s in inputs[0].shards]
+            return [OffStack(s) for s in self._own_shards(inputs[0])]
         if t == "Identity" and getattr(self._local, "request", None) is not None:
             layout, shape = self._local.request
             if inputs[0].shape == shape:
@@ -461,16 +359,6 @@ class Mesh(OpHandler):
                 return copies.parallel_pack(shards)
             finally:
                 self._local.pack_layout = None
-
-    def _concat(self, parts, axis, device_index):
-        with self.on_device(device_index):
-            return tf.concat(parts, axis)
-
-    @staticmethod
-    def _copy_to(below, tensor, device):
-        with scope.on_device(device):
-            (copy,) = below.execute(Op.cached("Identity", T=tensor.dtype), [tensor])
-        return copy
 
     def _value_of(self, tensor):
         if tensor is None:

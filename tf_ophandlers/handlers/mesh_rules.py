@@ -15,6 +15,12 @@ import numpy as np
 import tensorflow as tf
 
 from tf_ophandlers.core import op_kinds
+from tf_ophandlers.core.cache import BoundedCache
+
+# Contraction plans (layout decisions), per (letters, input layouts, input shapes): they
+# depend on nothing else (the mesh's dimension names appear in the layouts).
+_plans = BoundedCache("mesh.contraction_plans", 4096)
+_MISSING = object()
 
 
 class MeshValue:
@@ -112,7 +118,25 @@ def elementwise(mesh, op, inputs):
 def _contract(mesh, op, inputs, letters, out_letters):
     """Each index letter gets one mesh dimension (the first input sharding it); inputs
     are relayouted to that assignment; letters summed over and sharded give partial sums
-    that are all-reduced over their mesh dimensions."""
+    that are all-reduced over their mesh dimensions. The plan is cached per (letters,
+    layouts, shapes)."""
+    key = (tuple(letters), out_letters, tuple(v.layout for v in inputs),
+           tuple(v.shape for v in inputs))
+    plan = _plans.get(key, _MISSING)
+    if plan is _MISSING:
+        plan = _plans[key] = _contract_plan(mesh, inputs, letters, out_letters)
+    if plan is None:
+        return None
+    wants, summed, layout, shape = plan
+    args = [mesh.relayout_value(v, want) for v, want in zip(inputs, wants)]
+    (shards,) = mesh.run(op, args)
+    if summed:
+        shards = mesh.all_reduce(shards, summed, "sum")
+    return [MeshValue(shards, layout, shape)]
+
+
+def _contract_plan(mesh, inputs, letters, out_letters):
+    """(input layouts, summed mesh dimensions, output layout, output shape) or None."""
     if any(None in v.shape for v in inputs):
         return None
     size = {}
@@ -129,15 +153,11 @@ def _contract(mesh, op, inputs, letters, out_letters):
             if m is not None and l not in assign and m not in used and n == size[l]:
                 assign[l] = m
                 used.add(m)
-    args = [mesh.relayout_value(v, tuple(assign.get(l) if n == size[l] else None
-                                         for l, n in zip(ls, v.shape)))
-            for v, ls in zip(inputs, letters)]
-    (shards,) = mesh.run(op, args)
+    wants = [tuple(assign.get(l) if n == size[l] else None for l, n in zip(ls, v.shape))
+             for v, ls in zip(inputs, letters)]
     summed = [assign[l] for l in assign if l not in out_letters]
-    if summed:
-        shards = mesh.all_reduce(shards, summed, "sum")
-    return [MeshValue(shards, tuple(assign.get(l) for l in out_letters),
-                      tuple(size[l] for l in out_letters))]
+    return (wants, summed, tuple(assign.get(l) for l in out_letters),
+            tuple(size[l] for l in out_letters))
 
 
 def _matmul(mesh, op, inputs):
@@ -208,10 +228,8 @@ def _reduction(mesh, op, inputs):
     (shards,) = mesh.run(op, [x, axes_v])
     summed = [x.layout[a] for a in axes if x.layout[a] is not None]
     if summed:
-        shards = mesh.all_reduce(shards, summed, _REDUCE_KIND[op.type])
-        if op.type == "Mean":
-            k = int(np.prod([mesh.dim_size(m) for m in summed]))
-            shards = mesh.map_shards(lambda s: s / tf.cast(k, s.dtype), shards)
+        k = int(np.prod([mesh.dim_size(m) for m in summed])) if op.type == "Mean" else None
+        shards = mesh.all_reduce(shards, summed, _REDUCE_KIND[op.type], divide_by=k)
     keep = op.attrs.get("keep_dims")
     layout = tuple(None if a in axes else m for a, m in enumerate(x.layout)
                    if keep or a not in axes)

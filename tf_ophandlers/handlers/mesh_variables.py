@@ -16,6 +16,9 @@ from tf_ophandlers.handlers import mesh_rules_nn
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 
 VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+# Sparse updates (an IndexedSlices gradient applied with scatter_sub, ...).
+SCATTERS = tuple("ResourceScatter" + k for k in ("Add", "Sub", "Mul", "Div", "Min", "Max",
+                                                  "Update"))
 
 
 
@@ -77,6 +80,9 @@ def variable_op(mesh, op, inputs, var_request):
         out = mesh_rules_nn.RULES[t](mesh, op, inputs)
         if out is not None:
             return out
+    if t in SCATTERS and var.layout is not None and var.shape is not None:
+        if scatter(mesh, op, handle, inputs[1], inputs[2]):
+            return []
     if t.startswith("ResourceApply") and var.layout is not None and not any(
             v.shape and v.shape != var.shape for v in inputs[1:]):
         mesh.run(op, [handle] + [v if not v.shape else mesh.relayout_value(v, var.layout)
@@ -102,3 +108,36 @@ def adopt_layout(mesh, op, handle, values):
     mesh.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
              [handle, value])
     var.layout, var.chosen = source.layout, True
+
+
+def scatter(mesh, op, handle, indices, updates):
+    """A `ResourceScatter*` on a mesh variable: indices replicated, updates relayouted to
+    the variable's layout past the rows; with rows sharded (an embedding on the
+    vocabulary) each device applies only the rows it holds (indices shifted, the others
+    dropped). False when the shapes are not a scatter's."""
+    var = handle.var
+    k = len(indices.shape)
+    if (None in indices.shape or None in updates.shape
+            or tuple(updates.shape) != tuple(indices.shape) + tuple(var.shape[1:])):
+        return False
+    indices = mesh.relayout_value(indices, (None,) * k)
+    updates = mesh.relayout_value(updates, (None,) * k + tuple(var.layout[1:]))
+    m = var.layout[0]
+    if m is None:
+        mesh.run(op, [handle, indices, updates])
+        return True
+    rows = var.shape[0] // mesh.dim_size(m)
+    for i in range(len(mesh.devices)):
+        with mesh.on_device(i):
+            idx = tf.reshape(indices.shards[i], [-1])
+            tf.debugging.assert_less(idx, tf.cast(var.shape[0], idx.dtype), message=(
+                "oh.Mesh: %s index out of range [0, %d)" % (op.type, var.shape[0])))
+            tf.debugging.assert_non_negative(idx, message="oh.Mesh: %s negative index"
+                                             % op.type)
+            local = idx - tf.cast(mesh.coord(i, m) * rows, idx.dtype)
+            keep = tf.logical_and(local >= 0, local < rows)
+            upd = updates.shards[i]
+            upd = tf.reshape(upd, tf.concat([[-1], tf.shape(upd)[k:]], 0))
+            local, upd = tf.boolean_mask(local, keep), tf.boolean_mask(upd, keep)
+        mesh.run_on(op, [handle.shards[i], local, upd], i)
+    return True

@@ -1,0 +1,155 @@
+"""What oh.Mesh issues per sharded op (load-independent counts, mesh_comm.py) on a 2x2
+("batch", "model") mesh of four logical CPUs, with values against plain TensorFlow;
+the communication nodes of a replayed function and a mesh that copies shards."""
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from conftest import assert_close
+from tf_ophandlers.core.functions import call as function_calls
+from tf_ophandlers.handlers import mesh_comm
+
+DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+
+
+@pytest.fixture
+def mesh():
+    return oh.Mesh({"batch": 2, "model": 2}, DEVICES)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Counts the eager ops oh.Mesh launches on TensorFlow's devices, by type."""
+    counts = collections.Counter()
+    run = mesh_comm.execute_physical
+
+    def counting(op, inputs, device):
+        counts[op.type] += 1
+        return run(op, inputs, device)
+
+    monkeypatch.setattr(mesh_comm, "execute_physical", counting)
+    return counts
+
+
+def _values(rng, *shapes):
+    return [rng.normal(size=s).astype("float32") for s in shapes]
+
+
+CASES = [  # fn, layouts, shapes, eager ops per call
+    (lambda a, b: a * b, [("batch", "model")] * 2, [[8, 6], [8, 6]], {"Mul": 4}),
+    (tf.matmul, [("batch", None), (None, "model")], [[8, 6], [6, 4]], {"MatMul": 4}),
+    # Partial sums over "model": one AddN per "model" group, read in place by the other.
+    (tf.matmul, [(None, "model"), ("model", None)], [[8, 6], [6, 4]],
+     {"MatMul": 4, "AddN": 2}),
+    (lambda a, b: tf.reduce_sum(a), [("batch", "model")] * 2, [[8, 6], [8, 6]],
+     {"Sum": 4, "AddN": 1}),
+    # A mean over a sharded axis: the division runs once per group.
+    (lambda a, b: tf.reduce_mean(a, 0), [("batch", "model")] * 2, [[8, 6], [8, 6]],
+     {"Mean": 4, "AddN": 2, "RealDiv": 2}),
+    # Relayout onto a mesh dimension: one Slice per device.
+    (lambda a, b: a + b, [("batch", "model"), (None, None)], [[8, 6], [8, 6]],
+     {"Slice": 4, "AddV2": 4}),
+]
+
+
+@pytest.mark.parametrize("fn, layouts, shapes, ops", CASES)
+def test_eager_ops_per_sharded_op(mesh, launched, fn, layouts, shapes, ops):
+    a0, b0 = _values(np.random.default_rng(0), *shapes)
+    with mesh:
+        a, b = mesh.shard(a0, layouts[0]), mesh.shard(b0, layouts[1])
+        launched.clear()
+        out = fn(a, b)
+        assert dict(launched) == ops, launched
+    assert_close(out, fn(a0, b0), 1e-5)
+    assert not mesh.fallbacks
+
+
+def test_reduced_values_are_read_in_place_and_unpacked_on_their_devices(mesh, launched):
+    a0, b0 = _values(np.random.default_rng(1), [4, 6], [6, 8])
+    with mesh:
+        a, b = mesh.shard(a0, (None, "model")), mesh.shard(b0, ("model", None))
+        y = tf.matmul(a, b) * 2.
+        assert "Identity" not in launched
+        shards = mesh.unpack(y)
+    assert [s.device.rsplit(":", 1)[-1] for s in shards] == ["0", "1", "2", "3"]
+    for s in shards:
+        assert_close(s, tf.matmul(a0, b0) * 2., 1e-5)
+
+
+def test_replicated_stateless_ops_on_shared_inputs_run_once(mesh, launched):
+    with mesh:
+        x = mesh.shard(tf.fill([3, 3], 2.), (None, None))
+        launched.clear()
+        y = tf.exp(x)
+        assert dict(launched) == {"Exp": 1}
+    assert_close(y, tf.exp(tf.fill([3, 3], 2.)), 1e-6)
+
+
+def test_a_mesh_that_copies_shards_gives_the_same_values(mesh, launched):
+    mesh.shares_host_memory = False  # as for GPUs or tasks of a cluster
+    a0, b0 = _values(np.random.default_rng(2), [4, 6], [6, 8])
+    with mesh:
+        a, b = mesh.shard(a0, (None, "model")), mesh.shard(b0, ("model", None))
+        launched.clear()
+        y = tf.matmul(a, b)
+        assert launched["Identity"] == 2 and launched["AddN"] == 2, launched
+        shards = mesh.unpack(y)
+    assert [s.device.rsplit(":", 1)[-1] for s in shards] == ["0", "1", "2", "3"]
+    assert_close(y, tf.matmul(a0, b0), 1e-5)
+
+
+def test_host_memory_devices():
+    local = ["/job:localhost/replica:0/task:0/device:CPU:%d" % i for i in range(2)]
+    assert mesh_comm.host_memory_devices(local)
+    assert not mesh_comm.host_memory_devices(
+        ["/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)])
+    assert not mesh_comm.host_memory_devices(
+        ["/job:localhost/replica:0/task:0/device:GPU:%d" % i for i in range(2)])
+
+
+def test_replayed_function_places_its_communication_and_copies_nothing(mesh):
+    rng = np.random.default_rng(3)
+    x0, y0, w10 = _values(rng, [8, 8], [8, 4], [8, 4])
+
+    @tf.function
+    def step(x, y, w):
+        with tf.GradientTape() as tape:
+            err = tf.matmul(x, w) - y
+            loss = tf.reduce_mean(err * err)
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+
+    with mesh:
+        x, y = mesh.shard(x0, ("batch", "model")), mesh.shard(y0, ("batch", None))
+        w = tf.Variable(mesh.shard(w10, ("model", None)))
+    r = tf.Variable(w10)
+    before = set(function_calls._cache)  # pylint: disable=protected-access
+    for _ in range(2):
+        with mesh:
+            loss = step(x, y, w)
+        assert_close(loss, step(x0, y0, r), 1e-5)
+    assert_close(w, r, 1e-5)
+    (key,) = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
+    nodes = function_calls._cache[key].compiled.function.function_def.node_def  # pylint: disable=protected-access
+    comm = [n for n in nodes if n.op in ("AddN", "Slice", "ConcatV2", "RealDiv")]
+    assert comm and all(n.device for n in comm), [(n.op, n.device) for n in comm]
+    # Identities only at the function's outputs (none between devices).
+    assert sum(n.op == "Identity" for n in nodes) <= 8
+    assert not mesh.fallbacks
+
+
+def test_mesh_ops_take_the_cpp_per_op_path_and_unpack_still_leaves_the_stack(mesh):
+    import tf_ophandlers._C as native  # pylint: disable=import-outside-toplevel
+    a0 = np.arange(24, dtype=np.float32).reshape(4, 6)
+    with mesh:
+        a = mesh.shard(a0, ("batch", "model"))
+        before = native.fast_stats()["fast_ops"]
+        b = a * a + 1.
+        assert native.fast_stats()["fast_ops"] >= before + 2  # returns_off_stack names
+        shards = mesh.unpack(b)  # only ParallelUnpack
+    assert oh.handler_of(shards[0]) is None
+    assert_close(tf.concat([tf.concat(shards[:2], 1), tf.concat(shards[2:], 1)], 0),
+                 a0 * a0 + 1., 1e-6)

@@ -1,0 +1,320 @@
+"""`oh.Mesh`'s per-device launches and communication (a mixin of `Mesh`, mesh.py).
+
+Every op the mesh issues is a raw op run on the stack below with the physical device set
+directly (`run`, `run_on`): no TensorFlow Python API and no device-scope object per
+device. Communication among the devices of one mesh dimension is explicit:
+
+- all-reduce: one `AddN` (or `Maximum`, ...) per group on the group's first device, a
+  `Mean`'s division done there once, then the result for the other devices;
+- all-gather: a `ConcatV2` on each device; a relayout onto a mesh dimension: one `Slice`
+  per device.
+
+A result "for another device" is the tensor itself when the mesh's devices are CPUs of
+one process (`Mesh.shares_host_memory`: an op there reads a tensor of another logical
+CPU in place, while an explicit copy is one more eager op) and in a replayed function
+(the graph partitioner adds the transfers); otherwise an `Identity` on that device.
+
+>>> mesh = oh.Mesh({"x": 2}, ["CPU:0", "CPU:1"])
+>>> with mesh:
+...     s = mesh.shard(tf.range(4.), ("x",))
+...     float(tf.reduce_sum(s))     # a Sum per device, one AddN
+6.0
+"""
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import device_spec, op_def_registry
+
+from tf_ophandlers.core import scope
+from tf_ophandlers.core.cache import BoundedCache, LRUCache
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import (
+    COPY_OPS, PHYSICAL, execute_physical, next_stack, stack_of)
+from tf_ophandlers.core.state import state
+from tf_ophandlers.handlers.mesh_rules import MeshValue
+
+SMALL = 16  # tensors up to this size are shared between devices, never copied eagerly
+_COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",
+            "all": "LogicalAnd", "any": "LogicalOr"}
+_ops = BoundedCache("mesh.ops", 256)  # (name, dtype, n) -> Op
+_constants = LRUCache("mesh.constants", 512)  # (bytes, dtype, shape) -> eager tensor
+_stateless_types = BoundedCache("mesh.stateless_op_types", 1024)  # op type -> bool
+
+
+def raw_op(name, dtype, n=None):
+    """The (cached) Op `name` for inputs of `dtype` (`n`: AddN's and ConcatV2's count)."""
+    key = (name, dtype, n)
+    op = _ops.get(key)
+    if op is None:
+        if name == "AddN":
+            op = Op.cached(name, N=n, T=dtype)
+        elif name == "ConcatV2":
+            op = Op.cached(name, N=n, T=dtype, Tidx=tf.int32)
+        elif name == "Slice":
+            op = Op.cached(name, T=dtype, Index=tf.int32)
+        elif name in ("LogicalAnd", "LogicalOr"):
+            op = Op.cached(name)
+        else:
+            op = Op.cached(name, T=dtype)
+        _ops[key] = op
+    return op
+
+
+def _stateless(op_type):
+    """Whether ops of `op_type` are stateless (the same inputs give the same outputs)."""
+    known = _stateless_types.get(op_type)
+    if known is None:
+        op_def = op_def_registry.get(op_type)
+        known = _stateless_types[op_type] = op_def is not None and not op_def.is_stateful
+    return known
+
+
+def host_memory_devices(devices):
+    """Whether `devices` (canonical names) are CPUs of one task: an op on one of them
+    reads a tensor of another in place."""
+    specs = [device_spec.DeviceSpecV2.from_string(d) for d in devices]
+    return all(s.device_type == "CPU" and (s.job, s.replica, s.task) == (
+        specs[0].job, specs[0].replica, specs[0].task) for s in specs)
+
+
+class _GraphAndPhysical:
+    """`scope.on_device(name)` plus, in a replayed function, the graph's device scope
+    (TensorFlow calls in a hook add their nodes straight to the graph)."""
+
+    __slots__ = ("_scopes",)
+
+    def __init__(self, name):
+        self._scopes = [scope.on_device(name)]
+        if not tf.executing_eagerly():
+            self._scopes.append(tf.compat.v1.get_default_graph().device(name))
+
+    def __enter__(self):
+        for s in self._scopes:
+            s.__enter__()
+
+    def __exit__(self, *exc_info):
+        for s in reversed(self._scopes):
+            s.__exit__(*exc_info)
+        return False
+
+
+class MeshCommunication:
+    """Launches and communication for `Mesh` (needs `devices`, `dims`, `_index`,
+    `_coords`, `_groups`, `shares_host_memory` and `_per_op`)."""
+
+    def on_device(self, device_index):
+        """A scope placing the TensorFlow calls of a rule on one mesh device."""
+        return _GraphAndPhysical(self.devices[device_index])
+
+    def run(self, op, args):
+        """Runs `op` on every device's shards of `args` (MeshValues); a list per output
+        of the per-device results."""
+        if self._per_op.enabled:
+            compiled = self._per_op.run(
+                op, [[v.shards[i] for v in args] for i in range(len(self.devices))],
+                next_stack)
+            if compiled is not None:
+                return compiled
+        below = next_stack()
+        if (self.shares_host_memory and args and args[0].shards[0] is args[0].shards[-1]
+                and _stateless(op.type) and all(
+                    s is v.shards[0] for v in args for s in v.shards)):
+            # The same inputs on every device (replicated, shared): computed once, the
+            # result read in place by every device.
+            n = len(self.devices)
+            return [(o,) * n for o in self.run_on(op, list(v.shards[0] for v in args), 0)]
+        st = state
+        if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
+            # Eager, straight on TensorFlow's devices: one eager op per device.
+            if args:
+                outs = [execute_physical(op, shards, device) for device, shards in
+                        zip(self.devices, zip(*[v.shards for v in args]))]
+            else:
+                outs = [execute_physical(op, [], device) for device in self.devices]
+            return list(zip(*outs)) if outs[0] else []
+        saved = st.device
+        outs = []
+        try:
+            if args:
+                for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
+                    st.device = device
+                    outs.append(below.execute(op, list(shards)))
+            else:
+                for device in self.devices:
+                    st.device = device
+                    outs.append(below.execute(op, []))
+        finally:
+            st.device = saved
+        return list(zip(*outs)) if outs and outs[0] else []
+
+    def run_on(self, op, inputs, device_index):
+        """The outputs of `op` run once, on mesh device `device_index`."""
+        st = state
+        below = next_stack()
+        if below is PHYSICAL and st.mode is None:
+            return execute_physical(op, inputs, self.devices[device_index])
+        saved = st.device
+        st.device = self.devices[device_index]
+        try:
+            return below.execute(op, inputs)
+        finally:
+            st.device = saved
+
+    def map_shards(self, fn, shards):
+        out = []
+        for i, s in enumerate(shards):
+            with self.on_device(i):
+                out.append(fn(s))
+        return out
+
+    def host_constant(self, value, dtype):
+        """A small constant (axes, slice bounds) as a tensor ops of the next stack take:
+        cached eager tensors; a node in a replayed function."""
+        value = np.asarray(value, dtype.as_numpy_dtype)
+        if not tf.executing_eagerly():
+            return tf.constant(value)
+        key = (value.tobytes(), dtype, value.shape)
+        t = _constants.get(key)
+        if t is None:
+            with scope.physical():
+                t = _constants[key] = tf.constant(value)
+        return t
+
+    def constant(self, value):
+        """A replicated mesh value of a numpy constant."""
+        value = np.asarray(value)
+        if value.size <= SMALL:
+            t = self.host_constant(value, tf.as_dtype(value.dtype))
+            return MeshValue((t,) * len(self.devices), (None,) * value.ndim, value.shape)
+        t = tf.constant(value)
+        below = next_stack()
+        return MeshValue([self._replica(below, t, i) for i in range(len(self.devices))],
+                         (None,) * t.shape.rank, t.shape.as_list())
+
+    def all_reduce(self, shards, dims, kind, divide_by=None):
+        """Combines shards over the devices that differ only in the mesh dimensions
+        `dims` (partial sums, maxima, ...): one reduction per group, on the group's first
+        device (then divided by `divide_by` there, for a mean), whose result every
+        device of the group gets."""
+        shards = list(shards)
+        name = _COMBINE[kind]
+        dtype = shards[0].dtype
+        below = next_stack()
+        for group in self._reduce_groups(frozenset(dims)):
+            first = group[0]
+            parts = [shards[j] for j in group]
+            if len(parts) == 1:
+                total = parts[0]
+            elif name == "AddN":
+                (total,) = self.run_on(raw_op(name, dtype, len(parts)), parts, first)
+            else:
+                total = parts[0]
+                for p in parts[1:]:
+                    (total,) = self.run_on(raw_op(name, dtype), [total, p], first)
+            if divide_by is not None:
+                (total,) = self.run_on(raw_op("RealDiv", dtype),
+                                       [total, self.host_constant(divide_by, dtype)], first)
+            for i in group:
+                shards[i] = total if i == first else self._replica(below, total, i)
+        return shards
+
+    def _own_shards(self, value):
+        """The shards of `value`, each on its own device (a shard read in place from
+        another device is copied there): what `unpack` returns."""
+        below = next_stack()
+        shards = list(value.shards)
+        if tf.executing_eagerly():
+            for i, s in enumerate(shards):
+                if (s.dtype != tf.resource and stack_of(s) is None
+                        and s.device != self.devices[i]):
+                    shards[i] = self._copy_to(below, s, self.devices[i])
+        return shards
+
+    def _reduce_groups(self, dims):
+        groups = self._groups.get(dims)
+        if groups is None:
+            keep = [d for n, d in self._index.items() if n not in dims]
+            by_key = {}
+            for i, c in enumerate(self._coords):
+                by_key.setdefault(tuple(c[d] for d in keep), []).append(i)
+            groups = self._groups[dims] = list(by_key.values())
+        return groups
+
+    def _replica(self, below, tensor, device_index):
+        """`tensor` for device `device_index`: the tensor itself where an op there reads
+        it in place (small tensors, host-memory meshes, replayed functions), else a copy
+        there. Resource handles are always copied (a handle belongs to its device)."""
+        if tensor.dtype != tf.resource and stack_of(tensor) is None:
+            if self.shares_host_memory or not tf.executing_eagerly():
+                return tensor
+            n = tensor.shape.num_elements()
+            if n is not None and n <= SMALL:
+                return tensor
+        return self._copy_to(below, tensor, self.devices[device_index])
+
+    @staticmethod
+    def _copy_to(below, tensor, device):
+        st = state
+        if below is PHYSICAL and st.mode is None:
+            (copy,) = execute_physical(raw_op("Identity", tensor.dtype), [tensor], device)
+            return copy
+        saved = st.device
+        st.device = device
+        try:
+            (copy,) = below.execute(raw_op("Identity", tensor.dtype), [tensor])
+        finally:
+            st.device = saved
+        return copy
+
+    def relayout_value(self, value, layout):
+        """`value` (a MeshValue) with `layout`: all-gathers along axes that lose their
+        mesh dimension, then one slice per device for the axes that gain one."""
+        layout = tuple(layout)
+        if value.layout == layout:
+            return value
+        shards, cur = list(value.shards), list(value.layout)
+        for a, (m, m2) in enumerate(zip(value.layout, layout)):
+            if m is not None and m != m2:
+                shards = [self._concat([shards[j] for j in self._groups[m][i]], a, i)
+                          for i in range(len(self.devices))]
+                cur[a] = None
+        gain = [(a, m2) for a, m2 in enumerate(layout) if m2 is not None and cur[a] is None]
+        if gain:
+            rank = len(layout)
+            rows = {}
+            for a, m2 in gain:
+                n, k = value.shape[a], self.dims[m2]
+                if n is None or n % k:
+                    raise ValueError("oh.Mesh: axis %d of size %s cannot be sharded over mesh "
+                                     "dimension %r of size %d" % (a, n, m2, k))
+                rows[a] = n // k
+            op = raw_op("Slice", shards[0].dtype)
+            for i in range(len(self.devices)):
+                begin, size = [0] * rank, [-1] * rank
+                for a, m2 in gain:
+                    begin[a] = self._coords[i][self._index[m2]] * rows[a]
+                    size[a] = rows[a]
+                (shards[i],) = self.run_on(op, [shards[i], self.host_constant(begin, tf.int32),
+                                                self.host_constant(size, tf.int32)], i)
+        return MeshValue(shards, layout, value.shape)
+
+    def gather_full(self, value, device_index=0):
+        """The full tensor of `value` on one device (a next-stack tensor)."""
+        unused = [self._index[n] for n in self.dims if n not in value.layout]
+        live = {i: s for i, s in enumerate(value.shards)
+                if all(self._coords[i][d] == 0 for d in unused)}
+        for a, m in enumerate(value.layout):
+            if m is None:
+                continue
+            d = self._index[m]
+            live = {i: self._concat([live[j] for j in self._groups[m][i]], a, device_index)
+                    for i in live if self._coords[i][d] == 0}
+        (full,) = live.values()
+        if value.replicated and device_index:
+            return self._copy_to(next_stack(), full, self.devices[device_index])
+        return full
+
+    def _concat(self, parts, axis, device_index):
+        op = raw_op("ConcatV2", parts[0].dtype, len(parts))
+        (out,) = self.run_on(op, list(parts) + [self.host_constant(axis, tf.int32)],
+                             device_index)
+        return out

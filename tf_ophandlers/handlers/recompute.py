@@ -64,6 +64,7 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS
+from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
 
 _stateful = BoundedCache("recompute.stateful_ops", 4096)  # op type -> must not recompute
@@ -154,6 +155,7 @@ class Recompute(OpHandler):
         self.policy = policy
         self.save = save
         self.memory_budget = memory_budget
+        self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
         self._pending = []  # closed segments not recorded yet (recorded at flush)
         self._depth = 0
@@ -182,18 +184,24 @@ class Recompute(OpHandler):
 
     def __enter__(self):
         if not tf.executing_eagerly():
-            # Inside a function being traced the tape is TensorFlow's own (trace time);
-            # the handler does nothing there (see the guide, "Limits").
-            self._traced = True
+            # Inside a function being traced the tapes are TensorFlow's own (trace time):
+            # the scope collects their records and records segments at its exit
+            # (recompute_graph.py); without a recording tape there is nothing to do.
+            window = Window(self) if _record.could_possibly_record() else None
+            self._windows.append(window)
+            if window is not None:
+                window.__enter__()
             return self
-        self._traced = False
+        self._windows.append(False)
         return super().__enter__()
 
     def __exit__(self, *exc_info):
-        if getattr(self, "_traced", False):
-            self._traced = False
-            return False
-        return super().__exit__(*exc_info)
+        window = self._windows.pop() if self._windows else False
+        if window is False:
+            return super().__exit__(*exc_info)
+        if window is not None:
+            window.__exit__(*exc_info)
+        return False
 
     def scope_entered(self):
         self._depth += 1

@@ -202,6 +202,53 @@ def measure_resnet(batch=8, size=64):
     return out
 
 
+def graph_steps(model):
+    """Graph-mode training steps (one `tf.function` each, TensorFlow's tape at trace
+    time): no checkpointing, `oh.Recompute()` opened inside the traced step, and
+    tf.recompute_grad with hand-made segments."""
+    rc = oh.Recompute()
+
+    @tf.function
+    def plain():
+        with tf.GradientTape() as tape:
+            loss = model.loss(model.x)
+        return tape.gradient(loss, model.variables)
+
+    @tf.function
+    def recompute():
+        with tf.GradientTape() as tape:
+            with rc:
+                loss = model.loss(model.x)
+        return tape.gradient(loss, model.variables)
+
+    @tf.function
+    def segments():
+        with tf.GradientTape() as tape:
+            loss = model.loss_segments(model.x)
+        return tape.gradient(loss, model.variables)
+    return {"graph_tf": plain, "graph_recompute": recompute,
+            "graph_recompute_grad": segments}, rc
+
+
+def measure_graph(layers=256, width=WIDTH, batch=2048, check=True):
+    """{key: {"peak": bytes, "step": callable}} of `graph_steps` on the deep MLP; their
+    gradients must equal the eager tf.GradientTape's."""
+    model = MLP(layers, width, batch)
+    reference = make_step(model, "tf")()
+    steps, rc = graph_steps(model)
+    out = {}
+    for key, step in steps.items():
+        grads = step()  # traces
+        if check:
+            for g, r in zip(grads, reference):
+                np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-6,
+                                           err_msg="%s: gradients differ" % key)
+        del grads
+        out[key] = dict(peak=peak_bytes(step), step=step)
+    out["graph_recompute"]["stats"] = rc.stats
+    return out
+
+
 class _Config:
     def __init__(self, key, step):
         self.key, self.step, self.times = key, step, []

@@ -61,7 +61,7 @@ _previous = {}
 def _capturing(name):
     def capture(*args, **kwargs):
         window = getattr(_local, "window", None)
-        if window is not None and window.active:
+        if window is not None and window.active and window.owns(name, args, kwargs):
             # Collected instead of made (made at the scope's exit, or replaced).
             scope = _ops.get_name_scope() if name == "record_gradient" else None
             window.records.append((name, args, kwargs, scope))
@@ -152,10 +152,20 @@ class Window:
 
     def __enter__(self):
         tf_patches.ensure("recompute graph records")
+        self.graph = _ops.get_default_graph()
         self.outer = getattr(_local, "window", None)
         _local.window = self
         self.active = True
         return self
+
+    def owns(self, name, args, kwargs):
+        """Whether a record is of an op of the window's graph (not of a branch or body
+        being traced inside the scope, whose records go to the tapes as usual)."""
+        if name == "record_gradient":
+            outputs = args[3] if len(args) > 3 else kwargs.get("outputs", ())
+        else:
+            outputs = args[1] if len(args) > 1 else kwargs.get("output_tensors", ())
+        return any(getattr(t, "graph", None) is self.graph for t in outputs)
 
     def __exit__(self, exc_type, exc, tb):
         self.active = False
@@ -272,9 +282,21 @@ class Window:
 
 
 def _copy(graph, op, inputs):
+    """A copy of graph op `op` on `inputs`; recorded on the tapes that track an input
+    (a tape recording the backward pass: second order), as a gen op wrapper would."""
     attrs = {k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
-    return graph.create_op(op.type, inputs, [t.dtype for t in op.outputs],
-                           attrs=attrs).outputs
+    new = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs], attrs=attrs)
+    if _record.could_possibly_record() and _record.should_record_backprop(inputs):
+        try:
+            grad_fn = _ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
+        except LookupError:
+            grad_fn = None
+        if grad_fn is not None:
+            def backward(*grads):
+                out = grad_fn(new, *grads)
+                return list(out) if isinstance(out, (list, tuple)) else [out]
+            _record.record_operation(op.type, new.outputs, inputs, backward)
+    return new.outputs
 
 
 def _record_piece(segment, outputs, op_type="RecomputeSegment"):

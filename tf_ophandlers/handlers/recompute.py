@@ -53,9 +53,13 @@ Policies (where segments end):
   (``rc.minimum_budget()``) raises ValueError naming both.
 """
 import math
+import os
+import sys
+import warnings
 import weakref
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import gradients_util
@@ -64,6 +68,7 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS
+from tf_ophandlers.handlers import recompute_graph
 from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
 
@@ -92,6 +97,15 @@ def _is_stateful(op_type):
         s = _stateful[op_type] = (op_def is None or op_def.is_stateful
                                   or op_type in _NOT_RECOMPUTED or op_type in COPY_OPS)
     return s
+
+
+def _user_stacklevel():
+    """The warnings stacklevel of the first frame outside this package (the user's)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2  # pylint: disable=protected-access
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2  # (entered from C++: no user frame)
 
 
 def _trainable(tensor):
@@ -172,6 +186,9 @@ class Recompute(OpHandler):
         # Of the last scope: dict(computed, kept, largest, segments, recomputed: op type ->
         # ops the gradient functions recompute).
         self.stats = None
+        # Of the last scope opened while tracing, or traced inside an eager scope (a Keras
+        # fit step): the same keys, computed from static shapes (unknown dimensions as 1).
+        self.graph_stats = None
 
     def debug_string(self):
         if self.policy == "save":
@@ -191,6 +208,7 @@ class Recompute(OpHandler):
             self._windows.append(window)
             if window is not None:
                 window.__enter__()
+            self.stats = None
             return self
         self._windows.append(False)
         return super().__enter__()
@@ -201,11 +219,27 @@ class Recompute(OpHandler):
             return super().__exit__(*exc_info)
         if window is not None:
             window.__exit__(*exc_info)
+            self.stats = self.graph_stats
         return False
 
     def scope_entered(self):
         self._depth += 1
         if self._depth == 1:
+            recompute_graph.eager_scope(self)
+            self.graph_stats = None
+            # A tf.GradientTape records the ops of this scope itself, on the tensors the
+            # program sees, after they return from the handler: it keeps every
+            # activation whatever the handler does (only oh.GradientTape, below the
+            # handler, records what it gives it). Said, not silently ignored.
+            self._tf_tape = not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+            if self._tf_tape:
+                warnings.warn(
+                    "oh.Recompute: a tf.GradientTape is recording around this scope; it "
+                    "records every op of the scope itself and keeps its activations, so "
+                    "nothing is saved (gradients are unchanged). Use oh.GradientTape "
+                    "around oh.Recompute() (or open the scope inside a tf.function, "
+                    "where tf.GradientTape works).", RuntimeWarning,
+                    stacklevel=_user_stacklevel())
             self._computed = self._count = self._kept = self._largest = 0
             self._largest_value = 0
             self._expensive = self._run = self._max_run = 0
@@ -219,6 +253,7 @@ class Recompute(OpHandler):
     def scope_exited(self):
         self._depth -= 1
         if self._depth == 0:
+            recompute_graph.eager_scope(None)
             self.flush()
             if self._count:
                 self._expected = (self._computed, self._computed / self._count,
@@ -228,7 +263,8 @@ class Recompute(OpHandler):
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
                               segments=self.segments - self._segments_at_entry,
-                              recomputed=dict(self._recomputed))
+                              recomputed=dict(self._recomputed), mode="eager",
+                              graph=self.graph_stats, tf_tape_recording=self._tf_tape)
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:

@@ -81,6 +81,42 @@ def _install():
         setattr(module, name, _capturing(name))
     _previous["gradient"] = _backprop.GradientTape.gradient
     _backprop.GradientTape.gradient = _checked_gradient
+    _previous["enter"] = _backprop.GradientTape.__enter__
+    _previous["exit"] = _backprop.GradientTape.__exit__
+    _backprop.GradientTape.__enter__ = _tape_enter
+    _backprop.GradientTape.__exit__ = _tape_exit
+
+
+def eager_scope(handler):
+    """Called by `Recompute` when its eager scope opens (handler) and closes (None): a
+    function traced meanwhile (a Keras `fit` step) gets a window around the forward pass
+    of each `tf.GradientTape` scope opened while tracing it."""
+    stack = _local.__dict__.setdefault("eager", [])
+    if handler is not None:
+        tf_patches.ensure("recompute graph records")
+        stack.append(handler)
+    elif stack:
+        stack.pop()
+
+
+def _tape_enter(self):
+    result = _previous["enter"](self)
+    stack = getattr(_local, "eager", None)
+    if stack and getattr(_local, "window", None) is None and not tf.executing_eagerly():
+        window = Window(stack[-1])
+        window.__enter__()
+        _tape_windows[id(self)] = window
+    return result
+
+
+def _tape_exit(self, typ, value, traceback):
+    window = _tape_windows.pop(id(self), None)
+    if window is not None:
+        window.__exit__(typ, value, traceback)  # records while the tape is active
+    return _previous["exit"](self, typ, value, traceback)
+
+
+_tape_windows = {}  # id(tf.GradientTape) -> the Window opened with it (while tracing)
 
 
 def _checked_gradient(self, target, sources, *args, **kwargs):
@@ -107,12 +143,16 @@ def _checked_gradient(self, target, sources, *args, **kwargs):
 tf_patches.register(
     "recompute graph records",
     "tensorflow.python.eager.execute.record_gradient, record.record_operation (and its "
-    "backprop-only and forwardprop-only forms), backprop.GradientTape.gradient",
+    "backprop-only and forwardprop-only forms), backprop.GradientTape.gradient, __enter__ and __exit__",
     "oh.Recompute inside a traced function pauses TensorFlow's tapes and must make their "
     "records itself at the scope's exit (recomputable ops grouped into segments whose "
     "gradient recomputes them); TensorFlow has no hook listing the records a traced op "
-    "makes. GradientTape.gradient refuses sources whose uses a segment hides.",
+    "makes. GradientTape.gradient refuses sources whose uses a segment hides; a tape "
+    "scope opened while tracing inside an eager oh.Recompute scope (Keras fit's train "
+    "step) opens a window, since the step's code has no Recompute scope of its own.",
     "first-use", _install, None)
+# (also GradientTape.__enter__/__exit__: a function traced inside an eager oh.Recompute
+# scope, a Keras fit step, gets a window around each tape scope opened while tracing.)
 
 
 def _nbytes(t):
@@ -232,8 +272,7 @@ class Window:
                     getattr(_record, name)(*args, **kwargs)
             else:
                 self._record_segment(what, stats, _trainable)
-        handler.segments += stats["segments"]
-        handler.stats = stats
+        handler.graph_stats = stats
 
     @staticmethod
     def _uses(rec, members, segment):

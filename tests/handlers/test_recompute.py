@@ -213,12 +213,14 @@ def test_peak_memory_drops_on_a_deep_mlp():
         import recompute as bench
         r = bench.measure_mlp(layers=32, width=64, batch=384, configs=("tape", "recompute",
                                                                        "budget"))
+        g = bench.measure_graph(layers=32, width=64, batch=384)  # a traced step
         print(r["tape"]["peak"], r["recompute"]["peak"], r["budget"]["peak"],
-              r["budget"]["budget"])
+              r["budget"]["budget"], g["graph_tf"]["peak"], g["graph_recompute"]["peak"])
     """)
-    tape, recompute, budget, limit = (int(v) for v in out.split())
+    tape, recompute, budget, limit, graph, graph_recompute = (int(v) for v in out.split())
     assert tape >= 3 * recompute, (tape, recompute)
     assert budget <= limit, (budget, limit)
+    assert graph >= 2 * graph_recompute, (graph, graph_recompute)
 
 
 def test_inside_a_traced_function_and_around_fit():

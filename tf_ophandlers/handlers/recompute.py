@@ -22,6 +22,11 @@ outputs are also used inside it (values the program keeps) is recorded as severa
 operations, so a gradient with respect to such a value sees all its uses (equal to
 tf.GradientTape's; recompute_segments.split).
 
+Opened inside a function being traced (graph mode), the scope puts the recompute
+structure into the traced graph instead (recompute_graph.py), as it does for a function
+traced inside an eager scope (a Keras fit step). An eager scope inside a recording
+tf.GradientTape cannot save anything (that tape records the ops itself): it warns.
+
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),
 function calls, ops on resources or variants. Their outputs are kept, so a variable read

@@ -143,6 +143,9 @@ class Recompute(OpHandler):
     """
 
     TYPE_NAME = "RECOMPUTE"
+    # What may be recomputed (also used by recompute_graph.Window).
+    is_stateful_type = staticmethod(_is_stateful)
+    is_trainable = staticmethod(_trainable)
     transparent = True
     replays_functions = False  # a tf.function call is kept whole (the tape records it)
 

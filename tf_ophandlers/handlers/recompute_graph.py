@@ -218,7 +218,7 @@ class Window:
 
     def _record_all(self):
         handler = self.handler
-        from tf_ophandlers.handlers.recompute import _is_stateful, _trainable  # pylint: disable=import-outside-toplevel
+        _is_stateful, _trainable = handler.is_stateful_type, handler.is_trainable
         items, sizes = [], []
         for rec in self.records:
             op = None

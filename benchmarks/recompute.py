@@ -223,7 +223,7 @@ def measure_resnet(batch=8, size=64):
         out[kind] = dict(peak=peak, ms=(time.perf_counter() - start) * 1e3)
     out["recompute"]["stats"] = rc.stats
     out["graph_recompute"]["stats"] = rc_graph.stats
-    out["recompute"]["gradient_bytes"] = sum(v.shape.num_elements() * v.dtype.size
+    out["recompute"]["gradient_bytes"] = sum(int(np.prod(v.shape)) * 4  # float32
                                 for v in model.trainable_variables)
     return out
 

@@ -168,19 +168,34 @@ def test_interior_values_later_uses_watched_sources_and_errors():
                 loss = out + tf.reduce_sum(mid * mid)  # a later use of `mid`
             return tape.gradient(loss, [w, mid] if source_mid else [w])
         return f()
-    raised = 0
-    for at in range(3, 6):
-        # `mid` ends a segment (then it is a cut: equal) or is inside one (an error).
+    for at in (3, 6):
+        # `mid` is held by the program at the scope's exit: a segment output (a cut).
         _assert_grads(run(None, False, False, at), run(oh.Recompute(), False, False, at))
         _assert_grads(run(None, True, True, at), run(oh.Recompute(), True, True, at))
+        _assert_grads(run(None, False, True, at), run(oh.Recompute(), False, True, at))
+
+    def dug_out(rc, back):
+        """A gradient with respect to a value found in the graph after the scope (not
+        held by the program at its exit): equal, or an error if inside a segment."""
+        @tf.function(autograph=False)
+        def f():
+            with tf.GradientTape() as tape:
+                out, _ = chain(tape, rc, False, 0)
+                t = out.op.inputs[0]
+                for _ in range(back):
+                    t = t.op.inputs[0]
+            return tape.gradient(out, [w, t])
+        return f()
+    raised = 0
+    for back in (4, 6, 8, 10):
         try:
-            got = run(oh.Recompute(), False, True, at)
+            got = dug_out(oh.Recompute(), back)
         except oh.HandlerError as e:
             assert "inside a recompute segment" in str(e)
             raised += 1
         else:
-            _assert_grads(run(None, False, True, at), got)
-    assert 0 < raised < 3
+            _assert_grads(dug_out(None, back), got)
+    assert raised > 0
 
     @tf.function(autograph=False)
     def inside():

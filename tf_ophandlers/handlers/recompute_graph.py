@@ -36,6 +36,7 @@ scope; a gradient *with respect to* such a value would miss its uses inside the 
 and raises `HandlerError` (watch it with `tape.watch` inside the scope instead).
 """
 import math
+import sys
 import threading
 
 import tensorflow as tf
@@ -219,6 +220,7 @@ class Window:
     def _record_all(self):
         handler = self.handler
         _is_stateful, _trainable = handler.is_stateful_type, handler.is_trainable
+        self.held = self._held()
         items, sizes = [], []
         for rec in self.records:
             op = None
@@ -274,6 +276,34 @@ class Window:
                 self._record_segment(what, stats, _trainable)
         handler.graph_stats = stats
 
+    def _held(self):
+        """Ids of the values of recorded ops that something besides the graph and the
+        records references (the program keeps them: a list of layer outputs, a variable
+        used after the scope). Python reference counts, so this runs before the plan
+        takes references; a miscount only adds a segment output (or leaves a value
+        interior, whose use as a gradient source then raises)."""
+        counts, parts = {}, set()
+        for name, args, kwargs, _ in self.records:
+            for part in list(args) + list(kwargs.values()):
+                if isinstance(part, (list, tuple)):
+                    parts.add(id(part))
+                    for t in part:
+                        counts[id(t)] = counts.get(id(t), 0) + 1
+        held = set()
+        for name, args, _, _ in self.records:
+            if name != "record_gradient" or not args[3]:
+                continue
+            for t in args[3][0].op.outputs:
+                cached = 0  # consumers' cached input tuples that are not record parts
+                for c in t.consumers():
+                    val = getattr(c, "_inputs_val", None)
+                    if val is not None and id(val) not in parts:
+                        cached += sum(1 for i in val if i is t)
+                # the graph's own reference, getrefcount's argument and `t`
+                if sys.getrefcount(t) > 3 + counts.get(id(t), 0) + cached:
+                    held.add(id(t))
+        return held
+
     @staticmethod
     def _uses(rec, members, segment):
         name, args, _, _ = rec
@@ -295,6 +325,7 @@ class Window:
                     continue
                 consumers = t.consumers()
                 if not consumers or any(id(c) not in inside for c in consumers) \
+                        or id(t) in self.held \
                         or _record.should_record_backprop([t]):  # used later, or watched
                     outputs[(n, k)] = t
                 else:

@@ -28,16 +28,18 @@ common subexpression elimination), and the executor frees a segment's interior v
 soon as the forward pass is done with them.
 
 The outputs of a segment are its values used outside it (by later ops), values nothing
-uses yet (the scope's results) and values a tape watches; those used inside the segment
+uses yet (the scope's results), values a tape watches and values the program still
+references (`Window._held`); those used inside the segment
 too are *cuts* and the segment is recorded in pieces (`recompute_segments.split`), so
 every use is seen. The other values are recorded as outputs of one more operation
 ("RecomputeInterior") that is only differentiated if the program uses them after the
-scope; a gradient *with respect to* such a value would miss its uses inside the segment
-and raises `HandlerError` (watch it with `tape.watch` inside the scope instead).
+scope; a gradient *with respect to* such a value (found in the graph later) would miss
+its uses inside the segment and raises `HandlerError`.
 """
 import math
 import sys
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
@@ -54,7 +56,8 @@ from tf_ophandlers.handlers.recompute_segments import Segment, split
 _local = threading.local()  # .window: the innermost open Window of this thread
 _OPAQUE = (tf.resource, tf.variant)
 _ZERO_OPS = frozenset(("Const", "Fill", "ZerosLike", "Zeros"))
-_interior = {}  # id(graph) -> {id(tensor)}: values recorded only as interior (see above)
+# id(graph) -> (weak reference to it, {id(tensor)}): values recorded only as interior
+_interior = {}
 
 _previous = {}
 
@@ -128,14 +131,17 @@ def _checked_gradient(self, target, sources, *args, **kwargs):
             "function; the scope records its ops on the tapes at its exit: open the tape "
             "outside the scope and ask for gradients after it")
     if _interior and not tf.executing_eagerly():
-        ids = _interior.get(id(_ops.get_default_graph()))
+        graph = _ops.get_default_graph()
+        entry = _interior.get(id(graph))
+        ids = entry[1] if entry is not None and entry[0]() is graph else None
         if ids:
             for s in tf.nest.flatten(sources):
                 if id(s) in ids:
                     raise HandlerError(
                         "oh.Recompute: tape.gradient with respect to %s, a value computed "
                         "inside a recompute segment of a traced function (and used inside "
-                        "it), would miss its uses inside the segment; call tape.watch on "
+                        "it), would miss its uses inside the segment; keep a reference to it "
+                        "or call tape.watch on "
                         "it inside the oh.Recompute scope (it then ends a segment)"
                         % getattr(s, "name", s))
     return _previous["gradient"](self, target, sources, *args, **kwargs)
@@ -345,8 +351,10 @@ class Window:
         if interior:
             _record_piece(segment, interior, "RecomputeInterior")
             graph = _ops.get_default_graph()
-            ids = _interior.setdefault(id(graph), set())
-            ids.update(id(t) for t in interior.values())
+            entry = _interior.get(id(graph))
+            if entry is None or entry[0]() is not graph:  # (a new graph at a reused id)
+                entry = _interior[id(graph)] = (weakref.ref(graph), set())
+            entry[1].update(id(t) for t in interior.values())
             if len(_interior) > 64:  # graphs of finished traces (bounded)
                 _interior.pop(next(iter(_interior)))
 

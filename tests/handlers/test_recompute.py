@@ -213,12 +213,14 @@ def test_peak_memory_drops_on_a_deep_mlp():
         import recompute as bench
         r = bench.measure_mlp(layers=32, width=64, batch=384, configs=("tape", "recompute",
                                                                        "budget"))
+        g = bench.measure_graph(layers=32, width=64, batch=384)  # a traced step
         print(r["tape"]["peak"], r["recompute"]["peak"], r["budget"]["peak"],
-              r["budget"]["budget"])
+              r["budget"]["budget"], g["graph_tf"]["peak"], g["graph_recompute"]["peak"])
     """)
-    tape, recompute, budget, limit = (int(v) for v in out.split())
+    tape, recompute, budget, limit, graph, graph_recompute = (int(v) for v in out.split())
     assert tape >= 3 * recompute, (tape, recompute)
     assert budget <= limit, (budget, limit)
+    assert graph >= 2 * graph_recompute, (graph, graph_recompute)
 
 
 def test_inside_a_traced_function_and_around_fit():
@@ -229,10 +231,12 @@ def test_inside_a_traced_function_and_around_fit():
     @tf.function
     def step(x):
         with oh.GradientTape() as tape:  # trace time: TensorFlow's tape
-            with oh.Recompute():  # does nothing while tracing
+            with rc:  # segments in the traced graph (test_recompute_graph.py)
                 loss = fn(x)
         return tape.gradient(loss, variables)
+    rc = oh.Recompute()
     _assert_grads(g0, step(x))
+    assert rc.stats["mode"] == "graph" and rc.stats["segments"] >= 2
 
     def fit(recompute):
         keras.utils.set_random_seed(3)
@@ -241,10 +245,13 @@ def test_inside_a_traced_function_and_around_fit():
         model.compile(optimizer="sgd", loss="mse")
         data = (np.arange(60, dtype=np.float32).reshape(10, 6) / 60, np.ones((10, 1)))
         if recompute:
-            with oh.Recompute():
+            # The step is traced inside the scope: its tape scope gets segments.
+            with rc:
                 return model.fit(*data, batch_size=4, epochs=2, verbose=0).history["loss"]
         return model.fit(*data, batch_size=4, epochs=2, verbose=0).history["loss"]
+    rc = oh.Recompute()
     np.testing.assert_allclose(fit(True), fit(False), rtol=1e-6)
+    assert rc.stats["graph"]["segments"] >= 1, rc.stats
 
 
 def test_hessian_vector_product_with_forward_accumulator():
@@ -329,3 +336,21 @@ def test_gradient_inside_the_scopes_and_a_value_request_mid_forward():
                     assert np.isfinite(h.numpy()).all()  # records the segments so far
             loss = tf.reduce_mean(h * h)
     _assert_grads(g0, tape.gradient(loss, variables))
+
+
+def test_tf_gradient_tape_around_the_scope_warns_and_says_so():
+    """A tf.GradientTape records the scope's ops itself (on the program's tensors): the
+    handler cannot save anything there, and says so (gradients unchanged)."""
+    fn, variables = _mlp(layers=6)
+    x = tf.constant(RNG.standard_normal((4, 32)).astype(np.float32))
+    _, g0 = _tf_grads(fn, x, variables)
+    rc = oh.Recompute()
+    with tf.GradientTape() as tape:
+        with pytest.warns(RuntimeWarning, match="tf.GradientTape is recording"):
+            with rc:
+                loss = fn(x)
+    _assert_grads(g0, tape.gradient(loss, variables))
+    assert rc.stats["tf_tape_recording"] and rc.stats["segments"] == 0
+    _, g1 = _oh_grads(fn, x, variables, rc)
+    _assert_grads(g0, g1)
+    assert not rc.stats["tf_tape_recording"] and rc.stats["segments"] > 0

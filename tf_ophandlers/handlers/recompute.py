@@ -22,6 +22,11 @@ outputs are also used inside it (values the program keeps) is recorded as severa
 operations, so a gradient with respect to such a value sees all its uses (equal to
 tf.GradientTape's; recompute_segments.split).
 
+Opened inside a function being traced (graph mode), the scope puts the recompute
+structure into the traced graph instead (recompute_graph.py), as it does for a function
+traced inside an eager scope (a Keras fit step). An eager scope inside a recording
+tf.GradientTape cannot save anything (that tape records the ops itself): it warns.
+
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),
 function calls, ops on resources or variants. Their outputs are kept, so a variable read
@@ -53,9 +58,13 @@ Policies (where segments end):
   (``rc.minimum_budget()``) raises ValueError naming both.
 """
 import math
+import os
+import sys
+import warnings
 import weakref
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import gradients_util
@@ -64,6 +73,8 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS
+from tf_ophandlers.handlers import recompute_graph
+from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
 
 _stateful = BoundedCache("recompute.stateful_ops", 4096)  # op type -> must not recompute
@@ -91,6 +102,15 @@ def _is_stateful(op_type):
         s = _stateful[op_type] = (op_def is None or op_def.is_stateful
                                   or op_type in _NOT_RECOMPUTED or op_type in COPY_OPS)
     return s
+
+
+def _user_stacklevel():
+    """The warnings stacklevel of the first frame outside this package (the user's)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 2  # pylint: disable=protected-access
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2  # (entered from C++: no user frame)
 
 
 def _trainable(tensor):
@@ -123,6 +143,9 @@ class Recompute(OpHandler):
     """
 
     TYPE_NAME = "RECOMPUTE"
+    # What may be recomputed (also used by recompute_graph.Window).
+    is_stateful_type = staticmethod(_is_stateful)
+    is_trainable = staticmethod(_trainable)
     transparent = True
     replays_functions = False  # a tf.function call is kept whole (the tape records it)
 
@@ -154,6 +177,7 @@ class Recompute(OpHandler):
         self.policy = policy
         self.save = save
         self.memory_budget = memory_budget
+        self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
         self._pending = []  # closed segments not recorded yet (recorded at flush)
         self._depth = 0
@@ -170,6 +194,9 @@ class Recompute(OpHandler):
         # Of the last scope: dict(computed, kept, largest, segments, recomputed: op type ->
         # ops the gradient functions recompute).
         self.stats = None
+        # Of the last scope opened while tracing, or traced inside an eager scope (a Keras
+        # fit step): the same keys, computed from static shapes (unknown dimensions as 1).
+        self.graph_stats = None
 
     def debug_string(self):
         if self.policy == "save":
@@ -182,22 +209,45 @@ class Recompute(OpHandler):
 
     def __enter__(self):
         if not tf.executing_eagerly():
-            # Inside a function being traced the tape is TensorFlow's own (trace time);
-            # the handler does nothing there (see the guide, "Limits").
-            self._traced = True
+            # Inside a function being traced the tapes are TensorFlow's own (trace time):
+            # the scope collects their records and records segments at its exit
+            # (recompute_graph.py); without a recording tape there is nothing to do.
+            window = Window(self) if _record.could_possibly_record() else None
+            self._windows.append(window)
+            if window is not None:
+                window.__enter__()
+            self.stats = None
             return self
-        self._traced = False
+        self._windows.append(False)
         return super().__enter__()
 
     def __exit__(self, *exc_info):
-        if getattr(self, "_traced", False):
-            self._traced = False
-            return False
-        return super().__exit__(*exc_info)
+        window = self._windows.pop() if self._windows else False
+        if window is False:
+            return super().__exit__(*exc_info)
+        if window is not None:
+            window.__exit__(*exc_info)
+            self.stats = self.graph_stats
+        return False
 
     def scope_entered(self):
         self._depth += 1
         if self._depth == 1:
+            recompute_graph.eager_scope(self)
+            self.graph_stats = None
+            # A tf.GradientTape records the ops of this scope itself, on the tensors the
+            # program sees, after they return from the handler: it keeps every
+            # activation whatever the handler does (only oh.GradientTape, below the
+            # handler, records what it gives it). Said, not silently ignored.
+            self._tf_tape = not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+            if self._tf_tape:
+                warnings.warn(
+                    "oh.Recompute: a tf.GradientTape is recording around this scope; it "
+                    "records every op of the scope itself and keeps its activations, so "
+                    "nothing is saved (gradients are unchanged). Use oh.GradientTape "
+                    "around oh.Recompute() (or open the scope inside a tf.function, "
+                    "where tf.GradientTape works).", RuntimeWarning,
+                    stacklevel=_user_stacklevel())
             self._computed = self._count = self._kept = self._largest = 0
             self._largest_value = 0
             self._expensive = self._run = self._max_run = 0
@@ -211,6 +261,7 @@ class Recompute(OpHandler):
     def scope_exited(self):
         self._depth -= 1
         if self._depth == 0:
+            recompute_graph.eager_scope(None)
             self.flush()
             if self._count:
                 self._expected = (self._computed, self._computed / self._count,
@@ -220,7 +271,8 @@ class Recompute(OpHandler):
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
                               segments=self.segments - self._segments_at_entry,
-                              recomputed=dict(self._recomputed))
+                              recomputed=dict(self._recomputed), mode="eager",
+                              graph=self.graph_stats, tf_tape_recording=self._tf_tape)
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:

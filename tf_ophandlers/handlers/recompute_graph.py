@@ -1,0 +1,418 @@
+"""`oh.Recompute` inside a function being traced (graph mode): the recompute structure
+is put into the traced function, so a graph-mode step (a `tf.function` training step, a
+Keras `train_step` run by `model.fit`) saves memory too.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> ws = [tf.Variable(tf.random.normal([64, 64]) * 0.1) for _ in range(16)]
+>>> @tf.function
+... def step(x):
+...     with tf.GradientTape() as tape:          # or oh.GradientTape (trace time)
+...         with oh.Recompute():                 # segments in the traced graph
+...             h = x
+...             for w in ws:
+...                 h = tf.tanh(h @ w)
+...             loss = tf.reduce_sum(h * h)
+...     return tape.gradient(loss, ws)
+>>> grads = step(tf.random.normal([256, 64]))  # equal to the step without Recompute
+
+While the scope is open, every record TensorFlow's tapes would get (an op's gradient record, `record_operation` of captures, variable reads,
+function calls and custom gradients) is collected instead (`Window`). At the scope's
+exit the records are made in their order, except those of recomputable ops (stateless,
+registered, no resource or variant values): these are grouped into segments of about
+sqrt(n) values (or ending after `save=` op types), and each segment is recorded as one
+operation whose gradient *recomputes* it in the backward graph from its inputs (its
+outputs' values are not used by the backward pass). Like `tf.recompute_grad`, the
+recomputation depends on the incoming gradient (a zero derived from it is added to the
+inputs), so TensorFlow cannot run it early or merge it with the forward ops (Grappler's
+common subexpression elimination), and the executor frees a segment's interior values as
+soon as the forward pass is done with them.
+
+The outputs of a segment are its values used outside it (by later ops), values nothing
+uses yet (the scope's results), values a tape watches and values the program still
+references (`Window._held`); those used inside the segment
+too are *cuts* and the segment is recorded in pieces (`recompute_segments.split`), so
+every use is seen. The other values are recorded as outputs of one more operation
+("RecomputeInterior") that is only differentiated if the program uses them after the
+scope; a gradient *with respect to* such a value (found in the graph later) would miss
+its uses inside the segment and raises `HandlerError`.
+"""
+import math
+import sys
+import threading
+import weakref
+
+import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import backprop as _backprop  # noqa: F401  (sets execute.record_gradient)
+from tensorflow.python.eager import execute as _execute
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework import op_def_registry
+
+from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.errors import HandlerError
+from tf_ophandlers.handlers.recompute_segments import Segment, split
+
+_local = threading.local()  # .window: the innermost open Window of this thread
+_OPAQUE = (tf.resource, tf.variant)
+_ZERO_OPS = frozenset(("Const", "Fill", "ZerosLike", "Zeros"))
+# id(graph) -> (weak reference to it, {id(tensor)}): values recorded only as interior
+_interior = {}
+
+_previous = {}
+
+
+def _capturing(name):
+    def capture(*args, **kwargs):
+        window = getattr(_local, "window", None)
+        if window is not None and window.active and window.owns(name, args, kwargs):
+            # Collected instead of made (made at the scope's exit, or replaced).
+            scope = _ops.get_name_scope() if name == "record_gradient" else None
+            window.records.append((name, args, kwargs, scope))
+            return None
+        return _previous[name](*args, **kwargs)
+    return capture
+
+
+_TARGETS = ((_execute, "record_gradient"), (_record, "record_operation"),
+            (_record, "record_operation_backprop_only"),
+            (_record, "record_operation_forwardprop_only"))
+
+
+def _install():
+    for module, name in _TARGETS:
+        _previous[name] = getattr(module, name)
+        setattr(module, name, _capturing(name))
+    _previous["gradient"] = _backprop.GradientTape.gradient
+    _backprop.GradientTape.gradient = _checked_gradient
+    _previous["enter"] = _backprop.GradientTape.__enter__
+    _previous["exit"] = _backprop.GradientTape.__exit__
+    _backprop.GradientTape.__enter__ = _tape_enter
+    _backprop.GradientTape.__exit__ = _tape_exit
+
+
+def eager_scope(handler):
+    """Called by `Recompute` when its eager scope opens (handler) and closes (None): a
+    function traced meanwhile (a Keras `fit` step) gets a window around the forward pass
+    of each `tf.GradientTape` scope opened while tracing it."""
+    stack = _local.__dict__.setdefault("eager", [])
+    if handler is not None:
+        tf_patches.ensure("recompute graph records")
+        stack.append(handler)
+    elif stack:
+        stack.pop()
+
+
+def _tape_enter(self):
+    result = _previous["enter"](self)
+    stack = getattr(_local, "eager", None)
+    if stack and getattr(_local, "window", None) is None and not tf.executing_eagerly():
+        window = Window(stack[-1])
+        window.__enter__()
+        _tape_windows[id(self)] = window
+    return result
+
+
+def _tape_exit(self, typ, value, traceback):
+    window = _tape_windows.pop(id(self), None)
+    if window is not None:
+        window.__exit__(typ, value, traceback)  # records while the tape is active
+    return _previous["exit"](self, typ, value, traceback)
+
+
+_tape_windows = {}  # id(tf.GradientTape) -> the Window opened with it (while tracing)
+
+
+def _checked_gradient(self, target, sources, *args, **kwargs):
+    window = getattr(_local, "window", None)
+    if window is not None and window.active:
+        raise HandlerError(
+            "oh.Recompute: tape.gradient called inside an oh.Recompute scope of a traced "
+            "function; the scope records its ops on the tapes at its exit: open the tape "
+            "outside the scope and ask for gradients after it")
+    if _interior and not tf.executing_eagerly():
+        graph = _ops.get_default_graph()
+        entry = _interior.get(id(graph))
+        ids = entry[1] if entry is not None and entry[0]() is graph else None
+        if ids:
+            for s in tf.nest.flatten(sources):
+                if id(s) in ids:
+                    raise HandlerError(
+                        "oh.Recompute: tape.gradient with respect to %s, a value computed "
+                        "inside a recompute segment of a traced function (and used inside "
+                        "it), would miss its uses inside the segment; keep a reference to it "
+                        "or call tape.watch on "
+                        "it inside the oh.Recompute scope (it then ends a segment)"
+                        % getattr(s, "name", s))
+    return _previous["gradient"](self, target, sources, *args, **kwargs)
+
+
+tf_patches.register(
+    "recompute graph records",
+    "tensorflow.python.eager.execute.record_gradient, record.record_operation (and its "
+    "backprop-only and forwardprop-only forms), backprop.GradientTape.gradient, __enter__ and __exit__",
+    "oh.Recompute inside a traced function pauses TensorFlow's tapes and must make their "
+    "records itself at the scope's exit (recomputable ops grouped into segments whose "
+    "gradient recomputes them); TensorFlow has no hook listing the records a traced op "
+    "makes. GradientTape.gradient refuses sources whose uses a segment hides; a tape "
+    "scope opened while tracing inside an eager oh.Recompute scope (Keras fit's train "
+    "step) opens a window, since the step's code has no Recompute scope of its own.",
+    "first-use", _install, None)
+# (also GradientTape.__enter__/__exit__: a function traced inside an eager oh.Recompute
+# scope, a Keras fit step, gets a window around each tape scope opened while tracing.)
+
+
+def _nbytes(t):
+    """Bytes of a symbolic value, unknown dimensions counted as 1 (relative sizes)."""
+    if t.shape.rank is None:
+        return t.dtype.size
+    return t.dtype.size * math.prod(d if d is not None else 1 for d in t.shape.as_list())
+
+
+def _recomputable(op, is_stateful, trainable):
+    if op_def_registry.get(op.type) is None or is_stateful(op.type):
+        return False
+    if any(t.dtype in _OPAQUE for t in list(op.inputs) + list(op.outputs)):
+        return False
+    return any(trainable(t) for t in op.outputs)
+
+
+def _is_zero(g):
+    """A gradient TensorFlow's tape filled in for an output without one (zeros)."""
+    if g is None:
+        return True
+    if isinstance(g, tf.IndexedSlices) or g.op.type not in _ZERO_OPS:
+        return False
+    if g.op.type == "ZerosLike" or g.op.type == "Zeros":
+        return True
+    value = tf.get_static_value(g.op.inputs[1] if g.op.type == "Fill" else g)
+    return value is not None and not value.any()
+
+
+class Window:
+    """The records of a `Recompute` scope opened while tracing (see the module doc)."""
+
+    def __init__(self, handler):
+        self.handler = handler
+        self.records = []
+        self.active = False
+
+    def __enter__(self):
+        tf_patches.ensure("recompute graph records")
+        self.graph = _ops.get_default_graph()
+        self.outer = getattr(_local, "window", None)
+        _local.window = self
+        self.active = True
+        return self
+
+    def owns(self, name, args, kwargs):
+        """Whether a record is of an op of the window's graph (not of a branch or body
+        being traced inside the scope, whose records go to the tapes as usual)."""
+        if name == "record_gradient":
+            outputs = args[3] if len(args) > 3 else kwargs.get("outputs", ())
+        else:
+            outputs = args[1] if len(args) > 1 else kwargs.get("output_tensors", ())
+        return any(getattr(t, "graph", None) is self.graph for t in outputs)
+
+    def __exit__(self, exc_type, exc, tb):
+        self.active = False
+        _local.window = self.outer
+        if exc_type is None:
+            self._record_all()
+        return False
+
+    # -- planning -----------------------------------------------------------------------
+
+    def _record_all(self):
+        handler = self.handler
+        _is_stateful, _trainable = handler.is_stateful_type, handler.is_trainable
+        self.held = self._held()
+        items, sizes = [], []
+        for rec in self.records:
+            op = None
+            if rec[0] == "record_gradient":
+                outputs = rec[1][3]
+                if outputs and all(getattr(o, "op", None) is outputs[0].op for o in outputs):
+                    op = outputs[0].op
+                    if not _recomputable(op, _is_stateful, _trainable):
+                        op = None
+            items.append((rec, op))
+            if op is not None:
+                sizes.append(sum(_nbytes(o) for o in op.outputs))
+        total, count = sum(sizes), max(len(sizes), 1)
+        cap = math.sqrt(total * total / count) if total else 0
+        save = handler.save if handler.policy == "save" else None
+        plan, open_seg, members = [], None, {}
+        for rec, op in items:
+            if op is None:
+                if open_seg is not None and self._uses(rec, members, open_seg):
+                    plan.append(("segment", open_seg))
+                    open_seg = None
+                plan.append(("record", rec))
+                continue
+            if open_seg is None:
+                open_seg = Segment()
+            refs = []
+            for t in op.inputs:
+                where = members.get(id(t.op))
+                if where is not None and where[0] is open_seg:
+                    refs.append((where[1], t.value_index))
+                else:
+                    refs.append((-1, open_seg.external(t, False)))
+            members[id(op)] = (open_seg, len(open_seg.nodes))
+            open_seg.nodes.append((op, tuple(refs)))
+            open_seg.bytes += sum(_nbytes(o) for o in op.outputs)
+            if (save is not None and op.type in save) or \
+                    (save is None and open_seg.bytes >= cap):
+                plan.append(("segment", open_seg))
+                open_seg = None
+        if open_seg is not None:
+            plan.append(("segment", open_seg))
+        stats = dict(computed=total, kept=0, largest=0, segments=0, recomputed={},
+                     mode="graph")
+        for kind, what in plan:
+            if kind == "record":
+                name, args, kwargs, scope = what
+                if name == "record_gradient":
+                    # As backprop.record_gradient does, in the op's own name scope.
+                    pywrap_tfe.TFE_Py_RecordGradient(*args, scope)
+                else:
+                    getattr(_record, name)(*args, **kwargs)
+            else:
+                self._record_segment(what, stats, _trainable)
+        handler.graph_stats = stats
+
+    def _held(self):
+        """Ids of the values of recorded ops that something besides the graph and the
+        records references (the program keeps them: a list of layer outputs, a variable
+        used after the scope). Python reference counts, so this runs before the plan
+        takes references; a miscount only adds a segment output (or leaves a value
+        interior, whose use as a gradient source then raises)."""
+        counts, parts = {}, set()
+        for name, args, kwargs, _ in self.records:
+            for part in list(args) + list(kwargs.values()):
+                if isinstance(part, (list, tuple)):
+                    parts.add(id(part))
+                    for t in part:
+                        counts[id(t)] = counts.get(id(t), 0) + 1
+        held = set()
+        for name, args, _, _ in self.records:
+            if name != "record_gradient" or not args[3]:
+                continue
+            for t in args[3][0].op.outputs:
+                cached = 0  # consumers' cached input tuples that are not record parts
+                for c in t.consumers():
+                    val = getattr(c, "_inputs_val", None)
+                    if val is not None and id(val) not in parts:
+                        cached += sum(1 for i in val if i is t)
+                # the graph's own reference, getrefcount's argument and `t`
+                if sys.getrefcount(t) > 3 + counts.get(id(t), 0) + cached:
+                    held.add(id(t))
+        return held
+
+    @staticmethod
+    def _uses(rec, members, segment):
+        name, args, _, _ = rec
+        inputs = args[1] if name == "record_gradient" else args[2]
+        for t in inputs:
+            where = members.get(id(getattr(t, "op", None)))
+            if where is not None and where[0] is segment:
+                return True
+        return False
+
+    # -- recording ----------------------------------------------------------------------
+
+    def _record_segment(self, segment, stats, trainable):
+        inside = set(id(op) for op, _ in segment.nodes)
+        outputs, interior = {}, {}
+        for n, (op, _) in enumerate(segment.nodes):
+            for k, t in enumerate(op.outputs):
+                if not trainable(t):
+                    continue
+                consumers = t.consumers()
+                if not consumers or any(id(c) not in inside for c in consumers) \
+                        or id(t) in self.held \
+                        or _record.should_record_backprop([t]):  # used later, or watched
+                    outputs[(n, k)] = t
+                else:
+                    interior[(n, k)] = t
+        for i, t in enumerate(segment.externals):
+            segment.ext_tracked[i] = trainable(t) and _record.should_record_backprop([t])
+        if not any(segment.ext_tracked) or not outputs:
+            return  # TensorFlow's tape would record none of its ops either
+        stats["segments"] += 1
+        stats["largest"] = max(stats["largest"], segment.bytes)
+        stats["kept"] += sum(_nbytes(t) for t in outputs.values())
+        recorded = 0
+        for piece, _, piece_outputs in split(segment, outputs):
+            recorded += _record_piece(piece, piece_outputs)
+        for op, _ in segment.nodes:
+            stats["recomputed"][op.type] = stats["recomputed"].get(op.type, 0) + 1
+        if interior:
+            _record_piece(segment, interior, "RecomputeInterior")
+            graph = _ops.get_default_graph()
+            entry = _interior.get(id(graph))
+            if entry is None or entry[0]() is not graph:  # (a new graph at a reused id)
+                entry = _interior[id(graph)] = (weakref.ref(graph), set())
+            entry[1].update(id(t) for t in interior.values())
+            if len(_interior) > 64:  # graphs of finished traces (bounded)
+                _interior.pop(next(iter(_interior)))
+
+
+def _copy(graph, op, inputs):
+    """A copy of graph op `op` on `inputs`; recorded on the tapes that track an input
+    (a tape recording the backward pass: second order), as a gen op wrapper would."""
+    attrs = {k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
+    new = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs], attrs=attrs)
+    if _record.could_possibly_record() and _record.should_record_backprop(inputs):
+        try:
+            grad_fn = _ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
+        except LookupError:
+            grad_fn = None
+        if grad_fn is not None:
+            def backward(*grads):
+                out = grad_fn(new, *grads)
+                return list(out) if isinstance(out, (list, tuple)) else [out]
+            _record.record_operation(op.type, new.outputs, inputs, backward)
+    return new.outputs
+
+
+def _record_piece(segment, outputs, op_type="RecomputeSegment"):
+    """Records one piece on the tapes: its gradient recomputes its nodes in the backward
+    graph from its inputs, after (and depending on) the incoming gradients."""
+    refs = sorted(outputs)
+    outs = [outputs[r] for r in refs]
+    tracked = [i for i, tr in enumerate(segment.ext_tracked)
+               if tr or _record.should_record_backprop([segment.externals[i]])]
+    xs = [segment.externals[i] for i in tracked]
+    if not xs:
+        return 0
+    nodes, externals = list(segment.nodes), list(segment.externals)
+
+    def backward(*grads):
+        real = [None if _is_zero(g) else g for g in grads]
+        if all(g is None for g in real):
+            return [tf.zeros_like(x) for x in xs]
+        first = next(g for g in real if g is not None)
+        first = first.values if isinstance(first, tf.IndexedSlices) else first
+        # A zero that depends on the incoming gradient (as tf.recompute_grad does): the
+        # recomputation runs in the backward pass and cannot be merged with the forward.
+        elem = tf.reduce_max(tf.reshape(first, [-1])[:1])
+        dep = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
+        graph = _ops.get_default_graph()
+        ext = list(externals)
+        new_xs = []
+        for i in tracked:
+            x = tf.identity(ext[i]) + tf.cast(dep, ext[i].dtype)
+            ext[i] = x
+            new_xs.append(x)
+        results = [None] * len(nodes)
+        for j, (op, op_refs) in enumerate(nodes):
+            ins = [ext[i] if p < 0 else results[p][i] for p, i in op_refs]
+            results[j] = _copy(graph, op, ins)
+        ys = [results[n][k] for (n, k), g in zip(refs, real) if g is not None]
+        gys = [tf.convert_to_tensor(g) for g in real if g is not None]
+        return tf.gradients(ys, new_xs, grad_ys=gys)
+
+    _record.record_operation(op_type, outs, xs, backward)
+    return 1

@@ -28,6 +28,7 @@ model gives, in shape and value.
 import collections
 
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
@@ -70,6 +71,31 @@ def _input_roles(op_type):
                           for a in op_def.input_arg)
         _roles[op_type] = roles
     return roles
+
+
+# Rules that change a tensor with no permuted input: a transpose to channels-first is
+# kept lazily, a broadcast as large as converted data is made channels-last.
+_PLAIN_RULES = frozenset(("Transpose", "BroadcastTo"))
+
+
+_hooked = BoundedCache("data_format.hooked_types", 1024)  # op type -> bool
+
+
+def _runs_on_plain_inputs(op_type):
+    """`DataFormat.handles_ops`: whether `execute` is called for ops of this type when
+    their inputs are all plain tensors: the layout-sensitive ops and _PLAIN_RULES,
+    which change plain tensors, and ops reading resources (a variable's handle is not
+    on the handler's stack, so they would take the Python path, which costs more than
+    the hook). Other ops with plain inputs run as they are, so they are forwarded, in
+    C++ without a Python call; one with a `Permuted` input (not a tensor) still
+    reaches `execute` (OpHandler.handles_ops)."""
+    hooked = _hooked.get(op_type)
+    if hooked is None:
+        op_def = op_def_registry.get(op_type)
+        hooked = _hooked[op_type] = (
+            op_type in _PLAIN_RULES or _input_roles(op_type) is not None
+            or op_def is None or any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+    return hooked
 
 
 class _Layout:
@@ -152,6 +178,7 @@ class DataFormat(OpHandler):
 
     transparent = True
     TYPE_NAME = "DATAFORMAT"
+    handles_ops = staticmethod(_runs_on_plain_inputs)
 
     def __init__(self, target="auto"):
         key = _TARGETS.get(str(target).lower()) if isinstance(target, str) else None

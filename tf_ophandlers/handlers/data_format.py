@@ -194,8 +194,9 @@ class DataFormat(OpHandler):
         # Eagerly, the channels-last copies of the last few data inputs made for
         # converted ops: a backward pass (Conv2DBackpropInput and ...Filter) or a second
         # consumer uses the same input again. Keyed by the input tensor (kept alive by
-        # the entry, so its key is not reused) and the layout.
-        self._moved = BoundedCache("data_format.moved_inputs.%x" % id(self), 4)
+        # the entry, so its key is not reused) and the layout. Made on first use (a
+        # handler is often created per step).
+        self._moved = None
 
     def debug_string(self):
         return "DataFormat(target=%r)" % self.target
@@ -324,6 +325,8 @@ class DataFormat(OpHandler):
             # function's duplicate transposes are merged by TensorFlow's optimizer.)
             return relayout(nxt, x, perm)
         key = (tensor_key(physical(x)), perm_of(x), perm)
+        if self._moved is None:
+            self._moved = BoundedCache("data_format.moved_inputs.%x" % id(self), 4)
         hit = self._moved.get(key)
         if hit is None:
             hit = self._moved[key] = (x, relayout(nxt, x, perm))

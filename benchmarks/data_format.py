@@ -185,8 +185,16 @@ def main(argv=None):
         L += ["Under the handler the model runs the twin's channels-last kernels plus one "
               "transpose of its NCHW input (a 3-channel image batch: TensorFlow's CPU "
               "transpose of a tensor whose last axis becomes 3 long is slow, see the "
-              "last row) and, eagerly, the handler's Python work per op (about 35 ops "
-              "per call); the twin is given its input already channels-last.", ""]
+              "last row); the twin is given its input already channels-last. Eagerly, "
+              "each of the 44 ops also crosses the handler stack (ops with plain inputs "
+              "that the handler leaves alone are forwarded in C++, the others call its "
+              "Python hook), and Keras's channels-first layers run 8 ops the twin does not "
+              "(BatchNormalization reshapes its statistics to [1, C, 1, 1]; pooling and "
+              "the depthwise convolution transpose to channels-last and back, which the "
+              "handler composes away without moving data), each through TensorFlow's "
+              "slower eager fallback for Python-list arguments. A replayed call adds the "
+              "input's transpose and the replay's per-call Python (13 arguments, the "
+              "weights included, copied on and split; one cache lookup).", ""]
         bullets = []
         for case, title, target in CASES:
             r = summary[case]["ratio"]

@@ -106,6 +106,63 @@ def test_handles_ops_in_the_python_path_too(ab):
     _same(got, _chain(a0, b0))
 
 
+class _Boxed:
+    """A representation that is not a tensor: only its handler's execute can run it."""
+
+    def __init__(self, value):
+        self.value = value
+        self.dtype = value.dtype
+        self.shape = value.shape
+
+
+class Boxing(oh.OpHandler):
+    """Keeps Sin's outputs boxed (negated: the box holds -sin); handles only Sin, so other
+    ops with plain inputs are forwarded, and any op with a boxed input reaches execute."""
+
+    handles_ops = frozenset({"Sin"})
+
+    def __init__(self):
+        self.seen = []
+
+    def value_dtype(self, value):
+        return value.dtype
+
+    def num_dims(self, value):
+        return value.shape.rank
+
+    def dim(self, value, index):
+        return value.shape[index]
+
+    def copy_off(self, value, device):
+        return -value.value if type(value) is _Boxed else value
+
+    def execute(self, op, inputs):
+        self.seen.append(op.type)
+        plain = [-x.value if type(x) is _Boxed else x for x in inputs]
+        outputs = self.next.execute(op, plain)
+        return [_Boxed(-o) for o in outputs] if op.type == "Sin" else outputs
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_handles_ops_sends_non_tensor_representations_to_execute(ab, below):
+    """An op type outside handles_ops is forwarded only when its inputs' representations
+    are tensors; one with a handler's own object reaches execute (C++ path and, below
+    another handler, the Python path)."""
+    a0, b0 = ab
+    h = Boxing()
+    with (Forwarding() if below else oh.OpHandler()), h:
+        a, b = tf.identity(a0), tf.identity(b0)
+        s = tf.sin(a)
+        plain = tf.cos(a) * b  # plain inputs: forwarded, execute not called
+        mixed = tf.matmul(s, b) + tf.exp(s)  # boxed inputs: execute runs them
+    assert h.seen.count("Sin") == 1
+    assert "Cos" not in h.seen and h.seen.count("Mul") == 0
+    assert h.seen.count("MatMul") == 1 and h.seen.count("Exp") == 1
+    _same(plain, tf.cos(a0) * b0)
+    _same(mixed, tf.matmul(tf.sin(a0), b0) + tf.exp(tf.sin(a0)))
+    _same(s, tf.sin(a0))
+
+
 def test_handles_ops_string_is_an_error_naming_the_handler():
     class Bad(oh.OpHandler):
         handles_ops = "MatMul"

@@ -111,3 +111,36 @@ def test_replace_keeps_empty_list_attrs():
     with Replace():
         y = tf.nn.conv2d(x, k, 1, "VALID")
     assert_close(y, tf.nn.conv2d(x, k, 1, "VALID"))
+
+
+def test_attribute_caches_key_by_content_not_byte_order():
+    """TensorFlow serializes one attribute set in many byte orders (its map's hash order
+    differs per op): attrs_key is equal for equal attributes and differs for different
+    ones, and attrs decodes each content once."""
+    from tensorflow.core.framework import attr_value_pb2
+    from tf_ophandlers.core import op as op_module
+    x = tf.random.stateless_normal([1, 5, 5, 2], seed=[1, 1])
+    w = tf.random.stateless_normal([1, 1, 2, 2], seed=[2, 2])
+    k = Keeper()
+    with k:
+        for stride in (1, 1, 1, 2):
+            for _ in range(30):
+                tf.nn.conv2d(x, w, stride, "SAME")
+    raws = {}
+    for op in k.ops:  # kept ops: their own attribute copies
+        raws.setdefault(op.attrs["strides"][1], set()).add(op._attrs_proto())
+        assert op.attrs is k.ops[0].attrs or op.attrs["strides"][1] == 2
+    for stride, keys in ((s, {op.attrs_key() for op in k.ops if op.attrs["strides"][1] == s})
+                         for s in (1, 2)):
+        assert len(keys) == 1, stride
+        assert {op_module._canonical(r) for r in raws[stride]} == keys
+    assert {op.attrs_key() for op in k.ops[:30]} != {op.attrs_key() for op in k.ops[-30:]}
+    for raw in raws[1] | raws[2]:  # the canonical form is the same content, fields sorted
+        assert attr_value_pb2.NameAttrList.FromString(op_module._canonical(raw)) == \
+            attr_value_pb2.NameAttrList.FromString(raw)
+    # An unexpected encoding (a varint field) takes the slow way, with the same content.
+    odd = attr_value_pb2.NameAttrList(name="X")
+    odd.attr["a"].i = 1
+    raw = odd.SerializeToString() + b"\x18\x01"
+    again = attr_value_pb2.NameAttrList.FromString(op_module._canonical(raw))
+    assert again.name == "X" and again.attr["a"].i == 1

@@ -317,3 +317,33 @@ def test_channels_last_programs_pass_through_unchanged():
         y = tf.nn.max_pool2d(tf.nn.conv2d(x, w, 1, "SAME"), 2, 2, "VALID")
     np.testing.assert_array_equal(y.numpy(), ref.numpy())
     assert log.op_types_seen() == ["Conv2D", "MaxPool"]
+
+
+def test_layout_cache_is_keyed_by_type_attributes_and_rank():
+    """Conversions are cached per (op type, attributes) and, for ops whose channel axis
+    is 1 at any rank (BiasAdd), per rank: the same attributes on 4-D and 5-D data, other
+    strides, and other shapes each get their own conversion, equal to TensorFlow's
+    channels-last result."""
+    from tf_ophandlers.handlers import data_format as df_module
+    b = tf.constant([0.5, -1.0, 2.0])
+    w = tf.random.stateless_normal([3, 3, 3, 2], seed=[1, 3])
+    for step, shape in enumerate(([2, 3, 6, 5], [1, 3, 4, 4, 2], [3, 3, 9, 7], [2, 3, 6, 5])):
+        x = tf.random.stateless_normal(shape, seed=[step, 9])
+        rank = len(shape)
+        to_last = [0] + list(range(2, rank)) + [1]
+        to_first = [0, rank - 1] + list(range(1, rank - 1))
+        xl = tf.transpose(x, to_last)
+        with oh.DataFormat():
+            y = tf.nn.bias_add(tf.nn.relu(x), b, data_format="NCHW" if rank == 4 else "NCDHW")
+            if rank == 4:
+                for stride in (1, 2):
+                    z = tf.nn.conv2d(y, w, stride, "SAME", data_format="NCHW")
+                    ref = tf.nn.conv2d(tf.nn.bias_add(tf.nn.relu(xl), b), w, stride, "SAME")
+                    all_close([z], [tf.transpose(ref, to_first)])
+        all_close([y], [tf.transpose(tf.nn.bias_add(tf.nn.relu(xl), b), to_first)])
+    layouts = [v for k, v in df_module._layouts.items() if k[0] in ("BiasAdd", "Conv2D")
+               and v is not None]
+    conv = [v for v in layouts if v.type == "Conv2D"]
+    assert len({id(v) for v in conv}) >= 2  # strides 1 and 2: two attribute sets
+    bias = [v for v in layouts if v.type == "BiasAdd"]
+    assert any({4, 5} <= set(v._ops) for v in bias)  # one attribute set, two ranks

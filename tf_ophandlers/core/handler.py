@@ -71,8 +71,10 @@ class OpHandler:
     #: collection of op type names (``frozenset({"MatMul", "Conv2D"})``), or a function
     #: ``handles_ops(op_type) -> bool``. Other ops are forwarded to the next stack as
     #: with the default `execute`, and cost no Python call at all where the C++ fast
-    #: path can run them (inputs already on the stack). Read once per (stack, op type):
-    #: set it on the class or in ``__init__``, not while the handler is in use.
+    #: path can run them (inputs already on the stack), unless an input's representation
+    #: is not a tensor (a handler's own object): `execute` gets those ops whatever their
+    #: type. Read once per (stack, op type): set it on the class or in ``__init__``, not
+    #: while the handler is in use.
     handles_ops = None
 
     #: Set to a function ``handles_copy(op) -> bool`` to receive copy ops (CopyOn,

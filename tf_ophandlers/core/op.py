@@ -119,9 +119,45 @@ def _function_traces(function_name):
     return traces
 
 
+def _canonical(raw):
+    """`raw` (a serialized NameAttrList: the op name and one map entry per attribute) with
+    its fields in sorted byte order: equal for equal attributes.
+
+    TensorFlow serializes an op's attribute map in the order of its hash table, which
+    differs between ops with the same attributes (the same Conv2D call gives dozens of
+    byte strings), so caches keyed by the raw bytes alone miss often. Sorting the
+    length-delimited top-level fields is cheaper than parsing and re-serializing
+    deterministically; an unexpected encoding takes that slower way.
+    """
+    fields = []
+    i, n = 0, len(raw)
+    try:
+        while i < n:
+            start = i
+            if raw[i] & 7 != 2 or raw[i] >= 0x80:  # one-byte tag, length-delimited
+                raise ValueError
+            i += 1
+            length = shift = 0
+            while True:
+                b = raw[i]
+                i += 1
+                length |= (b & 0x7F) << shift
+                if b < 0x80:
+                    break
+                shift += 7
+            i += length
+            if i > n:
+                raise ValueError
+            fields.append(raw[start:i])
+    except (ValueError, IndexError):
+        return attr_value_pb2.NameAttrList.FromString(raw).SerializeToString(deterministic=True)
+    fields.sort()
+    return b"".join(fields)
+
+
 # Keyed by TensorFlow's serialized attributes (everything the value depends on).
-_decoded = BoundedCache("op.decoded_attrs", 4096)  # serialized attrs -> decoded attrs
-_attr_keys = BoundedCache("op.attrs_keys", 4096)  # serialized attrs -> deterministic bytes
+_decoded = BoundedCache("op.decoded_attrs", 4096)  # serialized (raw or canonical) -> decoded
+_attr_keys = BoundedCache("op.attrs_keys", 4096)  # serialized attrs -> canonical bytes
 # id of a shared decoded attrs mapping -> (that mapping, attr tuple); the identity check
 # on a hit makes a reused id harmless.
 _attr_tuples = BoundedCache("op.attr_tuples", 4096)
@@ -199,8 +235,15 @@ class Op(_C.OpBase):
             raw = self._attrs_proto()
             cached = _decoded.get(raw)
             if cached is None:
-                proto = attr_value_pb2.NameAttrList.FromString(raw)
-                cached = types.MappingProxyType({k: decode_attr(v) for k, v in proto.attr.items()})
+                # The same attributes come in many byte orders (see _canonical): decode
+                # once per content.
+                key = _canonical(raw)
+                cached = _decoded.get(key)
+                if cached is None:
+                    proto = attr_value_pb2.NameAttrList.FromString(raw)
+                    cached = types.MappingProxyType(
+                        {k: decode_attr(v) for k, v in proto.attr.items()})
+                    _decoded[key] = cached
                 _decoded[raw] = cached
             self.__dict__["_attrs"] = cached
         return cached
@@ -218,10 +261,9 @@ class Op(_C.OpBase):
         raw = self._attrs_proto()
         key = _attr_keys.get(raw)
         if key is None:
-            # Memoized by TensorFlow's bytes: a loop repeats the same few attribute sets.
-            key = attr_value_pb2.NameAttrList.FromString(raw).SerializeToString(
-                deterministic=True)
-            _attr_keys[raw] = key
+            # Memoized by TensorFlow's bytes: a loop repeats the same few attribute sets
+            # (each in several byte orders, see _canonical).
+            key = _attr_keys[raw] = _canonical(raw)
         return key
 
     def attr_tuple(self):

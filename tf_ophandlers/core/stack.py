@@ -372,9 +372,13 @@ class HandlerStack(Stack):
                 for i in foreign:
                     if self.wants_copy(op, i):
                         values[i] = self._copy_on_value(values[i])
-        if not self._runs_execute(op.type):
+        if not self._runs_execute(op.type) and (
+                self._handles is None or all(isinstance(v, _Tensor) for v in values)):
             # A pass-through execute (or an op type outside the handler's handles_ops)
-            # runs no ops of its own: forward without a frame.
+            # runs no ops of its own: forward without a frame. (An input whose
+            # representation is not a tensor, a handler's own object, only the handler's
+            # execute can run: handles_ops does not forward it. The C++ path hands such
+            # ops here.)
             # Ops that run *inside* the forwarded op (a tf.py_function's body) belong
             # below this stack, as they would with a frame.
             saved = state.current

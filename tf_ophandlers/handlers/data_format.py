@@ -28,15 +28,17 @@ model gives, in shape and value.
 import collections
 
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
 from tf_ophandlers.handlers.data_format_rules import (
-    RULES, Permuted, bias_add_permuted, channels_first_perm, fallback, logical, perm_of, permuted, physical,
-    rank_of, relayout, relayout_transposes, static, vector_to_physical)
+    RULES, Permuted, bias_add_permuted, channels_first_perm, fallback, inverse, logical, perm_of,
+    permuted, physical, rank_of, relayout, relayout_transposes, static, vector_to_physical)
 
 # data_format attribute value -> (its channels-last twin, rank or None: the input's).
 _FORMATS = {b"NCHW": (b"NHWC", 4), b"NCDHW": (b"NDHWC", 5),
@@ -51,7 +53,8 @@ _TARGETS = {"auto": "auto", "channels_last": "channels_last", "nhwc": "channels_
             "ndhwc": "channels_last"}
 
 _roles = BoundedCache("data_format.input_roles", 1024)  # op type -> roles or None
-_converted = BoundedCache("data_format.converted_ops", 1024)  # (type, attrs) -> Op
+# (op type, attributes) -> _Layout, or None for an op this handler runs as it is.
+_layouts = BoundedCache("data_format.layouts", 1024)
 
 
 def _input_roles(op_type):
@@ -70,27 +73,87 @@ def _input_roles(op_type):
     return roles
 
 
-def _converted_op(op, target_format, rank):
-    """`op` with its channels-last data format and its per-axis attributes (strides,
-    ksize, dilations, explicit_paddings) in channels-last axis order."""
+# Rules that change a tensor with no permuted input: a transpose to channels-first is
+# kept lazily, a broadcast as large as converted data is made channels-last.
+_PLAIN_RULES = frozenset(("Transpose", "BroadcastTo"))
+
+
+_hooked = BoundedCache("data_format.hooked_types", 1024)  # op type -> bool
+
+
+def _runs_on_plain_inputs(op_type):
+    """`DataFormat.handles_ops`: whether `execute` is called for ops of this type when
+    their inputs are all plain tensors: the layout-sensitive ops and _PLAIN_RULES,
+    which change plain tensors, and ops reading resources (a variable's handle is not
+    on the handler's stack, so they would take the Python path, which costs more than
+    the hook). Other ops with plain inputs run as they are, so they are forwarded, in
+    C++ without a Python call; one with a `Permuted` input (not a tensor) still
+    reaches `execute` (OpHandler.handles_ops)."""
+    hooked = _hooked.get(op_type)
+    if hooked is None:
+        op_def = op_def_registry.get(op_type)
+        hooked = _hooked[op_type] = (
+            op_type in _PLAIN_RULES or _input_roles(op_type) is not None
+            or op_def is None or any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+    return hooked
+
+
+class _Layout:
+    """How ops of one type and attribute set (a channels-first `data_format`) run
+    channels-last: decided once per (type, attributes), so an op pays one cache lookup
+    instead of decoding its attributes. `rank` is None when the channel axis is 1 at
+    any rank (BiasAdd, CHANNELS_FIRST): the input's rank decides per op."""
+
+    __slots__ = ("type", "attrs", "fmt", "target", "rank", "roles", "filter_out", "_ops")
+
+    def __init__(self, op, target, rank, roles):
+        self.type = op.type
+        self.attrs = op.attrs  # decoded (shared, read-only): they build the converted ops
+        self.fmt = self.attrs["data_format"]
+        self.target = target
+        self.rank = rank
+        self.roles = roles
+        self.filter_out = "BackpropFilter" in op.type  # a filter has no data layout
+        self._ops = {}  # rank -> converted Op (a handful of ranks at most)
+
+    def converted(self, rank):
+        """The op with its channels-last data format and its per-axis attributes
+        (strides, ksize, dilations, explicit_paddings) in channels-last axis order."""
+        new = self._ops.get(rank)
+        if new is None:
+            inv = inverse(channels_first_perm(rank))  # result[k] = attr[inv[k]]
+            attrs = dict(self.attrs)
+            attrs["data_format"] = self.target
+            for name, value in self.attrs.items():
+                if not isinstance(value, list) or not value or not all(
+                        isinstance(v, int) for v in value):
+                    continue
+                if len(value) == rank:
+                    attrs[name] = [value[i] for i in inv]
+                elif len(value) == 2 * rank and name == "explicit_paddings":
+                    attrs[name] = [value[2 * i + j] for i in inv for j in (0, 1)]
+            new = self._ops[rank] = Op.create(
+                self.type, **{k: v for k, v in attrs.items() if v is not None})
+        return new
+
+
+def _layout_of(op, roles):
+    """The op's `_Layout`, or None if its data format is not channels-first (or it has
+    inputs this conversion does not know)."""
     key = (op.type, op.attrs_key())
-    new = _converted.get(key)
-    if new is None:
-        idx = channels_first_perm(rank)  # result[k] = attr[idx'[k]] with idx' its inverse
-        inv = [0] * rank
-        for i, k in enumerate(idx):
-            inv[k] = i
-        changes = {"data_format": target_format}
-        for name, value in op.attrs.items():
-            if not isinstance(value, list) or not value or not all(
-                    isinstance(v, int) for v in value):
-                continue
-            if len(value) == rank:
-                changes[name] = [value[i] for i in inv]
-            elif len(value) == 2 * rank and name == "explicit_paddings":
-                changes[name] = [value[2 * i + j] for i in inv for j in (0, 1)]
-        new = _converted[key] = op.replace(**changes)
-    return new
+    layout = _layouts.get(key, False)
+    if layout is False:
+        attrs = op.attrs
+        spec = _FORMATS.get(attrs.get("data_format"))
+        layout = None
+        if spec is not None:
+            target, rank = spec
+            if rank is None or op.type in _ANY_RANK:  # the channel axis is 1 at any rank
+                rank = None
+            if rank is not None or attrs.get("batch_dims", 1) == 1:
+                layout = _Layout(op, target, rank, roles)
+        _layouts[key] = layout
+    return layout
 
 
 class DataFormat(OpHandler):
@@ -115,6 +178,7 @@ class DataFormat(OpHandler):
 
     transparent = True
     TYPE_NAME = "DATAFORMAT"
+    handles_ops = staticmethod(_runs_on_plain_inputs)
 
     def __init__(self, target="auto"):
         key = _TARGETS.get(str(target).lower()) if isinstance(target, str) else None
@@ -130,8 +194,9 @@ class DataFormat(OpHandler):
         # Eagerly, the channels-last copies of the last few data inputs made for
         # converted ops: a backward pass (Conv2DBackpropInput and ...Filter) or a second
         # consumer uses the same input again. Keyed by the input tensor (kept alive by
-        # the entry, so its key is not reused) and the layout.
-        self._moved = BoundedCache("data_format.moved_inputs.%x" % id(self), 4)
+        # the entry, so its key is not reused) and the layout. Made on first use (a
+        # handler is often created per step).
+        self._moved = None
 
     def debug_string(self):
         return "DataFormat(target=%r)" % self.target
@@ -190,9 +255,11 @@ class DataFormat(OpHandler):
         if roles is not None:
             if op.type == "BiasAdd" and type(inputs[0]) is Permuted and self._converts(op):
                 return bias_add_permuted(self, nxt, op, inputs)
-            outputs = self._channels_last(nxt, op, inputs, roles)
-            if outputs is not None:
-                return outputs
+            layout = _layout_of(op, roles)
+            if layout is not None:
+                outputs = self._channels_last(nxt, op, inputs, layout)
+                if outputs is not None:
+                    return outputs
         for x in inputs:
             if type(x) is Permuted:
                 return fallback(self, nxt, op, inputs)
@@ -201,48 +268,54 @@ class DataFormat(OpHandler):
     def _converts(self, op):
         if self.target != "auto":
             return True
-        device = op.requested_device or ""
-        if "GPU" in device.upper():
-            return False
-        return not self._gpu or "CPU" in device.upper()
+        device = op.requested_device
+        if not device:
+            return not self._gpu  # with a GPU, only ops placed on a CPU convert
+        device = device.upper()
+        return "GPU" not in device and (not self._gpu or "CPU" in device)
 
-    def _channels_last(self, nxt, op, inputs, roles):
+    def _channels_last(self, nxt, op, inputs, layout):
         """A layout-sensitive op given a channels-first format, run channels-last on
         physical data (its data outputs stay channels-last); None to run it as it is."""
-        attrs = op.attrs
-        fmt = attrs.get("data_format")
-        spec = _FORMATS.get(fmt)
-        if spec is None or len(roles) != len(inputs) or not self._converts(op):
+        roles = layout.roles
+        if len(roles) != len(inputs) or not self._converts(op):
             return None
-        target_format, rank = spec
-        if rank is None or op.type in _ANY_RANK:  # the channel axis is 1 at any rank
+        rank = layout.rank
+        if rank is None:  # the channel axis is 1 at any rank
             rank = rank_of(inputs[0])
-            if rank is None or rank < 3 or attrs.get("batch_dims", 1) != 1:
+            if rank is None or rank < 3:
                 return None
-        first = next((x for x, role in zip(inputs, roles) if role == "data"), None)
-        if first is not None and rank_of(first) not in (rank, None):
-            return None  # not the layout this conversion knows: TensorFlow decides
+        for x, role in zip(inputs, roles):
+            if role == "data":
+                if rank_of(x) not in (rank, None):
+                    return None  # not the layout this conversion knows: TensorFlow decides
+                break
         perm = channels_first_perm(rank)
         self.converted_ranks.add(rank)
         args = []
         for x, role in zip(inputs, roles):
-            if role == "data" and rank_of(x) == rank:
-                args.append(self._relayout(nxt, x, perm))
-            elif role == "vector" and rank_of(x) == 1 and physical(x).shape[0] == rank:
-                args.append(vector_to_physical(nxt, physical(x), perm))
-            elif role == "vector" and rank_of(x) == 1 and physical(x).shape[0] is None:
-                return None  # a vector of unknown length (2 or 4 input sizes): as it is
-            else:
-                args.append(logical(nxt, x))
-        new_op = _converted_op(op, target_format, rank)
+            if role == "data":
+                if rank_of(x) == rank:
+                    args.append(x.value if type(x) is Permuted and x.perm == perm
+                                else self._relayout(nxt, x, perm))
+                    continue
+            elif role == "vector" and rank_of(x) == 1:
+                length = physical(x).shape[0]
+                if length == rank:
+                    args.append(vector_to_physical(nxt, physical(x), perm))
+                    continue
+                if length is None:
+                    return None  # a vector of unknown length (2 or 4 input sizes): as it is
+            args.append(logical(nxt, x))
+        new_op = layout.converted(rank)
         try:
             outputs = nxt.execute(new_op, args)
         except tf.errors.OpError as e:
             raise type(e)(e.node_def, e.op, (
                 "oh.DataFormat: op %s (data_format=%s, run as data_format=%s on the "
-                "channels-last data): %s" % (op.type, fmt.decode(), target_format.decode(),
-                                             e.message))) from None
-        if "BackpropFilter" in op.type:
+                "channels-last data): %s" % (op.type, layout.fmt.decode(),
+                                             layout.target.decode(), e.message))) from None
+        if layout.filter_out:
             return outputs  # a filter has no data layout
         return [Permuted(o, perm) if o.shape.rank == rank else o for o in outputs]
 
@@ -252,6 +325,8 @@ class DataFormat(OpHandler):
             # function's duplicate transposes are merged by TensorFlow's optimizer.)
             return relayout(nxt, x, perm)
         key = (tensor_key(physical(x)), perm_of(x), perm)
+        if self._moved is None:
+            self._moved = BoundedCache("data_format.moved_inputs.%x" % id(self), 4)
         hit = self._moved.get(key)
         if hit is None:
             hit = self._moved[key] = (x, relayout(nxt, x, perm))

@@ -321,6 +321,11 @@ class Lazy(OpHandler):
     def execute(self, op, inputs):
         # The record path runs for every op of the scope: kept to plain loops and
         # C-level lookups (benchmarks/small_ops.py measures it against eager).
+        if self._recorded and self._recorded >= self.chunk_ops:
+            # Launched before recording the next op (not after the last one): by now
+            # the program has dropped the intermediate values of its last statement,
+            # so the chunk returns only what is still referenced.
+            self._launch_chunk()
         enums = op.output_dtype_enums
         node_inputs = None
         if enums is not None:
@@ -374,8 +379,6 @@ class Lazy(OpHandler):
         pending.append(ref)
         if self.chunk_ops is not None and node.next is PHYSICAL:
             self._recorded += 1
-            if self._recorded >= self.chunk_ops:
-                self._launch_chunk()
         elif len(pending) > 2 * self._live_nodes:
             self._prune()
         return outputs

@@ -306,7 +306,11 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
         "one writes `with tf.GradientTape():`), so its compiled function comes from the "
         "process-wide cache; `oh.Async()` is created once. The script first checks that "
         "every configuration gives the reference values, that a fresh Lazy hits the "
-        "cache and that `Lazy(jit_compile=True)` runs an XLA-compiled function." % rounds)
+        "cache and that `Lazy(jit_compile=True)` runs an XLA-compiled function. The "
+        "*information* rows with `chunk_ops=%d` launch every %d pending ops as a cached "
+        "compiled call on an asynchronous executor while recording goes on (the default "
+        "is `chunk_ops=None`); overlapping needs a free core." % (rounds, CHUNK_OPS,
+                                                                   CHUNK_OPS))
     lines = _common.intro_md("Per-op speed: the issue-17 figures (`benchmarks/small_ops.py`)",
                              quick, method, _common.machine_md(info, len(CONFIGS), elapsed),
                              "")

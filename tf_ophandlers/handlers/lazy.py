@@ -194,7 +194,7 @@ class Lazy(OpHandler):
         self._depth = 0
         self.compiled = 0      # functions this handler built (process-wide cache misses)
         self.cache_hits = 0    # compiled functions it found in the process-wide cache
-        self.flushes = 0       # value requests that ran pending ops
+        self.flushes = 0       # value requests that ran pending ops (chunks: `chunks`)
         self.last_function = None  # the ConcreteFunction its last compiled run called
 
     def scope_entered(self):
@@ -559,4 +559,6 @@ class Lazy(OpHandler):
         for node in order:
             node.inputs = None  # computed: release the inputs and the consumer list
             node.consumers = None
-        self.flushes += 1
+        self._recorded = 0  # chunks count the ops recorded since the last run
+        if not chunk:
+            self.flushes += 1

@@ -21,7 +21,9 @@ once. The values the program still references (and those other pending ops need)
 kept; intermediate values nobody can ask for
 stay inside the function. Stateful ops (variables, random ops with state, prints) and
 `tf.function` calls run eagerly in program order, after their inputs are computed.
-Results equal eager execution.
+Results equal eager execution. With `chunk_ops=N`, every N recorded ops are launched as
+one compiled call (from the cache) on an asynchronous executor while recording goes on;
+a kernel error of a chunk is raised at the next value request or scope exit.
 """
 import itertools
 import threading

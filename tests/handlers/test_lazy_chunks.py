@@ -84,12 +84,17 @@ def test_chunks_next_to_a_fresh_tf_function_and_stateful_ops_keep_order():
         v.assign_add(h)  # stateful: after its inputs are computed
         for _ in range(6):
             h = tf.tanh(h) * v  # reads the updated value
-        return [h, v.read_value()]
+        r = tf.random.uniform([4, 4])  # a stateful random op: in program order
+        for _ in range(6):
+            h = tf.cos(h) + r
+        return [h, v.read_value(), r + tf.random.uniform([4, 4])]
 
     v.assign(tf.ones([4, 4]))
+    tf.random.set_seed(11)
     want = [t.numpy() for t in step(x)]
     for _ in range(2):
         v.assign(tf.ones([4, 4]))
+        tf.random.set_seed(11)
         got, lazy = _lazy(step, x, chunk_ops=4)
         _same(got, want)
     assert lazy.chunks >= 2

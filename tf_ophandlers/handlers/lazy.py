@@ -292,9 +292,12 @@ class Lazy(OpHandler):
         return -1 if d is None else int(d)
 
     def static_value(self, value):
-        if self._inflight or self._deferred is not None:
-            self._wait()
-        return None if value.value is None else tf.get_static_value(value.value)
+        t = value.value
+        if t is None:
+            return None
+        if self._inflight and tensor_key(t) in self._inflight:
+            self._wait()  # a chunk's output: its value (or its chunk's error) now
+        return tf.get_static_value(t)
 
     def tensor_debug_string(self, value):
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel

@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/data_format.py
 	$(VPY) benchmarks/debugger.py
 	$(VPY) benchmarks/small_ops.py
+	$(VPY) benchmarks/lazy_chunks.py
 	$(VPY) benchmarks/native_handlers.py
 	$(VPY) benchmarks/mesh.py
 	$(VPY) benchmarks/mesh_communication.py

@@ -17,6 +17,9 @@ and the ratios:
   fresh Lazy     eager chain16 / `with oh.Lazy():` chain16, a new handler per call
   Lazy XLA       `with oh.Lazy(jit_compile=True):` chain256 (a new handler per call) /
                  `tf.function(chain, jit_compile=True)` chain256
+  (chunked)      the two Lazy figures again with `chunk_ops=CHUNK_OPS`: compiled chunks
+                 launched asynchronously while recording goes on (information: the
+                 default is `chunk_ops=None`; overlap needs a free core)
   vectorized_map eager `tf.vectorized_map` / `oh.vectorized_map` on pe-grads (the mapped
                  function uses `tf.GradientTape` / `oh.GradientTape`)
   Async          `with runner:` chain16 (one `oh.Async()` created once) / eager chain16
@@ -45,6 +48,7 @@ import vectorized_map as _vm  # noqa: E402  (benchmarks/vectorized_map.py's Work
 
 SECTION = "small_ops"
 TOLERANCE = 1e-4
+CHUNK_OPS = 64  # the chunked Lazy configurations' `chunk_ops`
 
 
 def chain(h):
@@ -81,6 +85,10 @@ class Workload:
         with oh.Lazy():
             return chain(self.x16).numpy()
 
+    def lazy16c(self):
+        with oh.Lazy(chunk_ops=CHUNK_OPS):
+            return chain(self.x16).numpy()
+
     def async16(self):
         with self.runner:
             return chain(self.x16).numpy()
@@ -101,6 +109,10 @@ class Workload:
 
     def lazyxla256(self):
         with oh.Lazy(jit_compile=True):
+            return chain(self.x256).numpy()
+
+    def lazyxla256c(self):
+        with oh.Lazy(jit_compile=True, chunk_ops=CHUNK_OPS):
             return chain(self.x256).numpy()
 
     # tape100 (forward only)
@@ -129,12 +141,15 @@ CONFIGS = (
     ("eager16", "eager chain16", (10, 3)),
     ("pass16", "oh.OpHandler() (pass-through) chain16", (10, 3)),
     ("lazy16", "fresh oh.Lazy() chain16", (10, 3)),
+    ("lazy16c", "fresh oh.Lazy(chunk_ops=%d) chain16 (information)" % CHUNK_OPS, (10, 3)),
     ("async16", "oh.Async() chain16", (10, 3)),
     ("eager256", "eager chain256", (3, 1)),
     ("xla256", "tf.function(jit_compile=True) chain256", (3, 1)),
     ("graph256", "tf.function chain256 (information)", (3, 1)),
     ("lazy256", "fresh oh.Lazy() chain256 (information)", (3, 1)),
     ("lazyxla256", "fresh oh.Lazy(jit_compile=True) chain256", (3, 1)),
+    ("lazyxla256c", "fresh oh.Lazy(jit_compile=True, chunk_ops=%d) chain256 (information)"
+     % CHUNK_OPS, (3, 1)),
     ("tape_tf", "tf.GradientTape tape100 forward", (20, 5)),
     ("tape_oh", "oh.GradientTape tape100 forward", (20, 5)),
     ("vm_tf", "eager tf.vectorized_map pe-grads", (1, 1)),
@@ -150,6 +165,10 @@ FIGURES = (
      "lazy16", "0.1x", 1.0, True),
     ("`oh.Lazy(jit_compile=True)`, 200 elementwise ops on 256x256: time / "
      "`tf.function(jit_compile=True)`", "lazyxla256", "xla256", "no fusion", 1.3, False),
+    ("(information) the same, `chunk_ops=%d`: eager / lazy" % CHUNK_OPS, "eager16",
+     "lazy16c", "-", 1.0, True),
+    ("(information) the same, `chunk_ops=%d`: time / `tf.function(jit_compile=True)`"
+     % CHUNK_OPS, "lazyxla256c", "xla256", "-", 1.3, False),
     ("per-example grads op by op: eager `tf.vectorized_map` / `oh.vectorized_map`",
      "vm_tf", "vm_oh", "9.7x", 15.0, True),
     ("`oh.Async` per tiny op / eager", "async16", "eager16", "2.8x", 1.5, False),
@@ -199,6 +218,15 @@ def check(w):
     if lazy.compiled or not lazy.last_function.function_def.attr["_XlaMustCompile"].b:
         raise SanityError("oh.Lazy(jit_compile=True) did not hit an XLA-compiled function")
     _close("lazyxla256", got, w.xla256())
+    for name, ref in (("lazy16c", w.eager16), ("lazyxla256c", w.xla256)):
+        getattr(w, name)()  # compiles the chunks
+        lazy = oh.Lazy(jit_compile=name == "lazyxla256c", chunk_ops=CHUNK_OPS)
+        with lazy:
+            got = chain(w.x16 if name == "lazy16c" else w.x256).numpy()
+        if lazy.compiled or lazy.chunks != 200 // CHUNK_OPS:
+            raise SanityError("%s: compiled %d functions, launched %d chunks" % (
+                name, lazy.compiled, lazy.chunks))
+        _close(name, got, ref())
     _close("xla256", w.xla256(), w.eager256())
     _close("tape_oh", w.tape_oh(), w.tape_tf())
     _close("vm_oh", w.vm_oh(), w.vm_tf())
@@ -213,14 +241,18 @@ def breakdown(w, n):
     machine disturbs less."""
     wall, cpu = time.perf_counter, time.thread_time
     rows = []
-    for name, x, jit, compiled in (("chain16, `oh.Lazy()`", w.x16, False, w.graph),
-                                   ("chain256, `oh.Lazy(jit_compile=True)`", w.x256, True,
-                                    w.xla)):
+    for name, x, jit, compiled, chunk in (
+            ("chain16, `oh.Lazy()`", w.x16, False, w.graph, None),
+            ("chain16, `oh.Lazy(chunk_ops=%d)`" % CHUNK_OPS, w.x16, False, w.graph,
+             CHUNK_OPS),
+            ("chain256, `oh.Lazy(jit_compile=True)`", w.x256, True, w.xla, None),
+            ("chain256, `oh.Lazy(jit_compile=True, chunk_ops=%d)`" % CHUNK_OPS, w.x256,
+             True, w.xla, CHUNK_OPS)):
         compiled(x).numpy()
         times = {k: [] for k in ("record", "request", "function", "eager")}
         for _ in range(n):
             t0 = (wall(), cpu())
-            with oh.Lazy(jit_compile=jit):
+            with oh.Lazy(jit_compile=jit, chunk_ops=chunk):
                 h = chain(x)
                 t1 = (wall(), cpu())
                 h.numpy()
@@ -274,7 +306,11 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
         "one writes `with tf.GradientTape():`), so its compiled function comes from the "
         "process-wide cache; `oh.Async()` is created once. The script first checks that "
         "every configuration gives the reference values, that a fresh Lazy hits the "
-        "cache and that `Lazy(jit_compile=True)` runs an XLA-compiled function." % rounds)
+        "cache and that `Lazy(jit_compile=True)` runs an XLA-compiled function. The "
+        "*information* rows with `chunk_ops=%d` launch every %d pending ops as a cached "
+        "compiled call on an asynchronous executor while recording goes on (the default "
+        "is `chunk_ops=None`); overlapping needs a free core." % (rounds, CHUNK_OPS,
+                                                                   CHUNK_OPS))
     lines = _common.intro_md("Per-op speed: the issue-17 figures (`benchmarks/small_ops.py`)",
                              quick, method, _common.machine_md(info, len(CONFIGS), elapsed),
                              "")
@@ -288,8 +324,10 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
               "Per call, medians of interleaved calls after the rounds above: ms wall "
               "clock (in brackets: CPU ms of the recording thread; a kernel another "
               "thread runs is not in it). *record*: the 200 ops under a new "
-              "`oh.Lazy()`; *value request*: `.numpy()`, i.e. plan, key, cache lookup and "
-              "the compiled call; *tf.function*: the same chain as one compiled call "
+              "`oh.Lazy()` (with `chunk_ops`: including launching the chunks, whose "
+              "kernels run on the executor's thread); *value request*: `.numpy()`, i.e. "
+              "plan, key, cache lookup and the compiled call (with `chunk_ops`: waiting "
+              "for the chunks, then the last ops); *tf.function*: the same chain as one compiled call "
               "(`jit_compile` as the Lazy); *eager*: the chain without a handler.", "",
               _common.md_table(["case", "record", "value request", "tf.function",
                                 "eager"], list(split)), "",

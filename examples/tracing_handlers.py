@@ -6,7 +6,8 @@
 - `oh.Lazy()` defers the ops of a loop with a Python decision in it; the value requests
   run compiled functions, cached by structure in one process-wide cache, so a second
   pass in a new `with oh.Lazy():` scope compiles nothing; `oh.Lazy(jit_compile=True)`
-  compiles them with XLA.
+  compiles them with XLA; `oh.Lazy(chunk_ops=4)` launches every 4 pending ops as a
+  compiled call on an asynchronous executor while Python keeps recording.
 - `oh.Async()` returns control to Python before the model's kernels (and those of a
   `CheckNumericsHandler` inside it) have run: shapes come from TensorFlow's shape
   functions, so Keras does not wait; the result is read at the synchronization point.
@@ -75,6 +76,13 @@ with oh.Lazy(jit_compile=True):  # the pending ops compiled with XLA
     h, _ = normalize_until_small(model(x) * 20.0)
     print("Lazy(jit_compile=True): same values as eager: %s"
           % np.allclose(h.numpy(), ref.numpy(), atol=1e-4))
+for _ in range(2):  # the second pass: every chunk from the cache, launched asynchronously
+    chunked = oh.Lazy(chunk_ops=4)
+    with chunked:
+        h, _ = normalize_until_small(model(x) * 20.0)
+        value = h.numpy()
+print("Lazy(chunk_ops=4): %d chunks launched while recording; same values as eager: %s"
+      % (chunked.chunks, np.allclose(value, ref.numpy(), atol=1e-5)))
 
 # -- Async: control returns before the kernels ----------------------------------------------
 big = tf.random.stateless_normal([4096, 64], seed=[3, 4])

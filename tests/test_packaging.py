@@ -41,6 +41,7 @@ BENCHMARKS = [
     ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
                                       "vectorized_map", "issue (before)"]),
     ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
+    ("lazy_chunks", ["--rounds", "2"], ["chunk_ops=32", "intra-op threads"]),
 ]
 
 

@@ -21,12 +21,17 @@ once. The values the program still references (and those other pending ops need)
 kept; intermediate values nobody can ask for
 stay inside the function. Stateful ops (variables, random ops with state, prints) and
 `tf.function` calls run eagerly in program order, after their inputs are computed.
-Results equal eager execution.
+Results equal eager execution. With `chunk_ops=N`, every N recorded ops are launched as
+one compiled call (from the cache) on an asynchronous executor while recording goes on;
+a kernel error of a chunk is raised at the next value request or scope exit.
 """
 import itertools
+import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
@@ -44,6 +49,17 @@ _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
 _FIRST = (0,)
+
+
+_threads = threading.local()  # .executor: this thread's async executor for chunks
+
+
+def _async_executor():
+    """This thread's asynchronous TensorFlow executor (its own thread runs the kernels)."""
+    ex = getattr(_threads, "executor", None)
+    if ex is None:
+        ex = _threads.executor = _executor.new_executor(enable_async=True)
+    return ex
 
 
 def _is_stateful(op_type):
@@ -143,6 +159,11 @@ class Lazy(OpHandler):
     Args:
       jit_compile: compile the pending ops with XLA (`tf.function(jit_compile=True)`),
         ops without an XLA kernel running as ordinary kernels between XLA calls.
+      chunk_ops: None (run pending ops only at a value request or scope exit), or a
+        number of ops: each time that many ops are pending, they are launched as one
+        compiled call (once compiled, from the cache) on an asynchronous executor, so
+        that its kernels run on another core while Python keeps recording. A kernel
+        error of a chunk is raised at the next value request or scope exit.
 
     >>> x = tf.ones([8, 8])
     >>> with oh.Lazy(jit_compile=True):
@@ -154,17 +175,28 @@ class Lazy(OpHandler):
     TYPE_NAME = "LAZY"
     replays_functions = False  # a tf.function call is already one compiled op
 
-    def __init__(self, jit_compile=False):
+    def __init__(self, jit_compile=False, chunk_ops=None):
         if not isinstance(jit_compile, bool):
             raise TypeError("oh.Lazy: jit_compile must be True or False, not %r"
                             % (jit_compile,))
+        if chunk_ops is not None and (type(chunk_ops) is not int or chunk_ops < 1):
+            raise ValueError("oh.Lazy: chunk_ops must be None or a positive int, not %r"
+                             % (chunk_ops,))
         self.jit_compile = jit_compile
+        self.chunk_ops = chunk_ops
+        self._recorded = 0  # ops recorded since the last chunk
+        # Outputs of chunks launched since the last wait: tensor key -> (tensor, spec);
+        # their shapes come from the function (asking the tensor would wait for it).
+        self._inflight = {}
+        self._chunk_ops_types = []  # op types of those chunks (for error messages)
+        self._deferred = None  # a chunk's error raised while recording, raised later
+        self.chunks = 0  # chunks launched asynchronously
         self._pending = []  # weak references to nodes, some computed or gone (pruned)
         self._live_nodes = 64  # prune _pending when it grows past twice this
         self._depth = 0
         self.compiled = 0      # functions this handler built (process-wide cache misses)
         self.cache_hits = 0    # compiled functions it found in the process-wide cache
-        self.flushes = 0       # value requests that ran pending ops
+        self.flushes = 0       # value requests that ran pending ops (chunks: `chunks`)
         self.last_function = None  # the ConcreteFunction its last compiled run called
 
     def scope_entered(self):
@@ -175,7 +207,11 @@ class Lazy(OpHandler):
         # tape recording the computation) must see them while they are active.
         self._depth -= 1
         if self._depth == 0:
-            self.flush()
+            try:
+                self.flush()
+            finally:
+                if self._inflight or self._deferred is not None:
+                    self._wait()
 
     def flush(self):
         """Runs every pending op whose result is still referenced."""
@@ -202,13 +238,19 @@ class Lazy(OpHandler):
     def _spec(self, v):
         """The TensorSpec of a value (shape inference on demand, memoized)."""
         if v.value is not None:
-            return tf.TensorSpec(v.value.shape, v.dtype)
+            return self._tensor_spec(v.value)
         return self._output_spec(v.node, v.index)
+
+    def _tensor_spec(self, t):
+        if self._inflight:
+            entry = self._inflight.get(tensor_key(t))
+            if entry is not None:
+                return entry[1]
+        return tf.TensorSpec(t.shape, t.dtype)
 
     def _output_spec(self, node, index):
         if node.inputs is None:  # computed: a pending node still needs this output
-            t = node.values[index]
-            return tf.TensorSpec(t.shape, t.dtype)
+            return self._tensor_spec(node.values[index])
         if node.specs is None:
             # The pending producers without specs, inferred in recording order.
             chain, _ = _upstream([node], lambda p: p.inputs is not None and p.specs is None)
@@ -225,7 +267,10 @@ class Lazy(OpHandler):
         """Sets `node.specs` from TensorFlow's shape functions; False if they are not
         fully defined (or inference fails)."""
         # Producers are computed or inferred already (recording order).
+        inflight = self._inflight
         specs = [shapes.Spec(self._output_spec(*i)) if type(i) is tuple
+                 else shapes.Spec(inflight[tensor_key(i)][1])
+                 if inflight and tensor_key(i) in inflight
                  else shapes.spec_of(i) for i in node.inputs]
         if shapes.assumes_success(specs):
             return False  # the kernel decides (it may reject the op, as eagerly)
@@ -247,7 +292,12 @@ class Lazy(OpHandler):
         return -1 if d is None else int(d)
 
     def static_value(self, value):
-        return None if value.value is None else tf.get_static_value(value.value)
+        t = value.value
+        if t is None:
+            return None
+        if self._inflight and tensor_key(t) in self._inflight:
+            self._wait()  # a chunk's output: its value (or its chunk's error) now
+        return tf.get_static_value(t)
 
     def tensor_debug_string(self, value):
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
@@ -276,6 +326,11 @@ class Lazy(OpHandler):
     def execute(self, op, inputs):
         # The record path runs for every op of the scope: kept to plain loops and
         # C-level lookups (benchmarks/small_ops.py measures it against eager).
+        if self._recorded and self._recorded >= self.chunk_ops:
+            # Launched before recording the next op (not after the last one): by now
+            # the program has dropped the intermediate values of its last statement,
+            # so the chunk returns only what is still referenced.
+            self._launch_chunk()
         enums = op.output_dtype_enums
         node_inputs = None
         if enums is not None:
@@ -327,9 +382,71 @@ class Lazy(OpHandler):
             node.outputs = [weakref.ref(o) for o in outputs]
         pending = self._pending
         pending.append(ref)
-        if len(pending) > 2 * self._live_nodes:
+        if self.chunk_ops is not None and node.next is PHYSICAL:
+            self._recorded += 1
+        elif len(pending) > 2 * self._live_nodes:
             self._prune()
         return outputs
+
+    def _launch_chunk(self):
+        """Launches the pending ops (on the physical devices) as one compiled call."""
+        self._recorded = 0
+        roots = []
+        for r in self._pending:
+            n = r()
+            if (n is not None and n.inputs is not None and not n.failed
+                    and n.next is PHYSICAL and any(o() is not None for o in n.outputs)):
+                roots.append(n)
+        try:
+            if roots:
+                self._run(roots, chunk=True)
+        except tf.errors.OpError as e:
+            # (a chunk run at once: its first call, compiling) raised at the value
+            # request, as a launched chunk's error is; its ops are marked failed.
+            if self._deferred is None:
+                self._deferred = (e, {n.op.type for n in roots})
+        finally:
+            self._prune()
+
+    def _launch(self, entry, external, order):
+        """Calls compiled `entry` on the async executor; its outputs' specs (from the
+        function) are kept so that recording goes on without waiting for them."""
+        with _context.executor_scope(_async_executor()):
+            outputs = entry.run(PHYSICAL, external)
+        self.chunks += 1
+        self._chunk_ops_types.append({node.op.type for node in order})
+        inflight = self._inflight
+        for t, s in zip(outputs, entry.function.outputs):
+            shape = s.shape
+            if not shape.is_fully_defined():
+                self._wait()  # rare: the shape is only known once computed
+                break
+            inflight[tensor_key(t)] = (t, tf.TensorSpec(shape, s.dtype))
+        return outputs
+
+    def _wait(self):
+        """Waits for the chunks launched so far; a kernel error of one is raised here,
+        naming the handler and the chunk's ops, and the executor is usable again."""
+        self._inflight = {}
+        types, self._chunk_ops_types = self._chunk_ops_types, []
+        deferred, self._deferred = self._deferred, None
+        ex = _async_executor()
+        try:
+            ex.wait()
+            if deferred is not None:
+                types = [deferred[1]]
+                raise deferred[0]
+        except tf.errors.OpError as e:
+            ex.clear_error()
+            if getattr(e, "lazy_chunk", False):
+                raise  # wrapped already (an earlier wait, deferred)
+            names = sorted({t for chunk in types for t in chunk})
+            message = e.message.split("\n\tEncountered when executing an operation using "
+                                      "EagerExecutor")[0]  # (the error is cleared)
+            error = type(e)(e.node_def, e.op, "oh.Lazy: a compiled chunk of pending ops "
+                            "(op types %s) failed: %s" % (", ".join(names), message))
+            error.lazy_chunk = True
+            raise error from e
 
     def _prune(self):
         """Drops the references to computed and collected nodes from `_pending`."""
@@ -342,9 +459,11 @@ class Lazy(OpHandler):
         """The computed tensor of `value`, running its pending subgraph if needed."""
         if value.value is None:
             self._run([value.node])
+        if self._inflight or self._deferred is not None:
+            self._wait()  # a chunk's error is raised at the value request
         return value.value
 
-    def _run(self, roots, keep=None):
+    def _run(self, roots, keep=None, chunk=False):
         """Computes the pending nodes `roots` and those they depend on, as one function.
 
         The function returns the outputs still referenced: by a LazyValue of the program,
@@ -402,24 +521,35 @@ class Lazy(OpHandler):
             plan.append((op, refs, live, device))
             parts.append(part(op, refs, device))
         # Everything the compiled function depends on (handlers/lazy_compile.py).
-        key = graph_builder.key_of_parts(parts, returned, external,
-                                         jit_compile=self.jit_compile)
+        inflight = self._inflight
+        key = graph_builder.key_of_parts(
+            parts, returned, [inflight[tensor_key(t)][1] if tensor_key(t) in inflight
+                              else t for t in external] if inflight else external,
+            jit_compile=self.jit_compile)
         try:
-            if order[-1].next is not PHYSICAL:
-                # A handler below (a tape) would see one function call: its gradient
-                # treats the call's outputs as one unit (a pending value the program
-                # keeps, e.g. a variable read's Identity, adds a dense zero to a
-                # gather's sparse gradient). It sees the ops one by one instead, as
-                # eagerly.
-                outputs = _run_op_by_op(order, plan, external)
-            else:
-                outputs, built, entry = lazy_compile.run(key, plan, external,
-                                                         self.jit_compile)
-                if built:
-                    self.compiled += built
-                else:
-                    self.cache_hits += 1
+            entry = lazy_compile.functions.get(key) if chunk else None
+            if entry is not None:  # a chunk of a known structure: launched, not awaited
+                outputs = self._launch(entry, external, order)
+                self.cache_hits += 1
                 self.last_function = entry.function
+            else:
+                if inflight or (self._deferred is not None and not chunk):
+                    self._wait()  # a chunk's error first; compiling needs the shapes
+                if order[-1].next is not PHYSICAL:
+                    # A handler below (a tape) would see one function call: its gradient
+                    # treats the call's outputs as one unit (a pending value the program
+                    # keeps, e.g. a variable read's Identity, adds a dense zero to a
+                    # gather's sparse gradient). It sees the ops one by one instead, as
+                    # eagerly.
+                    outputs = _run_op_by_op(order, plan, external)
+                else:
+                    outputs, built, entry = lazy_compile.run(key, plan, external,
+                                                             self.jit_compile)
+                    if built:
+                        self.compiled += built
+                    else:
+                        self.cache_hits += 1
+                    self.last_function = entry.function
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
                 node.failed = True
@@ -434,4 +564,6 @@ class Lazy(OpHandler):
         for node in order:
             node.inputs = None  # computed: release the inputs and the consumer list
             node.consumers = None
-        self.flushes += 1
+        self._recorded = 0  # chunks count the ops recorded since the last run
+        if not chunk:
+            self.flushes += 1

@@ -206,7 +206,13 @@ register_external_cache(
     "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
 
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK = 0, 1, 2, 3
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD = 0, 1, 2, 3, 4
+
+
+def needs_no_python_kernel(op_type):
+    """Whether ops of `op_type` run no Python inside their kernel (tf.py_function's do;
+    the C++ fast path never takes them either)."""
+    return "PyFunc" not in op_type
 
 
 def _handles_predicate(handler):
@@ -238,6 +244,7 @@ class HandlerStack(Stack):
         self.default_function_input = getattr(cls.function_input, "_oh_default", False)
         self.default_function_output = getattr(cls.function_output, "_oh_default", False)
         self._off_stack = bool(handler.returns_off_stack)
+        self._records = getattr(handler, "after_execute", None) is not None
         # Op types the handler's execute hook is not called for are forwarded to the
         # next stack as with a default execute (OpHandler.handles_ops).
         self._handles = _handles_predicate(handler)
@@ -272,6 +279,8 @@ class HandlerStack(Stack):
             kind = FAST_PYTHON
         elif not self._runs_execute(op_type):
             kind = FAST_FORWARD
+        elif self._records and not self._off_stack and needs_no_python_kernel(op_type):
+            kind = FAST_RECORD
         elif not self._off_stack:
             kind = FAST_HOOK
         else:

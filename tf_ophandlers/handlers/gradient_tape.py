@@ -225,6 +225,8 @@ class GradientTape(BackwardPass, OpHandler):
     # -- the handler ----------------------------------------------------------------------
 
     def execute(self, op, inputs):
+        # The Python path. For ordinary ops the C++ fast path runs the op on the next
+        # stack itself and calls only after_execute (OpHandler.after_execute).
         below = next_stack()
         if op.type == "EagerPyFunc" and self._live:
             # tf.py_function's kernel keeps the tape its gradient replays only when a
@@ -233,41 +235,63 @@ class GradientTape(BackwardPass, OpHandler):
                 outputs = below.execute(op, inputs)
         else:
             outputs = below.execute(op, inputs)
-        if not self._live:
-            return outputs
-        # Record when an input is tracked. TensorFlow hands us a new Python wrapper of a
-        # tensor at each use; the record keeps the object the tape saw first (the user's,
-        # for watched tensors), so gradient functions and tf.GradientTapes (which key by
-        # Python object) see one tensor.
-        canonical, skip = self._tracked_inputs(inputs)
-        if canonical is None and op.type in _VARIABLE_READS and self._harvest_variables():
-            canonical, skip = self._tracked_inputs(inputs)
-        if canonical is not None and not _tape_set_is_stopped():
-            if self._record(op.type, op, None, canonical, outputs, below, skip):
-                self._bridge_to_tf_tapes(op, canonical, outputs)
+        if self._live:
+            self.after_execute(op, list(inputs), list(outputs))
         return outputs
 
-    def handles_copy(self, op):
-        # While recording, copy ops on the tape's stack are recorded like other ops and
-        # their outputs stay on the tape (a tape's copies are identities), so enclosing
-        # tapes can differentiate through them: the gradient of CopyOn is CopyOnGrad.
-        return self._live
-
-    def _tracked_inputs(self, inputs):
-        """(inputs with the tape's own objects for tracked tensors, or None if no input
-        is tracked; indices of untracked inputs)."""
+    def after_execute(self, op, inputs, outputs):
+        """Records `op` when one of its `inputs` is tracked (watched, or computed from a
+        watched tensor) and an output is differentiable. Called once per op, on the fast
+        path from C++: keep it lean. `inputs` and `outputs` are lists the tape keeps."""
+        if not self._live:
+            return
+        # TensorFlow hands us a new Python wrapper of a tensor at each use; the record
+        # keeps the object the tape saw first (the user's, for watched tensors), so
+        # gradient functions and tf.GradientTapes (which key by Python object) see one
+        # tensor.
         tracked = self._tracked
-        canonical = None
+        found = False
         skip = []
         for i, t in enumerate(inputs):
             known = tracked.get(_key(t))
             if known is None:
                 skip.append(i)
             else:
-                if canonical is None:
-                    canonical = list(inputs)
-                canonical[i] = known
-        return canonical, tuple(skip)
+                inputs[i] = known
+                found = True
+        if not found:
+            if op.type not in _VARIABLE_READS or not self._harvest_variables():
+                return
+            return self.after_execute(op, inputs, outputs)  # a variable read just now
+        if _tape_set_is_stopped():
+            return
+        op_type = op.type
+        trainable = [o for o in outputs if o._datatype_enum() in _TRAINABLE_ENUMS]  # pylint: disable=protected-access
+        if not trainable:
+            return
+        if op_type in COPY_OPS:
+            # A copy that returned its input (an identity copy on a physical device)
+            # made no new tensor: recording it would make the tensor its own producer.
+            same = {_key(t) for t in inputs}
+            trainable = [o for o in trainable if _key(o) not in same]
+            if not trainable:
+                return
+        self._seq += 1
+        record = _Record(self._seq, op_type, op, None, inputs, outputs, next_stack(),
+                         tuple(skip))
+        producer = self._producer
+        for o in trainable:
+            k = _key(o)
+            tracked[k] = o
+            producer[k] = record
+        if not _tape_set_is_empty():
+            self._bridge_to_tf_tapes(op, inputs, outputs)
+
+    def handles_copy(self, op):
+        # While recording, copy ops on the tape's stack are recorded like other ops and
+        # their outputs stay on the tape (a tape's copies are identities), so enclosing
+        # tapes can differentiate through them: the gradient of CopyOn is CopyOnGrad.
+        return self._live
 
     def copy_on(self, tensor):
         # The default move, recorded when it creates a new tensor from a tracked one, so

@@ -77,7 +77,7 @@ class OpHandler:
 
     #: Set to a method ``after_execute(op, inputs, outputs)`` when `execute` only forwards
     #: the op to the next stack and then looks at what ran (a tape records it), i.e. when
-    #: `execute` is exactly ``outputs = self.next.execute(op, inputs);
+    #: `execute` is the default or exactly ``outputs = self.next.execute(op, inputs);
     #: self.after_execute(op, inputs, outputs); return outputs`` for ordinary ops (not
     #: copy ops, function calls or ops running Python in their kernel). The C++ fast path
     #: then runs the op on the next stack itself and calls only `after_execute` (one
@@ -153,9 +153,13 @@ class OpHandler:
     def execute(self, op, inputs):
         """Runs `op` on `inputs` (this handler's representations) -> representations.
 
-        The default forwards the op to the next stack unchanged.
+        The default forwards the op to the next stack unchanged (and calls
+        `after_execute` when the handler defines it).
         """
-        return self.next.execute(op, inputs)
+        outputs = self.next.execute(op, inputs)
+        if self.after_execute is not None:
+            self.after_execute(op, list(inputs), list(outputs))
+        return outputs
 
     @_default_hook
     def copy_on(self, tensor):

@@ -239,12 +239,14 @@ class HandlerStack(Stack):
         # Hooks left at their defaults take fast paths that skip the hook frame (the
         # base class marks its default hooks with `_oh_default`).
         cls = type(handler)
-        self._default_execute = getattr(cls.execute, "_oh_default", False)
+        self._records = getattr(handler, "after_execute", None) is not None
+        # A default execute with after_execute still runs (it calls after_execute).
+        self._default_execute = (getattr(cls.execute, "_oh_default", False)
+                                 and not self._records)
         self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
         self.default_function_input = getattr(cls.function_input, "_oh_default", False)
         self.default_function_output = getattr(cls.function_output, "_oh_default", False)
         self._off_stack = bool(handler.returns_off_stack)
-        self._records = getattr(handler, "after_execute", None) is not None
         # Op types the handler's execute hook is not called for are forwarded to the
         # next stack as with a default execute (OpHandler.handles_ops).
         self._handles = _handles_predicate(handler)

@@ -40,6 +40,7 @@ from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.functions.call_records import replayed_call
 from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.recording import recording
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.core.stack import (
     COPY_OPS, current_stack, next_stack, representation_of, stack_of, tensor_key)
@@ -65,20 +66,14 @@ _TRAINABLE_ENUMS = frozenset(
     if backprop_util.IsTrainable(d))
 
 
-class _Record:
-    """One recorded operation: what its gradient function needs, and where it ran."""
-
-    __slots__ = ("seq", "op_type", "op", "backward", "inputs", "outputs", "stack", "skip")
-
-    def __init__(self, seq, op_type, op, backward, inputs, outputs, stack, skip):
-        self.seq = seq
-        self.op_type = op_type
-        self.op = op  # oh.Op (attrs decoded only if the gradient function reads them)
-        self.backward = backward  # a Python backward function (custom gradients) or None
-        self.inputs = inputs
-        self.outputs = outputs
-        self.stack = stack  # the stack the forward op ran on; its gradient runs there
-        self.skip = skip  # input indices that need no gradient (as TensorFlow passes)
+# One recorded operation: what its gradient function needs, and where it ran. A C type
+# (cc/tape_record.h) with read-only attributes seq, op_type, op (an oh.Op, attrs decoded
+# only if the gradient function reads them), backward (a Python backward function for
+# custom gradients, or None), inputs, outputs, stack (the stack the forward op ran on;
+# its gradient runs there) and skip (input indices that need no gradient, as TensorFlow
+# passes). `_after_execute_c` records ops in C (GradientTape.after_execute).
+_Record, _after_execute_c = recording(_tape_set_is_stopped, _tape_set_is_empty,
+                                      _TRAINABLE_ENUMS)
 
 
 def _active_tapes():
@@ -239,10 +234,14 @@ class GradientTape(BackwardPass, OpHandler):
             self.after_execute(op, list(inputs), list(outputs))
         return outputs
 
-    def after_execute(self, op, inputs, outputs):
-        """Records `op` when one of its `inputs` is tracked (watched, or computed from a
-        watched tensor) and an output is differentiable. Called once per op, on the fast
-        path from C++: keep it lean. `inputs` and `outputs` are lists the tape keeps."""
+    # Records `op` when one of its inputs is tracked (watched, or computed from a watched
+    # tensor) and an output is differentiable: in C (cc/tape_record.h), which hands the
+    # cases it does not take to _after_execute_python, the same in Python.
+    after_execute = _after_execute_c
+
+    def _after_execute_python(self, op, inputs, outputs):
+        """after_execute in Python (the reference of cc/tape_record.cc). `inputs` and
+        `outputs` are lists the tape keeps."""
         if not self._live:
             return
         # TensorFlow hands us a new Python wrapper of a tensor at each use; the record
@@ -262,7 +261,7 @@ class GradientTape(BackwardPass, OpHandler):
         if not found:
             if op.type not in _VARIABLE_READS or not self._harvest_variables():
                 return
-            return self.after_execute(op, inputs, outputs)  # a variable read just now
+            return self._after_execute_python(op, inputs, outputs)  # a variable read just now
         if _tape_set_is_stopped():
             return
         op_type = op.type

@@ -25,6 +25,7 @@ enum Kind : int {
   kForward = 1,  // the handler does not execute this op: forward it to the next stack
   kNative = 2,   // a C/C++ handler (native.h)
   kHook = 3,     // a Python execute hook, called from C (the op's first stack only)
+  kRecord = 4,   // forward to the next stack, then the handler's after_execute (RunRecord)
 };
 
 struct Decision {
@@ -72,6 +73,7 @@ PyObject* s_wants_copy = nullptr;
 PyObject* s_copy_on_value = nullptr;
 PyObject* s_not_a_list = nullptr;
 PyObject* s_wrap_eager = nullptr;
+PyObject* s_after_execute = nullptr;
 
 constexpr int kMaxDepth = 64;
 
@@ -227,10 +229,11 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
   return true;
 }
 
-// Runs `fn(*args)` as HandlerStack.call_hook does: `stack` pushed on state.frames and
+// Runs `fn(a, b[, c])` as HandlerStack.call_hook does: `stack` pushed on state.frames and
 // state.current set to `next` meanwhile (restored on failure too, keeping the error).
 // Returns a new reference, or null with a Python exception set. GIL: held.
-PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, PyObject* b) {
+PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, PyObject* b,
+                   PyObject* c = nullptr) {
   PyObject* frames = PyObject_GetAttr(g_state, s_frames);
   if (frames == nullptr) return nullptr;
   if (!PyList_Check(frames) || PyList_Append(frames, stack) < 0) {
@@ -241,7 +244,7 @@ PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, P
   PyObject* saved = PyObject_GetAttr(g_state, s_current);
   PyObject* r = nullptr;
   if (saved != nullptr && PyObject_SetAttr(g_state, s_current, next) == 0) {
-    r = PyObject_CallFunctionObjArgs(fn, a, b, nullptr);
+    r = PyObject_CallFunctionObjArgs(fn, a, b, c, nullptr);
   }
   PyObject *et, *ev, *tb;
   PyErr_Fetch(&et, &ev, &tb);
@@ -345,6 +348,127 @@ done:
   return true;
 }
 
+// ---- kRecord: a handler that records what ran (OpHandler.after_execute, a tape) -------
+//
+// HandlerStack.execute for a handler that defines `after_execute`: inputs on the stack
+// are unwrapped in C (a physical input, when the next stack is PHYSICAL, is passed as it
+// is: after_execute's contract says the handler's copy_on leaves it unchanged), the op
+// runs on the next stack (RunOn, so further levels stay in C), then one Python call,
+// `after_execute(op, inputs, outputs)` with the representations, in the hook's frame;
+// the outputs are then wrapped as RunForward does. Returns false (nothing done) for
+// inputs that need a copy_on hook. After the op ran, always handled; an exception of
+// after_execute reaches the user through `status` (StatusFromPyErr). GIL: held.
+bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+               const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+               TFE_TensorHandle** outputs, TF_Status* status, int depth) {
+  absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
+  absl::InlinedVector<PyObject*, 4> own(n_in, nullptr);  // borrowed payload values
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
+      PyObject* v = reinterpret_cast<PyObject*>(p->value);
+      if (p->kind != TFOH_PAYLOAD_PYTHON || !EagerTensor_CheckExact(v)) return false;
+      values[i] = EagerTensor_Handle(v);
+      own[i] = v;
+    } else if (p == nullptr && d.next == g_physical) {
+      values[i] = in[i];
+    } else {
+      return false;  // a copy_on hook to run: Python
+    }
+  }
+  const int capacity = *num_outputs;
+  int n = capacity;
+  absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
+  if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
+             depth + 1)) {
+    return false;
+  }
+  if (TF_GetCode(status) != TF_OK) return true;
+  // From here on the op ran: always handled. Python views of inputs and outputs.
+  absl::InlinedVector<bool, 4> leaves(n > 0 ? n : 1, false);
+  PyObject* py_in = PyList_New(n_in);
+  PyObject* py_out = py_in != nullptr ? PyList_New(n) : nullptr;
+  PyObject* handler = nullptr;
+  PyObject* fn = nullptr;
+  PyObject* r = nullptr;
+  PyObject* producer = nullptr;
+  OpObject* op = nullptr;
+  int done = 0;
+  if (py_out == nullptr) goto fail;
+  for (int i = 0; i < n_in; ++i) {
+    PyObject* v = own[i];
+    if (v != nullptr) {
+      Py_INCREF(v);
+    } else {
+      v = native_internal::EagerTensorSharing(in[i]);
+      if (v == nullptr) goto fail;
+    }
+    PyList_SET_ITEM(py_in, i, v);
+  }
+  for (int j = 0; j < n; ++j) {
+    TFE_TensorHandle* h = outs[j];
+    TF_DataType dt = TFE_TensorHandleDataType(h);
+    bool leave = d.transient && dt == TF_RESOURCE;  // RFC "Placement of resource handles"
+    if (!leave && d.next != g_physical) {
+      TFOH_Payload* p = PayloadOf(h);
+      leave = p == nullptr || reinterpret_cast<PyObject*>(p->stack) != d.next;
+    }
+    leaves[j] = leave;
+    PyObject* v;
+    if (leave) {
+      v = native_internal::EagerTensorSharing(h);  // the handle itself goes to the caller
+    } else {
+      v = EagerTensorFromHandle(h, false);  // owns `h` on success
+      if (v != nullptr) outs[j] = nullptr;
+    }
+    if (v == nullptr) goto fail;
+    PyList_SET_ITEM(py_out, j, v);
+  }
+  op = NewOpObject(type, device, capacity);
+  if (op == nullptr) goto fail;
+  op->borrowed = src;
+  handler = PyObject_GetAttr(stack, s_handler);
+  fn = handler != nullptr ? PyObject_GetAttr(handler, s_after_execute) : nullptr;
+  if (fn == nullptr) goto fail;
+  r = CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
+  if (r == nullptr) goto fail;
+  // Wrap (as RunForward does).
+  producer = InternedString(type);
+  if (producer == nullptr) goto fail;
+  for (; done < n; ++done) {
+    if (leaves[done]) {
+      outputs[done] = outs[done];  // ownership moves to the caller
+      outs[done] = nullptr;
+      continue;
+    }
+    PyObject* value = PyList_GET_ITEM(py_out, done);
+    outputs[done] = NewHandlerTensorHandle(stack, value,
+                                           TFE_TensorHandleDataType(EagerTensor_Handle(value)),
+                                           producer, true);
+    if (outputs[done] == nullptr) goto fail;
+  }
+  *num_outputs = n;
+  goto cleanup;
+fail:
+  StatusFromPyErr(status);
+  for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);
+cleanup:
+  for (int j = 0; j < n; ++j) {
+    if (outs[j] != nullptr) TFE_DeleteTensorHandle(outs[j]);
+  }
+  if (op != nullptr) {
+    EndBorrow(op, g_ctx);
+    Py_DECREF(op);
+  }
+  Py_XDECREF(producer);
+  Py_XDECREF(r);
+  Py_XDECREF(fn);
+  Py_XDECREF(handler);
+  Py_XDECREF(py_out);
+  Py_XDECREF(py_in);
+  return true;
+}
+
 bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
            int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
            TF_Status* status, int depth) {
@@ -362,6 +486,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
       Decision copy = *d;
       return NativeStackRun(stack, copy.handler, copy.next, src, type, device, n_in, in,
                             num_outputs, outputs, status);
+    }
+    case kRecord: {
+      Decision copy = *d;
+      return RunRecord(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
+                       depth);
     }
     case kHook: {
       if (depth > 0) return false;  // below a forwarding level: its copy-on rules, Python
@@ -396,7 +525,8 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
       !InternOnce(&s_value_dtype, "value_dtype") || !InternOnce(&s_wants_copy, "wants_copy") ||
       !InternOnce(&s_copy_on_value, "_copy_on_value") ||
       !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
-      !InternOnce(&s_wrap_eager, "_wrap_eager")) {
+      !InternOnce(&s_wrap_eager, "_wrap_eager") ||
+      !InternOnce(&s_after_execute, "after_execute")) {
     return nullptr;
   }
   Py_RETURN_NONE;

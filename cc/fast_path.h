@@ -17,6 +17,12 @@
      (WrapOutputs, or `_wrap_eager` when the next stack is not PHYSICAL) and the
      dispatcher's output validation (device.h TakeOutputs), so the hook is the only
      Python on the path.
+   - at any depth, a Python handler that defines `after_execute` (OpHandler; a tape):
+     inputs on the stack are unwrapped in C (a physical input passes as it is when the
+     next stack is PHYSICAL), the op runs on the next stack, `after_execute(op, inputs,
+     outputs)` is the one call, in the hook's frame, and the outputs are wrapped as for a
+     forwarding level (RunRecord); oh.GradientTape's after_execute is C itself
+     (tape_record.h).
    Anything else (a function call op, copy ops and `_EagerConst`, ops that run Python
    inside their kernel, a function being replayed, `returns_off_stack` handlers, a Python
    hook below a forwarding level, an input no level below owns) returns "not handled"

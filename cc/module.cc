@@ -9,6 +9,7 @@
 
 #include "device.h"
 #include "fast_path.h"
+#include "tape_record.h"
 #include "handler_tensor.h"
 #include "native.h"
 #include "op.h"
@@ -375,6 +376,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (m == nullptr) return nullptr;
   if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
   if (PyModule_AddFunctions(m, kFastModuleMethods) < 0) return nullptr;
+  if (PyModule_AddFunctions(m, kTapeModuleMethods) < 0) return nullptr;
   Py_INCREF(&NativeHandlerBaseType);
   PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&OpBaseType);

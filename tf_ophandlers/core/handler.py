@@ -77,6 +77,20 @@ class OpHandler:
     #: while the handler is in use.
     handles_ops = None
 
+    #: Set to a method ``after_execute(op, inputs, outputs)`` when `execute` only forwards
+    #: the op to the next stack and then looks at what ran (a tape records it), i.e. when
+    #: `execute` is the default or exactly ``outputs = self.next.execute(op, inputs);
+    #: self.after_execute(op, inputs, outputs); return outputs`` for ordinary ops (not
+    #: copy ops, function calls or ops running Python in their kernel). The C++ fast path
+    #: then runs the op on the next stack itself and calls only `after_execute` (one
+    #: Python call per op instead of `execute` and the stack's Python below it), inside
+    #: the hook's frame (`self.next` is valid), with `inputs` and `outputs` the
+    #: representations (tensors of the next stack) as lists it may keep. Its return value
+    #: is ignored; an exception it raises reaches the user unchanged. The fast path passes
+    #: a physical input as it is when the next stack is PHYSICAL, so `copy_on` must leave
+    #: such a tensor unchanged (the default does). Other cases take `execute`.
+    after_execute = None
+
     #: Set to a function ``handles_copy(op) -> bool`` to receive copy ops (CopyOn,
     #: CopyOnGrad, CopyOff, CopyOffGrad) placed on this handler's stack in `execute`,
     #: like any op, instead of the stack running them through `copy_on`/`copy_off`.
@@ -143,9 +157,13 @@ class OpHandler:
     def execute(self, op, inputs):
         """Runs `op` on `inputs` (this handler's representations) -> representations.
 
-        The default forwards the op to the next stack unchanged.
+        The default forwards the op to the next stack unchanged (and calls
+        `after_execute` when the handler defines it).
         """
-        return self.next.execute(op, inputs)
+        outputs = self.next.execute(op, inputs)
+        if self.after_execute is not None:
+            self.after_execute(op, list(inputs), list(outputs))
+        return outputs
 
     @_default_hook
     def copy_on(self, tensor):

@@ -212,7 +212,13 @@ register_external_cache(
     "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
 
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK = 0, 1, 2, 3
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD = 0, 1, 2, 3, 4
+
+
+def needs_no_python_kernel(op_type):
+    """Whether ops of `op_type` run no Python inside their kernel (tf.py_function's do;
+    the C++ fast path never takes them either)."""
+    return "PyFunc" not in op_type
 
 
 def _handles_predicate(handler):
@@ -239,7 +245,10 @@ class HandlerStack(Stack):
         # Hooks left at their defaults take fast paths that skip the hook frame (the
         # base class marks its default hooks with `_oh_default`).
         cls = type(handler)
-        self._default_execute = getattr(cls.execute, "_oh_default", False)
+        self._records = getattr(handler, "after_execute", None) is not None
+        # A default execute with after_execute still runs (it calls after_execute).
+        self._default_execute = (getattr(cls.execute, "_oh_default", False)
+                                 and not self._records)
         self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
         self.default_function_input = getattr(cls.function_input, "_oh_default", False)
         self.default_function_output = getattr(cls.function_output, "_oh_default", False)
@@ -282,6 +291,8 @@ class HandlerStack(Stack):
             kind = FAST_PYTHON
         elif not self._runs_execute(op_type):
             kind = FAST_FORWARD
+        elif self._records and not self._off_stack and needs_no_python_kernel(op_type):
+            kind = FAST_RECORD
         elif not self._off_stack or (self._off_stack_ops is not None
                                      and op_type not in self._off_stack_ops):
             kind = FAST_HOOK

@@ -40,6 +40,7 @@ from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.functions.call_records import replayed_call
 from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.recording import recording
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
@@ -65,20 +66,14 @@ _TRAINABLE_ENUMS = frozenset(
     if backprop_util.IsTrainable(d))
 
 
-class _Record:
-    """One recorded operation: what its gradient function needs, and where it ran."""
-
-    __slots__ = ("seq", "op_type", "op", "backward", "inputs", "outputs", "stack", "skip")
-
-    def __init__(self, seq, op_type, op, backward, inputs, outputs, stack, skip):
-        self.seq = seq
-        self.op_type = op_type
-        self.op = op  # oh.Op (attrs decoded only if the gradient function reads them)
-        self.backward = backward  # a Python backward function (custom gradients) or None
-        self.inputs = inputs
-        self.outputs = outputs
-        self.stack = stack  # the stack the forward op ran on; its gradient runs there
-        self.skip = skip  # input indices that need no gradient (as TensorFlow passes)
+# One recorded operation: what its gradient function needs, and where it ran. A C type
+# (cc/tape_record.h) with read-only attributes seq, op_type, op (an oh.Op, attrs decoded
+# only if the gradient function reads them), backward (a Python backward function for
+# custom gradients, or None), inputs, outputs, stack (the stack the forward op ran on;
+# its gradient runs there) and skip (input indices that need no gradient, as TensorFlow
+# passes). `_after_execute_c` records ops in C (GradientTape.after_execute).
+_Record, _after_execute_c = recording(_tape_set_is_stopped, _tape_set_is_empty,
+                                      _TRAINABLE_ENUMS)
 
 
 def _active_tapes():
@@ -225,6 +220,8 @@ class GradientTape(BackwardPass, OpHandler):
     # -- the handler ----------------------------------------------------------------------
 
     def execute(self, op, inputs):
+        # The Python path. For ordinary ops the C++ fast path runs the op on the next
+        # stack itself and calls only after_execute (OpHandler.after_execute).
         below = next_stack()
         if op.type == "EagerPyFunc" and self._live:
             # tf.py_function's kernel keeps the tape its gradient replays only when a
@@ -233,41 +230,67 @@ class GradientTape(BackwardPass, OpHandler):
                 outputs = below.execute(op, inputs)
         else:
             outputs = below.execute(op, inputs)
-        if not self._live:
-            return outputs
-        # Record when an input is tracked. TensorFlow hands us a new Python wrapper of a
-        # tensor at each use; the record keeps the object the tape saw first (the user's,
-        # for watched tensors), so gradient functions and tf.GradientTapes (which key by
-        # Python object) see one tensor.
-        canonical, skip = self._tracked_inputs(inputs)
-        if canonical is None and op.type in _VARIABLE_READS and self._harvest_variables():
-            canonical, skip = self._tracked_inputs(inputs)
-        if canonical is not None and not _tape_set_is_stopped():
-            if self._record(op.type, op, None, canonical, outputs, below, skip):
-                self._bridge_to_tf_tapes(op, canonical, outputs)
+        if self._live:
+            self.after_execute(op, list(inputs), list(outputs))
         return outputs
 
-    def handles_copy(self, op):
-        # While recording, copy ops on the tape's stack are recorded like other ops and
-        # their outputs stay on the tape (a tape's copies are identities), so enclosing
-        # tapes can differentiate through them: the gradient of CopyOn is CopyOnGrad.
-        return self._live
+    # Records `op` when one of its inputs is tracked (watched, or computed from a watched
+    # tensor) and an output is differentiable: in C (cc/tape_record.h), which hands the
+    # cases it does not take to _after_execute_python, the same in Python.
+    after_execute = _after_execute_c
 
-    def _tracked_inputs(self, inputs):
-        """(inputs with the tape's own objects for tracked tensors, or None if no input
-        is tracked; indices of untracked inputs)."""
+    def _after_execute_python(self, op, inputs, outputs):
+        """after_execute in Python (the reference of cc/tape_record.cc). `inputs` and
+        `outputs` are lists the tape keeps."""
+        if not self._live:
+            return
+        # TensorFlow hands us a new Python wrapper of a tensor at each use; the record
+        # keeps the object the tape saw first (the user's, for watched tensors), so
+        # gradient functions and tf.GradientTapes (which key by Python object) see one
+        # tensor.
         tracked = self._tracked
-        canonical = None
+        found = False
         skip = []
         for i, t in enumerate(inputs):
             known = tracked.get(_key(t))
             if known is None:
                 skip.append(i)
             else:
-                if canonical is None:
-                    canonical = list(inputs)
-                canonical[i] = known
-        return canonical, tuple(skip)
+                inputs[i] = known
+                found = True
+        if not found:
+            if op.type not in _VARIABLE_READS or not self._harvest_variables():
+                return
+            return self._after_execute_python(op, inputs, outputs)  # a variable read just now
+        if _tape_set_is_stopped():
+            return
+        op_type = op.type
+        trainable = [o for o in outputs if o._datatype_enum() in _TRAINABLE_ENUMS]  # pylint: disable=protected-access
+        if not trainable:
+            return
+        if op_type in COPY_OPS:
+            # A copy that returned its input (an identity copy on a physical device)
+            # made no new tensor: recording it would make the tensor its own producer.
+            same = {_key(t) for t in inputs}
+            trainable = [o for o in trainable if _key(o) not in same]
+            if not trainable:
+                return
+        self._seq += 1
+        record = _Record(self._seq, op_type, op, None, inputs, outputs, next_stack(),
+                         tuple(skip))
+        producer = self._producer
+        for o in trainable:
+            k = _key(o)
+            tracked[k] = o
+            producer[k] = record
+        if not _tape_set_is_empty():
+            self._bridge_to_tf_tapes(op, inputs, outputs)
+
+    def handles_copy(self, op):
+        # While recording, copy ops on the tape's stack are recorded like other ops and
+        # their outputs stay on the tape (a tape's copies are identities), so enclosing
+        # tapes can differentiate through them: the gradient of CopyOn is CopyOnGrad.
+        return self._live
 
     def copy_on(self, tensor):
         # The default move, recorded when it creates a new tensor from a tracked one, so

@@ -1,0 +1,369 @@
+// tf-ophandlers: oh.GradientTape's per-op recording in C. Contracts: tape_record.h.
+#define PY_SSIZE_T_CLEAN
+#include "tape_record.h"
+
+#include <structmember.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "absl/container/inlined_vector.h"
+#include "native_internal.h"
+#include "op.h"
+#include "runtime.h"
+
+namespace tf_ophandlers {
+namespace {
+
+// ---- _C.TapeRecord: one recorded operation (read-only attributes) ------------------------
+
+struct RecordObject {
+  PyObject_HEAD
+  PyObject* fields[8];
+};
+
+PyMemberDef kRecordMembers[] = {
+    {"seq", T_OBJECT, offsetof(RecordObject, fields) + 0 * sizeof(PyObject*), READONLY,
+     "order of recording"},
+    {"op_type", T_OBJECT, offsetof(RecordObject, fields) + 1 * sizeof(PyObject*), READONLY,
+     "the op type (a gradient registry key)"},
+    {"op", T_OBJECT, offsetof(RecordObject, fields) + 2 * sizeof(PyObject*), READONLY,
+     "the oh.Op (None for Python-recorded gradients)"},
+    {"backward", T_OBJECT, offsetof(RecordObject, fields) + 3 * sizeof(PyObject*), READONLY,
+     "a Python backward function, or None"},
+    {"inputs", T_OBJECT, offsetof(RecordObject, fields) + 4 * sizeof(PyObject*), READONLY,
+     "the inputs, as the tape saw them first"},
+    {"outputs", T_OBJECT, offsetof(RecordObject, fields) + 5 * sizeof(PyObject*), READONLY,
+     "the outputs"},
+    {"stack", T_OBJECT, offsetof(RecordObject, fields) + 6 * sizeof(PyObject*), READONLY,
+     "the stack the forward op ran on (its gradient runs there)"},
+    {"skip", T_OBJECT, offsetof(RecordObject, fields) + 7 * sizeof(PyObject*), READONLY,
+     "indices of inputs that need no gradient"},
+    {nullptr}};
+
+int RecordTraverse(PyObject* self, visitproc visit, void* arg) {
+  for (PyObject* f : reinterpret_cast<RecordObject*>(self)->fields) Py_VISIT(f);
+  return 0;
+}
+
+int RecordClear(PyObject* self) {
+  for (PyObject*& f : reinterpret_cast<RecordObject*>(self)->fields) Py_CLEAR(f);
+  return 0;
+}
+
+void RecordDealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  RecordClear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject RecordType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// A new record owning new references to `fields`; null with an exception set.
+PyObject* NewRecord(PyObject* const* fields) {
+  RecordObject* r = PyObject_GC_New(RecordObject, &RecordType);
+  if (r == nullptr) return nullptr;
+  for (int i = 0; i < 8; ++i) {
+    Py_INCREF(fields[i]);
+    r->fields[i] = fields[i];
+  }
+  PyObject_GC_Track(reinterpret_cast<PyObject*>(r));
+  return reinterpret_cast<PyObject*>(r);
+}
+
+// TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip)
+PyObject* RecordNew(PyTypeObject*, PyObject* args, PyObject* kwargs) {
+  if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) || !PyTuple_Check(args) ||
+      PyTuple_GET_SIZE(args) != 8) {
+    PyErr_SetString(PyExc_TypeError,
+                    "TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip)");
+    return nullptr;
+  }
+  return NewRecord(&PyTuple_GET_ITEM(args, 0));
+}
+
+bool ReadyRecordType() {
+  if (RecordType.tp_flags & Py_TPFLAGS_READY) return true;
+  RecordType.tp_name = "tf_ophandlers._C.TapeRecord";
+  RecordType.tp_basicsize = sizeof(RecordObject);
+  RecordType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  RecordType.tp_doc = "One operation recorded by oh.GradientTape (read-only).";
+  RecordType.tp_traverse = RecordTraverse;
+  RecordType.tp_clear = RecordClear;
+  RecordType.tp_dealloc = RecordDealloc;
+  RecordType.tp_members = kRecordMembers;
+  RecordType.tp_new = RecordNew;
+  return PyType_Ready(&RecordType) == 0;
+}
+
+// ---- after_execute ------------------------------------------------------------------------
+
+PyObject* g_is_stopped = nullptr;  // pywrap_tfe.TFE_Py_TapeSetIsStopped
+PyObject* g_is_empty = nullptr;    // pywrap_tfe.TFE_Py_TapeSetIsEmpty
+uint64_t g_trainable = 0;          // bit per differentiable TF_DataType (IsTrainable)
+PyObject* s_live = nullptr;
+PyObject* s_tracked = nullptr;
+PyObject* s_producer = nullptr;
+PyObject* s_seq = nullptr;
+PyObject* s_frames = nullptr;
+PyObject* s_python = nullptr;  // GradientTape._after_execute_python
+PyObject* s_bridge = nullptr;  // GradientTape._bridge_to_tf_tapes
+
+// tensor_key(t) (module.cc PyTensorKey): the TensorFlow handle of an EagerTensor.
+PyObject* Key(PyObject* t) {
+  return PyLong_FromVoidPtr(EagerTensor_CheckExact(t) ? static_cast<void*>(EagerTensor_Handle(t))
+                                                      : static_cast<void*>(t));
+}
+
+bool Trainable(PyObject* t) {
+  int dt = static_cast<int>(TFE_TensorHandleDataType(EagerTensor_Handle(t)));
+  return dt >= 0 && dt < 64 && ((g_trainable >> dt) & 1) != 0;
+}
+
+// Whether `type` is one of the ops whose untracked read may watch a variable first.
+bool VariableRead(const char* type) {
+  return !std::strcmp(type, "ReadVariableOp") || !std::strcmp(type, "ResourceGather") ||
+         !std::strcmp(type, "ResourceGatherNd");
+}
+
+bool CopyOp(const char* type) {
+  return !std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
+         !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad");
+}
+
+// A truth value of calling `fn()`: 1, 0, or -1 with an exception set.
+int CallTruth(PyObject* fn) {
+  PyObject* r = PyObject_CallNoArgs(fn);
+  if (r == nullptr) return -1;
+  int t = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return t;
+}
+
+// The stack of the running hook's frame (`next_stack()`), new reference or null.
+PyObject* RunningNext() {
+  if (native_internal::g_state == nullptr) return nullptr;
+  PyObject* frames = PyObject_GetAttr(native_internal::g_state, s_frames);
+  if (frames == nullptr) return nullptr;
+  PyObject* next = nullptr;
+  if (PyList_Check(frames) && PyList_GET_SIZE(frames) > 0) {
+    next = PyObject_GetAttr(PyList_GET_ITEM(frames, PyList_GET_SIZE(frames) - 1),
+                            native_internal::s_next);
+  } else {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "oh.GradientTape.after_execute runs only inside the tape's hook");
+  }
+  Py_DECREF(frames);
+  return next;
+}
+
+PyObject* Slow(PyObject* tape, PyObject* op, PyObject* inputs, PyObject* outputs) {
+  return PyObject_CallMethodObjArgs(tape, s_python, op, inputs, outputs, nullptr);
+}
+
+// after_execute(tape, op, inputs, outputs): see tape_record.h.
+PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "after_execute(op, inputs, outputs)");
+    return nullptr;
+  }
+  PyObject *tape = args[0], *op = args[1], *inputs = args[2], *outputs = args[3];
+  if (s_python == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: tape_setup was not called");
+    return nullptr;
+  }
+  PyObject* live = PyObject_GetAttr(tape, s_live);
+  if (live == nullptr) return nullptr;
+  int is_live = PyObject_IsTrue(live);
+  Py_DECREF(live);
+  if (is_live <= 0) {
+    if (is_live < 0) return nullptr;
+    Py_RETURN_NONE;
+  }
+  if (!PyList_CheckExact(inputs) || !PyList_CheckExact(outputs) ||
+      !PyObject_TypeCheck(op, &OpBaseType)) {
+    return Slow(tape, op, inputs, outputs);
+  }
+  const char* type = PyUnicode_AsUTF8(reinterpret_cast<OpObject*>(op)->type);
+  if (type == nullptr) return nullptr;
+  if (CopyOp(type)) return Slow(tape, op, inputs, outputs);
+  Py_ssize_t n_out = PyList_GET_SIZE(outputs);
+  for (Py_ssize_t j = 0; j < n_out; ++j) {
+    if (!EagerTensor_CheckExact(PyList_GET_ITEM(outputs, j))) return Slow(tape, op, inputs, outputs);
+  }
+  PyObject* tracked = PyObject_GetAttr(tape, s_tracked);
+  if (tracked == nullptr) return nullptr;
+  if (!PyDict_CheckExact(tracked)) {
+    Py_DECREF(tracked);
+    return Slow(tape, op, inputs, outputs);
+  }
+  // Which inputs are tracked (the tape's first objects for them), nothing changed yet.
+  Py_ssize_t n_in = PyList_GET_SIZE(inputs);
+  absl::InlinedVector<PyObject*, 4> known(n_in, nullptr);  // borrowed from `tracked`
+  bool found = false;
+  for (Py_ssize_t i = 0; i < n_in; ++i) {
+    PyObject* key = Key(PyList_GET_ITEM(inputs, i));
+    if (key == nullptr) {
+      Py_DECREF(tracked);
+      return nullptr;
+    }
+    known[i] = PyDict_GetItemWithError(tracked, key);
+    Py_DECREF(key);
+    if (known[i] == nullptr && PyErr_Occurred()) {
+      Py_DECREF(tracked);
+      return nullptr;
+    }
+    found = found || known[i] != nullptr;
+  }
+  if (!found) {
+    Py_DECREF(tracked);
+    if (VariableRead(type)) return Slow(tape, op, inputs, outputs);  // may watch one now
+    Py_RETURN_NONE;
+  }
+  PyObject* result = nullptr;
+  PyObject* skip = nullptr;
+  PyObject* seq = nullptr;
+  PyObject* next_seq = nullptr;
+  PyObject* stack = nullptr;
+  PyObject* record = nullptr;
+  PyObject* producer = nullptr;
+  int stopped = CallTruth(g_is_stopped);
+  bool any_trainable = false;
+  Py_ssize_t n_skip = 0;
+  if (stopped != 0) {
+    if (stopped > 0) result = Py_NewRef(Py_None);
+    goto done;
+  }
+  for (Py_ssize_t j = 0; j < n_out; ++j) {
+    if (Trainable(PyList_GET_ITEM(outputs, j))) any_trainable = true;
+  }
+  if (!any_trainable) {
+    result = Py_NewRef(Py_None);
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n_in; ++i) n_skip += known[i] == nullptr;
+  skip = PyTuple_New(n_skip);
+  if (skip == nullptr) goto done;
+  for (Py_ssize_t i = 0, k = 0; i < n_in; ++i) {
+    if (known[i] == nullptr) {
+      PyObject* idx = PyLong_FromSsize_t(i);
+      if (idx == nullptr) goto done;
+      PyTuple_SET_ITEM(skip, k++, idx);
+    }
+  }
+  seq = PyObject_GetAttr(tape, s_seq);
+  if (seq == nullptr) goto done;
+  {
+    Py_ssize_t v = PyLong_AsSsize_t(seq);
+    if (v == -1 && PyErr_Occurred()) goto done;
+    next_seq = PyLong_FromSsize_t(v + 1);
+  }
+  if (next_seq == nullptr) goto done;
+  stack = RunningNext();
+  if (stack == nullptr) goto done;
+  producer = PyObject_GetAttr(tape, s_producer);
+  if (producer == nullptr) goto done;
+  if (PyObject_SetAttr(tape, s_seq, next_seq) < 0) goto done;
+  for (Py_ssize_t i = 0; i < n_in; ++i) {
+    if (known[i] != nullptr) {
+      Py_INCREF(known[i]);
+      PyList_SetItem(inputs, i, known[i]);  // steals; releases the wrapper seen now
+    }
+  }
+  {
+    PyObject* op_type = reinterpret_cast<OpObject*>(op)->type;
+    PyObject* fields[8] = {next_seq, op_type, op, Py_None, inputs, outputs, stack, skip};
+    record = NewRecord(fields);
+  }
+  if (record == nullptr) goto done;
+  for (Py_ssize_t j = 0; j < n_out; ++j) {
+    PyObject* o = PyList_GET_ITEM(outputs, j);
+    if (!Trainable(o)) continue;
+    PyObject* key = Key(o);
+    if (key == nullptr || PyDict_SetItem(tracked, key, o) < 0 ||
+        PyDict_SetItem(producer, key, record) < 0) {
+      Py_XDECREF(key);
+      goto done;
+    }
+    Py_DECREF(key);
+  }
+  {
+    int empty = CallTruth(g_is_empty);
+    if (empty < 0) goto done;
+    if (empty == 0) {
+      // A tf.GradientTape (or ForwardAccumulator) is active: it sees the op too.
+      result = PyObject_CallMethodObjArgs(tape, s_bridge, op, inputs, outputs, nullptr);
+      goto done;
+    }
+  }
+  result = Py_NewRef(Py_None);
+done:
+  Py_XDECREF(producer);
+  Py_XDECREF(record);
+  Py_XDECREF(stack);
+  Py_XDECREF(next_seq);
+  Py_XDECREF(seq);
+  Py_XDECREF(skip);
+  Py_DECREF(tracked);
+  return result;
+}
+
+PyMethodDef kAfterExecuteDef = {
+    "after_execute", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(AfterExecute)),
+    METH_FASTCALL,
+    "after_execute(op, inputs, outputs): records op when an input is tracked (C; "
+    "cc/tape_record.h)."};
+
+// tape_setup(is_stopped, is_empty, trainable_enums) -> (TapeRecord, after_execute)
+PyObject* PyTapeSetup(PyObject*, PyObject* args) {
+  PyObject *is_stopped, *is_empty, *trainable;
+  if (!PyArg_ParseTuple(args, "OOO", &is_stopped, &is_empty, &trainable)) return nullptr;
+  if (!ReadyRecordType()) return nullptr;
+  uint64_t mask = 0;
+  PyObject* it = PyObject_GetIter(trainable);
+  if (it == nullptr) return nullptr;
+  for (PyObject* x; (x = PyIter_Next(it)) != nullptr;) {
+    long v = PyLong_AsLong(x);
+    Py_DECREF(x);
+    if (v == -1 && PyErr_Occurred()) break;
+    if (v < 0 || v >= 64) {
+      PyErr_Format(PyExc_ValueError, "tape_setup: dtype enum %ld out of range", v);
+      break;
+    }
+    mask |= uint64_t{1} << v;
+  }
+  Py_DECREF(it);
+  if (PyErr_Occurred()) return nullptr;
+  g_trainable = mask;
+  Py_XSETREF(g_is_stopped, Py_NewRef(is_stopped));
+  Py_XSETREF(g_is_empty, Py_NewRef(is_empty));
+  if (s_live == nullptr) {
+    s_live = PyUnicode_InternFromString("_live");
+    s_tracked = PyUnicode_InternFromString("_tracked");
+    s_producer = PyUnicode_InternFromString("_producer");
+    s_seq = PyUnicode_InternFromString("_seq");
+    s_frames = PyUnicode_InternFromString("frames");
+    s_python = PyUnicode_InternFromString("_after_execute_python");
+    s_bridge = PyUnicode_InternFromString("_bridge_to_tf_tapes");
+    if (!s_live || !s_tracked || !s_producer || !s_seq || !s_frames || !s_python ||
+        !s_bridge) {
+      return nullptr;
+    }
+  }
+  PyObject* fn = PyCFunction_New(&kAfterExecuteDef, nullptr);
+  if (fn == nullptr) return nullptr;
+  PyObject* method = PyInstanceMethod_New(fn);  // binds like a Python function
+  Py_DECREF(fn);
+  if (method == nullptr) return nullptr;
+  return Py_BuildValue("(ON)", reinterpret_cast<PyObject*>(&RecordType), method);
+}
+
+}  // namespace
+
+PyMethodDef kTapeModuleMethods[] = {
+    {"tape_setup", PyTapeSetup, METH_VARARGS,
+     "tape_setup(is_stopped, is_empty, trainable_dtype_enums) -> (TapeRecord, "
+     "after_execute): oh.GradientTape's recording in C (cc/tape_record.h)."},
+    {nullptr}};
+
+}  // namespace tf_ophandlers

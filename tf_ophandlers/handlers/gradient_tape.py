@@ -337,8 +337,10 @@ class GradientTape(BackwardPass, OpHandler):
         """Records `total = AddN(parts)`, computed on the physical devices by a tape
         nested in this one (see BackwardPass._record_on_enclosing_tapes), if a part is
         tracked here."""
-        canonical, skip = self._tracked_inputs(parts)
-        if canonical is not None and not _tape_set_is_stopped():
+        tracked = self._tracked
+        canonical = [tracked.get(_key(p), p) for p in parts]
+        skip = tuple(i for i, p in enumerate(parts) if _key(p) not in tracked)
+        if len(skip) < len(parts) and not _tape_set_is_stopped():
             op = Op.cached("AddN", N=len(parts), T=total.dtype)
             self._record("AddN", op, None, canonical, [total], PHYSICAL, skip)
 

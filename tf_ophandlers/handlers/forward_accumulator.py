@@ -444,7 +444,7 @@ class ForwardAccumulator(OpHandler):
             return Dual(below.copy_on(tensor), tangent)
         tensor = self._canonical(tensor)  # reverse over forward: see _canonical
         value = below.copy_on(tensor)
-        if value is not tensor and _enum(value) != _RESOURCE:
+        if value is not tensor:
             _bridge_to_tf_tapes(Op.cached("CopyOn", T=value.dtype), [tensor], [value])
         return Dual(value, tangent)
 

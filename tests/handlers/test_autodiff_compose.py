@@ -194,3 +194,17 @@ def test_other_source_with_oh_tape_outside():
 def test_other_source_with_tf_tape_outside():
     want = [tf.cos(tf.constant(_X)) * _V]
     _compare(_other_source(tf.GradientTape), want, "tf tape, source not a primal")
+
+
+def test_other_source_as_zero_tangent_primal_with_tf_tape_outside():
+    # The documented workaround: make the source a primal with a zero tangent.
+    x, v, w = tf.constant(_X), tf.constant(_V), tf.constant(_X[::-1].copy())
+    results = []
+    for Acc in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with tf.GradientTape() as t:
+            t.watch(w)
+            with Acc((x, w), (v, tf.zeros_like(w))) as acc:
+                y = tf.reduce_sum(tf.sin(x) * w)
+            j = acc.jvp(y)
+        results.append([t.gradient(j, w)])
+    _compare(results[1], results[0], "zero-tangent primal source")

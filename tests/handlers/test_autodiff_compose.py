@@ -36,8 +36,33 @@ def _gather(x, w):
     return tf.reduce_sum(tf.square(tf.linalg.matvec(rows, x)))
 
 
+_STEPS = (
+    lambda h, x, w: tf.sin(h) * x,
+    lambda h, x, w: tf.exp(h * 0.3) + h,
+    lambda h, x, w: tf.tanh(h) * tf.reduce_sum(w, axis=0),
+    lambda h, x, w: tf.linalg.matvec(tf.gather(w, [0, 1, 1]), h),  # sparse variable read
+    lambda h, x, w: tf.linalg.matvec(tf.transpose(w), tf.linalg.matvec(w, h)),
+    lambda h, x, w: h / (1.0 + tf.square(x)),
+    lambda h, x, w: tf.nn.softplus(h) - tf.reduce_mean(h * x),
+    lambda h, x, w: tf.sigmoid(h) * tf.reduce_max(h),
+)
+
+
+def _random_program(seed):
+    """A small random program: three steps drawn from _STEPS, then a sum."""
+    steps = [_STEPS[i] for i in np.random.RandomState(seed).randint(len(_STEPS), size=3)]
+
+    def program(x, w):
+        h = x
+        for step in steps:
+            h = step(h, x, w)
+        return tf.reduce_sum(h * h)
+    return program
+
+
 PROGRAMS = {"elementwise": _elementwise, "matmul": _matmul, "reduction": _reduction,
             "gather": _gather}
+PROGRAMS.update({"random%d" % seed: _random_program(seed) for seed in range(4)})
 TAPES = {"tf": tf.GradientTape, "oh": oh.GradientTape}
 ACCS = {"tf": tf.autodiff.ForwardAccumulator, "oh": oh.ForwardAccumulator}
 BELOW = {"none": None, "OpHandler": oh.OpHandler, "OpLogHandler": oh.OpLogHandler}
@@ -116,10 +141,14 @@ def _compare(got, want, what):
                                    err_msg=what)
 
 
-def _cases(functions):
-    for nesting, (_, outers, inners) in NESTINGS.items():
-        for program in PROGRAMS:
-            for below in BELOW:
+_FIXED = [p for p in PROGRAMS if not p.startswith("random")]
+_RANDOM = [p for p in PROGRAMS if p.startswith("random")]
+
+
+def _cases(functions, programs=tuple(PROGRAMS), belows=tuple(BELOW)):
+    for nesting in NESTINGS:
+        for program in programs:
+            for below in belows:
                 for function in functions:
                     yield nesting, program, below, function
 
@@ -138,7 +167,7 @@ def _check(nesting, program, below, function):
 
 
 @pytest.mark.parametrize("nesting,program,below,function", [
-    c for c in _cases((False,))] + [
+    c for c in _cases((False,), _FIXED)] + list(_cases((False,), _RANDOM, ("none",))) + [
     (n, "matmul", "none", True) for n in NESTINGS] + [
     ("rev_over_fwd", "gather", "OpHandler", True)])
 def test_compositions_match_tensorflow(nesting, program, below, function):
@@ -146,7 +175,8 @@ def test_compositions_match_tensorflow(nesting, program, below, function):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nesting,program,below,function", list(_cases((True,))))
+@pytest.mark.parametrize("nesting,program,below,function", list(
+    _cases((True,))) + list(_cases((False,), _RANDOM, ("OpHandler", "OpLogHandler"))))
 def test_compositions_in_functions_match_tensorflow(nesting, program, below, function):
     _check(nesting, program, below, function)
 

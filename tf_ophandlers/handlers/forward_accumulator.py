@@ -24,6 +24,7 @@ import logging
 
 import tensorflow as tf
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing_compilation
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -32,11 +33,13 @@ from tensorflow.python.util import nest
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
 _key = tensor_key  # tensors are keyed by TensorFlow handle
+_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 _RESOURCE = tf.resource.as_datatype_enum
 _FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in (
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
@@ -288,6 +291,21 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     return list(result)
 
 
+def _bridge_to_tf_tapes(op, inputs, outputs):
+    """Records `op` on TensorFlow's tapes (which record it only if an input is watched)."""
+    pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(), list(outputs), "")
+
+
+def _recording(execute):
+    """`execute`, recording each op on TensorFlow's tapes (for the JVP rules)."""
+    def run(op, inputs):
+        outputs = execute(op, inputs)
+        if op.output_dtypes is not None:
+            _bridge_to_tf_tapes(op, inputs, outputs)
+        return outputs
+    return run
+
+
 class ForwardAccumulator(OpHandler):
     """Computes Jacobian-vector products of the ops run in its scope (forward mode).
 
@@ -311,6 +329,8 @@ class ForwardAccumulator(OpHandler):
         self._depth = 0
         self._live = False
         self._traced = None
+        self._watcher = None  # TensorFlow's variable watcher, while a tf tape is active
+        self._objects = {}  # tensor key -> the user's object (see _canonical)
         if not tf.executing_eagerly():
             # Trace time (RFC "During tracing"): inside a function being traced the
             # accumulator is TensorFlow's own, which adds the JVP ops to the body.
@@ -347,6 +367,7 @@ class ForwardAccumulator(OpHandler):
         old = self._watched.get(key)
         # The primal is kept with its tangent: the key (its handle) must not be reused.
         self._watched[key] = (primal, tangent if old is None else old[1] + tangent)
+        self._objects[key] = primal
 
     # -- scopes ---------------------------------------------------------------------------
 
@@ -366,10 +387,36 @@ class ForwardAccumulator(OpHandler):
     def scope_entered(self):
         self._depth += 1
         self._live = True
+        if self._depth == 1 and not _tape_set_is_empty():
+            # A TensorFlow tape around the accumulator (reverse over forward): variables
+            # read in the scope are reported to watchers; see _canonical.
+            self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
 
     def scope_exited(self):
         self._depth -= 1
         self._live = self._depth > 0
+        if self._depth == 0 and self._watcher is not None:
+            pywrap_tfe.TFE_Py_VariableWatcherRemove(self._watcher)
+            self._watcher = None
+
+    def _canonical(self, tensor):
+        """The user's Python object for `tensor` (a new wrapper of a tensor that entered
+        the accumulator), when a TensorFlow tape is active.
+
+        TensorFlow's tapes key tensors by Python object; the tensors that enter the
+        accumulator are new wrappers of the same TensorFlow handles. A tf.GradientTape
+        around the accumulator differentiates the tangent ops only if they run on the
+        objects it watches: the primals given to the accumulator and the variables read
+        in its scope. (Any other tensor entering the accumulator is a leaf unseen by the
+        tape; see "Composing autodiff" in docs/guide.md.)
+        """
+        key = _key(tensor)
+        known = self._objects.get(key)
+        if known is None and self._watcher is not None and _enum(tensor) == _RESOURCE:
+            for v in pywrap_tfe.TFE_Py_VariableWatcherWatchedVariables(self._watcher):
+                self._objects.setdefault(_key(v.handle), v.handle)
+            known = self._objects.get(key)
+        return tensor if known is None else known
 
     # -- the handler ----------------------------------------------------------------------
 
@@ -392,7 +439,14 @@ class ForwardAccumulator(OpHandler):
             return Dual(below.copy_on(dual.primal),
                         None if tangent is None else below.copy_on(tangent))
         watched = self._watched.get(_key(tensor))
-        return Dual(below.copy_on(tensor), None if watched is None else watched[1])
+        tangent = None if watched is None else watched[1]
+        if _tape_set_is_empty():
+            return Dual(below.copy_on(tensor), tangent)
+        tensor = self._canonical(tensor)  # reverse over forward: see _canonical
+        value = below.copy_on(tensor)
+        if value is not tensor:
+            _bridge_to_tf_tapes(Op.cached("CopyOn", T=value.dtype), [tensor], [value])
+        return Dual(value, tangent)
 
     def copy_off(self, value, device):
         return value.primal
@@ -411,13 +465,20 @@ class ForwardAccumulator(OpHandler):
                 outputs = below.execute(op, primals)
         else:
             outputs = below.execute(op, primals)
+        run = below.execute
+        if not _tape_set_is_empty() and op.output_dtypes is not None:
+            # A TensorFlow tape around the accumulator (reverse over forward) must see the
+            # ops on the primals and tangents (TensorFlow's tapes do not see the ops a
+            # handler runs on the next stack): recorded here as oh.GradientTape does.
+            _bridge_to_tf_tapes(op, primals, outputs)
+            run = _recording(below.execute)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
                 _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):
             rule = _RULES.get(op.type, _tensorflow_jvp)
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
-            out_tangents = rule(below.execute, op, primals, tangents, outputs)
+            out_tangents = rule(run, op, primals, tangents, outputs)
             if out_tangents is None:
                 out_tangents = [None] * len(outputs)
             if len(out_tangents) != len(outputs):

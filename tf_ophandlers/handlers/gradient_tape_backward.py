@@ -7,9 +7,11 @@ backward pass per seed. A mixin of `GradientTape` (recording lives in gradient_t
 so that each module reads in one sitting; argument checks shared by both are here too.
 """
 import contextlib
+import warnings
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework.composite_tensor import CompositeTensor
@@ -42,6 +44,34 @@ class _EveryOutput:
 # input reached only from outputs without a gradient then gets none, as with TensorFlow's
 # tape op by op (a gather's input keeps its IndexedSlices gradient).
 _ACCEPTS_NONE["RecomputeSegment"] = _EveryOutput()
+
+
+UNTRACKED_INPUT_WARNING = (
+    "oh.GradientTape: a tf.GradientTape is recording this gradient computation, and op "
+    "%s on its path has a floating-point input this tape does not track (%s). TensorFlow's "
+    "tape knows tensors by Python object and sees only the new wrapper a handler gets, so "
+    "it treats that input as a constant: its gradient of this gradient misses the input's "
+    "dependence on the tensors it watches (None or partial, where nested tf.GradientTapes "
+    "give a value). Watch the tensor on this tape too (tape.watch), or use oh.GradientTape "
+    "for the outer tape.")
+
+
+def _warn_untracked_inputs(path):
+    """Warns when an enclosing tf.GradientTape would silently miss a dependence: a
+    recorded op on the backward path with an untracked floating-point input. (A
+    constant warns too: the tape cannot tell it from a tensor the outer tape derived
+    from its watched ones.)"""
+    if pywrap_tfe.TFE_Py_TapeSetIsStopped():
+        return
+    for record in path:
+        for i in record.skip:
+            x = record.inputs[i]
+            if x is not None and getattr(x, "dtype", None) is not None and (
+                    x.dtype.is_floating or x.dtype.is_complex):
+                warnings.warn(UNTRACKED_INPUT_WARNING % (
+                    record.op_type, "input %d, shape %s" % (i, x.shape)), RuntimeWarning,
+                    stacklevel=4)
+                return
 
 
 def differentiable_value(value):
@@ -101,6 +131,9 @@ class BackwardPass:
             if any(_key(x) in live for x in record.inputs):
                 path.append(record)
                 live.update(_key(o) for o in record.outputs if o is not None)
+
+        if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
+            _warn_untracked_inputs(path)
 
         grads = {}
         for i, t in enumerate(targets):

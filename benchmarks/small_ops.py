@@ -286,7 +286,7 @@ def summarize(configs):
         r = _common.median(ratios)
         q1, q3 = _common.quartiles(ratios)
         ok = r >= target if higher else r <= target
-        figures.append([title, now, ("≥ %.2gx" if higher else "≤ %.2gx") % target,
+        figures.append([title, now, ("≥ %.3gx" if higher else "≤ %.3gx") % target,
                         "%.2fx (IQR %.2f – %.2f)" % (r, q1, q3), _common.verdict(ok)])
     return rows, figures
 

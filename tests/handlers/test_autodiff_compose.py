@@ -227,6 +227,17 @@ def test_other_source_with_tf_tape_outside():
     _compare(_other_source(tf.GradientTape), want, "tf tape, source not a primal")
 
 
+def test_other_source_with_tf_tape_outside_warns():
+    # The limitation above is not silent: a RuntimeWarning says what the tape will miss.
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _other_source(tf.GradientTape)
+    assert any(issubclass(w.category, RuntimeWarning)
+               and "oh.ForwardAccumulator: a tf.GradientTape is recording" in str(w.message)
+               for w in caught)
+
+
 def test_other_source_as_zero_tangent_primal_with_tf_tape_outside():
     # The documented workaround: make the source a primal with a zero tangent.
     x, v, w = tf.constant(_X), tf.constant(_V), tf.constant(_X[::-1].copy())

@@ -21,6 +21,7 @@ Every other op with a registered gradient uses TensorFlow's own construction
 signature into a function cached here).
 """
 import logging
+import warnings
 
 import tensorflow as tf
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
@@ -291,6 +292,16 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     return list(result)
 
 
+_UNSEEN_INPUT_WARNING = (
+    "oh.ForwardAccumulator: a tf.GradientTape is recording, and a floating-point tensor "
+    "(shape %s) that is neither a primal of this accumulator nor a variable entered it. "
+    "TensorFlow's tape knows tensors by Python object and the accumulator only gets a new "
+    "wrapper, so that tape treats it as a constant: its gradient of a JVP with respect to "
+    "that tensor (or to what it was computed from) is None or partial. Make the tensor a "
+    "primal with a zero tangent, or use oh.GradientTape for the outer tape (a constant "
+    "warns too: the two cannot be told apart).")
+
+
 def _bridge_to_tf_tapes(op, inputs, outputs):
     """Records `op` on TensorFlow's tapes (which record it only if an input is watched)."""
     pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(), list(outputs), "")
@@ -442,7 +453,12 @@ class ForwardAccumulator(OpHandler):
         tangent = None if watched is None else watched[1]
         if _tape_set_is_empty():
             return Dual(below.copy_on(tensor), tangent)
-        tensor = self._canonical(tensor)  # reverse over forward: see _canonical
+        known = self._canonical(tensor)  # reverse over forward: see _canonical
+        if known is tensor and _enum(tensor) in _FLOAT_ENUMS and not (
+                pywrap_tfe.TFE_Py_TapeSetIsStopped()):
+            warnings.warn(_UNSEEN_INPUT_WARNING % (tensor.shape,), RuntimeWarning,
+                          stacklevel=2)
+        tensor = known
         value = below.copy_on(tensor)
         if value is not tensor:
             _bridge_to_tf_tapes(Op.cached("CopyOn", T=value.dtype), [tensor], [value])

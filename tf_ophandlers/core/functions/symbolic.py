@@ -89,8 +89,11 @@ class Replay(Mode, Interpreter, ControlFlow):
         if op_type in PHYSICAL_OPS or id(target) not in self.members:
             if any(payload(t) is not None for t in inputs):
                 inputs = [self.to_bottom(t) for t in inputs]
-            return _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
-                                       attrs, op_def, compute_device)
+            # A node of the function: placed on the hook's physical device (scope.on_device,
+            # tf.device in a hook), as `emit` places nodes and as the op runs eagerly.
+            with _ops.device(state.device) if state.device else contextlib.nullcontext():
+                return _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
+                                           attrs, op_def, compute_device)
         if op_type in CALL_OPS:
             # A tf.function a hook calls: replayed on the hook's next stack, as eagerly.
             outputs = self.interpret(function_body(attrs["f"].func.name), list(inputs), target)

@@ -17,9 +17,22 @@ after_execute)``:
 `oh.GradientTape` (handlers/gradient_tape.py) is the user; recording an op then enters
 no Python frame.
 """
+from tensorflow.python import pywrap_tfe
+
 import tf_ophandlers._C as _C
 
 
 def recording(is_stopped, is_empty, trainable_dtype_enums):
     """``(Record type, after_execute method)``; see the module docstring."""
     return _C.tape_setup(is_stopped, is_empty, frozenset(trainable_dtype_enums))
+
+
+def record_on_tf_tapes(op, inputs, outputs):
+    """Records `op` (an oh.Op run on a handler's representations) on TensorFlow's tapes,
+    if any is active; they record it only if an input is one they watch. TensorFlow's
+    tapes do not see the ops a handler runs on the next stack, so a tf.GradientTape
+    around oh.GradientTape or oh.ForwardAccumulator would otherwise treat their results
+    as constants."""
+    if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
+        pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(),
+                                         list(outputs), "")

@@ -35,6 +35,7 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.recording import record_on_tf_tapes
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
 
@@ -302,17 +303,12 @@ _UNSEEN_INPUT_WARNING = (
     "warns too: the two cannot be told apart).")
 
 
-def _bridge_to_tf_tapes(op, inputs, outputs):
-    """Records `op` on TensorFlow's tapes (which record it only if an input is watched)."""
-    pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(), list(outputs), "")
-
-
 def _recording(execute):
     """`execute`, recording each op on TensorFlow's tapes (for the JVP rules)."""
     def run(op, inputs):
         outputs = execute(op, inputs)
         if op.output_dtypes is not None:
-            _bridge_to_tf_tapes(op, inputs, outputs)
+            record_on_tf_tapes(op, inputs, outputs)
         return outputs
     return run
 
@@ -461,7 +457,7 @@ class ForwardAccumulator(OpHandler):
         tensor = known
         value = below.copy_on(tensor)
         if value is not tensor:
-            _bridge_to_tf_tapes(Op.cached("CopyOn", T=value.dtype), [tensor], [value])
+            record_on_tf_tapes(Op.cached("CopyOn", T=value.dtype), [tensor], [value])
         return Dual(value, tangent)
 
     def copy_off(self, value, device):
@@ -486,7 +482,7 @@ class ForwardAccumulator(OpHandler):
             # A TensorFlow tape around the accumulator (reverse over forward) must see the
             # ops on the primals and tangents (TensorFlow's tapes do not see the ops a
             # handler runs on the next stack): recorded here as oh.GradientTape does.
-            _bridge_to_tf_tapes(op, primals, outputs)
+            record_on_tf_tapes(op, primals, outputs)
             run = _recording(below.execute)
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(

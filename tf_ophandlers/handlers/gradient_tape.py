@@ -40,7 +40,7 @@ from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.functions.call_records import replayed_call
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.recording import recording
+from tf_ophandlers.core.recording import record_on_tf_tapes, recording
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
@@ -344,14 +344,10 @@ class GradientTape(BackwardPass, OpHandler):
             op = Op.cached("AddN", N=len(parts), T=total.dtype)
             self._record("AddN", op, None, canonical, [total], PHYSICAL, skip)
 
-    @staticmethod
-    def _bridge_to_tf_tapes(op, inputs, outputs):
-        # When a tf.GradientTape (or ForwardAccumulator) is active, it must also see the
-        # ops on our representations, which our gradient functions use: otherwise a
-        # tf.GradientTape around this tape would treat them as constants.
-        if not _tape_set_is_empty():
-            pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(),
-                                             list(outputs), "")
+    # When a tf.GradientTape (or ForwardAccumulator) is active, it must also see the ops
+    # on our representations, which our gradient functions use (cc/tape_record.cc calls
+    # it by this name).
+    _bridge_to_tf_tapes = staticmethod(record_on_tf_tapes)
 
     # -- tensors at this tape's level -----------------------------------------------------
 

@@ -14,6 +14,7 @@ Inputs that live elsewhere are copied on first (RFC placement policy); inputs al
 this stack are unwrapped to the handler's own representation.
 """
 import itertools
+import operator
 import types
 import weakref
 
@@ -221,6 +222,15 @@ def needs_no_python_kernel(op_type):
     return "PyFunc" not in op_type
 
 
+def never_copy(op, index):  # pylint: disable=unused-argument
+    """A handler's `needs_copy` that takes every input from elsewhere as it is (a
+    physical tensor, a constant), as handlers that record ops do (`oh.Lazy`): its stack
+    answers `wants_copy` with a C function, so the C++ per-op path makes no Python call
+    per such input (it asks `wants_copy` for each). Use it as
+    ``needs_copy = staticmethod(never_copy)``."""
+    return False
+
+
 def _handles_predicate(handler):
     """``handler.handles_ops`` as a predicate on op types, or None (every op)."""
     handles = handler.handles_ops
@@ -263,6 +273,10 @@ class HandlerStack(Stack):
         # handler below decide which inputs to take as they are (a parallel pack).
         self._defer_copy = isinstance(next_stack, HandlerStack) and (
             self.default_copy_on or handler.defers_needs_copy)
+        if handler.needs_copy is never_copy:
+            # `wants_copy(op, index)` as a C function returning False (an op is never
+            # its input index object), so the C++ path calls no Python frame for it.
+            self.wants_copy = operator.is_
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)

@@ -26,24 +26,30 @@ one compiled call (from the cache) on an asynchronous executor while recording g
 a kernel error of a chunk is raised at the next value request or scope exit.
 """
 import itertools
+import operator
 import threading
 import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import graph_builder, shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
+from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import lazy_compile
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
+# (op type, attributes key) -> an Op of them: a node keeps no Op (keeping the one being
+# executed would make the dispatcher copy it); built only when a function is compiled.
+_templates = BoundedCache("lazy.op_templates", 4096)
 _sequence = itertools.count()
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
@@ -70,6 +76,19 @@ def _is_stateful(op_type):
     return s
 
 
+def _op(node):
+    """The Op of a recorded node (kept for a node over another handler, else rebuilt
+    from its type and attributes key, which hold everything about it)."""
+    op = node.op
+    if op is None:
+        op = _templates.get(node.sig)
+        if op is None:
+            attrs = attr_value_pb2.NameAttrList.FromString(node.sig[1]).attr
+            op = _templates[node.sig] = Op.create(node.sig[0], **{k: attrs[k] for k in attrs})
+        node.op = op
+    return op
+
+
 def _run_op_by_op(order, plan, external):
     """The `live` outputs of `plan` (as the compiled function returns them), each op run
     on the stack its node was recorded on."""
@@ -79,7 +98,7 @@ def _run_op_by_op(order, plan, external):
         for node, (op, refs, _, device) in zip(order, plan):
             ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
             _state.device = device  # as when it was recorded
-            results.append(node.next.execute(op, ins))
+            results.append(node.next.execute(_op(node), ins))
     finally:
         _state.device = saved
     return [outs[k] for outs, (_, _, live, _) in zip(results, plan) for k in live]
@@ -91,12 +110,14 @@ class _Node:
     the LazyValues the program holds, so a value the program dropped is known to be
     unreferenced (its weak reference is dead) and is not returned by the function."""
 
-    __slots__ = ("op", "inputs", "outputs", "values", "specs", "next", "failed", "seq",
-                 "consumers", "device", "__weakref__")
+    __slots__ = ("op", "sig", "inputs", "outputs", "values", "specs", "next", "failed",
+                 "seq", "device", "__weakref__")
 
     def __init__(self, op, inputs, next_stack):
         self.seq = next(_sequence)  # recording order
-        self.op = op
+        self.sig = (op.type, op.attrs_key())  # op type and attributes: all a key needs
+        # The Op itself only over another handler (run op by op); see _op.
+        self.op = None if next_stack is PHYSICAL else op
         self.device = _state.device  # the `tf.device` placement it was recorded under
         self.inputs = inputs  # None once computed
         self.outputs = None  # weak references to the LazyValues (no reference cycle)
@@ -105,7 +126,6 @@ class _Node:
         self.specs = None  # output TensorSpecs, when inferred
         self.next = next_stack  # where the compiled function runs
         self.failed = False  # its computation raised: run again only when asked
-        self.consumers = None  # [(weak reference to a node, output index)] using outputs
 
 
 class LazyValue:
@@ -121,7 +141,7 @@ class LazyValue:
 
     def __repr__(self):
         return "LazyValue(%s:%d, %s)" % (
-            self.node.op.type if self.node is not None else "input", self.index,
+            self.node.sig[0] if self.node is not None else "input", self.index,
             "pending" if self.value is None else "computed")
 
 
@@ -174,6 +194,11 @@ class Lazy(OpHandler):
 
     TYPE_NAME = "LAZY"
     replays_functions = False  # a tf.function call is already one compiled op
+    # Inputs from elsewhere (a physical tensor, a Python constant) enter a node as they
+    # are: wrapping each would cost more than the op it feeds (C-level, no Python call).
+    needs_copy = staticmethod(never_copy)
+    # A representation's dtype, read by the C++ path per output: a C callable, no frame.
+    value_dtype = operator.attrgetter("dtype")
 
     def __init__(self, jit_compile=False, chunk_ops=None):
         if not isinstance(jit_compile, bool):
@@ -232,9 +257,6 @@ class Lazy(OpHandler):
 
     # -- the representation ---------------------------------------------------------------
 
-    def value_dtype(self, value):
-        return value.dtype
-
     def _spec(self, v):
         """The TensorSpec of a value (shape inference on demand, memoized)."""
         if v.value is not None:
@@ -275,7 +297,7 @@ class Lazy(OpHandler):
         if shapes.assumes_success(specs):
             return False  # the kernel decides (it may reject the op, as eagerly)
         try:
-            outs = shapes.infer(node.op, specs)
+            outs = shapes.infer(_op(node), specs)
         except (ValueError, TypeError, tf.errors.OpError):
             return False
         if not all(s.shape.is_fully_defined() for s in outs):
@@ -312,12 +334,6 @@ class Lazy(OpHandler):
             return _ready(next_stack().copy_on(value))
         return _ready(super().copy_on(tensor))
 
-    @staticmethod
-    def needs_copy(op, index):
-        # Inputs from elsewhere (a physical tensor, a Python constant) enter a node as
-        # they are: wrapping each would cost more than the op it feeds.
-        return False
-
     def copy_off(self, value, device):
         return self._force(value)
 
@@ -339,7 +355,6 @@ class Lazy(OpHandler):
                 stateful = _is_stateful(op.type)
             if not stateful:
                 node_inputs = []
-                producers = False
                 for v in inputs:
                     kind = type(v)
                     if kind is LazyValue:
@@ -348,7 +363,6 @@ class Lazy(OpHandler):
                             break
                         if v.value is None:
                             v = (v.node, v.index)
-                            producers = True
                         else:
                             v = v.value
                     elif (v._datatype_enum() == _RESOURCE_ENUM if kind is _EagerTensor  # pylint: disable=protected-access
@@ -361,16 +375,7 @@ class Lazy(OpHandler):
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
-        node = _Node(op, node_inputs, _state.frames[-1].next)
-        ref = weakref.ref(node)
-        if producers:
-            for v in node_inputs:
-                if type(v) is tuple:
-                    producer = v[0]
-                    if producer.consumers is None:
-                        producer.consumers = [(ref, v[1])]
-                    else:
-                        producer.consumers.append((ref, v[1]))
+        node = _Node(op, node_inputs, _state.current)  # (current: the stack below)
         if len(enums) == 1:  # most ops: no comprehension frames
             e = enums[0]
             o = LazyValue(node, 0, _dtypes.get(e) or _dtype(e))
@@ -381,7 +386,7 @@ class Lazy(OpHandler):
             outputs = [LazyValue(node, i, get(e) or _dtype(e)) for i, e in enumerate(enums)]
             node.outputs = [weakref.ref(o) for o in outputs]
         pending = self._pending
-        pending.append(ref)
+        pending.append(weakref.ref(node))
         if self.chunk_ops is not None and node.next is PHYSICAL:
             self._recorded += 1
         elif len(pending) > 2 * self._live_nodes:
@@ -404,7 +409,7 @@ class Lazy(OpHandler):
             # (a chunk run at once: its first call, compiling) raised at the value
             # request, as a launched chunk's error is; its ops are marked failed.
             if self._deferred is None:
-                self._deferred = (e, {n.op.type for n in roots})
+                self._deferred = (e, {n.sig[0] for n in roots})
         finally:
             self._prune()
 
@@ -414,7 +419,7 @@ class Lazy(OpHandler):
         with _context.executor_scope(_async_executor()):
             outputs = entry.run(PHYSICAL, external)
         self.chunks += 1
-        self._chunk_ops_types.append({node.op.type for node in order})
+        self._chunk_ops_types.append({node.sig[0] for node in order})
         inflight = self._inflight
         for t, s in zip(outputs, entry.function.outputs):
             shape = s.shape
@@ -449,11 +454,15 @@ class Lazy(OpHandler):
             raise error from e
 
     def _prune(self):
-        """Drops the references to computed and collected nodes from `_pending`."""
-        self._pending = [r for r in self._pending
-                         if (lambda n: n is not None and n.inputs is not None
-                             and not n.failed)(r())]
-        self._live_nodes = max(64, len(self._pending))
+        """Drops the references to computed and collected nodes from `_pending` (failed
+        ones stay: run again if asked, they may need the values of other nodes)."""
+        kept = []
+        for r in self._pending:
+            n = r()
+            if n is not None and n.inputs is not None:
+                kept.append(r)
+        self._pending = kept
+        self._live_nodes = max(64, len(kept))
 
     def _force(self, value):
         """The computed tensor of `value`, running its pending subgraph if needed."""
@@ -472,17 +481,19 @@ class Lazy(OpHandler):
         """
         order, seen = _upstream(roots, None)  # the pending nodes they depend on
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
-        for node in order:  # outputs that pending nodes outside `order` will need
-            if node.consumers is not None:
-                for ref, k in node.consumers:
-                    c = ref()
-                    if c is not None and c.inputs is not None and c.seq not in seen:
-                        needed.add((node.seq, k))
+        if len(self._pending) > len(order):
+            # Outputs that pending nodes outside `order` will need (every pending node
+            # is in `_pending`; when it holds only `order`'s, there are none).
+            for r in self._pending:
+                c = r()
+                if c is not None and c.inputs is not None and c.seq not in seen:
+                    for i in c.inputs:
+                        if type(i) is tuple and i[0].seq in seen:
+                            needed.add((i[0].seq, i[1]))
         # The plan, the key (core/graph_builder.py's parts, built in the same pass) and
         # the outputs to keep, in one loop: this runs on every value request.
         position, external, ext_index = {}, [], {}
         plan, parts, returned, kept = [], [], [], []
-        part = graph_builder.node_part
         for j, node in enumerate(order):
             position[node.seq] = j
             outs = node.outputs
@@ -517,9 +528,9 @@ class Lazy(OpHandler):
                     e = ext_index[k] = len(external)
                     external.append(i)
                 refs.append((-1, e))
-            op, device = node.op, node.device
-            plan.append((op, refs, live, device))
-            parts.append(part(op, refs, device))
+            device = node.device
+            plan.append((node, refs, live, device))
+            parts.append(node.sig + (tuple(refs), device))  # graph_builder.node_part's
         # Everything the compiled function depends on (handlers/lazy_compile.py).
         inflight = self._inflight
         key = graph_builder.key_of_parts(
@@ -543,12 +554,18 @@ class Lazy(OpHandler):
                     # eagerly.
                     outputs = _run_op_by_op(order, plan, external)
                 else:
-                    outputs, built, entry = lazy_compile.run(key, plan, external,
-                                                             self.jit_compile)
-                    if built:
-                        self.compiled += built
-                    else:
+                    entry = lazy_compile.functions.get(key)
+                    if entry is not None:
+                        outputs = entry.run(PHYSICAL, external)
                         self.cache_hits += 1
+                    else:  # compiled from the nodes' Ops
+                        plan = [(_op(n), r, l, d) for n, r, l, d in plan]
+                        outputs, built, entry = lazy_compile.run(key, plan, external,
+                                                                 self.jit_compile)
+                        if built:
+                            self.compiled += built
+                        else:  # (another thread compiled it meanwhile)
+                            self.cache_hits += 1
                     self.last_function = entry.function
         except Exception:
             for node in order:  # a failed computation is not retried when the scope closes
@@ -562,8 +579,7 @@ class Lazy(OpHandler):
                     node.values = [None] * len(node.outputs)
                 node.values[k] = value
         for node in order:
-            node.inputs = None  # computed: release the inputs and the consumer list
-            node.consumers = None
+            node.inputs = None  # computed: release the inputs
         self._recorded = 0  # chunks count the ops recorded since the last run
         if not chunk:
             self.flushes += 1

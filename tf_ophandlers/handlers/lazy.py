@@ -33,23 +33,18 @@ import weakref
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import graph_builder, shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import lazy_compile
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
-# (op type, attributes key) -> an Op of them: a node keeps no Op (keeping the one being
-# executed would make the dispatcher copy it); built only when a function is compiled.
-_templates = BoundedCache("lazy.op_templates", 4096)
 _sequence = itertools.count()
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
@@ -74,34 +69,6 @@ def _is_stateful(op_type):
         op_def = op_def_registry.get(op_type)
         s = _stateful[op_type] = op_def is None or op_def.is_stateful
     return s
-
-
-def _op(node):
-    """The Op of a recorded node (kept for a node over another handler, else rebuilt
-    from its type and attributes key, which hold everything about it)."""
-    op = node.op
-    if op is None:
-        op = _templates.get(node.sig)
-        if op is None:
-            attrs = attr_value_pb2.NameAttrList.FromString(node.sig[1]).attr
-            op = _templates[node.sig] = Op.create(node.sig[0], **{k: attrs[k] for k in attrs})
-        node.op = op
-    return op
-
-
-def _run_op_by_op(order, plan, external):
-    """The `live` outputs of `plan` (as the compiled function returns them), each op run
-    on the stack its node was recorded on."""
-    results = []
-    saved = _state.device
-    try:
-        for node, (op, refs, _, device) in zip(order, plan):
-            ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
-            _state.device = device  # as when it was recorded
-            results.append(node.next.execute(_op(node), ins))
-    finally:
-        _state.device = saved
-    return [outs[k] for outs, (_, _, live, _) in zip(results, plan) for k in live]
 
 
 class _Node:
@@ -162,6 +129,17 @@ def _upstream(roots, follow):
                                      else follow(i[0])):
                 todo.append(i[0])
     return [seen[k] for k in sorted(seen)], seen
+
+
+def _named(e, types, what=""):
+    """`e` (an OpError) as the same error class whose message names `oh.Lazy` and the
+    pending op types that ran (TensorFlow's message names the failing node)."""
+    message = e.message.split("\n\tEncountered when executing an operation using "
+                              "EagerExecutor")[0]  # (a chunk's: the error is cleared)
+    error = type(e)(e.node_def, e.op, "oh.Lazy: %spending ops (op types %s) failed: %s"
+                    % (what, ", ".join(sorted(types)), message))
+    error.oh_lazy = True
+    return error
 
 
 def _dtype(enum):
@@ -297,7 +275,7 @@ class Lazy(OpHandler):
         if shapes.assumes_success(specs):
             return False  # the kernel decides (it may reject the op, as eagerly)
         try:
-            outs = shapes.infer(_op(node), specs)
+            outs = shapes.infer(lazy_compile.op_of(node), specs)
         except (ValueError, TypeError, tf.errors.OpError):
             return False
         if not all(s.shape.is_fully_defined() for s in outs):
@@ -443,15 +421,9 @@ class Lazy(OpHandler):
                 raise deferred[0]
         except tf.errors.OpError as e:
             ex.clear_error()
-            if getattr(e, "lazy_chunk", False):
+            if getattr(e, "oh_lazy", False):
                 raise  # wrapped already (an earlier wait, deferred)
-            names = sorted({t for chunk in types for t in chunk})
-            message = e.message.split("\n\tEncountered when executing an operation using "
-                                      "EagerExecutor")[0]  # (the error is cleared)
-            error = type(e)(e.node_def, e.op, "oh.Lazy: a compiled chunk of pending ops "
-                            "(op types %s) failed: %s" % (", ".join(names), message))
-            error.lazy_chunk = True
-            raise error from e
+            raise _named(e, {t for chunk in types for t in chunk}, "a compiled chunk of ") from e
 
     def _prune(self):
         """Drops the references to computed and collected nodes from `_pending` (failed
@@ -552,14 +524,14 @@ class Lazy(OpHandler):
                     # keeps, e.g. a variable read's Identity, adds a dense zero to a
                     # gather's sparse gradient). It sees the ops one by one instead, as
                     # eagerly.
-                    outputs = _run_op_by_op(order, plan, external)
+                    outputs = lazy_compile.run_op_by_op(plan, external)
                 else:
                     entry = lazy_compile.functions.get(key)
                     if entry is not None:
                         outputs = entry.run(PHYSICAL, external)
                         self.cache_hits += 1
                     else:  # compiled from the nodes' Ops
-                        plan = [(_op(n), r, l, d) for n, r, l, d in plan]
+                        plan = [(lazy_compile.op_of(n), r, l, d) for n, r, l, d in plan]
                         outputs, built, entry = lazy_compile.run(key, plan, external,
                                                                  self.jit_compile)
                         if built:
@@ -567,10 +539,13 @@ class Lazy(OpHandler):
                         else:  # (another thread compiled it meanwhile)
                             self.cache_hits += 1
                     self.last_function = entry.function
-        except Exception:
+        except Exception as e:
             for node in order:  # a failed computation is not retried when the scope closes
                 node.failed = True
-            raise
+            if not isinstance(e, tf.errors.OpError) or getattr(e, "oh_lazy", False):
+                raise
+            raise _named(e, {node.sig[0] for node in order},
+                         "a compiled chunk of " if chunk else "") from e
         for (node, k, o), value in zip(kept, outputs):
             if o is not None:
                 o.value = value

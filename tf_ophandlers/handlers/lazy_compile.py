@@ -25,17 +25,54 @@ whose error (eager's) is the one raised.
 import re
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
+from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
+from tf_ophandlers.core.state import state as _state
 
 CACHE_SIZE = 256
 functions = LRUCache("lazy.functions", CACHE_SIZE)  # plan key -> CompiledCall
 no_xla_ops = BoundedCache("lazy.no_xla_ops", 1024)  # op type -> True: no XLA kernel
 _UNSUPPORTED = re.compile(r"No registered '([A-Za-z0-9_>]+)' OpKernel for XLA")
+
+
+# (op type, attributes key) -> an Op of them: a node keeps no Op (keeping the one being
+# executed would make the dispatcher copy it); built only when a function is compiled.
+_templates = BoundedCache("lazy.op_templates", 4096)
+
+
+def op_of(node):
+    """The Op of a recorded node (kept for a node over another handler, else rebuilt
+    from its type and attributes key, which hold everything about it)."""
+    op = node.op
+    if op is None:
+        op = _templates.get(node.sig)
+        if op is None:
+            attrs = attr_value_pb2.NameAttrList.FromString(node.sig[1]).attr
+            op = _templates[node.sig] = Op.create(node.sig[0], **{k: attrs[k] for k in attrs})
+        node.op = op
+    return op
+
+
+def run_op_by_op(plan, external):
+    """The `live` outputs of `plan` (entries ``(node, refs, live, device)``, as the
+    compiled function returns them), each op run on the stack its node was recorded on
+    (over another handler: it sees the ops one by one, as eagerly)."""
+    results = []
+    saved = _state.device
+    try:
+        for node, refs, _, device in plan:
+            ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
+            _state.device = device  # as when it was recorded
+            results.append(node.next.execute(op_of(node), ins))
+    finally:
+        _state.device = saved
+    return [outs[k] for outs, (_, _, live, _) in zip(results, plan) for k in live]
 
 
 def run(key, plan, external, jit):

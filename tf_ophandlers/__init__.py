@@ -30,8 +30,8 @@ from tf_ophandlers.core.op import Op  # noqa: E402
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE  # noqa: E402
 from tf_ophandlers.core.scope import handler, handler_of  # noqa: E402
 from tf_ophandlers.core.stack import (  # noqa: E402
-    COPY_OPS, PHYSICAL, HandlerStack, OffStack, current_stack, next_stack, representation_of,
-    stack_of, tensor_key)
+    COPY_OPS, PHYSICAL, HandlerStack, OffStack, current_stack, never_copy, next_stack,
+    representation_of, stack_of, tensor_key)
 from tf_ophandlers.core.copies import copy_off, copy_on  # noqa: E402
 from tf_ophandlers.core.functions import per_call  # noqa: E402
 from tf_ophandlers.core.tf_patches import patches  # noqa: E402
@@ -80,7 +80,7 @@ __all__ = [
     "HandlerOutputError", "CopyOffError",
     # for handler authors (docs/guide.md, "The handler author's API")
     "next_stack", "stack_of", "tensor_key", "representation_of", "COPY_OPS", "patches",
-    "caches", "per_call",
+    "caches", "per_call", "never_copy",
     # handlers in C++ (docs/guide.md, "Writing a handler in C++")
     "load_handler_library", "HandlerLibrary", "NativeHandler", "native", "sysconfig",
 ]

@@ -73,7 +73,7 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS
-from tf_ophandlers.handlers import recompute_graph
+from tf_ophandlers.handlers import recompute_calls, recompute_graph
 from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
 
@@ -399,6 +399,15 @@ class Recompute(OpHandler):
 
     def execute(self, op, inputs):
         below = self.next
+        if op.output_dtype_enums is None and self._depth \
+                and not self._tf_tape and recompute_calls.applies(op):
+            # The forward function of a tf.function call a tape records (TensorFlow
+            # calls it with recording stopped): run as a segmented rewrite.
+            if any(type(v) is _Value and v.segment is not None for v in inputs):
+                self.flush()
+            outputs = recompute_calls.run(self, op, self._tensors(inputs), below)
+            if outputs is not None:
+                return self._wrap(outputs, True)
         if not _record.could_possibly_record():
             # No tape records: nothing to checkpoint (also during a backward pass).
             if any(type(v) is _Value and v.segment is not None for v in inputs):

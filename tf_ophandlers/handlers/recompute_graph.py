@@ -390,29 +390,37 @@ def _record_piece(segment, outputs, op_type="RecomputeSegment"):
     nodes, externals = list(segment.nodes), list(segment.externals)
 
     def backward(*grads):
-        real = [None if _is_zero(g) else g for g in grads]
-        if all(g is None for g in real):
-            return [tf.zeros_like(x) for x in xs]
-        first = next(g for g in real if g is not None)
-        first = first.values if isinstance(first, tf.IndexedSlices) else first
-        # A zero that depends on the incoming gradient (as tf.recompute_grad does): the
-        # recomputation runs in the backward pass and cannot be merged with the forward.
-        elem = tf.reduce_max(tf.reshape(first, [-1])[:1])
-        dep = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
-        graph = _ops.get_default_graph()
-        ext = list(externals)
-        new_xs = []
-        for i in tracked:
-            x = tf.identity(ext[i]) + tf.cast(dep, ext[i].dtype)
-            ext[i] = x
-            new_xs.append(x)
-        results = [None] * len(nodes)
-        for j, (op, op_refs) in enumerate(nodes):
-            ins = [ext[i] if p < 0 else results[p][i] for p, i in op_refs]
-            results[j] = _copy(graph, op, ins)
-        ys = [results[n][k] for (n, k), g in zip(refs, real) if g is not None]
-        gys = [tf.convert_to_tensor(g) for g in real if g is not None]
-        return tf.gradients(ys, new_xs, grad_ys=gys)
+        return recompute_gradient(nodes, externals, tracked, refs, grads)
 
     _record.record_operation(op_type, outs, xs, backward)
     return 1
+
+
+def recompute_gradient(nodes, externals, tracked, refs, grads):
+    """The gradients with respect to `externals[i]` for i in `tracked` of a segment's
+    outputs `refs` ((node, output) pairs) weighted by `grads`: its `nodes` ((graph op,
+    refs) pairs, refs (-1, external index) or (node, output)) recomputed in the backward
+    graph from the externals, after (and depending on) the incoming gradients."""
+    real = [None if _is_zero(g) else g for g in grads]
+    if all(g is None for g in real):
+        return [tf.zeros_like(externals[i]) for i in tracked]
+    first = next(g for g in real if g is not None)
+    first = first.values if isinstance(first, tf.IndexedSlices) else first
+    # A zero that depends on the incoming gradient (as tf.recompute_grad does): the
+    # recomputation runs in the backward pass and cannot be merged with the forward.
+    elem = tf.reduce_max(tf.reshape(first, [-1])[:1])
+    dep = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
+    graph = _ops.get_default_graph()
+    ext = list(externals)
+    new_xs = []
+    for i in tracked:
+        x = tf.identity(ext[i]) + tf.cast(dep, ext[i].dtype)
+        ext[i] = x
+        new_xs.append(x)
+    results = [None] * len(nodes)
+    for j, (op, op_refs) in enumerate(nodes):
+        ins = [ext[i] if p < 0 else results[p][i] for p, i in op_refs]
+        results[j] = _copy(graph, op, ins)
+    ys = [results[n][k] for (n, k), g in zip(refs, real) if g is not None]
+    gys = [tf.convert_to_tensor(g) for g in real if g is not None]
+    return tf.gradients(ys, new_xs, grad_ys=gys)

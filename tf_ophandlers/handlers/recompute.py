@@ -254,6 +254,7 @@ class Recompute(OpHandler):
             self._recomputed = {}
             self._variables, self._params = {}, 0
             self._segments_at_entry = self.segments
+            self._calls = self._call_segments = 0  # tf.function calls run as rewrites
             self._threshold_cache = None
             if self.policy == "memory_budget" and self._expected is not None:
                 self._plan_budget()
@@ -272,7 +273,8 @@ class Recompute(OpHandler):
                               largest=self._largest,
                               segments=self.segments - self._segments_at_entry,
                               recomputed=dict(self._recomputed), mode="eager",
-                              graph=self.graph_stats, tf_tape_recording=self._tf_tape)
+                              graph=self.graph_stats, tf_tape_recording=self._tf_tape,
+                              calls=self._calls, call_segments=self._call_segments)
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:
@@ -405,8 +407,10 @@ class Recompute(OpHandler):
             # calls it with recording stopped): run as a segmented rewrite.
             if any(type(v) is _Value and v.segment is not None for v in inputs):
                 self.flush()
-            outputs = recompute_calls.run(self, op, self._tensors(inputs), below)
+            outputs, segments = recompute_calls.run(self, op, self._tensors(inputs), below)
             if outputs is not None:
+                self._calls += 1
+                self._call_segments += segments
                 return self._wrap(outputs, True)
         if not _record.could_possibly_record():
             # No tape records: nothing to checkpoint (also during a backward pass).

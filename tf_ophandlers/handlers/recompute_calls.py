@@ -58,6 +58,7 @@ from tf_ophandlers.handlers.recompute_graph import recompute_gradient
 
 GRADIENT = "OhRecomputeSegment"
 _OPAQUE = (tf.resource, tf.variant)
+_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
 # (forward function name, save policy) -> _Rewrite, or False (kept whole)
 _rewrites = LRUCache("recompute.call_rewrites", 128)
 _registered = []
@@ -80,7 +81,7 @@ def _segment_gradient(op, *grads):
             "ran" % op.name)
     n = plan.num_outputs
     got = recompute_gradient(plan.nodes, list(op.inputs[n:]), plan.tracked, plan.refs,
-                             grads[:n])
+                             grads[:n], plan.plain)
     result = [None] * len(op.inputs)
     for i, g in zip(plan.tracked, got):
         result[n + i] = g
@@ -90,11 +91,11 @@ def _segment_gradient(op, *grads):
 class _SegmentPlan:
     """Body ops of one segment: nodes (op, refs), externals, outputs (node, index)."""
 
-    __slots__ = ("nodes", "externals", "ext_index", "refs", "tracked", "num_outputs",
-                 "bytes")
+    __slots__ = ("nodes", "externals", "ext_index", "refs", "tracked", "plain",
+                 "num_outputs", "bytes", "consts")
 
     def __init__(self):
-        self.nodes, self.externals, self.ext_index = [], [], {}
+        self.nodes, self.externals, self.ext_index, self.consts = [], [], {}, {}
         self.refs, self.tracked, self.num_outputs, self.bytes = [], [], 0, 0
 
     def external(self, t):
@@ -164,8 +165,18 @@ class _Rewrite:
             refs = []
             for t in o.inputs:
                 where = member.get(id(t.op))
-                refs.append((where[1], t.value_index) if where and where[0] is current
-                            else (-1, current.external(t)))
+                if where and where[0] is current:
+                    refs.append((where[1], t.value_index))
+                elif t.op.type == "Const":
+                    # A constant (an axis, a shape) is copied into the recomputation, so
+                    # gradient functions see its value (a gather's IndexedSlices).
+                    n = current.consts.get(id(t.op))
+                    if n is None:
+                        n = current.consts[id(t.op)] = len(current.nodes)
+                        current.nodes.append((t.op, ()))
+                    refs.append((n, t.value_index))
+                else:
+                    refs.append((-1, current.external(t)))
             member[id(o)] = (current, len(current.nodes))
             current.nodes.append((o, tuple(refs)))
             current.bytes += sum(_static_bytes(t) for t in o.outputs)
@@ -181,7 +192,7 @@ class _Rewrite:
             outs = []
             for n, (o, _) in enumerate(seg.nodes):
                 for t in o.outputs:
-                    if not _trainable(t):
+                    if not _trainable(t) or id(o) in seg.consts:
                         continue
                     if t.ref() in results or any(
                             member.get(id(c), (None,))[0] is not seg for c in t.consumers()):
@@ -189,6 +200,8 @@ class _Rewrite:
                         outs.append(t)
             seg.num_outputs = len(outs)
             seg.tracked = [i for i, t in enumerate(seg.externals) if _trainable(t)]
+            seg.plain = frozenset(i for i, t in enumerate(seg.externals)
+                                  if t.op.type in _READS)
             if outs and seg.tracked:
                 self.outputs[id(seg)] = outs
                 self.ends[id(seg.nodes[-1][0])] = seg
@@ -249,13 +262,14 @@ def applies(op):
 
 def run(handler, op, tensors, stack):
     """Runs forward call `op` on `tensors` (of `stack`, the handler's next) as its
-    rewrite; returns its outputs, or None when the call must be kept whole."""
+    rewrite; returns its outputs and the number of segments in the rewrite, or None when
+    the call must be kept whole."""
     key = (op.type, handler.policy, handler.save)
     rewrite = _rewrites.get(key)
     if rewrite is None:
         rewrite = _rewrites[key] = _build_rewrite(op.type, handler)
     if rewrite is False or len(tensors) != len(rewrite.body.inputs):
-        return None
+        return None, 0
     with call_records.recording_restarted():  # TensorFlow stopped it for its call
         results = rewrite.call.run(stack, list(tensors))
     call_records.note_replayed_call(op.type, stack)  # its tapes recorded the rewrite
@@ -267,5 +281,4 @@ def run(handler, op, tensors, stack):
             rank = t.shape.rank if t.shape.rank is not None else 1
             given = tf.zeros([0] * rank, t.dtype)  # an empty stand-in, read by no one
         extras.append(given)
-    handler.call_stats = dict(segments=rewrite.segments, largest=rewrite.largest)
-    return list(results) + extras
+    return list(results) + extras, rewrite.segments

@@ -396,11 +396,13 @@ def _record_piece(segment, outputs, op_type="RecomputeSegment"):
     return 1
 
 
-def recompute_gradient(nodes, externals, tracked, refs, grads):
+def recompute_gradient(nodes, externals, tracked, refs, grads, plain=()):
     """The gradients with respect to `externals[i]` for i in `tracked` of a segment's
     outputs `refs` ((node, output) pairs) weighted by `grads`: its `nodes` ((graph op,
     refs) pairs, refs (-1, external index) or (node, output)) recomputed in the backward
-    graph from the externals, after (and depending on) the incoming gradients."""
+    graph from the externals, after (and depending on) the incoming gradients. Externals
+    in `plain` (variable reads) enter without the dependency, whose add would make their
+    gradient dense (a gather's IndexedSlices)."""
     real = [None if _is_zero(g) else g for g in grads]
     if all(g is None for g in real):
         return [tf.zeros_like(externals[i]) for i in tracked]
@@ -414,7 +416,9 @@ def recompute_gradient(nodes, externals, tracked, refs, grads):
     ext = list(externals)
     new_xs = []
     for i in tracked:
-        x = tf.identity(ext[i]) + tf.cast(dep, ext[i].dtype)
+        x = tf.identity(ext[i])
+        if i not in plain:
+            x = x + tf.cast(dep, ext[i].dtype)
         ext[i] = x
         new_xs.append(x)
     results = [None] * len(nodes)

@@ -29,7 +29,9 @@ tf.GradientTape cannot save anything (that tape records the ops itself): it warn
 
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),
-function calls, ops on resources or variants. Their outputs are kept, so a variable read
+ops on resources or variants. A tf.function called in the scope while only handler tapes
+record runs as a segmented rewrite of its forward function (recompute_calls.py); other
+calls are kept whole. Their outputs are kept, so a variable read
 sees the value of the forward pass even if the variable changes before the backward pass.
 
 Policies (where segments end):
@@ -147,7 +149,7 @@ class Recompute(OpHandler):
     is_stateful_type = staticmethod(_is_stateful)
     is_trainable = staticmethod(_trainable)
     transparent = True
-    replays_functions = False  # a tf.function call is kept whole (the tape records it)
+    replays_functions = False  # calls reach execute whole (recompute_calls.py)
 
     def __init__(self, policy="sqrt", save=None, memory_budget=None):
         given = [name for name, v in (("save", save), ("memory_budget", memory_budget))

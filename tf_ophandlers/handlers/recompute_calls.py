@@ -37,7 +37,8 @@ inputs where they are inputs).
 
 Not rewritten (the call is kept whole, as before): bodies with function-valued
 attributes (control flow, nested calls), intermediate values of resource or variant
-type, and calls under a `tf.GradientTape` or forward accumulator of TensorFlow.
+type, and calls under a `tf.GradientTape` or a forward accumulator (TensorFlow's or
+`oh.ForwardAccumulator`, whose JVP of the call reads the forward function's values).
 """
 import contextlib
 import math
@@ -46,6 +47,7 @@ import threading
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import op_def_registry
@@ -264,6 +266,9 @@ def run(handler, op, tensors, stack):
     """Runs forward call `op` on `tensors` (of `stack`, the handler's next) as its
     rewrite; returns its outputs and the number of segments in the rewrite, or None when
     the call must be kept whole."""
+    if any(type(h).__name__ == "ForwardAccumulator" for h in getattr(stack, "handlers", ())) \
+            or forwardprop_util.pack_tangents(tensors).tangents:
+        return None, 0  # a forward accumulator's JVP of the call: kept whole
     key = (op.type, handler.policy, handler.save)
     rewrite = _rewrites.get(key)
     if rewrite is None:

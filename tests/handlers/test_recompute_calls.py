@@ -104,6 +104,7 @@ def test_called_function_second_order_and_tf_tape_keeps_it_whole():
     assert rc.stats["calls"] == 0
 
 
+@pytest.mark.slow
 def test_called_function_peak_memory_drops():
     """TensorFlow's BFC CPU allocator's peak bytes of one step, same program with and
     without Recompute, an unknown batch dimension (in a subprocess: the allocator is

@@ -219,7 +219,7 @@ def test_memory_budget_in_graph_mode_plans_with_static_shapes():
     """Fully known shapes: a larger budget keeps more ops (recorded as usual), gradients
     equal; below the minimum a ValueError names both; an unknown batch dimension falls
     back to sqrt(n) segments."""
-    fn, variables = recompute_helpers.mlp(RNG, 24, 32)
+    fn, variables = recompute_helpers.mlp(RNG, 12, 32)
     x = tf.constant(RNG.standard_normal((64, 32)).astype(np.float32))
     l0, g0 = _step(fn, variables, None)(x)
     probe = oh.Recompute()
@@ -249,7 +249,7 @@ def test_memory_budget_in_graph_mode_holds_measured_peaks():
     allocator, in a subprocess) stays under each."""
     code = """
         import numpy as np, tensorflow as tf, tf_ophandlers as oh
-        ws = [tf.Variable(tf.random.normal([64, 64]) * 0.1) for _ in range(48)]
+        ws = [tf.Variable(tf.random.normal([64, 64]) * 0.1) for _ in range(24)]
         x = tf.random.normal([512, 64])
         def make(rc):
             @tf.function

@@ -5,7 +5,8 @@ about sqrt(n) segments that the tape records as one op each, whose gradient reco
 them. The gradients equal tf.GradientTape's; the peak memory of a step (TensorFlow's BFC
 CPU allocator, enabled below before TensorFlow starts) drops several times.
 
-Also in a tf.function step (graph mode): the segments are put into the traced graph.
+Also in a tf.function step (graph mode): the segments are put into the traced graph; and
+for a tf.function called inside the scope, whose forward function runs as a rewrite.
 
 Run: python examples/recompute.py
 """
@@ -143,3 +144,27 @@ for a, b in zip(g_plain, g_ckpt):
 print("tf.function step: peak %.1f MB, with oh.Recompute() inside %.1f MB (%d segments)"
       % (graph_plain_peak / 1e6, graph_ckpt_peak / 1e6,
          graph_recompute.stats["segments"]))
+
+# A tf.function *called* inside an eager scope: its forward function runs as a rewrite
+# whose segments are recomputed in the backward pass (stats["call_segments"]).
+forward = tf.function(loss_fn)
+called = oh.Recompute()
+
+
+def call_step(handler):
+    with oh.GradientTape() as tape:
+        if handler is None:
+            loss = forward()
+        else:
+            with handler:
+                loss = forward()
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+call_step(None), call_step(called)  # warm-up: traces
+call_plain_peak, (_, g_plain) = peak(lambda: call_step(None))
+call_ckpt_peak, (_, g_ckpt) = peak(lambda: call_step(called))
+for a, b in zip(g_plain, g_ckpt):
+    np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-7)
+print("called tf.function: peak %.1f MB, inside oh.Recompute() %.1f MB (%d segments)"
+      % (call_plain_peak / 1e6, call_ckpt_peak / 1e6, called.stats["call_segments"]))

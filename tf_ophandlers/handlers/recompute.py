@@ -29,7 +29,9 @@ tf.GradientTape cannot save anything (that tape records the ops itself): it warn
 
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),
-function calls, ops on resources or variants. Their outputs are kept, so a variable read
+ops on resources or variants. A tf.function called in the scope while only handler tapes
+record runs as a segmented rewrite of its forward function (recompute_calls.py); other
+calls are kept whole. Their outputs are kept, so a variable read
 sees the value of the forward pass even if the variable changes before the backward pass.
 
 Policies (where segments end):
@@ -73,7 +75,7 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS
-from tf_ophandlers.handlers import recompute_graph
+from tf_ophandlers.handlers import recompute_calls, recompute_graph
 from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
 
@@ -147,7 +149,7 @@ class Recompute(OpHandler):
     is_stateful_type = staticmethod(_is_stateful)
     is_trainable = staticmethod(_trainable)
     transparent = True
-    replays_functions = False  # a tf.function call is kept whole (the tape records it)
+    replays_functions = False  # calls reach execute whole (recompute_calls.py)
 
     def __init__(self, policy="sqrt", save=None, memory_budget=None):
         given = [name for name, v in (("save", save), ("memory_budget", memory_budget))
@@ -254,6 +256,7 @@ class Recompute(OpHandler):
             self._recomputed = {}
             self._variables, self._params = {}, 0
             self._segments_at_entry = self.segments
+            self._calls = self._call_segments = 0  # tf.function calls run as rewrites
             self._threshold_cache = None
             if self.policy == "memory_budget" and self._expected is not None:
                 self._plan_budget()
@@ -272,7 +275,8 @@ class Recompute(OpHandler):
                               largest=self._largest,
                               segments=self.segments - self._segments_at_entry,
                               recomputed=dict(self._recomputed), mode="eager",
-                              graph=self.graph_stats, tf_tape_recording=self._tf_tape)
+                              graph=self.graph_stats, tf_tape_recording=self._tf_tape,
+                              calls=self._calls, call_segments=self._call_segments)
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:
@@ -399,6 +403,17 @@ class Recompute(OpHandler):
 
     def execute(self, op, inputs):
         below = self.next
+        if op.output_dtype_enums is None and self._depth \
+                and not self._tf_tape and recompute_calls.applies(op):
+            # The forward function of a tf.function call a tape records (TensorFlow
+            # calls it with recording stopped): run as a segmented rewrite.
+            if any(type(v) is _Value and v.segment is not None for v in inputs):
+                self.flush()
+            outputs, segments = recompute_calls.run(self, op, self._tensors(inputs), below)
+            if outputs is not None:
+                self._calls += 1
+                self._call_segments += segments
+                return self._wrap(outputs, True)
         if not _record.could_possibly_record():
             # No tape records: nothing to checkpoint (also during a backward pass).
             if any(type(v) is _Value and v.segment is not None for v in inputs):

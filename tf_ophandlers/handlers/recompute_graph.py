@@ -242,9 +242,12 @@ class Window:
         total, count = sum(sizes), max(len(sizes), 1)
         cap = math.sqrt(total * total / count) if total else 0
         save = handler.save if handler.policy == "save" else None
+        keep = frozenset()
+        if handler.policy == "memory_budget":
+            keep, cap = self._budget_plan(items, cap)
         plan, open_seg, members = [], None, {}
         for rec, op in items:
-            if op is None:
+            if op is None or id(op) in keep:
                 if open_seg is not None and self._uses(rec, members, open_seg):
                     plan.append(("segment", open_seg))
                     open_seg = None
@@ -280,7 +283,62 @@ class Window:
                     getattr(_record, name)(*args, **kwargs)
             else:
                 self._record_segment(what, stats, _trainable)
+        stats["budget_plan"] = getattr(self, "budget_plan", None)
+        sizing = self._sizing(items)  # the smallest budget a memory_budget= plan takes
+        stats["minimum_budget"] = sizing[-1] if sizing is not None else None
         handler.graph_stats = stats
+
+    @staticmethod
+    def _sizing(items):
+        """(ops, their bytes, total, mean value bytes, bytes besides activations: the
+        variables' gradients and four of the largest values, minimum budget) of the
+        recomputable ops, or None if a shape is not fully known."""
+        ops = [op for _, op in items if op is not None]
+        if not ops or not all(t.shape.is_fully_defined() for op in ops for t in op.outputs):
+            return None
+        sizes = [sum(_nbytes(t) for t in op.outputs) for op in ops]
+        total = sum(sizes)
+        mean = total / sum(len(op.outputs) for op in ops)
+        extra = 4 * max(_nbytes(t) for op in ops for t in op.outputs)
+        for (name, args, _, _), _op in items:
+            if name == "record_gradient" and args[0] == "ReadVariableOp" and args[3] \
+                    and args[3][0].shape.is_fully_defined():
+                extra += _nbytes(args[3][0])
+        minimum = int(math.ceil((2 * math.sqrt(total * mean) + extra) / 0.9))
+        return ops, sizes, total, mean, extra, minimum
+
+    def _budget_plan(self, items, cap):
+        """Under `memory_budget=` with fully known static shapes: the recomputable ops
+        recorded as usual (the last part of the computation, the tape keeping what their
+        gradients read) and the segment cap for the first part, whose checkpoints and
+        largest segment (about 2 sqrt(part bytes x mean value bytes)) plus the kept part,
+        the variables' gradients and four of the largest values fit 90% of the budget.
+        Unknown dimensions (a batch size known only when the step runs): sqrt(n)
+        segments, as without a budget. A budget below the minimum raises ValueError."""
+        sizing = self._sizing(items)
+        if sizing is None:
+            return frozenset(), cap
+        ops, sizes, total, mean, extra, minimum = sizing
+        budget = self.handler.memory_budget
+        available = budget * 0.9 - extra
+        if minimum > budget:
+            raise ValueError(
+                "oh.Recompute: memory_budget=%d bytes is below the minimum feasible for "
+                "this traced computation, about %d bytes (%d bytes of activations, "
+                "recomputed in sqrt(n) segments)" % (budget, minimum, total))
+        f = 1.0
+        for i in range(201):  # the smallest recomputed part that fits
+            part = i / 200
+            if (1 - part) * total + 2 * math.sqrt(part * total * mean) <= available:
+                f = part
+                break
+        keep, seen = set(), 0
+        for op, size in zip(ops, sizes):
+            if seen >= f * total:
+                keep.add(id(op))
+            seen += size
+        self.budget_plan = dict(recomputed_share=f, kept_ops=len(keep))
+        return frozenset(keep), max(mean, math.sqrt(f * total * mean))
 
     def _held(self):
         """Ids of the values of recorded ops that something besides the graph and the
@@ -390,29 +448,41 @@ def _record_piece(segment, outputs, op_type="RecomputeSegment"):
     nodes, externals = list(segment.nodes), list(segment.externals)
 
     def backward(*grads):
-        real = [None if _is_zero(g) else g for g in grads]
-        if all(g is None for g in real):
-            return [tf.zeros_like(x) for x in xs]
-        first = next(g for g in real if g is not None)
-        first = first.values if isinstance(first, tf.IndexedSlices) else first
-        # A zero that depends on the incoming gradient (as tf.recompute_grad does): the
-        # recomputation runs in the backward pass and cannot be merged with the forward.
-        elem = tf.reduce_max(tf.reshape(first, [-1])[:1])
-        dep = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
-        graph = _ops.get_default_graph()
-        ext = list(externals)
-        new_xs = []
-        for i in tracked:
-            x = tf.identity(ext[i]) + tf.cast(dep, ext[i].dtype)
-            ext[i] = x
-            new_xs.append(x)
-        results = [None] * len(nodes)
-        for j, (op, op_refs) in enumerate(nodes):
-            ins = [ext[i] if p < 0 else results[p][i] for p, i in op_refs]
-            results[j] = _copy(graph, op, ins)
-        ys = [results[n][k] for (n, k), g in zip(refs, real) if g is not None]
-        gys = [tf.convert_to_tensor(g) for g in real if g is not None]
-        return tf.gradients(ys, new_xs, grad_ys=gys)
+        return recompute_gradient(nodes, externals, tracked, refs, grads)
 
     _record.record_operation(op_type, outs, xs, backward)
     return 1
+
+
+def recompute_gradient(nodes, externals, tracked, refs, grads, plain=()):
+    """The gradients with respect to `externals[i]` for i in `tracked` of a segment's
+    outputs `refs` ((node, output) pairs) weighted by `grads`: its `nodes` ((graph op,
+    refs) pairs, refs (-1, external index) or (node, output)) recomputed in the backward
+    graph from the externals, after (and depending on) the incoming gradients. Externals
+    in `plain` (variable reads) enter without the dependency, whose add would make their
+    gradient dense (a gather's IndexedSlices)."""
+    real = [None if _is_zero(g) else g for g in grads]
+    if all(g is None for g in real):
+        return [tf.zeros_like(externals[i]) for i in tracked]
+    first = next(g for g in real if g is not None)
+    first = first.values if isinstance(first, tf.IndexedSlices) else first
+    # A zero that depends on the incoming gradient (as tf.recompute_grad does): the
+    # recomputation runs in the backward pass and cannot be merged with the forward.
+    elem = tf.reduce_max(tf.reshape(first, [-1])[:1])
+    dep = tf.where(tf.equal(elem, elem), 0.0, float("nan"))
+    graph = _ops.get_default_graph()
+    ext = list(externals)
+    new_xs = []
+    for i in tracked:
+        x = tf.identity(ext[i])
+        if i not in plain:
+            x = x + tf.cast(dep, ext[i].dtype)
+        ext[i] = x
+        new_xs.append(x)
+    results = [None] * len(nodes)
+    for j, (op, op_refs) in enumerate(nodes):
+        ins = [ext[i] if p < 0 else results[p][i] for p, i in op_refs]
+        results[j] = _copy(graph, op, ins)
+    ys = [results[n][k] for (n, k), g in zip(refs, real) if g is not None]
+    gys = [tf.convert_to_tensor(g) for g in real if g is not None]
+    return tf.gradients(ys, new_xs, grad_ys=gys)

@@ -76,34 +76,15 @@ def host_memory_devices(devices):
         specs[0].job, specs[0].replica, specs[0].task) for s in specs)
 
 
-class _GraphAndPhysical:
-    """`scope.on_device(name)` plus, in a replayed function, the graph's device scope
-    (TensorFlow calls in a hook add their nodes straight to the graph)."""
-
-    __slots__ = ("_scopes",)
-
-    def __init__(self, name):
-        self._scopes = [scope.on_device(name)]
-        if not tf.executing_eagerly():
-            self._scopes.append(tf.compat.v1.get_default_graph().device(name))
-
-    def __enter__(self):
-        for s in self._scopes:
-            s.__enter__()
-
-    def __exit__(self, *exc_info):
-        for s in reversed(self._scopes):
-            s.__exit__(*exc_info)
-        return False
-
-
 class MeshCommunication:
     """Launches and communication for `Mesh` (needs `devices`, `dims`, `_index`,
     `_coords`, `_groups`, `shares_host_memory` and `_per_op`)."""
 
     def on_device(self, device_index):
-        """A scope placing the TensorFlow calls of a rule on one mesh device."""
-        return _GraphAndPhysical(self.devices[device_index])
+        """A scope placing the TensorFlow calls of a rule on one mesh device (in a
+        replayed function too: core/functions/symbolic.py places the nodes a hook
+        creates on the hook's device)."""
+        return scope.on_device(self.devices[device_index])
 
     def run(self, op, args):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output

@@ -153,3 +153,31 @@ def test_mesh_ops_take_the_cpp_per_op_path_and_unpack_still_leaves_the_stack(mes
     assert oh.handler_of(shards[0]) is None
     assert_close(tf.concat([tf.concat(shards[:2], 1), tf.concat(shards[2:], 1)], 0),
                  a0 * a0 + 1., 1e-6)
+
+
+def test_replayed_rule_ops_made_with_tensorflow_calls_are_placed_per_device(mesh):
+    """A vocabulary-sharded gather's masks are TensorFlow calls under mesh.on_device(i)
+    (core places them, mesh adds no graph device scope of its own): each device's mask
+    ops become nodes on that device."""
+    params0 = np.arange(32, dtype=np.float32).reshape(8, 4)
+    ids0 = np.array([[0, 7], [3, 4]], dtype=np.int32)
+
+    @tf.function
+    def lookup(params, ids):
+        return tf.gather(params, ids) * 2.
+
+    with mesh:
+        params = mesh.shard(params0, ("model", None))
+        ids = mesh.shard(ids0, ("batch", None))
+    before = set(function_calls._cache)  # pylint: disable=protected-access
+    with mesh:
+        got = lookup(params, ids)
+    assert_close(got, tf.gather(params0, ids0) * 2., 1e-6)
+    (key,) = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
+    nodes = function_calls._cache[key].compiled.function.function_def.node_def  # pylint: disable=protected-access
+    masks = [n for n in nodes if n.op in ("LogicalAnd", "SelectV2", "GreaterEqual")]
+    assert masks and all(n.device for n in masks), [(n.op, n.device) for n in masks]
+    by_device = collections.Counter(n.device.rsplit(":", 1)[-1] for n in masks
+                                    if n.op == "LogicalAnd")
+    assert sorted(by_device) == ["0", "1", "2", "3"], by_device
+    assert not mesh.fallbacks

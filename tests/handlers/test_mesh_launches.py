@@ -41,9 +41,11 @@ def _values(rng, *shapes):
 CASES = [  # fn, layouts, shapes, eager ops per call
     (lambda a, b: a * b, [("batch", "model")] * 2, [[8, 6], [8, 6]], {"Mul": 4}),
     (tf.matmul, [("batch", None), (None, "model")], [[8, 6], [6, 4]], {"MatMul": 4}),
-    # Partial sums over "model": one AddN per "model" group, read in place by the other.
+    # Partial sums over "model": both inputs are replicated over "batch" (devices (0, m)
+    # and (1, m) share their shards), so one MatMul per "model" coordinate and one AddN,
+    # read in place by every device.
     (tf.matmul, [(None, "model"), ("model", None)], [[8, 6], [6, 4]],
-     {"MatMul": 4, "AddN": 2}),
+     {"MatMul": 2, "AddN": 1}),
     (lambda a, b: tf.reduce_sum(a), [("batch", "model")] * 2, [[8, 6], [8, 6]],
      {"Sum": 4, "AddN": 1}),
     # A mean over a sharded axis: the division runs once per group.
@@ -52,6 +54,9 @@ CASES = [  # fn, layouts, shapes, eager ops per call
     # Relayout onto a mesh dimension: one Slice per device.
     (lambda a, b: a + b, [("batch", "model"), (None, None)], [[8, 6], [8, 6]],
      {"Slice": 4, "AddV2": 4}),
+    # Replicated over "batch": a Slice and an AddV2 per "model" coordinate, shared.
+    (lambda a, b: a + b, [(None, "model"), (None, None)], [[8, 6], [8, 6]],
+     {"Slice": 2, "AddV2": 2}),
 ]
 
 

@@ -95,14 +95,12 @@ class MeshCommunication:
                 next_stack)
             if compiled is not None:
                 return compiled
+        if self.shares_host_memory and args:
+            first = args[0].shards
+            if (first[0] is first[-1] or len(set(map(id, first))) < len(first)) \
+                    and _stateless(op.type):
+                return self._run_once_per_inputs(op, args)
         below = next_stack()
-        if (self.shares_host_memory and args and args[0].shards[0] is args[0].shards[-1]
-                and _stateless(op.type) and all(
-                    s is v.shards[0] for v in args for s in v.shards)):
-            # The same inputs on every device (replicated, shared): computed once, the
-            # result read in place by every device.
-            n = len(self.devices)
-            return [(o,) * n for o in self.run_on(op, list(v.shards[0] for v in args), 0)]
         st = state
         if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
             # Eager, straight on TensorFlow's devices: one eager op per device.
@@ -126,6 +124,19 @@ class MeshCommunication:
         finally:
             st.device = saved
         return list(zip(*outs)) if outs and outs[0] else []
+
+    def _run_once_per_inputs(self, op, args):
+        """A stateless op on a host-memory mesh whose devices share input shards (the
+        same tensors: replicated along a mesh dimension): run once per distinct inputs,
+        on the first device that has them; the others read that result in place."""
+        done, outs = {}, []
+        for i, shards in enumerate(zip(*[v.shards for v in args])):
+            key = tuple(map(id, shards))
+            out = done.get(key)
+            if out is None:
+                out = done[key] = self.run_on(op, list(shards), i)
+            outs.append(out)
+        return list(zip(*outs)) if outs[0] else []
 
     def run_on(self, op, inputs, device_index):
         """The outputs of `op` run once, on mesh device `device_index`."""
@@ -180,9 +191,16 @@ class MeshCommunication:
         name = _COMBINE[kind]
         dtype = shards[0].dtype
         below = next_stack()
+        share = self.shares_host_memory
+        done = {}
         for group in self._reduce_groups(frozenset(dims)):
             first = group[0]
             parts = [shards[j] for j in group]
+            key = tuple(map(id, parts)) if share else None
+            if key in done:  # the same partial results as an earlier group's: shared
+                for i in group:
+                    shards[i] = done[key]
+                continue
             if len(parts) == 1:
                 total = parts[0]
             elif name == "AddN":
@@ -196,6 +214,8 @@ class MeshCommunication:
                                        [total, self.host_constant(divide_by, dtype)], first)
             for i in group:
                 shards[i] = total if i == first else self._replica(below, total, i)
+            if share:
+                done[key] = total
         return shards
 
     def _own_shards(self, value):
@@ -253,10 +273,18 @@ class MeshCommunication:
         if value.layout == layout:
             return value
         shards, cur = list(value.shards), list(value.layout)
+        share = self.shares_host_memory
         for a, (m, m2) in enumerate(zip(value.layout, layout)):
             if m is not None and m != m2:
-                shards = [self._concat([shards[j] for j in self._groups[m][i]], a, i)
-                          for i in range(len(self.devices))]
+                done, gathered = {}, []
+                for i in range(len(self.devices)):
+                    parts = [shards[j] for j in self._groups[m][i]]
+                    key = tuple(map(id, parts)) if share else i
+                    out = done.get(key)
+                    if out is None:
+                        out = done[key] = self._concat(parts, a, i)
+                    gathered.append(out)
+                shards = gathered
                 cur[a] = None
         gain = [(a, m2) for a, m2 in enumerate(layout) if m2 is not None and cur[a] is None]
         if gain:
@@ -269,13 +297,21 @@ class MeshCommunication:
                                      "dimension %r of size %d" % (a, n, m2, k))
                 rows[a] = n // k
             op = raw_op("Slice", shards[0].dtype)
+            done = {}
             for i in range(len(self.devices)):
                 begin, size = [0] * rank, [-1] * rank
                 for a, m2 in gain:
                     begin[a] = self._coords[i][self._index[m2]] * rows[a]
                     size[a] = rows[a]
-                (shards[i],) = self.run_on(op, [shards[i], self.host_constant(begin, tf.int32),
-                                                self.host_constant(size, tf.int32)], i)
+                # Devices holding the same tensor that get the same block share one
+                # Slice (a host-memory mesh reads it in place).
+                key = (id(shards[i]), tuple(begin)) if share else i
+                out = done.get(key)
+                if out is None:
+                    (out,) = self.run_on(op, [shards[i], self.host_constant(begin, tf.int32),
+                                              self.host_constant(size, tf.int32)], i)
+                    done[key] = out
+                shards[i] = out
         return MeshValue(shards, layout, value.shape)
 
     def gather_full(self, value, device_index=0):

@@ -46,11 +46,20 @@ CASES = [  # fn, layouts, shapes, eager ops per call
     # read in place by every device.
     (tf.matmul, [(None, "model"), ("model", None)], [[8, 6], [6, 4]],
      {"MatMul": 2, "AddN": 1}),
+    # A reduction over sharded axes combines the group's shards first (one AddN), then
+    # reduces the group's shared sum once.
     (lambda a, b: tf.reduce_sum(a), [("batch", "model")] * 2, [[8, 6], [8, 6]],
-     {"Sum": 4, "AddN": 1}),
-    # A mean over a sharded axis: the division runs once per group.
+     {"Sum": 1, "AddN": 1}),
+    (lambda a, b: tf.reduce_max(a, 1), [("batch", "model")] * 2, [[8, 6], [8, 6]],
+     {"Max": 2, "Maximum": 2}),
+    # A mean over a sharded axis: per "batch" group, AddN, Mean, one division.
     (lambda a, b: tf.reduce_mean(a, 0), [("batch", "model")] * 2, [[8, 6], [8, 6]],
-     {"Mean": 4, "AddN": 2, "RealDiv": 2}),
+     {"Mean": 2, "AddN": 2, "RealDiv": 2}),
+    (lambda a, b: tf.reduce_mean(a, 1, keepdims=True), [("batch", "model")] * 2,
+     [[8, 6], [8, 6]], {"Mean": 2, "AddN": 2, "RealDiv": 2}),
+    # Not over a sharded axis: one Mean per device, no communication.
+    (lambda a, b: tf.reduce_mean(a, 1), [("batch", None)] * 2, [[8, 6], [8, 6]],
+     {"Mean": 2}),
     # Relayout onto a mesh dimension: one Slice per device.
     (lambda a, b: a + b, [("batch", "model"), (None, None)], [[8, 6], [8, 6]],
      {"Slice": 4, "AddV2": 4}),
@@ -102,8 +111,12 @@ def test_a_mesh_that_copies_shards_gives_the_same_values(mesh, launched):
         y = tf.matmul(a, b)
         assert launched["Identity"] == 2 and launched["AddN"] == 2, launched
         shards = mesh.unpack(y)
+        launched.clear()
+        m = tf.reduce_mean(a, 1)  # reduced per device, then all-reduced and copied
+        assert launched["Mean"] == 4 and launched["AddN"] == 2, launched
     assert [s.device.rsplit(":", 1)[-1] for s in shards] == ["0", "1", "2", "3"]
     assert_close(y, tf.matmul(a0, b0), 1e-5)
+    assert_close(m, tf.reduce_mean(a0, 1), 1e-5)
 
 
 def test_host_memory_devices():

@@ -96,6 +96,7 @@ class Mesh(MeshCommunication, OpHandler):
         except (ValueError, TypeError) as e:
             raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
         self.dims = dict(zip(names, [int(s) for s in sizes]))
+        self.dims_key = tuple(self.dims.items())  # for plan caches keyed by dimension sizes
         self._index = {n: i for i, n in enumerate(names)}
         #: CPUs of one process: a shard of another device is read in place, not copied.
         self.shares_host_memory = mesh_comm.host_memory_devices(self.devices)
@@ -222,9 +223,9 @@ class Mesh(MeshCommunication, OpHandler):
         if found:  # ours, from an earlier merge
             return MeshValue([below.copy_on(s) for s in value.shards], value.layout,
                              value.shape, value.var)
-        shards = [self._replica(below, tensor, i) for i in range(len(self.devices))]
+        shards = self.replicas(below, tensor)
         shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
-        var = VarInfo(broadcast=True) if tensor.dtype == tf.resource else None
+        var = VarInfo(broadcast=True) if tensor.dtype is tf.resource else None
         return MeshValue(shards, (None,) * len(shape), shape, var)
 
     def copy_off(self, value, device):
@@ -315,7 +316,10 @@ class Mesh(MeshCommunication, OpHandler):
             outs = below.execute(op, full)
         result = []
         for o in outs:
-            shards = [o] + [self._replica(below, o, i) for i in range(1, len(self.devices))]
+            if self._read_in_place(o):
+                shards = (o,) * len(self.devices)
+            else:
+                shards = [o] + [self._copy_to(below, o, d) for d in self.devices[1:]]
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result

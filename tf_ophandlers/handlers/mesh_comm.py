@@ -38,6 +38,7 @@ _COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",
 _ops = BoundedCache("mesh.ops", 256)  # (name, dtype, n) -> Op
 _constants = LRUCache("mesh.constants", 512)  # (bytes, dtype, shape) -> eager tensor
 _stateless_types = BoundedCache("mesh.stateless_op_types", 1024)  # op type -> bool
+_RESOURCE = tf.resource  # dtypes are interned: `is` compares them
 
 
 def raw_op(name, dtype, n=None):
@@ -178,9 +179,8 @@ class MeshCommunication:
             t = self.host_constant(value, tf.as_dtype(value.dtype))
             return MeshValue((t,) * len(self.devices), (None,) * value.ndim, value.shape)
         t = tf.constant(value)
-        below = next_stack()
-        return MeshValue([self._replica(below, t, i) for i in range(len(self.devices))],
-                         (None,) * t.shape.rank, t.shape.as_list())
+        return MeshValue(self.replicas(next_stack(), t), (None,) * t.shape.rank,
+                         t.shape.as_list())
 
     def all_reduce(self, shards, dims, kind, divide_by=None):
         """Combines shards over the devices that differ only in the mesh dimensions
@@ -212,8 +212,13 @@ class MeshCommunication:
             if divide_by is not None:
                 (total,) = self.run_on(raw_op("RealDiv", dtype),
                                        [total, self.host_constant(divide_by, dtype)], first)
-            for i in group:
-                shards[i] = total if i == first else self._replica(below, total, i)
+            if self._read_in_place(total):
+                for i in group:
+                    shards[i] = total
+            else:
+                for i in group:
+                    shards[i] = total if i == first else self._copy_to(
+                        below, total, self.devices[i])
             if share:
                 done[key] = total
         return shards
@@ -225,7 +230,7 @@ class MeshCommunication:
         shards = list(value.shards)
         if tf.executing_eagerly():
             for i, s in enumerate(shards):
-                if (s.dtype != tf.resource and stack_of(s) is None
+                if (s.dtype is not _RESOURCE and stack_of(s) is None
                         and s.device != self.devices[i]):
                     shards[i] = self._copy_to(below, s, self.devices[i])
         return shards
@@ -240,17 +245,29 @@ class MeshCommunication:
             groups = self._groups[dims] = list(by_key.values())
         return groups
 
+    def _read_in_place(self, tensor):
+        """Whether an op on any mesh device reads `tensor` in place (small tensors,
+        host-memory meshes, replayed functions) instead of a copy on its device.
+        Resource handles are always copied (a handle belongs to its device)."""
+        if tensor.dtype is _RESOURCE or stack_of(tensor) is not None:
+            return False
+        if self.shares_host_memory or not tf.executing_eagerly():
+            return True
+        n = tensor.shape.num_elements()
+        return n is not None and n <= SMALL
+
     def _replica(self, below, tensor, device_index):
-        """`tensor` for device `device_index`: the tensor itself where an op there reads
-        it in place (small tensors, host-memory meshes, replayed functions), else a copy
-        there. Resource handles are always copied (a handle belongs to its device)."""
-        if tensor.dtype != tf.resource and stack_of(tensor) is None:
-            if self.shares_host_memory or not tf.executing_eagerly():
-                return tensor
-            n = tensor.shape.num_elements()
-            if n is not None and n <= SMALL:
-                return tensor
+        """`tensor` for device `device_index`: itself if read in place there, else a
+        copy there."""
+        if self._read_in_place(tensor):
+            return tensor
         return self._copy_to(below, tensor, self.devices[device_index])
+
+    def replicas(self, below, tensor):
+        """`tensor` for every mesh device (a tuple): `_replica` per device."""
+        if self._read_in_place(tensor):
+            return (tensor,) * len(self.devices)
+        return tuple(self._copy_to(below, tensor, d) for d in self.devices)
 
     @staticmethod
     def _copy_to(below, tensor, device):

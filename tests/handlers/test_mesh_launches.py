@@ -199,3 +199,28 @@ def test_replayed_rule_ops_made_with_tensorflow_calls_are_placed_per_device(mesh
                                     if n.op == "LogicalAnd")
     assert sorted(by_device) == ["0", "1", "2", "3"], by_device
     assert not mesh.fallbacks
+
+
+def test_shared_shards_cross_a_replay_once_and_join_unshared_in_control_flow(mesh):
+    """A value whose devices share shards ("batch" rows, replicated over "model") enters
+    a replayed function as its distinct shards; where it meets in a cond a value of the
+    same layout with a shard per device (a variable's reads), the two join unshared."""
+    x0 = np.arange(24, dtype=np.float32).reshape(4, 6)
+    v0 = x0 * 10.
+
+    @tf.function
+    def pick(flag, x, v):
+        return tf.cond(flag, lambda: x * 2., lambda: v.read_value()) + 1.
+
+    with mesh:
+        x = mesh.shard(x0, ("batch", None))
+        v = tf.Variable(mesh.shard(v0, ("batch", None)))
+        shards = mesh.unpack(x)
+    assert mesh.function_input(mesh._value_of(x))[0][3] == (0, 0, 1, 1)  # pylint: disable=protected-access
+    del shards
+    for flag, want in ((True, x0 * 2. + 1.), (False, v0 + 1.)):
+        with mesh:
+            got = pick(tf.constant(flag), x, v)
+            assert mesh.layout_of(got) == ("batch", None)
+        assert_close(got, want, 1e-6)
+    assert not mesh.fallbacks

@@ -238,16 +238,47 @@ class Mesh(MeshCommunication, OpHandler):
         return self.gather_full(value)
 
     def function_input(self, value):
+        """The distinct shards (devices sharing one tensor pass it once: a replay then
+        sees the sharing and runs ops once per distinct inputs) and, in the summary,
+        which of them each device holds."""
         var = value.var
+        parts, index, holds = [], {}, []
+        for s in value.shards:
+            j = index.get(id(s))
+            if j is None:
+                j = index[id(s)] = len(parts)
+                parts.append(s)
+            holds.append(j)
         summary = (value.layout, value.shape,
-                   None if var is None else (var.layout, tuple(var.shape or ()), var.broadcast))
-        return summary, list(value.shards)
+                   None if var is None else (var.layout, tuple(var.shape or ()), var.broadcast),
+                   tuple(holds))
+        return summary, parts
 
     def function_output(self, summary, tensors):
-        layout, shape, var = summary
+        layout, shape, var, holds = summary
         if var is not None:
             var = VarInfo(var[0], var[1], var[2])
-        return MeshValue(tensors, layout, shape, var)
+        return MeshValue([tensors[j] for j in holds], layout, shape, var)
+
+    def function_join(self, summaries):
+        """Values meeting in control flow with the same layout but different sharing of
+        shards between devices join as unshared (`function_coerce` copies)."""
+        first = summaries[0]
+        if all(s == first for s in summaries[1:]) or any(
+                s[:3] != first[:3] for s in summaries[1:]):
+            return super().function_join(summaries)  # equal, or the default's error
+        return first[:3] + (tuple(range(len(self.devices))),)
+
+    def function_coerce(self, value, summary):
+        if summary[3] != tuple(range(len(self.devices))):
+            return super().function_coerce(value, summary)
+        below, seen, shards = next_stack(), set(), []
+        for device, s in zip(self.devices, value.shards):
+            if id(s) in seen:  # a device's own copy of a shared shard
+                s = self._copy_to(below, s, device)
+            seen.add(id(s))
+            shards.append(s)
+        return MeshValue(shards, value.layout, value.shape, value.var)
 
     def execute(self, op, inputs):
         t = op.type

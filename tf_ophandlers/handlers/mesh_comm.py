@@ -69,6 +69,15 @@ def _stateless(op_type):
     return known
 
 
+def _of_this_context(tensor):
+    """Whether `tensor` belongs to where ops run now (an eager tensor while executing
+    eagerly, a tensor of the graph being built): relayouts of a value are remembered only
+    then (never a replay's symbolic tensors on an eager value it captured)."""
+    if tf.executing_eagerly():
+        return True
+    return getattr(tensor, "graph", None) is tf.compat.v1.get_default_graph()
+
+
 def host_memory_devices(devices):
     """Whether `devices` (canonical names) are CPUs of one task: an op on one of them
     reads a tensor of another in place."""
@@ -289,6 +298,18 @@ class MeshCommunication:
         layout = tuple(layout)
         if value.layout == layout:
             return value
+        if value.var is not None or not _of_this_context(value.shards[0]):
+            return self._relayout(value, layout)
+        done = value.relayouts
+        if done is not None and layout in done:
+            return done[layout]
+        out = self._relayout(value, layout)
+        if done is None:
+            done = value.relayouts = {}
+        done[layout] = out
+        return out
+
+    def _relayout(self, value, layout):
         shards, cur = list(value.shards), list(value.layout)
         share = self.shares_host_memory
         for a, (m, m2) in enumerate(zip(value.layout, layout)):

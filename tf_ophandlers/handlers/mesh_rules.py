@@ -29,15 +29,19 @@ class MeshValue:
     """`oh.Mesh`'s representation: one next-stack tensor per mesh device (`shards`, in
     the mesh's device order), the `layout` (one mesh dimension name or None per tensor
     axis) and the global `shape` (a tuple of ints). Resource handles (variables) carry a
-    `var` (`VarInfo`: the layout, shape and dtype of the variable's value)."""
+    `var` (`VarInfo`: the layout, shape and dtype of the variable's value). `relayouts`:
+    the value's relayouts made so far ({layout: MeshValue}, `Mesh.relayout_value`), so
+    that the ops of one value used twice in a new layout (a gradient's two terms) slice or
+    gather it once."""
 
-    __slots__ = ("shards", "layout", "shape", "var")
+    __slots__ = ("shards", "layout", "shape", "var", "relayouts")
 
     def __init__(self, shards, layout, shape, var=None):
         self.shards = tuple(shards)
         self.layout = tuple(layout)
         self.shape = tuple(shape)
         self.var = var
+        self.relayouts = None
 
     @property
     def dtype(self):

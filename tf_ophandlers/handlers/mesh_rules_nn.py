@@ -183,8 +183,19 @@ _FILTER_AT = {"Conv2D": 1, "Conv2DBackpropInput": 1}
 _SHAPE_AT = {"Conv2DBackpropInput": 0, "AvgPoolGrad": 0}
 
 
+def _unique(mesh, op, inputs):
+    """Unique (an optimizer deduplicating a sparse gradient's indices) needs every
+    index: the input is all-gathered (replicated), the op runs once per distinct input
+    (`Mesh.run`) and its outputs are replicated."""
+    (x,) = inputs
+    if len(x.shape) != 1:
+        return None
+    x = mesh.relayout_value(x, (None,))
+    return [MeshValue(o, (None,), tuple(o[0].shape.as_list())) for o in mesh.run(op, [x])]
+
+
 RULES = {"BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad, "Softmax": _softmax,
          "LogSoftmax": _softmax, "GatherV2": _gather, "ResourceGather": _resource_gather,
-         "UnsortedSegmentSum": _unsorted_segment_sum, "Conv2DBackpropFilter": _conv_filter_grad}
+         "UnsortedSegmentSum": _unsorted_segment_sum, "Unique": _unique, "Conv2DBackpropFilter": _conv_filter_grad}
 RULES.update({t: _conv_or_pool for t in ("Conv2D", "Conv2DBackpropInput", "MaxPool",
                                          "MaxPoolGrad", "AvgPool", "AvgPoolGrad")})

@@ -109,7 +109,10 @@ class MeshCommunication:
             first = args[0].shards
             if (first[0] is first[-1] or len(set(map(id, first))) < len(first)) \
                     and _stateless(op.type):
-                return self._run_once_per_inputs(op, args)
+                columns = list(zip(*[v.shards for v in args]))
+                keys = [tuple(map(id, c)) for c in columns]
+                if len(set(keys)) < len(keys):
+                    return self._run_once_per_inputs(op, columns, keys)
         below = next_stack()
         st = state
         if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
@@ -135,13 +138,13 @@ class MeshCommunication:
             st.device = saved
         return list(zip(*outs)) if outs and outs[0] else []
 
-    def _run_once_per_inputs(self, op, args):
+    def _run_once_per_inputs(self, op, columns, keys):
         """A stateless op on a host-memory mesh whose devices share input shards (the
-        same tensors: replicated along a mesh dimension): run once per distinct inputs,
-        on the first device that has them; the others read that result in place."""
+        same tensors: replicated along a mesh dimension): run once per distinct inputs
+        (`columns`: each device's input shards, `keys` their ids), on the first device
+        that has them; the others read that result in place."""
         done, outs = {}, []
-        for i, shards in enumerate(zip(*[v.shards for v in args])):
-            key = tuple(map(id, shards))
+        for i, (shards, key) in enumerate(zip(columns, keys)):
             out = done.get(key)
             if out is None:
                 out = done[key] = self.run_on(op, list(shards), i)

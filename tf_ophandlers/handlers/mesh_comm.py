@@ -13,11 +13,14 @@ A result "for another device" is the tensor itself when the mesh's devices are C
 one process (`Mesh.shares_host_memory`: an op there reads a tensor of another logical
 CPU in place, while an explicit copy is one more eager op) and in a replayed function
 (the graph partitioner adds the transfers); otherwise an `Identity` on that device.
+There, devices holding the same tensor (a value replicated along a mesh dimension)
+share one op: `run` runs a stateless op once per distinct inputs, and slices,
+all-gathers and all-reduces are made once per distinct inputs too.
 
 >>> mesh = oh.Mesh({"x": 2}, ["CPU:0", "CPU:1"])
 >>> with mesh:
 ...     s = mesh.shard(tf.range(4.), ("x",))
-...     float(tf.reduce_sum(s))     # a Sum per device, one AddN
+...     float(tf.reduce_sum(s))     # one AddN of the two shards, then one Sum
 6.0
 """
 import numpy as np

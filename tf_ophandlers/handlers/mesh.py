@@ -41,7 +41,8 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
 from tf_ophandlers.handlers import mesh_comm, mesh_rules, mesh_rules_nn, mesh_variables
-from tf_ophandlers.handlers.mesh_comm import MeshCommunication
+from tf_ophandlers.core.state import state
+from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
@@ -287,6 +288,10 @@ class Mesh(MeshCommunication, OpHandler):
                 if v.var is not None:
                     break
             else:  # the common case: a rule, else the fallback
+                if state.mode is not None:  # replaying: shape arithmetic as constants
+                    folded = self._fold_shape_arithmetic(op, inputs)
+                    if folded is not None:
+                        return folded
                 rule = RULES.get(t)
                 out = rule(self, op, inputs) if rule is not None else None
                 return out if out is not None else self._fallback(op, inputs)
@@ -354,6 +359,20 @@ class Mesh(MeshCommunication, OpHandler):
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result
+
+    def _fold_shape_arithmetic(self, op, inputs):
+        """In a replay, a stateless op with integer outputs of small known replicated
+        inputs (a gradient's ExpandDims/ConcatV2 of shapes) folded to constants (as
+        `_fold`), so that rules reading shapes (Reshape's target) see constants."""
+        dtypes = op.output_dtypes
+        if (not inputs or dtypes is None or not all(d.is_integer for d in dtypes)
+                or not all(v.replicated and v.var is None for v in inputs)
+                or not _stateless(op.type)):
+            return None
+        outs = self._fold(op, inputs)
+        if outs is None or any(int(np.prod(o.shape)) > _SMALL for o in outs):
+            return None
+        return outs
 
     def _fold(self, op, inputs):
         """In a replay, a stateless op of small known values (BroadcastGradientArgs of

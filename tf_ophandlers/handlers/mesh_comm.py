@@ -63,7 +63,7 @@ def raw_op(name, dtype, n=None):
     return op
 
 
-def _stateless(op_type):
+def stateless(op_type):
     """Whether ops of `op_type` are stateless (the same inputs give the same outputs)."""
     known = _stateless_types.get(op_type)
     if known is None:
@@ -111,7 +111,7 @@ class MeshCommunication:
         if self.shares_host_memory and args:
             first = args[0].shards
             if (first[0] is first[-1] or len(set(map(id, first))) < len(first)) \
-                    and _stateless(op.type):
+                    and stateless(op.type):
                 columns = list(zip(*[v.shards for v in args]))
                 keys = [tuple(map(id, c)) for c in columns]
                 if len(set(keys)) < len(keys):

@@ -111,8 +111,8 @@ def _unsorted_segment_sum(mesh, op, inputs):
     rows each device holds, then a sum over the mesh dimensions sharding the rows."""
     data, ids, num = inputs
     k = len(ids.shape)
-    n = static_input(mesh, num, "num_segments", op)
-    if n is None or None in data.shape or data.shape[:k] != ids.shape:
+    n = static_input(mesh, num, "num_segments", op)  # None: computed in a replay
+    if not num.replicated or None in data.shape or data.shape[:k] != ids.shape:
         return None
     rows = data.layout[:k]
     used = {m for m in rows if m}
@@ -122,7 +122,8 @@ def _unsorted_segment_sum(mesh, op, inputs):
     (shards,) = mesh.run(op, [data, ids, num])
     if used:
         shards = mesh.all_reduce(shards, sorted(used), "sum")
-    return [MeshValue(shards, (None,) + rest, (int(n),) + data.shape[k:])]
+    return [MeshValue(shards, (None,) + rest,
+                      (None if n is None else int(n),) + data.shape[k:])]
 
 
 def _nhwc(op):

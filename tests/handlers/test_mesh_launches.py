@@ -41,17 +41,31 @@ def _values(rng, *shapes):
 CASES = [  # fn, layouts, shapes, eager ops per call
     (lambda a, b: a * b, [("batch", "model")] * 2, [[8, 6], [8, 6]], {"Mul": 4}),
     (tf.matmul, [("batch", None), (None, "model")], [[8, 6], [6, 4]], {"MatMul": 4}),
-    # Partial sums over "model": one AddN per "model" group, read in place by the other.
+    # Partial sums over "model": both inputs are replicated over "batch" (devices (0, m)
+    # and (1, m) share their shards), so one MatMul per "model" coordinate and one AddN,
+    # read in place by every device.
     (tf.matmul, [(None, "model"), ("model", None)], [[8, 6], [6, 4]],
-     {"MatMul": 4, "AddN": 2}),
+     {"MatMul": 2, "AddN": 1}),
+    # A reduction over sharded axes combines the group's shards first (one AddN), then
+    # reduces the group's shared sum once.
     (lambda a, b: tf.reduce_sum(a), [("batch", "model")] * 2, [[8, 6], [8, 6]],
-     {"Sum": 4, "AddN": 1}),
-    # A mean over a sharded axis: the division runs once per group.
+     {"Sum": 1, "AddN": 1}),
+    (lambda a, b: tf.reduce_max(a, 1), [("batch", "model")] * 2, [[8, 6], [8, 6]],
+     {"Max": 2, "Maximum": 2}),
+    # A mean over a sharded axis: per "batch" group, AddN, Mean, one division.
     (lambda a, b: tf.reduce_mean(a, 0), [("batch", "model")] * 2, [[8, 6], [8, 6]],
-     {"Mean": 4, "AddN": 2, "RealDiv": 2}),
+     {"Mean": 2, "AddN": 2, "RealDiv": 2}),
+    (lambda a, b: tf.reduce_mean(a, 1, keepdims=True), [("batch", "model")] * 2,
+     [[8, 6], [8, 6]], {"Mean": 2, "AddN": 2, "RealDiv": 2}),
+    # Not over a sharded axis: one Mean per device, no communication.
+    (lambda a, b: tf.reduce_mean(a, 1), [("batch", None)] * 2, [[8, 6], [8, 6]],
+     {"Mean": 2}),
     # Relayout onto a mesh dimension: one Slice per device.
     (lambda a, b: a + b, [("batch", "model"), (None, None)], [[8, 6], [8, 6]],
      {"Slice": 4, "AddV2": 4}),
+    # Replicated over "batch": a Slice and an AddV2 per "model" coordinate, shared.
+    (lambda a, b: a + b, [(None, "model"), (None, None)], [[8, 6], [8, 6]],
+     {"Slice": 2, "AddV2": 2}),
 ]
 
 
@@ -97,8 +111,12 @@ def test_a_mesh_that_copies_shards_gives_the_same_values(mesh, launched):
         y = tf.matmul(a, b)
         assert launched["Identity"] == 2 and launched["AddN"] == 2, launched
         shards = mesh.unpack(y)
+        launched.clear()
+        m = tf.reduce_mean(a, 1)  # reduced per device, then all-reduced and copied
+        assert launched["Mean"] == 4 and launched["AddN"] == 2, launched
     assert [s.device.rsplit(":", 1)[-1] for s in shards] == ["0", "1", "2", "3"]
     assert_close(y, tf.matmul(a0, b0), 1e-5)
+    assert_close(m, tf.reduce_mean(a0, 1), 1e-5)
 
 
 def test_host_memory_devices():
@@ -153,3 +171,56 @@ def test_mesh_ops_take_the_cpp_per_op_path_and_unpack_still_leaves_the_stack(mes
     assert oh.handler_of(shards[0]) is None
     assert_close(tf.concat([tf.concat(shards[:2], 1), tf.concat(shards[2:], 1)], 0),
                  a0 * a0 + 1., 1e-6)
+
+
+def test_replayed_rule_ops_made_with_tensorflow_calls_are_placed_per_device(mesh):
+    """A vocabulary-sharded gather's masks are TensorFlow calls under mesh.on_device(i)
+    (core places them, mesh adds no graph device scope of its own): each device's mask
+    ops become nodes on that device."""
+    params0 = np.arange(32, dtype=np.float32).reshape(8, 4)
+    ids0 = np.array([[0, 7], [3, 4]], dtype=np.int32)
+
+    @tf.function
+    def lookup(params, ids):
+        return tf.gather(params, ids) * 2.
+
+    with mesh:
+        params = mesh.shard(params0, ("model", None))
+        ids = mesh.shard(ids0, ("batch", None))
+    before = set(function_calls._cache)  # pylint: disable=protected-access
+    with mesh:
+        got = lookup(params, ids)
+    assert_close(got, tf.gather(params0, ids0) * 2., 1e-6)
+    (key,) = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
+    nodes = function_calls._cache[key].compiled.function.function_def.node_def  # pylint: disable=protected-access
+    masks = [n for n in nodes if n.op in ("LogicalAnd", "SelectV2", "GreaterEqual")]
+    assert masks and all(n.device for n in masks), [(n.op, n.device) for n in masks]
+    by_device = collections.Counter(n.device.rsplit(":", 1)[-1] for n in masks
+                                    if n.op == "LogicalAnd")
+    assert sorted(by_device) == ["0", "1", "2", "3"], by_device
+    assert not mesh.fallbacks
+
+
+def test_shared_shards_cross_a_replay_once_and_join_unshared_in_control_flow(mesh):
+    """A value whose devices share shards ("batch" rows, replicated over "model") enters
+    a replayed function as its distinct shards; where it meets in a cond a value of the
+    same layout with a shard per device (a variable's reads), the two join unshared."""
+    x0 = np.arange(24, dtype=np.float32).reshape(4, 6)
+    v0 = x0 * 10.
+
+    @tf.function
+    def pick(flag, x, v):
+        return tf.cond(flag, lambda: x * 2., lambda: v.read_value()) + 1.
+
+    with mesh:
+        x = mesh.shard(x0, ("batch", None))
+        v = tf.Variable(mesh.shard(v0, ("batch", None)))
+        shards = mesh.unpack(x)
+    assert mesh.function_input(mesh._value_of(x))[0][3] == (0, 0, 1, 1)  # pylint: disable=protected-access
+    del shards
+    for flag, want in ((True, x0 * 2. + 1.), (False, v0 + 1.)):
+        with mesh:
+            got = pick(tf.constant(flag), x, v)
+            assert mesh.layout_of(got) == ("batch", None)
+        assert_close(got, want, 1e-6)
+    assert not mesh.fallbacks

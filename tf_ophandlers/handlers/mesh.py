@@ -41,7 +41,8 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
 from tf_ophandlers.handlers import mesh_comm, mesh_rules, mesh_rules_nn, mesh_variables
-from tf_ophandlers.handlers.mesh_comm import MeshCommunication
+from tf_ophandlers.core.state import state
+from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.parallel import ParallelHandler
@@ -96,6 +97,7 @@ class Mesh(MeshCommunication, OpHandler):
         except (ValueError, TypeError) as e:
             raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
         self.dims = dict(zip(names, [int(s) for s in sizes]))
+        self.dims_key = tuple(self.dims.items())  # for plan caches keyed by dimension sizes
         self._index = {n: i for i, n in enumerate(names)}
         #: CPUs of one process: a shard of another device is read in place, not copied.
         self.shares_host_memory = mesh_comm.host_memory_devices(self.devices)
@@ -222,9 +224,9 @@ class Mesh(MeshCommunication, OpHandler):
         if found:  # ours, from an earlier merge
             return MeshValue([below.copy_on(s) for s in value.shards], value.layout,
                              value.shape, value.var)
-        shards = [self._replica(below, tensor, i) for i in range(len(self.devices))]
+        shards = self.replicas(below, tensor)
         shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
-        var = VarInfo(broadcast=True) if tensor.dtype == tf.resource else None
+        var = VarInfo(broadcast=True) if tensor.dtype is tf.resource else None
         return MeshValue(shards, (None,) * len(shape), shape, var)
 
     def copy_off(self, value, device):
@@ -237,16 +239,47 @@ class Mesh(MeshCommunication, OpHandler):
         return self.gather_full(value)
 
     def function_input(self, value):
+        """The distinct shards (devices sharing one tensor pass it once: a replay then
+        sees the sharing and runs ops once per distinct inputs) and, in the summary,
+        which of them each device holds."""
         var = value.var
+        parts, index, holds = [], {}, []
+        for s in value.shards:
+            j = index.get(id(s))
+            if j is None:
+                j = index[id(s)] = len(parts)
+                parts.append(s)
+            holds.append(j)
         summary = (value.layout, value.shape,
-                   None if var is None else (var.layout, tuple(var.shape or ()), var.broadcast))
-        return summary, list(value.shards)
+                   None if var is None else (var.layout, tuple(var.shape or ()), var.broadcast),
+                   tuple(holds))
+        return summary, parts
 
     def function_output(self, summary, tensors):
-        layout, shape, var = summary
+        layout, shape, var, holds = summary
         if var is not None:
             var = VarInfo(var[0], var[1], var[2])
-        return MeshValue(tensors, layout, shape, var)
+        return MeshValue([tensors[j] for j in holds], layout, shape, var)
+
+    def function_join(self, summaries):
+        """Values meeting in control flow with the same layout but different sharing of
+        shards between devices join as unshared (`function_coerce` copies)."""
+        first = summaries[0]
+        if all(s == first for s in summaries[1:]) or any(
+                s[:3] != first[:3] for s in summaries[1:]):
+            return super().function_join(summaries)  # equal, or the default's error
+        return first[:3] + (tuple(range(len(self.devices))),)
+
+    def function_coerce(self, value, summary):
+        if summary[3] != tuple(range(len(self.devices))):
+            return super().function_coerce(value, summary)
+        below, seen, shards = next_stack(), set(), []
+        for device, s in zip(self.devices, value.shards):
+            if id(s) in seen:  # a device's own copy of a shared shard
+                s = self._copy_to(below, s, device)
+            seen.add(id(s))
+            shards.append(s)
+        return MeshValue(shards, value.layout, value.shape, value.var)
 
     def execute(self, op, inputs):
         t = op.type
@@ -255,6 +288,10 @@ class Mesh(MeshCommunication, OpHandler):
                 if v.var is not None:
                     break
             else:  # the common case: a rule, else the fallback
+                if state.mode is not None:  # replaying: shape arithmetic as constants
+                    folded = self._fold_shape_arithmetic(op, inputs)
+                    if folded is not None:
+                        return folded
                 rule = RULES.get(t)
                 out = rule(self, op, inputs) if rule is not None else None
                 return out if out is not None else self._fallback(op, inputs)
@@ -315,10 +352,27 @@ class Mesh(MeshCommunication, OpHandler):
             outs = below.execute(op, full)
         result = []
         for o in outs:
-            shards = [o] + [self._replica(below, o, i) for i in range(1, len(self.devices))]
+            if self._read_in_place(o):
+                shards = (o,) * len(self.devices)
+            else:
+                shards = [o] + [self._copy_to(below, o, d) for d in self.devices[1:]]
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result
+
+    def _fold_shape_arithmetic(self, op, inputs):
+        """In a replay, a stateless op with integer outputs of small known replicated
+        inputs (a gradient's ExpandDims/ConcatV2 of shapes) folded to constants (as
+        `_fold`), so that rules reading shapes (Reshape's target) see constants."""
+        dtypes = op.output_dtypes
+        if (not inputs or dtypes is None or not all(d.is_integer for d in dtypes)
+                or not all(v.replicated and v.var is None for v in inputs)
+                or not _stateless(op.type)):
+            return None
+        outs = self._fold(op, inputs)
+        if outs is None or any(int(np.prod(o.shape)) > _SMALL for o in outs):
+            return None
+        return outs
 
     def _fold(self, op, inputs):
         """In a replay, a stateless op of small known values (BroadcastGradientArgs of

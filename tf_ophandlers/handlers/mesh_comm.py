@@ -13,11 +13,14 @@ A result "for another device" is the tensor itself when the mesh's devices are C
 one process (`Mesh.shares_host_memory`: an op there reads a tensor of another logical
 CPU in place, while an explicit copy is one more eager op) and in a replayed function
 (the graph partitioner adds the transfers); otherwise an `Identity` on that device.
+There, devices holding the same tensor (a value replicated along a mesh dimension)
+share one op: `run` runs a stateless op once per distinct inputs, and slices,
+all-gathers and all-reduces are made once per distinct inputs too.
 
 >>> mesh = oh.Mesh({"x": 2}, ["CPU:0", "CPU:1"])
 >>> with mesh:
 ...     s = mesh.shard(tf.range(4.), ("x",))
-...     float(tf.reduce_sum(s))     # a Sum per device, one AddN
+...     float(tf.reduce_sum(s))     # one AddN of the two shards, then one Sum
 6.0
 """
 import numpy as np
@@ -38,6 +41,7 @@ _COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",
 _ops = BoundedCache("mesh.ops", 256)  # (name, dtype, n) -> Op
 _constants = LRUCache("mesh.constants", 512)  # (bytes, dtype, shape) -> eager tensor
 _stateless_types = BoundedCache("mesh.stateless_op_types", 1024)  # op type -> bool
+_RESOURCE = tf.resource  # dtypes are interned: `is` compares them
 
 
 def raw_op(name, dtype, n=None):
@@ -59,13 +63,22 @@ def raw_op(name, dtype, n=None):
     return op
 
 
-def _stateless(op_type):
+def stateless(op_type):
     """Whether ops of `op_type` are stateless (the same inputs give the same outputs)."""
     known = _stateless_types.get(op_type)
     if known is None:
         op_def = op_def_registry.get(op_type)
         known = _stateless_types[op_type] = op_def is not None and not op_def.is_stateful
     return known
+
+
+def _of_this_context(tensor):
+    """Whether `tensor` belongs to where ops run now (an eager tensor while executing
+    eagerly, a tensor of the graph being built): relayouts of a value are remembered only
+    then (never a replay's symbolic tensors on an eager value it captured)."""
+    if tf.executing_eagerly():
+        return True
+    return getattr(tensor, "graph", None) is tf.compat.v1.get_default_graph()
 
 
 def host_memory_devices(devices):
@@ -76,34 +89,15 @@ def host_memory_devices(devices):
         specs[0].job, specs[0].replica, specs[0].task) for s in specs)
 
 
-class _GraphAndPhysical:
-    """`scope.on_device(name)` plus, in a replayed function, the graph's device scope
-    (TensorFlow calls in a hook add their nodes straight to the graph)."""
-
-    __slots__ = ("_scopes",)
-
-    def __init__(self, name):
-        self._scopes = [scope.on_device(name)]
-        if not tf.executing_eagerly():
-            self._scopes.append(tf.compat.v1.get_default_graph().device(name))
-
-    def __enter__(self):
-        for s in self._scopes:
-            s.__enter__()
-
-    def __exit__(self, *exc_info):
-        for s in reversed(self._scopes):
-            s.__exit__(*exc_info)
-        return False
-
-
 class MeshCommunication:
     """Launches and communication for `Mesh` (needs `devices`, `dims`, `_index`,
     `_coords`, `_groups`, `shares_host_memory` and `_per_op`)."""
 
     def on_device(self, device_index):
-        """A scope placing the TensorFlow calls of a rule on one mesh device."""
-        return _GraphAndPhysical(self.devices[device_index])
+        """A scope placing the TensorFlow calls of a rule on one mesh device (in a
+        replayed function too: core/functions/symbolic.py places the nodes a hook
+        creates on the hook's device)."""
+        return scope.on_device(self.devices[device_index])
 
     def run(self, op, args):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output
@@ -114,14 +108,15 @@ class MeshCommunication:
                 next_stack)
             if compiled is not None:
                 return compiled
+        if self.shares_host_memory and args:
+            first = args[0].shards
+            if (first[0] is first[-1] or len(set(map(id, first))) < len(first)) \
+                    and stateless(op.type):
+                columns = list(zip(*[v.shards for v in args]))
+                keys = [tuple(map(id, c)) for c in columns]
+                if len(set(keys)) < len(keys):
+                    return self._run_once_per_inputs(op, columns, keys)
         below = next_stack()
-        if (self.shares_host_memory and args and args[0].shards[0] is args[0].shards[-1]
-                and _stateless(op.type) and all(
-                    s is v.shards[0] for v in args for s in v.shards)):
-            # The same inputs on every device (replicated, shared): computed once, the
-            # result read in place by every device.
-            n = len(self.devices)
-            return [(o,) * n for o in self.run_on(op, list(v.shards[0] for v in args), 0)]
         st = state
         if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
             # Eager, straight on TensorFlow's devices: one eager op per device.
@@ -145,6 +140,19 @@ class MeshCommunication:
         finally:
             st.device = saved
         return list(zip(*outs)) if outs and outs[0] else []
+
+    def _run_once_per_inputs(self, op, columns, keys):
+        """A stateless op on a host-memory mesh whose devices share input shards (the
+        same tensors: replicated along a mesh dimension): run once per distinct inputs
+        (`columns`: each device's input shards, `keys` their ids), on the first device
+        that has them; the others read that result in place."""
+        done, outs = {}, []
+        for i, (shards, key) in enumerate(zip(columns, keys)):
+            out = done.get(key)
+            if out is None:
+                out = done[key] = self.run_on(op, list(shards), i)
+            outs.append(out)
+        return list(zip(*outs)) if outs[0] else []
 
     def run_on(self, op, inputs, device_index):
         """The outputs of `op` run once, on mesh device `device_index`."""
@@ -186,9 +194,8 @@ class MeshCommunication:
             t = self.host_constant(value, tf.as_dtype(value.dtype))
             return MeshValue((t,) * len(self.devices), (None,) * value.ndim, value.shape)
         t = tf.constant(value)
-        below = next_stack()
-        return MeshValue([self._replica(below, t, i) for i in range(len(self.devices))],
-                         (None,) * t.shape.rank, t.shape.as_list())
+        return MeshValue(self.replicas(next_stack(), t), (None,) * t.shape.rank,
+                         t.shape.as_list())
 
     def all_reduce(self, shards, dims, kind, divide_by=None):
         """Combines shards over the devices that differ only in the mesh dimensions
@@ -199,9 +206,16 @@ class MeshCommunication:
         name = _COMBINE[kind]
         dtype = shards[0].dtype
         below = next_stack()
+        share = self.shares_host_memory
+        done = {}
         for group in self._reduce_groups(frozenset(dims)):
             first = group[0]
             parts = [shards[j] for j in group]
+            key = tuple(map(id, parts)) if share else None
+            if key in done:  # the same partial results as an earlier group's: shared
+                for i in group:
+                    shards[i] = done[key]
+                continue
             if len(parts) == 1:
                 total = parts[0]
             elif name == "AddN":
@@ -213,8 +227,15 @@ class MeshCommunication:
             if divide_by is not None:
                 (total,) = self.run_on(raw_op("RealDiv", dtype),
                                        [total, self.host_constant(divide_by, dtype)], first)
-            for i in group:
-                shards[i] = total if i == first else self._replica(below, total, i)
+            if self._read_in_place(total):
+                for i in group:
+                    shards[i] = total
+            else:
+                for i in group:
+                    shards[i] = total if i == first else self._copy_to(
+                        below, total, self.devices[i])
+            if share:
+                done[key] = total
         return shards
 
     def _own_shards(self, value):
@@ -224,7 +245,7 @@ class MeshCommunication:
         shards = list(value.shards)
         if tf.executing_eagerly():
             for i, s in enumerate(shards):
-                if (s.dtype != tf.resource and stack_of(s) is None
+                if (s.dtype is not _RESOURCE and stack_of(s) is None
                         and s.device != self.devices[i]):
                     shards[i] = self._copy_to(below, s, self.devices[i])
         return shards
@@ -239,17 +260,29 @@ class MeshCommunication:
             groups = self._groups[dims] = list(by_key.values())
         return groups
 
+    def _read_in_place(self, tensor):
+        """Whether an op on any mesh device reads `tensor` in place (small tensors,
+        host-memory meshes, replayed functions) instead of a copy on its device.
+        Resource handles are always copied (a handle belongs to its device)."""
+        if tensor.dtype is _RESOURCE or stack_of(tensor) is not None:
+            return False
+        if self.shares_host_memory or not tf.executing_eagerly():
+            return True
+        n = tensor.shape.num_elements()
+        return n is not None and n <= SMALL
+
     def _replica(self, below, tensor, device_index):
-        """`tensor` for device `device_index`: the tensor itself where an op there reads
-        it in place (small tensors, host-memory meshes, replayed functions), else a copy
-        there. Resource handles are always copied (a handle belongs to its device)."""
-        if tensor.dtype != tf.resource and stack_of(tensor) is None:
-            if self.shares_host_memory or not tf.executing_eagerly():
-                return tensor
-            n = tensor.shape.num_elements()
-            if n is not None and n <= SMALL:
-                return tensor
+        """`tensor` for device `device_index`: itself if read in place there, else a
+        copy there."""
+        if self._read_in_place(tensor):
+            return tensor
         return self._copy_to(below, tensor, self.devices[device_index])
+
+    def replicas(self, below, tensor):
+        """`tensor` for every mesh device (a tuple): `_replica` per device."""
+        if self._read_in_place(tensor):
+            return (tensor,) * len(self.devices)
+        return tuple(self._copy_to(below, tensor, d) for d in self.devices)
 
     @staticmethod
     def _copy_to(below, tensor, device):
@@ -271,11 +304,31 @@ class MeshCommunication:
         layout = tuple(layout)
         if value.layout == layout:
             return value
+        if value.var is not None or not _of_this_context(value.shards[0]):
+            return self._relayout(value, layout)
+        done = value.relayouts
+        if done is not None and layout in done:
+            return done[layout]
+        out = self._relayout(value, layout)
+        if done is None:
+            done = value.relayouts = {}
+        done[layout] = out
+        return out
+
+    def _relayout(self, value, layout):
         shards, cur = list(value.shards), list(value.layout)
+        share = self.shares_host_memory
         for a, (m, m2) in enumerate(zip(value.layout, layout)):
             if m is not None and m != m2:
-                shards = [self._concat([shards[j] for j in self._groups[m][i]], a, i)
-                          for i in range(len(self.devices))]
+                done, gathered = {}, []
+                for i in range(len(self.devices)):
+                    parts = [shards[j] for j in self._groups[m][i]]
+                    key = tuple(map(id, parts)) if share else i
+                    out = done.get(key)
+                    if out is None:
+                        out = done[key] = self._concat(parts, a, i)
+                    gathered.append(out)
+                shards = gathered
                 cur[a] = None
         gain = [(a, m2) for a, m2 in enumerate(layout) if m2 is not None and cur[a] is None]
         if gain:
@@ -288,13 +341,21 @@ class MeshCommunication:
                                      "dimension %r of size %d" % (a, n, m2, k))
                 rows[a] = n // k
             op = raw_op("Slice", shards[0].dtype)
+            done = {}
             for i in range(len(self.devices)):
                 begin, size = [0] * rank, [-1] * rank
                 for a, m2 in gain:
                     begin[a] = self._coords[i][self._index[m2]] * rows[a]
                     size[a] = rows[a]
-                (shards[i],) = self.run_on(op, [shards[i], self.host_constant(begin, tf.int32),
-                                                self.host_constant(size, tf.int32)], i)
+                # Devices holding the same tensor that get the same block share one
+                # Slice (a host-memory mesh reads it in place).
+                key = (id(shards[i]), tuple(begin)) if share else i
+                out = done.get(key)
+                if out is None:
+                    (out,) = self.run_on(op, [shards[i], self.host_constant(begin, tf.int32),
+                                              self.host_constant(size, tf.int32)], i)
+                    done[key] = out
+                shards[i] = out
         return MeshValue(shards, layout, value.shape)
 
     def gather_full(self, value, device_index=0):

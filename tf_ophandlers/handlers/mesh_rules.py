@@ -20,6 +20,8 @@ from tf_ophandlers.core.cache import BoundedCache
 # Contraction plans (layout decisions), per (letters, input layouts, input shapes): they
 # depend on nothing else (the mesh's dimension names appear in the layouts).
 _plans = BoundedCache("mesh.contraction_plans", 4096)
+# Reduction plans, per (op type, input layout and shape, axes, keep_dims, dtype, mesh dims).
+_reduction_plans = BoundedCache("mesh.reduction_plans", 4096)
 _MISSING = object()
 
 
@@ -27,15 +29,19 @@ class MeshValue:
     """`oh.Mesh`'s representation: one next-stack tensor per mesh device (`shards`, in
     the mesh's device order), the `layout` (one mesh dimension name or None per tensor
     axis) and the global `shape` (a tuple of ints). Resource handles (variables) carry a
-    `var` (`VarInfo`: the layout, shape and dtype of the variable's value)."""
+    `var` (`VarInfo`: the layout, shape and dtype of the variable's value). `relayouts`:
+    the value's relayouts made so far ({layout: MeshValue}, `Mesh.relayout_value`), so
+    that the ops of one value used twice in a new layout (a gradient's two terms) slice or
+    gather it once."""
 
-    __slots__ = ("shards", "layout", "shape", "var")
+    __slots__ = ("shards", "layout", "shape", "var", "relayouts")
 
     def __init__(self, shards, layout, shape, var=None):
         self.shards = tuple(shards)
         self.layout = tuple(layout)
         self.shape = tuple(shape)
         self.var = var
+        self.relayouts = None
 
     @property
     def dtype(self):
@@ -218,23 +224,51 @@ _REDUCE_KIND = {"Sum": "sum", "Mean": "sum", "Max": "max", "Min": "min", "Prod":
 def _reduction(mesh, op, inputs):
     x, axes_v = inputs
     axes = static_input(mesh, axes_v, "axes", op)
-    rank = len(x.shape)
     if axes is None or None in x.shape:
         return None
-    axes = sorted({int(a) % rank for a in np.atleast_1d(axes)}) if rank else []
-    if op.type == "Mean" and not x.dtype.is_floating:
-        x = mesh.relayout_value(x, tuple(None if a in axes else m
-                                         for a, m in enumerate(x.layout)))
+    keep = bool(op.attrs.get("keep_dims"))
+    key = (op.type, x.layout, x.shape, axes.tobytes(), axes.shape, keep,
+           x.shards[0].dtype, mesh.dims_key)
+    plan = _reduction_plans.get(key)
+    if plan is None:
+        plan = _reduction_plans[key] = _reduction_plan(mesh, op, x, axes, keep)
+    relayout, summed, kind, k, layout, shape = plan
+    if relayout is not None:
+        x = mesh.relayout_value(x, relayout)
+    if summed and mesh.shares_host_memory:
+        # A host-memory mesh combines first: the shards of a group (devices differing
+        # only in the reduced mesh dimensions; equal local shapes) are combined
+        # elementwise (one AddN, Maximum, ...) and the group's shared result reduced once
+        # (`run` runs an op once per distinct inputs): 2 ops per group instead of one per
+        # device plus one per group. Linear (sum) or associative (max, min, prod, all,
+        # any), so the values are those of reducing each shard then combining.
+        combined = mesh.all_reduce(x.shards, summed, kind)
+        (shards,) = mesh.run(op, [MeshValue(combined, x.layout, x.shape), axes_v])
+        if k is not None:  # a Mean: the group's mean of means
+            shards = mesh.all_reduce(shards, (), "sum", divide_by=k)
+        return [MeshValue(shards, layout, shape)]
     (shards,) = mesh.run(op, [x, axes_v])
-    summed = [x.layout[a] for a in axes if x.layout[a] is not None]
     if summed:
-        k = int(np.prod([mesh.dim_size(m) for m in summed])) if op.type == "Mean" else None
-        shards = mesh.all_reduce(shards, summed, _REDUCE_KIND[op.type], divide_by=k)
-    keep = op.attrs.get("keep_dims")
-    layout = tuple(None if a in axes else m for a, m in enumerate(x.layout)
-                   if keep or a not in axes)
-    shape = tuple(1 if a in axes else n for a, n in enumerate(x.shape) if keep or a not in axes)
+        shards = mesh.all_reduce(shards, summed, kind, divide_by=k)
     return [MeshValue(shards, layout, shape)]
+
+
+def _reduction_plan(mesh, op, x, axes, keep):
+    """(layout to relayout x to or None, summed mesh dimensions, combine kind, divisor
+    of a mean or None, output layout, output shape) of a reduction."""
+    rank = len(x.shape)
+    axes = sorted({int(a) % rank for a in np.atleast_1d(axes)}) if rank else []
+    layout = x.layout
+    relayout = None
+    if op.type == "Mean" and not x.dtype.is_floating:
+        relayout = layout = tuple(None if a in axes else m for a, m in enumerate(layout))
+    summed = tuple(layout[a] for a in axes if layout[a] is not None)
+    k = int(np.prod([mesh.dim_size(m) for m in summed])) if (
+        summed and op.type == "Mean") else None
+    out_layout = tuple(None if a in axes else m for a, m in enumerate(layout)
+                       if keep or a not in axes)
+    shape = tuple(1 if a in axes else n for a, n in enumerate(x.shape) if keep or a not in axes)
+    return relayout, summed, _REDUCE_KIND[op.type], k, out_layout, shape
 
 
 def _argminmax(mesh, op, inputs):

@@ -111,8 +111,8 @@ def _unsorted_segment_sum(mesh, op, inputs):
     rows each device holds, then a sum over the mesh dimensions sharding the rows."""
     data, ids, num = inputs
     k = len(ids.shape)
-    n = static_input(mesh, num, "num_segments", op)
-    if n is None or None in data.shape or data.shape[:k] != ids.shape:
+    n = static_input(mesh, num, "num_segments", op)  # None: computed in a replay
+    if not num.replicated or None in data.shape or data.shape[:k] != ids.shape:
         return None
     rows = data.layout[:k]
     used = {m for m in rows if m}
@@ -122,7 +122,8 @@ def _unsorted_segment_sum(mesh, op, inputs):
     (shards,) = mesh.run(op, [data, ids, num])
     if used:
         shards = mesh.all_reduce(shards, sorted(used), "sum")
-    return [MeshValue(shards, (None,) + rest, (int(n),) + data.shape[k:])]
+    return [MeshValue(shards, (None,) + rest,
+                      (None if n is None else int(n),) + data.shape[k:])]
 
 
 def _nhwc(op):
@@ -183,8 +184,19 @@ _FILTER_AT = {"Conv2D": 1, "Conv2DBackpropInput": 1}
 _SHAPE_AT = {"Conv2DBackpropInput": 0, "AvgPoolGrad": 0}
 
 
+def _unique(mesh, op, inputs):
+    """Unique (an optimizer deduplicating a sparse gradient's indices) needs every
+    index: the input is all-gathered (replicated), the op runs once per distinct input
+    (`Mesh.run`) and its outputs are replicated."""
+    (x,) = inputs
+    if len(x.shape) != 1:
+        return None
+    x = mesh.relayout_value(x, (None,))
+    return [MeshValue(o, (None,), tuple(o[0].shape.as_list())) for o in mesh.run(op, [x])]
+
+
 RULES = {"BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad, "Softmax": _softmax,
          "LogSoftmax": _softmax, "GatherV2": _gather, "ResourceGather": _resource_gather,
-         "UnsortedSegmentSum": _unsorted_segment_sum, "Conv2DBackpropFilter": _conv_filter_grad}
+         "UnsortedSegmentSum": _unsorted_segment_sum, "Unique": _unique, "Conv2DBackpropFilter": _conv_filter_grad}
 RULES.update({t: _conv_or_pool for t in ("Conv2D", "Conv2DBackpropInput", "MaxPool",
                                          "MaxPoolGrad", "AvgPool", "AvgPoolGrad")})

@@ -1,7 +1,7 @@
 """Variable ops of `oh.Mesh` (tf_ophandlers/handlers/mesh.py): creation, reads, writes
-relayouted to the variable's layout, `ResourceGather`, dense `ResourceApply*` kernels,
-and the layout adoption that gives an optimizer's slot variables their variables'
-layouts. Other ops on a mesh variable raise (never gathered: one device would see only
+relayouted to the variable's layout, `ResourceGather`, dense `ResourceApply*` and sparse
+`ResourceSparseApply*` kernels, sparse `ResourceScatter*` updates, and the layout
+adoption that gives an optimizer's slot variables their variables' layouts. Other ops on a mesh variable raise (never gathered: one device would see only
 its shard).
 
 >>> "AssignVariableOp" in VAR_WRITES
@@ -9,6 +9,7 @@ True
 """
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.op import Op
@@ -34,14 +35,25 @@ def variable_op(mesh, op, inputs, var_request):
     unsupported = NotImplementedError(
         "oh.Mesh: op %s on a variable has no SPMD rule in %s (for these inputs)"
         % (t, mesh.debug_string()))
-    if var is None or any(v.var is not None for v in inputs[1:]):
-        raise unsupported  # never gathered: one device would see only its shard
-    if var.broadcast and (t in VAR_WRITES or t.startswith("ResourceApply")):
+    if var is None:
+        raise unsupported
+    sparse = t.startswith("ResourceSparseApply")
+    if (t in VAR_WRITES or t.startswith("ResourceApply") or sparse) and any(
+            v.var is not None and v.var.broadcast for v in inputs):
         raise errors.PlacementError(
             "oh.Mesh: op %s would write a variable created outside %s once per device; "
             "create the variable inside the mesh's scope" % (t, mesh.debug_string()))
-    if t in VAR_WRITES or t.startswith("ResourceApply"):
-        adopt_layout(mesh, op, handle, inputs[1:])
+    if sparse:
+        if sparse_apply(mesh, op, inputs):
+            return []
+        raise unsupported
+    dense = t.startswith("ResourceApply")
+    if not dense and any(v.var is not None for v in inputs[1:]):
+        raise unsupported  # never gathered: one device would see only its shard
+    if t in VAR_WRITES or dense:
+        adopt_layout(mesh, op, handle, [v for v in inputs[1:] if v.var is None])
+    if dense and var.layout is not None:
+        same_layouts(mesh, op, [v for v in inputs if v.var is not None])
     if t in VAR_WRITES:
         value = inputs[1]
         request = var_request
@@ -83,7 +95,7 @@ def variable_op(mesh, op, inputs, var_request):
     if t in SCATTERS and var.layout is not None and var.shape is not None:
         if scatter(mesh, op, handle, inputs[1], inputs[2]):
             return []
-    if t.startswith("ResourceApply") and var.layout is not None and not any(
+    if dense and var.layout is not None and not any(
             v.shape and v.shape != var.shape for v in inputs[1:]):
         mesh.run(op, [handle] + [v if not v.shape else mesh.relayout_value(v, var.layout)
                                  for v in inputs[1:]])
@@ -102,12 +114,21 @@ def adopt_layout(mesh, op, handle, values):
     source = next((v for v in values if v.shape == var.shape and not v.replicated), None)
     if source is None:
         return
+    adopt_var_layout(mesh, op, handle, source.layout)
+
+
+def adopt_var_layout(mesh, op, handle, layout):
+    """The replicated, never chosen variable of `handle` resliced in place to `layout`,
+    eagerly (see `adopt_layout`); nothing otherwise."""
+    var = handle.var
+    if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+        return
     dtype = op.attrs.get("dtype", op.attrs.get("T"))
     (reads,) = mesh.run(Op.cached("ReadVariableOp", dtype=dtype), [handle])
-    value = mesh.relayout_value(MeshValue(reads, var.layout, var.shape), source.layout)
+    value = mesh.relayout_value(MeshValue(reads, var.layout, var.shape), layout)
     mesh.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
              [handle, value])
-    var.layout, var.chosen = source.layout, True
+    var.layout, var.chosen = tuple(layout), True
 
 
 def scatter(mesh, op, handle, indices, updates):
@@ -126,18 +147,74 @@ def scatter(mesh, op, handle, indices, updates):
     if m is None:
         mesh.run(op, [handle, indices, updates])
         return True
-    rows = var.shape[0] // mesh.dim_size(m)
     for i in range(len(mesh.devices)):
-        with mesh.on_device(i):
-            idx = tf.reshape(indices.shards[i], [-1])
-            tf.debugging.assert_less(idx, tf.cast(var.shape[0], idx.dtype), message=(
-                "oh.Mesh: %s index out of range [0, %d)" % (op.type, var.shape[0])))
-            tf.debugging.assert_non_negative(idx, message="oh.Mesh: %s negative index"
-                                             % op.type)
-            local = idx - tf.cast(mesh.coord(i, m) * rows, idx.dtype)
-            keep = tf.logical_and(local >= 0, local < rows)
-            upd = updates.shards[i]
-            upd = tf.reshape(upd, tf.concat([[-1], tf.shape(upd)[k:]], 0))
-            local, upd = tf.boolean_mask(local, keep), tf.boolean_mask(upd, keep)
+        local, upd = _own_rows(mesh, op, var, i, indices.shards[i], updates.shards[i], k)
         mesh.run_on(op, [handle.shards[i], local, upd], i)
+    return True
+
+
+def _own_rows(mesh, op, var, i, indices, updates, k):
+    """The rows of `updates` (indices of rank `k`, flattened) that device `i` holds of
+    `var` (rows sharded on one mesh dimension), with their indices shifted to the
+    device's first row; out-of-range indices raise."""
+    m = var.layout[0]
+    rows = var.shape[0] // mesh.dim_size(m)
+    with mesh.on_device(i):
+        idx = tf.reshape(indices, [-1])
+        tf.debugging.assert_less(idx, tf.cast(var.shape[0], idx.dtype), message=(
+            "oh.Mesh: %s index out of range [0, %d)" % (op.type, var.shape[0])))
+        tf.debugging.assert_non_negative(idx, message="oh.Mesh: %s negative index"
+                                         % op.type)
+        local = idx - tf.cast(mesh.coord(i, m) * rows, idx.dtype)
+        keep = tf.logical_and(local >= 0, local < rows)
+        upd = tf.reshape(updates, tf.concat([[-1], tf.shape(updates)[k:]], 0))
+        return tf.boolean_mask(local, keep), tf.boolean_mask(upd, keep)
+
+
+def same_layouts(mesh, op, handles):
+    """An optimizer kernel's variables (the first, then its slots) with one layout: a
+    slot created replicated adopts the first's (eagerly); else a clear error."""
+    var = handles[0].var
+    for h in handles[1:]:
+        if h.var.layout != var.layout and h.var.shape == var.shape:
+            adopt_var_layout(mesh, op, h, var.layout)
+        if h.var.layout != var.layout or h.var.shape != var.shape:
+            raise NotImplementedError(
+                "oh.Mesh: op %s updates variables of different layouts or shapes (%s %s "
+                "and %s %s) in %s; run the first optimizer step eagerly in the mesh's "
+                "scope (its slot variables then take their variable's layout)"
+                % (op.type, var.layout, var.shape, h.var.layout, h.var.shape,
+                   mesh.debug_string()))
+
+
+def sparse_apply(mesh, op, inputs):
+    """A `ResourceSparseApply*` optimizer kernel (Adagrad, Momentum, FTRL, ...) on a mesh
+    variable and its slot variables: every variable takes the first one's layout (a slot
+    created replicated adopts it, eagerly), the indices are replicated, the gradient's
+    rows relayouted to the variable's layout past the rows; with rows sharded each device
+    applies only the rows it holds (indices shifted, the others dropped), in the order
+    given, as TensorFlow's kernel does. False when the inputs are not a sparse apply's."""
+    op_def = op_def_registry.get(op.type)
+    names = [a.name for a in op_def.input_arg] if op_def is not None else []
+    if "grad" not in names or "indices" not in names or len(names) != len(inputs):
+        return False
+    var = inputs[0].var
+    grad, indices = inputs[names.index("grad")], inputs[names.index("indices")]
+    if (var.layout is None or var.shape is None or len(indices.shape) != 1
+            or tuple(grad.shape[1:]) != tuple(var.shape[1:]) or None in var.shape
+            or None not in (grad.shape[0], indices.shape[0])
+            and grad.shape[0] != indices.shape[0]):
+        return False  # (the row count is unknown in a replay: deduplicated indices)
+    same_layouts(mesh, op, [v for v in inputs if v.var is not None])
+    indices = mesh.relayout_value(indices, (None,))
+    grad = mesh.relayout_value(grad, (None,) + tuple(var.layout[1:]))
+    at_grad, at_indices = names.index("grad"), names.index("indices")
+    for i in range(len(mesh.devices)):
+        args = [v.shards[i] for v in inputs]
+        if var.layout[0] is not None:
+            args[at_indices], args[at_grad] = _own_rows(
+                mesh, op, var, i, indices.shards[i], grad.shards[i], 1)
+        else:
+            args[at_indices], args[at_grad] = indices.shards[i], grad.shards[i]
+        mesh.run_on(op, args, i)
     return True

@@ -347,3 +347,53 @@ def test_layout_cache_is_keyed_by_type_attributes_and_rank():
     assert len({id(v) for v in conv}) >= 2  # strides 1 and 2: two attribute sets
     bias = [v for v in layouts if v.type == "BiasAdd"]
     assert any({4, 5} <= set(v._ops) for v in bias)  # one attribute set, two ranks
+
+
+def _python_frames(fn):
+    """The (file, function) of every Python frame of tf_ophandlers entered by `fn()`."""
+    import sys
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
+            seen.append((frame.f_code.co_filename.rsplit("/", 1)[-1], frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_plain_ops_with_outside_inputs_run_without_python():
+    """Variable reads and ops on tensors made outside the scope (a constant shape, the
+    model's input) run as they are: the handler keeps OpHandler's copy_on, so the C++
+    per-op path forwards them, with no hook and no Python copy-on."""
+    v = tf.Variable(tf.ones([3, 3, 3, 4]))
+    x = tf.ones([4, 6])
+    shape = tf.constant([6, 4])
+    with oh.DataFormat():
+        for _ in range(2):  # the first op of a type asks the stack once (_oh_fast)
+            frames = _python_frames(lambda: (v.read_value(), tf.raw_ops.Reshape(
+                tensor=x, shape=shape), tf.raw_ops.Relu(features=x)))
+    assert [f for f in frames if f[0] in ("data_format.py", "data_format_rules.py",
+                                          "stack.py")] == []
+
+
+def test_a_layout_survives_re_entering_the_handler_on_another_stack():
+    """A channels-last result of the handler used under the same handler merged onto
+    another stack (a log below it) keeps its layout (core.stack.move_onto moves a
+    `Permuted` by its function_input parts): no transpose, the logical value."""
+    x = tf.random.stateless_normal([2, 3, 8, 8], seed=[5, 6])
+    w = tf.random.stateless_normal([3, 3, 3, 4], seed=[6, 7])
+    df = oh.DataFormat()
+    with df:
+        y = tf.nn.conv2d(x, w, 1, "SAME", data_format="NCHW")
+    log = oh.OpLogHandler()
+    with log, df:
+        z = tf.nn.relu(y) + 1.0
+        assert z.shape == (2, 4, 8, 8)
+    assert log.op_types_seen() == ["Relu", "AddV2"]
+    ref = tf.nn.relu(tf.nn.conv2d(tf.transpose(x, [0, 2, 3, 1]), w, 1, "SAME")) + 1.0
+    all_close([z], [tf.transpose(ref, [0, 3, 1, 2])])

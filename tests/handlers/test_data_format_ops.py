@@ -397,3 +397,40 @@ def test_a_layout_survives_re_entering_the_handler_on_another_stack():
     assert log.op_types_seen() == ["Relu", "AddV2"]
     ref = tf.nn.relu(tf.nn.conv2d(tf.transpose(x, [0, 2, 3, 1]), w, 1, "SAME")) + 1.0
     all_close([z], [tf.transpose(ref, [0, 3, 1, 2])])
+
+
+def test_transposes_run_at_the_lowest_rank(monkeypatch):
+    """The handler's transposes merge axes that stay adjacent (NCHW [N, C, H, W] to NHWC
+    is [N, C, H*W] -> [N, H*W, C], which TensorFlow's CPU kernel runs faster): equal to
+    tf.transpose for every perm of ranks 2-5 (length-1 axes included), eagerly and in a
+    replayed function."""
+    from tf_ophandlers.handlers import data_format_rules as rules
+    monkeypatch.setattr(rules, "_COLLAPSE_MIN_ELEMENTS", 0)
+    assert rules.collapsed_transpose([16, 3, 56, 56], (0, 2, 3, 1)) == (
+        [16, 3, 3136], (0, 2, 1), [16, 56, 56, 3])
+    assert rules.collapsed_transpose([None, 3, 56, 56], (0, 2, 3, 1)) == (
+        [-1, 3, 3136], (0, 2, 1), [-1, 56, 56, 3])
+    assert rules.collapsed_transpose([2, 3, 4], (2, 0, 1)) == ([6, 4], (1, 0), [4, 2, 3])
+    assert rules.collapsed_transpose([2, 3, 4], (1, 0, 2)) is None  # nothing merges
+    assert rules.collapsed_transpose([None, None, 4, 5], (0, 2, 3, 1)) is None
+    rng = np.random.RandomState(0)
+    import itertools
+    for rank in (2, 3, 4, 5):
+        for q in itertools.permutations(range(rank)):
+            dims = [int(rng.choice([1, 2, 3])) for _ in range(rank)]
+            x = tf.constant(rng.normal(size=dims).astype("float32"))
+            got = rules.transpose(oh.PHYSICAL, x, q)
+            np.testing.assert_array_equal(got.numpy(), tf.transpose(x, q).numpy())
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 5, 4])])
+    def f(t):  # NCHW in, a Flatten-like reshape that needs the logical layout
+        return tf.reshape(tf.nn.relu(tf.nn.avg_pool2d(t, 1, 1, "VALID", data_format="NCHW")),
+                          [-1, 60])
+
+    x = tf.random.stateless_normal([2, 3, 5, 4], seed=[8, 8])
+    log = oh.OpLogHandler()
+    with log, oh.DataFormat():
+        y = f(x)
+    np.testing.assert_array_equal(y.numpy(), tf.reshape(tf.nn.relu(x), [-1, 60]).numpy())
+    transposes = [r for r in log.records if r.op_type == "Transpose"]
+    assert [r.input_shapes[0].as_list()[1:] for r in transposes] == [[3, 20], [20, 3]]

@@ -207,16 +207,19 @@ class DataFormat(OpHandler):
     def value_dtype(self, value):
         return value.dtype
 
+    # (Asked by TensorFlow per axis at every `.shape` of a handler tensor: the shape
+    # tuple, not a TensorShape per axis.)
+
     def num_dims(self, value):
-        rank = physical(value).shape.rank
-        return -1 if rank is None else rank
+        dims = physical(value)._shape_tuple()  # pylint: disable=protected-access
+        return -1 if dims is None else len(dims)
 
     def dim(self, value, index):
         if type(value) is Permuted:
-            d = value.value.shape[value.perm[index]]
+            d = value.value._shape_tuple()[value.perm[index]]  # pylint: disable=protected-access
         else:
-            d = value.shape[index]
-        return -1 if d is None else int(d)
+            d = value._shape_tuple()[index]  # pylint: disable=protected-access
+        return -1 if d is None else d
 
     def static_value(self, value):
         known = static(physical(value))

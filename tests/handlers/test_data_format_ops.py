@@ -347,3 +347,90 @@ def test_layout_cache_is_keyed_by_type_attributes_and_rank():
     assert len({id(v) for v in conv}) >= 2  # strides 1 and 2: two attribute sets
     bias = [v for v in layouts if v.type == "BiasAdd"]
     assert any({4, 5} <= set(v._ops) for v in bias)  # one attribute set, two ranks
+
+
+def _python_frames(fn):
+    """The (file, function) of every Python frame of tf_ophandlers entered by `fn()`."""
+    import sys
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
+            seen.append((frame.f_code.co_filename.rsplit("/", 1)[-1], frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_plain_ops_with_outside_inputs_run_without_python():
+    """Variable reads and ops on tensors made outside the scope (a constant shape, the
+    model's input) run as they are: the handler keeps OpHandler's copy_on, so the C++
+    per-op path forwards them, with no hook and no Python copy-on."""
+    v = tf.Variable(tf.ones([3, 3, 3, 4]))
+    x = tf.ones([4, 6])
+    shape = tf.constant([6, 4])
+    with oh.DataFormat():
+        for _ in range(2):  # the first op of a type asks the stack once (_oh_fast)
+            frames = _python_frames(lambda: (v.read_value(), tf.raw_ops.Reshape(
+                tensor=x, shape=shape), tf.raw_ops.Relu(features=x)))
+    assert [f for f in frames if f[0] in ("data_format.py", "data_format_rules.py",
+                                          "stack.py")] == []
+
+
+def test_a_layout_survives_re_entering_the_handler_on_another_stack():
+    """A channels-last result of the handler used under the same handler merged onto
+    another stack (a log below it) keeps its layout (core.stack.move_onto moves a
+    `Permuted` by its function_input parts): no transpose, the logical value."""
+    x = tf.random.stateless_normal([2, 3, 8, 8], seed=[5, 6])
+    w = tf.random.stateless_normal([3, 3, 3, 4], seed=[6, 7])
+    df = oh.DataFormat()
+    with df:
+        y = tf.nn.conv2d(x, w, 1, "SAME", data_format="NCHW")
+    log = oh.OpLogHandler()
+    with log, df:
+        z = tf.nn.relu(y) + 1.0
+        assert z.shape == (2, 4, 8, 8)
+    assert log.op_types_seen() == ["Relu", "AddV2"]
+    ref = tf.nn.relu(tf.nn.conv2d(tf.transpose(x, [0, 2, 3, 1]), w, 1, "SAME")) + 1.0
+    all_close([z], [tf.transpose(ref, [0, 3, 1, 2])])
+
+
+def test_transposes_run_at_the_lowest_rank(monkeypatch):
+    """The handler's transposes merge axes that stay adjacent (NCHW [N, C, H, W] to NHWC
+    is [N, C, H*W] -> [N, H*W, C], which TensorFlow's CPU kernel runs faster): equal to
+    tf.transpose for every perm of ranks 2-5 (length-1 axes included), eagerly and in a
+    replayed function."""
+    from tf_ophandlers.handlers import data_format_rules as rules
+    monkeypatch.setattr(rules, "_COLLAPSE_MIN_ELEMENTS", 0)
+    assert rules.collapsed_transpose([16, 3, 56, 56], (0, 2, 3, 1)) == (
+        [16, 3, 3136], (0, 2, 1), [16, 56, 56, 3])
+    assert rules.collapsed_transpose([None, 3, 56, 56], (0, 2, 3, 1)) == (
+        [-1, 3, 3136], (0, 2, 1), [-1, 56, 56, 3])
+    assert rules.collapsed_transpose([2, 3, 4], (2, 0, 1)) == ([6, 4], (1, 0), [4, 2, 3])
+    assert rules.collapsed_transpose([2, 3, 4], (1, 0, 2)) is None  # nothing merges
+    assert rules.collapsed_transpose([None, None, 4, 5], (0, 2, 3, 1)) is None
+    rng = np.random.RandomState(0)
+    import itertools
+    for rank in (2, 3, 4, 5):
+        for q in itertools.permutations(range(rank)):
+            dims = [int(rng.choice([1, 2, 3])) for _ in range(rank)]
+            x = tf.constant(rng.normal(size=dims).astype("float32"))
+            got = rules.transpose(oh.PHYSICAL, x, q)
+            np.testing.assert_array_equal(got.numpy(), tf.transpose(x, q).numpy())
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3, 5, 4])])
+    def f(t):  # NCHW in, a Flatten-like reshape that needs the logical layout
+        return tf.reshape(tf.nn.relu(tf.nn.avg_pool2d(t, 1, 1, "VALID", data_format="NCHW")),
+                          [-1, 60])
+
+    x = tf.random.stateless_normal([2, 3, 5, 4], seed=[8, 8])
+    log = oh.OpLogHandler()
+    with log, oh.DataFormat():
+        y = f(x)
+    np.testing.assert_array_equal(y.numpy(), tf.reshape(tf.nn.relu(x), [-1, 60]).numpy())
+    transposes = [r for r in log.records if r.op_type == "Transpose"]
+    assert [r.input_shapes[0].as_list()[1:] for r in transposes] == [[3, 20], [20, 3]]

@@ -172,7 +172,8 @@ class OpHandler:
         `tensor` is a physical tensor or one from another stack. The default moves it onto
         the next stack. A tensor of this handler from an earlier merge is taken directly
         (RFC "Re-entering a merged handler stack"): its representation is moved onto
-        this merge's next stack without a copy off this handler.
+        this merge's next stack without a copy off this handler (one that is not a
+        tensor by its `function_input` parts, rebuilt with `function_output`).
         """
         return move_onto(self, self.next, tensor)
 

@@ -97,11 +97,18 @@ def move_onto(handler, next_stack, tensor):
     """The default copy-on of `handler` merged onto `next_stack` (OpHandler.copy_on).
 
     Moves `tensor` onto `next_stack`; a tensor of the same handler from an earlier merge
-    is taken directly (its representation is moved, no copy off the handler).
+    is taken directly (its representation is moved, no copy off the handler). A
+    representation that is not a tensor (a handler's own object, e.g. DataFormat's
+    `Permuted`) moves as it crosses a function boundary: its `function_input` parts are
+    moved and `function_output` rebuilds it.
     """
     source = stack_of(tensor)
     if source is not None and source.handler is handler:
-        return next_stack.copy_on(source.unwrap(tensor))
+        value = source.unwrap(tensor)
+        if isinstance(value, _Tensor):
+            return next_stack.copy_on(value)
+        summary, parts = handler.function_input(value)
+        return handler.function_output(summary, [next_stack.copy_on(p) for p in parts])
     return next_stack.copy_on(tensor)
 
 

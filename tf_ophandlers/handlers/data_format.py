@@ -28,14 +28,13 @@ model gives, in shape and value.
 import collections
 
 import tensorflow as tf
-from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, tensor_key
 from tf_ophandlers.handlers.data_format_rules import (
     RULES, Permuted, bias_add_permuted, channels_first_perm, fallback, inverse, logical, perm_of,
     permuted, physical, rank_of, relayout, relayout_transposes, static, vector_to_physical)
@@ -84,17 +83,16 @@ _hooked = BoundedCache("data_format.hooked_types", 1024)  # op type -> bool
 def _runs_on_plain_inputs(op_type):
     """`DataFormat.handles_ops`: whether `execute` is called for ops of this type when
     their inputs are all plain tensors: the layout-sensitive ops and _PLAIN_RULES,
-    which change plain tensors, and ops reading resources (a variable's handle is not
-    on the handler's stack, so they would take the Python path, which costs more than
-    the hook). Other ops with plain inputs run as they are, so they are forwarded, in
-    C++ without a Python call; one with a `Permuted` input (not a tensor) still
-    reaches `execute` (OpHandler.handles_ops)."""
+    which change plain tensors, and ops without an OpDef. Other ops with plain inputs
+    (a variable read, a Keras reshape of a bias) run as they are, so they are
+    forwarded, in C++ without a Python call (the default copy_on passes inputs that are
+    not on the stack down as they are); one with a `Permuted` input (not a tensor)
+    still reaches `execute` (OpHandler.handles_ops)."""
     hooked = _hooked.get(op_type)
     if hooked is None:
-        op_def = op_def_registry.get(op_type)
         hooked = _hooked[op_type] = (
             op_type in _PLAIN_RULES or _input_roles(op_type) is not None
-            or op_def is None or any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+            or op_def_registry.get(op_type) is None)
     return hooked
 
 
@@ -209,16 +207,19 @@ class DataFormat(OpHandler):
     def value_dtype(self, value):
         return value.dtype
 
+    # (Asked by TensorFlow per axis at every `.shape` of a handler tensor: the shape
+    # tuple, not a TensorShape per axis.)
+
     def num_dims(self, value):
-        rank = physical(value).shape.rank
-        return -1 if rank is None else rank
+        dims = physical(value)._shape_tuple()  # pylint: disable=protected-access
+        return -1 if dims is None else len(dims)
 
     def dim(self, value, index):
         if type(value) is Permuted:
-            d = value.value.shape[value.perm[index]]
+            d = value.value._shape_tuple()[value.perm[index]]  # pylint: disable=protected-access
         else:
-            d = value.shape[index]
-        return -1 if d is None else int(d)
+            d = value._shape_tuple()[index]  # pylint: disable=protected-access
+        return -1 if d is None else d
 
     def static_value(self, value):
         known = static(physical(value))
@@ -232,14 +233,10 @@ class DataFormat(OpHandler):
         return _ops.value_text(value) if hasattr(value, "_id") else repr(value)
 
     # -- copies -------------------------------------------------------------------------
-
-    def copy_on(self, tensor):
-        nxt = next_stack()
-        source = stack_of(tensor)
-        if source is not None and source.handler is self:  # ours, from an earlier merge
-            value = source.unwrap(tensor)
-            return permuted(nxt.copy_on(physical(value)), perm_of(value))
-        return nxt.copy_on(tensor)
+    # copy_on is OpHandler's (a move): a tensor that is not the handler's moves onto the
+    # next stack as it is (the C++ per-op path passes it down without a Python call), and
+    # one of an earlier merge of this handler keeps its layout (core.stack.move_onto moves
+    # a `Permuted` through function_input/function_output).
 
     def copy_off(self, value, device):
         return logical(next_stack(), value)

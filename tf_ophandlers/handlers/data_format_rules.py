@@ -121,7 +121,60 @@ def constant(values, dtype):
     return t
 
 
+# Below this many elements a transpose is cheaper than the two reshapes that would
+# lower its rank (eagerly each is an op call); unknown sizes (a replay) always lower it.
+_COLLAPSE_MIN_ELEMENTS = 1 << 14
+
+
+def collapsed_transpose(dims, q):
+    """``transpose(t, q)`` of a tensor of shape `dims` (None: unknown) as a transpose of
+    lower rank: axes that stay adjacent and in order (length-1 axes between them
+    ignored) merge into one. Returns ``(shape, perm, out_shape)`` (reshape to `shape`,
+    transpose by `perm`, reshape to `out_shape`; -1 for the one unknown length), or None
+    when no axes merge, more than one length is unknown, or the tensor is small.
+    TensorFlow's CPU transpose of NCHW [16, 3, 56, 56] to NHWC takes ~1.5x as long as
+    the same data as [16, 3, 3136] -> [16, 3136, 3]."""
+    if sum(d is None for d in dims) > 1:
+        return None
+    if None not in dims and int(np.prod(dims, dtype=np.int64)) < _COLLAPSE_MIN_ELEMENTS:
+        return None
+    groups = []  # in output order: runs of input axes, each run ascending and adjacent
+    for a in q:
+        if dims[a] == 1:
+            continue
+        last = groups[-1][-1] if groups else None
+        if last is not None and a > last and all(dims[k] == 1 for k in range(last + 1, a)):
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    if len(groups) == len(q):
+        return None  # nothing merges, no length-1 axis to drop
+    order = sorted(range(len(groups)), key=lambda g: groups[g][0])
+
+    def length(axes):
+        ds = [dims[a] for a in axes]
+        return -1 if None in ds else int(np.prod(ds, dtype=np.int64))
+
+    shape = [length(groups[g]) for g in order]
+    perm = tuple(order.index(g) for g in range(len(groups)))
+    out_shape = [-1 if dims[a] is None else dims[a] for a in q]
+    return shape, perm, out_shape
+
+
 def transpose(nxt, value, q):
+    """``transpose(value, q)`` on the next stack, at the lowest rank that moves the same
+    data (collapsed_transpose)."""
+    plan = collapsed_transpose(value.shape.as_list(), q)
+    if plan is not None:
+        shape, perm, out_shape = plan
+        value = reshape(nxt, value, shape)
+        if len(perm) > 1:  # else the data is in order already: the reshapes suffice
+            value = _transpose(nxt, value, perm)
+        return reshape(nxt, value, out_shape)
+    return _transpose(nxt, value, q)
+
+
+def _transpose(nxt, value, q):
     op = Op.cached("Transpose", T=value.dtype, Tperm=tf.int32)
     return nxt.execute(op, [value, constant(q, tf.int32)])[0]
 

@@ -8,7 +8,8 @@ IndexedSlices gradient), and the variable W [4, 4]. Its steps are elementwise an
 broadcasting binary ops, where, matmul, reductions with and without keepdims (also over
 the batch axis), reshape and transpose, concat then split, gathers (of V by ids, of a
 tensor on its last axis), casts (through float64; to int32 and integer ops and back,
-which cut the gradient), softmax and a mean over the dynamic batch size.
+which cut the gradient), softmax, a mean over the dynamic batch size, and NHWC
+convolutions and pools (on which oh.DataFormat must be the identity).
 
 Each case runs eagerly, in a fresh `tf.function`, or in a fresh `tf.function` with an
 `input_signature` whose batch dims are None (then for two batch sizes, a partial last
@@ -31,8 +32,8 @@ import tf_ophandlers as oh
 from test_differential import _same  # values, dtypes, shapes, IndexedSlices, None
 
 SEED = int(os.environ.get("OH_FUZZ_SEED", "24"))
-FAST_CASES = 150
-SLOW_CASES = 300
+FAST_CASES = 62  # two per composition, in `make test`
+SLOW_CASES = 150  # longer programs (4 to 10 steps), marked slow
 
 # -- programs --------------------------------------------------------------------------
 
@@ -52,6 +53,9 @@ BINARY = {
     "add": tf.add, "sub": tf.subtract, "mul": tf.multiply, "maximum": tf.maximum,
     "div": lambda a, b: a / (b * b + 1.0), "where": lambda a, b: tf.where(a > 0.0, a, b),
 }
+
+
+_KERNEL = np.linspace(-1.0, 1.0, 8).astype(np.float32).reshape(2, 2, 1, 2)
 
 
 def _broadcast(a, b):
@@ -102,7 +106,7 @@ class Program:
     def _draw(self, rng, shapes):
         kind = rng.choice(["unary", "unary", "binary", "binary", "matmul_var", "matmul_pair",
                            "reduce", "reshape", "transpose", "concat_split", "gather_var",
-                           "gather_last", "softmax", "dyn_mean"])
+                           "gather_last", "softmax", "dyn_mean", "conv_nhwc", "pool_nhwc"])
         if kind == "unary":
             a = self._pick(rng, shapes)
             return ("unary", [a], {"fn": rng.choice(sorted(UNARY))}), shapes[a]
@@ -175,6 +179,11 @@ class Program:
         if kind == "dyn_mean":
             a = self._pick(rng, shapes, lambda s: len(s) >= 1 and s[0] == "B")
             return None if a is None else (("dyn_mean", [a], {}), shapes[a][1:])
+        if kind in ("conv_nhwc", "pool_nhwc"):  # NHWC images [B, 2, 2, 1] (DataFormat)
+            a = self._pick(rng, shapes, lambda s: s == ("B", 4))
+            if a is None:
+                return None
+            return (kind, [a], {}), ("B", 8) if kind == "conv_nhwc" else ("B", 4)
         raise AssertionError(kind)
 
     def run(self, x, y, z, ids, V, W):
@@ -207,6 +216,13 @@ class Program:
                 out = tf.nn.softmax(a[0])
             elif name == "dyn_mean":
                 out = tf.reduce_sum(a[0], 0) / tf.cast(tf.shape(a[0])[0], tf.float32)
+            elif name == "conv_nhwc":
+                img = tf.reshape(a[0], [-1, 2, 2, 1])
+                out = tf.reshape(tf.nn.conv2d(img, _KERNEL, 1, "SAME"), [-1, 8])
+            elif name == "pool_nhwc":
+                img = tf.reshape(a[0], [-1, 2, 2, 1])
+                out = tf.reshape(tf.nn.max_pool2d(img, 2, 1, "SAME") + tf.nn.avg_pool2d(
+                    img, 2, 1, "SAME"), [-1, 4])
             else:
                 raise AssertionError(name)
             slots.append(out)
@@ -362,7 +378,13 @@ def run_parallel(program, args, variables, mode, ours):
         grads = t.gradient(outs, packed[:3] + list(variables))
         values = [[parallel.unpack(o)[k] for o in outs] for k in range(2)]
         out_grads = [None if g is None else list(parallel.unpack(g)) for g in grads[:3]]
-        out_grads += [None if g is None else tf.convert_to_tensor(g) for g in grads[3:]]
+        for g in grads[3:]:
+            g = None if g is None else tf.convert_to_tensor(g)
+            if g is not None and oh.handler_of(g) is not None:
+                # A variable read in a tf.function: per-component gradients, a known
+                # limitation (test_parallel.py, xfail): summed here.
+                g = tf.add_n(parallel.unpack(g))
+            out_grads.append(g)
     return [values, out_grads]
 
 
@@ -405,6 +427,11 @@ def _run_case(kind, program, mode, batches, ours_first):
     """One composition on one program: for each batch size (two: a partial last batch,
     with one `tf.function` per run, a fresh handler per step), ours against TensorFlow's."""
     run = COMPOSITIONS[kind]
+    if kind.startswith("ForwardAccumulator") and mode != "eager" and any(
+            name == "pool_nhwc" for name, _, _ in program.steps):
+        # MaxPool's JVP in a graph is wrong in TensorFlow itself; oh.ForwardAccumulator
+        # inherits it in a replayed function (xfail below): such cases run eagerly.
+        mode, batches = "eager", batches[:1]
     for step, batch in enumerate(batches):
         outer = 3 if kind in _MAPPED else None
         data_seed = program.seed * 7 + step
@@ -446,10 +473,16 @@ def _run_all(cases, lengths):
         len(failures), len(cases), "\n\n".join(failures[:8]))
 
 
+# tf.GradientTape around oh.Recompute warns that nothing is saved (documented; compared).
+_QUIET = pytest.mark.filterwarnings("ignore:oh.Recompute:RuntimeWarning")
+
+
+@_QUIET
 def test_random_compositions_match_tensorflow():
     _run_all(_cases(FAST_CASES, SEED), (2, 6))
 
 
+@_QUIET
 @pytest.mark.slow
 def test_more_random_compositions_match_tensorflow():
     _run_all(_cases(SLOW_CASES, SEED + 1), (4, 10))
@@ -469,3 +502,23 @@ def test_tape_over_vmap_gather_gradient_is_dense_as_tensorflows(Tape):
     with Tape() as t:
         got = oh.vectorized_map(lambda i: tf.gather(V, i) * 2.0, ids)
     _same([ref, want], [got, t.gradient(got, V)], "tape over vectorized_map, gather of V")
+
+
+def _softmax_max_pool(a):
+    pooled = tf.nn.max_pool2d(tf.reshape(tf.nn.softmax(a), [-1, 2, 2, 1]), 2, 1, "SAME")
+    return tf.reshape(pooled, [-1, 4])
+
+
+@pytest.mark.xfail(strict=True, reason="fuzz finding: MaxPool's JVP computed in a graph "
+                   "(TensorFlow's forwardprop._jvp_helper) is wrong; oh.ForwardAccumulator "
+                   "replaying a tf.function gets it (tf.autodiff.ForwardAccumulator over a "
+                   "tf.function is wrong too, for other programs, e.g. exp then max_pool)")
+def test_forward_accumulator_max_pool_in_a_function_matches_eager():
+    r = np.random.default_rng(0)
+    x = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
+    v = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
+    with tf.autodiff.ForwardAccumulator(x, v) as acc:
+        want = acc.jvp(_softmax_max_pool(x))
+    with oh.ForwardAccumulator(x, v) as acc:
+        got = acc.jvp(tf.function(_softmax_max_pool)(x))
+    _same(want, got, "JVP of softmax then max_pool in a tf.function")

@@ -328,10 +328,12 @@ def run_tape_over_vmap(program, args, variables, mode, ours):
         t.watch(args[:3])
         outs = vmap(lambda e: fn(*e), tuple(args))
     grads = t.gradient(outs, _sources(args, variables))
-    if ours and isinstance(grads[3], tf.IndexedSlices):
-        # Known difference (test_tape_over_vmap_gather_gradient_is_dense_as_tensorflows):
-        # TensorFlow's gradient of V is dense here; the values are compared.
-        grads[3] = tf.convert_to_tensor(grads[3])
+    if ours:
+        # Known differences (test_tape_over_vmap_*_is_dense_as_tensorflows, xfail): a
+        # gathered V's gradient, and an input's through concat then split, are
+        # tf.IndexedSlices where TensorFlow's are dense; the values are compared.
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads]
     return outs, grads
 
 
@@ -502,6 +504,24 @@ def test_tape_over_vmap_gather_gradient_is_dense_as_tensorflows(Tape):
     with Tape() as t:
         got = oh.vectorized_map(lambda i: tf.gather(V, i) * 2.0, ids)
     _same([ref, want], [got, t.gradient(got, V)], "tape over vectorized_map, gather of V")
+
+
+@pytest.mark.xfail(strict=True, reason="fuzz finding: a tape over oh.vectorized_map of "
+                   "concat then split gives the input's gradient as tf.IndexedSlices, where "
+                   "a tape over tf.vectorized_map gives a dense tensor (same values)")
+def test_tape_over_vmap_concat_split_gradient_is_dense_as_tensorflows():
+    r = np.random.default_rng(0)
+    z = tf.constant(r.standard_normal((3, 2, 4)).astype(np.float32))
+    x = tf.constant(r.standard_normal((3, 2, 4)).astype(np.float32))
+    f = lambda e: tf.split(tf.concat([e[0], e[1]], -1), [4, 4], axis=-1)[0]  # noqa: E731
+    results = []
+    for Tape, vmap in ((tf.GradientTape, tf.vectorized_map), (oh.GradientTape,
+                                                              oh.vectorized_map)):
+        with Tape() as t:
+            t.watch(z)
+            out = vmap(f, (z, x))
+        results.append([out, t.gradient(out, z)])
+    _same(results[0], results[1], "tape over vectorized_map, concat then split")
 
 
 def _softmax_max_pool(a):

@@ -33,7 +33,7 @@ from test_differential import _same  # values, dtypes, shapes, IndexedSlices, No
 
 SEED = int(os.environ.get("OH_FUZZ_SEED", "24"))
 FAST_CASES = 62  # two per composition, in `make test`
-SLOW_CASES = 150  # longer programs (4 to 10 steps), marked slow
+SLOW_CASES = 100  # longer programs (4 to 10 steps), marked slow
 
 # -- programs --------------------------------------------------------------------------
 

@@ -15,6 +15,14 @@ from conftest import assert_close, assert_same_tensors
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same data whatever ran before it (another order, -k, one
+    test alone): the module's generator starts afresh for each test."""
+    global RNG  # pylint: disable=global-statement
+    RNG = np.random.default_rng(0)
+
+
 def _rand(*shape, positive=False):
     v = RNG.standard_normal(shape).astype(np.float32)
     return tf.constant(np.abs(v) + 0.5 if positive else v)

@@ -11,6 +11,15 @@ from tf_ophandlers.handlers import lazy_compile
 from conftest import assert_close
 
 
+@pytest.fixture(autouse=True)
+def _empty_compile_cache():
+    """Tests here count compiles and hits (`compiled == 1` on a structure's first use):
+    the process-wide cache starts empty, so a structure compiled by an earlier test (or
+    by this test in an earlier run in the same process) cannot turn a compile into a hit."""
+    lazy_compile.functions.clear()
+    yield
+
+
 def _chain(h, n=20):
     for _ in range(n):
         h = tf.tanh(h) * 1.01

@@ -15,6 +15,14 @@ import tf_ophandlers as oh
 import recompute_helpers
 
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same data whatever ran before it (another order, -k, one
+    test alone): the module's generator starts afresh for each test."""
+    global RNG  # pylint: disable=global-statement
+    RNG = np.random.default_rng(0)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -220,7 +228,11 @@ def test_peak_memory_drops_on_a_deep_mlp():
     tape, recompute, budget, limit, graph, graph_recompute = (int(v) for v in out.split())
     assert tape >= 3 * recompute, (tape, recompute)
     assert budget <= limit, (budget, limit)
-    assert graph >= 2 * graph_recompute, (graph, graph_recompute)
+    # A traced step's peak depends on the order TensorFlow's executor runs ready ops in
+    # (inter-op threads, machine load): measured 2.3-2.7x idle, 1.56x on a loaded machine
+    # (a CI failure of ">= 2x"), 1.1-1.2x with one inter-op thread. A bound the schedule
+    # cannot break would need control dependencies in the recomputed graph.
+    assert graph >= 1.3 * graph_recompute, (graph, graph_recompute)
 
 
 def test_inside_a_traced_function_and_around_fit():

@@ -14,6 +14,14 @@ import recompute_helpers
 RNG = np.random.default_rng(1)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same data whatever ran before it (another order, -k, one
+    test alone): the module's generator starts afresh for each test."""
+    global RNG  # pylint: disable=global-statement
+    RNG = np.random.default_rng(1)
+
+
 _assert_grads = recompute_helpers.assert_grads
 
 

@@ -69,7 +69,9 @@ def test_no_kernel_runs():
     got = oh.eval_shape(lambda a, b: tf.matmul(a, b) + 1., tf.TensorSpec([50000, 50000]),
                         tf.TensorSpec([50000, 50000]))
     assert got.shape == (50000, 50000)
-    assert time.perf_counter() - start < 5
+    # Computing it would allocate 30 GB and take hours; inference takes well under a
+    # second. A generous bound: a loaded CI machine must not fail a 5 s wall-clock limit.
+    assert time.perf_counter() - start < 120
 
 
 def test_inference_is_cached_per_op_signature():

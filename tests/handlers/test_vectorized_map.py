@@ -13,6 +13,14 @@ from conftest import assert_close
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same data whatever ran before it (another order, -k, one
+    test alone): the module's generator starts afresh for each test."""
+    global RNG  # pylint: disable=global-statement
+    RNG = np.random.default_rng(0)
+
+
 def _rand(*shape):
     return tf.constant(RNG.standard_normal(shape).astype(np.float32))
 

@@ -67,8 +67,21 @@ def _keep_slices(copy, grad, **attrs):
     return copy(grad, **attrs)
 
 
+def _reduced_in_copy_on_grad(grad):
+    """Whether a handler of the stack the sparse gradient `grad` lives on combines parts
+    in `copy_on_grad` (OpHandler.copy_on_grad_reduces)."""
+    from tf_ophandlers.core.stack import stack_of  # pylint: disable=import-outside-toplevel
+    stack = stack_of(grad.values)
+    return stack is not None and any(getattr(h, "copy_on_grad_reduces", False)
+                                     for h in getattr(stack, "handlers", ()))
+
+
 @_ops.RegisterGradient("CopyOn")
 def _copy_on_gradient(op, grad):
+    if isinstance(grad, tf.IndexedSlices) and _reduced_in_copy_on_grad(grad):
+        # Summing each part (values, indices, dense shape) of a parallel handler's
+        # components would add indices and dense shapes: a wrong gradient.
+        grad = tf.convert_to_tensor(grad)
     return _keep_slices(copy_on_grad, grad, original_device=op.inputs[0].device)
 
 

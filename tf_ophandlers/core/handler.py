@@ -117,6 +117,12 @@ class OpHandler:
     #: default `copy_on` defer automatically.
     defers_needs_copy = False
 
+    #: Whether `copy_on_grad` combines the parts of a representation into one value (a
+    #: parallel handler sums its components: the gradient of a broadcast). A sparse
+    #: gradient (tf.IndexedSlices) reaching a CopyOnGrad on a stack with such a handler
+    #: is made dense first: its indices and dense shape cannot be summed part by part.
+    copy_on_grad_reduces = False
+
     #: The device type in this handler's stack names (default: the class name in upper
     #: case), e.g. ``"PARALLEL"`` gives ``/job:localhost/replica:0/task:0/device:PARALLEL:0``.
     TYPE_NAME = None

@@ -327,6 +327,8 @@ class ParallelHandler(OpHandler):
         return ParallelValue((_copy_to(below, tensor, d) for d in self.components),
                              broadcast=tensor.dtype == tf.resource)
 
+    copy_on_grad_reduces = True  # a sparse gradient of a broadcast is summed dense
+
     def copy_on_grad(self, value, original_device):
         # The gradient of a broadcast sums the components, on the original device.
         below = next_stack()

@@ -363,3 +363,86 @@ def test_python_hooks_called_from_cpp_match_the_python_path(mode, ab):
     else:
         assert issubclass(outcomes[0][0], oh.HandlerOutputError), outcomes[0]
         assert "_Hooked()" in outcomes[0][1] and "Sin" in outcomes[0][1], outcomes[0]
+
+
+def _count_asks(monkeypatch):
+    """Counts the fast path's questions to Python (HandlerStack._oh_fast calls)."""
+    from tf_ophandlers.core.stack import HandlerStack
+    asked = []
+    original = HandlerStack._oh_fast
+
+    def counting(self, op_type):
+        asked.append((type(self.handler).__name__, op_type))
+        return original(self, op_type)
+    monkeypatch.setattr(HandlerStack, "_oh_fast", counting)
+    return asked
+
+
+def test_fresh_handler_per_step_reuses_decisions(monkeypatch, ab):
+    """`with Handler():` per step: after the first step, the decisions for known op types
+    are shared by the new stacks (no Python call), and the results stay TensorFlow's."""
+    asked = _count_asks(monkeypatch)
+    a0, b0 = ab
+    want = _chain(a0, b0)
+
+    class PerStep(Seen):
+        pass
+
+    for step in range(3):
+        del asked[:]
+        with PerStep(handles_ops=("MatMul",)) as h:
+            a, b = tf.identity(a0), tf.identity(b0)
+            got = _chain(a, b)
+        _same(got, want)
+        assert h.seen == ["MatMul"] * 3
+        if step == 0:
+            assert ("PerStep", "Tanh") in asked and ("PerStep", "MatMul") in asked
+        else:
+            assert asked == [], asked
+        assert _C.fast_stats()["shared_entries"] <= _C.fast_stats()["shared_maxsize"]
+    assert oh.caches()["fast_path.shared_decisions"][0] >= 1
+
+
+def test_a_different_declaration_gets_its_own_decision(monkeypatch, ab):
+    """A handler of the same class whose handles_ops, transient or returns_off_stack
+    differs is never served another declaration's shared decision."""
+    asked = _count_asks(monkeypatch)
+    a0, b0 = ab
+    want = _chain(a0, b0)
+
+    class Declared(Seen):
+        pass
+
+    with Declared(handles_ops=("MatMul",)) as h1:
+        _same(_chain(tf.identity(a0), tf.identity(b0)), want)
+    del asked[:]
+    with Declared(handles_ops=("Tanh",)) as h2:  # same class, other op types
+        _same(_chain(tf.identity(a0), tf.identity(b0)), want)
+    assert h1.seen == ["MatMul"] * 3 and h2.seen == ["Tanh"] * 3
+    assert ("Declared", "Tanh") in asked and ("Declared", "MatMul") in asked
+
+    ops = {"MatMul"}
+
+    class Dynamic(Seen):
+        """handles_ops reads instance state: never shared between instances."""
+
+        def __init__(self, types):
+            super().__init__()
+            self.types = types
+
+        def handles_ops(self, op_type):  # pylint: disable=method-hidden
+            return op_type in self.types
+
+    for types_ in (ops, {"Tanh"}, ops):
+        with Dynamic(types_) as h3:
+            _same(_chain(tf.identity(a0), tf.identity(b0)), want)
+        assert h3.seen == [t for t in ["Tanh", "MatMul"] * 3 if t in types_]
+
+    # An instance attribute the decision reads (transient: whether a resource output
+    # leaves the stack) differs between two handlers of one class.
+    for n, transient in enumerate((True, False, True)):
+        h = oh.OpHandler()
+        h.transient = transient
+        with h:
+            r = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="fp%d" % n)
+        assert (oh.stack_of(r) is None) == transient

@@ -109,12 +109,46 @@ constexpr int kMaxDepth = 64;
 // The decision for `stack` and `type`, asked from Python on a miss. Returns null when
 // the stack cannot be asked (the Python path then decides). GIL: held; never leaves a
 // Python exception set.
+// This thread's last few hits of Decide, compared by stack and type text: no std::string
+// and no hash for a (stack, type) seen just before. An entry is valid while its
+// generation is g_generation, which every clear of g_decisions advances (elements of an
+// unordered_map never move otherwise).
+uint64_t g_generation = 1;
+struct RecentDecision {
+  uint64_t generation = 0;
+  PyObject* stack = nullptr;
+  char type[40] = {0};
+  const Decision* decision = nullptr;
+};
+constexpr int kRecentDecisions = 4;
+thread_local RecentDecision t_recent[kRecentDecisions];
+thread_local unsigned t_recent_next = 0;
+
+void ClearDecisions() {
+  g_decisions->clear();
+  ++g_clears;
+  ++g_generation;
+}
+
 const Decision* Decide(PyObject* stack, const char* type) {
+  for (const RecentDecision& r : t_recent) {
+    if (r.generation == g_generation && r.stack == stack && std::strcmp(r.type, type) == 0) {
+      ++g_hits;
+      return r.decision;
+    }
+  }
   if (g_decisions == nullptr) g_decisions = new std::unordered_map<Key, Decision, KeyHash>();
   Key key{stack, type};
   auto it = g_decisions->find(key);
   if (it != g_decisions->end()) {
     ++g_hits;
+    if (std::strlen(type) < sizeof(RecentDecision::type)) {
+      RecentDecision& r = t_recent[t_recent_next++ % kRecentDecisions];
+      r.generation = g_generation;
+      r.stack = stack;
+      std::strcpy(r.type, type);
+      r.decision = &it->second;
+    }
     return &it->second;
   }
   ++g_misses;
@@ -204,10 +238,7 @@ const Decision* Decide(PyObject* stack, const char* type) {
       }
     }
   }
-  if (g_decisions->size() >= kMaxDecisions) {
-    g_decisions->clear();
-    ++g_clears;
-  }
+  if (g_decisions->size() >= kMaxDecisions) ClearDecisions();
   return &g_decisions->emplace(std::move(key), d).first->second;
 }
 
@@ -252,10 +283,18 @@ bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
     TFOH_Payload* p = PayloadOf(in[i]);
     if (own != nullptr) own[i] = nullptr;
     if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
-      PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (p->kind != TFOH_PAYLOAD_PYTHON || !EagerTensor_CheckExact(v)) return false;
-      values[i] = EagerTensor_Handle(v);
-      if (own != nullptr) own[i] = v;
+      if (p->kind != TFOH_PAYLOAD_PYTHON) return false;
+      if (own != nullptr) {
+        PyObject* v = PayloadValue(p);  // made now if the payload has only a handle
+        if (v == nullptr) {
+          PyErr_Clear();
+          return false;
+        }
+        if (!EagerTensor_CheckExact(v)) return false;
+        own[i] = v;
+      }
+      values[i] = PayloadTensorHandle(p);
+      if (values[i] == nullptr) return false;  // not a tensor: the handler's execute
     } else if (pass == Pass::kAny ||
                (pass == Pass::kPhysical && p == nullptr && next_physical)) {
       // kAny: the default copy-on moves a tensor that is not this stack's onto the next
@@ -303,11 +342,9 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
       outputs[done] = h;  // ownership moves to the caller
       continue;
     }
-    PyObject* value = EagerTensorFromHandle(h, false);  // owns `h` on success
-    if (value == nullptr) break;
-    outs[done] = nullptr;
-    outputs[done] = NewHandlerTensorHandle(stack, value, dt, producer, true);
-    Py_DECREF(value);
+    // No EagerTensor for the value: made only if Python asks (PayloadValue).
+    outs[done] = nullptr;  // taken by the payload in every case
+    outputs[done] = NewHandlerTensorHandleFromHandle(stack, h, dt, producer);
     if (outputs[done] == nullptr) break;
   }
   Py_XDECREF(producer);
@@ -382,7 +419,8 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     PyObject* v;
     if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
         reinterpret_cast<PyObject*>(p->stack) == stack) {
-      v = reinterpret_cast<PyObject*>(p->value);
+      v = PayloadValue(p);  // borrowed; made now if the payload has only a handle
+      if (v == nullptr) goto fail;
       Py_INCREF(v);
     } else {
       v = native_internal::EagerTensorSharing(in[i]);
@@ -620,10 +658,7 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
 // stacks_changed(enable): a stack was built; `enable` says whether it may take the fast
 // path for some op (turns the path on for the process).
 PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
-  if (g_decisions != nullptr && !g_decisions->empty()) {
-    g_decisions->clear();
-    ++g_clears;
-  }
+  if (g_decisions != nullptr && !g_decisions->empty()) ClearDecisions();
   if (PyObject_IsTrue(arg) == 1) g_enabled = true;
   PyErr_Clear();
   Py_RETURN_NONE;

@@ -446,3 +446,40 @@ def test_a_different_declaration_gets_its_own_decision(monkeypatch, ab):
         with h:
             r = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="fp%d" % n)
         assert (oh.stack_of(r) is None) == transient
+
+
+@pytest.mark.parametrize("make", [oh.OpHandler, lambda: oh.native.PassThrough()],
+                         ids=["python", "cxx"])
+def test_c_outputs_make_their_value_on_demand(make, ab):
+    """Outputs of a C level hold only a TensorFlow handle until something asks for their
+    value: shape, printing, the payload (one stable object), copy-off, a Python hook and
+    further C levels all see TensorFlow's values."""
+    a0, b0 = ab
+    want = tf.tanh(a0) * 2.0 + b0
+    with Seen(handles_ops=("AddV2",)) as seen, make():
+        a, b = tf.identity(a0), tf.identity(b0)
+        y = tf.tanh(a)  # a C output (no Python value yet)
+        assert y.shape == a0.shape and y.dtype == tf.float32
+        assert "[" in repr(y)  # summary through the payload
+        p1, p2 = _C.payload(y), _C.payload(y)
+        assert p1[1] is p2[1]  # made once, then kept
+        _same(p1[1], tf.tanh(a0))
+        z = tf.tanh(a) * 2.0  # C output feeding a C level
+        got = z + b  # the Python hook of the outer level gets the inner level's values
+    assert seen.seen == ["AddV2"]
+    _same(got, want)
+    _same(y, tf.tanh(a0))
+
+
+def test_op_counter_counts_chains_and_resets_per_instance(ab):
+    """OpCounter's per-thread slot cache: counts per instance, several types in turn, and a
+    new counter (possibly at a dead one's address) starts from zero."""
+    a0, b0 = ab
+    for _ in range(3):
+        with oh.native.OpCounter() as counter:
+            a, b = tf.identity(a0), tf.identity(b0)
+            _chain(a, b)
+        counts = counter.counts
+        assert {k: counts[k] for k in ("Tanh", "Mul", "MatMul", "AddV2")} == {
+            "Tanh": 3, "Mul": 3, "MatMul": 3, "AddV2": 3}
+        del counter

@@ -4,6 +4,8 @@ does not (docs/benchmarks.md, "Native path: instruction counts (callgrind)").
 
     python benchmarks/native_callgrind.py          # runs itself under valgrind, prints
     python benchmarks/native_callgrind.py --n 500  # fewer counted ops
+    python benchmarks/native_callgrind.py --configs cxx-1,counter --keep /tmp/cg
+        # only these configurations; keep the callgrind files for callgrind_annotate
 
 For each configuration, in one process: the scopes are entered from one Python frame,
 50 untimed and then N counted `r = tf.add(a, b)` on 2x2 float32 with both inputs on the
@@ -31,7 +33,7 @@ void cg_dump(const char* name) { CALLGRIND_DUMP_STATS_AT(name); }
 """
 
 
-def child(helper, n):
+def child(helper, n, keys=KEYS):
     """Runs under valgrind: counts each configuration's loop."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(HERE))
@@ -44,7 +46,7 @@ def child(helper, n):
             "counter": lambda: [oh.native.OpCounter()], "oplog": lambda: [oh.OpLogHandler()]}
     a0 = tf.random.stateless_uniform([2, 2], seed=[1, 2])
     b0 = tf.random.stateless_uniform([2, 2], seed=[3, 4])
-    for key in KEYS:
+    for key in keys:
         with contextlib.ExitStack() as scopes:
             for h in make[key]():
                 scopes.enter_context(h)
@@ -63,13 +65,21 @@ def child(helper, n):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=1000, help="counted ops per configuration")
+    p.add_argument("--configs", default=",".join(KEYS),
+                   help="comma-separated configurations (plain is always counted)")
+    p.add_argument("--keep", help="a directory to keep the callgrind output files in")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    keys = [k for k in KEYS if k == "plain" or k in args.configs.split(",")]
     if args.child:
-        return child(args.child, args.n)
+        return child(args.child, args.n, keys)
     if not shutil.which("valgrind") or not os.path.exists("/usr/include/valgrind/callgrind.h"):
         sys.exit("needs valgrind and its headers (apt-get install valgrind)")
-    work = tempfile.mkdtemp(prefix="oh_callgrind_")
+    work = args.keep or tempfile.mkdtemp(prefix="oh_callgrind_")
+    os.makedirs(work, exist_ok=True)
+    for name in os.listdir(work):  # an earlier run's files in a kept directory
+        if name.startswith("cg.out"):
+            os.remove(os.path.join(work, name))
     src, lib = os.path.join(work, "cg.c"), os.path.join(work, "libcg.so")
     with open(src, "w") as f:
         f.write(HELPER)
@@ -77,7 +87,8 @@ def main():
     out = os.path.join(work, "cg.out")
     subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
                     "--callgrind-out-file=" + out, sys.executable, os.path.abspath(__file__),
-                    "--child", lib, "--n", str(args.n)], check=True,
+                    "--child", lib, "--n", str(args.n), "--configs", ",".join(keys)],
+                   check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     per_op = {}
     for name in os.listdir(work):
@@ -90,12 +101,15 @@ def main():
         per_op[key] = total / args.n
     plain = per_op["plain"]
     print("%-8s %12s %10s" % ("config", "instr/op", "over plain"))
-    for key in KEYS:
+    for key in keys:
         print("%-8s %12.0f %+10.0f" % (key, per_op[key], per_op[key] - plain))
+    if set(keys) != set(KEYS):
+        return
     print("further C++ level %+.0f, further Python level %+.0f, oplog/counter overhead %.2fx"
           % (per_op["cxx-2"] - per_op["cxx-1"], per_op["py-2"] - per_op["py-1"],
              (per_op["oplog"] - plain) / (per_op["counter"] - plain)))
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -54,12 +54,41 @@ std::unordered_map<Key, Decision, KeyHash>* g_decisions = nullptr;
 bool g_enabled = false;  // set once a stack that may take the fast path exists
 uint64_t g_hits = 0, g_misses = 0, g_fast_ops = 0, g_clears = 0;
 
+// Decisions shared by every stack with the same declaration signature (HandlerStack's
+// `_oh_sig`: the handler class and everything `_oh_fast` reads, canonicalized in Python),
+// so a fresh handler per step (`with Handler():` per step) does not ask Python again.
+// The entry holds a strong reference to its signature object, so the address in the
+// key cannot be reused by another object while the entry lives. Only the
+// stack-independent part is kept (no `next`, read from the stack on a hit). Guarded by
+// the GIL; not cleared by stacks_changed; cleared (references released) when full.
+struct Shared {
+  int kind = kPython;
+  bool transient = true;
+  bool default_copy_on = false;
+  bool copy_all = true;
+};
+constexpr size_t kMaxShared = 4096;
+std::unordered_map<Key, Shared, KeyHash>* g_shared = nullptr;  // Key.stack: the signature
+uint64_t g_shared_hits = 0, g_python_asks = 0;
+
+// Empties g_shared, releasing its signature references after the map is consistent
+// (a release may run Python: a class or a function dying). GIL: held.
+void ClearShared() {
+  if (g_shared == nullptr || g_shared->empty()) return;
+  absl::InlinedVector<PyObject*, 16> sigs;
+  sigs.reserve(g_shared->size());
+  for (auto& kv : *g_shared) sigs.push_back(kv.first.stack);
+  g_shared->clear();
+  for (PyObject* sig : sigs) Py_DECREF(sig);
+}
+
 // The runtime state and interned names shared with the native path (native_internal.h).
 using native_internal::g_physical;
 using native_internal::g_state;
 using native_internal::s_current;
 using native_internal::s_device;
 using native_internal::s_execute;
+using native_internal::s_frames;
 using native_internal::s_handler;
 using native_internal::s_mode;
 using native_internal::s_next;
@@ -67,25 +96,59 @@ using native_internal::StateGet;
 
 // Set by fast_setup (core/stack.py at import). Interned attribute names of the fast path.
 PyObject* s_fast = nullptr;
-PyObject* s_frames = nullptr;
 PyObject* s_value_dtype = nullptr;
 PyObject* s_wants_copy = nullptr;
 PyObject* s_copy_on_value = nullptr;
 PyObject* s_not_a_list = nullptr;
 PyObject* s_wrap_eager = nullptr;
 PyObject* s_after_execute = nullptr;
+PyObject* s_sig = nullptr;
 
 constexpr int kMaxDepth = 64;
 
 // The decision for `stack` and `type`, asked from Python on a miss. Returns null when
 // the stack cannot be asked (the Python path then decides). GIL: held; never leaves a
 // Python exception set.
+// This thread's last few hits of Decide, compared by stack and type text: no std::string
+// and no hash for a (stack, type) seen just before. An entry is valid while its
+// generation is g_generation, which every clear of g_decisions advances (elements of an
+// unordered_map never move otherwise).
+uint64_t g_generation = 1;
+struct RecentDecision {
+  uint64_t generation = 0;
+  PyObject* stack = nullptr;
+  char type[40] = {0};
+  const Decision* decision = nullptr;
+};
+constexpr int kRecentDecisions = 4;
+thread_local RecentDecision t_recent[kRecentDecisions];
+thread_local unsigned t_recent_next = 0;
+
+void ClearDecisions() {
+  g_decisions->clear();
+  ++g_clears;
+  ++g_generation;
+}
+
 const Decision* Decide(PyObject* stack, const char* type) {
+  for (const RecentDecision& r : t_recent) {
+    if (r.generation == g_generation && r.stack == stack && std::strcmp(r.type, type) == 0) {
+      ++g_hits;
+      return r.decision;
+    }
+  }
   if (g_decisions == nullptr) g_decisions = new std::unordered_map<Key, Decision, KeyHash>();
   Key key{stack, type};
   auto it = g_decisions->find(key);
   if (it != g_decisions->end()) {
     ++g_hits;
+    if (std::strlen(type) < sizeof(RecentDecision::type)) {
+      RecentDecision& r = t_recent[t_recent_next++ % kRecentDecisions];
+      r.generation = g_generation;
+      r.stack = stack;
+      std::strcpy(r.type, type);
+      r.decision = &it->second;
+    }
     return &it->second;
   }
   ++g_misses;
@@ -116,32 +179,66 @@ const Decision* Decide(PyObject* stack, const char* type) {
     d.next = next;
     d.handler = handler;
   } else if (IsRegisteredOpType(type)) {
-    PyObject* name = PyUnicode_FromString(type);
-    PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
-    Py_XDECREF(name);
-    if (r == nullptr) {
-      PyErr_Clear();
-      return nullptr;
-    }
-    int kind = 0, transient = 1, default_copy_on = 0, copy_all = 1;
-    PyObject* next = nullptr;
-    if (!PyArg_ParseTuple(r, "iOppp", &kind, &next, &transient, &default_copy_on,
-                          &copy_all)) {
-      PyErr_Clear();
+    // The stack's signature (None: its decisions are its own, not shared).
+    PyObject* sig = PyObject_GetAttr(stack, s_sig);
+    if (sig == nullptr) PyErr_Clear();
+    if (sig == Py_None) Py_CLEAR(sig);
+    if (g_shared == nullptr) g_shared = new std::unordered_map<Key, Shared, KeyHash>();
+    auto sit = sig != nullptr ? g_shared->find(Key{sig, type}) : g_shared->end();
+    if (sit != g_shared->end()) {
+      ++g_shared_hits;
+      Shared sh = sit->second;
+      Py_DECREF(sig);  // the entry holds its own reference
+      PyObject* next = PyObject_GetAttr(stack, s_next);
+      if (next == nullptr) {
+        PyErr_Clear();
+        return nullptr;
+      }
+      Py_DECREF(next);  // the stack keeps its next stack alive
+      d.kind = sh.kind;
+      d.next = next;
+      d.transient = sh.transient;
+      d.default_copy_on = sh.default_copy_on;
+      d.copy_all = sh.copy_all;
+    } else {
+      ++g_python_asks;
+      PyObject* name = PyUnicode_FromString(type);
+      PyObject* r = name != nullptr ? PyObject_CallMethodOneArg(stack, s_fast, name) : nullptr;
+      Py_XDECREF(name);
+      if (r == nullptr) {
+        PyErr_Clear();
+        Py_XDECREF(sig);
+        return nullptr;
+      }
+      int kind = 0, transient = 1, default_copy_on = 0, copy_all = 1;
+      PyObject* next = nullptr;
+      if (!PyArg_ParseTuple(r, "iOppp", &kind, &next, &transient, &default_copy_on,
+                            &copy_all)) {
+        PyErr_Clear();
+        Py_DECREF(r);
+        Py_XDECREF(sig);
+        return nullptr;
+      }
+      d.kind = kind;
+      d.next = next;  // the stack keeps its next stack alive
+      d.transient = transient != 0;
+      d.default_copy_on = default_copy_on != 0;
+      d.copy_all = copy_all != 0;
       Py_DECREF(r);
-      return nullptr;
+      if (sig != nullptr) {
+        if (g_shared->size() >= kMaxShared) ClearShared();
+        Shared sh;
+        sh.kind = d.kind;
+        sh.transient = d.transient;
+        sh.default_copy_on = d.default_copy_on;
+        sh.copy_all = d.copy_all;
+        // The reference taken by GetAttr moves into the entry.
+        if (!g_shared->emplace(Key{sig, type}, sh).second) Py_DECREF(sig);
+        sig = nullptr;
+      }
     }
-    d.kind = kind;
-    d.next = next;  // the stack keeps its next stack alive
-    d.transient = transient != 0;
-    d.default_copy_on = default_copy_on != 0;
-    d.copy_all = copy_all != 0;
-    Py_DECREF(r);
   }
-  if (g_decisions->size() >= kMaxDecisions) {
-    g_decisions->clear();
-    ++g_clears;
-  }
+  if (g_decisions->size() >= kMaxDecisions) ClearDecisions();
   return &g_decisions->emplace(std::move(key), d).first->second;
 }
 
@@ -166,27 +263,63 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
            int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
            TF_Status* status, int depth);
 
+// Which inputs that are not `stack`'s an unwrap passes down as they are.
+enum class Pass {
+  kNone,      // none (each needs the handler's copy_on hook: Python)
+  kAny,       // every one (the default copy_on moves it to the next stack: RunForward)
+  kPhysical,  // physical ones, when the next stack is PHYSICAL (after_execute: RunRecord)
+};
+
+// HandlerStack.execute's unwrap in C: `values[i]` (n_in slots) gets the physical handle
+// of each input that is a Python payload of `stack` holding an EagerTensor (borrowed from
+// the payload; `own[i]`, when `own` is not null, the payload's value, borrowed, else
+// null), and `in[i]` itself for an input `pass` lets through. Returns false (nothing
+// done) when an input needs Python: a payload of `stack` that is not an EagerTensor, or a
+// foreign input needing a copy_on hook. `in` borrowed. Never fails otherwise; no Python
+// exception set. GIL: held.
+bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
+                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own) {
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    if (own != nullptr) own[i] = nullptr;
+    if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
+      if (p->kind != TFOH_PAYLOAD_PYTHON) return false;
+      if (own != nullptr) {
+        PyObject* v = PayloadValue(p);  // made now if the payload has only a handle
+        if (v == nullptr) {
+          PyErr_Clear();
+          return false;
+        }
+        if (!EagerTensor_CheckExact(v)) return false;
+        own[i] = v;
+      }
+      values[i] = PayloadTensorHandle(p);
+      if (values[i] == nullptr) return false;  // not a tensor: the handler's execute
+    } else if (pass == Pass::kAny ||
+               (pass == Pass::kPhysical && p == nullptr && next_physical)) {
+      // kAny: the default copy-on moves a tensor that is not this stack's onto the next
+      // stack (stack.move_onto), where the next level unwraps it, or copies it on in
+      // turn: so it is passed down as it is. One that no level below owns reaches
+      // PHYSICAL as a handler tensor, and RunPhysical hands the op to Python (nothing
+      // done yet). kPhysical: after_execute's contract says the handler's copy_on
+      // leaves a physical input unchanged.
+      values[i] = in[i];
+    } else {
+      return false;  // a copy_on hook to run: Python
+    }
+  }
+  return true;
+}
+
 // HandlerStack.execute's forwarding path for a handler that does not execute `type`:
 // unwrap in C, run on the next stack, wrap in C. GIL: held.
 bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                 const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                 TFE_TensorHandle** outputs, TF_Status* status, int depth) {
   absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
-  for (int i = 0; i < n_in; ++i) {
-    TFOH_Payload* p = PayloadOf(in[i]);
-    if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
-      PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (p->kind != TFOH_PAYLOAD_PYTHON || !EagerTensor_CheckExact(v)) return false;
-      values[i] = EagerTensor_Handle(v);
-    } else if (d.default_copy_on) {
-      // The default copy-on moves a tensor that is not this stack's onto the next stack
-      // (stack.move_onto), where the next level unwraps it, or copies it on in turn: so
-      // it is passed down as it is. One that no level below owns reaches PHYSICAL as a
-      // handler tensor, and RunPhysical hands the op to Python (nothing done yet).
-      values[i] = in[i];
-    } else {
-      return false;  // a copy_on hook to run: Python
-    }
+  if (!UnwrapInputs(stack, d.default_copy_on ? Pass::kAny : Pass::kNone, false, n_in, in,
+                    values.data(), nullptr)) {
+    return false;
   }
   int n = *num_outputs;
   absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
@@ -209,11 +342,9 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
       outputs[done] = h;  // ownership moves to the caller
       continue;
     }
-    PyObject* value = EagerTensorFromHandle(h, false);  // owns `h` on success
-    if (value == nullptr) break;
-    outs[done] = nullptr;
-    outputs[done] = NewHandlerTensorHandle(stack, value, dt, producer, true);
-    Py_DECREF(value);
+    // No EagerTensor for the value: made only if Python asks (PayloadValue).
+    outs[done] = nullptr;  // taken by the payload in every case
+    outputs[done] = NewHandlerTensorHandleFromHandle(stack, h, dt, producer);
     if (outputs[done] == nullptr) break;
   }
   Py_XDECREF(producer);
@@ -288,7 +419,8 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     PyObject* v;
     if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
         reinterpret_cast<PyObject*>(p->stack) == stack) {
-      v = reinterpret_cast<PyObject*>(p->value);
+      v = PayloadValue(p);  // borrowed; made now if the payload has only a handle
+      if (v == nullptr) goto fail;
       Py_INCREF(v);
     } else {
       v = native_internal::EagerTensorSharing(in[i]);
@@ -363,18 +495,9 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
                TFE_TensorHandle** outputs, TF_Status* status, int depth) {
   absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
   absl::InlinedVector<PyObject*, 4> own(n_in, nullptr);  // borrowed payload values
-  for (int i = 0; i < n_in; ++i) {
-    TFOH_Payload* p = PayloadOf(in[i]);
-    if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
-      PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (p->kind != TFOH_PAYLOAD_PYTHON || !EagerTensor_CheckExact(v)) return false;
-      values[i] = EagerTensor_Handle(v);
-      own[i] = v;
-    } else if (p == nullptr && d.next == g_physical) {
-      values[i] = in[i];
-    } else {
-      return false;  // a copy_on hook to run: Python
-    }
+  if (!UnwrapInputs(stack, Pass::kPhysical, d.next == g_physical, n_in, in, values.data(),
+                    own.data())) {
+    return false;
   }
   const int capacity = *num_outputs;
   int n = capacity;
@@ -521,12 +644,12 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OO", &state, &physical)) return nullptr;
   if (!native_internal::SetSharedState(state, physical)) return nullptr;
   using native_internal::InternOnce;
-  if (!InternOnce(&s_fast, "_oh_fast") || !InternOnce(&s_frames, "frames") ||
+  if (!InternOnce(&s_fast, "_oh_fast") ||
       !InternOnce(&s_value_dtype, "value_dtype") || !InternOnce(&s_wants_copy, "wants_copy") ||
       !InternOnce(&s_copy_on_value, "_copy_on_value") ||
       !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
       !InternOnce(&s_wrap_eager, "_wrap_eager") ||
-      !InternOnce(&s_after_execute, "after_execute")) {
+      !InternOnce(&s_after_execute, "after_execute") || !InternOnce(&s_sig, "_oh_sig")) {
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -535,10 +658,7 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
 // stacks_changed(enable): a stack was built; `enable` says whether it may take the fast
 // path for some op (turns the path on for the process).
 PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
-  if (g_decisions != nullptr && !g_decisions->empty()) {
-    g_decisions->clear();
-    ++g_clears;
-  }
+  if (g_decisions != nullptr && !g_decisions->empty()) ClearDecisions();
   if (PyObject_IsTrue(arg) == 1) g_enabled = true;
   PyErr_Clear();
   Py_RETURN_NONE;
@@ -546,13 +666,17 @@ PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
 
 // fast_stats() -> dict: counters of the fast path (tests and benchmarks).
 PyObject* PyFastStats(PyObject*, PyObject*) {
-  return Py_BuildValue("{sKsKsKsKsnsnsO}", "hits", (unsigned long long)g_hits, "misses",
-                       (unsigned long long)g_misses, "fast_ops",
+  return Py_BuildValue("{sKsKsKsKsnsnsOsKsKsnsn}", "hits", (unsigned long long)g_hits,
+                       "misses", (unsigned long long)g_misses, "fast_ops",
                        (unsigned long long)g_fast_ops, "clears",
                        (unsigned long long)g_clears, "entries",
                        (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "maxsize",
                        (Py_ssize_t)kMaxDecisions, "enabled",
-                       g_enabled ? Py_True : Py_False);
+                       g_enabled ? Py_True : Py_False, "shared_hits",
+                       (unsigned long long)g_shared_hits, "python_asks",
+                       (unsigned long long)g_python_asks, "shared_entries",
+                       (Py_ssize_t)(g_shared ? g_shared->size() : 0), "shared_maxsize",
+                       (Py_ssize_t)kMaxShared);
 }
 
 }  // namespace
@@ -649,7 +773,8 @@ PyMethodDef kFastModuleMethods[] = {
     {"stacks_changed", PyStacksChanged, METH_O,
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
     {"fast_stats", PyFastStats, METH_NOARGS,
-     "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled}."},
+     "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
+     "shared_hits, python_asks, shared_entries, shared_maxsize}."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

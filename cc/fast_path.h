@@ -36,6 +36,14 @@
    stack it describes (a new stack at a dead one's address is built first). Handler
    attributes the decision reads (`execute` overridden, `handles_ops`, `copy_on`,
    `transient`) are read when the stack first sees an op type.
+
+   A second bounded cache shares decisions between stacks: keyed by the stack's
+   `_oh_sig` (HandlerStack._fast_signature: one canonical Python object per declaration,
+   i.e. everything `_oh_fast` reads besides the op type and the next stack; None when the
+   decision may depend on the instance) and the op type, holding a strong reference to
+   the signature object (so its address cannot be reused while the entry lives). It keeps
+   only the stack-independent part; the next stack is read from the stack on a hit. It
+   survives stacks_changed, so a fresh handler per step does not ask Python again.
 */
 #ifndef TF_OPHANDLERS_FAST_PATH_H_
 #define TF_OPHANDLERS_FAST_PATH_H_

@@ -142,8 +142,10 @@ TF_Buffer* PayloadSummarize(void* data, TF_Status* status) {
   PyGILState_STATE g = PyGILState_Ensure();
   TF_Buffer* buf = nullptr;
   PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
-  PyObject* r = PyObject_CallFunctionObjArgs(g_summarize, stack,
-                                             reinterpret_cast<PyObject*>(p->value), nullptr);
+  PyObject* value = PayloadValue(p);  // borrowed
+  PyObject* r = value != nullptr
+                    ? PyObject_CallFunctionObjArgs(g_summarize, stack, value, nullptr)
+                    : nullptr;
   if (r != nullptr && !PyUnicode_Check(r)) {
     SetHookOutputError(stack, "tensor_debug_string", ProducerOf(p),
                        SafeRepr(r) + " (it must return a str)");
@@ -233,6 +235,70 @@ TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_Da
     return nullptr;
   }
   return h;
+}
+
+TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHandle* value,
+                                                   TF_DataType dtype, PyObject* producer) {
+  if (g_ctx == nullptr) {
+    TFE_DeleteTensorHandle(value);
+    PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: dispatcher not initialized");
+    return nullptr;
+  }
+  DrainPending();
+  auto* p = new TFOH_Payload();
+  p->kind = TFOH_PAYLOAD_PYTHON;
+  Py_INCREF(stack);
+  p->stack = stack;
+  p->value = nullptr;  // made from shape_source on first use (PayloadValue)
+  p->shape_source = value;
+  if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
+  p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
+  TF_Status* s = ThreadStatus();
+  TFE_CustomDeviceTensorHandle methods;
+  methods.num_dims = &PayloadNumDims;
+  methods.dim = &PayloadDim;
+  methods.deallocator = &PayloadDeallocate;
+  methods.summarize = &PayloadSummarize;
+  // Takes ownership of `p` even on failure (calls the deallocator).
+  TFE_TensorHandle* h =
+      TFE_NewCustomDeviceTensorHandle(g_ctx, g_device_name.c_str(), dtype, p, methods, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot create handler tensor: %s",
+                 TF_Message(s));
+    return nullptr;
+  }
+  return h;
+}
+
+PyObject* PayloadValue(TFOH_Payload* p) {
+  if (p->value != nullptr) return reinterpret_cast<PyObject*>(p->value);
+  if (p->shape_source == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: a handler tensor without a value");
+    return nullptr;
+  }
+  // A wrapper of its own sharing the tensor (shape_source stays the payload's), kept
+  // from now on: Python code (a tape keying by handle) sees one stable object.
+  TF_Status* s = ThreadStatus();
+  TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(p->shape_source, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
+    TF_SetStatus(s, TF_OK, "");
+    return nullptr;
+  }
+  PyObject* v = EagerTensorFromHandle(copy, false);  // owns `copy` on success
+  if (v == nullptr) {
+    TFE_DeleteTensorHandle(copy);
+    return nullptr;
+  }
+  p->value = v;
+  return v;
+}
+
+TFE_TensorHandle* PayloadTensorHandle(TFOH_Payload* p) {
+  if (p->kind != TFOH_PAYLOAD_PYTHON) return nullptr;
+  if (p->value == nullptr) return p->shape_source;
+  PyObject* v = reinterpret_cast<PyObject*>(p->value);
+  return EagerTensor_CheckExact(v) ? EagerTensor_Handle(v) : nullptr;
 }
 
 PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,

@@ -34,6 +34,28 @@ PyObject* WrapHandlerTensor(PyObject* stack, PyObject* value, TF_DataType dtype,
 TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_DataType dtype,
                                          PyObject* producer, bool shape_from_value);
 
+// As NewHandlerTensorHandle for a value that is the physical-or-next-stack tensor
+// `value`, without a Python object for it: `value` (owned: taken in every case, deleted
+// on failure) becomes the payload's shape_source and its value is made only when
+// something asks for it (PayloadValue). Rank and dims are answered from `value` in C.
+// The C paths' outputs (a forwarding level, a C/C++ handler) use it: most outputs of a
+// pass-through level never need a Python object. Null with a Python exception set on
+// failure. GIL: must be held. Also drains the pending-free queue.
+TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHandle* value,
+                                                   TF_DataType dtype, PyObject* producer);
+
+// The payload's value (borrowed; `p` kind TFOH_PAYLOAD_PYTHON), made on first use for a
+// payload created from a handle (an EagerTensor sharing shape_source's tensor, kept in
+// the payload from then on). Null with a Python exception set when it cannot be made.
+// GIL: must be held (the payload is only ever changed with it).
+PyObject* PayloadValue(TFOH_Payload* p);
+
+// The TensorFlow handle of the payload's value when it is a single eager tensor
+// (borrowed: valid while the payload is): shape_source for a payload created from a
+// handle, the EagerTensor's handle otherwise; null for another representation or kind.
+// Never fails; makes no Python object. GIL: must be held.
+TFE_TensorHandle* PayloadTensorHandle(TFOH_Payload* p);
+
 // Returns the payload of `handle` (borrowed: valid while `handle` is) if it lives on the
 // dispatcher device, else null. Never sets an error. GIL: not needed.
 TFOH_Payload* PayloadOf(TFE_TensorHandle* handle);

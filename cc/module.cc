@@ -99,8 +99,9 @@ PyObject* PyPayload(PyObject* self, PyObject* t) {
   if (!EagerTensor_CheckExact(t)) Py_RETURN_NONE;
   TFOH_Payload* p = PayloadOf(EagerTensor_Handle(t));
   if (p == nullptr || p->kind != TFOH_PAYLOAD_PYTHON) Py_RETURN_NONE;
-  return PyTuple_Pack(2, reinterpret_cast<PyObject*>(p->stack),
-                      reinterpret_cast<PyObject*>(p->value));
+  PyObject* value = PayloadValue(p);  // borrowed
+  if (value == nullptr) return nullptr;
+  return PyTuple_Pack(2, reinterpret_cast<PyObject*>(p->stack), value);
 }
 
 // tensor_key(t) -> int: the identity of the TensorFlow tensor behind an EagerTensor.
@@ -199,7 +200,13 @@ PyObject* PyUnwrapInputs(PyObject* self, PyObject* args) {
     TFOH_Payload* p = EagerTensor_CheckExact(item) ? PayloadOf(EagerTensor_Handle(item)) : nullptr;
     if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
         reinterpret_cast<PyObject*>(p->stack) == stack) {
-      item = reinterpret_cast<PyObject*>(p->value);
+      item = PayloadValue(p);  // borrowed
+      if (item == nullptr) {
+        Py_DECREF(values);
+        Py_DECREF(foreign);
+        Py_DECREF(seq);
+        return nullptr;
+      }
     } else {
       PyObject* idx = PyLong_FromSsize_t(i);
       if (idx == nullptr || PyList_Append(foreign, idx) < 0) {

@@ -333,8 +333,21 @@ bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* ne
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
     if (p != nullptr) {
+      if (p->kind != TFOH_PAYLOAD_PYTHON || p->stack != stack) goto out;
+      if (p->value == nullptr) {
+        // A C path's output with no Python object: the tensor gets its own reference to
+        // the handle (CopySharingTensor re-references the same TensorHandle).
+        TFE_TensorHandle* h = PayloadTensorHandle(p);
+        TFE_TensorHandle* copy = h ? TFE_TensorHandleCopySharingTensor(h, status) : nullptr;
+        if (copy == nullptr || TF_GetCode(status) != TF_OK) {
+          TF_SetStatus(status, TF_OK, "");
+          goto out;
+        }
+        ins.push_back(TensorFromHandle(copy));
+        continue;
+      }
       PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (p->kind != TFOH_PAYLOAD_PYTHON || p->stack != stack || !EagerTensor_CheckExact(v)) goto out;
+      if (!EagerTensor_CheckExact(v)) goto out;
       ins.push_back(TensorFromPy(v));
     } else if (next == g_physical && self->type->hooks.copy_on == nullptr) {
       // The default copy-on of a physical tensor onto PHYSICAL is the tensor itself.
@@ -376,6 +389,20 @@ bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* ne
     }
     if (leaves && t->h != nullptr) {
       result = TFE_TensorHandleCopySharingTensor(t->h, status);
+    } else if (!shape_hooks && t->py == nullptr && t->h != nullptr) {
+      // A handle without a Python object (the common case: execute_next's output): the
+      // handler tensor takes it as it is (NewHandlerTensorHandleFromHandle), no
+      // EagerTensor is made unless Python asks for the value.
+      TFE_TensorHandle* h = t->h;
+      if (t->refs.load(std::memory_order_acquire) == 1) {
+        t->h = nullptr;  // moved: Unref below no longer deletes it
+      } else {
+        h = TFE_TensorHandleCopySharingTensor(t->h, status);
+      }
+      if (TF_GetCode(status) == TF_OK) {
+        result = NewHandlerTensorHandleFromHandle(stack, h, dt, producer);
+        if (result == nullptr) StatusFromPyErr(status);
+      }
     } else {
       PyObject* v = PyOfLast(t);
       if (v != nullptr) {

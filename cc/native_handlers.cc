@@ -2,11 +2,15 @@
 // written only against the public header include/tf_ophandlers/handler.h: the proof that
 // the header is enough to write a handler. Built by setup.py as the handler library
 // tf_ophandlers/_native_handlers*.so and loaded by tf_ophandlers/native.py.
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 
 #include "tf_ophandlers/handler.h"
 
@@ -44,11 +48,55 @@ void PassThroughExecute(void*, TFOH_Context* ctx, const TFOH_Op* op, int num_inp
 }
 
 // ---- OpCounter: counts the ops it executes, by type -------------------------------------
+//
+// Per op: one atomic increment, found through a small per-thread cache of (counter,
+// op type) -> counter slot, so the common case takes no lock, builds no std::string and
+// hashes nothing. A miss takes the mutex and finds or inserts the type's slot (the map
+// is node-based: a slot never moves while its counter lives).
+
+std::atomic<uint64_t> g_next_counter_id{1};
 
 struct OpCounterState {
+  const uint64_t id = g_next_counter_id.fetch_add(1);  // never reused: keys the caches
   std::mutex mu;
-  std::unordered_map<std::string, long long> counts;  // guarded by mu
+  std::unordered_map<std::string, std::atomic<long long>> counts;  // inserts under mu
 };
+
+// The per-thread cache. An entry names its counter by id, so an entry of a deleted
+// counter never matches again (its slot pointer is never followed).
+struct CounterCacheEntry {
+  uint64_t id = 0;
+  char type[56] = {0};
+  std::atomic<long long>* slot = nullptr;
+};
+constexpr int kCounterCache = 16;
+thread_local CounterCacheEntry t_counter_cache[kCounterCache];
+thread_local unsigned t_counter_next = 0;
+
+std::atomic<long long>* CounterSlot(OpCounterState* s, const char* type) {
+  for (CounterCacheEntry& e : t_counter_cache) {
+    if (e.id == s->id && std::strcmp(e.type, type) == 0) return e.slot;
+  }
+  std::atomic<long long>* slot;
+  {
+    std::lock_guard<std::mutex> l(s->mu);
+    auto it = s->counts.find(type);
+    if (it == s->counts.end()) {
+      it = s->counts
+               .emplace(std::piecewise_construct, std::forward_as_tuple(type),
+                        std::forward_as_tuple(0))
+               .first;
+    }
+    slot = &it->second;
+  }
+  if (std::strlen(type) < sizeof(CounterCacheEntry::type)) {
+    CounterCacheEntry& e = t_counter_cache[t_counter_next++ % kCounterCache];
+    e.id = s->id;
+    std::strcpy(e.type, type);
+    e.slot = slot;
+  }
+  return slot;
+}
 
 void* OpCounterCreate(void*, const char* config, TF_Status* status) {
   if (config != nullptr && config[0] != '\0') {
@@ -65,9 +113,8 @@ void OpCounterExecute(void* state, TFOH_Context* ctx, const TFOH_Op* op, int num
                       TF_Status* status) {
   g_api->execute_next(ctx, op, num_inputs, inputs, num_outputs, outputs, status);
   if (TF_GetCode(status) != TF_OK) return;  // as OpLogHandler: only ops that ran
-  auto* s = static_cast<OpCounterState*>(state);
-  std::lock_guard<std::mutex> l(s->mu);
-  ++s->counts[g_api->op_type(op)];
+  CounterSlot(static_cast<OpCounterState*>(state), g_api->op_type(op))
+      ->fetch_add(1, std::memory_order_relaxed);
 }
 
 // Queries: "counts" -> "Type\tN\n" lines; "total" -> the number of ops; "reset" is not a
@@ -77,10 +124,13 @@ void OpCounterQuery(void* state, const char* key, TF_Buffer* out, TF_Status* sta
   std::lock_guard<std::mutex> l(s->mu);
   std::string text;
   if (std::strcmp(key, "counts") == 0) {
-    for (const auto& kv : s->counts) text += kv.first + "\t" + std::to_string(kv.second) + "\n";
+    for (const auto& kv : s->counts) {
+      long long n = kv.second.load();
+      if (n > 0) text += kv.first + "\t" + std::to_string(n) + "\n";  // 0: being inserted
+    }
   } else if (std::strcmp(key, "total") == 0) {
     long long n = 0;
-    for (const auto& kv : s->counts) n += kv.second;
+    for (const auto& kv : s->counts) n += kv.second.load();
     text = std::to_string(n);
   } else {
     TF_SetStatus(status, TF_INVALID_ARGUMENT,
@@ -96,7 +146,7 @@ void OpCounterDebugString(void* state, TF_Buffer* out) {
   long long n = 0;
   {
     std::lock_guard<std::mutex> l(s->mu);
-    for (const auto& kv : s->counts) n += kv.second;
+    for (const auto& kv : s->counts) n += kv.second.load();
   }
   SetBuffer(out, "OpCounter(" + std::to_string(n) + " ops)");
 }

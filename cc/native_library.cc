@@ -25,6 +25,7 @@ PyObject* s_handler = nullptr;
 PyObject* s_next = nullptr;
 PyObject* s_device = nullptr;
 PyObject* s_execute = nullptr;
+PyObject* s_frames = nullptr;
 
 bool InternOnce(PyObject** slot, const char* text) {
   if (*slot == nullptr) *slot = PyUnicode_InternFromString(text);
@@ -40,7 +41,8 @@ bool SetSharedState(PyObject* state, PyObject* physical) {
   // this) keeps the names it has instead of taking another reference each time.
   return InternOnce(&s_mode, "mode") && InternOnce(&s_current, "current") &&
          InternOnce(&s_handler, "handler") && InternOnce(&s_next, "next") &&
-         InternOnce(&s_device, "device") && InternOnce(&s_execute, "execute");
+         InternOnce(&s_device, "device") && InternOnce(&s_execute, "execute") &&
+         InternOnce(&s_frames, "frames");
 }
 
 PyObject* StateGet(PyObject* name) {

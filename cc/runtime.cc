@@ -2,6 +2,7 @@
 #define PY_SSIZE_T_CLEAN
 #include "runtime.h"
 
+#include <cstring>
 #include <unordered_map>
 
 #include "tensorflow/core/framework/types.pb.h"
@@ -56,8 +57,29 @@ TF_Status* ThreadStatus() {
 PyObject* InternedString(const char* text) {
   static std::unordered_map<std::string, PyObject*>* cache =
       new std::unordered_map<std::string, PyObject*>();
+  // The last few hits of this thread, compared by content (a caller's buffer may hold
+  // another text next time): no std::string and no hash for an op type seen just before.
+  // Entries point at strings the cache holds for the process (never released).
+  struct Recent {
+    char text[40];
+    PyObject* value;
+  };
+  constexpr int kRecent = 4;
+  thread_local Recent recent[kRecent] = {};
+  thread_local unsigned next_recent = 0;
+  for (Recent& r : recent) {
+    if (r.value != nullptr && std::strcmp(r.text, text) == 0) {
+      Py_INCREF(r.value);
+      return r.value;
+    }
+  }
   auto it = cache->find(text);
   if (it != cache->end()) {
+    if (std::strlen(text) < sizeof(Recent::text)) {
+      Recent& r = recent[next_recent++ % kRecent];
+      std::strcpy(r.text, text);
+      r.value = it->second;
+    }
     Py_INCREF(it->second);
     return it->second;
   }

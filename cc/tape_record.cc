@@ -105,7 +105,6 @@ PyObject* s_live = nullptr;
 PyObject* s_tracked = nullptr;
 PyObject* s_producer = nullptr;
 PyObject* s_seq = nullptr;
-PyObject* s_frames = nullptr;
 PyObject* s_python = nullptr;  // GradientTape._after_execute_python
 PyObject* s_bridge = nullptr;  // GradientTape._bridge_to_tf_tapes
 
@@ -143,7 +142,7 @@ int CallTruth(PyObject* fn) {
 // The stack of the running hook's frame (`next_stack()`), new reference or null.
 PyObject* RunningNext() {
   if (native_internal::g_state == nullptr) return nullptr;
-  PyObject* frames = PyObject_GetAttr(native_internal::g_state, s_frames);
+  PyObject* frames = PyObject_GetAttr(native_internal::g_state, native_internal::s_frames);
   if (frames == nullptr) return nullptr;
   PyObject* next = nullptr;
   if (PyList_Check(frames) && PyList_GET_SIZE(frames) > 0) {
@@ -337,18 +336,16 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
   g_trainable = mask;
   Py_XSETREF(g_is_stopped, Py_NewRef(is_stopped));
   Py_XSETREF(g_is_empty, Py_NewRef(is_empty));
-  if (s_live == nullptr) {
-    s_live = PyUnicode_InternFromString("_live");
-    s_tracked = PyUnicode_InternFromString("_tracked");
-    s_producer = PyUnicode_InternFromString("_producer");
-    s_seq = PyUnicode_InternFromString("_seq");
-    s_frames = PyUnicode_InternFromString("frames");
-    s_python = PyUnicode_InternFromString("_after_execute_python");
-    s_bridge = PyUnicode_InternFromString("_bridge_to_tf_tapes");
-    if (!s_live || !s_tracked || !s_producer || !s_seq || !s_frames || !s_python ||
-        !s_bridge) {
-      return nullptr;
-    }
+  // Each name interned once per process (a failed interning leaves its slot null, and
+  // the next setup retries it); "frames" is shared (native_internal::s_frames, set by
+  // SetSharedState at the core's import, which precedes this setup).
+  using native_internal::InternOnce;
+  if (!InternOnce(&s_live, "_live") || !InternOnce(&s_tracked, "_tracked") ||
+      !InternOnce(&s_producer, "_producer") || !InternOnce(&s_seq, "_seq") ||
+      !InternOnce(&s_python, "_after_execute_python") ||
+      !InternOnce(&s_bridge, "_bridge_to_tf_tapes") ||
+      !InternOnce(&native_internal::s_frames, "frames")) {
+    return nullptr;
   }
   PyObject* fn = PyCFunction_New(&kAfterExecuteDef, nullptr);
   if (fn == nullptr) return nullptr;

@@ -363,3 +363,123 @@ def test_python_hooks_called_from_cpp_match_the_python_path(mode, ab):
     else:
         assert issubclass(outcomes[0][0], oh.HandlerOutputError), outcomes[0]
         assert "_Hooked()" in outcomes[0][1] and "Sin" in outcomes[0][1], outcomes[0]
+
+
+def _count_asks(monkeypatch):
+    """Counts the fast path's questions to Python (HandlerStack._oh_fast calls)."""
+    from tf_ophandlers.core.stack import HandlerStack
+    asked = []
+    original = HandlerStack._oh_fast
+
+    def counting(self, op_type):
+        asked.append((type(self.handler).__name__, op_type))
+        return original(self, op_type)
+    monkeypatch.setattr(HandlerStack, "_oh_fast", counting)
+    return asked
+
+
+def test_fresh_handler_per_step_reuses_decisions(monkeypatch, ab):
+    """`with Handler():` per step: after the first step, the decisions for known op types
+    are shared by the new stacks (no Python call), and the results stay TensorFlow's."""
+    asked = _count_asks(monkeypatch)
+    a0, b0 = ab
+    want = _chain(a0, b0)
+
+    class PerStep(Seen):
+        pass
+
+    for step in range(3):
+        del asked[:]
+        with PerStep(handles_ops=("MatMul",)) as h:
+            a, b = tf.identity(a0), tf.identity(b0)
+            got = _chain(a, b)
+        _same(got, want)
+        assert h.seen == ["MatMul"] * 3
+        if step == 0:
+            assert ("PerStep", "Tanh") in asked and ("PerStep", "MatMul") in asked
+        else:
+            assert asked == [], asked
+        assert _C.fast_stats()["shared_entries"] <= _C.fast_stats()["shared_maxsize"]
+    assert oh.caches()["fast_path.shared_decisions"][0] >= 1
+
+
+def test_a_different_declaration_gets_its_own_decision(monkeypatch, ab):
+    """A handler of the same class whose handles_ops, transient or returns_off_stack
+    differs is never served another declaration's shared decision."""
+    asked = _count_asks(monkeypatch)
+    a0, b0 = ab
+    want = _chain(a0, b0)
+
+    class Declared(Seen):
+        pass
+
+    with Declared(handles_ops=("MatMul",)) as h1:
+        _same(_chain(tf.identity(a0), tf.identity(b0)), want)
+    del asked[:]
+    with Declared(handles_ops=("Tanh",)) as h2:  # same class, other op types
+        _same(_chain(tf.identity(a0), tf.identity(b0)), want)
+    assert h1.seen == ["MatMul"] * 3 and h2.seen == ["Tanh"] * 3
+    assert ("Declared", "Tanh") in asked and ("Declared", "MatMul") in asked
+
+    ops = {"MatMul"}
+
+    class Dynamic(Seen):
+        """handles_ops reads instance state: never shared between instances."""
+
+        def __init__(self, types):
+            super().__init__()
+            self.types = types
+
+        def handles_ops(self, op_type):  # pylint: disable=method-hidden
+            return op_type in self.types
+
+    for types_ in (ops, {"Tanh"}, ops):
+        with Dynamic(types_) as h3:
+            _same(_chain(tf.identity(a0), tf.identity(b0)), want)
+        assert h3.seen == [t for t in ["Tanh", "MatMul"] * 3 if t in types_]
+
+    # An instance attribute the decision reads (transient: whether a resource output
+    # leaves the stack) differs between two handlers of one class.
+    for n, transient in enumerate((True, False, True)):
+        h = oh.OpHandler()
+        h.transient = transient
+        with h:
+            r = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="fp%d" % n)
+        assert (oh.stack_of(r) is None) == transient
+
+
+@pytest.mark.parametrize("make", [oh.OpHandler, lambda: oh.native.PassThrough()],
+                         ids=["python", "cxx"])
+def test_c_outputs_make_their_value_on_demand(make, ab):
+    """Outputs of a C level hold only a TensorFlow handle until something asks for their
+    value: shape, printing, the payload (one stable object), copy-off, a Python hook and
+    further C levels all see TensorFlow's values."""
+    a0, b0 = ab
+    want = tf.tanh(a0) * 2.0 + b0
+    with Seen(handles_ops=("AddV2",)) as seen, make():
+        a, b = tf.identity(a0), tf.identity(b0)
+        y = tf.tanh(a)  # a C output (no Python value yet)
+        assert y.shape == a0.shape and y.dtype == tf.float32
+        assert "[" in repr(y)  # summary through the payload
+        p1, p2 = _C.payload(y), _C.payload(y)
+        assert p1[1] is p2[1]  # made once, then kept
+        _same(p1[1], tf.tanh(a0))
+        z = tf.tanh(a) * 2.0  # C output feeding a C level
+        got = z + b  # the Python hook of the outer level gets the inner level's values
+    assert seen.seen == ["AddV2"]
+    _same(got, want)
+    _same(y, tf.tanh(a0))
+
+
+def test_op_counter_counts_chains_and_resets_per_instance(ab):
+    """OpCounter's per-thread slot cache: counts per instance, several types in turn, and a
+    new counter (possibly at a dead one's address) starts from zero."""
+    a0, b0 = ab
+    for _ in range(3):
+        with oh.native.OpCounter() as counter:
+            a, b = tf.identity(a0), tf.identity(b0)
+            _chain(a, b)
+        counts = counter.counts
+        assert {k: counts[k] for k in ("Tanh", "Mul", "MatMul", "AddV2")} == {
+            "Tanh": 3, "Mul": 3, "MatMul": 3, "AddV2": 3}
+        del counter

@@ -24,7 +24,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
-from tf_ophandlers.core.cache import register_external_cache
+from tf_ophandlers.core.cache import BoundedCache, register_external_cache
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
 
 #: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
@@ -218,6 +218,14 @@ _C.fast_setup(state, PHYSICAL)
 
 register_external_cache(
     "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
+register_external_cache(
+    "fast_path.shared_decisions",
+    lambda: (_C.fast_stats()["shared_entries"], _C.fast_stats()["shared_maxsize"]))
+
+# The canonical object of each declaration signature (HandlerStack._fast_signature): C++
+# keys the decisions it shares between stacks by this object's identity (holding a
+# reference), so equal declarations must map to one object.
+_fast_signatures = BoundedCache("fast_path.signatures", 1024)
 
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
 FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD = 0, 1, 2, 3, 4
@@ -284,6 +292,7 @@ class HandlerStack(Stack):
             # `wants_copy(op, index)` as a C function returning False (an op is never
             # its input index object), so the C++ path calls no Python frame for it.
             self.wants_copy = operator.is_
+        self._oh_sig = self._fast_signature(handler)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -293,6 +302,36 @@ class HandlerStack(Stack):
                           or self._default_execute
                           or self._handles is not None
                           or isinstance(handler, _C.NativeHandlerBase))
+
+    def _fast_signature(self, handler):
+        """Everything `_oh_fast` reads besides the op type and `self.next` (the handler's
+        class, its default hooks, `handles_ops`, `returns_off_stack`, `after_execute`,
+        `needs_copy`, `transient`, and whether copies defer to the stack below), as one
+        canonical object: stacks with equal signatures get equal decisions, so C++
+        shares them (a fresh handler per step asks Python once per op type, not once
+        per step). None when the decision cannot be shared: a C/C++ handler (decided in
+        C), or a `handles_ops` function that may read the instance (a bound method, a
+        closure, any callable that is not a plain function)."""
+        if isinstance(handler, _C.NativeHandlerBase):
+            return None
+        handles = handler.handles_ops
+        if handles is not None:
+            if callable(handles):
+                if not (isinstance(handles, types.FunctionType) and handles.__closure__ is None):
+                    return None
+            else:
+                handles = self._handles.__self__  # the frozenset _handles_predicate built
+        sig = (type(handler), self._default_execute, self._records, handles,
+               self._off_stack_ops if self._off_stack_ops is not None else self._off_stack,
+               handler.needs_copy is None, self._defer_copy, bool(handler.transient),
+               self.default_copy_on)
+        try:
+            got = _fast_signatures.get(sig)
+        except TypeError:  # an unhashable declaration: not shared
+            return None
+        if got is None:
+            _fast_signatures[sig] = got = sig
+        return got
 
     def _oh_fast(self, op_type):
         """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
@@ -304,7 +343,9 @@ class HandlerStack(Stack):
         stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
         stack's is copied on (no `needs_copy`, no deferral to the stack below). `default_copy_on`: a tensor that is not
         this stack's is moved to the next stack as it is (`move_onto`). Asked once
-        per (stack, op type); the answer is cached in C++ until a stack is built."""
+        per (stack, op type); the answer is cached in C++ until a stack is built, and
+        shared with later stacks of the same `_fast_signature` (so everything this
+        reads besides `op_type` and `self.next` must be in the signature)."""
         handler = self.handler
         if isinstance(handler, _C.NativeHandlerBase):
             kind = FAST_NATIVE

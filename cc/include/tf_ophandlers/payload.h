@@ -36,7 +36,10 @@ typedef enum TFOH_PayloadKind {
 typedef struct TFOH_Payload {
   TFOH_PayloadKind kind;
   // The handler stack (a tf_ophandlers.core.stack.HandlerStack) and the handler's own
-  // representation of the tensor. Both are strong references, never null.
+  // representation of the tensor. Both are strong references; `stack` is never null.
+  // `value` is null while the representation is the eager tensor `shape_source` and no
+  // one has asked for a Python object of it yet (the C paths' outputs: the dispatcher
+  // makes it on first use, with the GIL held, and keeps it).
   void* stack;  // PyObject*
   void* value;  // PyObject*
   // When the representation is a single TensorFlow tensor (the common case: a tensor of

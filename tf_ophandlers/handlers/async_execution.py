@@ -356,6 +356,9 @@ class Async(OpHandler):
     def static_value(self, value):
         return None
 
+    def device_string(self, value, stack):
+        return value[TENSOR].device  # transparent: the physical device
+
     def tensor_debug_string(self, value):
         return _ops.value_text(self._computed(value))  # printing waits for the value
 

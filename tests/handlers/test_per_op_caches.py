@@ -91,3 +91,35 @@ def test_async_chain_with_constants_matches_eager_across_shapes():
         for _ in range(5):
             h = tf.tanh(h) * 1.01 + tf.reduce_sum(h, axis=0)
         np.testing.assert_allclose(got, h.numpy(), rtol=1e-6)
+
+
+def test_async_signatures_tell_dtypes_broadcasts_and_attributes_apart():
+    # Mul/AddV2 are keyed without attribute bytes (their only attribute is the dtype of
+    # their inputs); Sum and Cast keep theirs. Every inferred shape and dtype is eager's.
+    def program(a, b, i):
+        return [a * b, b * a, a * 2.0, tf.cast(a, tf.float64) * 2.0, i * i, i + 1,
+                tf.reduce_sum(a, axis=1), tf.reduce_sum(a, axis=1, keepdims=True),
+                tf.cast(i, tf.float16), tf.cast(i, tf.int64) + 1]
+
+    a = tf.random.stateless_normal([3, 4], seed=[1, 1])
+    b = tf.random.stateless_normal([1, 4], seed=[2, 2])
+    i = tf.constant([[1, 2, 3, 4]] * 3)
+    want = program(a, b, i)
+    with oh.Async():
+        got = program(a, b, i)
+        shapes = [(t.shape, t.dtype) for t in got]  # read inside the scope
+    assert shapes == [(t.shape, t.dtype) for t in want]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_async_op_kinds_key_attributes_only_where_inputs_do_not_imply_them():
+    kind = async_execution._op_kind  # pylint: disable=protected-access
+    implied, attrs = async_execution._IMPLIED, async_execution._ATTRS  # pylint: disable=protected-access
+    for op_type in ("Tanh", "Mul", "AddV2", "ConcatV2", "AddN", "IdentityN"):
+        assert kind(op_type) == implied, op_type  # T, N, Tidx: the inputs' dtypes/count
+    assert kind("Transpose") == implied  # T and Tperm: its inputs' dtypes
+    for op_type in ("Sum", "Cast", "Pack", "MatMul"):  # keep_dims, DstT, axis, transpose_a
+        assert kind(op_type) == attrs, op_type
+    assert kind("__inference_f_1") == async_execution._FUNCTION  # pylint: disable=protected-access
+    assert kind("EagerPyFunc") == async_execution._RUNS_PYTHON  # pylint: disable=protected-access

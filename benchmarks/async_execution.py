@@ -500,7 +500,7 @@ def why_md(summary, checks):
         "eager's whole call and %.1f µs (issue %.1f µs) for TF's async executor without "
         "the handler: oh.Async's total is %.2fx eager's there (per op, on top of the "
         "executor's queueing: the dispatch to the handler, the shape-inference cache "
-        "lookup, an AsyncValue). On `matmul-chain`, where kernels dominate, oh.Async's "
+        "lookup, the representation tuple). On `matmul-chain`, where kernels dominate, oh.Async's "
         "total is %.2fx eager's (TF's executor on raw ops: %.2fx; best rounds %.2fx and "
         "%.2fx): the kernels are the same, they run on the executor's thread. Such totals "
         "are noisy on this machine: `tf.experimental.async_scope()`, as synchronous as "

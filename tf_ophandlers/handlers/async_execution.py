@@ -27,13 +27,16 @@ queue (program order and errors are kept), and a handler used by two threads kee
 their ops and errors apart; `sync()` waits for what the calling thread queued.
 """
 import functools
+import operator
 import threading
-import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
+from tensorflow.python.framework import dtypes as _dtypes
+from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import functions as _functions
@@ -41,11 +44,19 @@ from tf_ophandlers.core import shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL, next_stack, stack_of, tensor_key
+from tf_ophandlers.core.stack import PHYSICAL, execute_physical, next_stack, stack_of, tensor_key
+from tf_ophandlers.core.state import state
 
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = _RESOURCE.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
+
+
+def _enum_of(t):
+    """The dtype enum of `t` (a tensor of the next stack)."""
+    if type(t) is _EagerTensor:
+        return t._datatype_enum()  # pylint: disable=protected-access
+    return t.dtype.as_datatype_enum
 
 
 def _is_resource(t):
@@ -81,24 +92,23 @@ def _variable_shape_op():
     return Op.create("VariableShape", out_type=tf.int64)
 
 
-class AsyncValue:
-    """The representation: a tensor of the next stack, maybe not computed yet, its
-    inferred spec (None when unknown: reading its shape then waits) and, for a small
-    integer tensor that came from outside (an axis, a shape), its value."""
+# A signature part describes one input of an op for the shape-inference cache:
+# ``(dtype enum, dims, value)`` with dims a tuple (None entries for unknown axes) or None
+# (unknown rank), and value the bytes of a small integer tensor's value (an axis, a
+# shape) or None. Enums, not `tf.DType`s: a DType's hash is a call into pybind11, and the
+# cache key hashes every part of every op.
+_AS_DTYPE = {d.as_datatype_enum: d for d in _dtypes._INTERN_TABLE.values()}  # pylint: disable=protected-access
 
-    __slots__ = ("tensor", "spec", "known", "part")
+# The representation of a tensor of the handler: a plain tuple ``(tensor, part, dtype)``
+# of a tensor of the next stack (maybe not computed yet), its signature part (dims None:
+# its shape is not known without waiting) and its `tf.DType`. A tuple, built without a
+# Python call: the hook makes one per output of every op.
+TENSOR, PART, DTYPE = 0, 1, 2
 
-    def __init__(self, tensor, spec=None, known=None, part=None):
-        self.tensor = tensor
-        self.spec = spec
-        self.known = known
-        self.part = part  # its part of an op signature (see _infer); None if unknown
 
-    dtype = property(lambda self: self.tensor.dtype)  # known without waiting
-    device = property(lambda self: self.tensor.device)
-
-    def __repr__(self):
-        return "AsyncValue(%s, %s)" % (self.tensor.dtype.name, self.spec)
+def async_value(tensor, part):
+    """A representation for `tensor` described by `part`."""
+    return (tensor, part, _AS_DTYPE[part[0]])
 
 
 class _Queue:
@@ -203,56 +213,75 @@ class Async(OpHandler):
 
     # -- the handler ----------------------------------------------------------------------
 
-    @staticmethod
-    def needs_copy(op, index):
-        # Inputs from elsewhere (constants, physical tensors) enter as they are.
-        return False
+    #: ``needs_copy(op, index) -> False``: inputs from elsewhere (constants, physical
+    #: tensors) enter as they are. A C function (`op is index` is never true): the C++
+    #: path asks it for every such input of every op.
+    needs_copy = operator.is_
 
     def execute(self, op, inputs):
-        # Runs for every op of the scope: one pass over the inputs collects the tensors,
-        # the signature parts (_infer) and whether a variable handle is among them.
+        # Runs for every op of the scope (the C++ per-op path calls it): one pass over
+        # the inputs collects the tensors and their signature parts.
+        op_type = op.type
+        kind = _op_kinds.get(op_type) or _op_kind(op_type)
         tensors, parts = [], []
         resource = False
         for v in inputs:
-            if type(v) is AsyncValue:
-                t = v.tensor
-                part = v.part
-                if part is None:
-                    part = (t.dtype, None, None)
-            else:  # from outside the handler (a constant, a physical tensor): computed
-                t = v
+            if type(v) is tuple:  # a representation
+                tensors.append(v[0])
+                parts.append(v[1])
+                continue
+            # From outside the handler (a constant, a physical tensor): computed.
+            tensors.append(v)
+            if type(v) is _EagerTensor and v._datatype_enum() in _VALUELESS:  # pylint: disable=protected-access
+                # No value is carried (shapes.known_value): a float constant made afresh
+                # for every op (`x * 1.01`) is described directly.
+                part = (v._datatype_enum(), v._shape_tuple(), None)  # pylint: disable=protected-access
+            else:
                 part = _outside_part(v)
-            if part[0] is _RESOURCE:
-                resource = True
-            tensors.append(t)
+                if part[0] == _RESOURCE_ENUM:
+                    resource = True
             parts.append(part)
-        active = getattr(_threads, "queues", None)
-        queue = active[-1] if active else None  # None: outside every scope, it runs now
+        st = state
+        below = st.frames[-1].next  # next_stack()
         try:
-            outputs = next_stack().execute(op, tensors)  # queued, returns at once
+            if below is PHYSICAL and st.mode is None:
+                # PHYSICAL.execute without its frame (copy ops never reach execute).
+                outputs = execute_physical(op, tensors, st.device)  # queued, returns at once
+            else:
+                outputs = below.execute(op, tensors)
         except tf.errors.OpError:
             # An earlier queued op failed (TensorFlow refuses new ops until the error is
             # read): this op reports it, and the handler keeps working after it.
-            if queue is not None:
-                queue.executor.clear_error()
+            active = getattr(_threads, "queues", None)
+            if active:
+                active[-1].executor.clear_error()
             raise
-        if resource and op.type == "ReadVariableOp" and type(inputs[0]) is not AsyncValue:
-            return [AsyncValue(outputs[0], *self._read_spec(op, inputs[0], queue))]
-        enums = op.output_dtype_enums
-        if queue is not None and (resource or enums is None or op.type in _OPAQUE):
-            _note_reshapes(queue, op, tensors)
-        inferred = _infer(op, inputs, parts) if enums is not None else None
+        if resource or kind >= _FUNCTION:
+            active = getattr(_threads, "queues", None)
+            queue = active[-1] if active else None  # None: outside every scope
+            if resource and op_type == "ReadVariableOp" and type(inputs[0]) is not tuple:
+                return [async_value(outputs[0], self._read_part(op, inputs[0], queue))]
+            if queue is not None:
+                _note_reshapes(queue, op, tensors, kind == _FUNCTION)
+        if kind == _FUNCTION:
+            inferred = None
+        else:
+            key = (op_type, None if kind == _IMPLIED else op.attrs_key(), tuple(parts))
+            inferred = _inferred.get(key, _MISS)
+            if inferred is _MISS:
+                inferred = _infer(op, key, parts)
         if inferred is None:
-            return [o if _is_resource(o) else AsyncValue(o) for o in outputs]
+            return [o if _is_resource(o) else async_value(o, (_enum_of(o), None, None))
+                    for o in outputs]
         if len(outputs) == 1:  # most ops
-            (spec, part), = inferred
+            part, dtype = inferred[0]
             o = outputs[0]
-            return [o if part[0] is _RESOURCE else AsyncValue(o, spec, None, part)]
-        return [o if part[0] is _RESOURCE else AsyncValue(o, spec, None, part)
-                for o, (spec, part) in zip(outputs, inferred)]
+            return [o if dtype is _RESOURCE else (o, part, dtype)]
+        return [o if dtype is _RESOURCE else (o, part, dtype)
+                for o, (part, dtype) in zip(outputs, inferred)]
 
-    def _read_spec(self, op, handle, queue):
-        """(spec, known, part) of a variable read, from the variable's shape.
+    def _read_part(self, op, handle, queue):
+        """The signature part of a variable read, from the variable's shape.
 
         A variable's shape is not in its eager handle, and the read is queued: ask
         `VariableShape` on a synchronous executor, which waits only for the handle
@@ -260,8 +289,9 @@ class Async(OpHandler):
         have changed (`_note_reshapes`) is read with an unknown shape: its users wait for
         the read itself, as for a variable whose shape cannot be read yet.
         """
+        unknown = (op.attrs["dtype"].as_datatype_enum, None, None)
         if queue is not None and (queue.opaque or tensor_key(handle) in queue.assigned):
-            return None, None, None
+            return unknown
         saved = _swap_executor(self._sync_executor.handle())
         try:
             # On physical devices directly: through the stacks below, an Async there
@@ -269,43 +299,41 @@ class Async(OpHandler):
             (shape,) = PHYSICAL.execute(_variable_shape_op(), [handle])
             dims = tuple(int(d) for d in shape.numpy())
         except tf.errors.OpError:
-            return None, None, None
+            return unknown
         finally:
             _restore_executor(saved)
-        dtype = op.attrs["dtype"]
-        return tf.TensorSpec(dims, dtype), None, (dtype, dims, None)
+        return (unknown[0], dims, None)
 
     def copy_on(self, tensor):
         source = stack_of(tensor)
         if source is not None and source.handler is self:
             # A tensor of this handler from an earlier merge: its tensor, moved onto
-            # this merge's next stack (its spec stays; nothing waits).
+            # this merge's next stack (its description stays; nothing waits).
             value = source.unwrap(tensor)
-            return AsyncValue(next_stack().copy_on(value.tensor), value.spec,
-                              value.known, value.part)
+            return (next_stack().copy_on(value[TENSOR]),) + value[1:]
         # A tensor from outside the handler is computed (ops of the scope run here):
         # its shape is known without waiting.
         tensor = super().copy_on(tensor)
-        spec = shapes.spec_of(tensor)
-        return AsyncValue(tensor, spec.spec, spec.value, _part(tensor, spec.value))
+        return async_value(tensor, _outside_part(tensor))
 
     def copy_off(self, value, device):
         # A value leaving the handler (.numpy(), printing) waits for its op.
         return self._computed(value)
 
-    def value_dtype(self, value):
-        return value.tensor.dtype
+    #: ``value_dtype(value)``, the dtype of a representation: a C item getter (wrapping
+    #: every output of every op asks it).
+    value_dtype = operator.itemgetter(DTYPE)
 
     def num_dims(self, value):
-        spec = value.spec
-        if spec is not None and spec.shape.rank is not None:
-            return spec.shape.rank
+        dims = value[PART][1]
+        if dims is not None:
+            return len(dims)
         return self._computed(value).shape.rank
 
     def dim(self, value, index):
-        spec = value.spec
-        if spec is not None and spec.shape.rank is not None and spec.shape[index] is not None:
-            return spec.shape[index]
+        dims = value[PART][1]
+        if dims is not None and dims[index] is not None:
+            return dims[index]
         d = self._computed(value).shape[index]
         return -1 if d is None else d
 
@@ -316,7 +344,7 @@ class Async(OpHandler):
         Waits for this value only, not the whole queue: a `tf.py_function` body runs on
         the executor's own thread, where waiting for the queue would never return.
         """
-        tensor = value.tensor
+        tensor = value[TENSOR]
         try:
             tensor._shape_tuple()  # pylint: disable=protected-access
         except tf.errors.OpError:
@@ -328,15 +356,18 @@ class Async(OpHandler):
     def static_value(self, value):
         return None
 
+    def device_string(self, value, stack):
+        return value[TENSOR].device  # transparent: the physical device
+
     def tensor_debug_string(self, value):
         return _ops.value_text(self._computed(value))  # printing waits for the value
 
     def function_input(self, value):
-        return None, [value.tensor]
+        return None, [value[TENSOR]]
 
     def function_output(self, summary, tensors):
         (tensor,) = tensors
-        return AsyncValue(tensor)
+        return async_value(tensor, (_enum_of(tensor), None, None))
 
 
 # Ops on variables that never change a variable's shape. Any other op with a variable
@@ -383,9 +414,9 @@ def _function_effect(name):
     return effect
 
 
-def _note_reshapes(queue, op, tensors):
+def _note_reshapes(queue, op, tensors, function_call):
     """Records on `queue` which variables the queued `op` may reshape."""
-    if op.output_dtype_enums is None:
+    if function_call:
         # A function call: captured variables are its inputs; what its body (and the
         # functions it calls) may do to them decides.
         effect = _function_effect(op.type)
@@ -405,66 +436,92 @@ def _note_reshapes(queue, op, tensors):
 
 
 def _part(tensor, known):
-    """A computed tensor's part of an op signature."""
-    return shapes.signature_part(tensor.dtype, tensor._shape_tuple(), known)  # pylint: disable=protected-access
+    """A computed tensor's signature part; `known` its small value (numpy) or None."""
+    return (tensor.dtype.as_datatype_enum, tensor._shape_tuple(),  # pylint: disable=protected-access
+            None if known is None else (known.dtype.str, known.tobytes(), known.shape))
 
 
 # Dtypes whose tensors never carry a known value in a signature part (shapes.known_value
 # reads small integer and bool tensors only), by enum: a float constant made afresh for
 # every op (`x * 1.01`) is described without the cache below.
-_VALUELESS = {d.as_datatype_enum: d for d in (
+_VALUELESS = frozenset(d.as_datatype_enum for d in (
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
-    tf.string)}
+    tf.string, tf.variant))  # (resource handles too, but they are told apart)
 
-# id of a tensor from outside the handler -> (weak reference to it, its signature part):
-# a constant or a captured tensor used by op after op is described once. The reference
-# check makes a reused id harmless.
+# tensor_key (the TensorFlow handle) of a small integer tensor from outside the handler
+# -> (the tensor, its signature part): a constant used by op after op (an axis, a shape)
+# has its value read once. An outside tensor reaches `execute` as a new Python object
+# sharing the handle at every op, hence the handle as key. The entry holds the tensor, so
+# its handle cannot be freed and reused by another tensor while the entry lives.
 _outside_parts = BoundedCache("async.outside_parts", 1024)
 
 
 def _outside_part(tensor):
-    if type(tensor) is _EagerTensor:
-        dtype = _VALUELESS.get(tensor._datatype_enum())  # pylint: disable=protected-access
-        if dtype is not None:  # no value is carried (shapes.known_value): no cache
-            return shapes.signature_part(dtype, tensor._shape_tuple(), None)  # pylint: disable=protected-access
-    hit = _outside_parts.get(id(tensor))
-    if hit is not None and hit[0]() is tensor:
+    """The signature part of a tensor from outside the handler (computed, or symbolic)."""
+    if type(tensor) is not _EagerTensor:
+        return _part(tensor, shapes.known_value(tensor))
+    enum = tensor._datatype_enum()  # pylint: disable=protected-access
+    if enum in _VALUELESS or enum == _RESOURCE_ENUM:  # no value is carried: no cache
+        return (enum, tensor._shape_tuple(), None)  # pylint: disable=protected-access
+    key = tensor_key(tensor)
+    hit = _outside_parts.get(key)
+    if hit is not None:
         return hit[1]
-    part = _part(tensor, shapes.known_value(tensor))
-    try:
-        _outside_parts[id(tensor)] = (weakref.ref(tensor), part)
-    except TypeError:  # not weakly referenceable (a symbolic tensor): not cached
-        pass
+    known = shapes.known_value(tensor)
+    part = _part(tensor, known)
+    if known is not None:
+        _outside_parts[key] = (tensor, part)
     return part
 
 
-def _spec_part(spec):
-    shape = spec.shape
-    return shapes.signature_part(
-        spec.dtype, None if shape.rank is None else tuple(shape.as_list()), None)
+# What the hook needs to know of an op type, asked once per type: op type ->
+_IMPLIED = 1   # an op whose attributes all follow from its inputs' dtypes and count
+_ATTRS = 2     # an op whose signature includes its attributes
+_FUNCTION = 3  # a function call (no OpDef): not inferred; its body may reshape variables
+_RUNS_PYTHON = 4  # tf.py_function and friends: may assign any variable
+_op_kinds = BoundedCache("async.op_kinds", 4096)
 
 
-# op signature -> [(TensorSpec, part)] per output, or None (not inferable)
+def _op_kind(op_type):
+    op_def = op_def_registry.get(op_type)
+    if op_def is None:
+        kind = _FUNCTION
+    elif op_type in _OPAQUE:
+        kind = _RUNS_PYTHON
+    else:
+        kind = _IMPLIED if _implied_by_inputs(op_def) else _ATTRS
+    _op_kinds[op_type] = kind
+    return kind
+
+
+def _implied_by_inputs(op_def):
+    """Whether every attribute of `op_def` is an input's type, type list or count, with
+    at most one list input (so the flat inputs' dtypes and count determine them all):
+    Tanh, Mul, AddV2 (only `T`) need no attribute bytes in their signature."""
+    implied, lists = set(), 0
+    for arg in op_def.input_arg:
+        if arg.number_attr or arg.type_list_attr:
+            lists += 1
+        implied.update(a for a in (arg.type_attr, arg.type_list_attr, arg.number_attr) if a)
+    return lists <= 1 and all(a.name in implied for a in op_def.attr)
+
+
+# op signature (op type, attribute bytes or None, the inputs' parts) -> [(part, dtype)]
+# per output, or None (not inferable)
 _inferred = BoundedCache("async.inferred", 16384)
+_MISS = object()
 
 
-def _infer(op, inputs, parts):
-    """The outputs' specs and signature parts, from TensorFlow's shape functions (cached
-    per op signature, with the parts precomputed so that a hit costs a lookup). `parts`:
-    the inputs' signature parts (`Async.execute` collects them)."""
-    key = (op.type, op.attrs_key(), tuple(parts))
+def _infer(op, key, parts):
+    """Caches and returns the outputs' `(part, dtype)` for signature `key`, from
+    TensorFlow's shape functions. `parts`: the inputs' signature parts."""
     try:
-        return _inferred[key]
-    except KeyError:
-        pass
-    try:
-        specs = [_input_spec(v) for v in inputs]
-        if op.type != "EnsureShape" and shapes.assumes_success(specs):
+        specs = [_input_spec(p) for p in parts]
+        if key[0] != "EnsureShape" and shapes.assumes_success(specs):
             # (tf.ensure_shape declares the shape: it is the program's own assertion.)
             # The shape function would assume the op succeeds; shapes wait for the kernel.
             raise ValueError("inference would assume the op succeeds")
-        specs = shapes.infer(op, specs)  # pylint: disable=protected-access
-        result = [(s, _spec_part(s)) for s in specs]
+        result = [(_spec_part(s), s.dtype) for s in shapes.infer(op, specs)]
     except Exception:  # pylint: disable=broad-except
         # Not inferable (or invalid: the kernel's error surfaces at the next
         # synchronization point, as the op's own error): shapes wait.
@@ -473,11 +530,17 @@ def _infer(op, inputs, parts):
     return result
 
 
-def _input_spec(value):
-    """The shape-inference input for `value`, never waiting for a kernel."""
-    if type(value) is AsyncValue:
-        spec = value.spec
-        if spec is None:
-            spec = tf.TensorSpec(None, value.tensor.dtype)
-        return shapes.Spec(spec, value.known)
-    return shapes.spec_of(value)
+def _spec_part(spec):
+    shape = spec.shape
+    return (spec.dtype.as_datatype_enum,
+            None if shape.rank is None else tuple(shape.as_list()), None)
+
+
+def _input_spec(part):
+    """The shape-inference input (`shapes.Spec`) of a signature part."""
+    enum, dims, known = part
+    value = None
+    if known is not None:
+        np_dtype, data, shape = known
+        value = np.frombuffer(data, dtype=np.dtype(np_dtype)).reshape(shape)
+    return shapes.Spec(tf.TensorSpec(dims, _AS_DTYPE[enum]), value)

@@ -44,7 +44,8 @@ from tf_ophandlers.core import shapes
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL, execute_physical, next_stack, stack_of, tensor_key
+from tf_ophandlers.core.stack import (
+    PHYSICAL, execute_physical, never_copy, next_stack, stack_of, tensor_key)
 from tf_ophandlers.core.state import state
 
 _RESOURCE = tf.resource
@@ -213,10 +214,9 @@ class Async(OpHandler):
 
     # -- the handler ----------------------------------------------------------------------
 
-    #: ``needs_copy(op, index) -> False``: inputs from elsewhere (constants, physical
-    #: tensors) enter as they are. A C function (`op is index` is never true): the C++
-    #: path asks it for every such input of every op.
-    needs_copy = operator.is_
+    #: Inputs from elsewhere (constants, physical tensors) enter as they are; with
+    #: `never_copy` the stack answers the C++ path's per-input question in C.
+    needs_copy = staticmethod(never_copy)
 
     def execute(self, op, inputs):
         # Runs for every op of the scope (the C++ per-op path calls it): one pass over

@@ -74,7 +74,7 @@ from tensorflow.python.ops import gradients_util
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import COPY_OPS
+from tf_ophandlers.core.stack import COPY_OPS, never_copy
 from tf_ophandlers.handlers import recompute_calls, recompute_graph
 from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
@@ -395,9 +395,8 @@ class Recompute(OpHandler):
     def function_output(self, summary, tensors):
         return _Value(tensors[0], tracked=True)
 
-    @staticmethod
-    def needs_copy(op, index):
-        return False  # inputs from elsewhere enter as they are
+    # Inputs from elsewhere enter as they are (answered in C by the stack).
+    needs_copy = staticmethod(never_copy)
 
     # -- the handler ----------------------------------------------------------------------
 

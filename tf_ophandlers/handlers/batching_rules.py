@@ -425,14 +425,18 @@ _ALIGNING = frozenset(name for name, rule in RULES.items()
 _SAME_SHAPE = frozenset(name for name, rule in RULES.items() if rule is _same_shape)
 
 
+# Op types whose plan reads attributes (the others' plans are keyed without them).
+ATTRIBUTE_PLANS = frozenset(("BiasAdd",))
+
+
 def plan_of(op, inputs):
-    """FORWARD, UNBATCHED or RULE for ops of this signature (op type, attributes, and per
-    input whether it is batched, its dtype and rank; `inputs` are eager), or None for the
-    handler's generic path (resources, random ops, function calls, unknown ranks). Every
-    plan gives the values its rule gives: FORWARD only where the rule would run the op
-    on the values unchanged."""
-    out_enums = op.output_dtype_enums
-    if out_enums is None or _RESOURCE_ENUM in out_enums or op.type in RANDOM:
+    """FORWARD, UNBATCHED or RULE for ops of this signature (op type, the attributes of
+    ATTRIBUTE_PLANS' types, and per input whether it is batched, its dtype and rank;
+    `inputs` are eager), or None for the handler's generic path (resource inputs, random
+    ops, function calls, unknown ranks). Every plan gives the values its rule gives:
+    FORWARD only where the rule would run the op on the values unchanged (never an op
+    with a resource output: those take no batched input)."""
+    if op.output_dtype_enums is None or op.type in RANDOM:
         return None
     if any(b.value._datatype_enum() == _RESOURCE_ENUM for b in inputs):  # pylint: disable=protected-access
         return None

@@ -39,7 +39,7 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
 from tf_ophandlers.handlers.batching_rules import (
     FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch, dtype_of,
-    plan_of, static_shape)
+    ATTRIBUTE_PLANS, plan_of, static_shape)
 
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = stack_of
@@ -183,7 +183,8 @@ def _writes_state(op_type):
 # -- per-signature plans (issue 17) -------------------------------------------------------
 
 _FALLBACK = "fallback"  # VectorizedMap._execute_generic: checks everything per op
-# (op type, attributes, per input: batched, dtype enum, rank) -> FORWARD, UNBATCHED, RULE
+# (op type, attributes if the plan reads them, per input: batched, dtype enum, rank) ->
+# FORWARD, UNBATCHED, RULE
 # or _FALLBACK: what the handler does with ops of that signature (batching_rules.plan_of),
 # decided once instead of per op. Bounded: a program has a few hundred signatures.
 _plans = BoundedCache("vectorized_map.plans", 8192)
@@ -199,7 +200,9 @@ def _plan_key(op, inputs):
         if type(v) is not _EagerTensor:
             return None
         sig.append((b.batched, v._datatype_enum(), len(v._shape_tuple())))  # pylint: disable=protected-access
-    return (op.type, op.attrs_key(), tuple(sig))
+    op_type = op.type
+    # Plans depend on attributes only for these (reading them costs a serialization).
+    return (op_type, op.attrs_key() if op_type in ATTRIBUTE_PLANS else None, tuple(sig))
 
 
 def _plan(op, inputs):
@@ -314,8 +317,8 @@ class VectorizedMap(OpHandler):
                 plan = _plans[key] = _plan(op, inputs)
         if plan is FORWARD:  # every output batched, the values as they are
             return [Batched(o, True) for o in execute(op, [b.value for b in inputs])]
-        if plan is UNBATCHED:  # no batched input, no resource: the op as it is
-            return [Batched(o, False) for o in execute(op, [b.value for b in inputs])]
+        if plan is UNBATCHED:  # no batched input, no resource input: the op as it is
+            return self._unbatched(execute(op, [b.value for b in inputs]))
         if plan is RULE:
             return self._batched(execute, op, inputs)
         return self._execute_generic(execute, op, inputs)
@@ -339,9 +342,12 @@ class VectorizedMap(OpHandler):
             self._used.append((op.type, resources))
         if any(b.batched for b in inputs) or op.type in RANDOM:
             return self._batched(execute, op, inputs)
-        outputs = execute(op, [b.value for b in inputs])
-        # Resource handles stay on the next stack (variables created inside; their
-        # initialization is not a per-example update).
+        return self._unbatched(execute(op, [b.value for b in inputs]))
+
+    def _unbatched(self, outputs):
+        """The outputs of an op without batched inputs. Resource handles stay on the next
+        stack (variables created inside; their initialization is not a per-example
+        update)."""
         results = []
         for o in outputs:
             if _is_resource(o):

@@ -37,6 +37,7 @@ Writes the `vectorized_map` section of docs/benchmarks.md and docs/vectorized_ma
     python benchmarks/vectorized_map.py            # full run (~2 min on 2 cores)
     python benchmarks/vectorized_map.py --quick    # smoke run (< 30 s, noisy numbers)
 """
+import gc
 import logging
 import os
 import sys
@@ -194,6 +195,7 @@ class Config:
         self.slow = dict((k, s) for k, _, s in METHODS)[method]
         self.warm = WARMUP_CALLS[self.slow]
         self.times = []
+        self.cpu = []  # process CPU seconds per call (all threads), same rounds as times
 
 
 def make_configs(w, args):
@@ -308,14 +310,43 @@ def measure(configs, rounds, seed=0):
         if calls[0] == len(configs):
             cache["warm-up"] = replay.cache_info()
         calls[0] += 1
-        return _common.warm_time(cfg.call, cfg.warm, n)
+        return _time_and_cpu(cfg, n)
 
     # (the warm-up pass also traces the tf.functions)
     _common.run_rounds(configs, rounds, lambda cfg: cfg.n, run, seed)
     cache.setdefault("warm-up", replay.cache_info())
     cache["rounds"] = replay.cache_info()
     return ({(cfg.case, cfg.method): [t * 1e3 for t in cfg.times] for cfg in configs},
-            cache)
+            cache, {(cfg.case, cfg.method): [t * 1e3 for t in cfg.cpu] for cfg in configs})
+
+
+def _time_and_cpu(cfg, n):
+    """As _common.warm_time (warm-up calls, then `n` calls with the collector off), also
+    appending the process CPU time per call (every thread's: TensorFlow's kernels run
+    on its pools) to `cfg.cpu`: a loaded machine stretches wall-clock time, much less
+    CPU time. Returns the wall-clock seconds per call."""
+    for _ in range(cfg.warm):
+        cfg.call()
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            cfg.call()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        if enabled:
+            gc.enable()
+    cfg.cpu.append(cpu / n)
+    return wall / n
+
+
+def cpu_ratio(cpu, case, num, den):
+    """Median and IQR of the same-round CPU-time ratios num / den."""
+    a, b = cpu[(case, num)], cpu[(case, den)]
+    ratios = [x / y for x, y in zip(a, b)]
+    return _common.median(ratios), _common.quartiles(ratios)
 
 
 def summarize(times):
@@ -379,7 +410,7 @@ def targets(summary):
     return ([("oh",) + t for t in op_by_op] + [("ohf",) + t for t in replayed])
 
 
-def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
+def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache, cpu):
     method = (
         "One process times `oh.vectorized_map` (the auto-batching op handler: "
         "the function runs once, eagerly, each op on the whole batch) and TensorFlow's "
@@ -391,7 +422,8 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
         "share the variables and the batch for the whole run; after a warm-up pass over "
         "all configurations (which also traces the `tf.function`s), each of %d rounds runs "
         "every configuration once, in a freshly shuffled order, as untimed + N timed "
-        "back-to-back calls timed with `time.perf_counter` with the garbage collector "
+        "back-to-back calls timed with `time.perf_counter` (and the process CPU time of all "
+        "threads, `time.process_time`) with the garbage collector "
         "off. The call counts differ by method so that the run stays short: N = %d for "
         "both `oh.vectorized_map` configurations and `tf.function(tf.vectorized_map)` (%d "
         "untimed), N = %d for "
@@ -451,6 +483,13 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
         T.append("- %s %s: %s (%.3f vs %.3f ms) — %s  (best rounds: "
                  "%.2fx)" % (subject[who], text, how, g[who]["ms"], g[key]["ms"],
                              _common.verdict(ok), best))
+    for case in ("per-example-grads", "forward-batch"):
+        r, (q1, q3) = cpu_ratio(cpu, case, "eager", "oh")
+        T.append("- CPU time (information; process time of all threads, same rounds) on "
+                 "`%s`: eager `tf.vectorized_map` / `oh.vectorized_map` = %.2fx (IQR "
+                 "%.2f – %.2f), medians %.3f vs %.3f ms CPU per call."
+                 % (case, r, q1, q3, _common.median(cpu[(case, "eager")]),
+                    _common.median(cpu[(case, "oh")])))
     fw = summary["forward-batch"]
     T.append("- `forward-batch` has no target (information): eager `tf.vectorized_map` "
              "takes %.1fx the time of `oh.vectorized_map`, `oh.vectorized_map` %.2fx that "
@@ -563,7 +602,8 @@ def main(argv=None):
     except SanityError as e:
         print("sanity check failed: %s" % e, file=sys.stderr)
         return 1
-    times, cache = _common.measure_under_load(info, lambda: measure(configs, args.rounds))
+    times, cache, cpu = _common.measure_under_load(info,
+                                                   lambda: measure(configs, args.rounds))
     if cache["rounds"] != cache["warm-up"]:
         print("sanity check failed: the replay cache grew during the timed rounds "
               "(replay.cache_info() %d after the warm-up, %d after the rounds): the "
@@ -576,13 +616,16 @@ def main(argv=None):
     ok, png_path = _common.publish(
         args.out, "vectorized_map", lambda plt: plot(summary, plt),
         lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
-                                            elapsed, checks, cache))
+                                            elapsed, checks, cache, cpu))
 
     for case, _, methods, _ in CASES:
         for key in methods:
             s = summary[case][key]
             print("%-17s %-37s %9.3f ms  time/oh %7.2fx  time/ohf %7.2fx"
                   % (case, NAME[key], s["ms"], s["x"], s["x_f"]))
+    r, (q1, q3) = cpu_ratio(cpu, "per-example-grads", "eager", "oh")
+    print("CPU time, per-example-grads: eager tf.vectorized_map / oh.vectorized_map "
+          "%.2fx (IQR %.2f - %.2f)" % (r, q1, q3))
     print("replay cache: %d functions after the warm-up, %d after the rounds"
           % (cache["warm-up"], cache["rounds"]))
     printed = {k: name for k, _, name in TARGET_SUBJECTS}

@@ -222,6 +222,9 @@ class VectorizedMap(OpHandler):
 
     transparent = False
     TYPE_NAME = "VECTORIZED_MAP"
+    # Read by oh.GradientTape: a target's default output gradient (ones) may be a cached
+    # constant copied onto this stack (unbatched), as `ones_like` here gives.
+    constant_seeds = True
 
     def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)

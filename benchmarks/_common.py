@@ -49,6 +49,26 @@ def warm_time(fn, warmup, n):
     return time_per_call(fn, n)
 
 
+def warm_time_and_cpu(fn, warmup, n):
+    """As `warm_time`, returning (wall-clock seconds, process CPU seconds) per call. The
+    CPU time counts every thread of the process (TensorFlow's kernels run on its pools);
+    a loaded machine stretches wall-clock time much more than CPU time."""
+    for _ in range(warmup):
+        fn()
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            fn()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    finally:
+        if enabled:
+            gc.enable()
+    return wall / n, cpu / n
+
+
 def run_rounds(configs, rounds, n_of, run=None, seed=0):
     """The interleaved measurement every script uses.
 

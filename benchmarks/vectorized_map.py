@@ -1,37 +1,23 @@
 """`oh.vectorized_map` (auto-batching as an op handler) against TensorFlow's ways of
-computing eager per-example gradients.
+computing eager per-example gradients, in one process, on two cases (CASES below):
 
-Times, in one process, on two cases:
-
-  per-example-grads  per-example gradients of an MLP loss (plain `tf.Variable`s,
-                     64 -> 128 relu -> 10, sparse softmax cross-entropy) for a batch of
-                     256 examples, five ways: `oh.vectorized_map` over an eager
-                     function using `oh.GradientTape` (op by op); `oh.vectorized_map`
-                     over a `tf.function` of that same function (created once; its call
-                     is replayed once through the vectorizing handler into a cached,
-                     handler-free function, see tf_ophandlers/core/functions/, which
-                     the timed calls then run); a Python loop over the examples with
-                     `tf.GradientTape` then `tf.stack`; eager `tf.vectorized_map`
-                     (which converts the function again on every call); and
-                     `tf.function(tf.vectorized_map)` traced once in the warm-up
-  forward-batch      a forward-only per-example function (matmul, tanh, matmul,
-                     softmax) over the same batch: `oh.vectorized_map` over the eager
-                     function and over a `tf.function` of it, eager
-                     `tf.vectorized_map` and `tf.function(tf.vectorized_map)`
+  per-example-grads  per-example gradients of an MLP loss (64 -> 128 relu -> 10, sparse
+                     softmax cross-entropy, batch 256), five ways: `oh.vectorized_map`
+                     over an eager function using `oh.GradientTape` (op by op); the same
+                     over a `tf.function` of it (replayed once into a cached function,
+                     tf_ophandlers/core/functions/); a Python loop of `tf.GradientTape`s;
+                     eager `tf.vectorized_map` (which converts the function on every
+                     call); `tf.function(tf.vectorized_map)` traced once in the warm-up
+  forward-batch      a forward-only per-example function, the same ways but the loop
                      (information, no target)
 
-The targets (per-example-grads) are checked twice: for the op-by-op configuration
-(eager fn) and for the replayed one (fn a tf.function).
-
-Before timing, all methods must give the same results (allclose, 1e-5; the loop of
-`tf.GradientTape`s is the reference for the gradients, the plain batched computation
-for the forward case), and the first call of each replayed configuration must add an
-entry to the replay cache (`replay.cache_info()`); after the rounds, the cache must not
-have grown since the warm-up (every timed replayed call is a cache hit). The script
-exits non-zero otherwise. Configurations are
-interleaved (shuffled order every round) and repeated; the reported time is the median
-over rounds of the mean time per call of N back-to-back calls (N is small for the slow
-methods: 1 call of the eager loop per round).
+The targets (per-example-grads) are checked for the op-by-op configuration and for the
+replayed one. Before timing, all methods must agree (allclose, 1e-5; references: the
+loop of `tf.GradientTape`s, the plain batched computation), and each replayed
+configuration's first call must add a replay-cache entry that the timed calls then hit
+(the script exits non-zero otherwise). Configurations are interleaved (shuffled order
+every round); the reported time is the median over rounds of the mean time per call of
+N back-to-back calls, with the process CPU time per call alongside.
 Writes the `vectorized_map` section of docs/benchmarks.md and docs/vectorized_map.png.
 
     python benchmarks/vectorized_map.py            # full run (~2 min on 2 cores)
@@ -93,8 +79,7 @@ CASES = (
      "(traced once in the warm-up). Information only (no target): the batching cost "
      "without autodiff."),
 )
-# Targets of the issue on per-example-grads (oh.vectorized_map's speed-up), checked for
-# the op-by-op configuration (eager fn) and for the replayed one (fn a tf.function):
+# Targets on per-example-grads, for the op-by-op and the replayed configurations:
 TARGET_VS_LOOP = 50.0   # at least 50x faster than the eager loop
 TARGET_VS_EAGER = 10.0  # at least 10x faster than eager tf.vectorized_map
 TARGET_VS_TFF = 3.0     # at most 3x the time of tf.function(tf.vectorized_map)
@@ -103,8 +88,7 @@ TOLERANCE = 1e-5
 
 
 class _DropRetracingWarning(logging.Filter):
-    """Eager `tf.vectorized_map` retraces on every call by design; TensorFlow logs a
-    retracing warning each time. Only that message is dropped (from the output)."""
+    """Drops TensorFlow's retracing warning (eager `tf.vectorized_map` retraces per call)."""
 
     def filter(self, record):
         return "triggered tf.function retracing" not in record.getMessage()
@@ -194,6 +178,7 @@ class Config:
         self.slow = dict((k, s) for k, _, s in METHODS)[method]
         self.warm = WARMUP_CALLS[self.slow]
         self.times = []
+        self.cpu = []  # process CPU seconds per call (all threads), same rounds as times
 
 
 def make_configs(w, args):
@@ -308,14 +293,22 @@ def measure(configs, rounds, seed=0):
         if calls[0] == len(configs):
             cache["warm-up"] = replay.cache_info()
         calls[0] += 1
-        return _common.warm_time(cfg.call, cfg.warm, n)
+        wall, cpu = _common.warm_time_and_cpu(cfg.call, cfg.warm, n)
+        cfg.cpu.append(cpu)
+        return wall
 
     # (the warm-up pass also traces the tf.functions)
     _common.run_rounds(configs, rounds, lambda cfg: cfg.n, run, seed)
     cache.setdefault("warm-up", replay.cache_info())
     cache["rounds"] = replay.cache_info()
     return ({(cfg.case, cfg.method): [t * 1e3 for t in cfg.times] for cfg in configs},
-            cache)
+            cache, {(cfg.case, cfg.method): [t * 1e3 for t in cfg.cpu] for cfg in configs})
+
+
+def cpu_ratio(cpu, case, num, den):
+    """Median and IQR of the same-round CPU-time ratios num / den."""
+    ratios = [x / y for x, y in zip(cpu[(case, num)], cpu[(case, den)])]
+    return _common.median(ratios), _common.quartiles(ratios)
 
 
 def summarize(times):
@@ -379,7 +372,7 @@ def targets(summary):
     return ([("oh",) + t for t in op_by_op] + [("ohf",) + t for t in replayed])
 
 
-def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
+def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache, cpu):
     method = (
         "One process times `oh.vectorized_map` (the auto-batching op handler: "
         "the function runs once, eagerly, each op on the whole batch) and TensorFlow's "
@@ -391,7 +384,8 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
         "share the variables and the batch for the whole run; after a warm-up pass over "
         "all configurations (which also traces the `tf.function`s), each of %d rounds runs "
         "every configuration once, in a freshly shuffled order, as untimed + N timed "
-        "back-to-back calls timed with `time.perf_counter` with the garbage collector "
+        "back-to-back calls timed with `time.perf_counter` (and the process CPU time of all "
+        "threads, `time.process_time`) with the garbage collector "
         "off. The call counts differ by method so that the run stays short: N = %d for "
         "both `oh.vectorized_map` configurations and `tf.function(tf.vectorized_map)` (%d "
         "untimed), N = %d for "
@@ -451,6 +445,12 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache):
         T.append("- %s %s: %s (%.3f vs %.3f ms) — %s  (best rounds: "
                  "%.2fx)" % (subject[who], text, how, g[who]["ms"], g[key]["ms"],
                              _common.verdict(ok), best))
+    for case in ("per-example-grads", "forward-batch"):  # CPU time, same rounds
+        r, q = cpu_ratio(cpu, case, "eager", "oh")
+        T.append("- CPU time (information; all threads) on `%s`: eager `tf.vectorized_map` "
+                 "/ `oh.vectorized_map` = %.2fx (IQR %.2f – %.2f), medians %.3f vs %.3f ms"
+                 % ((case, r) + q + tuple(_common.median(cpu[(case, k)])
+                                          for k in ("eager", "oh"))))
     fw = summary["forward-batch"]
     T.append("- `forward-batch` has no target (information): eager `tf.vectorized_map` "
              "takes %.1fx the time of `oh.vectorized_map`, `oh.vectorized_map` %.2fx that "
@@ -495,8 +495,7 @@ def plot(summary, plt):
     bottom = min(s["q1"] for row in summary.values() for s in row.values())
     ax.set_ylim(bottom / 2, top * 4)
 
-    # right: the speed-up of each oh.vectorized_map configuration over each method
-    # (method time / oh time), with the targets (the same for both configurations)
+    # right: each oh configuration's speed-up over each method, with the targets
     groups = [("per-example-grads", "loop", TARGET_VS_LOOP, "grads\nvs loop"),
               ("per-example-grads", "eager", TARGET_VS_EAGER, "grads\nvs eager vmap"),
               ("per-example-grads", "tff", 1.0 / TARGET_VS_TFF, "grads\nvs tf.function"),
@@ -563,7 +562,8 @@ def main(argv=None):
     except SanityError as e:
         print("sanity check failed: %s" % e, file=sys.stderr)
         return 1
-    times, cache = _common.measure_under_load(info, lambda: measure(configs, args.rounds))
+    times, cache, cpu = _common.measure_under_load(info,
+                                                   lambda: measure(configs, args.rounds))
     if cache["rounds"] != cache["warm-up"]:
         print("sanity check failed: the replay cache grew during the timed rounds "
               "(replay.cache_info() %d after the warm-up, %d after the rounds): the "
@@ -576,13 +576,16 @@ def main(argv=None):
     ok, png_path = _common.publish(
         args.out, "vectorized_map", lambda plt: plot(summary, plt),
         lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
-                                            elapsed, checks, cache))
+                                            elapsed, checks, cache, cpu))
 
     for case, _, methods, _ in CASES:
         for key in methods:
             s = summary[case][key]
             print("%-17s %-37s %9.3f ms  time/oh %7.2fx  time/ohf %7.2fx"
                   % (case, NAME[key], s["ms"], s["x"], s["x_f"]))
+    r, q = cpu_ratio(cpu, "per-example-grads", "eager", "oh")
+    print("CPU time, per-example-grads: eager tf.vectorized_map / oh.vectorized_map %.2fx "
+          "(IQR %.2f - %.2f)" % ((r,) + q))
     print("replay cache: %d functions after the warm-up, %d after the rounds"
           % (cache["warm-up"], cache["rounds"]))
     printed = {k: name for k, _, name in TARGET_SUBJECTS}

@@ -65,6 +65,44 @@ def _int32(values):
     return _constant(values, tf.int32)
 
 
+_INT32 = tf.int32
+
+
+def _reshaped(execute, value, shape):
+    """`value` reshaped to `shape` (ints, -1 allowed) with one Reshape run by `execute`:
+    no TensorFlow op wrapper on the path (this runs for every batched matmul)."""
+    reshape = Op.cached("Reshape", T=dtype_of(value), Tshape=_INT32)
+    return execute(reshape, [value, _int32(shape)])[0]
+
+
+def dtype_of(v):
+    """The tf.DType of a tensor (of an eager one by its enum: `dtype` is a Python
+    property)."""
+    if type(v) is _EagerTensor:
+        return _DTYPES[v._datatype_enum()]  # pylint: disable=protected-access
+    return v.dtype
+
+
+class _DtypeTable(dict):
+    """dtype enum -> tf.DType (bounded by TensorFlow's dtypes)."""
+
+    def __missing__(self, enum):
+        d = self[enum] = tf.as_dtype(enum)
+        return d
+
+
+_DTYPES = _DtypeTable()
+
+
+def static_shape(v):
+    """The static shape of a tensor as a tuple (None for unknown dims), or None for an
+    unknown rank; an eager tensor's without building a TensorShape."""
+    if type(v) is _EagerTensor:
+        return v._shape_tuple()  # pylint: disable=protected-access
+    shape = v.shape
+    return None if shape.rank is None else tuple(shape.as_list())
+
+
 def _replace(op, **attrs):
     """`op.replace(**attrs)`, memoized per op signature (Ops are read-only templates)."""
     key = (op.type, op.attrs_key(), tuple(sorted(attrs.items())))
@@ -140,12 +178,11 @@ def _matmul(handler, execute, op, inputs):
     if a.batched and not b.batched and not attrs["transpose_a"]:
         # [B, m, k] @ [k, n]: one MatMul on [B*m, k] (much faster than a broadcast
         # batched matmul), as pfor's converter does.
-        shape = a.value.shape
-        if shape[1:].is_fully_defined():
-            m = int(shape[1])
-            flat = tf.reshape(a.value, _int32((-1, int(shape[2]))))
+        shape = static_shape(a.value)
+        if None not in shape[1:]:
+            flat = _reshaped(execute, a.value, (-1, shape[2]))
             (out,) = execute(op, [flat, b.value])
-            return [Batched(tf.reshape(out, _int32((handler.size, m, -1))), True)]
+            return [Batched(_reshaped(execute, out, (handler.size, shape[1], -1)), True)]
     bmm = Op.cached("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
                     adj_y=attrs["transpose_b"])
     return batched(execute(bmm, [a.value, b.value]))
@@ -161,17 +198,27 @@ def _shift_axes(axes, rank):
     return [int(a) % rank + 1 for a in axes] if rank else []
 
 
+# (axes as bytes, their shape and dtype, per-example rank) -> the shifted axes constant.
+_shifted = BoundedCache("vectorized_map.shifted_axes", 4096)
+
+
 def _reduction(handler, execute, op, inputs):
     x, axis = inputs
-    if not x.batched or axis.batched or _rank(x) is None:
+    rank = _rank(x)
+    if not x.batched or axis.batched or rank is None:
         return None
     axes = _static(axis.value)
     if axes is None:
         return None
-    shifted = _shift_axes(axes, _rank(x))
-    if axes.ndim == 0:
-        shifted = shifted[0]  # ArgMax/ArgMin take a scalar axis
-    shifted = _constant(shifted, axis.value.dtype)
+    key = (axes.tobytes(), axes.shape, axes.dtype.str, rank)
+    shifted = _shifted.get(key) if tf.executing_eagerly() else None
+    if shifted is None:
+        new = _shift_axes(axes, rank)
+        if axes.ndim == 0:
+            new = new[0]  # ArgMax/ArgMin take a scalar axis
+        shifted = _constant(new, dtype_of(axis.value))
+        if tf.executing_eagerly():
+            _shifted[key] = shifted
     return batched(execute(op, [x.value, shifted]))
 
 
@@ -240,9 +287,9 @@ def _pack(handler, execute, op, inputs):
 
 def _shape(handler, execute, op, inputs):
     (x,) = inputs
-    static = x.value.shape[1:]
-    if static.is_fully_defined():
-        return [Batched(_constant(static.as_list(), op.attrs["out_type"]), False)]
+    static = static_shape(x.value)
+    if static is not None and None not in static:
+        return [Batched(_constant(static[1:], op.attrs["out_type"]), False)]
     (out,) = execute(op, [x.value])
     return [Batched(tf.raw_ops.Slice(input=out, begin=[1], size=[-1]), False)]
 
@@ -271,12 +318,13 @@ def _sparse_xent(handler, execute, op, inputs):
         return None
     f = broadcast_batch(features, handler.size)
     lab = broadcast_batch(labels, handler.size)
-    if not f.shape.is_fully_defined():
+    shape = static_shape(f)
+    if shape is None or None in shape:
         return None
-    loss, grad = execute(op, [tf.reshape(f, _int32((-1, int(f.shape[-1])))),
-                              tf.reshape(lab, _int32((-1,)))])
-    return [Batched(tf.reshape(loss, _int32((handler.size, -1))), True),
-            Batched(tf.reshape(grad, _int32(f.shape.as_list())), True)]
+    loss, grad = execute(op, [_reshaped(execute, f, (-1, shape[-1])),
+                              _reshaped(execute, lab, (-1,))])
+    return [Batched(_reshaped(execute, loss, (handler.size, -1)), True),
+            Batched(_reshaped(execute, grad, shape), True)]
 
 
 def _rank_op(handler, execute, op, inputs):
@@ -363,3 +411,52 @@ RULES.update({
     "BiasAdd": _bias_add,
     "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
 })
+
+
+# -- plans: what a signature needs, decided once (vectorized_map.py caches them) -----------
+
+FORWARD = "forward"      # run the op on the values as they are; every output is batched
+UNBATCHED = "unbatched"  # no batched input: the op as it is, its outputs unbatched
+RULE = "rule"            # the op's rule (then pfor, then a loop)
+_RESOURCE_ENUM = tf.resource.as_datatype_enum
+# Rules that only align per-example ranks before running the op itself.
+_ALIGNING = frozenset(name for name, rule in RULES.items()
+                      if rule is _elementwise or rule is _batch_matmul)
+_SAME_SHAPE = frozenset(name for name, rule in RULES.items() if rule is _same_shape)
+
+
+# Op types whose plan reads attributes (the others' plans are keyed without them).
+ATTRIBUTE_PLANS = frozenset(("BiasAdd",))
+
+
+def plan_of(op, inputs):
+    """FORWARD, UNBATCHED or RULE for ops of this signature (op type, the attributes of
+    ATTRIBUTE_PLANS' types, and per input whether it is batched, its dtype and rank;
+    `inputs` are eager), or None for the handler's generic path (resource inputs, random
+    ops, function calls, unknown ranks). Every plan gives the values its rule gives:
+    FORWARD only where the rule would run the op on the values unchanged (never an op
+    with a resource output: those take no batched input)."""
+    if op.output_dtype_enums is None or op.type in RANDOM:
+        return None
+    if any(b.value._datatype_enum() == _RESOURCE_ENUM for b in inputs):  # pylint: disable=protected-access
+        return None
+    if not any(b.batched for b in inputs):
+        return UNBATCHED
+    op_type = op.type
+    if op_type in _ALIGNING:
+        ranks = [_rank(b) for b in inputs]
+        if None in ranks:
+            return None
+        top = max(ranks)
+        if all(r == top for b, r in zip(inputs, ranks) if b.batched):
+            return FORWARD  # _align changes nothing
+    elif op_type in _SAME_SHAPE:
+        if all(b.batched for b in inputs):
+            return FORWARD  # broadcast_batch changes nothing
+    elif op_type in ("Softmax", "LogSoftmax"):
+        return FORWARD
+    elif op_type == "BiasAdd":
+        if not inputs[1].batched and op.attrs.get("data_format", b"NHWC") in (b"NHWC",
+                                                                               "NHWC"):
+            return FORWARD
+    return RULE

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
+from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework.composite_tensor import CompositeTensor
 from tensorflow.python.ops import default_gradient
@@ -21,6 +22,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
 
 _key = tensor_key
@@ -33,6 +35,32 @@ _ACCEPTS_NONE = {
     "SparseSoftmaxCrossEntropyWithLogits": (1,),
     "FusedBatchNorm": (1, 2, 3, 4),
 }
+
+
+# (dtype enum, static shape, device) -> a physical tensor of ones, for _seed.
+_seed_ones = BoundedCache("gradient_tape.seed_ones", 256)
+
+
+def _seed(target):
+    """The default output gradient (ones) of a target on the stack of a handler with
+    ``constant_seeds = True`` (oh.vectorized_map: a constant entering its stack is an
+    unbatched value, what `ones_like` there gives) and a static shape: a cached ones
+    tensor copied onto that stack, instead of a Shape and a Fill through TensorFlow's
+    wrappers and the handler. None otherwise (the caller runs `ones_like`)."""
+    stack = _stack_of(target)
+    if stack is None or not getattr(stack.handler, "constant_seeds", False):
+        return None
+    shape = target.shape
+    if not shape.is_fully_defined() or not tf.executing_eagerly():
+        return None
+    dtype = target.dtype
+    with _scope.physical():
+        key = (dtype.as_datatype_enum, tuple(shape.as_list()),
+               _context.context().device_name)
+        ones = _seed_ones.get(key)
+        if ones is None:
+            ones = _seed_ones[key] = tf.ones(shape, dtype)
+    return stack.copy_on(ones)
 
 
 class _EveryOutput:
@@ -141,8 +169,9 @@ class BackwardPass:
                 continue
             g = output_gradients[i] if output_gradients is not None else None
             if g is None:
-                with self._where(t):
-                    g = default_gradient.ones_like(t)
+                g = _seed(t)
+                if g is None:
+                    g = self._ones_like(t)
             grads.setdefault(_key(t), []).append(g)
 
         for record in reversed(path):
@@ -162,6 +191,10 @@ class BackwardPass:
             else:
                 result.append(None)
         return result
+
+    def _ones_like(self, t):
+        with self._where(t):
+            return default_gradient.ones_like(t)
 
     def _record_on_enclosing_tapes(self, parts, total):
         """Records the sum of a source's gradient parts computed on the physical devices

@@ -37,7 +37,9 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
-from tf_ophandlers.handlers.batching_rules import RANDOM, RULES, Batched, batched, broadcast_batch
+from tf_ophandlers.handlers.batching_rules import (
+    FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch, dtype_of,
+    ATTRIBUTE_PLANS, plan_of, static_shape)
 
 _log = logging.getLogger("tf_ophandlers")
 _stack_of = stack_of
@@ -178,6 +180,39 @@ def _writes_state(op_type):
     return op_type.startswith(_STATE_WRITERS)
 
 
+# -- per-signature plans (issue 17) -------------------------------------------------------
+
+_FALLBACK = "fallback"  # VectorizedMap._execute_generic: checks everything per op
+# (op type, attributes if the plan reads them, per input: batched, dtype enum, rank) ->
+# FORWARD, UNBATCHED, RULE
+# or _FALLBACK: what the handler does with ops of that signature (batching_rules.plan_of),
+# decided once instead of per op. Bounded: a program has a few hundred signatures.
+_plans = BoundedCache("vectorized_map.plans", 8192)
+_EagerTensor = _ops.EagerTensor
+
+
+def _plan_key(op, inputs):
+    """The signature `_plans` is keyed by, or None (not all inputs eager tensors: a
+    function being replayed)."""
+    sig = []
+    for b in inputs:
+        v = b.value
+        if type(v) is not _EagerTensor:
+            return None
+        sig.append((b.batched, v._datatype_enum(), len(v._shape_tuple())))  # pylint: disable=protected-access
+    op_type = op.type
+    # Plans depend on attributes only for these (reading them costs a serialization).
+    return (op_type, op.attrs_key() if op_type in ATTRIBUTE_PLANS else None, tuple(sig))
+
+
+def _plan(op, inputs):
+    """The plan of `op`'s signature: ops that may update state always take the generic
+    path (its per-variable order checks)."""
+    if _writes_state(op.type):
+        return _FALLBACK
+    return plan_of(op, inputs) or _FALLBACK
+
+
 class VectorizedMap(OpHandler):
     """Runs every op of its scope once on a batch of `size` examples.
 
@@ -187,6 +222,9 @@ class VectorizedMap(OpHandler):
 
     transparent = False
     TYPE_NAME = "VECTORIZED_MAP"
+    # Read by oh.GradientTape: a target's default output gradient (ones) may be a cached
+    # constant copied onto this stack (unbatched), as `ones_like` here gives.
+    constant_seeds = True
 
     def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)
@@ -230,15 +268,17 @@ class VectorizedMap(OpHandler):
 
     # Per-example view of a batched value.
     def value_dtype(self, value):
-        return value.value.dtype
+        return dtype_of(value.value)
 
     def num_dims(self, value):
-        r = value.value.shape.rank
-        return -1 if r is None else (r - 1 if value.batched else r)
+        shape = static_shape(value.value)
+        if shape is None:
+            return -1
+        return len(shape) - 1 if value.batched else len(shape)
 
     def dim(self, value, index):
-        d = value.value.shape[index + 1 if value.batched else index]
-        return -1 if d is None else int(d)
+        d = static_shape(value.value)[index + 1 if value.batched else index]
+        return -1 if d is None else d
 
     def static_value(self, value):
         return None if value.batched else tf.get_static_value(value.value)
@@ -272,6 +312,23 @@ class VectorizedMap(OpHandler):
     def execute(self, op, inputs):
         below = next_stack()
         execute = below.execute
+        plan = _FALLBACK
+        key = _plan_key(op, inputs)
+        if key is not None:
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _plans[key] = _plan(op, inputs)
+        if plan is FORWARD:  # every output batched, the values as they are
+            return [Batched(o, True) for o in execute(op, [b.value for b in inputs])]
+        if plan is UNBATCHED:  # no batched input, no resource input: the op as it is
+            return self._unbatched(execute(op, [b.value for b in inputs]))
+        if plan is RULE:
+            return self._batched(execute, op, inputs)
+        return self._execute_generic(execute, op, inputs)
+
+    def _execute_generic(self, execute, op, inputs):
+        """Every case (variables and tables, random ops, replayed functions' symbolic
+        tensors); `execute` takes the others through cached plans (`_plan`)."""
         resources = [b.value for b in inputs if not b.batched and _is_resource(b.value)]
         if _writes_state(op.type) and not (
                 self._created and all(_resource_key(r) in self._created for r in resources)):
@@ -286,26 +343,14 @@ class VectorizedMap(OpHandler):
             if self._written:
                 self._check_state_order(op, resources)
             self._used.append((op.type, resources))
-        if not any(b.batched for b in inputs) and op.type not in RANDOM:
-            outputs = execute(op, [b.value for b in inputs])
-        else:
-            result = None
-            rule = RULES.get(op.type)
-            if rule is not None:
-                result = rule(self, execute, op, inputs)
-            if (result is None and op.output_dtype_enums is not None
-                    and op.type not in _CONTROL_FLOW):
-                result = _converted_by_pfor(self, execute, op, inputs)
-            if result is None:
-                if not self.fallback_to_while_loop:
-                    raise ValueError(
-                        "oh.vectorized_map: op %s has no batching rule and pfor cannot "
-                        "convert it; pass fallback_to_while_loop=True to run it once per "
-                        "example" % op.type)
-                result = _per_example_loop(self, execute, op, inputs)
-            return result
-        # Resource handles stay on the next stack (variables created inside; their
-        # initialization is not a per-example update).
+        if any(b.batched for b in inputs) or op.type in RANDOM:
+            return self._batched(execute, op, inputs)
+        return self._unbatched(execute(op, [b.value for b in inputs]))
+
+    def _unbatched(self, outputs):
+        """The outputs of an op without batched inputs. Resource handles stay on the next
+        stack (variables created inside; their initialization is not a per-example
+        update)."""
         results = []
         for o in outputs:
             if _is_resource(o):
@@ -314,6 +359,25 @@ class VectorizedMap(OpHandler):
             else:
                 results.append(Batched(o, False))
         return results
+
+    def _batched(self, execute, op, inputs):
+        """`op` on a batched input (or a random op): its rule, else pfor's converter,
+        else a loop over the examples."""
+        result = None
+        rule = RULES.get(op.type)
+        if rule is not None:
+            result = rule(self, execute, op, inputs)
+        if (result is None and op.output_dtype_enums is not None
+                and op.type not in _CONTROL_FLOW):
+            result = _converted_by_pfor(self, execute, op, inputs)
+        if result is None:
+            if not self.fallback_to_while_loop:
+                raise ValueError(
+                    "oh.vectorized_map: op %s has no batching rule and pfor cannot "
+                    "convert it; pass fallback_to_while_loop=True to run it once per "
+                    "example" % op.type)
+            result = _per_example_loop(self, execute, op, inputs)
+        return result
 
     # -- functions (core/functions): a tf.function called in the map is replayed with
     # its arguments batched or not; cond branches and loops that disagree broadcast.

@@ -238,11 +238,9 @@ def needs_no_python_kernel(op_type):
 
 
 def never_copy(op, index):  # pylint: disable=unused-argument
-    """A handler's `needs_copy` that takes every input from elsewhere as it is (a
-    physical tensor, a constant), as handlers that record ops do (`oh.Lazy`): its stack
-    answers `wants_copy` with a C function, so the C++ per-op path makes no Python call
-    per such input (it asks `wants_copy` for each). Use it as
-    ``needs_copy = staticmethod(never_copy)``."""
+    """``needs_copy = staticmethod(never_copy)``: every input from elsewhere (a physical
+    tensor, a constant) enters as it is, and the stack answers `wants_copy` in C, so the
+    C++ per-op path makes no Python call per such input (`oh.Lazy`, `oh.Async`)."""
     return False
 
 

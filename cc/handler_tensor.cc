@@ -199,6 +199,24 @@ TFOH_Payload* PayloadOf(TFE_TensorHandle* handle) {
   return p;
 }
 
+// The dispatcher-device handle owning `p` (taken in every case: TensorFlow calls the
+// deallocator on failure). Null with a Python exception set on failure. GIL: held.
+static TFE_TensorHandle* HandleOfPayload(TFOH_Payload* p, TF_DataType dtype, TF_Status* s) {
+  TFE_CustomDeviceTensorHandle methods;
+  methods.num_dims = &PayloadNumDims;
+  methods.dim = &PayloadDim;
+  methods.deallocator = &PayloadDeallocate;
+  methods.summarize = &PayloadSummarize;
+  TFE_TensorHandle* h =
+      TFE_NewCustomDeviceTensorHandle(g_ctx, g_device_name.c_str(), dtype, p, methods, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot create handler tensor: %s",
+                 TF_Message(s));
+    return nullptr;
+  }
+  return h;
+}
+
 TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_DataType dtype,
                                          PyObject* producer, bool shape_from_value) {
   if (g_ctx == nullptr) {
@@ -221,20 +239,7 @@ TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_Da
     if (TF_GetCode(s) != TF_OK) p->shape_source = nullptr;
     TF_SetStatus(s, TF_OK, "");
   }
-  TFE_CustomDeviceTensorHandle methods;
-  methods.num_dims = &PayloadNumDims;
-  methods.dim = &PayloadDim;
-  methods.deallocator = &PayloadDeallocate;
-  methods.summarize = &PayloadSummarize;
-  // Takes ownership of `p` even on failure (calls the deallocator).
-  TFE_TensorHandle* h =
-      TFE_NewCustomDeviceTensorHandle(g_ctx, g_device_name.c_str(), dtype, p, methods, s);
-  if (TF_GetCode(s) != TF_OK) {
-    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot create handler tensor: %s",
-                 TF_Message(s));
-    return nullptr;
-  }
-  return h;
+  return HandleOfPayload(p, dtype, s);
 }
 
 TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHandle* value,
@@ -254,20 +259,7 @@ TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHa
   if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
   p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
   TF_Status* s = ThreadStatus();
-  TFE_CustomDeviceTensorHandle methods;
-  methods.num_dims = &PayloadNumDims;
-  methods.dim = &PayloadDim;
-  methods.deallocator = &PayloadDeallocate;
-  methods.summarize = &PayloadSummarize;
-  // Takes ownership of `p` even on failure (calls the deallocator).
-  TFE_TensorHandle* h =
-      TFE_NewCustomDeviceTensorHandle(g_ctx, g_device_name.c_str(), dtype, p, methods, s);
-  if (TF_GetCode(s) != TF_OK) {
-    PyErr_Format(PyExc_RuntimeError, "tf_ophandlers: cannot create handler tensor: %s",
-                 TF_Message(s));
-    return nullptr;
-  }
-  return h;
+  return HandleOfPayload(p, dtype, s);
 }
 
 PyObject* PayloadValue(TFOH_Payload* p) {

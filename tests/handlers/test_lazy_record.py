@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.core.cache import BoundedCache, LRUCache
 from tf_ophandlers.handlers import lazy_compile
 
 from conftest import assert_same_tensors
@@ -38,10 +37,12 @@ _PROGRAMS = {
 
 
 @pytest.fixture
-def fresh_caches(monkeypatch):
-    """Empty compile and op-template caches: every structure is compiled anew."""
-    monkeypatch.setattr(lazy_compile, "functions", LRUCache("lazy.functions", 256))
-    monkeypatch.setattr(lazy_compile, "_templates", BoundedCache("lazy.op_templates", 4096))
+def fresh_caches():
+    """Empty compile and op-template caches: every structure is compiled anew. (Emptied,
+    not replaced: a replacement would take over the cache's name in `oh.caches()`, and
+    the name would vanish with it after the test.)"""
+    lazy_compile.functions.clear()
+    lazy_compile._templates.clear()  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("name", sorted(_PROGRAMS))
@@ -179,3 +180,15 @@ def test_value_request_errors_name_oh_lazy_and_the_ops_and_the_handler_recovers(
         np.testing.assert_allclose(good.numpy(), np.sum(np.tanh(np.ones([2, 3])) * 2.0),
                                    rtol=1e-5)
     assert lazy.flushes >= 1
+
+
+def test_error_naming_keeps_a_bare_op_error():
+    # tf.errors.OpError itself takes an error code its subclasses fill in: renaming it
+    # must not replace the error with a TypeError from its constructor.
+    from tf_ophandlers.handlers import lazy  # pylint: disable=import-outside-toplevel
+    error = tf.errors.OpError(None, None, "boom", tf.errors.UNKNOWN)
+    got = lazy._named(error, {"Reshape"})  # pylint: disable=protected-access
+    assert type(got) is tf.errors.OpError and got.error_code == tf.errors.UNKNOWN
+    assert "oh.Lazy" in got.message and "Reshape" in got.message and "boom" in got.message
+    got = lazy._named(tf.errors.InvalidArgumentError(None, None, "bad"), {"Tanh"})  # pylint: disable=protected-access
+    assert type(got) is tf.errors.InvalidArgumentError and "Tanh" in got.message

@@ -71,9 +71,12 @@ def _reduced_in_copy_on_grad(grad):
     """Whether a handler of the stack the sparse gradient `grad` lives on combines parts
     in `copy_on_grad` (OpHandler.copy_on_grad_reduces)."""
     from tf_ophandlers.core.stack import stack_of  # pylint: disable=import-outside-toplevel
-    stack = stack_of(grad.values)
-    return stack is not None and any(getattr(h, "copy_on_grad_reduces", False)
-                                     for h in getattr(stack, "handlers", ()))
+    for part in (grad.values, grad.indices):  # either part may be the reducing stack's
+        stack = stack_of(part)
+        if stack is not None and any(getattr(h, "copy_on_grad_reduces", False)
+                                     for h in getattr(stack, "handlers", ())):
+            return True
+    return False
 
 
 @_ops.RegisterGradient("CopyOn")

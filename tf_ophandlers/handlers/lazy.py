@@ -136,8 +136,12 @@ def _named(e, types, what=""):
     pending op types that ran (TensorFlow's message names the failing node)."""
     message = e.message.split("\n\tEncountered when executing an operation using "
                               "EagerExecutor")[0]  # (a chunk's: the error is cleared)
-    error = type(e)(e.node_def, e.op, "oh.Lazy: %spending ops (op types %s) failed: %s"
-                    % (what, ", ".join(sorted(types)), message))
+    message = "oh.Lazy: %spending ops (op types %s) failed: %s" % (
+        what, ", ".join(sorted(types)), message)
+    try:
+        error = type(e)(e.node_def, e.op, message)
+    except TypeError:  # a class whose constructor wants more (the base OpError's code)
+        error = tf.errors.OpError(e.node_def, e.op, message, e.error_code)
     error.oh_lazy = True
     return error
 

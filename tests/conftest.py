@@ -1,4 +1,5 @@
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -74,3 +75,19 @@ def assert_same_tensors(ref, got, tol=1e-5):
         r, g = tf.convert_to_tensor(r), tf.convert_to_tensor(g)
         assert r.dtype == g.dtype and r.shape == g.shape
         assert_close(g, r, tol)
+
+
+def package_frames(fn):
+    """``(fn(), names)``: the names of the package's Python functions entered while
+    `fn` runs (sys.setprofile), to check that a path runs in C."""
+    calls = []
+
+    def profile(frame, event, arg):  # pylint: disable=unused-argument
+        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, calls

@@ -2,7 +2,6 @@
 (default `execute`, or `handles_ops` excluding its type) run it without Python, and give
 the results, placements and errors of the Python path and of plain TensorFlow."""
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -10,6 +9,8 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
+
+from conftest import package_frames
 
 
 def _same(a, b):
@@ -36,21 +37,6 @@ class Seen(oh.OpHandler):
         return self.next.execute(op, inputs)
 
 
-def _frames(fn):
-    """The package's Python frames entered while `fn` runs."""
-    calls = []
-
-    def profile(frame, event, arg):
-        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
-            calls.append(frame.f_code.co_name)
-    sys.setprofile(profile)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    return out, calls
-
-
 def _chain(a, b):
     for _ in range(3):
         a = tf.tanh(a) * 1.5 + tf.matmul(a, b)
@@ -70,7 +56,7 @@ def test_pass_through_levels_run_without_python_frames(ab):
         a, b = tf.identity(a0), tf.identity(b0)  # physical inputs: copied on in Python
         _chain(a, b)  # each (stack, op type) is decided once, in Python
         before = _C.fast_stats()
-        got, calls = _frames(lambda: _chain(a, b))
+        got, calls = package_frames(lambda: _chain(a, b))
     assert calls == []
     assert _C.fast_stats()["fast_ops"] - before["fast_ops"] == 12
     stack = oh.stack_of(got)
@@ -86,7 +72,7 @@ def test_handles_ops_forwards_other_ops_without_calling_execute(ab):
         with h:
             a, b = tf.identity(a0), tf.identity(b0)
             _chain(a, b)
-            got, calls = _frames(lambda: _chain(a, b))  # noqa: B023
+            got, calls = package_frames(lambda: _chain(a, b))  # noqa: B023
         assert h.seen == ["MatMul"] * 6
         # Per MatMul only the hook's own Python (`self.next` and PHYSICAL's execute); the
         # hook itself is in this file. The other ops: nothing.

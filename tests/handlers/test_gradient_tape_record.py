@@ -2,7 +2,6 @@
 (the C++ fast path forwards the op and makes that one call) and the tape's C
 implementation of it (cc/tape_record.h), each against its Python reference and against
 tf.GradientTape."""
-import sys
 
 import keras
 import numpy as np
@@ -12,7 +11,7 @@ from tensorflow.python.eager import record
 
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
-from conftest import assert_close, assert_same_tensors
+from conftest import assert_close, assert_same_tensors, package_frames
 
 
 class PythonRecordingTape(oh.GradientTape):
@@ -47,20 +46,6 @@ class Seen(oh.OpHandler):
         self.seen.append((op.type, len(inputs), [o.dtype for o in outputs]))
 
 
-def _package_frames(fn):
-    calls = []
-
-    def profile(frame, event, arg):
-        if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
-            calls.append(frame.f_code.co_name)
-    sys.setprofile(profile)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    return out, calls
-
-
 def _chain(h, c):
     for _ in range(5):
         h = tf.sin(h) * c
@@ -74,7 +59,7 @@ def test_recording_an_op_enters_no_python_frame():
         tape.watch(x)
         _chain(x, c)  # each (stack, op type) is decided once, in Python
         before = _C.fast_stats()["fast_ops"]
-        y, calls = _package_frames(lambda: _chain(x, c))
+        y, calls = package_frames(lambda: _chain(x, c))
     assert calls == []
     assert _C.fast_stats()["fast_ops"] - before == 10
     with tf.GradientTape() as ref:

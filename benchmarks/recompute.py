@@ -165,18 +165,24 @@ def measure_mlp(layers=256, width=WIDTH, batch=2048, configs=None, check=True):
     return out
 
 
-def measure_resnet(batch=8, size=64):
-    """Peak bytes and one step's time of keras.applications.ResNet50(weights=None) on
-    `size`x`size` inputs (inference-mode batch norm, so the three configurations compute
-    the same function): tf.GradientTape, oh.GradientTape, and oh.Recompute() inside it.
-    Gradients must equal tf.GradientTape's."""
+def _resnet50(batch, size):
+    """keras.applications.ResNet50(weights=None) (seeded) on a `batch` of `size`x`size`
+    inputs: ``(model, x, y, loss_fn)``."""
     import keras  # pylint: disable=import-outside-toplevel
     keras.utils.set_random_seed(0)
     model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
                                         classes=10)
     x = tf.random.normal([batch, size, size, 3])
     y = tf.constant(np.arange(batch) % 10)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    return model, x, y, keras.losses.SparseCategoricalCrossentropy()
+
+
+def measure_resnet(batch=8, size=64):
+    """Peak bytes and one step's time of keras.applications.ResNet50(weights=None) on
+    `size`x`size` inputs (inference-mode batch norm, so the three configurations compute
+    the same function): tf.GradientTape, oh.GradientTape, and oh.Recompute() inside it.
+    Gradients must equal tf.GradientTape's."""
+    model, x, y, loss_fn = _resnet50(batch, size)
     rc = oh.Recompute()
 
     def step(kind):
@@ -332,13 +338,7 @@ def resnet_breakdown(batch=8, size=64):
     pass's peak, the bytes still held after it (what the tape keeps for the backward
     pass), and the step's peak; plus the weight gradients' bytes and the inference
     peaks (no tape). Gradients must equal tf.GradientTape's."""
-    import keras  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                        classes=10)
-    x = tf.random.normal([batch, size, size, 3])
-    y = tf.constant(np.arange(batch) % 10)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    model, x, y, loss_fn = _resnet50(batch, size)
 
     def eager(inputs):
         return loss_fn(y, model(inputs, training=False))

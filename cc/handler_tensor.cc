@@ -199,6 +199,20 @@ TFOH_Payload* PayloadOf(TFE_TensorHandle* handle) {
   return p;
 }
 
+// A new Python-kind payload holding `stack` and `producer` (None/null: no producer),
+// with no value or shape source yet. GIL: held.
+static TFOH_Payload* NewPythonPayload(PyObject* stack, PyObject* producer) {
+  auto* p = new TFOH_Payload();
+  p->kind = TFOH_PAYLOAD_PYTHON;
+  Py_INCREF(stack);
+  p->stack = stack;
+  p->value = nullptr;
+  p->shape_source = nullptr;
+  if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
+  p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
+  return p;
+}
+
 // The dispatcher-device handle owning `p` (taken in every case: TensorFlow calls the
 // deallocator on failure). Null with a Python exception set on failure. GIL: held.
 static TFE_TensorHandle* HandleOfPayload(TFOH_Payload* p, TF_DataType dtype, TF_Status* s) {
@@ -224,15 +238,9 @@ TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_Da
     return nullptr;
   }
   DrainPending();
-  auto* p = new TFOH_Payload();
-  p->kind = TFOH_PAYLOAD_PYTHON;
-  Py_INCREF(stack);
+  TFOH_Payload* p = NewPythonPayload(stack, producer);
   Py_INCREF(value);
-  p->stack = stack;
   p->value = value;
-  p->shape_source = nullptr;
-  if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
-  p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
   TF_Status* s = ThreadStatus();
   if (shape_from_value && EagerTensor_CheckExact(value)) {
     p->shape_source = TFE_TensorHandleCopySharingTensor(EagerTensor_Handle(value), s);
@@ -250,14 +258,8 @@ TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHa
     return nullptr;
   }
   DrainPending();
-  auto* p = new TFOH_Payload();
-  p->kind = TFOH_PAYLOAD_PYTHON;
-  Py_INCREF(stack);
-  p->stack = stack;
-  p->value = nullptr;  // made from shape_source on first use (PayloadValue)
-  p->shape_source = value;
-  if (producer != nullptr && producer != Py_None) Py_INCREF(producer);
-  p->producer = (producer != nullptr && producer != Py_None) ? producer : nullptr;
+  TFOH_Payload* p = NewPythonPayload(stack, producer);
+  p->shape_source = value;  // its Python value is made on first use (PayloadValue)
   TF_Status* s = ThreadStatus();
   return HandleOfPayload(p, dtype, s);
 }

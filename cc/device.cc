@@ -109,6 +109,9 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
     TF_SetStatus(status, TF_FAILED_PRECONDITION, "tf_ophandlers: interpreter is exiting");
     return;
   }
+  // A C/C++ handler directly over PHYSICAL runs without the GIL until its outputs are
+  // wrapped (native.h).
+  if (NativeNoGilExecute(tfe_op, num_outputs, outputs, status)) return;
   PyGILState_STATE g = PyGILState_Ensure();
   DrainPending();
   TFE_Context* ctx = TFE_OpGetContext(tfe_op, status);
@@ -227,6 +230,33 @@ TFE_TensorHandle* DeviceCopyFrom(TFE_Context* context, TFE_TensorHandle* tensor,
 
 void DeviceDelete(void* device_info) {}
 
+// TensorFlow asks a custom device whether an op with an input on it runs there
+// (CustomDeviceOpHandler::MaybePinToCustomDevice). Without this callback TensorFlow builds
+// an Unimplemented status with a message on every op and then applies its default rule;
+// building and freeing that status was about 430 instructions per op. This callback
+// answers what the default rule decides, so placement is unchanged:
+// - the op's first resource input decides: on a custom device (necessarily this one:
+//   TensorFlow has already rejected inputs on two custom devices) pins the op here; a
+//   physical one leaves the op where its requested device name puts it;
+// - without resource inputs, an op with no requested device runs here;
+// - an op whose requested device is this device runs here either way (TensorFlow has
+//   already found it by name).
+// Returning false keeps the device TensorFlow found by name (none, or another custom
+// device). Called on any thread, without the GIL; touches no Python object. TensorFlow
+// ignores `s`.
+bool DeviceShallPin(const TFE_Op* op, TF_Status* s) {
+  const char* requested = TFE_OpGetDevice(op, s);
+  if (TF_GetCode(s) != TF_OK || requested == nullptr) requested = "";
+  const bool by_name = requested[0] != '\0' && g_device_name == requested;
+  const int n = TFE_OpGetFlatInputCount(op, s);
+  for (int i = 0; i < n && TF_GetCode(s) == TF_OK; ++i) {
+    TFE_TensorHandle* h = TFE_OpGetFlatInput(op, i, s);
+    if (TF_GetCode(s) != TF_OK || h == nullptr) break;
+    if (TFE_TensorHandleDataType(h) == TF_RESOURCE) return by_name || PayloadOf(h) != nullptr;
+  }
+  return by_name || requested[0] == '\0';
+}
+
 }  // namespace
 
 void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status) {
@@ -235,6 +265,7 @@ void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Stat
   device.copy_tensor_from_device = &DeviceCopyFrom;
   device.execute = &DeviceExecute;
   device.delete_device = &DeviceDelete;
+  device.shall_pin_to_this_device = &DeviceShallPin;
   TFE_RegisterCustomDevice(ctx, device, device_name, nullptr, status);
 }
 

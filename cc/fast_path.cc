@@ -2,6 +2,7 @@
 #define PY_SSIZE_T_CLEAN
 #include "fast_path.h"
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -113,7 +114,7 @@ constexpr int kMaxDepth = 64;
 // and no hash for a (stack, type) seen just before. An entry is valid while its
 // generation is g_generation, which every clear of g_decisions advances (elements of an
 // unordered_map never move otherwise).
-uint64_t g_generation = 1;
+std::atomic<uint64_t> g_generation{1};
 struct RecentDecision {
   uint64_t generation = 0;
   PyObject* stack = nullptr;
@@ -658,7 +659,11 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
 // stacks_changed(enable): a stack was built; `enable` says whether it may take the fast
 // path for some op (turns the path on for the process).
 PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
-  if (g_decisions != nullptr && !g_decisions->empty()) ClearDecisions();
+  if (g_decisions != nullptr && !g_decisions->empty()) {
+    ClearDecisions();
+  } else {
+    ++g_generation;  // StacksGeneration: every new stack, even with no decision cached
+  }
   if (PyObject_IsTrue(arg) == 1) g_enabled = true;
   PyErr_Clear();
   Py_RETURN_NONE;
@@ -666,9 +671,9 @@ PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
 
 // fast_stats() -> dict: counters of the fast path (tests and benchmarks).
 PyObject* PyFastStats(PyObject*, PyObject*) {
-  return Py_BuildValue("{sKsKsKsKsnsnsOsKsKsnsn}", "hits", (unsigned long long)g_hits,
+  return Py_BuildValue("{sKsKsKsKsnsnsOsKsKsnsnsK}", "hits", (unsigned long long)g_hits,
                        "misses", (unsigned long long)g_misses, "fast_ops",
-                       (unsigned long long)g_fast_ops, "clears",
+                       (unsigned long long)(g_fast_ops + NativeNoGilOps()), "clears",
                        (unsigned long long)g_clears, "entries",
                        (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "maxsize",
                        (Py_ssize_t)kMaxDecisions, "enabled",
@@ -676,7 +681,8 @@ PyObject* PyFastStats(PyObject*, PyObject*) {
                        (unsigned long long)g_shared_hits, "python_asks",
                        (unsigned long long)g_python_asks, "shared_entries",
                        (Py_ssize_t)(g_shared ? g_shared->size() : 0), "shared_maxsize",
-                       (Py_ssize_t)kMaxShared);
+                       (Py_ssize_t)kMaxShared, "nogil_ops",
+                       (unsigned long long)NativeNoGilOps());
 }
 
 }  // namespace
@@ -728,9 +734,11 @@ bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* 
   return RunOn(stack, op, type, device, n_in, in, num_outputs, outputs, status, 1);
 }
 
+uint64_t StacksGeneration() { return g_generation.load(std::memory_order_acquire); }
+
 void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, int n_in,
                        TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
-                       TF_Status* status) {
+                       TF_Status* status, bool gil_held) {
   // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
   thread_local TFE_Op* cached_op = nullptr;
   TFE_Op* tfe = cached_op;
@@ -754,9 +762,13 @@ void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, 
     }
   }
   if (TF_GetCode(status) == TF_OK) {
-    Py_BEGIN_ALLOW_THREADS;
-    TFE_Execute(tfe, outputs, num_outputs, status);
-    Py_END_ALLOW_THREADS;
+    if (gil_held) {
+      Py_BEGIN_ALLOW_THREADS;
+      TFE_Execute(tfe, outputs, num_outputs, status);
+      Py_END_ALLOW_THREADS;
+    } else {
+      TFE_Execute(tfe, outputs, num_outputs, status);
+    }
   }
   if (tfe != nullptr) {
     if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
@@ -774,7 +786,7 @@ PyMethodDef kFastModuleMethods[] = {
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
-     "shared_hits, python_asks, shared_entries, shared_maxsize}."},
+     "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops}."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

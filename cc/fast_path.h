@@ -80,10 +80,16 @@ bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* 
 // TFE_Op. The one physical execution of both C paths (a forwarding level's PHYSICAL and
 // a C/C++ handler's execute_next). `*num_outputs` is the capacity of `outputs` on entry;
 // on success they hold `*num_outputs` new handles. Failures go to `status` (OK on
-// entry). GIL: held; released around TFE_Execute.
+// entry). GIL: held and released around TFE_Execute; or, with `gil_held` false, not
+// held at all (the no-GIL path, NativeNoGilExecute).
 void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, int n_in,
                        TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
-                       TF_Status* status);
+                       TF_Status* status, bool gil_held = true);
+
+// A counter every stacks_changed advances (a stack was built, so a dead stack's address
+// may now name another stack). Facts remembered about a stack by its address are valid
+// while it is unchanged. GIL: not needed (an atomic load).
+uint64_t StacksGeneration();
 
 // Wraps what an execute hook of `stack` returned (`values`, borrowed: a list or tuple)
 // as handler tensors of `stack`, as `_C.wrap_outputs` does: a tensor gives its own dtype,

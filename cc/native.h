@@ -49,6 +49,23 @@ bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TF
                     const char* type, const char* device, int n_in, TFE_TensorHandle** in,
                     int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
 
+// The no-GIL path, tried by the dispatcher's execute callback (device.cc) before it takes
+// the GIL. Runs `op` without the GIL when it is this thread's op on a stack whose handler
+// is a C/C++ handler directly over PHYSICAL, as the fast path ran it on this thread
+// before (NativeStackRun remembers the stack, valid until StacksGeneration changes), no
+// function is being replayed, and every input is physical (the handler has no copy_on
+// hook) or a handler tensor of that stack whose value is a TensorFlow handle. The
+// execute hook and the physical execution run without the GIL; the GIL is taken once, to
+// wrap the outputs (and inside execute_next for anything but a physical execution).
+// Returns false when it does not qualify (nothing done, `status` untouched); true when it
+// ran the op (`status` tells whether it succeeded; on success `outputs` holds
+// `*num_outputs` new handles). GIL: must NOT be held (false is returned if it is).
+bool NativeNoGilExecute(const TFE_Op* op, int* num_outputs, TFE_TensorHandle** outputs,
+                        TF_Status* status);
+
+// How many ops NativeNoGilExecute ran (fast_stats' nogil_ops, included in fast_ops).
+uint64_t NativeNoGilOps();
+
 // Whether `stack`'s handler is native with a num_dims or dim hook: its tensors then
 // answer rank and dims through those hooks, not from their representation. Never fails.
 // GIL: must be held.

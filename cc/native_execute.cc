@@ -4,6 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include "native_internal.h"
 
+#include <atomic>
 #include <cstring>
 #include <new>
 #include <string>
@@ -131,11 +132,17 @@ void ExecutePhysical(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor
                  "tf_ophandlers: execute_next: too few output slots for the op");
     return;
   }
-  // state.device now (a hook may have run Python since the op was placed).
-  PyObject* dev_obj = StateGet(s_device);
-  const char* device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : "";
-  if (device == nullptr) {
-    PyErr_Clear();
+  // state.device now (a hook may have run Python since the op was placed); on the no-GIL
+  // path, as read at the op's start (no Python has run on this thread since).
+  const char* device = ctx->device_utf8;
+  if (ctx->gil) {
+    PyObject* dev_obj = StateGet(s_device);
+    device = dev_obj != nullptr ? PyUnicode_AsUTF8(dev_obj) : "";
+    if (device == nullptr) {
+      PyErr_Clear();
+      device = "";
+    }
+  } else if (device == nullptr) {
     device = "";
   }
   absl::InlinedVector<TFE_TensorHandle*, 4> handles(n_in);
@@ -145,7 +152,7 @@ void ExecutePhysical(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor
   // handler: state.current is the next stack meanwhile, as for the Python stack's
   // forwarding (only these ops pay for it).
   PyObject* saved = nullptr;
-  if (std::strstr(op->type, "PyFunc") != nullptr) {
+  if (ctx->gil && std::strstr(op->type, "PyFunc") != nullptr) {
     saved = PyObject_GetAttr(g_state, s_current);
     if (saved == nullptr || PyObject_SetAttr(g_state, s_current, ctx->next) < 0) {
       Py_CLEAR(saved);
@@ -153,7 +160,7 @@ void ExecutePhysical(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor
     }
   }
   ExecuteOnPhysical(op->tfe, op->type, device, n_in, handles.data(), &num, rets.data(),
-                    status);
+                    status, ctx->gil);
   if (saved != nullptr) {
     if (PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
     Py_DECREF(saved);
@@ -237,6 +244,27 @@ bool IsCopyOrConst(const char* type) {
 
 void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor* const* in,
                     int* num_outputs, TFOH_Tensor** outputs, TF_Status* status) {
+  if (!ctx->gil) {
+    // The no-GIL path (NativeNoGilExecute): a physical execution runs as it is; anything
+    // else (an input that is not a physical handle, an op running Python in its kernel)
+    // takes the GIL for the usual path.
+    bool plain = ctx->eager && ctx->next == g_physical && op->num_outputs >= 0 &&
+                 std::strstr(op->type, "PyFunc") == nullptr;
+    for (int i = 0; plain && i < n_in; ++i) {
+      plain = in[i] != nullptr && in[i]->py == nullptr && in[i]->h != nullptr &&
+              PayloadOf(in[i]->h) == nullptr;
+    }
+    if (plain) {
+      ExecutePhysical(ctx, op, n_in, in, num_outputs, outputs, status);
+      return;
+    }
+    PyGILState_STATE g = PyGILState_Ensure();
+    ctx->gil = true;
+    ApiExecuteNext(ctx, op, n_in, in, num_outputs, outputs, status);
+    ctx->gil = false;
+    PyGILState_Release(g);
+    return;
+  }
   bool physical = ctx->eager && ctx->next == g_physical;
   for (int i = 0; physical && i < n_in; ++i) {
     if (in[i] == nullptr) {
@@ -316,16 +344,73 @@ bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
   return true;
 }
 
+// NativeStackExecute's wrap: the handler tensors of `stack` for the hook's outputs `outs`
+// (checked against `want`), or the tensors that left the stacks below (resources, or
+// outputs not on `next`). On success `outputs` holds outs.size() new handles; on failure
+// it holds nothing and `status` is set. `outs` stay the caller's. GIL: held.
+bool WrapNativeOutputs(PyObject* stack, NativeHandlerObject* self, PyObject* next,
+                       const char* type, const absl::InlinedVector<TF_DataType, 4>& want,
+                       absl::InlinedVector<TFOH_Tensor*, 4>& outs, TFE_TensorHandle** outputs,
+                       TF_Status* status) {
+  PyObject* producer = InternedString(type);
+  if (producer == nullptr) {
+    StatusFromPyErr(status);
+    return false;
+  }
+  const bool shape_hooks =
+      self->type->hooks.num_dims != nullptr || self->type->hooks.dim != nullptr;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    TFOH_Tensor* t = outs[i];
+    TFE_TensorHandle* result = nullptr;
+    TF_DataType dt = want[i];
+    bool leaves = dt == TF_RESOURCE;  // native handlers are transient (handler.h)
+    if (!leaves && next != g_physical && t->h != nullptr) {
+      TFOH_Payload* p = PayloadOf(t->h);
+      leaves = p == nullptr || p->stack != next;  // left the stacks below
+    }
+    if (leaves && t->h != nullptr) {
+      result = TFE_TensorHandleCopySharingTensor(t->h, status);
+    } else if (!shape_hooks && t->py == nullptr && t->h != nullptr) {
+      // A handle without a Python object (the common case: execute_next's output): the
+      // handler tensor takes it as it is (NewHandlerTensorHandleFromHandle), no
+      // EagerTensor is made unless Python asks for the value.
+      TFE_TensorHandle* h = t->h;
+      if (t->refs.load(std::memory_order_acquire) == 1) {
+        t->h = nullptr;  // moved: Unref no longer deletes it
+      } else {
+        h = TFE_TensorHandleCopySharingTensor(t->h, status);
+      }
+      if (TF_GetCode(status) == TF_OK) {
+        result = NewHandlerTensorHandleFromHandle(stack, h, dt, producer);
+        if (result == nullptr) StatusFromPyErr(status);
+      }
+    } else {
+      PyObject* v = PyOfLast(t);
+      if (v != nullptr) {
+        result = NewHandlerTensorHandle(stack, v, dt, producer, !shape_hooks);
+        Py_DECREF(v);
+      }
+      if (result == nullptr) StatusFromPyErr(status);
+    }
+    if (TF_GetCode(status) != TF_OK) {
+      for (size_t j = 0; j < i; ++j) TFE_DeleteTensorHandle(outputs[j]);
+      Py_DECREF(producer);
+      return false;
+    }
+    outputs[i] = result;
+  }
+  Py_DECREF(producer);
+  return true;
+}
+
 bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* next,
                         const TFOH_Op* op_in, int n_in, TFE_TensorHandle** in,
                         int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (stack == g_physical || IsCopyOrConst(op_in->type)) return false;
   PyObject* dev = nullptr;
-  PyObject* producer = nullptr;
   absl::InlinedVector<TF_DataType, 4> want;
   absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
   bool handled = false;
-  bool shape_hooks = false;
   TFOH_Op op = *op_in;
   if (self == nullptr || next == nullptr || self->state == nullptr) goto out;
   if (!ExpectedOutputs(op.tfe, &want) || static_cast<int>(want.size()) > *num_outputs) goto out;
@@ -372,56 +457,11 @@ bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* ne
     TFOH_Context ctx{stack, next, true, dev};
     if (!RunExecute(self, &ctx, &op, ins, outs, &want, status)) goto out;
   }
-  producer = InternedString(op.type);
-  if (producer == nullptr) {
-    StatusFromPyErr(status);
-    goto out;
-  }
-  shape_hooks = self->type->hooks.num_dims != nullptr || self->type->hooks.dim != nullptr;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    TFOH_Tensor* t = outs[i];
-    TFE_TensorHandle* result = nullptr;
-    TF_DataType dt = want[i];
-    bool leaves = dt == TF_RESOURCE;  // native handlers are transient (handler.h)
-    if (!leaves && next != g_physical && t->h != nullptr) {
-      TFOH_Payload* p = PayloadOf(t->h);
-      leaves = p == nullptr || p->stack != next;  // left the stacks below
-    }
-    if (leaves && t->h != nullptr) {
-      result = TFE_TensorHandleCopySharingTensor(t->h, status);
-    } else if (!shape_hooks && t->py == nullptr && t->h != nullptr) {
-      // A handle without a Python object (the common case: execute_next's output): the
-      // handler tensor takes it as it is (NewHandlerTensorHandleFromHandle), no
-      // EagerTensor is made unless Python asks for the value.
-      TFE_TensorHandle* h = t->h;
-      if (t->refs.load(std::memory_order_acquire) == 1) {
-        t->h = nullptr;  // moved: Unref below no longer deletes it
-      } else {
-        h = TFE_TensorHandleCopySharingTensor(t->h, status);
-      }
-      if (TF_GetCode(status) == TF_OK) {
-        result = NewHandlerTensorHandleFromHandle(stack, h, dt, producer);
-        if (result == nullptr) StatusFromPyErr(status);
-      }
-    } else {
-      PyObject* v = PyOfLast(t);
-      if (v != nullptr) {
-        result = NewHandlerTensorHandle(stack, v, dt, producer, !shape_hooks);
-        Py_DECREF(v);
-      }
-      if (result == nullptr) StatusFromPyErr(status);
-    }
-    if (TF_GetCode(status) != TF_OK) {
-      for (size_t j = 0; j < i; ++j) TFE_DeleteTensorHandle(outputs[j]);
-      goto out;
-    }
-    outputs[i] = result;
-  }
+  if (!WrapNativeOutputs(stack, self, next, op.type, want, outs, outputs, status)) goto out;
   *num_outputs = static_cast<int>(outs.size());
 out:
   for (auto* t : ins) Unref(t);
   for (auto* t : outs) Unref(t);
-  Py_XDECREF(producer);
   if (!handled && PyErr_Occurred()) PyErr_Clear();
   return handled;
 }
@@ -429,6 +469,10 @@ out:
 }  // namespace native_internal
 
 using namespace native_internal;  // NOLINT: this file's own internals
+
+// Remembers `stack` (its handler `handler`, next stack PHYSICAL) for this thread's no-GIL
+// path. GIL: held (any thread).
+void RememberNoGilStack(PyObject* stack, PyObject* handler);
 
 bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TFE_Op* tfe_op,
                     const char* type, const char* device, int n_in, TFE_TensorHandle** in,
@@ -439,8 +483,143 @@ bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TF
   int n = *num_outputs;
   bool handled = NativeStackExecute(stack, reinterpret_cast<NativeHandlerObject*>(handler),
                                     next, &op, n_in, in, &n, outputs, status);
-  if (handled && TF_GetCode(status) == TF_OK) *num_outputs = n;
+  if (handled && TF_GetCode(status) == TF_OK) {
+    *num_outputs = n;
+    if (next == g_physical) RememberNoGilStack(stack, handler);
+  }
   return handled;
+}
+
+// ---- the no-GIL path (native.h NativeNoGilExecute) ----------------------------------------
+
+namespace {
+
+// The stack this thread last ran in C with a native handler directly over PHYSICAL, and
+// its handler (both borrowed, by address): a stack's handler and next stack are fixed for
+// its life, and a dead stack's address can only name a new stack after stacks_changed,
+// which advances StacksGeneration. Thread-local: no GIL needed to read or write it.
+struct NoGilStack {
+  uint64_t generation = 0;
+  PyObject* stack = nullptr;
+  NativeHandlerObject* handler = nullptr;
+};
+thread_local NoGilStack t_nogil;
+std::atomic<uint64_t> g_nogil_ops{0};
+
+// Ops the no-GIL path leaves to the GIL path: copy ops, _EagerConst, and ops running
+// Python in their kernel.
+bool NoGilExcluded(const char* type) {
+  return IsCopyOrConst(type) || std::strstr(type, "PyFunc") != nullptr;
+}
+
+}  // namespace
+
+void RememberNoGilStack(PyObject* stack, PyObject* handler) {
+  t_nogil.generation = StacksGeneration();
+  t_nogil.stack = stack;
+  t_nogil.handler = reinterpret_cast<NativeHandlerObject*>(handler);
+}
+
+uint64_t NativeNoGilOps() { return g_nogil_ops.load(std::memory_order_relaxed); }
+
+bool NativeNoGilExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
+                        TF_Status* status) {
+  const NoGilStack plan = t_nogil;
+  if (plan.stack == nullptr || plan.generation != StacksGeneration()) return false;
+  if (g_state == nullptr || PyGILState_Check()) return false;
+  NativeHandlerObject* self = plan.handler;
+  if (self->state == nullptr) return false;
+  TF_Status* s = ThreadStatus();
+  const char* type = TFE_OpGetName(tfe_op, s);
+  const char* device = TFE_OpGetDevice(tfe_op, s);
+  int n_in = TFE_OpGetFlatInputCount(tfe_op, s);
+  if (TF_GetCode(s) != TF_OK || type == nullptr || NoGilExcluded(type)) {
+    TF_SetStatus(s, TF_OK, "");
+    return false;
+  }
+  // No function being replayed, and the op's stack is the remembered one: the current
+  // stack for an op a scope placed, else the one stack of its handler inputs (as
+  // TryFastExecute decides).
+  if (StateGetNoGil(s_mode) != Py_None) return false;
+  absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in);
+  for (int i = 0; i < n_in; ++i) {
+    in[i] = TFE_OpGetFlatInput(tfe_op, i, s);
+    if (TF_GetCode(s) != TF_OK) {
+      TF_SetStatus(s, TF_OK, "");
+      return false;
+    }
+  }
+  if (device != nullptr && g_device_name == device) {
+    if (StateGetNoGil(s_current) != plan.stack) return false;
+  } else {
+    bool any = false;
+    for (int i = 0; i < n_in; ++i) {
+      TFOH_Payload* p = PayloadOf(in[i]);
+      if (p == nullptr) continue;
+      if (reinterpret_cast<PyObject*>(p->stack) != plan.stack) return false;
+      any = true;
+    }
+    if (!any) return false;
+  }
+  // state.device, an ASCII str read in place (no Python object is made).
+  PyObject* dev = StateGetNoGil(s_device);
+  if (dev == nullptr || !PyUnicode_CheckExact(dev) || !PyUnicode_IS_COMPACT_ASCII(dev)) {
+    return false;
+  }
+  absl::InlinedVector<TF_DataType, 4> want;
+  if (!ExpectedOutputs(tfe_op, &want) || static_cast<int>(want.size()) > *num_outputs) {
+    return false;
+  }
+  // Inputs: a handler tensor of the stack gives its TensorFlow handle (a payload's
+  // shape_source, or its EagerTensor's handle: both fixed while the payload lives, which
+  // the input keeps alive); a physical tensor is taken as it is (no copy_on hook). Only
+  // payloads without a Python value qualify, so that every TFOH_Tensor here holds a handle
+  // and no Python object (Unref needs no GIL).
+  absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
+  auto release = [&]() {
+    for (auto* t : ins) Unref(t);
+    for (auto* t : outs) Unref(t);
+    ins.clear();
+    outs.clear();
+  };
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    TFE_TensorHandle* h = in[i];
+    if (p != nullptr) {
+      bool raw = p->kind == TFOH_PAYLOAD_PYTHON && p->value == nullptr &&
+                 reinterpret_cast<PyObject*>(p->stack) == plan.stack;
+      if (!raw) h = nullptr;
+      else h = p->shape_source;
+    } else if (self->type->hooks.copy_on != nullptr) {
+      h = nullptr;
+    }
+    TFE_TensorHandle* copy = h != nullptr ? TFE_TensorHandleCopySharingTensor(h, s) : nullptr;
+    if (copy == nullptr || TF_GetCode(s) != TF_OK) {
+      TF_SetStatus(s, TF_OK, "");
+      release();
+      return false;
+    }
+    ins.push_back(TensorFromHandle(copy));
+  }
+  // From here on the op is ours: failures are reported through `status`.
+  TFOH_Context ctx{plan.stack, g_physical, true, dev};
+  ctx.gil = false;
+  ctx.device_utf8 = reinterpret_cast<const char*>(PyUnicode_DATA(dev));
+  TFOH_Op op{tfe_op, nullptr, type, device, static_cast<int>(want.size())};
+  bool ok = RunExecute(self, &ctx, &op, ins, outs, &want, status);
+  for (auto* t : ins) Unref(t);
+  ins.clear();
+  g_nogil_ops.fetch_add(1, std::memory_order_relaxed);
+  if (!ok) return true;  // RunExecute released the outputs and set `status`
+  // The one GIL acquisition: handler tensors hold Python references (stack, producer).
+  PyGILState_STATE g = PyGILState_Ensure();
+  DrainPending();
+  if (WrapNativeOutputs(plan.stack, self, g_physical, type, want, outs, outputs, status)) {
+    *num_outputs = static_cast<int>(outs.size());
+  }
+  release();
+  PyGILState_Release(g);
+  return true;
 }
 
 }  // namespace tf_ophandlers

@@ -43,6 +43,11 @@ struct TFOH_Context {
   PyObject* next;   // its next stack, borrowed
   bool eager;       // no function is being replayed
   PyObject* device; // state.device (str), borrowed
+  // The no-GIL path (NativeNoGilExecute): the hook runs without the GIL; execute_next
+  // then uses `device_utf8` (state.device read at the op's start) and takes the GIL for
+  // anything but a physical execution.
+  bool gil = true;
+  const char* device_utf8 = nullptr;
 };
 
 struct TFOH_Library {
@@ -93,6 +98,13 @@ bool SetSharedState(PyObject* state, PyObject* physical);
 // the setup has not run or the attribute is missing (no Python exception left set).
 // GIL: held.
 PyObject* StateGet(PyObject* name);
+
+// StateGet for the no-GIL path (NativeNoGilExecute): the same borrowed value, read without
+// the GIL from this thread's dict of `state` (only this thread changes it, and it is
+// running C code here). Null when this thread's dict is not known yet (StateGet, with the
+// GIL, looks it up on first use) or the attribute is missing; never sets a Python
+// exception and never touches the thread state. GIL: not needed.
+PyObject* StateGetNoGil(PyObject* name);
 
 // Interns `text` into `*slot` unless the slot already holds a name (one reference per
 // process, never released). Returns false with a Python exception set on failure.

@@ -45,11 +45,22 @@ bool SetSharedState(PyObject* state, PyObject* physical) {
          InternOnce(&s_frames, "frames");
 }
 
+// The thread's dict of the threading.local `state`, and which `state` it belongs to
+// (SetSharedState may be given another object).
+thread_local PyObject* t_state_dict = nullptr;
+thread_local PyObject* t_state_owner = nullptr;
+
+PyObject* StateGetNoGil(PyObject* name) {
+  PyObject* dict = t_state_dict;
+  if (dict == nullptr || t_state_owner != g_state || g_state == nullptr) return nullptr;
+  // Only this thread ever changes its own dict of a threading.local, and it is here: the
+  // lookup of an interned str key neither allocates nor touches the thread state.
+  return PyDict_GetItemWithError(dict, name);
+}
+
 PyObject* StateGet(PyObject* name) {
-  // The thread's dict of the threading.local `state`, and which `state` it belongs to
-  // (SetSharedState may be given another object).
-  thread_local PyObject* dict = nullptr;
-  thread_local PyObject* owner = nullptr;
+  PyObject*& dict = t_state_dict;
+  PyObject*& owner = t_state_owner;
   if (g_state == nullptr) return nullptr;
   if (owner != g_state || dict == nullptr) {
     static PyObject* s_dict = PyUnicode_InternFromString("__dict__");

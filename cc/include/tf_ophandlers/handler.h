@@ -39,12 +39,14 @@
 
    Contracts common to every function below (stated per function where they differ):
    - GIL: the runtime calls every hook of a TFOH_HandlerType on the thread that runs the
-     op, holding the Python GIL. Hooks must not call the Python C API and must not
-     release the GIL; the runtime functions they call (`execute_next`) release and
-     retake it where they block.
+     op. Hooks must not call the Python C API, must not rely on the GIL being held and
+     must not release it: `execute` of a handler whose next stack is the physical one
+     runs without the GIL for eager ops whose inputs are plain tensors (the runtime takes
+     the GIL only to wrap the outputs); other hooks run holding it. The runtime functions
+     hooks call (`execute_next`) release and retake the GIL where they block.
    - Threading: hooks of one handler state may run on several threads at once (two
-     Python threads using one handler; the GIL is released inside execute_next), so
-     handler state must be thread-safe.
+     Python threads using one handler, with or without the GIL), so handler state must
+     be thread-safe.
    - Status: every failure is reported through the TF_Status argument (never by
      exceptions or abort); a hook that fails must leave its out-parameters unset and
      own nothing it was to return. The status code and message reach the Python caller

@@ -1,6 +1,6 @@
 /* tf-ophandlers: what the pieces of the native-handler implementation share
    (native_library.cc, native_type.cc, native_execute.cc); private to them (and to
-   fast_path.cc for the shared runtime state), the interface for the rest of the
+   the fast_*.cc files for the shared runtime state), the interface for the rest of the
    extension is native.h.
 
    The opaque types of include/tf_ophandlers/handler.h are defined here. Everything else
@@ -64,7 +64,7 @@ struct NativeHandlerObject {
   void* state;       // owned: delete_state on dealloc
 };
 
-// The runtime state shared with the fast path (fast_path.cc), set by SetSharedState from
+// The runtime state shared with the fast path (fast_internal.h), set by SetSharedState from
 // both native_setup (tf_ophandlers.core.native at import) and fast_setup (core/stack.py at
 // import), which pass the same objects. Strong references; null until then (the C paths
 // then decline: NativeStackRun and TryFastExecute return false). Defined in
@@ -77,7 +77,7 @@ extern PyObject* s_handler;
 extern PyObject* s_next;
 extern PyObject* s_device;
 extern PyObject* s_execute;
-extern PyObject* s_frames;   // "frames" (state.frames: the hook frames; fast_path.cc, tape_record.cc)
+extern PyObject* s_frames;   // "frames" (state.frames: the hook frames; fast_hook.cc, tape_record.cc)
 
 // Sets g_state and g_physical (new references to `state`, `physical`; the previous ones
 // released) and interns the names above, each once per process (a repeated call takes no

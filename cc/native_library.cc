@@ -16,7 +16,8 @@
 namespace tf_ophandlers {
 namespace native_internal {
 
-// Shared with fast_path.cc; set by SetSharedState (native_internal.h). Strong references.
+// Shared with the fast path (fast_internal.h); set by SetSharedState (native_internal.h).
+// Strong references.
 PyObject* g_state = nullptr;     // tf_ophandlers.core.state.state (thread-local object)
 PyObject* g_physical = nullptr;  // tf_ophandlers.core.stack.PHYSICAL
 PyObject* s_mode = nullptr;      // interned attribute names

@@ -237,6 +237,11 @@ bool IsCopyOrConst(const char* type) {
 
 void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor* const* in,
                     int* num_outputs, TFOH_Tensor** outputs, TF_Status* status) {
+  TFOH_Op resolved;
+  if (op->built != nullptr) {  // ABI 3: an op the handler built (native_build.cc)
+    if (!ResolveBuiltOp(op, &resolved, status)) return;
+    op = &resolved;
+  }
   bool physical = ctx->eager && ctx->next == g_physical;
   for (int i = 0; physical && i < n_in; ++i) {
     if (in[i] == nullptr) {

@@ -14,6 +14,7 @@
      fast_path.h       the per-op fast path the execute callback tries first: stacks
                        that need no Python for an op, Python hooks called from C, and
                        the bounded per-(stack, op type) decision cache
+                       (its pieces: fast_internal.h)
      module.cc         the _C module (init and the functions tf_ophandlers.core calls)
      include/tf_ophandlers/payload.h   the payload layout
 

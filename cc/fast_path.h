@@ -1,5 +1,6 @@
 /* tf-ophandlers C++ boundary: the per-op fast path (internal header). Implementation:
-   fast_path.cc.
+   fast_path.cc (entry points), fast_decision.cc, fast_forward.cc, fast_hook.cc and
+   fast_record.cc; what those share, and each function's contract: fast_internal.h.
 
    The dispatcher's execute callback (device.cc) first offers every op to
    TryFastExecute, which runs it without any Python frame when every stack it passes
@@ -100,7 +101,7 @@ uint64_t StacksGeneration();
 PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
                       PyObject* value_dtype, PyObject* op_type);
 
-// The module functions of fast_path.cc (fast_setup, stacks_changed, fast_stats), appended
+// The module functions of the fast path (fast_setup, stacks_changed, fast_stats), appended
 // to the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kFastModuleMethods[];
 

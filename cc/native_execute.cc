@@ -249,6 +249,7 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
     // else (an input that is not a physical handle, an op running Python in its kernel)
     // takes the GIL for the usual path.
     bool plain = ctx->eager && ctx->next == g_physical && op->num_outputs >= 0 &&
+                 op->built == nullptr &&
                  std::strstr(op->type, "PyFunc") == nullptr;
     for (int i = 0; plain && i < n_in; ++i) {
       plain = in[i] != nullptr && in[i]->py == nullptr && in[i]->h != nullptr &&
@@ -264,6 +265,11 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
     ctx->gil = false;
     PyGILState_Release(g);
     return;
+  }
+  TFOH_Op resolved;
+  if (op->built != nullptr) {  // ABI 3: an op the handler built (native_build.cc)
+    if (!ResolveBuiltOp(op, &resolved, status)) return;
+    op = &resolved;
   }
   bool physical = ctx->eager && ctx->next == g_physical;
   for (int i = 0; physical && i < n_in; ++i) {

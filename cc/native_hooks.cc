@@ -17,7 +17,9 @@ std::string UnknownAbiVersionMessage(int abi_version) {
 }
 
 size_t HandlerTypeBytes(const TFOH_HandlerType* type) {
-  size_t defined = type->abi_version == 1 ? TFOH_HANDLER_TYPE_V1_SIZE : sizeof(TFOH_HandlerType);
+  size_t defined = type->abi_version == 1   ? TFOH_HANDLER_TYPE_V1_SIZE
+                   : type->abi_version == 2 ? TFOH_HANDLER_TYPE_V2_SIZE
+                                            : sizeof(TFOH_HandlerType);
   return type->struct_size < defined ? type->struct_size : defined;
 }
 

@@ -1,6 +1,6 @@
 /* tf-ophandlers: what the pieces of the native-handler implementation share
    (native_library.cc, native_type.cc, native_execute.cc); private to them (and to
-   fast_path.cc for the shared runtime state), the interface for the rest of the
+   the fast_*.cc files for the shared runtime state), the interface for the rest of the
    extension is native.h.
 
    The opaque types of include/tf_ophandlers/handler.h are defined here. Everything else
@@ -31,11 +31,12 @@ struct TFOH_Tensor {
 };
 
 struct TFOH_Op {
-  const TFE_Op* tfe;  // attribute source, borrowed
+  const TFE_Op* tfe;  // attribute source, borrowed (owned through `built` for a built op)
   PyObject* py;       // the Python Op (tf_ophandlers.Op), borrowed; may be null
   const char* type;
   const char* device;
-  int num_outputs;
+  int num_outputs;    // -1: unknown (a built op: read from its OpDef at execute_next)
+  TFE_Op* built = nullptr;  // ABI 3 op_new: the op's own TFE_Op (== tfe), owned
 };
 
 struct TFOH_Context {
@@ -69,7 +70,7 @@ struct NativeHandlerObject {
   void* state;       // owned: delete_state on dealloc
 };
 
-// The runtime state shared with the fast path (fast_path.cc), set by SetSharedState from
+// The runtime state shared with the fast path (fast_internal.h), set by SetSharedState from
 // both native_setup (tf_ophandlers.core.native at import) and fast_setup (core/stack.py at
 // import), which pass the same objects. Strong references; null until then (the C paths
 // then decline: NativeStackRun and TryFastExecute return false). Defined in
@@ -82,7 +83,7 @@ extern PyObject* s_handler;
 extern PyObject* s_next;
 extern PyObject* s_device;
 extern PyObject* s_execute;
-extern PyObject* s_frames;   // "frames" (state.frames: the hook frames; fast_path.cc, tape_record.cc)
+extern PyObject* s_frames;   // "frames" (state.frames: the hook frames; fast_hook.cc, tape_record.cc)
 
 // Sets g_state and g_physical (new references to `state`, `physical`; the previous ones
 // released) and interns the names above, each once per process (a repeated call takes no
@@ -146,6 +147,22 @@ extern const TFOH_RuntimeApi kApi;
 // `t`'s dtype (for a symbolic tensor read from Python; 0 if that fails, no exception
 // left set). GIL: held.
 TF_DataType ApiTensorDtype(const TFOH_Tensor* t);
+
+// handler.h's ABI version 3 op building (native_build.cc): op_new, op_delete and the
+// attribute setters of kApi. GIL: held (op_delete: not needed).
+TFOH_Op* ApiOpNew(TFOH_Context* ctx, const char* type, TF_Status* status);
+void ApiOpDelete(TFOH_Op* op);
+void ApiOpSetAttrType(TFOH_Op* op, const char* name, TF_DataType value);
+void ApiOpSetAttrInt(TFOH_Op* op, const char* name, int64_t value);
+void ApiOpSetAttrFloat(TFOH_Op* op, const char* name, float value);
+void ApiOpSetAttrBool(TFOH_Op* op, const char* name, unsigned char value);
+void ApiOpSetAttrTensor(TFOH_Op* op, const char* name, TF_Tensor* value, TF_Status* status);
+
+// For a built op (`op->built`): a copy of `*op` with num_outputs read from its OpDef and
+// attributes into `*resolved`, which execute_next then runs; false with `status` set
+// (TF_INVALID_ARGUMENT naming the op) when they cannot be known. For another op: true,
+// `*resolved` = `*op`. GIL: not needed.
+bool ResolveBuiltOp(const TFOH_Op* op, TFOH_Op* resolved, TF_Status* status);
 
 // handler.h's execute_next: runs `op` on ctx->next. Failures go to `status`; on success
 // `outputs` holds `*num_outputs` new tensors. GIL: held; released around TFE_Execute.

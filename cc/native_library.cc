@@ -16,7 +16,8 @@
 namespace tf_ophandlers {
 namespace native_internal {
 
-// Shared with fast_path.cc; set by SetSharedState (native_internal.h). Strong references.
+// Shared with the fast path (fast_internal.h); set by SetSharedState (native_internal.h).
+// Strong references.
 PyObject* g_state = nullptr;     // tf_ophandlers.core.state.state (thread-local object)
 PyObject* g_physical = nullptr;  // tf_ophandlers.core.stack.PHYSICAL
 PyObject* s_mode = nullptr;      // interned attribute names
@@ -175,7 +176,9 @@ const TFOH_RuntimeApi kApi = {
     TFOH_ABI_VERSION,  sizeof(TFOH_RuntimeApi), ApiOpType,       ApiOpDevice,
     ApiOpNumOutputs,   ApiOpAttrs,              ApiTensorDtype,  ApiTensorNumDims,
     ApiTensorDim,      ApiTensorHandle,         ApiTensorRef,    ApiTensorUnref,
-    ApiExecuteNext,    ApiRegisterType,
+    ApiExecuteNext,    ApiRegisterType,         ApiOpNew,        ApiOpDelete,
+    ApiOpSetAttrType,  ApiOpSetAttrInt,         ApiOpSetAttrFloat, ApiOpSetAttrBool,
+    ApiOpSetAttrTensor,
 };
 
 namespace {
@@ -225,13 +228,14 @@ PyObject* PyLoadHandlerLibrary(PyObject*, PyObject* args) {
     PyObject* cap = PyCapsule_New(rec, "tf_ophandlers.type", nullptr);
     const TFOH_HandlerType& k = rec->hooks;
     PyObject* hooks = Py_BuildValue(
-        "{sOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
+        "{sOsOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
         k.copy_off ? Py_True : Py_False, "num_dims", k.num_dims ? Py_True : Py_False, "dim",
         k.dim ? Py_True : Py_False, "debug_string", k.debug_string ? Py_True : Py_False,
         "tensor_debug_string", k.tensor_debug_string ? Py_True : Py_False, "query",
         k.query ? Py_True : Py_False, "function_input_summary",
         k.function_input_summary ? Py_True : Py_False, "static_value",
-        k.static_value ? Py_True : Py_False);
+        k.static_value ? Py_True : Py_False, "function_cache_key",
+        k.function_cache_key ? Py_True : Py_False);
     PyObject* item = cap && hooks ? Py_BuildValue("(ssNN)", rec->name.c_str(), rec->doc.c_str(),
                                                   cap, hooks)
                                   : nullptr;

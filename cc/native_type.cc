@@ -262,6 +262,14 @@ PyObject* NativeValueText(NativeHandlerObject* self, PyObject* args) {
   return r;
 }
 
+// _oh_cache_key() -> bytes, or None when the type has no function_cache_key hook.
+PyObject* NativeCacheKey(NativeHandlerObject* self, PyObject*) {
+  if (!CheckState(self)) return nullptr;
+  auto key = self->type->hooks.function_cache_key;
+  return BufferCall(self, key != nullptr, "function_cache_key",
+                    [&](TF_Buffer* b, TF_Status* s) { key(self->state, b, s); });
+}
+
 // _oh_static_value(value) -> EagerTensor, None (unknown) or NotImplemented (no hook).
 PyObject* NativeStaticValue(NativeHandlerObject* self, PyObject* value) {
   if (!CheckState(self)) return nullptr;
@@ -291,6 +299,8 @@ PyMethodDef kNativeMethods[] = {
      "_oh_value_text(kind, value) -> bytes or None."},
     {"_oh_static_value", reinterpret_cast<PyCFunction>(NativeStaticValue), METH_O,
      "_oh_static_value(value) -> EagerTensor, None or NotImplemented."},
+    {"_oh_cache_key", reinterpret_cast<PyCFunction>(NativeCacheKey), METH_NOARGS,
+     "_oh_cache_key() -> bytes or None (the function_cache_key hook)."},
     {"query", reinterpret_cast<PyCFunction>(NativeQuery), METH_VARARGS,
      "query(key) -> bytes: a read-only request the handler defines."},
     {"_oh_debug_string", reinterpret_cast<PyCFunction>(NativeDebugString), METH_NOARGS, nullptr},

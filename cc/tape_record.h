@@ -2,7 +2,7 @@
    Implementation: tape_record.cc.
 
    `GradientTape.after_execute(op, inputs, outputs)` (OpHandler.after_execute; the C++
-   fast path calls it for every op the tape executes, fast_path.cc RunRecord) is
+   fast path calls it for every op the tape executes, fast_record.cc RunRecord) is
    implemented here, so recording an op enters no Python frame. It does what the Python
    reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape.py)
    does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`): an op

@@ -89,6 +89,10 @@ def _function_input(self, value):
     return self._oh_value_text(1, value), [value]
 
 
+def _function_cache_key(self):
+    return ("tf_ophandlers.native", type(self).__name__, self._oh_cache_key())
+
+
 def _static_value(self, value):
     result = self._oh_static_value(value)
     if result is None or result is NotImplemented:
@@ -141,6 +145,8 @@ def _make_class(name, doc, capsule, hooks):
         namespace["function_input"] = _function_input
     if hooks.get("static_value"):  # ABI version 2
         namespace["static_value"] = _static_value
+    if hooks.get("function_cache_key"):  # ABI version 3
+        namespace["function_cache_key"] = _function_cache_key
     return type(name, (NativeHandler,), namespace)
 
 

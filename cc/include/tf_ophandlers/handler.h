@@ -32,6 +32,11 @@
    version is NULL for a type of an earlier version.
    - Version 1: the hooks up to `function_input_summary`.
    - Version 2: `static_value` (tf.get_static_value of a handler's tensors).
+   - Version 3: building ops (TFOH_RuntimeApi `op_new` .. `op_set_attr_tensor`: a hook
+     emits *other* ops on the next stack with `execute_next`, not only the op it got)
+     and the `function_cache_key` hook (a replay shared between handler instances).
+     A version 3 library checks `api->abi_version >= 3` (or `api->struct_size`) before
+     calling a version 3 runtime function; the runtime accepts types of versions 1 to 3.
 
    A handler's *representation* of a tensor (ABI versions 1 and 2) is a tensor of the next
    stack: the runtime keeps it in the handler tensor it creates for each output. The
@@ -89,7 +94,7 @@ extern "C" {
 struct TFE_TensorHandle;
 struct TFE_OpAttrs;
 
-#define TFOH_ABI_VERSION 2
+#define TFOH_ABI_VERSION 3
 
 #if defined(_WIN32)
 #define TFOH_EXPORT __declspec(dllexport)
@@ -161,6 +166,33 @@ typedef struct TFOH_RuntimeApi {
   // name registered twice in the library.
   void (*register_type)(TFOH_Library* library, const struct TFOH_HandlerType* type,
                         TF_Status* status);
+
+  // ---- ABI version 3: building ops (present when api->abi_version >= 3) ----
+  // A hook may emit ops of its own: `op_new` makes an op of a registered TensorFlow
+  // `type` (e.g. "Round", "Mul", "Const"), the op_set_attr_* functions set its
+  // attributes, and `execute_next(ctx, op, ...)` runs it on the next stack exactly like
+  // the op the hook got (inputs: tensors of the next stack; outputs: new references).
+  // Every attribute the op's OpDef has without a default must be set, the type
+  // attributes too ("T": they are not inferred from the inputs), so that the number and
+  // dtypes of its outputs are known before it runs; execute_next fails with
+  // TF_INVALID_ARGUMENT otherwise. The op belongs to the handler: `op_delete` it (it
+  // may be executed any number of times before that, also by later hook calls of the
+  // same thread while the handler holds it; it is not thread-safe). Its requested
+  // device is "" (the next stack places it). Creating and setting attributes never
+  // block; they may be called with the GIL held from any hook that got a `ctx`.
+  // `op_new` returns NULL with `status` set for an unknown type. A failed attribute
+  // setter is reported by the next execute_next of the op (the setters return nothing)
+  // except op_set_attr_tensor, which reports through `status`.
+  TFOH_Op* (*op_new)(TFOH_Context* ctx, const char* type, TF_Status* status);
+  void (*op_delete)(TFOH_Op* op);
+  void (*op_set_attr_type)(TFOH_Op* op, const char* name, TF_DataType value);
+  void (*op_set_attr_int)(TFOH_Op* op, const char* name, int64_t value);
+  void (*op_set_attr_float)(TFOH_Op* op, const char* name, float value);
+  void (*op_set_attr_bool)(TFOH_Op* op, const char* name, unsigned char value);
+  // `value` stays the caller's (the op keeps its own copy), e.g. a "Const" op's "value"
+  // (with "dtype"): how a handler makes a constant on the next stack.
+  void (*op_set_attr_tensor)(TFOH_Op* op, const char* name, TF_Tensor* value,
+                             TF_Status* status);
 } TFOH_RuntimeApi;
 
 // A handler type: the hooks of RFC "Available hooks". Only `name`, `create`,
@@ -246,10 +278,24 @@ typedef struct TFOH_HandlerType {
   // the representation's own static value (tf.get_static_value of it).
   int (*static_value)(void* state, const TFOH_Tensor* value, TF_Tensor** out,
                       TF_Status* status);
+
+  // ---- ABI version 3 (read only for a type whose abi_version is 3 or more) ----
+
+  // FunctionCacheKey (optional): what identifies this handler in the function replay
+  // cache (with its inputs' function_input_summary), written to `out` as bytes. Two
+  // handlers of the type with equal keys share replays: a handler opened afresh per
+  // training step (`with Handler():` per step) replays a tf.function once, not once per
+  // step. Return a key that captures everything the hooks' behaviour inside a replay
+  // depends on (e.g. the config). NULL hook: the handler instance itself is the key (a
+  // new handler replays again and its execute sees the function's ops). Must not block
+  // or execute ops. On failure set `status` (the call raises).
+  void (*function_cache_key)(void* state, TF_Buffer* out, TF_Status* status);
 } TFOH_HandlerType;
 
 // sizeof(TFOH_HandlerType) of ABI version 1: what a version 1 type's struct_size is.
 #define TFOH_HANDLER_TYPE_V1_SIZE offsetof(TFOH_HandlerType, static_value)
+// sizeof(TFOH_HandlerType) of ABI version 2.
+#define TFOH_HANDLER_TYPE_V2_SIZE offsetof(TFOH_HandlerType, function_cache_key)
 
 // The entry point every handler library exports (looked up by this name). Called once,
 // with the GIL held, by tf_ophandlers.load_handler_library. `api` lives for the process;

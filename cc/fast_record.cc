@@ -1,0 +1,136 @@
+// tf-ophandlers: the record path of the fast path (OpHandler.after_execute; a tape).
+// Contracts: fast_internal.h.
+#define PY_SSIZE_T_CLEAN
+#include "fast_internal.h"
+
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/container/inlined_vector.h"
+#include "device.h"
+#include "handler_tensor.h"
+#include "native.h"
+#include "native_internal.h"
+#include "op.h"
+#include "runtime.h"
+#include "status.h"
+
+namespace tf_ophandlers {
+namespace fast {
+
+// ---- kRecord: a handler that records what ran (OpHandler.after_execute, a tape) -------
+//
+// HandlerStack.execute for a handler that defines `after_execute`: inputs on the stack
+// are unwrapped in C (a physical input, when the next stack is PHYSICAL, is passed as it
+// is: after_execute's contract says the handler's copy_on leaves it unchanged), the op
+// runs on the next stack (RunOn, so further levels stay in C), then one Python call,
+// `after_execute(op, inputs, outputs)` with the representations, in the hook's frame;
+// the outputs are then wrapped as RunForward does. Returns false (nothing done) for
+// inputs that need a copy_on hook. After the op ran, always handled; an exception of
+// after_execute reaches the user through `status` (StatusFromPyErr). GIL: held.
+bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+               const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+               TFE_TensorHandle** outputs, TF_Status* status, int depth) {
+  absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
+  absl::InlinedVector<PyObject*, 4> own(n_in, nullptr);  // borrowed payload values
+  if (!UnwrapInputs(stack, Pass::kPhysical, d.next == g_physical, n_in, in, values.data(),
+                    own.data())) {
+    return false;
+  }
+  const int capacity = *num_outputs;
+  int n = capacity;
+  absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
+  if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
+             depth + 1)) {
+    return false;
+  }
+  if (TF_GetCode(status) != TF_OK) return true;
+  // From here on the op ran: always handled. Python views of inputs and outputs.
+  absl::InlinedVector<bool, 4> leaves(n > 0 ? n : 1, false);
+  PyObject* py_in = PyList_New(n_in);
+  PyObject* py_out = py_in != nullptr ? PyList_New(n) : nullptr;
+  PyObject* handler = nullptr;
+  PyObject* fn = nullptr;
+  PyObject* r = nullptr;
+  PyObject* producer = nullptr;
+  OpObject* op = nullptr;
+  int done = 0;
+  if (py_out == nullptr) goto fail;
+  for (int i = 0; i < n_in; ++i) {
+    PyObject* v = own[i];
+    if (v != nullptr) {
+      Py_INCREF(v);
+    } else {
+      v = native_internal::EagerTensorSharing(in[i]);
+      if (v == nullptr) goto fail;
+    }
+    PyList_SET_ITEM(py_in, i, v);
+  }
+  for (int j = 0; j < n; ++j) {
+    TFE_TensorHandle* h = outs[j];
+    TF_DataType dt = TFE_TensorHandleDataType(h);
+    bool leave = d.transient && dt == TF_RESOURCE;  // RFC "Placement of resource handles"
+    if (!leave && d.next != g_physical) {
+      TFOH_Payload* p = PayloadOf(h);
+      leave = p == nullptr || reinterpret_cast<PyObject*>(p->stack) != d.next;
+    }
+    leaves[j] = leave;
+    PyObject* v;
+    if (leave) {
+      v = native_internal::EagerTensorSharing(h);  // the handle itself goes to the caller
+    } else {
+      v = EagerTensorFromHandle(h, false);  // owns `h` on success
+      if (v != nullptr) outs[j] = nullptr;
+    }
+    if (v == nullptr) goto fail;
+    PyList_SET_ITEM(py_out, j, v);
+  }
+  op = NewOpObject(type, device, capacity);
+  if (op == nullptr) goto fail;
+  op->borrowed = src;
+  handler = PyObject_GetAttr(stack, s_handler);
+  fn = handler != nullptr ? PyObject_GetAttr(handler, s_after_execute) : nullptr;
+  if (fn == nullptr) goto fail;
+  r = CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
+  if (r == nullptr) goto fail;
+  // Wrap (as RunForward does).
+  producer = InternedString(type);
+  if (producer == nullptr) goto fail;
+  for (; done < n; ++done) {
+    if (leaves[done]) {
+      outputs[done] = outs[done];  // ownership moves to the caller
+      outs[done] = nullptr;
+      continue;
+    }
+    PyObject* value = PyList_GET_ITEM(py_out, done);
+    outputs[done] = NewHandlerTensorHandle(stack, value,
+                                           TFE_TensorHandleDataType(EagerTensor_Handle(value)),
+                                           producer, true);
+    if (outputs[done] == nullptr) goto fail;
+  }
+  *num_outputs = n;
+  goto cleanup;
+fail:
+  StatusFromPyErr(status);
+  for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);
+cleanup:
+  for (int j = 0; j < n; ++j) {
+    if (outs[j] != nullptr) TFE_DeleteTensorHandle(outs[j]);
+  }
+  if (op != nullptr) {
+    EndBorrow(op, g_ctx);
+    Py_DECREF(op);
+  }
+  Py_XDECREF(producer);
+  Py_XDECREF(r);
+  Py_XDECREF(fn);
+  Py_XDECREF(handler);
+  Py_XDECREF(py_out);
+  Py_XDECREF(py_in);
+  return true;
+}
+
+}  // namespace fast
+}  // namespace tf_ophandlers

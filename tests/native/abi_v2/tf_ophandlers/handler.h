@@ -1,0 +1,267 @@
+/* A frozen copy of the ABI version 2 header (cc/include/tf_ophandlers/handler.h at commit
+   b268e55), for tests/native/test_abi_v3.py: libraries built against it must keep loading
+   and working in a runtime of a later ABI version. Do not edit. */
+/* tf-ophandlers: the C ABI for op handlers written in C or C++ (RFC "Third-party op
+   handlers and dynamic linking").
+
+   A *handler library* is a shared library that exports one function,
+
+     void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* api, TFOH_Library* library,
+                                  TF_Status* status);
+
+   which registers one or more handler *types* with `api->register_type`. Python loads
+   it with `tf_ophandlers.load_handler_library(path)`; each registered type becomes a
+   Python class (a subclass of tf_ophandlers.OpHandler) whose instances are handlers
+   like any other: `with` scopes, nesting with Python handlers in any order, function
+   replay, `oh.testing.check_handler`.
+
+   The header is valid C (C99/C11) and C++: a handler library may be written in either.
+   Everything that crosses this boundary is plain C: opaque handles (TFOH_Op,
+   TFOH_Tensor, TFOH_Context, TFOH_Library), structs of function pointers
+   (TFOH_RuntimeApi, given by the runtime; TFOH_HandlerType, given by the library) and
+   TensorFlow's own C API types (TF_Status, TF_Buffer, TF_DataType, TFE_TensorHandle,
+   TFE_OpAttrs). No C++ type, exception or allocator crosses it. Build a library with
+
+     g++ -shared -fPIC $(python -c "import tf_ophandlers as oh;
+         print(' '.join(oh.sysconfig.get_compile_flags()))") my_handler.cc \
+         -o my_handler.so $(python -c "...get_link_flags()...")
+
+   Versioning: both structs start with `abi_version` and `struct_size`. The runtime
+   refuses a type whose abi_version it does not know; fields are only ever appended, so
+   a library built against an older header (smaller struct_size) keeps working and a
+   newer library checks `api->struct_size` before using a field added later. The runtime
+   reads a type's fields up to the smaller of its struct_size and the size its
+   abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE for version 1): a field added in a later
+   version is NULL for a type of an earlier version.
+   - Version 1: the hooks up to `function_input_summary`.
+   - Version 2: `static_value` (tf.get_static_value of a handler's tensors).
+
+   A handler's *representation* of a tensor (ABI versions 1 and 2) is a tensor of the next
+   stack: the runtime keeps it in the handler tensor it creates for each output. The
+   handler sees it as a TFOH_Tensor.
+
+   Contracts common to every function below (stated per function where they differ):
+   - GIL: the runtime calls every hook of a TFOH_HandlerType on the thread that runs the
+     op, holding the Python GIL. Hooks must not call the Python C API and must not
+     release the GIL; the runtime functions they call (`execute_next`) release and
+     retake it where they block.
+   - Threading: hooks of one handler state may run on several threads at once (two
+     Python threads using one handler; the GIL is released inside execute_next), so
+     handler state must be thread-safe.
+   - Status: every failure is reported through the TF_Status argument (never by
+     exceptions or abort); a hook that fails must leave its out-parameters unset and
+     own nothing it was to return. The status code and message reach the Python caller
+     as a tf.errors exception (prefixed with the handler and the op).
+   - Ownership: TFOH_Op and TFOH_Context are borrowed, valid only during the call they
+     are passed to. TFOH_Tensor is reference counted: inputs are borrowed for the call;
+     tensors a runtime function returns are new references the handler owns; tensors a
+     hook returns are new references the runtime takes. A handler releases a reference
+     with `api->tensor_unref` and must not keep a TFOH_Tensor beyond the hook call that
+     received or created it (ABI versions 1 and 2).
+*/
+#ifndef TF_OPHANDLERS_HANDLER_H_
+#define TF_OPHANDLERS_HANDLER_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+// Only TensorFlow headers that are valid C (C99/C11): TF_Status, TF_Buffer, TF_DataType,
+// TF_Tensor. The eager types this header mentions (TFE_TensorHandle, TFE_OpAttrs) are
+// opaque and named by their struct tags below, so a C library does not need
+// tensorflow/c/eager/c_api_experimental.h (which is C++ only). A C library that reads a
+// tensor's value includes tensorflow/c/eager/c_api.h itself (valid C); one that reads an
+// op's attributes declares TFE_OpAttrsSerialize itself (see docs/guide.md).
+#include "tensorflow/c/tf_buffer.h"
+#include "tensorflow/c/tf_datatype.h"
+#include "tensorflow/c/tf_status.h"
+#include "tensorflow/c/tf_tensor.h"
+
+#ifdef __cplusplus
+// Source compatibility for C++ libraries written against earlier versions of this
+// header, which included TensorFlow's eager C API headers.
+#include "tensorflow/c/eager/c_api.h"
+#include "tensorflow/c/eager/c_api_experimental.h"
+extern "C" {
+#endif
+
+// TensorFlow's opaque eager types (tensorflow/c/eager/c_api.h, c_api_experimental.h),
+// named by struct tag: `struct TFE_TensorHandle*` is the same type as those headers'
+// `TFE_TensorHandle*` (no typedef here, so including them too is valid C99).
+struct TFE_TensorHandle;
+struct TFE_OpAttrs;
+
+#define TFOH_ABI_VERSION 2
+
+#if defined(_WIN32)
+#define TFOH_EXPORT __declspec(dllexport)
+#else
+#define TFOH_EXPORT __attribute__((visibility("default")))
+#endif
+
+// An op a handler is asked to execute: type, attributes, requested device, expected
+// output count. Borrowed; valid during the hook call only.
+typedef struct TFOH_Op TFOH_Op;
+// A tensor as a handler sees it (a tensor of the next stack, or of the handler's own
+// stack for a hook's inputs once unwrapped). Reference counted; see Ownership above.
+typedef struct TFOH_Tensor TFOH_Tensor;
+// Where the running hook executes: the next stack. Borrowed; valid during the call.
+typedef struct TFOH_Context TFOH_Context;
+// A library being loaded (registration target). Borrowed; valid during
+// TFOH_InitHandlerLibrary only.
+typedef struct TFOH_Library TFOH_Library;
+
+struct TFOH_HandlerType;
+
+// Functions the runtime provides to handlers. The struct is owned by the runtime and
+// lives as long as the process; a library may keep the pointer.
+typedef struct TFOH_RuntimeApi {
+  int abi_version;     // TFOH_ABI_VERSION of the runtime.
+  size_t struct_size;  // sizeof(TFOH_RuntimeApi) of the runtime.
+
+  // ---- ops (never fail, never block) ----
+  // The op type, e.g. "AddV2". Borrowed: valid while `op` is.
+  const char* (*op_type)(const TFOH_Op* op);
+  // The device the user requested for the op ("" when none). Borrowed.
+  const char* (*op_requested_device)(const TFOH_Op* op);
+  // The number of flat outputs the op must produce.
+  int (*op_num_outputs)(const TFOH_Op* op);
+  // The op's attributes (TensorFlow's C API type; read them with TFE_OpAttrsSerialize).
+  // Borrowed: valid while `op` is.
+  const struct TFE_OpAttrs* (*op_attrs)(const TFOH_Op* op);
+
+  // ---- tensors ----
+  // The tensor's dtype. Never fails, never blocks.
+  TF_DataType (*tensor_dtype)(const TFOH_Tensor* t);
+  // Rank and axis length (-1: unknown). Do not block on pending computations. On
+  // failure `status` is set and -1 returned.
+  int (*tensor_num_dims)(const TFOH_Tensor* t, TF_Status* status);
+  int64_t (*tensor_dim)(const TFOH_Tensor* t, int index, TF_Status* status);
+  // The eager TensorFlow handle behind `t`, or NULL while a function is replayed (the
+  // tensor is symbolic then). Borrowed: valid while the handler holds `t`. Reading its
+  // value (TFE_TensorHandleResolve) may block and needs no GIL.
+  struct TFE_TensorHandle* (*tensor_handle)(const TFOH_Tensor* t);
+  // Takes / releases one reference. `tensor_unref` of the last reference frees it.
+  void (*tensor_ref)(TFOH_Tensor* t);
+  void (*tensor_unref)(TFOH_Tensor* t);
+
+  // ---- execution ----
+  // Executes `op` on the next stack (the stack below the handler whose hook got `ctx`)
+  // with `inputs` (tensors of the next stack: a hook's inputs, or results of earlier
+  // execute_next calls). `*num_outputs` is in: the capacity of `outputs`, out: the
+  // number written (new references). Fails with `status` set (an error of a handler
+  // below, or of the TensorFlow kernel). May block; releases the GIL while TensorFlow
+  // executes.
+  void (*execute_next)(TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
+                       TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
+                       TF_Status* status);
+
+  // ---- registration (only inside TFOH_InitHandlerLibrary) ----
+  // Registers a handler type. `type` is copied except for its function pointers and
+  // `type_data`, which must stay valid while the library is loaded (libraries are
+  // never unloaded). Fails for an unknown abi_version, a missing name or execute, or a
+  // name registered twice in the library.
+  void (*register_type)(TFOH_Library* library, const struct TFOH_HandlerType* type,
+                        TF_Status* status);
+} TFOH_RuntimeApi;
+
+// A handler type: the hooks of RFC "Available hooks". Only `name`, `create`,
+// `delete_state` and `execute` are required; a NULL optional hook has the default
+// behaviour described with it.
+typedef struct TFOH_HandlerType {
+  int abi_version;     // TFOH_ABI_VERSION the library was built with.
+  size_t struct_size;  // sizeof(TFOH_HandlerType) of the library.
+  // The Python class name (an identifier) and its docstring (may be NULL). Copied.
+  const char* name;
+  const char* doc;
+  // Passed back to `create`. Not owned by the runtime.
+  void* type_data;
+
+  // Creates a handler state for `config` (the string the Python constructor got; "" by
+  // default). Returns the state (non-NULL), or NULL with `status` set (the constructor
+  // raises). The runtime holds the state until the Python handler object and every
+  // tensor and stack of it are gone, then calls `delete_state` exactly once, with the
+  // GIL held, on any thread.
+  void* (*create)(void* type_data, const char* config, TF_Status* status);
+  void (*delete_state)(void* state);
+
+  // Execute (required): produce the op's outputs from `inputs` (this handler's
+  // representations: tensors of the next stack). Write at most `*num_outputs` new
+  // references into `outputs` and set `*num_outputs`; the count and dtypes must match
+  // the op's OpDef (the runtime checks and raises otherwise). A pass-through forwards
+  // with `api->execute_next(ctx, op, num_inputs, inputs, num_outputs, outputs, status)`.
+  void (*execute)(void* state, TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
+                  TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
+                  TF_Status* status);
+
+  // CopyOn (optional): the representation of `tensor`, a tensor already moved onto the
+  // next stack. Returns a new reference. NULL hook: the tensor itself.
+  TFOH_Tensor* (*copy_on)(void* state, TFOH_Context* ctx, TFOH_Tensor* tensor,
+                          TF_Status* status);
+  // CopyOff (optional): a tensor of the next stack for representation `value`, on its
+  // way to physical `device` (may be ""). Returns a new reference. Fail (e.g.
+  // TF_FAILED_PRECONDITION) to refuse copies off this handler. NULL hook: the value.
+  TFOH_Tensor* (*copy_off)(void* state, TFOH_Context* ctx, TFOH_Tensor* value,
+                           const char* device, TF_Status* status);
+
+  // Shape (optional): rank and axis length of this handler's tensor whose
+  // representation is `value`, answered without blocking (-1: unknown). Called by
+  // TensorFlow's shape accessors. NULL hooks: the representation's own shape, read
+  // without the GIL.
+  int (*num_dims)(void* state, const TFOH_Tensor* value, TF_Status* status);
+  int64_t (*dim)(void* state, const TFOH_Tensor* value, int index, TF_Status* status);
+
+  // Debug strings (optional): write UTF-8 text into `out` (TF_Buffer owned by the
+  // runtime; set data/length/data_deallocator, or use a buffer from
+  // TF_NewBufferFromString's content). `debug_string` names the handler in errors
+  // (NULL: "<name>()"); `tensor_debug_string` is repr() of its tensors (NULL: the
+  // representation's value as TensorFlow shows it; these handlers are transparent).
+  void (*debug_string)(void* state, TF_Buffer* out);
+  void (*tensor_debug_string)(void* state, const TFOH_Tensor* value, TF_Buffer* out,
+                              TF_Status* status);
+
+  // Query (optional): a handler-defined read-only request `key` (e.g. "counts"), its
+  // answer written to `out` as bytes; exposed in Python as `handler.query(key)`. Fails
+  // with TF_INVALID_ARGUMENT for an unknown key.
+  void (*query)(void* state, const char* key, TF_Buffer* out, TF_Status* status);
+
+  // Function replay (optional): a summary of how a representation crosses a function
+  // boundary, written to `out` (part of the replay cache key; NULL hook: an empty
+  // summary, which suits a tensor of the next stack; the representation itself is what
+  // crosses). Function replay is otherwise transparent to ABI version 1 and 2 handlers: their
+  // `execute` is called for each op of a replayed function, with symbolic tensors
+  // (tensor_handle returns NULL) that they pass to execute_next.
+  void (*function_input_summary)(void* state, const TFOH_Tensor* value, TF_Buffer* out,
+                                 TF_Status* status);
+
+  // ---- ABI version 2 (read only for a type whose abi_version is 2 or more) ----
+
+  // StaticValue (optional): the value of this handler's tensor whose representation is
+  // `value`, when it is known without running anything (tf.get_static_value; TensorFlow's
+  // gradient functions use it to short-circuit, e.g. a parallel handler whose components
+  // are all equal). Known: set `*out` to a new TF_Tensor of the tensor's dtype and a
+  // shape compatible with its shape (the runtime takes it; it checks both and raises
+  // otherwise) and return 1. Unknown: return 0 and leave `*out` unset
+  // (tf.get_static_value returns None). Must not block on pending computations or
+  // execute ops; `value` may be symbolic (api->tensor_handle returns NULL). On failure
+  // set `status` (the Python caller raises; the return value is ignored). NULL hook:
+  // the representation's own static value (tf.get_static_value of it).
+  int (*static_value)(void* state, const TFOH_Tensor* value, TF_Tensor** out,
+                      TF_Status* status);
+} TFOH_HandlerType;
+
+// sizeof(TFOH_HandlerType) of ABI version 1: what a version 1 type's struct_size is.
+#define TFOH_HANDLER_TYPE_V1_SIZE offsetof(TFOH_HandlerType, static_value)
+
+// The entry point every handler library exports (looked up by this name). Called once,
+// with the GIL held, by tf_ophandlers.load_handler_library. `api` lives for the process;
+// `library` only during the call. Registers the library's types; on failure sets
+// `status` (the load raises with its message).
+typedef void (*TFOH_InitHandlerLibraryFn)(const TFOH_RuntimeApi* api, TFOH_Library* library,
+                                          TF_Status* status);
+#define TFOH_INIT_HANDLER_LIBRARY_SYMBOL "TFOH_InitHandlerLibrary"
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // TF_OPHANDLERS_HANDLER_H_

@@ -65,7 +65,7 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
     case kNative: {
       Decision copy = *d;
       return NativeStackRun(stack, copy.handler, copy.next, src, type, device, n_in, in,
-                            num_outputs, outputs, status);
+                            num_outputs, outputs, status, /*first_stack=*/depth == 0);
     }
     case kRecord: {
       Decision copy = *d;

@@ -44,10 +44,13 @@ extern PyMethodDef kNativeModuleMethods[];
 // done, `status` untouched, no Python exception set): the caller takes another path.
 // Returns true when it ran the op: `status` tells whether it succeeded, and on success
 // `outputs` holds `*num_outputs` new handles (`*num_outputs` is the capacity on entry).
+// `first_stack`: `stack` is the op's first stack (the fast path's depth 0); such a stack
+// over PHYSICAL is remembered for this thread's no-GIL path (NativeNoGilExecute).
 // Called by the fast path (fast_path.h). GIL: must be held; released around TFE_Execute.
 bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TFE_Op* op,
                     const char* type, const char* device, int n_in, TFE_TensorHandle** in,
-                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
+                    int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status,
+                    bool first_stack = false);
 
 // The no-GIL path, tried by the dispatcher's execute callback (device.cc) before it takes
 // the GIL. Runs `op` without the GIL when it is this thread's op on a stack whose handler

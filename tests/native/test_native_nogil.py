@@ -170,3 +170,22 @@ def test_placement_of_ops_with_handler_inputs_follows_tensorflow_rules():
     np.testing.assert_array_equal(y.numpy(), [2.0, 4.0])
     np.testing.assert_array_equal(z.numpy(), [3.0, 6.0])
     np.testing.assert_array_equal(v.numpy(), [11.0, 22.0])
+
+
+def test_nested_c_handlers_take_the_gil_path_and_match_tensorflow():
+    """Only a C/C++ handler that is the op's first stack and sits over PHYSICAL runs
+    without the GIL; two nested levels run on the fast path with the GIL."""
+    a = tf.random.stateless_uniform([4, 3], seed=[9, 10])
+    b = tf.random.stateless_uniform([4, 3], seed=[11, 12])
+    want = _chain(a, b)
+    outer, inner = oh.native.OpCounter(), oh.native.OpCounter()
+    with outer:
+        with inner:
+            a1, b1 = tf.identity(a), tf.identity(b)
+            before = _nogil_ops()
+            got = _chain(a1, b1)
+            assert _nogil_ops() == before
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+    assert outer.counts == inner.counts and sum(inner.counts.values()) >= len(want)

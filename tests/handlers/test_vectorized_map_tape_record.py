@@ -84,8 +84,9 @@ def test_per_example_grads_record_in_c_and_match_tf_vectorized_map():
     assert python.get("GradientTape", 0) == 0, python
     assert _C.fast_stats()["fast_ops"] - before >= 14
     assert_same_tensors(want, got)
-    # A gather from a variable: IndexedSlices under both (tf.vectorized_map gives them
-    # dense after stacking; compare types with the Python path below).
+    # The same tape on the Python path gives the same tensors, bit for bit, and the same
+    # types (the map's outputs are dense per-example tensors, as tf.vectorized_map's; the
+    # gather's gradient inside is IndexedSlices on both paths).
     ref, python_ref = _count_python_executes(
         lambda: oh.vectorized_map(_per_example(PythonPathTape, variables, extra), data))
     assert python_ref.get("PythonPathTape", 0) > 0  # the reference did take Python

@@ -27,39 +27,130 @@ namespace fast {
 // is: after_execute's contract says the handler's copy_on leaves it unchanged), the op
 // runs on the next stack (RunOn, so further levels stay in C), then one Python call,
 // `after_execute(op, inputs, outputs)` with the representations, in the hook's frame;
-// the outputs are then wrapped as RunForward does. Returns false (nothing done) for
-// inputs that need a copy_on hook. After the op ran, always handled; an exception of
-// after_execute reaches the user through `status` (StatusFromPyErr). GIL: held.
+// the outputs are then wrapped as RunForward does.
+//
+// Over a Python execute hook (the next stack's decision is kHook: a tape inside
+// oh.vectorized_map) the next level runs from C too (RunHook), with exactly the values
+// the Python path hands to `next.execute(op, values)`: this stack's unwrapped inputs and,
+// on the op's first stack (depth 0, where no forwarding level's copy rules came first),
+// inputs from elsewhere copied on as HandlerStack.execute does (`wants_copy` when copies
+// defer, then the stack's `_copy_on_value`, which runs the handler's copy_on hook; a
+// tape records a CopyOn there). Returns false (nothing done) for inputs that need a
+// copy_on hook in any other case. After a copy-on or the op ran, always handled; an
+// exception of a hook reaches the user through `status` (StatusFromPyErr). GIL: held.
 bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                TFE_TensorHandle** outputs, TF_Status* status, int depth) {
   absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
   absl::InlinedVector<PyObject*, 4> own(n_in, nullptr);  // borrowed payload values
+  // The next level when it is a Python execute hook (copied: Decide may clear the cache).
+  Decision hook;
+  bool over_hook = false;
+  if (d.next != g_physical) {
+    const Decision* nd = Decide(d.next, type);
+    if (nd != nullptr && nd->kind == kHook) {
+      hook = *nd;
+      over_hook = true;
+    }
+  }
+  // Inputs from elsewhere to copy on in C (over a hook, on the op's first stack only).
+  absl::InlinedVector<int, 4> foreign;
   if (!UnwrapInputs(stack, Pass::kPhysical, d.next == g_physical, n_in, in, values.data(),
                     own.data())) {
-    return false;
+    if (!over_hook || depth != 0) return false;
+    for (int i = 0; i < n_in; ++i) {  // which inputs: nothing done yet
+      TFOH_Payload* p = PayloadOf(in[i]);
+      if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
+        if (p->kind != TFOH_PAYLOAD_PYTHON) return false;
+        PyObject* v = PayloadValue(p);
+        if (v == nullptr) {
+          PyErr_Clear();
+          return false;
+        }
+        if (!EagerTensor_CheckExact(v)) return false;
+        own[i] = v;
+        values[i] = PayloadTensorHandle(p);
+        if (values[i] == nullptr) return false;
+      } else {
+        own[i] = nullptr;
+        values[i] = in[i];
+        foreign.push_back(i);
+      }
+    }
   }
   const int capacity = *num_outputs;
   int n = capacity;
   absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
-  if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
-             depth + 1)) {
-    return false;
-  }
-  if (TF_GetCode(status) != TF_OK) return true;
-  // From here on the op ran: always handled. Python views of inputs and outputs.
   absl::InlinedVector<bool, 4> leaves(n > 0 ? n : 1, false);
-  PyObject* py_in = PyList_New(n_in);
-  PyObject* py_out = py_in != nullptr ? PyList_New(n) : nullptr;
+  absl::InlinedVector<PyObject*, 4> copied(n_in, nullptr);  // owned: copied-on inputs
+  PyObject* py_in = nullptr;
+  PyObject* py_out = nullptr;
   PyObject* handler = nullptr;
   PyObject* fn = nullptr;
   PyObject* r = nullptr;
   PyObject* producer = nullptr;
   OpObject* op = nullptr;
   int done = 0;
+  if (!foreign.empty()) {
+    // HandlerStack.execute's copy-on, before the op runs (nothing was done before).
+    op = NewOpObject(type, device, capacity);
+    if (op == nullptr) goto fail;
+    op->borrowed = src;
+    for (int i : foreign) {
+      PyObject* t = native_internal::EagerTensorSharing(in[i]);
+      if (t == nullptr) goto fail;
+      if (!d.copy_all) {
+        PyObject* idx = PyLong_FromLong(i);
+        PyObject* want =
+            idx ? PyObject_CallMethodObjArgs(stack, s_wants_copy, op, idx, nullptr) : nullptr;
+        Py_XDECREF(idx);
+        int yes = want != nullptr ? PyObject_IsTrue(want) : -1;
+        Py_XDECREF(want);
+        if (yes <= 0) {
+          if (yes < 0) {
+            Py_DECREF(t);
+            goto fail;
+          }
+          copied[i] = t;  // passed down as it is
+          continue;
+        }
+      }
+      PyObject* moved = PyObject_CallMethodOneArg(stack, s_copy_on_value, t);
+      Py_DECREF(t);
+      if (moved == nullptr) goto fail;
+      copied[i] = moved;
+      if (!EagerTensor_CheckExact(moved)) {
+        PyErr_Format(PyExc_TypeError,
+                     "tf_ophandlers: the copy_on hook of %R returned a %s for input %d of op "
+                     "%s, not a tensor of the next stack (a handler with after_execute "
+                     "represents a tensor by a tensor of the next stack)",
+                     stack, Py_TYPE(moved)->tp_name, i, type);
+        goto fail;
+      }
+      values[i] = EagerTensor_Handle(moved);
+    }
+  }
+  if (over_hook) {
+    RunHook(d.next, hook, src, type, device, n_in, values.data(), &n, outs.data(), status);
+  } else if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
+                    depth + 1)) {
+    // Nothing done (no copy-on happened: `foreign` is only filled over a hook).
+    if (op != nullptr) {
+      EndBorrow(op, g_ctx);
+      Py_DECREF(op);
+    }
+    return false;
+  }
+  if (TF_GetCode(status) != TF_OK) {
+    n = 0;  // no outputs to release
+    goto cleanup;
+  }
+  // From here on the op ran: always handled. Python views of inputs and outputs.
+  py_in = PyList_New(n_in);
+  py_out = py_in != nullptr ? PyList_New(n) : nullptr;
   if (py_out == nullptr) goto fail;
   for (int i = 0; i < n_in; ++i) {
-    PyObject* v = own[i];
+    PyObject* v = own[i] != nullptr ? own[i] : copied[i];
     if (v != nullptr) {
       Py_INCREF(v);
     } else {
@@ -87,9 +178,11 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
     if (v == nullptr) goto fail;
     PyList_SET_ITEM(py_out, j, v);
   }
-  op = NewOpObject(type, device, capacity);
-  if (op == nullptr) goto fail;
-  op->borrowed = src;
+  if (op == nullptr) {
+    op = NewOpObject(type, device, capacity);
+    if (op == nullptr) goto fail;
+    op->borrowed = src;
+  }
   handler = PyObject_GetAttr(stack, s_handler);
   fn = handler != nullptr ? PyObject_GetAttr(handler, s_after_execute) : nullptr;
   if (fn == nullptr) goto fail;
@@ -123,6 +216,7 @@ cleanup:
     EndBorrow(op, g_ctx);
     Py_DECREF(op);
   }
+  for (PyObject* c : copied) Py_XDECREF(c);
   Py_XDECREF(producer);
   Py_XDECREF(r);
   Py_XDECREF(fn);

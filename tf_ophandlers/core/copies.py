@@ -14,30 +14,55 @@ import glob
 import os
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe as _pywrap_tfe
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import core as _core
 from tensorflow.python.framework import ops as _ops
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _lib = tf.load_op_library(sorted(glob.glob(os.path.join(_PACKAGE_DIR, "_copy_ops*.so")))[0])
 
 
+def _fast(wrapper, op_type, x, attr, value):
+    """`wrapper(x, **{attr: value})` (the op library's generated wrapper) run eagerly the
+    way its own fast path runs it (`TFE_Py_FastPathExecute`: the op executes and is
+    recorded on TensorFlow's tapes), without the wrapper's Python layers (dispatch
+    decorators, argument handling): the copy ops' gradients run for every copied tensor
+    (issue 17). Graph mode and the fast path's fallbacks (an input it cannot convert)
+    take the wrapper."""
+    ctx = _context.context()
+    if ctx.executing_eagerly():
+        try:
+            if attr is None:
+                return _pywrap_tfe.TFE_Py_FastPathExecute(ctx, op_type, None, x)
+            return _pywrap_tfe.TFE_Py_FastPathExecute(ctx, op_type, None, x, attr, value)
+        except _core._NotOkStatusException as e:  # pylint: disable=protected-access
+            _ops.raise_from_not_ok_status(e, None)
+        except _core._FallbackException:  # pylint: disable=protected-access
+            pass
+    return wrapper(x) if attr is None else wrapper(x, **{attr: value})
+
+
 def copy_on(x):
     """CopyOn: `x` copied onto the stack the op runs on."""
-    return _lib.copy_on(x)
+    return _fast(_lib.copy_on, "CopyOn", x, None, None)
 
 
 def copy_on_grad(dcopied, original_device=""):
     """CopyOnGrad: the gradient of CopyOn, mapped back to `original_device`."""
-    return _lib.copy_on_grad(dcopied, original_device=original_device)
+    return _fast(_lib.copy_on_grad, "CopyOnGrad", dcopied, "original_device",
+                 original_device)
 
 
 def copy_off(x, new_device=""):
     """CopyOff: `x` copied off its handler stack to `new_device`."""
-    return _lib.copy_off(x, new_device=new_device)
+    return _fast(_lib.copy_off, "CopyOff", x, "new_device", new_device)
 
 
 def copy_off_grad(dcopied, original_device=""):
     """CopyOffGrad: the gradient of CopyOff."""
-    return _lib.copy_off_grad(dcopied, original_device=original_device)
+    return _fast(_lib.copy_off_grad, "CopyOffGrad", dcopied, "original_device",
+                 original_device)
 
 
 def parallel_pack(tensors):

@@ -32,7 +32,7 @@ import tf_ophandlers as oh
 from test_differential import _same  # values, dtypes, shapes, IndexedSlices, None
 
 SEED = int(os.environ.get("OH_FUZZ_SEED", "24"))
-FAST_CASES = 62  # two per composition, in `make test`
+FAST_CASES = 64  # two per composition, in `make test`
 SLOW_CASES = 100  # longer programs (4 to 10 steps), marked slow
 
 # -- programs --------------------------------------------------------------------------
@@ -327,14 +327,18 @@ def run_tape_over_vmap(program, args, variables, mode, ours):
     with _tape(ours)() as t:
         t.watch(args[:3])
         outs = vmap(lambda e: fn(*e), tuple(args))
-    grads = t.gradient(outs, _sources(args, variables))
-    if ours:
-        # Known differences (test_tape_over_vmap_*_is_dense_as_tensorflows, xfail): a
-        # gathered V's gradient, and an input's through concat then split, are
-        # tf.IndexedSlices where TensorFlow's are dense; the values are compared.
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads]
-    return outs, grads
+    return outs, t.gradient(outs, _sources(args, variables))
+
+
+def run_tf_tape_over_vmap(program, args, variables, mode, ours):
+    """A tf.GradientTape around the map (ours: oh.vectorized_map, which then is
+    tf.vectorized_map: TensorFlow's tapes would not see the handler's ops)."""
+    fn = _fn(program, variables, mode)
+    vmap = oh.vectorized_map if ours else tf.vectorized_map
+    with tf.GradientTape() as t:
+        t.watch(args[:3])
+        outs = vmap(lambda e: fn(*e), tuple(args))
+    return outs, t.gradient(outs, _sources(args, variables))
 
 
 def run_vmap_over_tape(program, args, variables, mode, ours):
@@ -380,13 +384,7 @@ def run_parallel(program, args, variables, mode, ours):
         grads = t.gradient(outs, packed[:3] + list(variables))
         values = [[parallel.unpack(o)[k] for o in outs] for k in range(2)]
         out_grads = [None if g is None else list(parallel.unpack(g)) for g in grads[:3]]
-        for g in grads[3:]:
-            g = None if g is None else tf.convert_to_tensor(g)
-            if g is not None and oh.handler_of(g) is not None:
-                # A variable read in a tf.function: per-component gradients, a known
-                # limitation (test_parallel.py, xfail): summed here.
-                g = tf.add_n(parallel.unpack(g))
-            out_grads.append(g)
+        out_grads.extend(grads[3:])  # the variables': summed (off the handler)
     return [values, out_grads]
 
 
@@ -407,6 +405,7 @@ COMPOSITIONS = {
     "ForwardAccumulator": run_forward,
     "vectorized_map": run_vmap,
     "GradientTape/vectorized_map": run_tape_over_vmap,
+    "tf.GradientTape/vectorized_map": run_tf_tape_over_vmap,
     "vectorized_map/GradientTape": run_vmap_over_tape,
     "ParallelHandler/GradientTape": run_parallel,
 }
@@ -422,7 +421,8 @@ for _name in ("Lazy", "Async", "OpLogHandler", "CheckNumerics", "DataFormat"):
         lambda f: lambda p, a, v, m, ours: run_forward(p, a, v, m, ours, inner=f))(
             TRANSPARENT[_name])
 
-_MAPPED = ("vectorized_map", "GradientTape/vectorized_map", "vectorized_map/GradientTape")
+_MAPPED = ("vectorized_map", "GradientTape/vectorized_map", "tf.GradientTape/vectorized_map",
+           "vectorized_map/GradientTape")
 
 
 def _run_case(kind, program, mode, batches, ours_first):
@@ -490,10 +490,13 @@ def test_more_random_compositions_match_tensorflow():
     _run_all(_cases(SLOW_CASES, SEED + 1), (4, 10))
 
 
-@pytest.mark.xfail(strict=True, reason="fuzz finding: a tape over oh.vectorized_map gives a "
-                   "gathered variable's gradient as tf.IndexedSlices, where a tape over "
-                   "tf.vectorized_map gives a dense tensor (same values); oh.vectorized_map "
-                   "also runs ResourceGather once per example (no batching rule)")
+# Fuzz findings, fixed: TensorFlow's gradient of a gather of V through tf.vectorized_map is
+# dense because pfor has no ResourceGather converter and runs it in a while loop (whose
+# gradient of a captured input is dense); oh.vectorized_map ran it once per example
+# (tf.IndexedSlices) and now uses pfor's while loop too. Concat then split: the per-op
+# pfor graph had a None batch dim, so pfor gathered each input over range(B) (an
+# IndexedSlices gradient) where tf.vectorized_map's static shapes make it the input
+# itself. A tf.GradientTape around oh.vectorized_map got None (it saw no op).
 @pytest.mark.parametrize("Tape", [oh.GradientTape, tf.GradientTape])
 def test_tape_over_vmap_gather_gradient_is_dense_as_tensorflows(Tape):
     V = tf.Variable(np.arange(24, dtype=np.float32).reshape(6, 4))
@@ -504,11 +507,36 @@ def test_tape_over_vmap_gather_gradient_is_dense_as_tensorflows(Tape):
     with Tape() as t:
         got = oh.vectorized_map(lambda i: tf.gather(V, i) * 2.0, ids)
     _same([ref, want], [got, t.gradient(got, V)], "tape over vectorized_map, gather of V")
+    assert not isinstance(want, tf.IndexedSlices)
 
 
-@pytest.mark.xfail(strict=True, reason="fuzz finding: a tape over oh.vectorized_map of "
-                   "concat then split gives the input's gradient as tf.IndexedSlices, where "
-                   "a tape over tf.vectorized_map gives a dense tensor (same values)")
+@pytest.mark.parametrize("Tape", [oh.GradientTape, tf.GradientTape])
+def test_gather_gradients_stay_sparse_where_tensorflows_are(Tape):
+    # No map, or a tape inside the map: TensorFlow's gradient is tf.IndexedSlices.
+    V = tf.Variable(np.arange(24, dtype=np.float32).reshape(6, 4))
+    ids = tf.constant([[0, 2], [1, 1], [5, 0]])
+    with tf.GradientTape() as t:
+        want = t.gradient(tf.gather(V, ids) * 2.0, V)
+    with Tape() as t:
+        got = t.gradient(tf.gather(V, ids) * 2.0, V)
+    _same(want, got, "gather of V, no map")
+    assert isinstance(got, tf.IndexedSlices)
+
+    def per_example(tape, seen):
+        def fn(i):
+            with tape() as t:
+                y = tf.gather(V, i) * 2.0
+            g = t.gradient(y, V)
+            seen.append(type(g))
+            return tf.convert_to_tensor(g)
+        return fn
+    want_types, got_types = [], []
+    want = tf.vectorized_map(per_example(tf.GradientTape, want_types), ids)
+    got = oh.vectorized_map(per_example(Tape, got_types), ids)
+    _same(want, got, "tape inside vectorized_map, gather of V")
+    assert want_types == got_types == [tf.IndexedSlices]
+
+
 def test_tape_over_vmap_concat_split_gradient_is_dense_as_tensorflows():
     r = np.random.default_rng(0)
     z = tf.constant(r.standard_normal((3, 2, 4)).astype(np.float32))
@@ -516,12 +544,15 @@ def test_tape_over_vmap_concat_split_gradient_is_dense_as_tensorflows():
     f = lambda e: tf.split(tf.concat([e[0], e[1]], -1), [4, 4], axis=-1)[0]  # noqa: E731
     results = []
     for Tape, vmap in ((tf.GradientTape, tf.vectorized_map), (oh.GradientTape,
-                                                              oh.vectorized_map)):
+                                                              oh.vectorized_map),
+                       (tf.GradientTape, oh.vectorized_map)):
         with Tape() as t:
             t.watch(z)
             out = vmap(f, (z, x))
         results.append([out, t.gradient(out, z)])
     _same(results[0], results[1], "tape over vectorized_map, concat then split")
+    _same(results[0], results[2], "tf tape over oh.vectorized_map, concat then split")
+    assert not isinstance(results[0][1], tf.IndexedSlices)
 
 
 def _softmax_max_pool(a):

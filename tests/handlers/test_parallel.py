@@ -289,14 +289,50 @@ def test_sparse_gradient_with_tf_gradient_tape_stays_per_component(parallel):
         assert_close(g, tf.convert_to_tensor(w))
 
 
-@pytest.mark.xfail(strict=True, reason="fuzz finding: under oh.ParallelHandler a host "
-                   "variable read inside a tf.function (one op, run whole per component) "
-                   "gets per-component gradients from oh.GradientTape, not the summed "
-                   "gradient the guide promises for host variables (copying it off raises)")
 def test_gradient_of_a_host_variable_read_in_a_function_is_summed(parallel):
+    # Fuzz finding, fixed: the function call (run whole per component) was recorded with
+    # the host variable's handle as its input, so its gradient stayed one per component
+    # (copying it off raised); the call now takes the handle's CopyOn, as op by op.
     got, want = _gather_loss_gradients(parallel, oh.GradientTape, True)
     assert not isinstance(got, list), "one gradient per component"
+    assert oh.handler_of(got) is None and got.shape == (6, 4) and got.dtype == tf.float32
     assert_close(got, tf.convert_to_tensor(want[0]) + tf.convert_to_tensor(want[1]))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "unknown_batch"])
+def test_host_variable_gradients_in_a_function_match_tensorflow(parallel, mode):
+    # A dense (matmul) and a sparse (gather) use of host variables, a partial batch in a
+    # function with a None batch dim: the summed gradients of TensorFlow's per-component
+    # runs, dense, off the handler.
+    w = tf.Variable(np.linspace(-1., 1., 12, dtype=np.float32).reshape(4, 3))
+    v = tf.Variable(np.arange(24, dtype=np.float32).reshape(6, 4) / 10.)
+
+    def loss(x, i):
+        return tf.reduce_sum(tf.tanh(x @ w) * tf.reduce_sum(tf.gather(v, i), -1,
+                                                              keepdims=True))
+    if mode == "function":
+        loss = tf.function(loss)
+    elif mode == "unknown_batch":
+        loss = tf.function(loss, input_signature=[tf.TensorSpec([None, 4]),
+                                                  tf.TensorSpec([None], tf.int32)])
+    r = np.random.default_rng(3)
+    for batch in (4, 3):  # a partial last batch, a fresh handler per step
+        xs = [tf.constant(r.standard_normal((batch, 4)).astype(np.float32)) for _ in CPUS]
+        ids = [tf.constant(r.integers(0, 6, batch).astype(np.int32)) for _ in CPUS]
+        step = oh.ParallelHandler(CPUS)
+        with step:
+            with oh.GradientTape() as tape:
+                y = loss(step.pack(xs), step.pack(ids))
+            got = tape.gradient(y, [w, v])
+        want = []
+        for x, i in zip(xs, ids):
+            with tf.GradientTape() as ref_tape:
+                ref = loss(x, i)
+            want.append([tf.convert_to_tensor(g) for g in ref_tape.gradient(ref, [w, v])])
+        for g, parts in zip(got, zip(*want)):
+            assert not isinstance(g, tf.IndexedSlices) and oh.handler_of(g) is None
+            assert g.dtype == tf.float32 and g.shape == parts[0].shape
+            assert_close(g, parts[0] + parts[1], 1e-5)
 
 
 def test_all_reduce_under_tf_gradient_tape_and_a_tape_outside(parallel):

@@ -160,6 +160,8 @@ def install():
     # EagerTensor's C++ accessors raise a registered class directly from the status
     # (PyErr_SetObject(cls, (None, None, message)) or (message, code, payloads)).
     _recover_on_new(_tf_errors.OpError, 2)
+    for cls in _error_classes():
+        _skip_reinit(cls)
     _recover_on_new(_tf_core._NotOkStatusException, 0)  # pylint: disable=protected-access
 
     # TFE_Py_Execute (function calls, slow-path op wrappers) raises the typed OpError
@@ -199,23 +201,70 @@ def _recover_on_new(cls, message_index):
         if len(args) > message_index:
             exc = original_error(args[message_index], accessor_only=True)
             if exc is not None:
-                return exc
-        if (len(args) == 1 and not kwargs and isinstance(args[0], BaseException)
-                and not isinstance(args[0], klass)):
-            return args[0]
+                return _keep_as_is(exc, klass)
+        if len(args) == 1 and not kwargs and isinstance(args[0], BaseException):
+            return _keep_as_is(args[0], klass)
         return base_new(klass, *args, **kwargs)
 
     cls.__new__ = staticmethod(__new__)
+
+
+def _keep_as_is(exc, klass):
+    """`exc`, returned from `klass.__new__`. If it is an instance of `klass` (a handler
+    hook raised a tf.errors class), Python then runs its `__init__` with the arguments of
+    the call: with the status message it replaced the exception's message by the marked
+    status text, and with `(exc)` alone (CPython re-instantiating the type) it raised
+    ``TypeError: InternalError.__init__() missing 1 required positional argument: 'op'``
+    in place of the error. The flag makes that one `__init__` keep the exception as is."""
+    if isinstance(exc, klass) and isinstance(exc, _tf_errors.OpError):
+        exc._oh_keep_as_is = True  # pylint: disable=protected-access
+    return exc
+
+
+def _skip_reinit(cls):
+    """Wraps `cls.__init__` (a tf.errors class) to honour `_keep_as_is`."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_oh_wrapped", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        if self.__dict__.pop("_oh_keep_as_is", False):
+            return
+        init(self, *args, **kwargs)
+    __init__._oh_wrapped = True  # pylint: disable=protected-access
+    __init__.__doc__, __init__.__name__ = init.__doc__, "__init__"
+    cls.__init__ = __init__
+
+
+def _error_classes():
+    return [c for c in vars(_tf_errors).values()
+            if isinstance(c, type) and issubclass(c, _tf_errors.OpError)]
+
+
+def with_message(error, message):
+    """An exception of `error`'s class (a tf.errors class keeps node_def, op and error
+    code; the base `tf.errors.OpError` needs its code) with `message`, for a handler that
+    adds its name to an error it re-raises. Never fails: an exception class whose
+    constructor takes other arguments gives a `HandlerError` with the message."""
+    try:
+        if type(error) is _tf_errors.OpError:
+            return _tf_errors.OpError(error.node_def, error.op, message, error.error_code)
+        if isinstance(error, _tf_errors.OpError):
+            return type(error)(error.node_def, error.op, message)
+        return type(error)(message)
+    except Exception:  # pylint: disable=broad-except
+        return HandlerError(message)
 
 
 tf_patches.register(
     "status_to_exception",
     "tensorflow.python.eager.core._status_to_exception, "
     "tensorflow.python.eager.execute.quick_execute/execute/execute_with_cancellation, "
-    "OpError.__new__ and _NotOkStatusException.__new__",
+    "OpError.__new__, _NotOkStatusException.__new__ and the tf.errors classes' __init__",
     "a handler's exception crosses TensorFlow's C API only as a status; these "
     "conversions give the user the original exception object back (type, message, "
     "traceback); the accessors tensor.shape/repr build their exceptions in C++ from "
     "the status, so those classes return the stashed exception for the shape and "
-    "debug-string hooks. TensorFlow has no hook for status-to-exception conversion.",
+    "debug-string hooks (and their __init__ leaves a returned tf.errors exception as it "
+    "is). TensorFlow has no hook for status-to-exception conversion.",
     "runtime", install, None)

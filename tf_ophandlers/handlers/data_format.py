@@ -32,6 +32,7 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, tensor_key
@@ -308,7 +309,7 @@ class DataFormat(OpHandler):
         try:
             outputs = nxt.execute(new_op, args)
         except tf.errors.OpError as e:
-            raise type(e)(e.node_def, e.op, (
+            raise with_message(e, (
                 "oh.DataFormat: op %s (data_format=%s, run as data_format=%s on the "
                 "channels-last data): %s" % (op.type, layout.fmt.decode(),
                                              layout.target.decode(), e.message))) from None

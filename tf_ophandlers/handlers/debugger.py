@@ -42,6 +42,7 @@ from tensorflow.core.protobuf import debug_event_pb2
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
 
+from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.functions import per_call
 from tf_ophandlers.core.functions.library import body as function_body
 from tf_ophandlers.core.handler import OpHandler
@@ -118,10 +119,10 @@ class DebuggerHandler(OpHandler):
                 execution.tensor_protos.extend(de.eager_tensor_protos(
                     mode, op.type, outputs, self.filter, self.next))
             except (tf.errors.OpError, ValueError, TypeError) as e:
-                raise type(e)(*_error_args(e, "DebuggerHandler: cannot compute the %s "
-                              "debug values of op %s: %s" % (
-                                  debug_event_pb2.TensorDebugMode.Name(mode), op.type, e))) \
-                    from e
+                raise with_message(e, "DebuggerHandler: cannot compute the %s debug "
+                                   "values of op %s: %s" % (
+                                       debug_event_pb2.TensorDebugMode.Name(mode), op.type,
+                                       e)) from e
         files.write_execution_event(event)
 
     # -- ops of replayed functions ---------------------------------------------------------
@@ -247,8 +248,3 @@ def _input_names(op):
         return []
     return [t.name for t in node.inputs]
 
-
-def _error_args(error, message):
-    if isinstance(error, tf.errors.OpError):
-        return (error.node_def, error.op, message)
-    return (message,)

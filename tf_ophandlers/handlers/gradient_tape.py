@@ -484,8 +484,30 @@ def _record_operation(op_type, output_tensors, input_tensors, backward_function,
         tracked = tape._tracked  # pylint: disable=protected-access
         if any(_key(t) in tracked for t in inputs):
             outputs = [tape._level_of(t) for t in output_tensors]  # pylint: disable=protected-access
+            below = _scope_below(tape)
+            _copy_on_reducing_stack(tape, below, inputs)
             tape._record(op_type, None, backward_function, inputs, outputs,  # pylint: disable=protected-access
-                         _scope_below(tape), ())
+                         below, ())
+
+
+def _copy_on_reducing_stack(tape, below, inputs):
+    """For a call recorded on a stack whose handler reduces in CopyOnGrad
+    (ParallelHandler: a host variable captured by a tf.function runs whole per
+    component): replaces each tracked physical input by its copy onto that stack and
+    records the CopyOn, as op by op, so that its gradient is summed by CopyOnGrad
+    instead of staying one gradient per component."""
+    if below is PHYSICAL or not any(getattr(h, "copy_on_grad_reduces", False)
+                                    for h in below.handlers):
+        return
+    tracked = tape._tracked  # pylint: disable=protected-access
+    for i, t in enumerate(inputs):
+        known = tracked.get(_key(t))
+        if known is None or _stack_of(t) is not None:
+            continue
+        copied = below.copy_on(known)
+        op = Op.cached("CopyOn", T=copied.dtype)
+        if tape._record("CopyOn", op, None, [known], [copied], below, ()):  # pylint: disable=protected-access
+            inputs[i] = copied
 
 
 def _scope_below(tape):

@@ -37,6 +37,7 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import graph_builder, shapes
+from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
@@ -138,10 +139,7 @@ def _named(e, types, what=""):
                               "EagerExecutor")[0]  # (a chunk's: the error is cleared)
     message = "oh.Lazy: %spending ops (op types %s) failed: %s" % (
         what, ", ".join(sorted(types)), message)
-    try:
-        error = type(e)(e.node_def, e.op, message)
-    except TypeError:  # a class whose constructor wants more (the base OpError's code)
-        error = tf.errors.OpError(e.node_def, e.op, message, e.error_code)
+    error = with_message(e, message)
     error.oh_lazy = True
     return error
 

@@ -27,6 +27,7 @@ import logging
 import threading
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
@@ -42,6 +43,7 @@ from tf_ophandlers.handlers.batching_rules import (
     ATTRIBUTE_PLANS, plan_of, static_shape)
 
 _log = logging.getLogger("tf_ophandlers")
+_tf_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 _stack_of = stack_of
 # Control-flow ops reach the handler only when their predicate is per-example and they
 # have side effects (core/functions selects between the branches of stateless ones):
@@ -90,21 +92,45 @@ def _signature(op, inputs):
          else None, b.batched) for b in inputs))
 
 
-def _pfor_function(op, inputs):
-    """A tf.function running `op` vectorized by TensorFlow's pfor converters."""
+def _set_resource_dtype(placeholder, op):
+    """Gives a resource placeholder the dtype of the variable `op` reads (its `dtype`
+    attribute, in the cache key; the shape stays unknown): without it TensorFlow's
+    function gradient treats the handle as not trainable (a None gradient)."""
+    dtype = op.attrs.get("dtype")
+    if not isinstance(dtype, tf.DType):
+        return
+    from tensorflow.core.framework import cpp_shape_inference_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
+    data.shape_and_type.add(shape=tf.TensorShape(None).as_proto(),
+                            dtype=dtype.as_datatype_enum)
+    handle_data_util.set_handle_data(placeholder, data)
+
+
+def _pfor_function(op, inputs, while_loop=False):
+    """A tf.function running `op` vectorized by TensorFlow's pfor converters (with
+    `while_loop`: pfor's while-loop fallback where it has no converter, as
+    `tf.vectorized_map`'s).
+
+    The specs keep the static batch dim (the cache key has it): pfor then converts the
+    gather of example `i` of a batched input into the input itself, as in
+    `tf.vectorized_map`, instead of a GatherV2 over range(B), whose gradient made a
+    tape outside the map get tf.IndexedSlices where TensorFlow's is dense."""
     mask = [b.batched for b in inputs]
-    specs = [tf.TensorSpec([None] + b.value.shape.as_list()[1:] if b.batched
-                           else b.value.shape, b.value.dtype) for b in inputs]
+    specs = [tf.TensorSpec(b.value.shape, b.value.dtype) for b in inputs]
 
     def run(*values):
+        for v in values:
+            if v.dtype == tf.resource:
+                _set_resource_dtype(v, op)
         first = next(v for v, m in zip(values, mask) if m)
-        size = tf.shape(first)[0]
+        size = first.shape[0] if first.shape[0] is not None else tf.shape(first)[0]
 
         def loop_fn(i):
             args = [tf.gather(v, i) if m else v for v, m in zip(values, mask)]
             return graph_builder.create(_ops.get_default_graph(), op, args)
 
-        return _pfor_ops.pfor(loop_fn, size, fallback_to_while_loop=False)
+        return _pfor_ops.pfor(loop_fn, size, fallback_to_while_loop=while_loop)
 
     fn = tf.function(run, input_signature=specs, autograph=False)
     _quiet.local.active = getattr(_quiet.local, "active", 0) + 1
@@ -116,16 +142,26 @@ def _pfor_function(op, inputs):
 
 
 def _converted_by_pfor(handler, execute, op, inputs):
-    key = _signature(op, inputs)
+    key = _signature(op, inputs) + (handler.fallback_to_while_loop,)
     fn = _converted.get(key, False)
     if fn is False:
         try:
             fn = _pfor_function(op, inputs)
         except Exception as e:  # pylint: disable=broad-except
-            _report_fallback(handler, op.type, "oh.vectorized_map: no batching rule for op "
-                             "%s (%s: %s); it runs once per example", op.type,
-                             type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             fn = None
+            reason = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e)
+                                 else "")
+            if handler.fallback_to_while_loop:
+                # As tf.vectorized_map: pfor's while loop over the examples, in one graph
+                # (a tape outside gets TensorFlow's gradient types: dense for a looped
+                # op's unbatched inputs, e.g. a gathered variable).
+                try:
+                    fn = _pfor_function(op, inputs, while_loop=True)
+                except Exception:  # pylint: disable=broad-except
+                    fn = None
+            _report_fallback(handler, op.type, "oh.vectorized_map: no batching rule for op "
+                             "%s (%s); it runs once per example%s", op.type, reason,
+                             " (a while loop)" if fn is not None else "")
         _converted[key] = fn
     if fn is None:
         return None
@@ -442,7 +478,10 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     a cached, handler-free function (core/functions): later calls with the same specs run
     at graph speed, with `fn` traced once, not at every call.
     """
-    if not tf.executing_eagerly():
+    if not tf.executing_eagerly() or not _tf_tape_set_is_empty():
+        # Traced: pfor on the graph. Under a tf.GradientTape (or TensorFlow's forward
+        # accumulator): TensorFlow's tapes record by Python object and would see none of
+        # the handler's ops (a None gradient, silently), so TensorFlow's own map runs.
         return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop,
                                  warn=warn)
     flat = [_dense_elem(e) for e in nest.flatten(elems)]

@@ -191,3 +191,62 @@ def test_twin_ops_interleaved_never_share_a_cached_result(handler):
             assert got.dtype == want.dtype and got.shape == want.shape, (handler, what)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6,
                                        err_msg="%s under %s" % (what, handler))
+
+
+# -- the per-op path's decisions: keyed by the handlers' declarations ------------------
+
+class _Declared(oh.OpHandler):
+    """Records the op types its execute sees; `handles_ops` given per instance."""
+
+    def __init__(self, handles, name="a"):
+        self.handles_ops = handles
+        self.name = name
+        self.seen = []
+
+    def execute(self, op, inputs):
+        self.seen.append(op.type)
+        return self.next.execute(op, inputs)
+
+
+class _Forwarding(oh.OpHandler):
+    """The same declaration as `_Declared`, but no execute: everything runs in C++."""
+
+    def __init__(self, handles):
+        self.handles_ops = handles
+
+
+def _ops():
+    a = tf.ones([2, 2])
+    b = tf.matmul(a, a)
+    c = tf.add(b, a)
+    return tf.sin(c)
+
+
+def test_per_op_decisions_follow_each_stacks_declaration_interleaved():
+    """The C++ per-op path caches a decision per (declaration, op type), shared between
+    stacks of equal declarations: instances declaring other op types, the same types on
+    a handler without execute, and nested stacks in either order, interleaved, must each
+    see exactly their ops."""
+    want = _ops()
+    declarations = [None, frozenset(), {"MatMul"}, {"AddV2"}, {"MatMul", "AddV2"},
+                    ("Sin",), lambda t: t.startswith("A")]
+    universe = ["MatMul", "AddV2", "Sin"]
+    rng = random.Random(3)
+    for _ in range(3):
+        rng.shuffle(declarations)
+        for handles in declarations:
+            expected_types = [t for t in universe if handles is None or (
+                handles(t) if callable(handles) else t in handles)]
+            h = _Declared(handles)
+            with h:
+                got = _ops()
+            assert_same_tensors(want, got)
+            assert [t for t in h.seen if t in universe] == expected_types, handles
+            with _Forwarding(handles):
+                assert_same_tensors(want, _ops())
+            outer, inner = _Declared(handles, "outer"), _Declared({"Sin", "MatMul"}, "inner")
+            first, second = (outer, inner) if rng.random() < 0.5 else (inner, outer)
+            with first, second:
+                assert_same_tensors(want, _ops())
+            assert [t for t in outer.seen if t in universe] == expected_types, handles
+            assert [t for t in inner.seen if t in universe] == ["MatMul", "Sin"]

@@ -2,7 +2,8 @@
 
 Seeded random small Keras models (Conv2D, Dense, BatchNormalization in training mode,
 Dropout called with training=False, Embedding, LayerNormalization, MultiHeadAttention, in
-random compositions on image, sequence or vector inputs) are trained for two steps (a
+random compositions on image, sequence or vector inputs; also Dropout in training
+mode, seeded, so that the twins draw the same masks) are trained for two steps (a
 batch of 4, then a partial last batch of 3) under a handler and, as the reference, with
 plain TensorFlow on a twin model (same seed, same initial weights):
 
@@ -59,6 +60,14 @@ ALL_MODES = ["fit", "fit_eager", "loop", "loop_function"]
 
 # -- models ------------------------------------------------------------------------------
 
+class _InferenceDropout(keras.layers.Dropout):
+    """Dropout called with training=False (a functional model passes its own `training`
+    to its layers, whatever the layer was called with when the model was built)."""
+
+    def call(self, inputs, training=None):
+        return super().call(inputs, training=False)
+
+
 class Spec:
     """A random model, its loss and optimizer, drawn from `seed`."""
 
@@ -66,11 +75,15 @@ class Spec:
         rng = random.Random(seed)
         self.seed = seed
         self.input = rng.choice(["image", "sequence", "vector"])
-        choices = {"image": ["conv", "conv", "bn", "ln", "dropout", "dense"],
-                   "sequence": ["mha", "mha", "ln", "dense", "dropout", "bn"],
-                   "vector": ["dense", "dense", "bn", "ln", "dropout"]}[self.input]
-        if parallel:  # batch statistics are per replica there
-            choices = [c for c in choices if c != "bn"]
+        choices = {"image": ["conv", "conv", "bn", "ln", "dropout_off", "dropout", "dense"],
+                   "sequence": ["mha", "mha", "ln", "dense", "dropout_off", "dropout", "bn"],
+                   "vector": ["dense", "dense", "bn", "ln", "dropout_off", "dropout"]}[
+                       self.input]
+        if parallel:
+            # Batch statistics are per replica there, and a training Dropout's seed
+            # generator (a variable created outside the handler) would be written once per
+            # replica: oh.ParallelHandler refuses that with a PlacementError (documented).
+            choices = [c for c in choices if c not in ("bn", "dropout")]
         self.layers = [rng.choice(choices) for _ in range(rng.randint(1, 3))]
         self.loss = rng.choice(["mse", "sparse_ce"])
         self.optimizer = rng.choice(["sgd", "adam"])
@@ -93,8 +106,10 @@ class Spec:
                 h = keras.layers.BatchNormalization()(h)
             elif name == "ln":
                 h = keras.layers.LayerNormalization()(h)
-            elif name == "dropout":
-                h = keras.layers.Dropout(0.5)(h, training=False)
+            elif name == "dropout_off":
+                h = _InferenceDropout(0.5)(h)
+            elif name == "dropout":  # seeded: the twins draw the same masks
+                h = keras.layers.Dropout(0.3)(h)
             elif name == "mha":
                 h = h + keras.layers.MultiHeadAttention(num_heads=2, key_dim=2)(h, h)
         if self.input == "image":

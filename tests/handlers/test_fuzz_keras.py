@@ -117,8 +117,10 @@ class Spec:
         elif self.input == "sequence":
             h = keras.layers.GlobalAveragePooling1D()(h)
         model = keras.Model(inp, keras.layers.Dense(3)(h))
+        # Adam's epsilon large enough that a gradient which is zero up to rounding (the
+        # first of two BatchNormalizations' beta) is not normalized into a full step.
         optimizer = (keras.optimizers.SGD(0.1) if self.optimizer == "sgd"
-                     else keras.optimizers.Adam(0.02))
+                     else keras.optimizers.Adam(0.02, epsilon=1e-3))
         return model, optimizer
 
     def loss_fn(self, reduction="sum_over_batch_size"):

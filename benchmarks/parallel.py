@@ -38,19 +38,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-# Two logical CPUs: must be configured before TensorFlow initializes its devices, i.e.
-# before tf_ophandlers is imported (its import creates the eager context).
+import keras  # noqa: E402
+import tf_ophandlers as oh  # noqa: E402
+from tensorflow.python.distribute.parallel_device import parallel_device  # noqa: E402
+
+# Two logical CPUs, configured after the imports as users do (importing tf_ophandlers
+# does not initialize TensorFlow's devices; the first op or handler scope does).
 _LOGICAL_CPU_ERROR = None
 try:
     _cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
         _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-except RuntimeError as _e:  # TensorFlow already initialized (e.g. imported elsewhere)
+except RuntimeError as _e:  # TensorFlow already initialized (e.g. by an importer)
     _LOGICAL_CPU_ERROR = str(_e)
-
-import keras  # noqa: E402
-import tf_ophandlers as oh  # noqa: E402
-from tensorflow.python.distribute.parallel_device import parallel_device  # noqa: E402
 
 COMPONENTS = ("/job:localhost/replica:0/task:0/device:CPU:0",
               "/job:localhost/replica:0/task:0/device:CPU:1")

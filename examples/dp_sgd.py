@@ -19,7 +19,8 @@ import tf_ophandlers as oh  # noqa: E402
 
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
-x = rng.standard_normal((512, 10)).astype(np.float32)
+N = 500  # the last batch of 64 has 52 examples
+x = rng.standard_normal((N, 10)).astype(np.float32)
 y = (x[:, :3].sum(axis=1) > 0).astype(np.int32)
 model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(32, activation="relu"),
                           keras.layers.Dense(2)])
@@ -39,7 +40,7 @@ def example_gradient(example):
 
 def dp_step(features, labels):
     per_example = oh.vectorized_map(example_gradient, (features, labels))  # [B, ...] each
-    batch = features.shape[0]
+    batch = tf.cast(tf.shape(features)[0], tf.float32)  # also a None dim in a tf.function
     noisy = [tf.reduce_mean(g, axis=0) + tf.random.normal(g.shape[1:], stddev=NOISE * CLIP / batch)
              for g in per_example]
     optimizer.apply_gradients(zip(noisy, model.trainable_variables))
@@ -56,7 +57,7 @@ for i in range(4):
 print("per-example clipped gradients match a loop of tf.GradientTape")
 
 for epoch in range(5):
-    for i in range(0, 512, 64):
+    for i in range(0, N, 64):
         dp_step(x[i:i + 64], y[i:i + 64])
     accuracy = np.mean(np.argmax(model(x), axis=1) == y)
     print("epoch %d  accuracy %.3f" % (epoch, accuracy))

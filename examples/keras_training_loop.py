@@ -19,9 +19,9 @@ import tf_ophandlers as oh  # noqa: E402
 
 keras.utils.set_random_seed(0)
 rng = np.random.default_rng(0)
-x = rng.standard_normal((256, 8)).astype(np.float32)
-y = (x @ rng.standard_normal((8, 1)) + 0.1 * rng.standard_normal((256, 1))).astype(np.float32)
-data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+x = rng.standard_normal((250, 8)).astype(np.float32)
+y = (x @ rng.standard_normal((8, 1)) + 0.1 * rng.standard_normal((250, 1))).astype(np.float32)
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # the last batch has 26
 
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
                           keras.layers.Dense(1)])

@@ -8,14 +8,16 @@ same model trained on one device.
 
     python examples/megatron_mlp.py
 """
+import keras
 import numpy as np
 import tensorflow as tf
 
+import tf_ophandlers as oh
+
+# Four logical CPUs, configured after the imports (importing tf_ophandlers does not
+# initialize TensorFlow's devices; the first handler scope does).
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
-
-import keras  # noqa: E402
-import tf_ophandlers as oh  # noqa: E402
 
 B, T, D, HEADS, HIDDEN = 4, 6, 8, 4, 16
 

@@ -30,9 +30,27 @@ def test_readme_example_runs_and_prints_what_it_says():
     assert "MatMul" in first
 
 
+# Users' habits: TensorFlow, Keras and tf_ophandlers imported first, logical devices
+# configured afterwards (an example that configures its own later still may: devices
+# are initialized by the first op or handler scope, not by the imports).
+_HABITS = """
+import os, runpy, sys
+import tensorflow as tf, keras
+import tf_ophandlers as oh
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+sys.argv = [%r]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
 def test_example_runs(script):
-    proc = _run(script)
+    """Each example, run after the imports and a device configuration as users write
+    them (the examples themselves open a handler per step, feed partial last batches and
+    train with model.fit or a custom loop)."""
+    proc = _run(_HABITS % str(script))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()
 

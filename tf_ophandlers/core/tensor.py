@@ -56,6 +56,25 @@ def _install_static_value():
     tf.get_static_value = constant_value
 
 
+def _install_size():
+    # tf.size computes an eager tensor's size in Python from its static shape; a handler
+    # tensor may have unknown dims (oh.ParallelHandler's components of different batch
+    # sizes): numpy then raised a TypeError (in _GatherV2Grad, an embedding's gradient).
+    # Such a tensor runs the Size op, which its handler answers.
+    from tensorflow.python.ops import array_ops  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import gen_array_ops  # pylint: disable=import-outside-toplevel
+    original = array_ops.size_internal
+    eager_tensor = _ops.EagerTensor
+
+    def size_internal(input, name=None, optimize=True, out_type=tf.int32):  # pylint: disable=redefined-builtin
+        if isinstance(input, eager_tensor) and None in input._shape_tuple():  # pylint: disable=protected-access
+            return gen_array_ops.size(input, out_type=out_type, name=name)
+        return original(input, name, optimize=optimize, out_type=out_type)
+
+    size_internal.__doc__ = original.__doc__
+    array_ops.size_internal = size_internal
+
+
 tf_patches.register(
     "EagerTensor.device", "tensorflow.python.framework.ops.EagerTensor.device",
     "tensor.device of a handler tensor is what its handler says (OpHandler.device_string: "
@@ -68,3 +87,9 @@ tf_patches.register(
     "gradient functions short-circuit on static values; a handler tensor answers through "
     "its handler's static_value hook instead of a copy-off the handler may refuse.",
     "runtime", _install_static_value, None)
+tf_patches.register(
+    "size", "tensorflow.python.ops.array_ops.size_internal",
+    "eagerly, tf.size multiplies the tensor's static dims in Python; a handler tensor "
+    "with an unknown dim (oh.ParallelHandler's components of different batch sizes) runs "
+    "the Size op instead. Plain tensors pay one shape check.", "runtime",
+    _install_size, None)

@@ -187,7 +187,9 @@ class DataFormat(OpHandler):
                 "(channels-first targets are not implemented: GPU kernels take NCHW "
                 "directly)" % (target,))
         self.target = key
-        self._gpu = bool(tf.config.list_logical_devices("GPU")) if key == "auto" else False
+        # Whether the program has a GPU: asked at first use, since listing devices
+        # initializes TensorFlow, and users configure devices after making handlers.
+        self._has_gpu = None if key == "auto" else False
         self.fallbacks = collections.Counter()
         self.converted_ranks = set()  # ranks of the channels-first ops converted so far
         # Eagerly, the channels-last copies of the last few data inputs made for
@@ -262,6 +264,13 @@ class DataFormat(OpHandler):
             if type(x) is Permuted:
                 return fallback(self, nxt, op, inputs)
         return nxt.execute(op, inputs)
+
+    @property
+    def _gpu(self):
+        gpu = self._has_gpu
+        if gpu is None:
+            gpu = self._has_gpu = bool(tf.config.list_logical_devices("GPU"))
+        return gpu
 
     def _converts(self, op):
         if self.target != "auto":

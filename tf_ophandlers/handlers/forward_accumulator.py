@@ -32,6 +32,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
@@ -250,8 +251,12 @@ def _jvp_body(op_name, attr_tuple, inputs, outputs, tangents):
 # The accumulator's own cache of traced JVP functions (as forwardprop._jvp_dispatch, but
 # never sharing traces with tf.autodiff.ForwardAccumulator, and traced with the tapes
 # recording wherever the call happens). TensorFlow's function cache keys a trace by the
-# arguments (op name, attrs, input specs) and the calling context.
+# arguments (op name, attrs, input specs) and the calling context. Bounded (each new
+# input shape of an op is a new trace for its first 32 traces): emptied when full.
+_JVP_FUNCTIONS_MAX = 1024
 _jvp_function_cache = _function_cache.FunctionCache()
+register_external_cache("forward_accumulator.jvp_functions",
+                        lambda: (len(_jvp_function_cache), _JVP_FUNCTIONS_MAX))
 _jvp_exact = _tracing_compilation.TracingOptions(
     _jvp_body, name="oh_jvp_exact_shapes", reduce_retracing=False,
     function_cache=_jvp_function_cache)
@@ -284,6 +289,8 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
             # Traced once per op signature (exact shapes for the first 32 traces of an
             # op, as TensorFlow does, then relaxed shapes).
             traces = _tf_forwardprop._TRACE_COUNT.get(op.type, 0)  # pylint: disable=protected-access
+            if len(_jvp_function_cache) >= _JVP_FUNCTIONS_MAX:
+                _jvp_function_cache.clear()
             result = _tracing_compilation.call_function(
                 args, tracing_options=_jvp_exact if traces < 32 else _jvp_relaxed)
     except LookupError as e:

@@ -169,7 +169,8 @@ def render_md(results, info, elapsed):
          "- Eager model call, against eager oh.GradientTape: %s. 2x is %s. From batch 16 "
          "on the step's peak *is* the forward pass's: it cannot go below the eager "
          "inference peak, because Keras 3's functional `_run_through_graph` holds every "
-         "layer's output in its `tensor_dict` until the call returns (best possible: "
+         "layer's output in its `tensor_dict` until the call returns (oh.GradientTape's "
+         "peak over the eager inference peak, measured separately, bounds the ratio: "
          "%s)." % (
              ", ".join("batch %d %.2fx" % (b, r["tape"]["peak"] / r["recompute"]["peak"])
                        for b, r in results.items()),
@@ -187,6 +188,10 @@ def render_md(results, info, elapsed):
              ", ".join("batch %d %.2fx" % (b, r["tape"]["peak"]
                                           / r["called_recompute"]["peak"])
                        for b, r in results.items())),
+         "- In the called function the forward pass keeps little (the kept column), but "
+         "TensorFlow runs the rewrite's whole backward pass as one function call, whose "
+         "working memory (recomputed segments, activation gradients) is the rest of its "
+         "peak over the kept bytes and the weight gradients.",
          "- The backward pass ends holding every weight gradient plus one convolution "
          "backprop's scratch buffer (TensorFlow's CPU kernels allocate up to 30 MB each); "
          "a segment's gradient function chains its convolution backprops so only one runs "

@@ -204,6 +204,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="8,16,32")
     parser.add_argument("--out", default=_common.DEFAULT_MD)
+    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     info = _common.machine_info()
@@ -216,9 +217,9 @@ def main(argv=None):
             print("batch %d: %s" % (b, ", ".join(
                 "%s peak %.1f MB" % (k, r[k]["peak"] / 1e6) for k in KINDS)), flush=True)
     _common.measure_under_load(info, measure)
-    with open(os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                           "recompute_resnet.json"), "w") as f:
-        json.dump({"results": {str(b): r for b, r in results.items()}, "info": info}, f)
+    if args.json:  # the raw numbers, to render again without measuring
+        with open(args.json, "w") as f:
+            json.dump({"results": {str(b): r for b, r in results.items()}, "info": info}, f)
     body = render_md(results, info, time.perf_counter() - start)
     print(body)
     _common.write_section(args.out, "recompute-resnet", body)

@@ -26,7 +26,6 @@ Writes the `recompute-resnet` section of docs/benchmarks.md.
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow starts: peak bytes

@@ -27,6 +27,7 @@ section of docs/benchmarks.md and docs/recompute.png.
 
     python benchmarks/recompute.py              # the issue's size: 256 layers, batch 2048
     python benchmarks/recompute.py --quick      # 64 layers, batch 512 (smoke run)
+    python benchmarks/recompute.py --resnet     # ResNet50 at batch 8, 16, 32 only
 """
 import os
 import sys
@@ -482,6 +483,11 @@ def main(argv=None):
         argv.remove("--calls")
         main_calls(argv)
         return
+    if "--resnet" in argv:  # ResNet50 over batch sizes (recompute_resnet.py)
+        argv.remove("--resnet")
+        import recompute_resnet  # pylint: disable=import-outside-toplevel
+        recompute_resnet.main(argv)
+        return
     args = _common.parse_args(argv, __doc__, "recompute", (5, 2),
                               [("layers", "layers of the MLP", 256, 64),
                                ("batch", "batch size", 2048, 512)], what="steps")
@@ -523,6 +529,9 @@ def main(argv=None):
                           render_md(summary, summary_resnet, info, args, elapsed))
     print("wrote %s and %s (%.0f s)" % (args.out, png, elapsed))
     main_calls([a for a in argv if a != "--calls"])
+    if not args.quick:
+        import recompute_resnet  # pylint: disable=import-outside-toplevel
+        recompute_resnet.main(["--out", args.out])
 
 
 def render_md(summary, resnet, info, args, elapsed):

@@ -426,8 +426,12 @@ class GradientTape(BackwardPass, OpHandler):
             if len(output_gradients) != len(flat_targets):
                 raise ValueError("oh.GradientTape.gradient: got %d output_gradients for %d "
                                  "targets" % (len(output_gradients), len(flat_targets)))
+        # A non-persistent tape asked after its scope closed (the usual step) frees
+        # each record once its gradient ran (inside the scope a failed call may be
+        # retried, so the records stay until it succeeds).
         flat_grads = self._backprop(flat_targets, flat_sources, output_gradients,
-                                    flat_sources_raw, unconnected_gradients)
+                                    flat_sources_raw, unconnected_gradients,
+                                    release=not self._persistent and self._depth == 0)
         self._release_if_non_persistent()
         flat_sources_raw = [_tf_backprop._handle_or_self(s) for s in flat_sources_raw]  # pylint: disable=protected-access
         flat_grads = composite_tensor_gradient.replace_flat_tensors_for_gradients(

@@ -134,7 +134,12 @@ def short_repr(value):
 class BackwardPass:
     """The backward pass, `jacobian` and `batch_jacobian` of `oh.GradientTape`."""
 
-    def _backprop(self, targets, sources, output_gradients, sources_raw, unconnected):
+    def _backprop(self, targets, sources, output_gradients, sources_raw, unconnected,
+                  release=False):
+        """The gradients of `targets` with respect to `sources`. With `release` (a
+        non-persistent tape's single backward pass) each record is dropped once its
+        gradient function ran, as TensorFlow's tape erases its entries, so the values
+        it saved are freed during the backward pass instead of after it."""
         unconnected = UnconnectedGradients(unconnected)
         targets = [self._level_of(t) for t in targets]
         sources = [self._level_of(s) for s in sources]
@@ -174,8 +179,19 @@ class BackwardPass:
                     g = self._ones_like(t)
             grads.setdefault(_key(t), []).append(g)
 
-        for record in reversed(path):
-            self._run_backward(record, grads, live, source_ids)
+        if release:
+            # The tape's own maps hold every record and recorded tensor: emptied now
+            # (the tape cannot be used again), so `path` holds the records alone.
+            needed = producer = None
+            variables = self._variables
+            self._clear()
+            self._variables = variables
+            self._used = True
+            while path:
+                self._run_backward(path.pop(), grads, live, source_ids)
+        else:
+            for record in reversed(path):
+                self._run_backward(record, grads, live, source_ids)
 
         result = []
         for s, raw in zip(sources, sources_raw):

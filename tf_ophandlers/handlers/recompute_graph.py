@@ -51,7 +51,7 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.errors import HandlerError
-from tf_ophandlers.handlers.recompute_segments import Segment, split
+from tf_ophandlers.handlers.recompute_segments import Segment, serialize_heavy, split
 
 _local = threading.local()  # .window: the innermost open Window of this thread
 _OPAQUE = (tf.resource, tf.variant)
@@ -485,4 +485,7 @@ def recompute_gradient(nodes, externals, tracked, refs, grads, plain=()):
         results[j] = _copy(graph, op, ins)
     ys = [results[n][k] for (n, k), g in zip(refs, real) if g is not None]
     gys = [tf.convert_to_tensor(g) for g in real if g is not None]
-    return tf.gradients(ys, new_xs, grad_ys=gys)
+    start = len(graph.get_operations())
+    result = tf.gradients(ys, new_xs, grad_ys=gys)
+    serialize_heavy(graph.get_operations()[start:])  # one conv backprop at a time
+    return result

@@ -113,14 +113,14 @@ def stack_named(name):
 
 def _open(target):
     """Opens a scope for an OpHandler or a stack; returns its entry (for `_close`)."""
-    _handlers_of(target)  # a bad target raises before anything starts
+    handlers = _handlers_of(target)  # a bad target raises before anything starts
     _dispatch.initialize()  # the dispatcher device and runtime patches, on first use
     if not tf.executing_eagerly():
         return _open_traced(target)
     previous = state.current
     stack = previous
     opened = []
-    for h in _handlers_of(target):
+    for h in handlers:
         if not any(h is x for x in stack.handlers):
             stack = HandlerStack.merged(h, stack)
             _stacks_by_name[stack.name] = stack

@@ -49,6 +49,17 @@ _VECTOR_ARGS = frozenset(("input_sizes", "orig_input_shape", "ksize", "strides")
 _NO_LAYOUT_ARGS = frozenset(("filter", "filter_sizes"))
 # Ops whose "NCHW" means "channels at axis 1" at any rank (BiasAdd of a 5-D tensor).
 _ANY_RANK = frozenset(("BiasAdd", "BiasAddGrad"))
+_gpu_present = []  # [bool] once known (the context's devices never change after start)
+
+
+def _has_gpu():
+    """Whether the process has a logical GPU (asked once: a handler is often made per
+    step, and listing devices costs a context round trip)."""
+    if not _gpu_present:
+        _gpu_present.append(bool(tf.config.list_logical_devices("GPU")))
+    return _gpu_present[0]
+
+
 _TARGETS = {"auto": "auto", "channels_last": "channels_last", "nhwc": "channels_last",
             "ndhwc": "channels_last"}
 
@@ -189,7 +200,7 @@ class DataFormat(OpHandler):
         self.target = key
         # Whether the program has a GPU: asked at first use, since listing devices
         # initializes TensorFlow, and users configure devices after making handlers.
-        self._has_gpu = None if key == "auto" else False
+        self._gpu_known = None if key == "auto" else False
         self.fallbacks = collections.Counter()
         self.converted_ranks = set()  # ranks of the channels-first ops converted so far
         # Eagerly, the channels-last copies of the last few data inputs made for
@@ -267,9 +278,9 @@ class DataFormat(OpHandler):
 
     @property
     def _gpu(self):
-        gpu = self._has_gpu
+        gpu = self._gpu_known
         if gpu is None:
-            gpu = self._has_gpu = bool(tf.config.list_logical_devices("GPU"))
+            gpu = self._gpu_known = _has_gpu()
         return gpu
 
     def _converts(self, op):

@@ -123,13 +123,24 @@ def _call(stack, op, inputs, segment, bottom):
         inputs = [stack.copy_on(t) if stack.wants_copy(op, i) else t
                   for i, t in enumerate(inputs)]
     leaves = []
-    trees = tuple(split(t, segment, eager_leaf, leaves) for t in inputs)
-    key = (op.type, scope_placed, state.device, trees,
-           tuple(s.handler.function_cache_key() for s in segment),
-           tuple(type(s.handler) for s in segment), id(bottom) if bottom is not PHYSICAL else 0)
+    trees = []
+    for t in inputs:
+        # (Eager: `_C.payload` is the whole of `stack.payload`. A tensor with no payload,
+        # typically a variable's handle or the model's input, is a leaf without a frame.)
+        trees.append(split(t, segment, eager_leaf, leaves) if _C.payload(t) is not None
+                     else eager_leaf(t, leaves))
+    if len(segment) == 1:
+        handler = segment[0].handler
+        handlers = (handler.function_cache_key(), type(handler))
+    else:
+        handlers = (tuple(s.handler.function_cache_key() for s in segment),
+                    tuple(type(s.handler) for s in segment))
+    key = (op.type, scope_placed, state.device, tuple(trees), handlers,
+           id(bottom) if bottom is not PHYSICAL else 0)
     entry = _cache.get(key)
     if entry is None:
-        entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, trees, leaves)
+        entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, tuple(trees),
+                                     leaves)
     it = iter(entry.compiled.run(bottom, leaves))
     return [rebuild(t, segment, it) for t in entry.output_trees]
 

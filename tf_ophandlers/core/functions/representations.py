@@ -7,13 +7,15 @@ A *tree* describes one value: ``("leaf", ...)`` for a tensor of the bottom, or
 whose `function_input` gave `summary` and the parts described by `subtrees`.
 """
 from tensorflow.python.framework import dtypes as _dtypes
+from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.stack import payload
 
-_RESOURCE = _dtypes.resource
-_VARIANT = _dtypes.variant
+_RESOURCE = _dtypes.resource.as_datatype_enum
+_VARIANT = _dtypes.variant.as_datatype_enum
+_EagerTensor = _ops.EagerTensor
 
 
 def split(tensor, segment, leaf_key, comps):
@@ -53,12 +55,16 @@ def rebuild(tree, segment, comps):
     return stack.wrap(value)
 
 
-def eager_leaf(tensor):
-    """Cache-key part of a bottom tensor: what the replay's placeholder depends on."""
-    if not isinstance(tensor, _Tensor):
+def eager_leaf(tensor, comps=None):
+    """Cache-key part of a bottom tensor: what the replay's placeholder depends on (its
+    dtype, as TensorFlow's enum, and its shape). Appends `tensor` to `comps` if given."""
+    if type(tensor) is not _EagerTensor and not isinstance(tensor, _Tensor):
         raise errors.HandlerOutputError(
             "tf_ophandlers: function_input returned %r, which is not a tensor" % (tensor,))
-    dtype = tensor.dtype
+    if comps is not None:
+        comps.append(tensor)
+    dtype = (tensor._datatype_enum() if type(tensor) is _EagerTensor  # pylint: disable=protected-access
+             else tensor.dtype.as_datatype_enum)
     if dtype == _RESOURCE or dtype == _VARIANT:
         # The replay's placeholder takes its handle data (a variable's dtype and shape)
         # from the function's own argument, which TensorFlow traced for it.

@@ -1,0 +1,174 @@
+"""The replay cache never serves a stale function (issue 20): its key holds everything a
+replay depends on (the called function, the arguments' dtypes and shapes, the handlers'
+declarations and cache keys), and a fresh handler of a shared declaration per call still
+hits the one replay. Every result is compared with plain TensorFlow on the same inputs.
+"""
+import numpy as np
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from tf_ophandlers.core import functions as replay
+
+from conftest import assert_close
+
+
+class _Shared(oh.OpHandler):
+    """A pass-through handler whose replays are shared between instances."""
+
+    def function_cache_key(self):
+        return "shared"
+
+
+class _AddOne(_Shared):
+    """Same cache key value as _Shared, but its replay differs (Mul results plus one)."""
+
+    def execute(self, op, inputs):
+        outputs = self.next.execute(op, inputs)
+        if op.type == "Mul":
+            outputs = [tf.add(o, tf.ones_like(o)) for o in outputs]
+        return outputs
+
+
+class _AddStaticLength(_Shared):
+    """A replay that bakes the static length of Mul's input into the function."""
+
+    def execute(self, op, inputs):
+        outputs = self.next.execute(op, inputs)
+        if op.type == "Mul":
+            n = inputs[0].shape[0]
+            outputs = [o + tf.constant(-1.0 if n is None else float(n)) for o in outputs]
+        return outputs
+
+
+class _Scaled(oh.OpHandler):
+    """A replay that depends on the instance's `scale`, which its cache key includes."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def execute(self, op, inputs):
+        outputs = self.next.execute(op, inputs)
+        if op.type == "Sin":
+            outputs = [o * self.scale for o in outputs]
+        return outputs
+
+    def function_cache_key(self):
+        return ("_Scaled", self.scale)
+
+
+def test_same_function_different_dtypes_are_different_replays():
+    f = tf.function(lambda t: t * 3.0 + tf.ones_like(t))
+    for dtype in (tf.float32, tf.float64, tf.float16, tf.float32):
+        x = tf.constant([1.5, -2.0], dtype)
+        with _Shared():
+            got = f(x)
+        want = f(x)
+        assert got.dtype == want.dtype == dtype
+        assert_close(got, want, 1e-3)
+
+
+def test_one_concrete_function_for_several_shapes_replays_per_shape():
+    # With reduce_retracing TensorFlow calls one concrete function (shape [None]) for
+    # every length: the replay, which may specialize shapes, is keyed by the shape.
+    f = tf.function(lambda t: tf.cast(tf.shape(t)[0], tf.float32) * tf.reduce_sum(t),
+                    reduce_retracing=True)
+    for n in (2, 3, 4, 5, 3, 2):
+        x = tf.range(n, dtype=tf.float32)
+        with _Shared():
+            got = f(x)
+        assert_close(got, f(x))
+        assert_close(got, n * np.arange(n).sum())
+    g = tf.function(lambda t: t * 2.0, reduce_retracing=True)
+    for n in (2, 3, 4, 3, 2):
+        x = tf.range(n, dtype=tf.float32)
+        with _AddStaticLength():
+            got = g(x)
+        assert_close(got, g(x) + n)
+    x = tf.range(4, dtype=tf.float32)
+    before = replay.cache_info()
+    with _Shared():
+        f(x)  # seen before: no new replay
+    assert replay.cache_info() == before
+
+
+def test_same_python_function_different_captured_variables():
+    class Model(tf.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.w = tf.Variable(value)
+
+        @tf.function
+        def __call__(self, x):
+            return tf.sin(x) * self.w
+
+    models = [Model([1.0, 2.0]), Model([-3.0, 0.5]), Model(tf.constant([4.0, 5.0, 6.0]))]
+    x2, x3 = tf.constant([0.3, 0.7]), tf.constant([0.1, 0.2, 0.3])
+    for m in models + models:
+        x = x3 if m.w.shape[0] == 3 else x2
+        with _Shared():
+            got = m(x)
+        assert_close(got, m(x))
+    # A variable's new value is read at call time, not baked into the cached replay.
+    m = models[0]
+    with _Shared():
+        m(x2)
+    m.w.assign([10.0, 20.0])
+    with _Shared():
+        got = m(x2)
+    assert_close(got, np.sin([0.3, 0.7]) * [10.0, 20.0])
+
+
+def test_equal_cache_keys_of_different_handler_types_are_different_replays():
+    f = tf.function(lambda t: t * 2.0)
+    x = tf.constant([1.0, 2.0])
+    with _Shared():
+        plain = f(x)
+    with _AddOne():
+        added = f(x)
+    with _Shared():
+        plain_again = f(x)
+    assert_close(plain, [2.0, 4.0])
+    assert_close(added, [3.0, 5.0])
+    assert_close(plain_again, [2.0, 4.0])
+
+
+def test_instance_declarations_in_the_cache_key_give_their_own_replays():
+    f = tf.function(lambda t: tf.sin(t) + 1.0)
+    x = tf.constant([0.5, 1.5])
+    for scale in (2.0, 3.0, 2.0, -1.0):
+        with _Scaled(scale):
+            got = f(x)
+        assert_close(got, np.sin([0.5, 1.5]) * scale + 1.0, 1e-5)
+
+
+def test_fresh_handlers_per_call_share_one_replay_and_the_cache_is_bounded():
+    f = tf.function(lambda t: tf.nn.relu(t) * 2.0)
+    x = tf.constant([[-1.0, 2.0]])
+    with _Shared():
+        f(x)
+    with oh.DataFormat():
+        f(x)
+    before = replay.cache_info()
+    for _ in range(3):
+        with _Shared():
+            assert_close(f(x), [[0.0, 4.0]])
+        with oh.DataFormat():
+            assert_close(f(x), [[0.0, 4.0]])
+    assert replay.cache_info() == before
+    entries, maxsize = oh.caches()["functions.replays"]
+    assert entries == before and 0 < maxsize <= 4096
+
+
+def test_keras_model_replays_follow_the_batch_size():
+    # A partial last batch (another shape) gets its own replay, with the plain result.
+    keras = tf.keras
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras.layers.Dense(2)])
+    f = tf.function(lambda t: model(t), reduce_retracing=True)
+    rng = np.random.default_rng(0)
+    for n in (8, 8, 5, 8, 1):
+        x = tf.constant(rng.normal(size=(n, 3)), tf.float32)
+        with _Shared():
+            got = f(x)
+        assert got.shape == (n, 2)
+        assert_close(got, model(x), 1e-5)

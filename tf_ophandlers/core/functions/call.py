@@ -150,14 +150,17 @@ def call_on(bottom, function, args):
         state.current = saved
 
 
-_VARIABLE_OPS = ("ReadVariableOp", "ResourceGather", "AssignVariableOp", "AssignAddVariableOp",
-                 "AssignSubVariableOp", "ResourceScatter", "ResourceApply", "ResourceSparseApply")
+# Ops that read or update a variable in place (never change its shape, unlike an
+# assignment with validate_shape=False: its variable's current shape may not be the one
+# the function gives it).
+_VARIABLE_OPS = ("ReadVariableOp", "ResourceGather", "ResourceScatter", "ResourceApply",
+                 "ResourceSparseApply")
 
 
 def _variable_dtype(node):
-    """The dtype of the variable(s) a variable op `node` reads or writes (reads and
-    assignments: `dtype`; optimizer kernels, whose resource inputs are the variable and
-    its slots: `T`), or None for other ops."""
+    """The dtype of the variable(s) a variable op `node` reads or updates (reads and
+    scatters: `dtype`; optimizer kernels, whose resource inputs are the variable and its
+    slots: `T`), or None for other ops."""
     if not node.type.startswith(_VARIABLE_OPS):
         return None
     for attr in ("dtype", "T"):

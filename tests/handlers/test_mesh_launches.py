@@ -156,6 +156,14 @@ def test_replayed_function_places_its_communication_and_copies_nothing(mesh):
     assert comm and all(n.device for n in comm), [(n.op, n.device) for n in comm]
     # Identities only at the function's outputs (none between devices).
     assert sum(n.op == "Identity" for n in nodes) <= 8
+    # Every device reads its own copy of a constant (the traced body's 0.1, slice bounds,
+    # a mean's divisor): no constant crosses devices (a Send/Recv pair each).
+    by_name = {n.name: n for n in nodes}
+    sources = [(by_name.get(i.split(":")[0]), n) for n in nodes for i in n.input
+               if not i.startswith("^")]
+    crossing = [(s.name, n.name) for s, n in sources
+                if s is not None and s.op == "Const" and s.device != n.device]
+    assert not crossing, crossing
     assert not mesh.fallbacks
 
 

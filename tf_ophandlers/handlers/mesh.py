@@ -225,7 +225,7 @@ class Mesh(MeshCommunication, OpHandler):
             return MeshValue([below.copy_on(s) for s in value.shards], value.layout,
                              value.shape, value.var)
         shards = self.replicas(below, tensor)
-        shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
+        shape = tensor._shape_tuple() or ()  # pylint: disable=protected-access
         var = VarInfo(broadcast=True) if tensor.dtype is tf.resource else None
         return MeshValue(shards, (None,) * len(shape), shape, var)
 

@@ -48,7 +48,7 @@ _RESOURCE = tf.resource  # dtypes are interned: `is` compares them
 
 def raw_op(name, dtype, n=None):
     """The (cached) Op `name` for inputs of `dtype` (`n`: AddN's and ConcatV2's count)."""
-    key = (name, dtype, n)
+    key = (name, id(dtype), n)  # DTypes are interned; hashing one runs Python code
     op = _ops.get(key)
     if op is None:
         if name == "AddN":

@@ -126,8 +126,12 @@ def _contract(mesh, op, inputs, letters, out_letters):
     are relayouted to that assignment; letters summed over and sharded give partial sums
     that are all-reduced over their mesh dimensions. The plan is cached per (letters,
     layouts, shapes)."""
-    key = (tuple(letters), out_letters, tuple(v.layout for v in inputs),
-           tuple(v.shape for v in inputs))
+    if len(inputs) == 2:  # MatMul, BatchMatMul: no generator objects on the hot path
+        a, b = inputs
+        key = (tuple(letters), out_letters, a.layout, b.layout, a.shape, b.shape)
+    else:
+        key = (tuple(letters), out_letters) + tuple(v.layout for v in inputs) + tuple(
+            v.shape for v in inputs)
     plan = _plans.get(key, _MISSING)
     if plan is _MISSING:
         plan = _plans[key] = _contract_plan(mesh, inputs, letters, out_letters)
@@ -166,13 +170,17 @@ def _contract_plan(mesh, inputs, letters, out_letters):
             tuple(size[l] for l in out_letters))
 
 
+_MATMUL_LETTERS = {(ta, tb): ("ki" if ta else "ik", "jk" if tb else "kj")
+                   for ta in (False, True) for tb in (False, True)}
+
+
 def _matmul(mesh, op, inputs):
     a, b = inputs
     if len(a.shape) != 2 or len(b.shape) != 2:
         return None
-    la = "ki" if op.attrs.get("transpose_a") else "ik"
-    lb = "jk" if op.attrs.get("transpose_b") else "kj"
-    return _contract(mesh, op, inputs, [la, lb], "ij")
+    attrs = op.attrs
+    return _contract(mesh, op, inputs, _MATMUL_LETTERS[
+        bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))], "ij")
 
 
 def _batch_matmul(mesh, op, inputs):

@@ -156,6 +156,14 @@ def test_replayed_function_places_its_communication_and_copies_nothing(mesh):
     assert comm and all(n.device for n in comm), [(n.op, n.device) for n in comm]
     # Identities only at the function's outputs (none between devices).
     assert sum(n.op == "Identity" for n in nodes) <= 8
+    # Every device reads its own copy of a constant (the traced body's 0.1, slice bounds,
+    # a mean's divisor): no constant crosses devices (a Send/Recv pair each).
+    by_name = {n.name: n for n in nodes}
+    sources = [(by_name.get(i.split(":")[0]), n) for n in nodes for i in n.input
+               if not i.startswith("^")]
+    crossing = [(s.name, n.name) for s, n in sources
+                if s is not None and s.op == "Const" and s.device != n.device]
+    assert not crossing, crossing
     assert not mesh.fallbacks
 
 
@@ -224,3 +232,25 @@ def test_shared_shards_cross_a_replay_once_and_join_unshared_in_control_flow(mes
             assert mesh.layout_of(got) == ("batch", None)
         assert_close(got, want, 1e-6)
     assert not mesh.fallbacks
+
+
+def test_broadcasting_plans_are_cached_per_layouts_and_shapes(mesh, monkeypatch):
+    """An elementwise op with broadcasting (a bias add, a scalar scale) decides its
+    layouts once per (layouts, shapes) of its inputs; another op type reuses the plan."""
+    from tf_ophandlers.handlers import mesh_rules  # pylint: disable=import-outside-toplevel
+    plans = []
+    real = mesh_rules._broadcast_plan  # pylint: disable=protected-access
+    monkeypatch.setattr(mesh_rules, "_broadcast_plan",
+                        lambda inputs: plans.append(1) or real(inputs))
+    mesh_rules._broadcast_plans.clear()  # pylint: disable=protected-access
+    rng = np.random.default_rng(4)
+    x0, b0 = _values(rng, [4, 6], [6])
+    with mesh:
+        x, b = mesh.shard(x0, ("batch", None)), mesh.shard(b0, ("model",))
+        for _ in range(3):
+            y = x + b
+            z = x * b
+    assert_close(y, x0 + b0, 1e-6)
+    assert_close(z, x0 * b0, 1e-6)
+    assert mesh.layout_of(y) == ("batch", "model")
+    assert len(plans) == 1

@@ -152,3 +152,40 @@ def test_sparse_apply_errors_name_the_op(mesh):
         tf.raw_ops.ResourceSparseApplyAdagradV2(
             var=outside.handle, accum=accum2.handle, lr=0.1, epsilon=1e-7,
             grad=tf.ones([2, 4]), indices=tf.constant([1, 6]))
+
+
+@pytest.mark.parametrize("layout", [(None, "model"), ("batch", "model")])
+def test_proximal_adagrad_dense_kernel_replayed_matches_one_device(mesh, layout):
+    """ResourceApplyProximalAdagrad in a replayed step: its slot variable is only written
+    by the kernel (never read), so the replay's resource placeholder takes its dtype from
+    the kernel's `T` (TensorFlow's shape inference of the kernel needs the handle data)."""
+    rng = np.random.default_rng(2)
+    w0 = rng.normal(size=(6, 4)).astype("float32")
+    x0 = rng.normal(size=(4, 6)).astype("float32")
+
+    def make():
+        return tf.compat.v1.train.ProximalAdagradOptimizer(
+            0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01)
+
+    with mesh:
+        w = tf.Variable(mesh.shard(w0, layout))
+        opt = make()
+    ref, ref_opt = tf.Variable(w0), make()
+
+    def step(opt, w, x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(tf.matmul(x, w)))
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+        return loss
+
+    replayed = tf.function(step)
+    for i in range(3):
+        with mesh:
+            x = mesh.shard(x0, ("batch", None))
+            loss = step(opt, w, x) if i == 0 else replayed(opt, w, x)  # eager first: slots
+        assert_close(loss, step(ref_opt, ref, x0), 1e-5)
+        assert_close(w, ref, 1e-5)
+        assert_close(opt.get_slot(w, "accumulator"), ref_opt.get_slot(ref, "accumulator"), 1e-5)
+    assert mesh.layout_of(w) == layout
+    assert mesh.layout_of(opt.get_slot(w, "accumulator")) == layout
+    assert not mesh.fallbacks

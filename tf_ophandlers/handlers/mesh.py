@@ -40,7 +40,8 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
-from tf_ophandlers.handlers import mesh_comm, mesh_rules, mesh_rules_nn, mesh_variables
+from tf_ophandlers.handlers import (
+    mesh_checkpoint, mesh_comm, mesh_rules, mesh_rules_nn, mesh_variables)
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
@@ -183,6 +184,16 @@ class Mesh(MeshCommunication, OpHandler):
                 self._local.var_request = None
         return variable
 
+    def save_shards(self, prefix, variables):
+        """Writes each device's blocks of `variables` ({name: variable}) to its own
+        checkpoint file (`prefix-<i>-of-<n>`), with their layouts (`mesh_checkpoint.py`)."""
+        mesh_checkpoint.save_shards(self, prefix, variables)
+
+    def restore_shards(self, prefix, variables):
+        """Restores `save_shards` files into `variables`: per device onto the same mesh
+        and layout, else unsharded and resharded to each variable's layout."""
+        mesh_checkpoint.restore_shards(self, prefix, variables)
+
     # -- helpers for the rules (mesh_rules.py) ------------------------------------------
 
     def dim_size(self, name):
@@ -225,7 +236,7 @@ class Mesh(MeshCommunication, OpHandler):
             return MeshValue([below.copy_on(s) for s in value.shards], value.layout,
                              value.shape, value.var)
         shards = self.replicas(below, tensor)
-        shape = tensor.shape.as_list() if tensor.shape.rank is not None else []
+        shape = tensor._shape_tuple() or ()  # pylint: disable=protected-access
         var = VarInfo(broadcast=True) if tensor.dtype is tf.resource else None
         return MeshValue(shards, (None,) * len(shape), shape, var)
 

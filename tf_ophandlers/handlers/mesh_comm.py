@@ -41,12 +41,14 @@ _COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",
 _ops = BoundedCache("mesh.ops", 256)  # (name, dtype, n) -> Op
 _constants = LRUCache("mesh.constants", 512)  # (bytes, dtype, shape) -> eager tensor
 _stateless_types = BoundedCache("mesh.stateless_op_types", 1024)  # op type -> bool
+# In a replay: (id of a device-less Const tensor, device) -> (it, its copy on the device).
+_placed_constants = LRUCache("mesh.placed_constants", 1024)
 _RESOURCE = tf.resource  # dtypes are interned: `is` compares them
 
 
 def raw_op(name, dtype, n=None):
     """The (cached) Op `name` for inputs of `dtype` (`n`: AddN's and ConcatV2's count)."""
-    key = (name, dtype, n)
+    key = (name, id(dtype), n)  # DTypes are interned; hashing one runs Python code
     op = _ops.get(key)
     if op is None:
         if name == "AddN":
@@ -79,6 +81,27 @@ def _of_this_context(tensor):
     if tf.executing_eagerly():
         return True
     return getattr(tensor, "graph", None) is tf.compat.v1.get_default_graph()
+
+
+def placed_constants(tensors, device):
+    """`tensors` (inputs of an op a replay emits on `device`) with each constant of the
+    function that has no device (a constant of the traced body, a `host_constant`)
+    replaced by its copy on `device`, made once per constant and device: else the
+    partitioned function sends the one constant to every device that reads it (a
+    Send/Recv pair per device, most of a replayed step's cross-device edges)."""
+    out = list(tensors)
+    for k, t in enumerate(out):
+        node = getattr(t, "op", None)
+        if node is None or node.type != "Const" or node.device:
+            continue
+        key = (id(t), device)
+        hit = _placed_constants.get(key)
+        if hit is None or hit[0] is not t:
+            with t.graph.as_default(), t.graph.device(device):
+                copy = tf.constant(tf.get_static_value(t), t.dtype)
+            hit = _placed_constants[key] = (t, copy)
+        out[k] = hit[1]
+    return out
 
 
 def host_memory_devices(devices):
@@ -128,11 +151,13 @@ class MeshCommunication:
             return list(zip(*outs)) if outs[0] else []
         saved = st.device
         outs = []
+        placing = st.mode is not None
         try:
             if args:
                 for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
                     st.device = device
-                    outs.append(below.execute(op, list(shards)))
+                    shards = placed_constants(shards, device) if placing else list(shards)
+                    outs.append(below.execute(op, shards))
             else:
                 for device in self.devices:
                     st.device = device
@@ -161,8 +186,10 @@ class MeshCommunication:
         if below is PHYSICAL and st.mode is None:
             return execute_physical(op, inputs, self.devices[device_index])
         saved = st.device
-        st.device = self.devices[device_index]
+        st.device = device = self.devices[device_index]
         try:
+            if st.mode is not None:
+                inputs = placed_constants(inputs, device)
             return below.execute(op, inputs)
         finally:
             st.device = saved

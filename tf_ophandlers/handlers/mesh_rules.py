@@ -22,6 +22,9 @@ from tf_ophandlers.core.cache import BoundedCache
 _plans = BoundedCache("mesh.contraction_plans", 4096)
 # Reduction plans, per (op type, input layout and shape, axes, keep_dims, dtype, mesh dims).
 _reduction_plans = BoundedCache("mesh.reduction_plans", 4096)
+# Elementwise broadcasting plans, per ((layout, shape) of each input): the op type and
+# attributes do not enter (every elementwise op broadcasts the same way).
+_broadcast_plans = BoundedCache("mesh.broadcast_plans", 4096)
 _MISSING = object()
 
 
@@ -96,6 +99,20 @@ def elementwise(mesh, op, inputs):
     if all(v.shape == first.shape and v.layout == first.layout for v in inputs[1:]) \
             and None not in first.shape:  # the common case: nothing to relayout
         return outputs(mesh.run(op, inputs), first.layout, first.shape)
+    key = tuple((v.layout, v.shape) for v in inputs)
+    plan = _broadcast_plans.get(key, _MISSING)
+    if plan is _MISSING:
+        plan = _broadcast_plans[key] = _broadcast_plan(inputs)
+    if plan is None:
+        return None
+    wants, target, shape = plan
+    args = [mesh.relayout_value(v, want) for v, want in zip(inputs, wants)]
+    return outputs(mesh.run(op, args), target, shape)
+
+
+def _broadcast_plan(inputs):
+    """(input layouts, output layout, output shape) of an elementwise op with numpy
+    broadcasting, or None (unknown or incompatible shapes)."""
     if any(None in v.shape for v in inputs):
         return None
     shape = _broadcast_shape([v.shape for v in inputs])
@@ -110,13 +127,12 @@ def elementwise(mesh, op, inputs):
             if m is not None and target[a] is None and m not in used and v.shape[i] == shape[a]:
                 target[a] = m
                 used.add(m)
-    args = []
+    wants = []
     for v in inputs:
         off = rank - len(v.shape)
-        want = tuple(target[off + i] if v.shape[i] == shape[off + i] else None
-                     for i in range(len(v.shape)))
-        args.append(mesh.relayout_value(v, want))
-    return outputs(mesh.run(op, args), target, shape)
+        wants.append(tuple(target[off + i] if v.shape[i] == shape[off + i] else None
+                           for i in range(len(v.shape))))
+    return wants, tuple(target), shape
 
 
 # -- contractions: MatMul, BatchMatMul, Einsum -----------------------------------------
@@ -126,8 +142,12 @@ def _contract(mesh, op, inputs, letters, out_letters):
     are relayouted to that assignment; letters summed over and sharded give partial sums
     that are all-reduced over their mesh dimensions. The plan is cached per (letters,
     layouts, shapes)."""
-    key = (tuple(letters), out_letters, tuple(v.layout for v in inputs),
-           tuple(v.shape for v in inputs))
+    if len(inputs) == 2:  # MatMul, BatchMatMul: no generator objects on the hot path
+        a, b = inputs
+        key = (tuple(letters), out_letters, a.layout, b.layout, a.shape, b.shape)
+    else:
+        key = (tuple(letters), out_letters) + tuple(v.layout for v in inputs) + tuple(
+            v.shape for v in inputs)
     plan = _plans.get(key, _MISSING)
     if plan is _MISSING:
         plan = _plans[key] = _contract_plan(mesh, inputs, letters, out_letters)
@@ -166,13 +186,17 @@ def _contract_plan(mesh, inputs, letters, out_letters):
             tuple(size[l] for l in out_letters))
 
 
+_MATMUL_LETTERS = {(ta, tb): ("ki" if ta else "ik", "jk" if tb else "kj")
+                   for ta in (False, True) for tb in (False, True)}
+
+
 def _matmul(mesh, op, inputs):
     a, b = inputs
     if len(a.shape) != 2 or len(b.shape) != 2:
         return None
-    la = "ki" if op.attrs.get("transpose_a") else "ik"
-    lb = "jk" if op.attrs.get("transpose_b") else "kj"
-    return _contract(mesh, op, inputs, [la, lb], "ij")
+    attrs = op.attrs
+    return _contract(mesh, op, inputs, _MATMUL_LETTERS[
+        bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))], "ij")
 
 
 def _batch_matmul(mesh, op, inputs):

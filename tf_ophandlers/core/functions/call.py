@@ -161,7 +161,25 @@ def call_on(bottom, function, args):
         state.current = saved
 
 
-_VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
+# Ops that read or update a variable in place (never change its shape, unlike an
+# assignment with validate_shape=False: its variable's current shape may not be the one
+# the function gives it).
+_VARIABLE_OPS = ("ReadVariableOp", "ResourceGather", "ResourceScatter", "ResourceApply",
+                 "ResourceSparseApply")
+
+
+def _variable_dtype(node):
+    """The dtype of the variable(s) a variable op `node` reads or updates (reads and
+    scatters: `dtype`; optimizer kernels, whose resource inputs are the variable and its
+    slots: `T`), or None for other ops."""
+    if not node.type.startswith(_VARIABLE_OPS):
+        return None
+    for attr in ("dtype", "T"):
+        try:
+            return node.get_attr(attr)
+        except ValueError:
+            pass
+    return None
 
 
 def _set_handle_data(placeholder, exterior, argument):
@@ -176,7 +194,7 @@ def _set_handle_data(placeholder, exterior, argument):
         return
     if argument.dtype != tf.resource:
         return
-    dtypes = {c.get_attr("dtype") for c in argument.consumers() if c.type in _VARIABLE_READS}
+    dtypes = {_variable_dtype(c) for c in argument.consumers()} - {None}
     if len(dtypes) != 1:
         return
     try:

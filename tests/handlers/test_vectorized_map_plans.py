@@ -195,3 +195,27 @@ def test_plan_cache_is_bounded_and_listed():
     size = len(plans)
     oh.vectorized_map(fn, _elems(10, 3))  # the same signatures: no new entry
     assert len(plans) == size
+
+
+def test_rules_with_unknown_per_example_rank_match_tensorflow():
+    """An op without a batching rule (a variable's ResourceGather) runs once per example
+    in a while loop whose output has an unknown rank when a called tf.function is
+    replayed: the rules after it that shift axes or permutations (transpose, concat,
+    pack, gather, expand_dims, squeeze, batch matmul) must fall back or use what is
+    known, not fail on the rank (fuzz finding: Transpose raised TypeError on None)."""
+    table = tf.Variable(tf.random.stateless_normal((6, 2, 2), seed=(5, 6)))
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+    def per_example(ids):
+        t = tf.gather(table, ids)[0]  # ResourceGather: no rule, a while loop
+        a = tf.transpose(t, [1, 0])
+        b = tf.concat([a, a], axis=-1)
+        c = tf.stack([b, b], axis=-1)
+        d = tf.gather(b, [1, 0], axis=-1)
+        e = tf.squeeze(tf.expand_dims(d, -1), -1)
+        f = tf.linalg.matmul(e, e, transpose_b=True)
+        return tf.reduce_sum(c) + f
+
+    for batch in (4, 1):  # a partial last batch
+        ids = tf.constant([[i % 6, (i + 2) % 6] for i in range(batch)], tf.int32)
+        assert_close(oh.vectorized_map(per_example, ids), tf.vectorized_map(per_example, ids))

@@ -189,8 +189,10 @@ def _matmul(handler, execute, op, inputs):
 
 
 def _batch_matmul(handler, execute, op, inputs):
-    rank = max(_rank(b) for b in inputs)
-    return batched(execute(op, _align(inputs, rank)))
+    ranks = [_rank(b) for b in inputs]
+    if None in ranks:  # unknown rank (a replay with unknown shapes): the generic path
+        return None
+    return batched(execute(op, _align(inputs, max(ranks))))
 
 
 def _shift_axes(axes, rank):
@@ -237,7 +239,8 @@ def _transpose(handler, execute, op, inputs):
     p = _static(perm.value)
     if not x.batched or perm.batched or p is None:
         return None
-    new = _constant([0] + [int(i) % _rank(x) + 1 for i in p], perm.value.dtype)
+    rank = len(p)  # the permutation's length is the per-example rank, known or not
+    new = _constant([0] + [int(i) % rank + 1 for i in p], perm.value.dtype)
     return batched(execute(op, [x.value, new]))
 
 
@@ -247,7 +250,11 @@ def _expand_dims(handler, execute, op, inputs):
     if not x.batched or axis.batched or a is None:
         return None
     a = int(a)
-    a = a if a >= 0 else a + _rank(x) + 1
+    if a < 0:
+        rank = _rank(x)
+        if rank is None:
+            return None
+        a += rank + 1
     new = _constant(a + 1, axis.value.dtype)
     return batched(execute(op, [x.value, new]))
 
@@ -256,6 +263,8 @@ def _squeeze(handler, execute, op, inputs):
     (x,) = inputs
     dims = op.attrs.get("squeeze_dims") or []
     rank = _rank(x)
+    if rank is None:
+        return None
     if not dims:
         shape = x.value.shape[1:]
         if not shape.is_fully_defined():
@@ -273,6 +282,8 @@ def _concat(handler, execute, op, inputs):
     if axis.batched or a is None:
         return None
     rank = _rank(next(b for b in values if b.batched))
+    if rank is None:
+        return None
     new_axis = _constant(int(a) % rank + 1, axis.value.dtype)
     vals = [broadcast_batch(b, handler.size) for b in values]
     return batched(execute(op, vals + [new_axis]))
@@ -281,6 +292,8 @@ def _concat(handler, execute, op, inputs):
 def _pack(handler, execute, op, inputs):
     rank = _rank(next(b for b in inputs if b.batched))
     axis = op.attrs["axis"]
+    if axis < 0 and rank is None:
+        return None
     new = _replace(op, axis=(axis if axis >= 0 else axis + rank + 1) + 1)
     return batched(execute(new, [broadcast_batch(b, handler.size) for b in inputs]))
 
@@ -338,7 +351,10 @@ def _gather(handler, execute, op, inputs):
     a = _static(axis.value)
     if axis.batched or a is None or op.attrs.get("batch_dims", 0) != 0:
         return None
-    a = int(a) % max(_rank(params), 1)
+    rank = _rank(params)
+    if rank is None:
+        return None
+    a = int(a) % max(rank, 1)
     if params.batched and not indices.batched:
         new_axis = _constant(a + 1, axis.value.dtype)
         return batched(execute(op, [params.value, indices.value, new_axis]))

@@ -1,5 +1,11 @@
 """Shared by the Recompute tests (test_recompute.py, test_recompute_gradients.py): a deep
-tanh MLP with its variables, and the gradient comparison against tf.GradientTape's."""
+tanh MLP with its variables, the gradient comparison against tf.GradientTape's, and a
+subprocess runner for BFC peak-memory measurements."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import tensorflow as tf
 
@@ -27,3 +33,17 @@ def assert_grads(expected, got):
         assert type(e) is type(g), (type(e), type(g))
         np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
                                    tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-7)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_bfc(code):
+    """Runs `code` in a fresh Python with TensorFlow's BFC CPU allocator (so peak memory
+    can be read from its stats) and returns its stdout; a failure shows its output."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout

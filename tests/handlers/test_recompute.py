@@ -1,10 +1,6 @@
 """oh.Recompute (gradient checkpointing) against tf.GradientTape: equal gradients on an MLP
 and Keras models, eager and in tf.function, stateful ops kept, a real drop of the peak
 memory measured with TensorFlow's BFC CPU allocator (in a subprocess), clear errors."""
-import os
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -23,7 +19,6 @@ def _fresh_rng():
     test alone): the module's generator starts afresh for each test."""
     global RNG  # pylint: disable=global-statement
     RNG = np.random.default_rng(0)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _mlp(layers=24, width=32):
@@ -204,13 +199,7 @@ def test_memory_budget_below_minimum_names_both():
                 fn(x)
 
 
-def _run(code):
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+_run = recompute_helpers.run_bfc
 
 
 def test_peak_memory_drops_on_a_deep_mlp():

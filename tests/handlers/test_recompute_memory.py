@@ -2,10 +2,6 @@
 oh.GradientTape frees each record once its gradient ran (as TensorFlow's tape erases its
 entries), and a segment's gradient function runs its convolution backprops one at a time
 (their CPU kernels each allocate a scratch buffer of up to 30 MB)."""
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -13,18 +9,12 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from tf_ophandlers.handlers import recompute_segments
+import recompute_helpers
 
 RNG = np.random.default_rng(0)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(code):
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+_run = recompute_helpers.run_bfc
 
 
 @pytest.mark.slow

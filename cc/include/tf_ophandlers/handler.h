@@ -38,7 +38,7 @@
      A version 3 library checks `api->abi_version >= 3` (or `api->struct_size`) before
      calling a version 3 runtime function; the runtime accepts types of versions 1 to 3.
 
-   A handler's *representation* of a tensor (ABI versions 1 and 2) is a tensor of the next
+   A handler's *representation* of a tensor (ABI versions 1 to 3) is a tensor of the next
    stack: the runtime keeps it in the handler tensor it creates for each output. The
    handler sees it as a TFOH_Tensor.
 
@@ -59,7 +59,7 @@
      tensors a runtime function returns are new references the handler owns; tensors a
      hook returns are new references the runtime takes. A handler releases a reference
      with `api->tensor_unref` and must not keep a TFOH_Tensor beyond the hook call that
-     received or created it (ABI versions 1 and 2).
+     received or created it (ABI versions 1 to 3).
 */
 #ifndef TF_OPHANDLERS_HANDLER_H_
 #define TF_OPHANDLERS_HANDLER_H_
@@ -101,7 +101,9 @@ struct TFE_OpAttrs;
 #endif
 
 // An op a handler is asked to execute: type, attributes, requested device, expected
-// output count. Borrowed; valid during the hook call only.
+// output count. Borrowed; valid during the hook call only. (ABI version 3: an op the
+// handler built with `op_new` is the handler's until `op_delete`; its output count is -1
+// until execute_next reads it from the OpDef.)
 typedef struct TFOH_Op TFOH_Op;
 // A tensor as a handler sees it (a tensor of the next stack, or of the handler's own
 // stack for a hook's inputs once unwrapped). Reference counted; see Ownership above.
@@ -147,12 +149,12 @@ typedef struct TFOH_RuntimeApi {
   void (*tensor_unref)(TFOH_Tensor* t);
 
   // ---- execution ----
-  // Executes `op` on the next stack (the stack below the handler whose hook got `ctx`)
-  // with `inputs` (tensors of the next stack: a hook's inputs, or results of earlier
-  // execute_next calls). `*num_outputs` is in: the capacity of `outputs`, out: the
-  // number written (new references). Fails with `status` set (an error of a handler
-  // below, or of the TensorFlow kernel). May block; releases the GIL while TensorFlow
-  // executes.
+  // Executes `op` (the hook's op, or one it built: ABI version 3) on the next stack (the
+  // stack below the handler whose hook got `ctx`) with `inputs` (tensors of the next
+  // stack: a hook's inputs, or results of earlier execute_next calls). `*num_outputs` is
+  // in: the capacity of `outputs`, out: the number written (new references). Fails
+  // with `status` set (an error of a handler below, or of the TensorFlow kernel). May
+  // block; releases the GIL while TensorFlow executes.
   void (*execute_next)(TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
                        TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
                        TF_Status* status);
@@ -256,7 +258,7 @@ typedef struct TFOH_HandlerType {
   // Function replay (optional): a summary of how a representation crosses a function
   // boundary, written to `out` (part of the replay cache key; NULL hook: an empty
   // summary, which suits a tensor of the next stack; the representation itself is what
-  // crosses). Function replay is otherwise transparent to ABI version 1 and 2 handlers: their
+  // crosses). Function replay is otherwise transparent to ABI version 1 to 3 handlers: their
   // `execute` is called for each op of a replayed function, with symbolic tensors
   // (tensor_handle returns NULL) that they pass to execute_next.
   void (*function_input_summary)(void* state, const TFOH_Tensor* value, TF_Buffer* out,

@@ -12,6 +12,7 @@
 #include "tape_record.h"
 #include "handler_tensor.h"
 #include "native.h"
+#include "native_internal.h"  // _C.NativeValue (ABI 3 handler data)
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
@@ -378,7 +379,9 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C",
 
 PyMODINIT_FUNC PyInit__C(void) {
   using namespace tf_ophandlers;
-  if (!ReadyOpBaseType() || !ReadyNativeTypes()) return nullptr;
+  if (!ReadyOpBaseType() || !ReadyNativeTypes() || !native_internal::ReadyNativeValueType()) {
+    return nullptr;
+  }
   PyObject* m = PyModule_Create(&kModule);
   if (m == nullptr) return nullptr;
   if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
@@ -386,6 +389,9 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (PyModule_AddFunctions(m, kTapeModuleMethods) < 0) return nullptr;
   Py_INCREF(&NativeHandlerBaseType);
   PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
+  Py_INCREF(&native_internal::NativeValueType);
+  PyModule_AddObject(m, "NativeValue",
+                     reinterpret_cast<PyObject*>(&native_internal::NativeValueType));
   Py_INCREF(&OpBaseType);
   PyModule_AddObject(m, "OpBase", reinterpret_cast<PyObject*>(&OpBaseType));
   return m;

@@ -67,6 +67,11 @@ TFOH_Tensor* TensorFromHandle(TFE_TensorHandle* owned) {
 TFOH_Tensor* TensorFromPy(PyObject* py) {
   auto* t = AllocTensor();
   t->refs.store(1, std::memory_order_relaxed);
+  if (Py_TYPE(py) == &NativeValueType) {  // ABI 3: the tensor it carries, and its data
+    Py_INCREF(py);
+    t->wrapper = py;
+    py = reinterpret_cast<NativeValueObject*>(py)->tensor;
+  }
   Py_INCREF(py);
   t->py = py;
   t->h = EagerTensor_CheckExact(py) ? EagerTensor_Handle(py) : nullptr;
@@ -76,6 +81,8 @@ TFOH_Tensor* TensorFromPy(PyObject* py) {
 void Unref(TFOH_Tensor* t) {
   if (t == nullptr) return;
   if (t->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  Py_CLEAR(t->wrapper);
+  if (t->has_data && t->del != nullptr) t->del(t->data);  // never became a NativeValue
   if (t->py != nullptr) {
     Py_DECREF(t->py);  // GIL held: hooks run with it (handler.h)
   } else if (t->h != nullptr) {
@@ -86,12 +93,40 @@ void Unref(TFOH_Tensor* t) {
 
 // A new Python object for `t` (its own, or a new EagerTensor sharing its handle), or
 // null with a Python exception set. GIL: held.
-PyObject* PyOf(TFOH_Tensor* t) {
+namespace {
+
+// The tensor's own Python object (no handler data). GIL: held.
+PyObject* PlainPyOf(TFOH_Tensor* t) {
   if (t->py != nullptr) {
     Py_INCREF(t->py);
     return t->py;
   }
   return EagerTensorSharing(t->h);
+}
+
+// `inner` (a new reference, or null) as the tensor's NativeValue when it carries handler
+// data; the data moves into the value, which the tensor keeps. GIL: held.
+PyObject* WithData(TFOH_Tensor* t, PyObject* inner) {
+  if (inner == nullptr || !t->has_data) return inner;
+  PyObject* v = NewNativeValue(inner, t->data, t->del);  // owns the data even on failure
+  Py_DECREF(inner);
+  t->has_data = false;
+  t->data = nullptr;
+  t->del = nullptr;
+  if (v == nullptr) return nullptr;
+  Py_INCREF(v);
+  t->wrapper = v;
+  return v;
+}
+
+}  // namespace
+
+PyObject* PyOf(TFOH_Tensor* t) {
+  if (!t->has_data && t->wrapper != nullptr) {
+    Py_INCREF(t->wrapper);
+    return t->wrapper;
+  }
+  return WithData(t, PlainPyOf(t));
 }
 
 PyObject* EagerTensorSharing(TFE_TensorHandle* h) {
@@ -115,7 +150,7 @@ PyObject* PyOfLast(TFOH_Tensor* t) {
     if (r == nullptr) return nullptr;
     Py_INCREF(r);
     t->py = r;
-    return r;
+    return WithData(t, r);
   }
   return PyOf(t);
 }
@@ -191,7 +226,7 @@ void ExecuteThroughPython(TFOH_Context* ctx, const TFOH_Op* op, int n_in,
   PyObject* saved = nullptr;
   if (inputs == nullptr) goto done;
   for (int i = 0; i < n_in; ++i) {
-    PyObject* o = PyOf(in[i]);
+    PyObject* o = PlainPyOf(in[i]);  // the tensor of the next stack, not handler data
     if (o == nullptr) goto done;
     PyList_SET_ITEM(inputs, i, o);
   }
@@ -376,7 +411,8 @@ bool WrapNativeOutputs(PyObject* stack, NativeHandlerObject* self, PyObject* nex
     }
     if (leaves && t->h != nullptr) {
       result = TFE_TensorHandleCopySharingTensor(t->h, status);
-    } else if (!shape_hooks && t->py == nullptr && t->h != nullptr) {
+    } else if (!shape_hooks && t->py == nullptr && t->h != nullptr && !t->has_data &&
+               t->wrapper == nullptr) {
       // A handle without a Python object (the common case: execute_next's output): the
       // handler tensor takes it as it is (NewHandlerTensorHandleFromHandle), no
       // EagerTensor is made unless Python asks for the value.

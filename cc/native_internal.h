@@ -28,6 +28,13 @@ struct TFOH_Tensor {
   std::atomic<int> refs;
   TFE_TensorHandle* h;  // owned iff py == nullptr; null for a symbolic tensor
   PyObject* py;         // owned; may be null (a tensor the C path made)
+  // ABI 3 handler data: `wrapper` (owned, may be null) is the _C.NativeValue this tensor
+  // was read from or became (PyOf); `data`/`del` (owned while has_data) were set by
+  // tensor_set_data and move into the NativeValue PyOf makes.
+  PyObject* wrapper = nullptr;
+  void* data = nullptr;
+  void (*del)(void*) = nullptr;
+  bool has_data = false;
 };
 
 struct TFOH_Op {
@@ -116,6 +123,28 @@ bool InternOnce(PyObject** slot, const char* text);
 // with a RuntimeError (TensorFlow's message) set. Used wherever C hands a tensor it
 // borrows to Python: the fast path's hook inputs, PyOf. GIL: held.
 PyObject* EagerTensorSharing(TFE_TensorHandle* h);
+
+// ---- handler data (native_value.cc) ----------------------------------------------------
+
+// A _C.NativeValue: a C/C++ handler's representation carrying data of its own.
+struct NativeValueObject {
+  PyObject_HEAD
+  PyObject* tensor;  // the tensor of the next stack; owned
+  void* data;        // the handler's; `del(data)` on dealloc (GIL held)
+  void (*del)(void*);
+};
+extern PyTypeObject NativeValueType;
+
+// Readies NativeValueType; false with a Python exception set. GIL: held.
+bool ReadyNativeValueType();
+
+// A new NativeValue of `tensor` (borrowed; the value takes a reference) owning `data`
+// (deleted with `del` even when this fails: null with a Python exception set). GIL: held.
+PyObject* NewNativeValue(PyObject* tensor, void* data, void (*del)(void*));
+
+// handler.h's tensor_set_data and tensor_data. GIL: held.
+void ApiTensorSetData(TFOH_Tensor* t, void* data, void (*del)(void*));
+void* ApiTensorData(const TFOH_Tensor* t);
 
 // ---- TFOH_Tensor (native_execute.cc) ------------------------------------------------------
 

@@ -178,7 +178,7 @@ const TFOH_RuntimeApi kApi = {
     ApiTensorDim,      ApiTensorHandle,         ApiTensorRef,    ApiTensorUnref,
     ApiExecuteNext,    ApiRegisterType,         ApiOpNew,        ApiOpDelete,
     ApiOpSetAttrType,  ApiOpSetAttrInt,         ApiOpSetAttrFloat, ApiOpSetAttrBool,
-    ApiOpSetAttrTensor,
+    ApiOpSetAttrTensor, ApiTensorSetData,       ApiTensorData,
 };
 
 namespace {
@@ -228,14 +228,15 @@ PyObject* PyLoadHandlerLibrary(PyObject*, PyObject* args) {
     PyObject* cap = PyCapsule_New(rec, "tf_ophandlers.type", nullptr);
     const TFOH_HandlerType& k = rec->hooks;
     PyObject* hooks = Py_BuildValue(
-        "{sOsOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
+        "{sOsOsOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
         k.copy_off ? Py_True : Py_False, "num_dims", k.num_dims ? Py_True : Py_False, "dim",
         k.dim ? Py_True : Py_False, "debug_string", k.debug_string ? Py_True : Py_False,
         "tensor_debug_string", k.tensor_debug_string ? Py_True : Py_False, "query",
         k.query ? Py_True : Py_False, "function_input_summary",
         k.function_input_summary ? Py_True : Py_False, "static_value",
         k.static_value ? Py_True : Py_False, "function_cache_key",
-        k.function_cache_key ? Py_True : Py_False);
+        k.function_cache_key ? Py_True : Py_False, "function_output",
+        k.function_output ? Py_True : Py_False);
     PyObject* item = cap && hooks ? Py_BuildValue("(ssNN)", rec->name.c_str(), rec->doc.c_str(),
                                                   cap, hooks)
                                   : nullptr;

@@ -262,6 +262,36 @@ PyObject* NativeValueText(NativeHandlerObject* self, PyObject* args) {
   return r;
 }
 
+// _oh_function_output(summary, value) -> value (the function_output hook; ABI 3).
+PyObject* NativeFunctionOutput(NativeHandlerObject* self, PyObject* args) {
+  const char* summary;
+  Py_ssize_t length;
+  PyObject* value;
+  if (!PyArg_ParseTuple(args, "y#O", &summary, &length, &value)) return nullptr;
+  if (!CheckState(self)) return nullptr;
+  auto hook = self->type->hooks.function_output;
+  if (hook == nullptr) {
+    Py_INCREF(value);
+    return value;
+  }
+  TFOH_Tensor* in = TensorFromPy(value);
+  TF_Status* s = TF_NewStatus();
+  TFOH_Tensor* out = hook(self->state, summary, static_cast<size_t>(length), in, s);
+  PyObject* r = nullptr;
+  if (TF_GetCode(s) != TF_OK || out == nullptr) {
+    if (TF_GetCode(s) == TF_OK) TF_SetStatus(s, TF_INTERNAL, "returned NULL");
+    Unref(out);
+    PrefixStatus(self, "function_output", nullptr, s);
+    RaiseStatus(s);
+  } else {
+    r = PyOf(out);
+    Unref(out);
+  }
+  Unref(in);
+  TF_DeleteStatus(s);
+  return r;
+}
+
 // _oh_cache_key() -> bytes, or None when the type has no function_cache_key hook.
 PyObject* NativeCacheKey(NativeHandlerObject* self, PyObject*) {
   if (!CheckState(self)) return nullptr;
@@ -299,6 +329,8 @@ PyMethodDef kNativeMethods[] = {
      "_oh_value_text(kind, value) -> bytes or None."},
     {"_oh_static_value", reinterpret_cast<PyCFunction>(NativeStaticValue), METH_O,
      "_oh_static_value(value) -> EagerTensor, None or NotImplemented."},
+    {"_oh_function_output", reinterpret_cast<PyCFunction>(NativeFunctionOutput), METH_VARARGS,
+     "_oh_function_output(summary, value) -> value (the function_output hook)."},
     {"_oh_cache_key", reinterpret_cast<PyCFunction>(NativeCacheKey), METH_NOARGS,
      "_oh_cache_key() -> bytes or None (the function_cache_key hook)."},
     {"query", reinterpret_cast<PyCFunction>(NativeQuery), METH_VARARGS,

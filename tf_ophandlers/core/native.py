@@ -31,6 +31,12 @@ def _frame():
     return state.frames[-1]
 
 
+def _plain(value):
+    """The tensor of the next stack a representation is: a `_C.NativeValue` (a value with
+    handler data, ABI version 3 `tensor_set_data`) carries it as `.tensor`."""
+    return value.tensor if type(value) is _C.NativeValue else value
+
+
 class NativeHandler(OpHandler, _C.NativeHandlerBase):
     """Base of the classes `HandlerLibrary.handler_types()` returns.
 
@@ -71,8 +77,14 @@ class NativeHandler(OpHandler, _C.NativeHandlerBase):
     def tensor_debug_string(self, value):
         text = self._oh_value_text(0, value)
         if text is None:
-            return super().tensor_debug_string(value)
+            return super().tensor_debug_string(_plain(value))
         return text.decode("utf-8", "backslashreplace")
+
+    def copy_off(self, value, device):
+        return _plain(value)  # handler data does not leave the handler
+
+    def static_value(self, value):
+        return super().static_value(_plain(value))
 
 
 def _copy_on(self, tensor):
@@ -82,11 +94,16 @@ def _copy_on(self, tensor):
 
 def _copy_off(self, value, device):
     frame = _frame()
-    return self._oh_copy(1, frame, frame.next, value, device or "")
+    return _plain(self._oh_copy(1, frame, frame.next, value, device or ""))
 
 
 def _function_input(self, value):
-    return self._oh_value_text(1, value), [value]
+    return self._oh_value_text(1, value), [_plain(value)]
+
+
+def _function_output(self, summary, tensors):
+    (tensor,) = tensors
+    return self._oh_function_output(summary or b"", tensor)
 
 
 def _function_cache_key(self):
@@ -141,8 +158,10 @@ def _make_class(name, doc, capsule, hooks):
         namespace["copy_on"] = _copy_on
     if hooks.get("copy_off"):
         namespace["copy_off"] = _copy_off
-    if hooks.get("function_input_summary"):
+    if hooks.get("function_input_summary") or hooks.get("function_output"):
         namespace["function_input"] = _function_input
+    if hooks.get("function_output"):  # ABI version 3
+        namespace["function_output"] = _function_output
     if hooks.get("static_value"):  # ABI version 2
         namespace["static_value"] = _static_value
     if hooks.get("function_cache_key"):  # ABI version 3

@@ -28,19 +28,22 @@
    a library built against an older header (smaller struct_size) keeps working and a
    newer library checks `api->struct_size` before using a field added later. The runtime
    reads a type's fields up to the smaller of its struct_size and the size its
-   abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE for version 1): a field added in a later
+   abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE, _V2_SIZE): a field added in a later
    version is NULL for a type of an earlier version.
    - Version 1: the hooks up to `function_input_summary`.
    - Version 2: `static_value` (tf.get_static_value of a handler's tensors).
    - Version 3: building ops (TFOH_RuntimeApi `op_new` .. `op_set_attr_tensor`: a hook
      emits *other* ops on the next stack with `execute_next`, not only the op it got)
-     and the `function_cache_key` hook (a replay shared between handler instances).
+     and the `function_cache_key` hook (a replay shared between handler instances);
+     handler-defined tensor state (`tensor_set_data`, `tensor_data`) and the
+     `function_output` hook that rebuilds it after a function boundary.
      A version 3 library checks `api->abi_version >= 3` (or `api->struct_size`) before
      calling a version 3 runtime function; the runtime accepts types of versions 1 to 3.
 
-   A handler's *representation* of a tensor (ABI versions 1 and 2) is a tensor of the next
-   stack: the runtime keeps it in the handler tensor it creates for each output. The
-   handler sees it as a TFOH_Tensor.
+   A handler's *representation* of a tensor is a tensor of the next stack, plus (ABI
+   version 3) data of the handler's own attached with `tensor_set_data`: the runtime
+   keeps both in the handler tensor it creates for each output. The handler sees it as a
+   TFOH_Tensor (`tensor_data` reads the data).
 
    Contracts common to every function below (stated per function where they differ):
    - GIL: the runtime calls every hook of a TFOH_HandlerType on the thread that runs the
@@ -61,7 +64,7 @@
      tensors a runtime function returns are new references the handler owns; tensors a
      hook returns are new references the runtime takes. A handler releases a reference
      with `api->tensor_unref` and must not keep a TFOH_Tensor beyond the hook call that
-     received or created it (ABI versions 1 and 2).
+     received or created it (ABI versions 1 to 3).
 */
 #ifndef TF_OPHANDLERS_HANDLER_H_
 #define TF_OPHANDLERS_HANDLER_H_
@@ -103,7 +106,9 @@ struct TFE_OpAttrs;
 #endif
 
 // An op a handler is asked to execute: type, attributes, requested device, expected
-// output count. Borrowed; valid during the hook call only.
+// output count. Borrowed; valid during the hook call only. (ABI version 3: an op the
+// handler built with `op_new` is the handler's until `op_delete`; its output count is -1
+// until execute_next reads it from the OpDef.)
 typedef struct TFOH_Op TFOH_Op;
 // A tensor as a handler sees it (a tensor of the next stack, or of the handler's own
 // stack for a hook's inputs once unwrapped). Reference counted; see Ownership above.
@@ -149,12 +154,12 @@ typedef struct TFOH_RuntimeApi {
   void (*tensor_unref)(TFOH_Tensor* t);
 
   // ---- execution ----
-  // Executes `op` on the next stack (the stack below the handler whose hook got `ctx`)
-  // with `inputs` (tensors of the next stack: a hook's inputs, or results of earlier
-  // execute_next calls). `*num_outputs` is in: the capacity of `outputs`, out: the
-  // number written (new references). Fails with `status` set (an error of a handler
-  // below, or of the TensorFlow kernel). May block; releases the GIL while TensorFlow
-  // executes.
+  // Executes `op` (the hook's op, or one it built: ABI version 3) on the next stack (the
+  // stack below the handler whose hook got `ctx`) with `inputs` (tensors of the next
+  // stack: a hook's inputs, or results of earlier execute_next calls). `*num_outputs` is
+  // in: the capacity of `outputs`, out: the number written (new references). Fails
+  // with `status` set (an error of a handler below, or of the TensorFlow kernel). May
+  // block; releases the GIL while TensorFlow executes.
   void (*execute_next)(TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
                        TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
                        TF_Status* status);
@@ -193,6 +198,26 @@ typedef struct TFOH_RuntimeApi {
   // (with "dtype"): how a handler makes a constant on the next stack.
   void (*op_set_attr_tensor)(TFOH_Op* op, const char* name, TF_Tensor* value,
                              TF_Status* status);
+
+  // ---- ABI version 3: handler-defined tensor state ----
+  // A handler's representation of a tensor may carry data of its own (e.g. the scale of a
+  // quantized value, a per-tensor statistic). `tensor_set_data` attaches `data` to `t`, a
+  // tensor the hook is about to return as its output (execute, copy_on,
+  // function_output); the handler tensor made of it keeps the data, and whenever that
+  // tensor reaches a hook of the handler again (execute's inputs, copy_off, num_dims/dim,
+  // tensor_debug_string, function_input_summary, static_value) `tensor_data` returns it.
+  // The runtime owns `data` from the call on and calls `delete_data(data)` (may be NULL)
+  // exactly once when no tensor or value holds it any more: with the GIL held, on any
+  // thread, possibly after the handler state is gone (so it must not need the state).
+  // Setting data again replaces (and deletes) data set before on the same tensor.
+  // `tensor_data` returns NULL for a tensor without data (a tensor of the next stack, an
+  // execute_next result); the pointer is borrowed, valid while the handler holds `t`.
+  // Data does not leave the handler: a resource output (left on the next stack) and the
+  // value copy_off returns carry none. Across a function boundary (a replayed
+  // tf.function) the data crosses only through `function_input_summary` and
+  // `function_output`. Never fail, never block.
+  void (*tensor_set_data)(TFOH_Tensor* t, void* data, void (*delete_data)(void* data));
+  void* (*tensor_data)(const TFOH_Tensor* t);
 } TFOH_RuntimeApi;
 
 // A handler type: the hooks of RFC "Available hooks". Only `name`, `create`,
@@ -258,9 +283,10 @@ typedef struct TFOH_HandlerType {
   // Function replay (optional): a summary of how a representation crosses a function
   // boundary, written to `out` (part of the replay cache key; NULL hook: an empty
   // summary, which suits a tensor of the next stack; the representation itself is what
-  // crosses). Function replay is otherwise transparent to ABI version 1 and 2 handlers: their
-  // `execute` is called for each op of a replayed function, with symbolic tensors
-  // (tensor_handle returns NULL) that they pass to execute_next.
+  // crosses; its data, ABI version 3, only through this summary and `function_output`).
+  // Function replay is otherwise transparent to handlers: their `execute` is called for
+  // each op of a replayed function, with symbolic tensors (tensor_handle returns NULL)
+  // that they pass to execute_next.
   void (*function_input_summary)(void* state, const TFOH_Tensor* value, TF_Buffer* out,
                                  TF_Status* status);
 
@@ -290,6 +316,16 @@ typedef struct TFOH_HandlerType {
   // new handler replays again and its execute sees the function's ops). Must not block
   // or execute ops. On failure set `status` (the call raises).
   void (*function_cache_key)(void* state, TF_Buffer* out, TF_Status* status);
+
+  // FunctionOutput (optional): the representation rebuilt on the other side of a function
+  // boundary from the `summary` (`summary_length` bytes; what function_input_summary
+  // wrote for the value, empty without that hook) and `tensor` (the tensor of the next
+  // stack that crossed: symbolic inside a replay, the replayed call's result outside).
+  // Returns a new reference: typically `tensor` itself (api->tensor_ref) with its data
+  // set again from the summary (api->tensor_set_data). Must not execute ops. NULL hook:
+  // the tensor itself, without data. On failure set `status` (the call raises).
+  TFOH_Tensor* (*function_output)(void* state, const char* summary, size_t summary_length,
+                                  TFOH_Tensor* tensor, TF_Status* status);
 } TFOH_HandlerType;
 
 // sizeof(TFOH_HandlerType) of ABI version 1: what a version 1 type's struct_size is.

@@ -7,8 +7,9 @@
    Every payload has kind TFOH_PAYLOAD_PYTHON, also for handlers written in C/C++ against
    tf_ophandlers/handler.h: their handler is a Python object (a NativeHandler) and their
    representation an EagerTensor of the next stack, so `stack` and `value` are Python
-   objects for every handler. `kind` is the field a later ABI (handler-defined
-   representations) will extend, and code reading a payload must check it. Handler
+   objects for every handler (a C/C++ handler's representation with data of its own, ABI
+   version 3 `tensor_set_data`, is a `_C.NativeValue` holding the EagerTensor). `kind` is
+   the field a later layout would extend, and code reading a payload must check it. Handler
    libraries never see payloads: they get TFOH_Tensor handles (handler.h).
 
    Ownership: the dispatcher (cc/handler_tensor.cc, WrapHandlerTensor) allocates every

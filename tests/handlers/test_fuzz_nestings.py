@@ -197,3 +197,17 @@ def test_reported_nesting_around_a_called_function_matches_tensorflow_eagerly(in
 @pytest.mark.slow
 def test_more_autodiff_nestings_match_tensorflow():
     _check(_cases(60, SEED + 1), SEED + 1)
+
+
+@_QUIET
+@pytest.mark.parametrize("tape", ["GradientTape", "tf.GradientTape"])
+def test_tape_around_accumulator_around_a_called_function_gives_dense_gradients(tape):
+    # Fuzz finding (OH_FUZZ_SEED=7, slow test): TensorFlow densifies the tf.IndexedSlices
+    # gradients of a tf.function call whose arguments carry forward-mode tangents (V's
+    # gather here), so a tape around an accumulator around the call gets a dense
+    # gradient for V; ours gave tf.IndexedSlices (the replay passes tangents as tensors).
+    nesting = (tape, "ForwardAccumulator")
+    ref = _run(nesting, Case("function", 830), False)
+    got = _run(nesting, Case("function", 830), True)
+    assert not isinstance(ref[4], tf.IndexedSlices)  # TensorFlow's quirk this checks
+    _same(ref, got, " > ".join(nesting) + " around a called tf.function")

@@ -211,3 +211,17 @@ def test_tape_around_accumulator_around_a_called_function_gives_dense_gradients(
     got = _run(nesting, Case("function", 830), True)
     assert not isinstance(ref[4], tf.IndexedSlices)  # TensorFlow's quirk this checks
     _same(ref, got, " > ".join(nesting) + " around a called tf.function")
+
+
+@_QUIET
+def test_vectorized_map_around_recompute_around_hvp_matches_tensorflow():
+    # Fuzz finding (OH_FUZZ_SEED=7, slow test): oh.vectorized_map > oh.Recompute > an HVP
+    # (oh.ForwardAccumulator over oh.GradientTape). The accumulator's JVP function,
+    # traced inside the eager Recompute scope, got a Recompute window around its own
+    # tapes (HandlerError at their tape.gradient); then the tape's CopyOnGrad of W ran
+    # through Recompute's copy hooks and copied a per-example gradient off the map
+    # (CopyOffError) instead of running per example as without Recompute.
+    nesting = ("vectorized_map", "Recompute")
+    ref = _run(nesting, Case("hvp", 815), False)
+    got = _run(nesting, Case("hvp", 815), True)
+    _same(ref, got, "vectorized_map > Recompute around an HVP")

@@ -225,3 +225,18 @@ def test_vectorized_map_around_recompute_around_hvp_matches_tensorflow():
     ref = _run(nesting, Case("hvp", 815), False)
     got = _run(nesting, Case("hvp", 815), True)
     _same(ref, got, "vectorized_map > Recompute around an HVP")
+
+
+@_QUIET
+@pytest.mark.parametrize("tape", ["GradientTape", "tf.GradientTape"])
+def test_tape_inside_recompute_around_a_called_function_matches_tensorflow(tape):
+    # Fuzz finding (OH_FUZZ_SEED=7, slow test): a tape opened inside oh.Recompute around
+    # a called tf.function. Recompute ran the call's forward function as its rewrite
+    # (extra outputs: empty stand-ins), but that tape records the original call, whose
+    # backward function read the stand-ins (InvalidArgumentError, incompatible shapes
+    # [3,2] vs [0,0]). tf.GradientTape: TensorFlow stops its tapes for the call, so the
+    # tape set looked empty; oh.GradientTape: above the handler, it is not told.
+    nesting = ("Recompute", tape)
+    ref = _run(nesting, Case("function", 857), False)
+    got = _run(nesting, Case("function", 857), True)
+    _same(ref, got, " > ".join(nesting) + " around a called tf.function")

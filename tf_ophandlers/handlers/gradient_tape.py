@@ -477,7 +477,9 @@ def _record_operation(op_type, output_tensors, input_tensors, backward_function,
     # A call replayed by handlers: the tapes on its stack recorded the replayed function
     # (core/functions/call_records.py), not this record of the original one.
     replayed = replayed_call(op_type)
-    backward_for_tapes = densified(op_type, backward_function)
+    # Dense for a tape below an accumulator that replayed the call, as TensorFlow's; a
+    # tape above it records the original call as TensorFlow's eager nesting does.
+    backward_for_tapes = densified(op_type, backward_function, original=False)
     _original_record_operation[0](op_type, output_tensors, input_tensors, backward_function,
                                   forward_function)
     if not all(isinstance(t, _EagerTensor) for t in output_tensors):

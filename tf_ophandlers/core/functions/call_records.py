@@ -112,11 +112,12 @@ def _densify(gradient):
     return gradient
 
 
-def densified(op_type, backward_function):
+def densified(op_type, backward_function, original=True):
     """`backward_function` of a record of `op_type` being made, converting
     tf.IndexedSlices gradients to tensors if the record is of a call with tangents on
-    its arguments (as TensorFlow does for such calls)."""
-    noted = replayed_call(op_type)
+    its arguments (as TensorFlow does for such calls): the replayed call a tape below
+    the handlers records, and with `original` the original call (TensorFlow's tapes)."""
+    noted = replayed_call(op_type) if original else None
     if not (_local.dense or (noted is not None and noted.dense)):
         return backward_function
 

@@ -281,6 +281,14 @@ class OpHandler:
             "%s cannot convert %r to function summary %r (implement function_coerce)"
             % (self.debug_string(), value, summary))
 
+    def function_gradients_dense(self, summary):
+        """Whether the gradients of a replayed tf.function call with an argument of this
+        `summary` (from `function_input`) are dense: TensorFlow converts a call's
+        tf.IndexedSlices gradients to tensors when forward-mode tangents reach its
+        arguments (ConcreteFunction, ``input_tangents``), so the forward accumulator says
+        True for an argument with a tangent. The default is False."""
+        return False
+
     def function_cache_key(self):
         """What identifies this handler in the replay cache (with the inputs' summaries).
 

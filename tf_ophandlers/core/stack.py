@@ -60,10 +60,8 @@ def current_stack():
 
 
 def next_stack():
-    """The stack the running hook executes on (O(1); `self.next` inside a hook).
-
-    Ops a hook runs with ordinary TensorFlow calls are placed there too.
-    """
+    """The stack the running hook executes on (O(1); `self.next` inside a hook). Ops a
+    hook runs with ordinary TensorFlow calls are placed there too."""
     frames = state.frames
     if not frames:
         raise errors.HandlerError(
@@ -73,10 +71,8 @@ def next_stack():
 
 def payload(tensor):
     """``(stack, representation)`` of a handler tensor, or None for an ordinary tensor.
-
     Eager handler tensors carry their payload in C++; while a function is being replayed
-    (state.mode) a stack's tensors are symbolic tensors whose payload the mode knows.
-    """
+    (state.mode) a stack's tensors are symbolic tensors whose payload the mode knows."""
     p = _C.payload(tensor)
     if p is None and state.mode is not None:
         p = state.mode.payload(tensor)
@@ -100,8 +96,7 @@ def move_onto(handler, next_stack, tensor):
     is taken directly (its representation is moved, no copy off the handler). A
     representation that is not a tensor (a handler's own object, e.g. DataFormat's
     `Permuted`) moves as it crosses a function boundary: its `function_input` parts are
-    moved and `function_output` rebuilds it.
-    """
+    moved and `function_output` rebuilds it."""
     source = stack_of(tensor)
     if source is not None and source.handler is handler:
         value = source.unwrap(tensor)
@@ -155,8 +150,7 @@ class OffStack:
 
     For handler-specific ops whose results leave the handler, such as a parallel
     handler's unpack (its components are ordinary tensors). Only handlers with
-    ``returns_off_stack = True`` may return it.
-    """
+    ``returns_off_stack = True`` may return it."""
 
     __slots__ = ("tensor",)
 
@@ -446,10 +440,9 @@ class HandlerStack(Stack):
         if not self._runs_execute(op.type) and (
                 self._handles is None or all(isinstance(v, _Tensor) for v in values)):
             # A pass-through execute (or an op type outside the handler's handles_ops)
-            # runs no ops of its own: forward without a frame. (An input whose
-            # representation is not a tensor, a handler's own object, only the handler's
-            # execute can run: handles_ops does not forward it. The C++ path hands such
-            # ops here.)
+            # runs no ops of its own: forward without a frame. (An input whose representation
+            # is not a tensor, a handler's own object, only the handler's execute can run:
+            # handles_ops does not forward it. The C++ path hands such ops here.)
             # Ops that run *inside* the forwarded op (a tf.py_function's body) belong
             # below this stack, as they would with a frame.
             saved = state.current
@@ -570,7 +563,13 @@ class HandlerStack(Stack):
             t = self.copy_on(t)
         hook = self.handler.copy_off if op.type == "CopyOff" else self.handler.copy_on_grad
         value = self.call_hook(hook, self.unwrap(t), device)
-        return [self.next.copy_off(value, device)]
+        try:
+            return [self.next.copy_off(value, device)]
+        except errors.CopyOffError:  # kept below (per example): the next stack's copy op
+            below = getattr(self.next, "handler", None)
+            if getattr(below, "handles_copy", None) is None or not below.handles_copy(op):
+                raise
+            return self.next.execute(op, [value])
 
     def copy_on(self, tensor):
         p = payload(tensor)

@@ -528,6 +528,10 @@ class ForwardAccumulator(OpHandler):
     def function_coerce(self, value, summary):
         return Dual(value.primal, tf.zeros_like(value.primal)) if summary else value
 
+    def function_gradients_dense(self, summary):
+        # As TensorFlow's: tangents on a call's arguments make its gradients dense.
+        return bool(summary)
+
     def function_cache_key(self):
         # The replay depends only on the tangents' presence (the summaries) and on
         # whether the accumulator records: accumulators of later steps share it.

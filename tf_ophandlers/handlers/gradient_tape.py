@@ -38,7 +38,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.functions.call_records import replayed_call
+from tf_ophandlers.core.functions.call_records import densified, replayed_call
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import record_on_tf_tapes, recording
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
@@ -477,6 +477,9 @@ def _record_operation(op_type, output_tensors, input_tensors, backward_function,
     # A call replayed by handlers: the tapes on its stack recorded the replayed function
     # (core/functions/call_records.py), not this record of the original one.
     replayed = replayed_call(op_type)
+    # Dense for a tape below an accumulator that replayed the call, as TensorFlow's; a
+    # tape above it records the original call as TensorFlow's eager nesting does.
+    backward_for_tapes = densified(op_type, backward_function, original=False)
     _original_record_operation[0](op_type, output_tensors, input_tensors, backward_function,
                                   forward_function)
     if not all(isinstance(t, _EagerTensor) for t in output_tensors):
@@ -490,7 +493,7 @@ def _record_operation(op_type, output_tensors, input_tensors, backward_function,
             outputs = [tape._level_of(t) for t in output_tensors]  # pylint: disable=protected-access
             below = _scope_below(tape)
             _copy_on_reducing_stack(tape, below, inputs)
-            tape._record(op_type, None, backward_function, inputs, outputs,  # pylint: disable=protected-access
+            tape._record(op_type, None, backward_for_tapes, inputs, outputs,  # pylint: disable=protected-access
                          below, ())
 
 

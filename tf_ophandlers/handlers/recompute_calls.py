@@ -37,7 +37,9 @@ inputs where they are inputs).
 
 Not rewritten (the call is kept whole, as before): bodies with function-valued
 attributes (control flow, nested calls), intermediate values of resource or variant
-type, and calls under a `tf.GradientTape` or a forward accumulator (TensorFlow's or
+type, and calls under a `tf.GradientTape` (also one opened inside the scope), an
+`oh.GradientTape` opened inside the scope (both record the original call, whose backward
+function reads the forward function's values) or a forward accumulator (TensorFlow's or
 `oh.ForwardAccumulator`, whose JVP of the call reads the forward function's values).
 """
 import contextlib
@@ -56,6 +58,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.functions import CompiledCall, call_records, library
+from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.recompute_graph import recompute_gradient
 
 GRADIENT = "OhRecomputeSegment"
@@ -259,7 +262,20 @@ def _build_rewrite(name, handler):
 def applies(op):
     """Whether a call op under an eager scope may be rewritten now (a forward function
     TensorFlow runs for a recording tape, with no TensorFlow tape)."""
-    return call_records.is_forward_call(op.type) and pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+    if not call_records.is_forward_call(op.type):
+        return False
+    # TensorFlow stops its tapes for the call: a stopped tape set reads as empty, and
+    # a tf.GradientTape opened inside the scope would get the empty stand-ins.
+    with call_records.recording_restarted():
+        return pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+
+
+def _tape_above(handler):
+    """Whether an oh.GradientTape opened inside the scope (on a stack built on the
+    handler's) is recording the call: it records the original call, whose backward
+    function reads the forward function's extra outputs (not the rewrite)."""
+    return any(type(f.handler).__name__ == "GradientTape" and handler in f.handlers
+               for f in state.frames)
 
 
 def run(handler, op, tensors, stack):
@@ -269,6 +285,8 @@ def run(handler, op, tensors, stack):
     if any(type(h).__name__ == "ForwardAccumulator" for h in getattr(stack, "handlers", ())) \
             or forwardprop_util.pack_tangents(tensors).tangents:
         return None, 0  # a forward accumulator's JVP of the call: kept whole
+    if _tape_above(handler):
+        return None, 0
     key = (op.type, handler.policy, handler.save)
     rewrite = _rewrites.get(key)
     if rewrite is None:

@@ -51,6 +51,7 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.errors import HandlerError
+from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.recompute_segments import Segment, serialize_heavy, split
 
 _local = threading.local()  # .window: the innermost open Window of this thread
@@ -106,7 +107,10 @@ def eager_scope(handler):
 def _tape_enter(self):
     result = _previous["enter"](self)
     stack = getattr(_local, "eager", None)
-    if stack and getattr(_local, "window", None) is None and not tf.executing_eagerly():
+    # Not while a handler's hook runs: a function it traces (an oh.ForwardAccumulator's
+    # JVP function, whose tapes give gradients inside the trace) is not the program's step.
+    if (stack and not state.frames and getattr(_local, "window", None) is None
+            and not tf.executing_eagerly()):
         window = Window(stack[-1])
         window.__enter__()
         _tape_windows[id(self)] = window

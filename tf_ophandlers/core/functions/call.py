@@ -70,11 +70,13 @@ class CompiledCall:
 
 
 class _Entry:
-    __slots__ = ("compiled", "output_trees")
+    __slots__ = ("compiled", "output_trees", "dense")
 
-    def __init__(self, function, output_trees):
+    def __init__(self, function, output_trees, dense=False):
         self.compiled = CompiledCall(function)
         self.output_trees = output_trees
+        # Tangents reach the arguments: tapes get dense gradients (call_records.py).
+        self.dense = dense
 
 
 def cache_info():
@@ -105,15 +107,15 @@ def call(stack, op, inputs):
     # the bottom record the copies of the arguments and the replayed function itself,
     # TensorFlow's tapes the original call with its backward replayed on this stack.
     with call_records.recording_restarted() if bottom is not PHYSICAL else _no_context:
-        outputs = _call(stack, op, inputs, segment, bottom)
-    call_records.note_replayed_call(op.type, stack)
+        outputs, dense = _call(stack, op, inputs, segment, bottom, with_dense=True)
+    call_records.note_replayed_call(op.type, stack, dense)
     return outputs
 
 
 _no_context = contextlib.nullcontext()
 
 
-def _call(stack, op, inputs, segment, bottom):
+def _call(stack, op, inputs, segment, bottom, with_dense=False):
     scope_placed = state.scope_placed
     if scope_placed and not all(s.default_copy_on for s in segment):
         # As for any op placed by a scope, the arguments are copied onto the stack first
@@ -141,8 +143,14 @@ def _call(stack, op, inputs, segment, bottom):
     if entry is None:
         entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, tuple(trees),
                                      leaves)
-    it = iter(entry.compiled.run(bottom, leaves))
-    return [rebuild(t, segment, it) for t in entry.output_trees]
+    if bottom is PHYSICAL or not entry.dense:
+        results = entry.compiled.run(bottom, leaves)
+    else:  # a tape at the bottom records the replayed call: dense gradients
+        with call_records.dense_records(True):
+            results = entry.compiled.run(bottom, leaves)
+    it = iter(results)
+    outputs = [rebuild(t, segment, it) for t in entry.output_trees]
+    return (outputs, entry.dense) if with_dense else outputs
 
 
 def call_on(bottom, function, args):
@@ -240,7 +248,19 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
         state.current = bottom  # below the segment, ops are nodes of the function
         function = tf.function(replayed, input_signature=specs, autograph=False,
                                reduce_retracing=False).get_concrete_function()
-    return _Entry(function, tuple(output_trees))
+    dense = any(_gradients_dense(t, segment) for t in trees)
+    return _Entry(function, tuple(output_trees), dense)
+
+
+def _gradients_dense(tree, segment):
+    """Whether a handler of `segment` makes a call's gradients dense for an argument
+    of summary tree `tree` (`function_gradients_dense`)."""
+    if tree[0] == "leaf":
+        return False
+    level, summary, subtrees = tree
+    handler = segment[level].handler
+    return bool(handler.function_gradients_dense(summary)) or any(
+        _gradients_dense(t, segment) for t in subtrees)
 
 
 register_function_call_rule(call)

@@ -21,12 +21,21 @@ handler's physical tensors, and fragile for one that sees its logical tensors:
 
 A "runtime" patch of `record.record_operation` (registered in core/tf_patches.py) does
 the second; `call` notes each replayed forward call (`note_replayed_call`).
+
+Dense gradients: TensorFlow converts a call's tf.IndexedSlices gradients to tensors when
+forward-mode tangents reach its arguments (ConcreteFunction's ``input_tangents``). A
+replay under an `oh.ForwardAccumulator` passes tangents as plain tensors, so TensorFlow
+would not; `call` asks the segment's handlers (`function_gradients_dense`) and the
+records of both the original call and the replayed one (`dense_records`) get a
+backward function that densifies (`densified`, also used by the oh.GradientTape hooks).
 """
 import contextlib
 import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import indexed_slices as _indexed_slices
+from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
@@ -40,6 +49,7 @@ class _Local(threading.local):
         super().__init__()
         self.noted = None  # the last replayed forward call, until TensorFlow records it
         self.recording = None  # the call whose record is being made
+        self.dense = False  # records made now (a replayed call) get dense gradients
 
 
 _local = _Local()
@@ -49,11 +59,12 @@ class ReplayedCall:
     """A replayed forward call about to be recorded: its op type and the stack it ran
     on (whose tapes recorded the replayed function already)."""
 
-    __slots__ = ("op_type", "stack")
+    __slots__ = ("op_type", "stack", "dense")
 
-    def __init__(self, op_type, stack):
+    def __init__(self, op_type, stack, dense=False):
         self.op_type = op_type
         self.stack = stack
+        self.dense = dense  # its gradients are densified (tangents on its arguments)
 
     def recorded_by(self, handler):
         """Whether `handler` (a tape) is on the call's stack, so it recorded the replay."""
@@ -78,9 +89,44 @@ def recording_restarted():
             pywrap_tfe.TFE_Py_TapeSetStopOnThread()
 
 
-def note_replayed_call(op_type, stack):
+def note_replayed_call(op_type, stack, dense=False):
     """Called by `call` after a replayed forward call `op_type` ran on `stack`."""
-    _local.noted = ReplayedCall(op_type, stack)
+    _local.noted = ReplayedCall(op_type, stack, dense)
+
+
+@contextlib.contextmanager
+def dense_records(dense):
+    """While a replayed function runs on a tape's stack: whether the records made then
+    (of the replayed call) densify their gradients."""
+    saved = _local.dense
+    _local.dense = dense
+    try:
+        yield
+    finally:
+        _local.dense = saved
+
+
+def _densify(gradient):
+    if isinstance(gradient, _indexed_slices.IndexedSlices):
+        return _ops.convert_to_tensor(gradient)
+    return gradient
+
+
+def densified(op_type, backward_function, original=True):
+    """`backward_function` of a record of `op_type` being made, converting
+    tf.IndexedSlices gradients to tensors if the record is of a call with tangents on
+    its arguments (as TensorFlow does for such calls): the replayed call a tape below
+    the handlers records, and with `original` the original call (TensorFlow's tapes)."""
+    noted = replayed_call(op_type) if original else None
+    if not (_local.dense or (noted is not None and noted.dense)):
+        return backward_function
+
+    def backward(*args, **kwargs):
+        grads = backward_function(*args, **kwargs)
+        if isinstance(grads, (list, tuple)):
+            return [_densify(g) for g in grads]
+        return _densify(grads)
+    return backward
 
 
 def replayed_call(op_type):
@@ -110,6 +156,7 @@ _previous = [None]
 
 def _record_operation(op_type, output_tensors, input_tensors, backward_function,
                       forward_function=None):
+    backward_function = densified(op_type, backward_function)
     noted = _local.noted
     if noted is not None and noted.op_type == op_type:
         _local.noted = None

@@ -188,13 +188,6 @@ def _matmul(handler, execute, op, inputs):
     return batched(execute(bmm, [a.value, b.value]))
 
 
-def _batch_matmul(handler, execute, op, inputs):
-    ranks = [_rank(b) for b in inputs]
-    if None in ranks:  # unknown rank (a replay with unknown shapes): the generic path
-        return None
-    return batched(execute(op, _align(inputs, max(ranks))))
-
-
 def _shift_axes(axes, rank):
     axes = np.atleast_1d(axes).astype(np.int64)
     return [int(a) % rank + 1 for a in axes] if rank else []
@@ -419,7 +412,8 @@ RULES.update({name: _random for name in RANDOM})
 RULES.update({name: _reduction for name in (
     "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin")})
 RULES.update({
-    "MatMul": _matmul, "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    # BatchMatMul broadcasts its batch dims like numpy: aligning ranks is its whole rule.
+    "MatMul": _matmul, "BatchMatMulV2": _elementwise, "BatchMatMulV3": _elementwise,
     "Reshape": _reshape, "Transpose": _transpose, "ExpandDims": _expand_dims,
     "Squeeze": _squeeze, "ConcatV2": _concat, "Pack": _pack, "Shape": _shape,
     "Rank": _rank_op, "GatherV2": _gather, "Softmax": _last_axis, "LogSoftmax": _last_axis,
@@ -437,7 +431,7 @@ RULE = "rule"            # the op's rule (then pfor, then a loop)
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 # Rules that only align per-example ranks before running the op itself.
 _ALIGNING = frozenset(name for name, rule in RULES.items()
-                      if rule is _elementwise or rule is _batch_matmul)
+                      if rule is _elementwise)
 _SAME_SHAPE = frozenset(name for name, rule in RULES.items() if rule is _same_shape)
 
 

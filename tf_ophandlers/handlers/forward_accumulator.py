@@ -529,8 +529,9 @@ class ForwardAccumulator(OpHandler):
         return Dual(value.primal, tf.zeros_like(value.primal)) if summary else value
 
     def function_gradients_dense(self, summary):
-        # As TensorFlow's: tangents on a call's arguments make its gradients dense.
-        return bool(summary)
+        # As TensorFlow's: tangents on a call's arguments make its gradients dense (only
+        # while the accumulator records: a paused one passes no input_tangents).
+        return bool(summary) and self._live
 
     def function_cache_key(self):
         # The replay depends only on the tangents' presence (the summaries) and on

@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -ra tests
+	$(VPY) -m pytest -q -ra --durations=30 tests
 
 bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py

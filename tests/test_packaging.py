@@ -26,33 +26,16 @@ def test_other_tensorflow_version_is_refused_with_a_clear_message():
     assert "supports TensorFlow 2.21.x only" in proc.stderr and "2.20.1" in proc.stderr
 
 
-# Each benchmark script's smoke run: (script, extra options, strings its section contains).
-BENCHMARKS = [
-    ("overhead", [], ["ratio to plain"]),
-    ("gradient_tape", [], ["ratio to tf.GradientTape", "keras-mlp-step", "chain-100"]),
-    ("forward_accumulator", [], ["speedup (tf / this)", "add-per-op", "mlp-hvp", "chain-50"]),
-    ("vectorized_map", ["--rounds", "2"], ["time / oh", "per-example-grads", "forward-batch"]),
-    ("parallel", ["--rounds", "2"], ["ratio to ParallelDevice", "per-op", "mlp-step",
-                                     "MirroredStrategy"]),
-    ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
-    ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
-    ("recompute", ["--layers", "16", "--batch", "64"], ["memory vs oh tape",
-                                                        "tf.recompute_grad", "memory_budget"]),
-    ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
-                                      "vectorized_map", "issue (before)"]),
-    ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
-    ("lazy_chunks", ["--rounds", "2"], ["chunk_ops=32", "intra-op threads"]),
-]
+from benchmark_runs import BENCHMARKS, result as benchmark_result  # noqa: E402
 
 
 @pytest.mark.parametrize("name,options,expected", BENCHMARKS, ids=[b[0] for b in BENCHMARKS])
-def test_benchmark_quick_run(tmp_path, name, options, expected):
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / ("%s.py" % name)),
-                           "--quick", *options, "--out", str(out)], capture_output=True,
-                          text=True, timeout=600, env=ENV, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
+def test_benchmark_quick_run(name, options, expected):
+    # Run in the background from the end of collection (tests/benchmark_runs.py).
+    del options  # part of the id's parameters; benchmark_runs passes them
+    run = benchmark_result(name)
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = run.text
     assert "<!-- %s:begin -->" % name in text
     for s in expected:
         assert s in text, s

@@ -1,0 +1,94 @@
+"""Background runs of the benchmark scripts' `--quick` smoke runs (tests/test_packaging.py).
+
+Each run is a subprocess that mostly waits on TensorFlow kernels and imports, while the
+main pytest process is mostly single-threaded Python: started when collection finishes
+(conftest.py's `pytest_collection_finish`), one at a time at lower priority with one
+intra-op thread, they overlap with the rest of the suite instead of adding ~5 minutes
+at its end. A test waits for its own script's result.
+"""
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
+    [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+# Fewer threads: the smoke runs check that a script runs and writes its section, not its
+# figures, and they share the cores with the rest of the suite.
+ENV.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
+TIMEOUT = 600
+
+# Each benchmark script's smoke run: (script, extra options, strings its section contains).
+BENCHMARKS = [
+    ("overhead", [], ["ratio to plain"]),
+    ("gradient_tape", [], ["ratio to tf.GradientTape", "keras-mlp-step", "chain-100"]),
+    ("forward_accumulator", [], ["speedup (tf / this)", "add-per-op", "mlp-hvp", "chain-50"]),
+    ("vectorized_map", ["--rounds", "2"], ["time / oh", "per-example-grads", "forward-batch"]),
+    ("parallel", ["--rounds", "2"], ["ratio to ParallelDevice", "per-op", "mlp-step",
+                                     "MirroredStrategy"]),
+    ("functions", [], ["ratio to plain (this / plain)", "mlp-forward", "train-step", "small"]),
+    ("lazy", [], ["speedup (eager / this)", "chain-200", "rnn-cell", "build only"]),
+    ("recompute", ["--layers", "16", "--batch", "64"], ["memory vs oh tape",
+                                                        "tf.recompute_grad", "memory_budget"]),
+    ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
+                                      "vectorized_map", "issue (before)"]),
+    ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
+    ("lazy_chunks", ["--rounds", "2"], ["chunk_ops=32", "intra-op threads"]),
+]
+OPTIONS = {name: options for name, options, _ in BENCHMARKS}
+
+
+class _Run:
+    def __init__(self, name):
+        self.name = name
+        self.done = threading.Event()
+        self.returncode, self.stderr, self.text = None, "", ""
+
+
+_runs = {}
+_lock = threading.Lock()
+_outdir = None
+
+
+def _run_one(run):
+    out = pathlib.Path(_outdir) / ("%s.md" % run.name)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / ("%s.py" % run.name)), "--quick",
+           *OPTIONS[run.name], "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=ENV,
+                              cwd=ROOT, preexec_fn=lambda: os.nice(5))
+        run.returncode, run.stderr = proc.returncode, proc.stderr
+        run.text = out.read_text() if out.exists() else ""
+    except Exception as e:  # pylint: disable=broad-except
+        run.returncode, run.stderr = -1, "%s: %s" % (type(e).__name__, e)
+    finally:
+        run.done.set()
+
+
+def start(names):
+    """Starts the runs of `names` (benchmark script names) in one background thread."""
+    global _outdir  # pylint: disable=global-statement
+    with _lock:
+        names = [n for n in names if n in OPTIONS and n not in _runs]
+        if not names:
+            return
+        if _outdir is None:
+            _outdir = tempfile.mkdtemp(prefix="tfoh-bench-")
+        runs = [_runs.setdefault(n, _Run(n)) for n in names]
+
+    def worker():
+        for run in runs:
+            _run_one(run)
+    threading.Thread(target=worker, daemon=True, name="benchmark smoke runs").start()
+
+
+def result(name):
+    """Waits for `name`'s run (starting it now if collection did not) and returns it."""
+    start([name])
+    run = _runs[name]
+    # The runs before it in the queue may still be going: wait for all of them.
+    assert run.done.wait(TIMEOUT * len(_runs)), "%s: the smoke run did not finish" % name
+    return run

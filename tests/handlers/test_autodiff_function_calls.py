@@ -151,9 +151,13 @@ def test_keras_embedding_call_gradients_match_tensorflow():
 def test_tapes_around_a_replaying_handler_over_an_accumulator():
     """oh.ForwardAccumulator outermost, then an oh.GradientTape, oh.OpHandler and another
     oh.GradientTape: TensorFlow's nesting gives both tapes dense gradients; the outer
-    tape gets None and the inner one tf.IndexedSlices (found in this review, not fixed:
-    the outer tape, the bottom of OpHandler's replay, does not see the replayed
-    function's arguments as tracked, so TensorFlow runs it without recording)."""
+    tape gets None and the inner one tf.IndexedSlices (found in this review, not fixed).
+    Cause: the inner tape takes the call whole; TensorFlow runs its forward function
+    with recording stopped, and the arguments are copied onto the stacks below there
+    (inner tape -> OpHandler -> outer tape `copy_on`, before `call` restarts
+    recording), so the outer tape's CopyOn of its watched tensor is not recorded; the
+    replay's arguments are then untracked on the outer tape, TensorFlow runs the replay
+    without recording, and no dense nested call reaches the inner tape's record."""
     def run(Tape, Acc, below=contextlib.nullcontext):
         x, m = tf.constant(_X), tf.constant(_W)
         with Acc(x, tf.constant(_V)):

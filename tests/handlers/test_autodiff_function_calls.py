@@ -146,18 +146,17 @@ def test_keras_embedding_call_gradients_match_tensorflow():
                 tape, acc))
 
 
-@pytest.mark.xfail(strict=True, reason="known: a tape at the bottom of a replay under "
-                   "another tape does not track the replay's arguments (None)")
-def test_tapes_around_a_replaying_handler_over_an_accumulator():
+@pytest.mark.parametrize("below", [oh.OpHandler, oh.OpLogHandler])
+def test_tapes_around_a_replaying_handler_over_an_accumulator(below):
     """oh.ForwardAccumulator outermost, then an oh.GradientTape, oh.OpHandler and another
-    oh.GradientTape: TensorFlow's nesting gives both tapes dense gradients; the outer
-    tape gets None and the inner one tf.IndexedSlices (found in this review, not fixed).
-    Cause: the inner tape takes the call whole; TensorFlow runs its forward function
-    with recording stopped, and the arguments are copied onto the stacks below there
-    (inner tape -> OpHandler -> outer tape `copy_on`, before `call` restarts
-    recording), so the outer tape's CopyOn of its watched tensor is not recorded; the
-    replay's arguments are then untracked on the outer tape, TensorFlow runs the replay
-    without recording, and no dense nested call reaches the inner tape's record."""
+    oh.GradientTape: both tapes' gradients are dense, as TensorFlow's. Regressions: the
+    outer tape got None. The inner tape takes the call whole and TensorFlow runs its
+    forward function with recording stopped; the arguments are copied down the stacks
+    there (inner tape -> OpHandler -> outer tape `copy_on`), and the outer tape did not
+    record the copy of its watched tensor then, so the replay it is the bottom of ran
+    untracked. And the inner tape got tf.IndexedSlices: the replay OpHandler made has
+    no tangents itself, but the accumulator's replay inside its run had (a thread-wide
+    densify flag could not say so; call_records.ReplayRun.nested_dense does)."""
     def run(Tape, Acc, below=contextlib.nullcontext):
         x, m = tf.constant(_X), tf.constant(_W)
         with Acc(x, tf.constant(_V)):
@@ -170,4 +169,4 @@ def test_tapes_around_a_replaying_handler_over_an_accumulator():
         return [t1.gradient(y, m), t2.gradient(y, m)]
 
     want = run(tf.GradientTape, tf.autodiff.ForwardAccumulator)
-    _compare(run(oh.GradientTape, oh.ForwardAccumulator, oh.OpHandler), want, "oh nesting")
+    _compare(run(oh.GradientTape, oh.ForwardAccumulator, below), want, "oh nesting")

@@ -304,8 +304,10 @@ class GradientTape(BackwardPass, OpHandler):
         if (known is None and self._watcher is not None
                 and tensor._datatype_enum() == _RESOURCE and self._harvest_variables()):  # pylint: disable=protected-access
             known = self._tracked.get(_key(tensor))  # a variable handle read just now
-        if (known is not None and _key(value) != _key(tensor) and self._live
-                and not _tape_set_is_stopped()):
+        # (Recorded while TensorFlow stopped recording too: a call's arguments are
+        # copied down the stacks while its forward function runs, and a tape below may
+        # record the replay of the call on the copies.)
+        if known is not None and _key(value) != _key(tensor) and self._live:
             tensor = known
             op = Op.cached("CopyOn", T=value.dtype)
             self._record("CopyOn", op, None, [tensor], [value], below, ())

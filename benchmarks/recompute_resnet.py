@@ -35,6 +35,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
+from recompute import _resnet50  # noqa: E402  (the same seeded ResNet50 as recompute.py)
 
 SIZE = 64
 KINDS = ("tf", "tape", "recompute", "called", "called_recompute")
@@ -44,16 +45,6 @@ NAMES = {"tf": "tf.GradientTape", "tape": "oh.GradientTape",
          "called_recompute": "model in a called tf.function, + oh.Recompute()"}
 BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "called": "called",
             "called_recompute": "called"}
-
-
-def _resnet50(batch, size):
-    import keras  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                        classes=10)
-    x = tf.random.normal([batch, size, size, 3])
-    y = tf.constant(np.arange(batch) % 10)
-    return model, x, y, keras.losses.SparseCategoricalCrossentropy()
 
 
 def measure_batch(batch, size=SIZE):

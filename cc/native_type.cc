@@ -139,6 +139,26 @@ PyObject* NativeExecute(NativeHandlerObject* self, PyObject* args) {
   return result;
 }
 
+// The Python tensor a hook returning a tensor gave (`out`, its status `s`), or nullptr
+// with the hook's error raised (named `hook`; NULL without an error is an internal
+// error). Releases `in`, `out` and `s`.
+static PyObject* TensorResult(NativeHandlerObject* self, const char* hook, TFOH_Tensor* in,
+                              TFOH_Tensor* out, TF_Status* s) {
+  PyObject* r = nullptr;
+  if (TF_GetCode(s) != TF_OK || out == nullptr) {
+    if (TF_GetCode(s) == TF_OK) TF_SetStatus(s, TF_INTERNAL, "returned NULL");
+    Unref(out);
+    PrefixStatus(self, hook, nullptr, s);
+    RaiseStatus(s);
+  } else {
+    r = PyOf(out);
+    Unref(out);
+  }
+  Unref(in);
+  TF_DeleteStatus(s);
+  return r;
+}
+
 // _oh_copy(kind, stack, next_stack, value[, device]) -> value: kind 0 copy_on, 1 copy_off.
 PyObject* NativeCopy(NativeHandlerObject* self, PyObject* args) {
   int kind;
@@ -163,18 +183,7 @@ PyObject* NativeCopy(NativeHandlerObject* self, PyObject* args) {
   TFOH_Tensor* in = TensorFromPy(value);
   TF_Status* s = TF_NewStatus();
   TFOH_Tensor* out = kind == 0 ? on(self->state, &ctx, in, s) : off(self->state, &ctx, in, device, s);
-  PyObject* r = nullptr;
-  if (TF_GetCode(s) != TF_OK || out == nullptr) {
-    if (TF_GetCode(s) == TF_OK) TF_SetStatus(s, TF_INTERNAL, "returned NULL");
-    Unref(out);
-    PrefixStatus(self, kind == 0 ? "copy_on" : "copy_off", nullptr, s);
-    RaiseStatus(s);
-  } else {
-    r = PyOf(out);
-    Unref(out);
-  }
-  Unref(in);
-  TF_DeleteStatus(s);
+  PyObject* r = TensorResult(self, kind == 0 ? "copy_on" : "copy_off", in, out, s);
   Py_DECREF(mode);
   Py_DECREF(dev);
   return r;
@@ -277,19 +286,7 @@ PyObject* NativeFunctionOutput(NativeHandlerObject* self, PyObject* args) {
   TFOH_Tensor* in = TensorFromPy(value);
   TF_Status* s = TF_NewStatus();
   TFOH_Tensor* out = hook(self->state, summary, static_cast<size_t>(length), in, s);
-  PyObject* r = nullptr;
-  if (TF_GetCode(s) != TF_OK || out == nullptr) {
-    if (TF_GetCode(s) == TF_OK) TF_SetStatus(s, TF_INTERNAL, "returned NULL");
-    Unref(out);
-    PrefixStatus(self, "function_output", nullptr, s);
-    RaiseStatus(s);
-  } else {
-    r = PyOf(out);
-    Unref(out);
-  }
-  Unref(in);
-  TF_DeleteStatus(s);
-  return r;
+  return TensorResult(self, "function_output", in, out, s);
 }
 
 // _oh_cache_key() -> bytes, or None when the type has no function_cache_key hook.

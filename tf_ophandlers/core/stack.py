@@ -357,10 +357,8 @@ class HandlerStack(Stack):
 
     def _runs_execute(self, op_type):
         """Whether the handler's execute hook is called for ops of `op_type`."""
-        if self._default_execute:
-            return False
         handles = self._handles
-        return handles is None or bool(handles(op_type))
+        return not self._default_execute and (handles is None or bool(handles(op_type)))
 
     @staticmethod
     def merged(handler, next_stack):
@@ -523,20 +521,16 @@ class HandlerStack(Stack):
     def _below(self, other):
         """Whether `other` is a stack built on this one (this is in its `next` chain)."""
         s = other.next
-        while s is not None:
-            if s is self:
-                return True
+        while s is not None and s is not self:
             s = s.next
-        return False
+        return s is self
 
     def wants_copy(self, op, index):
         """Whether input `index` of `op` is copied onto this stack before execute."""
         needs_copy = self.handler.needs_copy
         if needs_copy is not None:
             return needs_copy(op, index)
-        if self._defer_copy:
-            return self.next.wants_copy(op, index)
-        return True
+        return self.next.wants_copy(op, index) if self._defer_copy else True
 
     def _copy_on_value(self, tensor):
         """The handler's representation of `tensor`, which lives elsewhere."""
@@ -565,9 +559,11 @@ class HandlerStack(Stack):
         value = self.call_hook(hook, self.unwrap(t), device)
         try:
             return [self.next.copy_off(value, device)]
-        except errors.CopyOffError:  # kept below (per example): the next stack's copy op
+        except errors.CopyOffError as e:  # kept below (per example): the next stack's copy op
+            # (its own refusal only: after a refusal further down its hook ran already)
             below = getattr(self.next, "handler", None)
-            if getattr(below, "handles_copy", None) is None or not below.handles_copy(op):
+            if getattr(e, "refused_by", None) is not self.next or getattr(
+                    below, "handles_copy", None) is None or not below.handles_copy(op):
                 raise
             return self.next.execute(op, [value])
 
@@ -589,7 +585,11 @@ class HandlerStack(Stack):
             # A representation that already left this stack (a handler returned it with
             # OffStack, e.g. a parallel unpack): copy it off from where it lives.
             return (source or PHYSICAL).copy_off(tensor, device)
-        value = self.call_hook(self.handler.copy_off, self.unwrap(tensor), device)
+        try:
+            value = self.call_hook(self.handler.copy_off, self.unwrap(tensor), device)
+        except errors.CopyOffError as e:  # this stack's refusal (see _execute_copy)
+            e.refused_by = getattr(e, "refused_by", None) or self
+            raise
         return self.next.copy_off(value, device)
 
     # -- presentation ---------------------------------------------------------------------

@@ -297,7 +297,10 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
         raise LookupError(
             "oh.ForwardAccumulator: op %s has no registered gradient, so no JVP (%s)"
             % (op.type, e)) from e
-    return list(result)
+    # A transposed gradient can be a tf.IndexedSlices (the JVP of UnsortedSegmentSum is
+    # a gather's gradient); tangents are tensors, as TensorFlow's C++ accumulator's.
+    return [tf.convert_to_tensor(r) if isinstance(r, tf.IndexedSlices) else r
+            for r in result]
 
 
 _UNSEEN_INPUT_WARNING = (

@@ -304,8 +304,10 @@ class GradientTape(BackwardPass, OpHandler):
         if (known is None and self._watcher is not None
                 and tensor._datatype_enum() == _RESOURCE and self._harvest_variables()):  # pylint: disable=protected-access
             known = self._tracked.get(_key(tensor))  # a variable handle read just now
-        if (known is not None and _key(value) != _key(tensor) and self._live
-                and not _tape_set_is_stopped()):
+        # (Recorded while TensorFlow stopped recording too: a call's arguments are
+        # copied down the stacks while its forward function runs, and a tape below may
+        # record the replay of the call on the copies.)
+        if known is not None and _key(value) != _key(tensor) and self._live:
             tensor = known
             op = Op.cached("CopyOn", T=value.dtype)
             self._record("CopyOn", op, None, [tensor], [value], below, ())
@@ -468,20 +470,39 @@ class GradientTape(BackwardPass, OpHandler):
 # scope, at each tape's level.
 
 _original_record_operation = [_record.record_operation]  # the one replaced at install
+_original_record_backprop_only = [_record.record_operation_backprop_only]
 _original_could_possibly_record = _record.could_possibly_record
 _original_possible_gradient_types = gradients_util.PossibleTapeGradientTypes
 
 
 def _record_operation(op_type, output_tensors, input_tensors, backward_function,
                       forward_function=None):
-    # A call replayed by handlers: the tapes on its stack recorded the replayed function
-    # (core/functions/call_records.py), not this record of the original one.
-    replayed = replayed_call(op_type)
-    # Dense for a tape below an accumulator that replayed the call, as TensorFlow's; a
-    # tape above it records the original call as TensorFlow's eager nesting does.
-    backward_for_tapes = densified(op_type, backward_function, original=False)
+    replayed, backward_for_tapes = _for_tapes(op_type, backward_function)
     _original_record_operation[0](op_type, output_tensors, input_tensors, backward_function,
                                   forward_function)
+    _record_on_tapes(op_type, output_tensors, input_tensors, backward_for_tapes, replayed)
+
+
+def _record_operation_backprop_only(op_type, output_tensors, input_tensors,
+                                    backward_function):
+    # TensorFlow's record of a call with tangents from a tf.autodiff.ForwardAccumulator
+    # on its arguments (ConcreteFunction; its backward function is already dense).
+    replayed, backward_for_tapes = _for_tapes(op_type, backward_function)
+    _original_record_backprop_only[0](op_type, output_tensors, input_tensors,
+                                      backward_function)
+    _record_on_tapes(op_type, output_tensors, input_tensors, backward_for_tapes, replayed)
+
+
+def _for_tapes(op_type, backward_function):
+    # A call replayed by handlers: the tapes on its stack recorded the replayed function
+    # (core/functions/call_records.py), not this record of the original one. Its
+    # gradients are dense if tangents of an oh.ForwardAccumulator reached its arguments
+    # (the replayed call, or the original one for a tape above the accumulator), as
+    # TensorFlow's for the same nesting.
+    return replayed_call(op_type), densified(op_type, backward_function)
+
+
+def _record_on_tapes(op_type, output_tensors, input_tensors, backward_for_tapes, replayed):
     if not all(isinstance(t, _EagerTensor) for t in output_tensors):
         return  # a record made while tracing a function: only TensorFlow's tapes use it
     for tape in _active_tapes():
@@ -554,13 +575,15 @@ def _maybe_tracked(tape, tensor, tracked):
 def _install_tape_hooks():
     _original_record_operation[0] = _record.record_operation  # other patches chain
     _record.record_operation = _record_operation
+    _original_record_backprop_only[0] = _record.record_operation_backprop_only
+    _record.record_operation_backprop_only = _record_operation_backprop_only
     _record.could_possibly_record = _could_possibly_record
     gradients_util.PossibleTapeGradientTypes = _possible_gradient_types
 
 
 tf_patches.register(
     "tape hooks", "tensorflow.python.eager.record.record_operation, "
-    "record.could_possibly_record, gradients_util.PossibleTapeGradientTypes",
+    "record.record_operation_backprop_only, record.could_possibly_record, gradients_util.PossibleTapeGradientTypes",
     "gradients recorded from Python (tf.custom_gradient, tf.recompute_grad, tf.function "
     "calls) go only to TensorFlow's tape set; these send them to the oh.GradientTapes of "
     "the current scope too. Installed when the first oh.GradientTape scope opens.",

@@ -143,14 +143,16 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
     if entry is None:
         entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, tuple(trees),
                                      leaves)
-    if bottom is PHYSICAL or not entry.dense:
+    dense = entry.dense
+    if bottom is PHYSICAL:
         results = entry.compiled.run(bottom, leaves)
-    else:  # a tape at the bottom records the replayed call: dense gradients
-        with call_records.dense_records(True):
+    else:  # a tape at the bottom records the replayed call: dense gradients if `dense`
+        with call_records.replay_run(dense) as run:
             results = entry.compiled.run(bottom, leaves)
+        dense = dense or run.nested_dense  # tangents from further down
     it = iter(results)
     outputs = [rebuild(t, segment, it) for t in entry.output_trees]
-    return (outputs, entry.dense) if with_dense else outputs
+    return (outputs, dense) if with_dense else outputs
 
 
 def call_on(bottom, function, args):

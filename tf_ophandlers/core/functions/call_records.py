@@ -26,8 +26,12 @@ Dense gradients: TensorFlow converts a call's tf.IndexedSlices gradients to tens
 forward-mode tangents reach its arguments (ConcreteFunction's ``input_tangents``). A
 replay under an `oh.ForwardAccumulator` passes tangents as plain tensors, so TensorFlow
 would not; `call` asks the segment's handlers (`function_gradients_dense`) and the
-records of both the original call and the replayed one (`dense_records`) get a
-backward function that densifies (`densified`, also used by the oh.GradientTape hooks).
+records of both the original call and the replayed one get a backward function that
+densifies (`densified`, also used by the oh.GradientTape hooks). The flag belongs to
+one replayed call (`ReplayRun`, around its run on a tape's stack): a call replayed
+inside that run (by handlers below the tape) has its own, and tells the enclosing run
+if its gradients are dense (tangents of an accumulator further down reached it, so they
+reached the enclosing call too).
 """
 import contextlib
 import threading
@@ -49,7 +53,7 @@ class _Local(threading.local):
         super().__init__()
         self.noted = None  # the last replayed forward call, until TensorFlow records it
         self.recording = None  # the call whose record is being made
-        self.dense = False  # records made now (a replayed call) get dense gradients
+        self.run = None  # the ReplayRun of the replayed call being run on a tape's stack
 
 
 _local = _Local()
@@ -92,18 +96,31 @@ def recording_restarted():
 def note_replayed_call(op_type, stack, dense=False):
     """Called by `call` after a replayed forward call `op_type` ran on `stack`."""
     _local.noted = ReplayedCall(op_type, stack, dense)
+    if dense and _local.run is not None:
+        _local.run.nested_dense = True  # the enclosing call's tangents reached this one
+
+
+class ReplayRun:
+    """One replayed call running on a tape's stack: whether the record of it that
+    TensorFlow makes then densifies its gradients (`dense`), and whether a call replayed
+    inside the run had dense gradients (`nested_dense`)."""
+
+    __slots__ = ("dense", "nested_dense")
+
+    def __init__(self, dense):
+        self.dense = dense
+        self.nested_dense = False
 
 
 @contextlib.contextmanager
-def dense_records(dense):
-    """While a replayed function runs on a tape's stack: whether the records made then
-    (of the replayed call) densify their gradients."""
-    saved = _local.dense
-    _local.dense = dense
+def replay_run(dense):
+    """Around the run of a replayed function on a tape's stack; yields its `ReplayRun`."""
+    saved = _local.run
+    run = _local.run = ReplayRun(dense)
     try:
-        yield
+        yield run
     finally:
-        _local.dense = saved
+        _local.run = saved
 
 
 def _densify(gradient):
@@ -118,7 +135,9 @@ def densified(op_type, backward_function, original=True):
     its arguments (as TensorFlow does for such calls): the replayed call a tape below
     the handlers records, and with `original` the original call (TensorFlow's tapes)."""
     noted = replayed_call(op_type) if original else None
-    if not (_local.dense or (noted is not None and noted.dense)):
+    run = _local.run  # (only TensorFlow's record of the call run, a forward function's)
+    if not ((run is not None and run.dense and is_forward_call(op_type))
+            or (noted is not None and noted.dense)):
         return backward_function
 
     def backward(*args, **kwargs):

@@ -135,8 +135,21 @@ def _cases(count, seed, depth3=0.4):
         nesting = rng.choice(triples) if rng.random() < depth3 else rng.choice(pairs)
         if _known_limitation(nesting):
             continue
-        cases.append((nesting, rng.choice(WORKLOADS)))
+        workload = rng.choice(WORKLOADS)
+        if _too_slow_in_tensorflow(nesting, workload):
+            continue
+        cases.append((nesting, workload))
     return cases
+
+
+def _too_slow_in_tensorflow(nesting, workload):
+    """A tape around two forward accumulators around a called tf.function: TensorFlow's
+    own nesting (the reference) ran for minutes and gigabytes without finishing (it
+    builds the call's forward and backward functions for each level, recursively:
+    concrete_function forward -> record -> backward function -> forward ...), beyond
+    this test's time. Was the first case of the default slow draw (OH_FUZZ_SEED=7)."""
+    return workload == "function" and nesting[0] in ("GradientTape", "tf.GradientTape") \
+        and nesting[1:] == ("ForwardAccumulator", "ForwardAccumulator")
 
 
 def _known_limitation(nesting):

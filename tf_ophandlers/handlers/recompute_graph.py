@@ -194,7 +194,8 @@ tf_patches.register(
     "gradient recomputes them); TensorFlow has no hook listing the records a traced op "
     "makes. GradientTape.gradient refuses sources whose uses a segment hides; a tape "
     "scope opened while tracing inside an eager oh.Recompute scope (Keras fit's train "
-    "step) opens a window, since the step's code has no Recompute scope of its own.",
+    "step; not a function a handler traces for its own use) opens a window, since the "
+    "step's code has no Recompute scope of its own.",
     "first-use", _install, None)
 # (also GradientTape.__enter__/__exit__: a function traced inside an eager oh.Recompute
 # scope, a Keras fit step, gets a window around each tape scope opened while tracing.)

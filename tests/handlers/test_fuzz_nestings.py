@@ -142,26 +142,33 @@ def _cases(count, seed, depth3=0.4):
         nesting = rng.choice(triples) if rng.random() < depth3 else rng.choice(pairs)
         if _known_limitation(nesting):
             continue
-        cases.append((nesting, rng.choice(WORKLOADS)))
+        workload = rng.choice(WORKLOADS)
+        if _too_slow_in_tensorflow(nesting, workload):
+            continue
+        cases.append((nesting, workload))
     return cases
 
 
+def _too_slow_in_tensorflow(nesting, workload):
+    """A tape around two forward accumulators around a called tf.function: TensorFlow's
+    own nesting (the reference) ran for minutes and gigabytes without finishing (it
+    builds the call's forward and backward functions for each level, recursively:
+    concrete_function forward -> record -> backward function -> forward ...), beyond
+    this test's time. Was the first case of the default slow draw (OH_FUZZ_SEED=7)."""
+    return workload == "function" and nesting[0] in ("GradientTape", "tf.GradientTape") \
+        and nesting[1:] == ("ForwardAccumulator", "ForwardAccumulator")
+
+
 def _known_limitation(nesting):
-    """Nestings left out of the random draw.
-    Not fixed: oh.Recompute around a tf.GradientTape around oh.vectorized_map around an
-    HVP raises HandlerError ("tape.gradient called inside an oh.Recompute scope of a
-    traced function"): vectorized_map traces the mapped function inside the eager
-    Recompute scope, the tapes opened while tracing get Recompute windows (the Keras-fit
-    rule of recompute_graph._tape_enter) and the HVP's tape.gradient runs inside one
-    (test_recompute_tape_vectorized_map_hvp_known_limitation, strict xfail).
-    Fixed, with regression tests below, but still left out so that the draw stays the
-    one checked (removing them draws the nesting above): oh.Recompute right inside
-    oh.ForwardAccumulator (HandlerError when the accumulator traced a JVP function inside
-    the eager scope) and a tf.GradientTape inside oh.Recompute around a called
-    tf.function (InvalidArgumentError: its backward read the rewrite's empty stand-ins)."""
-    pairs = list(zip(nesting, nesting[1:]))
-    return ("ForwardAccumulator", "Recompute") in pairs or (
-        "Recompute", "tf.GradientTape") in pairs
+    """Nestings left out of the random draw: none now. Fixed, with regression tests
+    below, and back in the draw: oh.Recompute right inside oh.ForwardAccumulator
+    (HandlerError when the accumulator traced a JVP function inside the eager scope), a
+    tf.GradientTape inside oh.Recompute around a called tf.function (InvalidArgumentError:
+    its backward read the rewrite's empty stand-ins) and oh.Recompute > tf.GradientTape >
+    oh.vectorized_map around an HVP (HandlerError: Recompute windows on the tapes of the
+    function vectorized_map traces)."""
+    del nesting
+    return False
 
 
 def _check(cases, seed):
@@ -275,18 +282,14 @@ def test_recompute_inside_accumulator_traces_jvp_functions_without_a_window():
 
 
 @_QUIET
-@pytest.mark.xfail(strict=True, raises=oh.HandlerError,
-                   reason="known limitation: Recompute windows on tapes opened while "
-                          "vectorized_map traces inside an eager Recompute scope")
-def test_recompute_tape_vectorized_map_hvp_known_limitation():
-    # Found when the draw included oh.Recompute > tf.GradientTape (OH_FUZZ_SEED=7).
+def test_recompute_tape_vectorized_map_hvp_matches_tensorflow():
+    # Fuzz finding (OH_FUZZ_SEED=7, when the draw included oh.Recompute >
+    # tf.GradientTape; was a known limitation): vectorized_map traces the mapped function
+    # (pfor's) inside the eager Recompute scope; the HVP's tapes opened while tracing got
+    # Recompute windows (the Keras fit rule) and its tape.gradient ran inside one
+    # (HandlerError). Now a function oh.vectorized_map traces for its own use gets no
+    # window, and a gradient inside a step's window makes the window's records first.
     nesting = ("Recompute", "tf.GradientTape", "vectorized_map")
     ref = _run(nesting, Case("hvp", 831), False)
-    try:
-        got = _run(nesting, Case("hvp", 831), True)
-    except Exception as e:  # pylint: disable=broad-except
-        # Raised while vectorized_map traces: TensorFlow wraps it in a StagingError.
-        if "tape.gradient called inside an oh.Recompute scope" in str(e):
-            raise oh.HandlerError(str(e)[:300]) from e
-        raise
+    got = _run(nesting, Case("hvp", 831), True)
     _same(ref, got, " > ".join(nesting) + " around an HVP")

@@ -148,3 +148,63 @@ def test_called_function_peak_memory_drops():
     plain, recompute, segments = (int(v) for v in proc.stdout.split()[-3:])
     assert segments >= 4
     assert plain >= 1.7 * recompute, (plain, recompute)  # measured 2.0x (3.3x at 64 layers)
+
+
+class _UserTape(oh.GradientTape):
+    """A user's subclass of oh.GradientTape: still a recording tape."""
+
+
+class GradientTape(oh.OpHandler):  # pylint: disable=function-redefined
+    """A pass-through handler that only shares oh.GradientTape's class name."""
+
+    def execute(self, op, inputs):  # its hook runs (a frame), as a tape's does
+        return self.next.execute(op, inputs)
+
+
+class ForwardAccumulator(oh.OpHandler):
+    """A pass-through handler that only shares oh.ForwardAccumulator's class name."""
+
+
+def _call_under(inner, seed=11, below=False):
+    """Loss and gradients (variables, x) of a called tf.function inside oh.Recompute with
+    handler `inner` (None: no Recompute) opened inside (`below`: around the Recompute
+    scope), an oh.GradientTape around."""
+    rng = np.random.default_rng(seed)
+    body, variables = recompute_helpers.mlp(rng, 6, 8)
+    fn = tf.function(body, input_signature=[tf.TensorSpec([None, 8])])
+    x = tf.constant(rng.standard_normal((3, 8)).astype(np.float32))
+    if inner is None:
+        return _grads(fn, x, variables, None), None
+    rc = oh.Recompute()
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with (inner if below else rc) as outer, (rc if below else inner) as inside:
+            t = outer if below else inside
+            loss = fn(x)
+            grads = t.gradient(loss, variables + [x]) if isinstance(t, oh.GradientTape) \
+                else None
+    return (loss, grads or tape.gradient(loss, variables + [x])), rc
+
+
+def test_a_tape_subclass_opened_inside_the_scope_keeps_the_call_whole():
+    # Review finding: the tape was recognised by its class name ("GradientTape"), so a
+    # user's subclass got the rewrite, and its backward read the rewrite's empty
+    # stand-ins (InvalidArgumentError). Now by capability (`differentiates`).
+    (l0, g0), _ = _call_under(None)
+    (l1, g1), rc = _call_under(_UserTape())
+    np.testing.assert_allclose(l1.numpy(), l0.numpy(), rtol=1e-6)
+    _assert_grads(g0, g1)
+    assert rc.stats["calls"] == 0, rc.stats
+
+
+@pytest.mark.parametrize("same_name", [GradientTape, ForwardAccumulator])
+def test_a_handler_merely_named_like_a_tape_does_not_keep_the_call_whole(same_name):
+    # Review finding: a handler named "GradientTape" or "ForwardAccumulator" but doing
+    # no differentiation made Recompute keep the call whole (nothing saved). (The
+    # ForwardAccumulator-named handler, around the scope, failed before the fix; the
+    # GradientTape-named one, inside it, is a guard: it passed before too.)
+    (l0, g0), _ = _call_under(None)
+    (l1, g1), rc = _call_under(same_name(), below=same_name is ForwardAccumulator)
+    np.testing.assert_allclose(l1.numpy(), l0.numpy(), rtol=1e-6)
+    _assert_grads(g0, g1)
+    assert rc.stats["calls"] == 1 and rc.stats["call_segments"] >= 1, rc.stats

@@ -123,6 +123,13 @@ class OpHandler:
     #: is made dense first: its indices and dense shape cannot be summed part by part.
     copy_on_grad_reduces = False
 
+    #: The kind of automatic differentiation this handler does, for handlers that must
+    #: treat differentiation specially without importing its modules (oh.Recompute keeps
+    #: a function call whole under one): "reverse" for a tape recording its scope's ops
+    #: for a later backward pass (oh.GradientTape), "forward" for one computing tangents
+    #: as ops run (oh.ForwardAccumulator), None otherwise. A subclass inherits it.
+    differentiates = None
+
     #: The device type in this handler's stack names (default: the class name in upper
     #: case), e.g. ``"PARALLEL"`` gives ``/job:localhost/replica:0/task:0/device:PARALLEL:0``.
     TYPE_NAME = None

@@ -14,11 +14,16 @@ package, so any module may import it):
 `mode`          None while stacks run eagerly; a `Mode` while a function is replayed
                 through them (core/functions/symbolic.py installs one).
 `scope_placed`  whether the op being dispatched was placed by a scope (not by type).
+`own_traces`    how many functions a handler is tracing for its own use right now
+                (`own_trace()`: oh.vectorized_map's pfor function), not the program's
+                step: a handler that treats the program's traced step specially (an
+                eager oh.Recompute scope around a Keras fit step) leaves these alone.
 
 Stacks (core/stack.py) ask the mode at a few fixed points and know nothing else of
 function replay; the replay registers itself with the stack module instead (JAX's
 "lower layers never import higher ones").
 """
+import contextlib
 import threading
 
 
@@ -87,6 +92,18 @@ class _State(threading.local):
         self.scopes = []
         self.mode = None
         self.scope_placed = False
+        self.own_traces = 0
 
 
 state = _State()
+
+
+@contextlib.contextmanager
+def own_trace():
+    """Marks the functions traced inside as traced by a handler for its own use (see
+    `state.own_traces`), e.g. the pfor function of `oh.vectorized_map`."""
+    state.own_traces += 1
+    try:
+        yield
+    finally:
+        state.own_traces -= 1

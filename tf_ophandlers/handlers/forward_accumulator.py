@@ -338,6 +338,7 @@ class ForwardAccumulator(OpHandler):
     """
 
     transparent = True
+    differentiates = "forward"  # read by handlers that treat forward mode specially
     TYPE_NAME = "FORWARD_ACCUMULATOR"
 
     def __init__(self, primals, tangents):

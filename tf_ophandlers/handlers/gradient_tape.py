@@ -103,6 +103,7 @@ class GradientTape(BackwardPass, OpHandler):
     # A function call is recorded whole, with TensorFlow's function gradient (its
     # forward and backward functions), not replayed op by op.
     replays_functions = False
+    differentiates = "reverse"  # read by handlers that treat a recording tape specially
     defers_needs_copy = True  # inputs a handler below takes as they are stay as they are
     TYPE_NAME = "GRADIENT_TAPE"
 

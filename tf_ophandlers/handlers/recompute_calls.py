@@ -274,15 +274,16 @@ def _tape_above(handler):
     """Whether an oh.GradientTape opened inside the scope (on a stack built on the
     handler's) is recording the call: it records the original call, whose backward
     function reads the forward function's extra outputs (not the rewrite)."""
-    return any(type(f.handler).__name__ == "GradientTape" and handler in f.handlers
-               for f in state.frames)
+    return any(getattr(f.handler, "differentiates", None) == "reverse"
+               and handler in f.handlers for f in state.frames)
 
 
 def run(handler, op, tensors, stack):
     """Runs forward call `op` on `tensors` (of `stack`, the handler's next) as its
     rewrite; returns its outputs and the number of segments in the rewrite, or None when
     the call must be kept whole."""
-    if any(type(h).__name__ == "ForwardAccumulator" for h in getattr(stack, "handlers", ())) \
+    if any(getattr(h, "differentiates", None) == "forward"
+           for h in getattr(stack, "handlers", ())) \
             or forwardprop_util.pack_tangents(tensors).tangents:
         return None, 0  # a forward accumulator's JVP of the call: kept whole
     if _tape_above(handler):

@@ -45,6 +45,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _backprop  # noqa: F401  (sets execute.record_gradient)
 from tensorflow.python.eager import execute as _execute
+from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import op_def_registry
@@ -67,12 +68,25 @@ def _capturing(name):
     def capture(*args, **kwargs):
         window = getattr(_local, "window", None)
         if window is not None and window.active and window.owns(name, args, kwargs):
+            if window.auto and _carries_tangents(name, args, kwargs):
+                # A forward accumulator's tangents (an HVP in the step): a segment's
+                # recomputation would carry none; the step's tape is not recomputed.
+                window.demote()
+                return _previous[name](*args, **kwargs)
             # Collected instead of made (made at the scope's exit, or replaced).
             scope = _ops.get_name_scope() if name == "record_gradient" else None
             window.records.append((name, args, kwargs, scope))
             return None
         return _previous[name](*args, **kwargs)
     return capture
+
+
+def _carries_tangents(name, args, kwargs):
+    if name == "record_gradient":
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+    else:
+        inputs = args[2] if len(args) > 2 else kwargs.get("input_tensors", ())
+    return bool(forwardprop_util.pack_tangents(list(inputs)).tangents)
 
 
 _TARGETS = ((_execute, "record_gradient"), (_record, "record_operation"),
@@ -105,13 +119,17 @@ def eager_scope(handler):
 
 
 def _tape_enter(self):
+    auto = _auto_window()
+    if auto is not None:
+        auto.flush()  # the records made so far are not this tape's (TensorFlow's order)
     result = _previous["enter"](self)
     stack = getattr(_local, "eager", None)
-    # Not while a handler's hook runs: a function it traces (an oh.ForwardAccumulator's
-    # JVP function, whose tapes give gradients inside the trace) is not the program's step.
-    if (stack and not state.frames and getattr(_local, "window", None) is None
-            and not tf.executing_eagerly()):
-        window = Window(stack[-1])
+    # Only the program's step: not while a handler's hook runs (a function it traces, an
+    # oh.ForwardAccumulator's JVP function, is not the step) nor in a function a handler
+    # traces for its own use (oh.vectorized_map's pfor function: state.own_traces).
+    if (stack and not state.frames and not state.own_traces
+            and getattr(_local, "window", None) is None and not tf.executing_eagerly()):
+        window = Window(stack[-1], auto=True)
         window.__enter__()
         _tape_windows[id(self)] = window
     return result
@@ -121,7 +139,18 @@ def _tape_exit(self, typ, value, traceback):
     window = _tape_windows.pop(id(self), None)
     if window is not None:
         window.__exit__(typ, value, traceback)  # records while the tape is active
+    else:
+        auto = _auto_window()
+        if auto is not None:
+            auto.flush()  # the records made while this (inner) tape recorded
     return _previous["exit"](self, typ, value, traceback)
+
+
+def _auto_window():
+    """The innermost window if it is one a tape scope opened (not the program's own
+    oh.Recompute scope) and is collecting."""
+    window = getattr(_local, "window", None)
+    return window if window is not None and window.active and window.auto else None
 
 
 _tape_windows = {}  # id(tf.GradientTape) -> the Window opened with it (while tracing)
@@ -129,7 +158,12 @@ _tape_windows = {}  # id(tf.GradientTape) -> the Window opened with it (while tr
 
 def _checked_gradient(self, target, sources, *args, **kwargs):
     window = getattr(_local, "window", None)
-    if window is not None and window.active:
+    if window is not None and window.active and window.auto:
+        # A gradient inside the step before the tape's window closes (an HVP's inner
+        # tape, TensorFlow's forward accumulator's JVP helper): the window's records are
+        # made now and it collects no more (this tape's step is not recomputed).
+        window.demote()
+    elif window is not None and window.active:
         raise HandlerError(
             "oh.Recompute: tape.gradient called inside an oh.Recompute scope of a traced "
             "function; the scope records its ops on the tapes at its exit: open the tape "
@@ -160,7 +194,8 @@ tf_patches.register(
     "gradient recomputes them); TensorFlow has no hook listing the records a traced op "
     "makes. GradientTape.gradient refuses sources whose uses a segment hides; a tape "
     "scope opened while tracing inside an eager oh.Recompute scope (Keras fit's train "
-    "step) opens a window, since the step's code has no Recompute scope of its own.",
+    "step; not a function a handler traces for its own use) opens a window, since the "
+    "step's code has no Recompute scope of its own.",
     "first-use", _install, None)
 # (also GradientTape.__enter__/__exit__: a function traced inside an eager oh.Recompute
 # scope, a Keras fit step, gets a window around each tape scope opened while tracing.)
@@ -196,10 +231,12 @@ def _is_zero(g):
 class Window:
     """The records of a `Recompute` scope opened while tracing (see the module doc)."""
 
-    def __init__(self, handler):
+    def __init__(self, handler, auto=False):
         self.handler = handler
         self.records = []
         self.active = False
+        self.auto = auto  # opened by a tape scope of a step traced in an eager scope
+        self.demoted = False
 
     def __enter__(self):
         tf_patches.ensure("recompute graph records")
@@ -219,11 +256,34 @@ class Window:
         return any(getattr(t, "graph", None) is self.graph for t in outputs)
 
     def __exit__(self, exc_type, exc, tb):
+        if self.demoted:
+            return False
         self.active = False
         _local.window = self.outer
         if exc_type is None:
             self._record_all()
         return False
+
+    def flush(self):
+        """Makes the records collected so far (a tape opens or closes inside the window:
+        each record goes to the tapes recording when its op ran, as TensorFlow's do)."""
+        if not self.records:
+            return
+        self.active = False  # records made meanwhile (a JVP helper's ops) pass through
+        try:
+            self._record_all()
+        finally:
+            self.records = []
+            self.active = True
+
+    def demote(self):
+        """Makes the records collected so far and stops collecting (a gradient is taken
+        inside the window: its tape's records must exist now)."""
+        self.flush()
+        self.active = False
+        self.demoted = True
+        if _local.window is self:
+            _local.window = self.outer
 
     # -- planning -----------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from tf_ophandlers.core import errors, graph_builder
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
+from tf_ophandlers.core.state import own_trace
 from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
 from tf_ophandlers.handlers.batching_rules import (
     FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch, dtype_of,
@@ -482,8 +483,9 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
         # Traced: pfor on the graph. Under a tf.GradientTape (or TensorFlow's forward
         # accumulator): TensorFlow's tapes record by Python object and would see none of
         # the handler's ops (a None gradient, silently), so TensorFlow's own map runs.
-        return tf.vectorized_map(fn, elems, fallback_to_while_loop=fallback_to_while_loop,
-                                 warn=warn)
+        with own_trace():  # pfor's function (eagerly) is not the program's step
+            return tf.vectorized_map(fn, elems, warn=warn,
+                                     fallback_to_while_loop=fallback_to_while_loop)
     flat = [_dense_elem(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")

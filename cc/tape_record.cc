@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/container/inlined_vector.h"
+#include "handler_tensor.h"
 #include "native_internal.h"
 #include "op.h"
 #include "runtime.h"
@@ -138,6 +139,19 @@ int IsUsed(PyObject* used, Py_ssize_t i) {
   int r = PySet_Contains(used, idx);
   Py_DECREF(idx);
   return r;
+}
+
+// Whether the tape may track output `o` of an op run on `next` by weak reference: when
+// the caller gets a tensor whose payload holds `o` itself (fast_record.cc wraps it), so
+// `o` lives as long as the caller's tensor. Not for the outputs the caller gets as they
+// are (the fast path's "leaves": a transient resource handle, a tensor that is not of
+// the next stack), whose handle outlives this wrapper: those are held.
+bool MayTrackWeakly(PyObject* o, PyObject* next) {
+  TFE_TensorHandle* h = EagerTensor_Handle(o);
+  if (TFE_TensorHandleDataType(h) == TF_RESOURCE) return false;
+  if (next == native_internal::g_physical) return true;
+  TFOH_Payload* p = PayloadOf(h);
+  return p != nullptr && reinterpret_cast<PyObject*>(p->stack) == next;
 }
 
 // (dtype enum, dims) of an eager tensor, new reference or null.
@@ -404,7 +418,7 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyObject* o = PyList_GET_ITEM(outputs, j);
     if (!Trainable(o)) continue;
     PyObject* uid = PyTuple_GET_ITEM(out_ids, j);
-    PyObject* ref = PyWeakref_NewRef(o, nullptr);
+    PyObject* ref = MayTrackWeakly(o, stack) ? PyWeakref_NewRef(o, nullptr) : Py_NewRef(o);
     PyObject* entry = ref != nullptr ? PyTuple_Pack(2, ref, uid) : nullptr;
     Py_XDECREF(ref);
     PyObject* key = entry != nullptr ? Key(o) : nullptr;

@@ -93,7 +93,11 @@ _Record, _after_execute_c = recording(_tape_set_is_stopped, _tape_set_is_empty,
 
 def _ref(value):
     """What `_tracked` keeps of a recorded output: a weak reference (the tape keeps a
-    value only when a record's gradient reads it), or the value if it has none."""
+    value only when a record's gradient reads it; the caller's tensor holds the value
+    the tape got), or the value itself for a resource handle (a transient one reaches
+    the caller as it is) or an object without weak references."""
+    if isinstance(value, _EagerTensor) and value._datatype_enum() == _RESOURCE:  # pylint: disable=protected-access
+        return value
     try:
         return _WeakRef(value)
     except TypeError:

@@ -22,7 +22,6 @@ The API is `tf.GradientTape`'s: `persistent`, `watch_accessed_variables`, `watch
 """
 import contextlib
 import logging
-import weakref
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
@@ -43,7 +42,8 @@ from tf_ophandlers.core.functions.call_records import densified, replayed_call
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import record_on_tf_tapes, recording
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
-from tf_ophandlers.handlers.gradient_tape_exclusions import ALL, used_indices
+from tf_ophandlers.handlers.gradient_tape_exclusions import (
+    drop_unread, track_ref, tracked_entry, used_indices)
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
 
@@ -55,8 +55,6 @@ _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
 _RESOURCE = tf.resource.as_datatype_enum
-_VARIANT = tf.variant.as_datatype_enum
-_WeakRef = weakref.ref
 UID_SHIFT = 20  # a recorded output's id: (record seq << UID_SHIFT) | output index
 
 # Ops that read a variable: a read of a variable not yet watched asks the watcher first.
@@ -71,73 +69,12 @@ _TRAINABLE_ENUMS = frozenset(
     if backprop_util.IsTrainable(d))
 
 
-# One recorded operation: what its gradient function needs, and where it ran. A C type
-# (cc/tape_record.h) with read-only attributes seq, op_type, op (an oh.Op, attrs decoded
-# only if the gradient function reads them), backward (a Python backward function for
-# custom gradients, or None), inputs, outputs, stack (the stack the forward op ran on;
-# its gradient runs there), skip (input indices that need no gradient, as TensorFlow
-# passes) and ids ``(input_ids, output_ids, output_specs)``. As TensorFlow's tape, a
-# record keeps only the inputs and outputs its op's registered gradient function reads
-# (gradient_tape_exclusions.used_indices; the others are None in `inputs` / `outputs`),
-# unless a TensorFlow tape or accumulator is recording too (it may differentiate the
-# gradient computation, which may read more) or the gradient is a Python backward
-# function (custom gradients, function calls, oh.Recompute segments: kept whole). The
-# graph is linked by ids, not by tensors: an input's id is its producer's output id (or
-# a watched tensor's id, None if untracked); output_specs is None or, per output, the
-# (dtype enum, dims) of a dropped output of a multi-output op (for zeros when only
-# another output gets a gradient). `_after_execute_c` records ops in C
-# (GradientTape.after_execute).
+# One recorded operation: a C type (cc/tape_record.h, also the memory contract: as
+# TensorFlow's tape, a record keeps only the inputs and outputs its op's gradient reads,
+# gradient_tape_exclusions.py) with read-only seq, op_type, op, backward, inputs,
+# outputs, stack (where its gradient runs), skip and ids (the graph's links).
 _Record, _after_execute_c = recording(_tape_set_is_stopped, _tape_set_is_empty,
                                       _TRAINABLE_ENUMS, used_indices)
-
-
-def _ref(value):
-    """What `_tracked` keeps of a recorded output: a weak reference (the tape keeps a
-    value only when a record's gradient reads it; the caller's tensor holds the value
-    the tape got), or the value itself for a resource handle (a transient one reaches
-    the caller as it is) or an object without weak references."""
-    if isinstance(value, _EagerTensor) and value._datatype_enum() == _RESOURCE:  # pylint: disable=protected-access
-        return value
-    try:
-        return _WeakRef(value)
-    except TypeError:
-        return value
-
-
-def tracked_entry(tracked, tensor):
-    """``(canonical tensor, id)`` of `tensor` in a tape's `_tracked` map, or None: also
-    None when the tensor the entry was made for is gone (its key may be a new tensor's)."""
-    entry = tracked.get(_key(tensor))
-    if entry is None:
-        return None
-    value = entry[0]
-    if type(value) is _WeakRef:  # pylint: disable=unidiomatic-typecheck
-        value = value()
-        if value is None:
-            return None
-    return value, entry[1]
-
-
-def _drop_unread(op_type, inputs, outputs):
-    """`inputs`, `outputs` and output specs with what the gradient of `op_type` does not
-    read dropped (None), as TensorFlow's tape does (see _Record above)."""
-    used_in, used_out = used_indices(op_type)
-    if used_in is not ALL:
-        inputs = [x if i in used_in else None for i, x in enumerate(inputs)]
-    specs = None
-    if used_out is not ALL:
-        kept = []
-        for j, o in enumerate(outputs):
-            if (j in used_out or not isinstance(o, _EagerTensor)
-                    or o._datatype_enum() in (_RESOURCE, _VARIANT)):  # pylint: disable=protected-access
-                kept.append(o)
-                continue
-            kept.append(None)
-            if len(outputs) > 1:
-                specs = specs or [None] * len(outputs)
-                specs[j] = (o._datatype_enum(), tuple(o.shape.as_list()))  # pylint: disable=protected-access
-        outputs = kept
-    return inputs, outputs, None if specs is None else tuple(specs)
 
 
 def _active_tapes():
@@ -359,14 +296,14 @@ class GradientTape(BackwardPass, OpHandler):
         out_ids = tuple(base | j for j in range(len(outputs)))
         kept_in, kept_out, specs = inputs, outputs, None
         if backward is None and op is not None and _tape_set_is_empty():
-            kept_in, kept_out, specs = _drop_unread(op_type, inputs, outputs)
+            kept_in, kept_out, specs = drop_unread(op_type, inputs, outputs)
         record = _Record(seq, op_type, op, backward, kept_in, kept_out, stack, skip,
                          (tuple(in_ids), out_ids, specs))
         tracked, producer = self._tracked, self._producer
         trainable = {id(o) for o in trainable}
         for j, o in enumerate(outputs):
             if id(o) in trainable:
-                tracked[_key(o)] = (_ref(o), out_ids[j])
+                tracked[_key(o)] = (track_ref(o), out_ids[j])
                 producer[out_ids[j]] = record
         return record
 

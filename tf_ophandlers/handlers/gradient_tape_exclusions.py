@@ -16,16 +16,25 @@ analysis errs towards keeping, never towards dropping a tensor that is read.
 >>> from tf_ophandlers.handlers.gradient_tape_exclusions import used_indices
 >>> used_indices("Relu")
 (frozenset(), frozenset({0}))
->>> used_indices("AddN")
+>>> used_indices("BiasAdd")
 (frozenset(), frozenset())
 """
 import ast
 import inspect
 import textwrap
+import weakref
 
+import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.stack import tensor_key
+
+_key = tensor_key
+_EagerTensor = _ops.EagerTensor
+_WeakRef = weakref.ref
+_RESOURCE = tf.resource.as_datatype_enum
+_VARIANT = tf.variant.as_datatype_enum
 
 ALL = None  # "every index is read"
 
@@ -124,3 +133,54 @@ def _resolve(expr, namespace):
         base = _resolve(expr.value, namespace)
         return None if base is None else getattr(base, expr.attr, None)
     return None
+
+
+# -- what a tape keeps (oh.GradientTape; contract in cc/tape_record.h) -------------------
+
+def track_ref(value):
+    """What `_tracked` keeps of a recorded output: a weak reference (the tape keeps a
+    value only when a record's gradient reads it; the caller's tensor holds the value
+    the tape got), or the value itself for a resource handle (a transient one reaches
+    the caller as it is) or an object without weak references."""
+    if isinstance(value, _EagerTensor) and value._datatype_enum() == _RESOURCE:  # pylint: disable=protected-access
+        return value
+    try:
+        return _WeakRef(value)
+    except TypeError:
+        return value
+
+
+def tracked_entry(tracked, tensor):
+    """``(canonical tensor, id)`` of `tensor` in a tape's `_tracked` map, or None: also
+    None when the tensor the entry was made for is gone (its key may be a new tensor's)."""
+    entry = tracked.get(_key(tensor))
+    if entry is None:
+        return None
+    value = entry[0]
+    if type(value) is _WeakRef:  # pylint: disable=unidiomatic-typecheck
+        value = value()
+        if value is None:
+            return None
+    return value, entry[1]
+
+
+def drop_unread(op_type, inputs, outputs):
+    """`inputs`, `outputs` and output specs with what the gradient of `op_type` does not
+    read dropped (None), as TensorFlow's tape does (cc/tape_record.h)."""
+    used_in, used_out = used_indices(op_type)
+    if used_in is not ALL:
+        inputs = [x if i in used_in else None for i, x in enumerate(inputs)]
+    specs = None
+    if used_out is not ALL:
+        kept = []
+        for j, o in enumerate(outputs):
+            if (j in used_out or not isinstance(o, _EagerTensor)
+                    or o._datatype_enum() in (_RESOURCE, _VARIANT)):  # pylint: disable=protected-access
+                kept.append(o)
+                continue
+            kept.append(None)
+            if len(outputs) > 1:
+                specs = specs or [None] * len(outputs)
+                specs[j] = (o._datatype_enum(), tuple(o.shape.as_list()))  # pylint: disable=protected-access
+        outputs = kept
+    return inputs, outputs, None if specs is None else tuple(specs)

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/container/inlined_vector.h"
+#include "handler_tensor.h"
 #include "native_internal.h"
 #include "op.h"
 #include "runtime.h"
@@ -19,7 +20,7 @@ namespace {
 
 struct RecordObject {
   PyObject_HEAD
-  PyObject* fields[8];
+  PyObject* fields[9];
 };
 
 PyMemberDef kRecordMembers[] = {
@@ -39,6 +40,8 @@ PyMemberDef kRecordMembers[] = {
      "the stack the forward op ran on (its gradient runs there)"},
     {"skip", T_OBJECT, offsetof(RecordObject, fields) + 7 * sizeof(PyObject*), READONLY,
      "indices of inputs that need no gradient"},
+    {"ids", T_OBJECT, offsetof(RecordObject, fields) + 8 * sizeof(PyObject*), READONLY,
+     "(input ids, output ids, output specs): the graph's links (tape_record.h)"},
     {nullptr}};
 
 int RecordTraverse(PyObject* self, visitproc visit, void* arg) {
@@ -63,7 +66,7 @@ PyTypeObject RecordType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 PyObject* NewRecord(PyObject* const* fields) {
   RecordObject* r = PyObject_GC_New(RecordObject, &RecordType);
   if (r == nullptr) return nullptr;
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 9; ++i) {
     Py_INCREF(fields[i]);
     r->fields[i] = fields[i];
   }
@@ -71,12 +74,12 @@ PyObject* NewRecord(PyObject* const* fields) {
   return reinterpret_cast<PyObject*>(r);
 }
 
-// TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip)
+// TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)
 PyObject* RecordNew(PyTypeObject*, PyObject* args, PyObject* kwargs) {
   if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) || !PyTuple_Check(args) ||
-      PyTuple_GET_SIZE(args) != 8) {
+      PyTuple_GET_SIZE(args) != 9) {
     PyErr_SetString(PyExc_TypeError,
-                    "TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip)");
+                    "TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)");
     return nullptr;
   }
   return NewRecord(&PyTuple_GET_ITEM(args, 0));
@@ -107,6 +110,70 @@ PyObject* s_producer = nullptr;
 PyObject* s_seq = nullptr;
 PyObject* s_python = nullptr;  // GradientTape._after_execute_python
 PyObject* s_bridge = nullptr;  // GradientTape._bridge_to_tf_tapes
+PyObject* g_used_fn = nullptr;   // used_indices(op_type) -> (inputs, outputs), None = all
+PyObject* g_used = nullptr;      // dict op_type -> used_indices(op_type), filled lazily
+constexpr int kUidShift = 20;    // an output's id: (seq << kUidShift) | index
+
+// used_indices(type) (cached per op type), borrowed; null with an exception set.
+PyObject* UsedIndices(PyObject* type) {
+  PyObject* r = PyDict_GetItemWithError(g_used, type);
+  if (r != nullptr || PyErr_Occurred()) return r;
+  r = PyObject_CallOneArg(g_used_fn, type);
+  if (r == nullptr) return nullptr;
+  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+    Py_DECREF(r);
+    PyErr_SetString(PyExc_TypeError, "used_indices must return a pair");
+    return nullptr;
+  }
+  if (PyDict_GET_SIZE(g_used) >= 4096) PyDict_Clear(g_used);  // bounded (op types)
+  int failed = PyDict_SetItem(g_used, type, r);
+  Py_DECREF(r);  // the dict holds it
+  return failed < 0 ? nullptr : PyDict_GetItemWithError(g_used, type);
+}
+
+// Whether index `i` is in `used` (None: every index); -1 with an exception set.
+int IsUsed(PyObject* used, Py_ssize_t i) {
+  if (used == Py_None) return 1;
+  PyObject* idx = PyLong_FromSsize_t(i);
+  if (idx == nullptr) return -1;
+  int r = PySet_Contains(used, idx);
+  Py_DECREF(idx);
+  return r;
+}
+
+// Whether the tape may track output `o` of an op run on `next` by weak reference: when
+// the caller gets a tensor whose payload holds `o` itself (fast_record.cc wraps it), so
+// `o` lives as long as the caller's tensor. Not for the outputs the caller gets as they
+// are (the fast path's "leaves": a transient resource handle, a tensor that is not of
+// the next stack), whose handle outlives this wrapper: those are held.
+bool MayTrackWeakly(PyObject* o, PyObject* next) {
+  TFE_TensorHandle* h = EagerTensor_Handle(o);
+  if (TFE_TensorHandleDataType(h) == TF_RESOURCE) return false;
+  if (next == native_internal::g_physical) return true;
+  TFOH_Payload* p = PayloadOf(h);
+  return p != nullptr && reinterpret_cast<PyObject*>(p->stack) == next;
+}
+
+// (dtype enum, dims) of an eager tensor, new reference or null.
+PyObject* Spec(PyObject* t) {
+  TFE_TensorHandle* h = EagerTensor_Handle(t);
+  TF_Status* status = TF_NewStatus();
+  int n = TFE_TensorHandleNumDims(h, status);
+  PyObject* dims = nullptr;
+  if (TF_GetCode(status) == TF_OK && n >= 0) dims = PyTuple_New(n);
+  for (int d = 0; dims != nullptr && d < n; ++d) {
+    int64_t v = TFE_TensorHandleDim(h, d, status);
+    PyObject* x = TF_GetCode(status) == TF_OK ? PyLong_FromLongLong(v) : nullptr;
+    if (x == nullptr) Py_CLEAR(dims);
+    else PyTuple_SET_ITEM(dims, d, x);
+  }
+  TF_DeleteStatus(status);
+  if (dims == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "tape record: no shape");
+    return nullptr;
+  }
+  return Py_BuildValue("(iN)", static_cast<int>(TFE_TensorHandleDataType(h)), dims);
+}
 
 // tensor_key(t) (module.cc PyTensorKey): the TensorFlow handle of an EagerTensor.
 PyObject* Key(PyObject* t) {
@@ -196,29 +263,17 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(tracked);
     return Slow(tape, op, inputs, outputs);
   }
-  // Which inputs are tracked (the tape's first objects for them), nothing changed yet.
+  // Which inputs are tracked (the tape's first objects for them, alive), nothing changed
+  // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape.py).
   Py_ssize_t n_in = PyList_GET_SIZE(inputs);
-  absl::InlinedVector<PyObject*, 4> known(n_in, nullptr);  // borrowed from `tracked`
-  bool found = false;
-  for (Py_ssize_t i = 0; i < n_in; ++i) {
-    PyObject* key = Key(PyList_GET_ITEM(inputs, i));
-    if (key == nullptr) {
-      Py_DECREF(tracked);
-      return nullptr;
-    }
-    known[i] = PyDict_GetItemWithError(tracked, key);
-    Py_DECREF(key);
-    if (known[i] == nullptr && PyErr_Occurred()) {
-      Py_DECREF(tracked);
-      return nullptr;
-    }
-    found = found || known[i] != nullptr;
-  }
-  if (!found) {
+  if (n_out >= (Py_ssize_t{1} << kUidShift)) {
     Py_DECREF(tracked);
-    if (VariableRead(type)) return Slow(tape, op, inputs, outputs);  // may watch one now
-    Py_RETURN_NONE;
+    return Slow(tape, op, inputs, outputs);
   }
+  absl::InlinedVector<PyObject*, 4> known(n_in, nullptr);  // new references
+  absl::InlinedVector<PyObject*, 4> ids(n_in, nullptr);    // new references
+  bool found = false;
+  bool malformed = false;
   PyObject* result = nullptr;
   PyObject* skip = nullptr;
   PyObject* seq = nullptr;
@@ -226,9 +281,49 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* stack = nullptr;
   PyObject* record = nullptr;
   PyObject* producer = nullptr;
-  int stopped = CallTruth(g_is_stopped);
+  PyObject* rec_in = nullptr;
+  PyObject* rec_out = nullptr;
+  PyObject* in_ids = nullptr;
+  PyObject* out_ids = nullptr;
+  PyObject* specs = nullptr;
+  PyObject* all_ids = nullptr;
+  PyObject* used = nullptr;  // borrowed
+  int stopped = 0, empty = 0;
   bool any_trainable = false;
   Py_ssize_t n_skip = 0;
+  long long base = 0;
+  for (Py_ssize_t i = 0; i < n_in; ++i) {
+    PyObject* key = Key(PyList_GET_ITEM(inputs, i));
+    if (key == nullptr) goto done;
+    PyObject* entry = PyDict_GetItemWithError(tracked, key);
+    Py_DECREF(key);
+    if (entry == nullptr) {
+      if (PyErr_Occurred()) goto done;
+      continue;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) {
+      malformed = true;
+      break;
+    }
+    PyObject* value = PyTuple_GET_ITEM(entry, 0);
+    if (PyWeakref_CheckRef(value)) {
+      value = PyWeakref_GET_OBJECT(value);
+      if (value == Py_None) continue;  // gone: the key may be a new tensor's
+    }
+    known[i] = Py_NewRef(value);
+    ids[i] = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    found = true;
+  }
+  if (malformed) {
+    result = Slow(tape, op, inputs, outputs);
+    goto done;
+  }
+  if (!found) {
+    if (VariableRead(type)) result = Slow(tape, op, inputs, outputs);  // may watch one now
+    else result = Py_NewRef(Py_None);
+    goto done;
+  }
+  stopped = CallTruth(g_is_stopped);
   if (stopped != 0) {
     if (stopped > 0) result = Py_NewRef(Py_None);
     goto done;
@@ -250,53 +345,107 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       PyTuple_SET_ITEM(skip, k++, idx);
     }
   }
+  // As TensorFlow's tape: keep only what the gradient function reads, unless a
+  // TensorFlow tape or accumulator records too (it may differentiate more).
+  empty = CallTruth(g_is_empty);
+  if (empty < 0) goto done;
+  if (empty > 0) {
+    used = UsedIndices(reinterpret_cast<OpObject*>(op)->type);
+    if (used == nullptr) goto done;
+  }
   seq = PyObject_GetAttr(tape, s_seq);
   if (seq == nullptr) goto done;
   {
     Py_ssize_t v = PyLong_AsSsize_t(seq);
     if (v == -1 && PyErr_Occurred()) goto done;
     next_seq = PyLong_FromSsize_t(v + 1);
+    base = static_cast<long long>(v + 1) << kUidShift;
   }
   if (next_seq == nullptr) goto done;
   stack = RunningNext();
   if (stack == nullptr) goto done;
   producer = PyObject_GetAttr(tape, s_producer);
   if (producer == nullptr) goto done;
-  if (PyObject_SetAttr(tape, s_seq, next_seq) < 0) goto done;
+  rec_in = PyList_New(n_in);
+  in_ids = PyTuple_New(n_in);
+  rec_out = PyList_New(n_out);
+  out_ids = PyTuple_New(n_out);
+  if (rec_in == nullptr || in_ids == nullptr || rec_out == nullptr || out_ids == nullptr) {
+    goto done;
+  }
   for (Py_ssize_t i = 0; i < n_in; ++i) {
     if (known[i] != nullptr) {
-      Py_INCREF(known[i]);
-      PyList_SetItem(inputs, i, known[i]);  // steals; releases the wrapper seen now
+      PyList_SetItem(inputs, i, Py_NewRef(known[i]));  // releases the wrapper seen now
+    }
+    PyObject* x = PyList_GET_ITEM(inputs, i);
+    int keep = used == nullptr ? 1 : IsUsed(PyTuple_GET_ITEM(used, 0), i);
+    if (keep < 0) goto done;
+    PyList_SET_ITEM(rec_in, i, Py_NewRef(keep ? x : Py_None));
+    PyTuple_SET_ITEM(in_ids, i, Py_NewRef(ids[i] != nullptr ? ids[i] : Py_None));
+  }
+  for (Py_ssize_t j = 0; j < n_out; ++j) {
+    PyObject* o = PyList_GET_ITEM(outputs, j);
+    PyObject* uid = PyLong_FromLongLong(base | j);
+    if (uid == nullptr) goto done;
+    PyTuple_SET_ITEM(out_ids, j, uid);
+    int keep = used == nullptr ? 1 : IsUsed(PyTuple_GET_ITEM(used, 1), j);
+    if (keep < 0) goto done;
+    TF_DataType dt = TFE_TensorHandleDataType(EagerTensor_Handle(o));
+    if (dt == TF_RESOURCE || dt == TF_VARIANT) keep = 1;
+    PyList_SET_ITEM(rec_out, j, Py_NewRef(keep ? o : Py_None));
+    if (!keep && n_out > 1) {  // zeros of it, when only another output gets a gradient
+      if (specs == nullptr) {
+        specs = PyTuple_New(n_out);
+        if (specs == nullptr) goto done;
+        for (Py_ssize_t k = 0; k < n_out; ++k) PyTuple_SET_ITEM(specs, k, Py_NewRef(Py_None));
+      }
+      PyObject* spec = Spec(o);
+      if (spec == nullptr) goto done;
+      Py_SETREF(PyTuple_GET_ITEM(specs, j), spec);
     }
   }
+  all_ids = PyTuple_Pack(3, in_ids, out_ids, specs != nullptr ? specs : Py_None);
+  if (all_ids == nullptr) goto done;
+  if (PyObject_SetAttr(tape, s_seq, next_seq) < 0) goto done;
   {
     PyObject* op_type = reinterpret_cast<OpObject*>(op)->type;
-    PyObject* fields[8] = {next_seq, op_type, op, Py_None, inputs, outputs, stack, skip};
+    PyObject* fields[9] = {next_seq, op_type, op, Py_None, rec_in, rec_out, stack, skip,
+                           all_ids};
     record = NewRecord(fields);
   }
   if (record == nullptr) goto done;
   for (Py_ssize_t j = 0; j < n_out; ++j) {
     PyObject* o = PyList_GET_ITEM(outputs, j);
     if (!Trainable(o)) continue;
-    PyObject* key = Key(o);
-    if (key == nullptr || PyDict_SetItem(tracked, key, o) < 0 ||
-        PyDict_SetItem(producer, key, record) < 0) {
+    PyObject* uid = PyTuple_GET_ITEM(out_ids, j);
+    PyObject* ref = MayTrackWeakly(o, stack) ? PyWeakref_NewRef(o, nullptr) : Py_NewRef(o);
+    PyObject* entry = ref != nullptr ? PyTuple_Pack(2, ref, uid) : nullptr;
+    Py_XDECREF(ref);
+    PyObject* key = entry != nullptr ? Key(o) : nullptr;
+    if (key == nullptr || PyDict_SetItem(tracked, key, entry) < 0 ||
+        PyDict_SetItem(producer, uid, record) < 0) {
       Py_XDECREF(key);
+      Py_XDECREF(entry);
       goto done;
     }
     Py_DECREF(key);
+    Py_DECREF(entry);
   }
-  {
-    int empty = CallTruth(g_is_empty);
-    if (empty < 0) goto done;
-    if (empty == 0) {
-      // A tf.GradientTape (or ForwardAccumulator) is active: it sees the op too.
-      result = PyObject_CallMethodObjArgs(tape, s_bridge, op, inputs, outputs, nullptr);
-      goto done;
-    }
+  if (empty == 0) {
+    // A tf.GradientTape (or ForwardAccumulator) is active: it sees the op too.
+    result = PyObject_CallMethodObjArgs(tape, s_bridge, op, inputs, outputs, nullptr);
+    goto done;
   }
   result = Py_NewRef(Py_None);
 done:
+  for (PyObject* k : known) Py_XDECREF(k);
+  for (PyObject* k : ids) Py_XDECREF(k);
+  Py_XDECREF(all_ids);
+  Py_XDECREF(specs);
+  Py_XDECREF(out_ids);
+  Py_XDECREF(rec_out);
+  Py_XDECREF(in_ids);
+  Py_XDECREF(rec_in);
   Py_XDECREF(producer);
   Py_XDECREF(record);
   Py_XDECREF(stack);
@@ -313,10 +462,13 @@ PyMethodDef kAfterExecuteDef = {
     "after_execute(op, inputs, outputs): records op when an input is tracked (C; "
     "cc/tape_record.h)."};
 
-// tape_setup(is_stopped, is_empty, trainable_enums) -> (TapeRecord, after_execute)
+// tape_setup(is_stopped, is_empty, trainable_enums, used_indices)
+//   -> (TapeRecord, after_execute)
 PyObject* PyTapeSetup(PyObject*, PyObject* args) {
-  PyObject *is_stopped, *is_empty, *trainable;
-  if (!PyArg_ParseTuple(args, "OOO", &is_stopped, &is_empty, &trainable)) return nullptr;
+  PyObject *is_stopped, *is_empty, *trainable, *used_fn;
+  if (!PyArg_ParseTuple(args, "OOOO", &is_stopped, &is_empty, &trainable, &used_fn)) {
+    return nullptr;
+  }
   if (!ReadyRecordType()) return nullptr;
   uint64_t mask = 0;
   PyObject* it = PyObject_GetIter(trainable);
@@ -336,6 +488,9 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
   g_trainable = mask;
   Py_XSETREF(g_is_stopped, Py_NewRef(is_stopped));
   Py_XSETREF(g_is_empty, Py_NewRef(is_empty));
+  Py_XSETREF(g_used_fn, Py_NewRef(used_fn));
+  Py_XSETREF(g_used, PyDict_New());
+  if (g_used == nullptr) return nullptr;
   // Each name interned once per process (a failed interning leaves its slot null, and
   // the next setup retries it); "frames" is shared (native_internal::s_frames, set by
   // SetSharedState at the core's import, which precedes this setup).
@@ -359,7 +514,7 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
 
 PyMethodDef kTapeModuleMethods[] = {
     {"tape_setup", PyTapeSetup, METH_VARARGS,
-     "tape_setup(is_stopped, is_empty, trainable_dtype_enums) -> (TapeRecord, "
+     "tape_setup(is_stopped, is_empty, trainable_dtype_enums, used_indices) -> (TapeRecord, "
      "after_execute): oh.GradientTape's recording in C (cc/tape_record.h)."},
     {nullptr}};
 

@@ -7,7 +7,21 @@
    reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape.py)
    does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`): an op
    one of whose inputs is tracked and one of whose outputs is differentiable becomes a
-   record, `_C.TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip)`.
+   record, `_C.TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)`.
+
+   Memory contract (as TensorFlow's TFE_Py_RecordGradient with its generated
+   OpGradientUnusedInputIndices / OpGradientUnusedOutputIndices): a record holds only the
+   inputs and outputs the op's registered gradient function reads, as named by the
+   `used_indices(op_type)` callable given to `tape_setup` (asked once per op type, cached
+   in a bounded dict); the others are None in the record's `inputs` / `outputs` (resource
+   and variant outputs are always kept). When TensorFlow's tape set is not empty (a
+   tf.GradientTape or accumulator may differentiate the gradient computation) the record
+   keeps everything. The tape's `_tracked` holds recorded outputs by weak reference, as
+   `key -> (weakref, id)`; an entry whose tensor is gone counts as untracked (its key, a
+   handle address, may be a new tensor's). The graph is linked by ids, never by
+   tensors: `ids` is `(input ids (None if untracked), output ids ((seq << 20) | index),
+   output specs)`, output specs None or per output `(dtype enum, dims)` of a dropped
+   output of a multi-output op (None for kept ones), for the zeros of its gradient.
    Every case it does not take (no input tracked on a variable read, a copy op, inputs or
    outputs that are not EagerTensors, a state it cannot read) is handed, before anything
    changed, to that Python reference. TensorFlow's tape set is asked through the

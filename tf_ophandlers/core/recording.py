@@ -1,18 +1,22 @@
 """A tape's per-op recording in C (cc/tape_record.h), for handlers in the tape's role.
 
-`recording(is_stopped, is_empty, trainable_dtype_enums)` returns ``(Record,
-after_execute)``:
+`recording(is_stopped, is_empty, trainable_dtype_enums, used_indices)` returns
+``(Record, after_execute)``:
 
-- ``Record(seq, op_type, op, backward, inputs, outputs, stack, skip)``: a C type with
-  those read-only attributes (one recorded operation);
+- ``Record(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)``: a C type
+  with those read-only attributes (one recorded operation; `ids` is ``(input ids,
+  output ids, output specs)``, the links of the recorded graph);
 - ``after_execute``: an `OpHandler.after_execute` implemented in C for a handler whose
-  state is a tape's (`_live`, `_tracked` and `_producer` dicts keyed by `tensor_key`, an
-  int `_seq`), with `_after_execute_python(op, inputs, outputs)` doing the same in
+  state is a tape's (`_live`; `_tracked`, a dict from `tensor_key` to ``(tensor or
+  weakref to it, id)``; `_producer`, a dict from output id to record; an int `_seq`), with `_after_execute_python(op, inputs, outputs)` doing the same in
   Python for the cases C hands over (a variable read whose handle is not tracked yet, a
   copy op, non-eager tensors) and `_bridge_to_tf_tapes(op, inputs, outputs)` called
   when TensorFlow's tape set (`is_empty()`) is not empty. It records nothing while
   `is_stopped()` (TensorFlow's `stop_recording`). The outputs whose dtype enum is in
-  `trainable_dtype_enums` become tracked.
+  `trainable_dtype_enums` become tracked (by weak reference, with id ``(seq << 20) |
+  index``). Unless TensorFlow's tape set is recording, a record keeps only the inputs
+  and outputs `used_indices(op_type)` names (``(inputs, outputs)``, each a set of
+  indices or None for all); the others are None in the record (cc/tape_record.h).
 
 `oh.GradientTape` (handlers/gradient_tape.py) is the user; recording an op then enters
 no Python frame.
@@ -22,9 +26,10 @@ from tensorflow.python import pywrap_tfe
 import tf_ophandlers._C as _C
 
 
-def recording(is_stopped, is_empty, trainable_dtype_enums):
+def recording(is_stopped, is_empty, trainable_dtype_enums, used_indices):
     """``(Record type, after_execute method)``; see the module docstring."""
-    return _C.tape_setup(is_stopped, is_empty, frozenset(trainable_dtype_enums))
+    return _C.tape_setup(is_stopped, is_empty, frozenset(trainable_dtype_enums),
+                         used_indices)
 
 
 def record_on_tf_tapes(op, inputs, outputs):

@@ -42,6 +42,8 @@ from tf_ophandlers.core.functions.call_records import densified, replayed_call
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import record_on_tf_tapes, recording
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
+from tf_ophandlers.handlers.gradient_tape_exclusions import (
+    drop_unread, track_ref, tracked_entry, used_indices)
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
 
@@ -53,6 +55,7 @@ _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
 _RESOURCE = tf.resource.as_datatype_enum
+UID_SHIFT = 20  # a recorded output's id: (record seq << UID_SHIFT) | output index
 
 # Ops that read a variable: a read of a variable not yet watched asks the watcher first.
 _VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
@@ -66,14 +69,12 @@ _TRAINABLE_ENUMS = frozenset(
     if backprop_util.IsTrainable(d))
 
 
-# One recorded operation: what its gradient function needs, and where it ran. A C type
-# (cc/tape_record.h) with read-only attributes seq, op_type, op (an oh.Op, attrs decoded
-# only if the gradient function reads them), backward (a Python backward function for
-# custom gradients, or None), inputs, outputs, stack (the stack the forward op ran on;
-# its gradient runs there) and skip (input indices that need no gradient, as TensorFlow
-# passes). `_after_execute_c` records ops in C (GradientTape.after_execute).
+# One recorded operation: a C type (cc/tape_record.h, also the memory contract: as
+# TensorFlow's tape, a record keeps only the inputs and outputs its op's gradient reads,
+# gradient_tape_exclusions.py) with read-only seq, op_type, op, backward, inputs,
+# outputs, stack (where its gradient runs), skip and ids (the graph's links).
 _Record, _after_execute_c = recording(_tape_set_is_stopped, _tape_set_is_empty,
-                                      _TRAINABLE_ENUMS)
+                                      _TRAINABLE_ENUMS, used_indices)
 
 
 def _active_tapes():
@@ -125,10 +126,13 @@ class GradientTape(BackwardPass, OpHandler):
                       and not self._stopped)
 
     def _clear(self):
-        self._producer = {}  # _key(tensor) -> _Record that produced it
-        self._tracked = {}  # _key(tensor) -> tensor, for watched and recorded tensors
+        self._producer = {}  # output id -> _Record that produced it
+        # _key(tensor) -> (tensor, id) for watched tensors, (weakref or tensor, id) for
+        # recorded outputs (see tracked_entry)
+        self._tracked = {}
         self._variables = {}  # _key(handle) -> variable watched
         self._seq = 0
+        self._watch_ids = 0  # watched tensors' ids: -1, -2, ...
 
     def debug_string(self):
         return "GradientTape(persistent=%s)" % self._persistent
@@ -252,12 +256,15 @@ class GradientTape(BackwardPass, OpHandler):
         tracked = self._tracked
         found = False
         skip = []
+        in_ids = []
         for i, t in enumerate(inputs):
-            known = tracked.get(_key(t))
+            known = tracked_entry(tracked, t)
             if known is None:
                 skip.append(i)
+                in_ids.append(None)
             else:
-                inputs[i] = known
+                inputs[i], uid = known
+                in_ids.append(uid)
                 found = True
         if not found:
             if op.type not in _VARIABLE_READS or not self._harvest_variables():
@@ -276,16 +283,30 @@ class GradientTape(BackwardPass, OpHandler):
             trainable = [o for o in trainable if _key(o) not in same]
             if not trainable:
                 return
-        self._seq += 1
-        record = _Record(self._seq, op_type, op, None, inputs, outputs, next_stack(),
-                         tuple(skip))
-        producer = self._producer
-        for o in trainable:
-            k = _key(o)
-            tracked[k] = o
-            producer[k] = record
+        self._new_record(op_type, op, None, inputs, outputs, next_stack(), tuple(skip),
+                         in_ids, trainable)
         if not _tape_set_is_empty():
             self._bridge_to_tf_tapes(op, inputs, outputs)
+
+    def _new_record(self, op_type, op, backward, inputs, outputs, stack, skip, in_ids,
+                    trainable):
+        """Appends a record; `trainable` (outputs) become tracked."""
+        self._seq += 1
+        seq = self._seq
+        base = seq << UID_SHIFT
+        out_ids = tuple(base | j for j in range(len(outputs)))
+        kept_in, kept_out, specs = inputs, outputs, None
+        if backward is None and op is not None and _tape_set_is_empty():
+            kept_in, kept_out, specs = drop_unread(op_type, inputs, outputs)
+        record = _Record(seq, op_type, op, backward, kept_in, kept_out, stack, skip,
+                         (tuple(in_ids), out_ids, specs))
+        tracked, producer = self._tracked, self._producer
+        trainable = {id(o) for o in trainable}
+        for j, o in enumerate(outputs):
+            if id(o) in trainable:
+                tracked[_key(o)] = (track_ref(o), out_ids[j])
+                producer[out_ids[j]] = record
+        return record
 
     def handles_copy(self, op):
         # While recording, copy ops on the tape's stack are recorded like other ops and
@@ -301,22 +322,23 @@ class GradientTape(BackwardPass, OpHandler):
             tensor = source.unwrap(tensor)  # our tensor from an earlier merge
         below = self.next
         value = below.copy_on(tensor)
-        known = self._tracked.get(_key(tensor))
+        known = tracked_entry(self._tracked, tensor)
         if (known is None and self._watcher is not None
                 and tensor._datatype_enum() == _RESOURCE and self._harvest_variables()):  # pylint: disable=protected-access
-            known = self._tracked.get(_key(tensor))  # a variable handle read just now
+            known = tracked_entry(self._tracked, tensor)  # a variable handle read just now
         # (Recorded while TensorFlow stopped recording too: a call's arguments are
         # copied down the stacks while its forward function runs, and a tape below may
         # record the replay of the call on the copies.)
         if known is not None and _key(value) != _key(tensor) and self._live:
-            tensor = known
+            tensor = known[0]
             op = Op.cached("CopyOn", T=value.dtype)
             self._record("CopyOn", op, None, [tensor], [value], below, ())
             self._bridge_to_tf_tapes(op, [tensor], [value])
         return value
 
     def _record(self, op_type, op, backward, inputs, outputs, stack, skip):
-        """Appends a record if an output is differentiable; returns whether it did."""
+        """Appends a record if an output is differentiable; returns whether it did.
+        `inputs` are the tape's canonical tensors (or untracked ones)."""
         trainable = [o for o in outputs
                      if o is not None and o._datatype_enum() in _TRAINABLE_ENUMS]  # pylint: disable=protected-access
         if not trainable:
@@ -328,12 +350,13 @@ class GradientTape(BackwardPass, OpHandler):
             trainable = [o for o in trainable if _key(o) not in same]
             if not trainable:
                 return False
-        self._seq += 1
-        record = _Record(self._seq, op_type, op, backward, inputs, list(outputs), stack, skip)
-        tracked, producer = self._tracked, self._producer
-        for o in trainable:
-            tracked[_key(o)] = o
-            producer[_key(o)] = record
+        tracked = self._tracked
+        in_ids = []
+        for t in inputs:
+            known = tracked_entry(tracked, t)
+            in_ids.append(None if known is None else known[1])
+        self._new_record(op_type, op, backward, list(inputs), list(outputs), stack, skip,
+                         in_ids, trainable)
         return True
 
     def record_sum(self, parts, total):
@@ -341,8 +364,9 @@ class GradientTape(BackwardPass, OpHandler):
         nested in this one (see BackwardPass._record_on_enclosing_tapes), if a part is
         tracked here."""
         tracked = self._tracked
-        canonical = [tracked.get(_key(p), p) for p in parts]
-        skip = tuple(i for i, p in enumerate(parts) if _key(p) not in tracked)
+        known = [tracked_entry(tracked, p) for p in parts]
+        canonical = [p if k is None else k[0] for p, k in zip(parts, known)]
+        skip = tuple(i for i, k in enumerate(known) if k is None)
         if len(skip) < len(parts) and not _tape_set_is_stopped():
             op = Op.cached("AddN", N=len(parts), T=total.dtype)
             self._record("AddN", op, None, canonical, [total], PHYSICAL, skip)
@@ -371,14 +395,22 @@ class GradientTape(BackwardPass, OpHandler):
             if hasattr(t, "handle"):
                 self._watch_variable(t)
             else:
-                value = self._level_of(t)
-                self._tracked[_key(value)] = value
+                self._track_watched(self._level_of(t))
 
     def _watch_variable(self, variable):
         handle = variable.handle
-        value = self._level_of(handle)
-        self._tracked[_key(value)] = value
+        self._track_watched(self._level_of(handle))
         self._variables.setdefault(_key(handle), variable)
+
+    def _track_watched(self, value):
+        if tracked_entry(self._tracked, value) is None:
+            self._watch_ids -= 1
+            self._tracked[_key(value)] = (value, self._watch_ids)
+
+    def _id_of(self, tensor):
+        """The id a tensor at this tape's level has in records (its key if untracked)."""
+        known = tracked_entry(self._tracked, tensor)
+        return ("untracked", _key(tensor)) if known is None else known[1]
 
     def watched_variables(self):
         """Variables watched by this tape, in order of construction."""
@@ -511,7 +543,7 @@ def _record_on_tapes(op_type, output_tensors, input_tensors, backward_for_tapes,
             continue
         inputs = [tape._level_of(t) for t in input_tensors]  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
-        if any(_key(t) in tracked for t in inputs):
+        if any(tracked_entry(tracked, t) is not None for t in inputs):
             outputs = [tape._level_of(t) for t in output_tensors]  # pylint: disable=protected-access
             below = _scope_below(tape)
             _copy_on_reducing_stack(tape, below, inputs)
@@ -530,9 +562,10 @@ def _copy_on_reducing_stack(tape, below, inputs):
         return
     tracked = tape._tracked  # pylint: disable=protected-access
     for i, t in enumerate(inputs):
-        known = tracked.get(_key(t))
+        known = tracked_entry(tracked, t)
         if known is None or _stack_of(t) is not None:
             continue
+        known = known[0]
         copied = below.copy_on(known)
         op = Op.cached("CopyOn", T=copied.dtype)
         if tape._record("CopyOn", op, None, [known], [copied], below, ()):  # pylint: disable=protected-access
@@ -564,7 +597,7 @@ def _possible_gradient_types(tensors):
 
 def _maybe_tracked(tape, tensor, tracked):
     try:
-        return _key(tape._level_of(tensor)) in tracked  # pylint: disable=protected-access
+        return tracked_entry(tracked, tape._level_of(tensor)) is not None  # pylint: disable=protected-access
     except CopyOffError:
         # A tensor of a handler above with no tensor at the tape's level (a per-example
         # value of vectorized_map): a function call on it is replayed, and the tape

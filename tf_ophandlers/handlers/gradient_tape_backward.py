@@ -102,6 +102,14 @@ def _warn_untracked_inputs(path):
                 return
 
 
+def _zeros_of(spec):
+    """Zeros of a dropped output's (dtype enum, dims)."""
+    dtype = tf.dtypes.as_dtype(spec[0])
+    if dtype in (tf.string, tf.resource):
+        return None
+    return tf.zeros(spec[1], dtype)
+
+
 def differentiable_value(value):
     """Whether `value` is something a tape differentiates: a tensor, a variable (also a
     Keras one) or a composite tensor."""
@@ -144,10 +152,13 @@ class BackwardPass:
         targets = [self._level_of(t) for t in targets]
         sources = [self._level_of(s) for s in sources]
         producer = self._producer
-        source_ids = {_key(s) for s in sources}
+        # Tensors are known by their ids in records (GradientTape._id_of).
+        target_ids = [self._id_of(t) for t in targets]
+        source_list = [self._id_of(s) for s in sources]
+        source_ids = set(source_list)
 
         # Records on a path from a source to a target, in recording order.
-        needed, pending, seen = {}, [_key(t) for t in targets], set()
+        needed, pending, seen = {}, list(target_ids), set()
         while pending:
             i = pending.pop()
             if i in seen:
@@ -156,28 +167,28 @@ class BackwardPass:
             record = producer.get(i)
             if record is not None and record.seq not in needed:
                 needed[record.seq] = record
-                pending.extend(_key(x) for x in record.inputs)
+                pending.extend(x for x in record.ids[0] if x is not None)
         live = set(source_ids)
         path = []
         for seq in sorted(needed):
             record = needed[seq]
-            if any(_key(x) in live for x in record.inputs):
+            if any(x in live for x in record.ids[0]):
                 path.append(record)
-                live.update(_key(o) for o in record.outputs if o is not None)
+                live.update(record.ids[1])
 
         if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
             _warn_untracked_inputs(path)
 
         grads = {}
-        for i, t in enumerate(targets):
-            if _key(t) not in live:
+        for i, (t, tid) in enumerate(zip(targets, target_ids)):
+            if tid not in live:
                 continue
             g = output_gradients[i] if output_gradients is not None else None
             if g is None:
                 g = _seed(t)
                 if g is None:
                     g = self._ones_like(t)
-            grads.setdefault(_key(t), []).append(g)
+            grads.setdefault(tid, []).append(g)
 
         if release:
             # The tape's own maps hold every record and recorded tensor: emptied now
@@ -194,8 +205,8 @@ class BackwardPass:
                 self._run_backward(record, grads, live, source_ids)
 
         result = []
-        for s, raw in zip(sources, sources_raw):
-            parts = grads.get(_key(s))
+        for sid, raw in zip(source_list, sources_raw):
+            parts = grads.get(sid)
             if parts:
                 with self._where(parts[0]):
                     total = _tf_backprop._aggregate_grads(parts)  # pylint: disable=protected-access
@@ -228,26 +239,32 @@ class BackwardPass:
 
     def _run_backward(self, record, grads, live, source_ids):
         outputs = record.outputs
-        parts = [grads.get(_key(o)) if o is not None else None for o in outputs]
+        in_ids, out_ids, specs = record.ids
+        parts = [grads.get(i) for i in out_ids]
         if not any(parts):
             return
-        for o in outputs:
-            if o is not None and _key(o) not in source_ids:
-                grads.pop(_key(o), None)
+        for i in out_ids:
+            if i not in source_ids:
+                grads.pop(i, None)
         with self._placed(record.stack):
             accepts_none = _ACCEPTS_NONE.get(record.op_type, ())
             out_grads = []
             for k, (o, p) in enumerate(zip(outputs, parts)):
                 if p:
                     out_grads.append(_tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
-                elif k in accepts_none or o is None or o.dtype in (tf.string, tf.resource):
+                elif k in accepts_none:
+                    out_grads.append(None)
+                elif specs is not None and specs[k] is not None:
+                    # an output the tape dropped (its gradient function does not read it)
+                    out_grads.append(_zeros_of(specs[k]))
+                elif o is None or o.dtype in (tf.string, tf.resource):
                     out_grads.append(None)
                 else:
                     out_grads.append(default_gradient.zeros_like(o))
             in_grads = self._call_gradient_function(record, out_grads)
-        for x, g in zip(record.inputs, in_grads):
-            if g is not None and _key(x) in live:
-                grads.setdefault(_key(x), []).append(g)
+        for i, g in zip(in_ids, in_grads):
+            if g is not None and i is not None and i in live:
+                grads.setdefault(i, []).append(g)
 
     def _call_gradient_function(self, record, out_grads):
         if record.backward is not None:

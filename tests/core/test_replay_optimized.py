@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 import tf_ophandlers as oh
+from tf_ophandlers.core.functions import call as function_calls
 
 
 def _post_optimization_ops(run):
@@ -67,13 +68,22 @@ def test_a_replayed_function_is_optimized_like_tensorflows_own_call():
     assert _fused(twin_ops), twin_ops  # TensorFlow fuses this CNN on the CPU
     assert _fused(ops) == _fused(twin_ops), (ops, twin_ops)
     assert "Conv2D" not in ops and "MatMul" not in ops, ops
-    # A hit of the replay cache runs the instantiated (optimized) function again.
+    # Hits of the replay cache run the instantiated (optimized) function again: no new
+    # replay, and the call op (the runtime's kernel cache key) is not rebuilt.
+    f = tf.function(first)
+    before = set(function_calls._cache)  # pylint: disable=protected-access
     with oh.DataFormat():
-        f = tf.function(first)
-        np.testing.assert_allclose(oh.copy_off(f(x)).numpy(), twin.numpy(), rtol=1e-5,
-                                   atol=1e-5)
-        np.testing.assert_allclose(oh.copy_off(f(x)).numpy(), twin.numpy(), rtol=1e-5,
-                                   atol=1e-5)
+        oh.copy_off(f(x))
+    new = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
+    assert len(new) == 1
+    compiled = function_calls._cache[new[0]].compiled  # pylint: disable=protected-access
+    call_op = compiled.call_op
+    for _ in range(3):
+        with oh.DataFormat():
+            np.testing.assert_allclose(oh.copy_off(f(x)).numpy(), twin.numpy(), rtol=1e-5,
+                                       atol=1e-5)
+    assert compiled.call_op is call_op
+    assert [k for k in function_calls._cache if k not in before] == new  # pylint: disable=protected-access
 
 
 @pytest.fixture

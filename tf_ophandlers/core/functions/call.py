@@ -24,6 +24,8 @@ A cache hit costs the splits, one dictionary lookup and one function call.
 import contextlib
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
+from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import handle_data_util as _handle_data_util
@@ -52,28 +54,56 @@ class CompiledCall:
     On physical devices it runs as one op, without ConcreteFunction's Python call path
     (tapes above recorded the original call). On a handler stack it goes through that
     path, so that a tape there records it with TensorFlow's function gradient.
+
+    `optimized=True` (replays) gives the op the attributes TensorFlow's own call path
+    gives a function call (the context's `config_proto` and `executor_type`): without
+    them the runtime instantiates the function without grappler (no Conv2D+BiasAdd
+    fusion, no pruning), so a replay ran slower than the function it replays. The op is
+    rebuilt when the context's function options change (it is the runtime's kernel
+    cache key). Handlers building many small throwaway functions keep the default
+    (no grappler pass at each new function).
     """
 
-    __slots__ = ("function", "call_op", "captured")
+    __slots__ = ("function", "call_op", "captured", "optimized", "_options")
 
-    def __init__(self, function):
+    def __init__(self, function, optimized=False):
         self.function = function  # owns the function registered in the context
-        signature = function.function_def.signature
-        self.call_op = _C.new_op(signature.name, {}, len(signature.output_arg))
         self.captured = list(function.captured_inputs)
+        self.optimized = optimized
+        self._options = None  # (executor_type, config_proto) of call_op when optimized
+        self.call_op = self._new_op({})
+
+    def _new_op(self, attrs):
+        signature = self.function.function_def.signature
+        return _C.new_op(signature.name, attrs, len(signature.output_arg))
+
+    def _optimized_op(self):
+        options = _context.context().function_call_options.as_attrs()
+        key = (options["executor_type"], options["config_proto"])
+        if key != self._options:
+            self.call_op = self._new_op({
+                name: _attr_value_pb2.AttrValue(s=_as_bytes(value)).SerializeToString()
+                for name, value in options.items()})
+            self._options = key
+        return self.call_op
 
     def run(self, stack, args):
         """The outputs of the function called on `args` (tensors) on `stack`."""
         if stack is PHYSICAL:
-            return PHYSICAL.execute(self.call_op, list(args) + self.captured)
+            op = self._optimized_op() if self.optimized else self.call_op
+            return PHYSICAL.execute(op, list(args) + self.captured)
         return call_on(stack, self.function, args)
+
+
+def _as_bytes(value):
+    return value if isinstance(value, bytes) else value.encode()
 
 
 class _Entry:
     __slots__ = ("compiled", "output_trees", "dense")
 
     def __init__(self, function, output_trees, dense=False):
-        self.compiled = CompiledCall(function)
+        self.compiled = CompiledCall(function, optimized=True)
         self.output_trees = output_trees
         # Tangents reach the arguments: tapes get dense gradients (call_records.py).
         self.dense = dense

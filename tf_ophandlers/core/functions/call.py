@@ -22,6 +22,7 @@ A `tf.function` call reaches a stack as one op named after the function
 A cache hit costs the splits, one dictionary lookup and one function call.
 """
 import contextlib
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
@@ -33,6 +34,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.functions import call_records, library
+from tf_ophandlers.core.functions import ungated as _ungated
 from tf_ophandlers.core.functions.control_flow import as_list
 from tf_ophandlers.core.functions.representations import (
     count_leaves, eager_leaf, graph_leaf, rebuild, split)
@@ -50,17 +52,23 @@ class CompiledCall:
     """A ConcreteFunction built by a handler (a replay, Lazy's pending ops), run on a stack.
 
     On physical devices it runs as one op, without ConcreteFunction's Python call path
-    (tapes above recorded the original call). On a handler stack it goes through that
-    path, so that a tape there records it with TensorFlow's function gradient.
+    (tapes above recorded the original call); with `ungated`, that op calls a copy of the
+    function without the output gate of automatic control dependencies (ungated.py: one
+    NoOp collecting every stateful op, cross-device edges in a multi-device function). On
+    a handler stack it goes through that path, so that a tape there records it with
+    TensorFlow's function gradient.
     """
 
-    __slots__ = ("function", "call_op", "captured")
+    __slots__ = ("function", "call_op", "captured", "ungated", "__weakref__")
 
-    def __init__(self, function):
+    def __init__(self, function, ungated=False):
         self.function = function  # owns the function registered in the context
         signature = function.function_def.signature
-        self.call_op = _C.new_op(signature.name, {}, len(signature.output_arg))
+        self.ungated = _ungated.ungated_copy(function) if ungated else None
+        self.call_op = _C.new_op(self.ungated or signature.name, {}, len(signature.output_arg))
         self.captured = list(function.captured_inputs)
+        if self.ungated is not None:  # removed from the context with this call
+            weakref.finalize(self, _ungated.remove, self.ungated)
 
     def run(self, stack, args):
         """The outputs of the function called on `args` (tensors) on `stack`."""
@@ -73,7 +81,7 @@ class _Entry:
     __slots__ = ("compiled", "output_trees", "dense")
 
     def __init__(self, function, output_trees, dense=False):
-        self.compiled = CompiledCall(function)
+        self.compiled = CompiledCall(function, ungated=True)
         self.output_trees = output_trees
         # Tangents reach the arguments: tapes get dense gradients (call_records.py).
         self.dense = dense

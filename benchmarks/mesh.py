@@ -21,6 +21,7 @@ tf.config.set_logical_device_configuration(_CPU, [tf.config.LogicalDeviceConfigu
 
 import numpy as np  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
+from tensorflow.python.eager import context  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -183,13 +184,18 @@ def make_step_configs(args, dmesh, omesh, rng):
         np.testing.assert_allclose(float(step_oh_replayed()), want, rtol=1e-5)
     assert not omesh.fallbacks, omesh.fallbacks
     (key,) = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
-    nodes = len(function_calls._cache[key].compiled.function.function_def.node_def)  # pylint: disable=protected-access
+    compiled = function_calls._cache[key].compiled  # pylint: disable=protected-access
+    # The function that runs: its copy without the output gate (core/functions/ungated.py).
+    fdef = (context.context().get_function_def(compiled.ungated) if compiled.ungated
+            else compiled.function.function_def)
+    nodes = len(fdef.node_def)
+    control = sum(i.startswith("^") for n in fdef.node_def for i in n.input)
     case = "Megatron MLP training step (%dx%d, hidden %d), oh.Mesh eager" % (N, D, F)
     traced = "same step, oh.Mesh replaying a tf.function"
     eager = Config(case, "oh", step_oh, args.steps)
     eager.launches = count_launches(step_oh)
     replayed = Config(traced, "oh", step_oh_replayed, args.steps)
-    replayed.launches = "%d nodes" % nodes
+    replayed.launches = "%d nodes, %d control edges" % (nodes, control)
     return [Config(case, "dtensor", step_dtensor, args.steps), eager,
             Config(traced, "dtensor", step_dtensor, args.steps), replayed]
 

@@ -8,6 +8,8 @@ control flow"; DESIGN.md decision 5).
   control_flow.py     If/Case/While rebuilt around replayed branches and bodies
   call.py             the call path, the replay cache, `CompiledCall` (registers itself
                       with core/stack.py as the function-call rule)
+  ungated.py          a replayed function's copy without the output gate of automatic
+                      control dependencies (what `CompiledCall` runs on devices)
   call_records.py     how tapes outside a replaying handler record a replayed call
   saving.py           refusing to save functions that depend on live handlers
 

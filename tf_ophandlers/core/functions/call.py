@@ -22,6 +22,7 @@ A `tf.function` call reaches a stack as one op named after the function
 A cache hit costs the splits, one dictionary lookup and one function call.
 """
 import contextlib
+import weakref
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
@@ -35,6 +36,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.functions import call_records, library
+from tf_ophandlers.core.functions import ungated as _ungated
 from tf_ophandlers.core.functions.control_flow import as_list
 from tf_ophandlers.core.functions.representations import (
     count_leaves, eager_leaf, graph_leaf, rebuild, split)
@@ -52,8 +54,11 @@ class CompiledCall:
     """A ConcreteFunction built by a handler (a replay, Lazy's pending ops), run on a stack.
 
     On physical devices it runs as one op, without ConcreteFunction's Python call path
-    (tapes above recorded the original call). On a handler stack it goes through that
-    path, so that a tape there records it with TensorFlow's function gradient.
+    (tapes above recorded the original call); with `ungated`, that op calls a copy of the
+    function without the output gate of automatic control dependencies (ungated.py: one
+    NoOp collecting every stateful op, cross-device edges in a multi-device function). On
+    a handler stack it goes through that path, so that a tape there records it with
+    TensorFlow's function gradient.
 
     `optimized=True` (replays) gives the op the attributes TensorFlow's own call path
     gives a function call (the context's `config_proto` and `executor_type`): without
@@ -64,18 +69,22 @@ class CompiledCall:
     (no grappler pass at each new function).
     """
 
-    __slots__ = ("function", "call_op", "captured", "optimized", "_options")
+    __slots__ = ("function", "call_op", "captured", "optimized", "ungated", "_options",
+                 "__weakref__")
 
-    def __init__(self, function, optimized=False):
+    def __init__(self, function, optimized=False, ungated=False):
         self.function = function  # owns the function registered in the context
         self.captured = list(function.captured_inputs)
         self.optimized = optimized
+        self.ungated = _ungated.ungated_copy(function) if ungated else None
+        if self.ungated is not None:  # removed from the context with this call
+            weakref.finalize(self, _ungated.remove, self.ungated)
         self._options = None  # (executor_type, config_proto) of call_op when optimized
         self.call_op = self._new_op({})
 
     def _new_op(self, attrs):
         signature = self.function.function_def.signature
-        return _C.new_op(signature.name, attrs, len(signature.output_arg))
+        return _C.new_op(self.ungated or signature.name, attrs, len(signature.output_arg))
 
     def _optimized_op(self):
         options = _context.context().function_call_options.as_attrs()
@@ -103,7 +112,7 @@ class _Entry:
     __slots__ = ("compiled", "output_trees", "dense")
 
     def __init__(self, function, output_trees, dense=False):
-        self.compiled = CompiledCall(function, optimized=True)
+        self.compiled = CompiledCall(function, optimized=True, ungated=True)
         self.output_trees = output_trees
         # Tangents reach the arguments: tapes get dense gradients (call_records.py).
         self.dense = dense

@@ -287,8 +287,7 @@ def test_signatures_from_output_dtypes_only_where_the_attributes_follow():
     attributes all follow from the output dtypes; ops of one type and output dtype with
     other attributes (LeakyRelu's alpha, Cast's source type, a reduction's keepdims)
     never share a compiled function, and neither do dtypes."""
-    from tf_ophandlers.handlers import lazy  # pylint: disable=import-outside-toplevel
-    follow = lazy._attrs_follow_outputs  # pylint: disable=protected-access
+    follow = lazy_compile.attrs_follow_outputs
     assert follow("Tanh") and follow("Mul") and follow("AddV2")
     assert not follow("LeakyRelu")  # alpha: a float
     assert not follow("Cast")  # SrcT is no output's dtype

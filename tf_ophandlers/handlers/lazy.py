@@ -46,14 +46,8 @@ from tf_ophandlers.handlers import lazy_compile
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
-# A node's signature (op type, canonical attribute bytes) costs a serialization of the
-# op's attributes (~1.5 us, as much as the rest of recording). For an op type whose
-# attributes are all type attributes that its outputs' dtypes give (Tanh, Mul, AddV2:
-# `T`), the attributes follow from (op type, output dtypes): the signature is
-# serialized once per such pair and looked up after that.
-_by_outputs = BoundedCache("lazy.attrs_by_outputs", 4096)  # op type -> whether they follow
-_sigs = BoundedCache("lazy.sigs", 4096)  # (op type, output dtype enums) -> signature
 _sequence = itertools.count()
+_sigs = lazy_compile.sigs  # (op type, output dtypes) -> a node's signature
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
@@ -77,32 +71,6 @@ def _is_stateful(op_type):
         op_def = op_def_registry.get(op_type)
         s = _stateful[op_type] = op_def is None or op_def.is_stateful
     return s
-
-
-def _attrs_follow_outputs(op_type):
-    """Whether an op of `op_type` has only type attributes, each one the dtype of an
-    output (so that its output dtypes give all its attributes)."""
-    follow = _by_outputs.get(op_type)
-    if follow is None:
-        op_def = op_def_registry.get(op_type)
-        follow = op_def is not None
-        if follow:
-            out_types = {a.type_attr for a in op_def.output_arg
-                         if a.type_attr and not a.number_attr}
-            follow = all(a.type == "type" and a.name in out_types for a in op_def.attr)
-        _by_outputs[op_type] = follow
-    return follow
-
-
-def _signature(op, enums):
-    """(op type, canonical attribute bytes) of `op`, whose output dtypes are `enums`."""
-    key = (op.type, enums)
-    sig = _sigs.get(key)
-    if sig is None:
-        sig = (key[0], op.attrs_key())
-        if _attrs_follow_outputs(key[0]):
-            _sigs[key] = sig
-    return sig
 
 
 class _Node:
@@ -389,8 +357,9 @@ class Lazy(OpHandler):
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
         sig = _sigs.get((op.type, enums))
-        node = _Node(op, sig if sig is not None else _signature(op, enums), node_inputs,
-                     _state.current)  # (current: the stack below)
+        if sig is None:
+            sig = lazy_compile.signature(op, enums)
+        node = _Node(op, sig, node_inputs, _state.current)  # (current: the stack below)
         if len(enums) == 1:  # most ops: no comprehension frames
             e = enums[0]
             o = LazyValue(node, 0, _dtypes.get(e) or _dtype(e))

@@ -280,3 +280,35 @@ def test_partial_value_requests_keep_outputs_pending_ops_need():
         for g, w in zip(got[1], want[1]):
             assert g.dtype == w.dtype
             np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_signatures_from_output_dtypes_only_where_the_attributes_follow():
+    """A node's signature is looked up by (op type, output dtypes) only for op types whose
+    attributes all follow from the output dtypes; ops of one type and output dtype with
+    other attributes (LeakyRelu's alpha, Cast's source type, a reduction's keepdims)
+    never share a compiled function, and neither do dtypes."""
+    follow = lazy_compile.attrs_follow_outputs
+    assert follow("Tanh") and follow("Mul") and follow("AddV2")
+    assert not follow("LeakyRelu")  # alpha: a float
+    assert not follow("Cast")  # SrcT is no output's dtype
+    assert not follow("IsFinite")  # T only types the input
+    assert not follow("Sum")  # keep_dims, Tidx
+    assert not follow("NoSuchOpType")
+    x32 = tf.random.stateless_normal([5, 4], seed=[7, 8])
+    programs = [
+        (lambda x: tf.nn.leaky_relu(tf.tanh(x), alpha=0.1), x32),
+        (lambda x: tf.nn.leaky_relu(tf.tanh(x), alpha=0.3), x32),
+        (lambda x: tf.cast(tf.cast(tf.tanh(x), tf.float64), tf.float32), x32),
+        (lambda x: tf.cast(tf.cast(tf.tanh(x), tf.int32), tf.float32), x32 * 3.0),
+        (lambda x: tf.reduce_sum(tf.tanh(x) * 2.0, axis=0, keepdims=True), x32),
+        (lambda x: tf.reduce_sum(tf.tanh(x) * 2.0, axis=0, keepdims=False), x32),
+        (lambda x: tf.tanh(x) * 2.0 + x, x32),
+        (lambda x: tf.tanh(x) * 2.0 + x, tf.cast(x32, tf.float64)),
+        (lambda x: tf.tanh(x) * 2.0 + x, tf.cast(x32, tf.float16)),
+    ]
+    for _ in range(2):  # the second round's lookups hit
+        for fn, x in programs:
+            want = fn(x)
+            got, _ = _lazy_value(fn, x)
+            assert got.dtype == want.dtype.as_numpy_dtype and got.shape == tuple(want.shape)
+            assert_close(got, want)

@@ -47,6 +47,7 @@ from tf_ophandlers.handlers import lazy_compile
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
 _sequence = itertools.count()
+_sigs = lazy_compile.sigs  # (op type, output dtypes) -> a node's signature
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
@@ -81,9 +82,9 @@ class _Node:
     __slots__ = ("op", "sig", "inputs", "outputs", "values", "specs", "next", "failed",
                  "seq", "device", "__weakref__")
 
-    def __init__(self, op, inputs, next_stack):
+    def __init__(self, op, sig, inputs, next_stack):
         self.seq = next(_sequence)  # recording order
-        self.sig = (op.type, op.attrs_key())  # op type and attributes: all a key needs
+        self.sig = sig  # (op type, attributes) (_signature): all a key needs
         # The Op itself only over another handler (run op by op); see _op.
         self.op = None if next_stack is PHYSICAL else op
         self.device = _state.device  # the `tf.device` placement it was recorded under
@@ -355,7 +356,10 @@ class Lazy(OpHandler):
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]
-        node = _Node(op, node_inputs, _state.current)  # (current: the stack below)
+        sig = _sigs.get((op.type, enums))
+        if sig is None:
+            sig = lazy_compile.signature(op, enums)
+        node = _Node(op, sig, node_inputs, _state.current)  # (current: the stack below)
         if len(enums) == 1:  # most ops: no comprehension frames
             e = enums[0]
             o = LazyValue(node, 0, _dtypes.get(e) or _dtype(e))

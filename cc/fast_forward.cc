@@ -25,10 +25,12 @@ namespace fast {
 // the payload; `own[i]`, when `own` is not null, the payload's value, borrowed, else
 // null), and `in[i]` itself for an input `pass` lets through. Returns false (nothing
 // done) when an input needs Python: a payload of `stack` that is not an EagerTensor, or a
-// foreign input needing a copy_on hook. `in` borrowed. Never fails otherwise; no Python
-// exception set. GIL: held.
+// foreign input needing a copy_on hook (unless `foreign` is not null: such an input then
+// gets `values[i]` = `in[i]` and its index is appended to `*foreign`, for the caller to
+// copy on). `in` borrowed. Never fails otherwise; no Python exception set. GIL: held.
 bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
-                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own) {
+                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own,
+                  absl::InlinedVector<int, 4>* foreign) {
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
     if (own != nullptr) own[i] = nullptr;
@@ -54,6 +56,9 @@ bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
       // done yet). kPhysical: after_execute's contract says the handler's copy_on
       // leaves a physical input unchanged.
       values[i] = in[i];
+    } else if (foreign != nullptr) {
+      values[i] = in[i];  // the caller copies it on
+      foreign->push_back(i);
     } else {
       return false;  // a copy_on hook to run: Python
     }

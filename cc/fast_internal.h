@@ -36,6 +36,8 @@
 
 #include <cstdint>
 
+#include "absl/container/inlined_vector.h"
+
 #include "fast_path.h"
 #include "native_internal.h"
 #include "tensorflow/c/eager/c_api.h"
@@ -140,10 +142,14 @@ bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle
 // the payload; `own[i]`, when `own` is not null, the payload's value, borrowed, else
 // null), and `in[i]` itself for an input `pass` lets through. Returns false (nothing
 // done) when an input needs Python: a payload of `stack` that is not an EagerTensor, or a
-// foreign input needing a copy_on hook. `in` borrowed. Never fails otherwise; no Python
-// exception set. GIL: held.
+// foreign input needing a copy_on hook, unless `foreign` is not null: such an input then
+// gets `values[i]` = `in[i]` (`own[i]` null) and its index is appended to `*foreign`, for
+// the caller to copy on (RunRecord over a Python execute hook). On false, `*foreign` may
+// hold indices of inputs seen before the one that declined. `in` borrowed. Never fails
+// otherwise; no Python exception set. GIL: held.
 bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
-                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own);
+                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own,
+                  absl::InlinedVector<int, 4>* foreign = nullptr);
 
 // HandlerStack.execute's forwarding path for a handler that does not execute `type`
 // (kForward): unwrap in C, RunOn the next stack, wrap the outputs that stay on the

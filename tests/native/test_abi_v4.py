@@ -152,3 +152,36 @@ def test_a_type_without_execute_needs_abi_version_4(tmp_path):
     src.write_text(NO_EXECUTE_V3)
     with pytest.raises(RuntimeError, match="execute are required"):
         oh.load_handler_library(build_handler_library(str(src)))
+
+
+@pytest.mark.parametrize("make", [oh.native.PassThrough, oh.OpHandler])
+def test_skipped_forwarding_levels_build_their_tensors_when_asked(make):
+    """Three nested pass-through levels: the C path runs the op once below the lowest and
+    wraps only the outermost level's output; the levels in between are made when Python
+    asks for a representation (stack.payload), each a tensor of the stack below."""
+    from tf_ophandlers.core.stack import PHYSICAL, payload
+    a = tf.constant([[1.0, 2.0], [3.0, -4.0]])
+    hs = [make() for _ in range(3)]
+    for h in hs:
+        h.__enter__()
+    try:
+        x = tf.identity(a)
+        y = tf.nn.relu(x * 2.0) + x  # fast path, levels skipped
+        stack, value = payload(y)
+        chain = [stack]
+        while True:
+            p = payload(value)
+            if p is None:
+                break
+            chain.append(p[0])
+            value = p[1]
+        assert [s.handler for s in chain] == hs[::-1]
+        assert chain[-1].next is PHYSICAL and payload(value) is None
+        np.testing.assert_array_equal(value.numpy(), (tf.nn.relu(a * 2.0) + a).numpy())
+        z = y * y  # an input whose levels were made: still right
+        w = tf.concat([z, y], 0)
+    finally:
+        for h in reversed(hs):
+            h.__exit__(None, None, None)
+    want_y = tf.nn.relu(a * 2.0) + a
+    assert_same([y, z, w], [want_y, want_y * want_y, tf.concat([want_y * want_y, want_y], 0)])

@@ -153,7 +153,11 @@ bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
 
 // HandlerStack.execute's forwarding path for a handler that does not execute `type`
 // (kForward): unwrap in C, RunOn the next stack, wrap the outputs that stay on the
-// stacks as payloads of `stack` (no EagerTensor made). The Run* "handled" contract.
+// stacks as payloads of `stack` (no EagerTensor made). Forwarding levels right below
+// that take every input as it is (kForward, transient, default copy_on) are skipped:
+// their unwrap runs here, the op runs on the first level below them, and the payloads
+// record them (payload.h `lazy`; their tensors are made by PayloadValue when Python asks).
+// The Run* "handled" contract.
 bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                 const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                 TFE_TensorHandle** outputs, TF_Status* status, int depth);

@@ -173,7 +173,8 @@ typedef struct TFOH_RuntimeApi {
   // ---- registration (only inside TFOH_InitHandlerLibrary) ----
   // Registers a handler type. `type` is copied except for its function pointers and
   // `type_data`, which must stay valid while the library is loaded (libraries are
-  // never unloaded). Fails for an unknown abi_version, a missing name or execute, or a
+  // never unloaded). Fails for an unknown abi_version, a missing name, create or
+  // delete_state, a missing execute in a type of ABI version 1 to 3, or a
   // name registered twice in the library.
   void (*register_type)(TFOH_Library* library, const struct TFOH_HandlerType* type,
                         TF_Status* status);

@@ -4,12 +4,12 @@ Times, in one process, a small op (tf.add on 2x2 float32 whose inputs already li
 the handler stack, the steady state of a chain of ops in a scope) under:
 
   plain        no handler
-  cxx-1        oh.native.PassThrough()
+  cxx-1        oh.native.PassThrough() (no execute hook: ABI version 4's forwarding)
   cxx-2        two nested oh.native.PassThrough() (the cost of a further C++ level)
   py-1         oh.OpHandler() (the Python pass-through)
   py-2         two nested oh.OpHandler()
   py-skip      a Python handler whose handles_ops excludes the op
-  counter      oh.native.OpCounter()
+  counter      oh.native.OpCounter() (an execute hook per op, no-GIL path)
   oplog        oh.OpLogHandler()
 
 Configurations are interleaved (shuffled order every round), gc disabled while timing;
@@ -131,7 +131,9 @@ def render_md(s, info, args, agree, elapsed):
         "freshly shuffled order, as %d untimed + %d timed back-to-back ops with the "
         "garbage collector disabled. Times are medians over rounds; ratios are to plain "
         "eager in the same run, with the quartiles of the same-round ratios. "
-        "`OpCounter` and `OpLogHandler` are made fresh each round."
+        "`OpCounter` and `OpLogHandler` are made fresh each round. `PassThrough` has no "
+        "execute hook (ABI version 4): the runtime forwards its ops, and skips the "
+        "forwarding levels in between; `OpCounter` runs its C++ execute hook per op."
         % (args.rounds, WARMUP_OPS, args.n))
     L = _common.intro_md("Handlers in C++ (`oh.native`): per-op cost", args.quick, method,
                          _common.machine_md(info, len(CONFIGS), elapsed), "")

@@ -140,6 +140,19 @@ const Decision* Decide(PyObject* stack, const char* type) {
     d.kind = kNative;
     d.next = next;
     d.handler = handler;
+    auto* self = reinterpret_cast<native_internal::NativeHandlerObject*>(handler);
+    if (self->state != nullptr && !native_internal::ExecutesOp(self, type)) {
+      // ABI version 4: an op the handler does not execute is forwarded as a Python
+      // handler's default execute is (RunForward: no hook call, no TFOH_* object). Its
+      // outputs answer shape queries from their handle, so a type with num_dims/dim
+      // hooks takes the Python path, which wraps them for those hooks.
+      const TFOH_HandlerType& k = self->type->hooks;
+      d.kind = (k.num_dims != nullptr || k.dim != nullptr) ? kPython : kForward;
+      d.handler = nullptr;
+      d.transient = true;  // native handlers are transient (handler.h)
+      d.default_copy_on = k.copy_on == nullptr;
+      d.copy_all = !(d.default_copy_on && next != g_physical);  // HandlerStack._defer_copy
+    }
   } else if (IsRegisteredOpType(type)) {
     // The stack's signature (None: its decisions are its own, not shared).
     PyObject* sig = PyObject_GetAttr(stack, s_sig);

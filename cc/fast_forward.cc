@@ -25,10 +25,12 @@ namespace fast {
 // the payload; `own[i]`, when `own` is not null, the payload's value, borrowed, else
 // null), and `in[i]` itself for an input `pass` lets through. Returns false (nothing
 // done) when an input needs Python: a payload of `stack` that is not an EagerTensor, or a
-// foreign input needing a copy_on hook. `in` borrowed. Never fails otherwise; no Python
-// exception set. GIL: held.
+// foreign input needing a copy_on hook (unless `foreign` is not null: such an input then
+// gets `values[i]` = `in[i]` and its index is appended to `*foreign`, for the caller to
+// copy on). `in` borrowed. Never fails otherwise; no Python exception set. GIL: held.
 bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
-                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own) {
+                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own,
+                  absl::InlinedVector<int, 4>* foreign) {
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
     if (own != nullptr) own[i] = nullptr;
@@ -54,6 +56,9 @@ bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
       // done yet). kPhysical: after_execute's contract says the handler's copy_on
       // leaves a physical input unchanged.
       values[i] = in[i];
+    } else if (foreign != nullptr) {
+      values[i] = in[i];  // the caller copies it on
+      foreign->push_back(i);
     } else {
       return false;  // a copy_on hook to run: Python
     }
@@ -61,8 +66,17 @@ bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
   return true;
 }
 
+// The most forwarding levels RunForward skips below one level (their stacks are kept in
+// the outputs' payloads: payload.h `lazy`).
+constexpr int kMaxSkipped = 8;
+
 // HandlerStack.execute's forwarding path for a handler that does not execute `type`:
-// unwrap in C, run on the next stack, wrap in C. GIL: held.
+// unwrap in C, run on the next stack, wrap in C. Forwarding levels right below that take
+// every input as it is (transient, default copy_on) are skipped: their unwrap runs here,
+// the op runs on the first level below them, and the outputs' payloads record them, so
+// their tensors are built only if Python asks for this level's value (PayloadValue). A
+// further pass-through level then costs a decision and an unwrap per op, not a handler
+// tensor per output. GIL: held.
 bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                 const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                 TFE_TensorHandle** outputs, TF_Status* status, int depth) {
@@ -71,22 +85,56 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
                     values.data(), nullptr)) {
     return false;
   }
+  // The levels below to skip (borrowed: each stack keeps the next alive).
+  absl::InlinedVector<PyObject*, 2> skipped;
+  PyObject* run_on = d.next;
+  while (run_on != g_physical && static_cast<int>(skipped.size()) < kMaxSkipped &&
+         depth + 1 + static_cast<int>(skipped.size()) < kMaxDepth) {
+    const Decision* nd = Decide(run_on, type);
+    if (nd == nullptr || nd->kind != kForward || !nd->transient || !nd->default_copy_on) break;
+    PyObject* below = nd->next;  // copied before UnwrapInputs (no Decide runs in it)
+    if (!UnwrapInputs(run_on, Pass::kAny, false, n_in, values.data(), values.data(),
+                      nullptr)) {
+      break;  // (an input of that level that is not a tensor: it runs as a level)
+    }
+    skipped.push_back(run_on);
+    run_on = below;
+  }
   int n = *num_outputs;
   absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
-  if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
-             depth + 1)) {
+  if (!RunOn(run_on, src, type, device, n_in, values.data(), &n, outs.data(), status,
+             depth + 1 + static_cast<int>(skipped.size()))) {
     return false;
   }
   if (TF_GetCode(status) != TF_OK) return true;
   PyObject* producer = InternedString(type);
+  PyObject* lazy = nullptr;  // the skipped stacks (new reference), shared by the outputs
+  if (skipped.size() == 1) {
+    lazy = skipped[0];
+    Py_INCREF(lazy);
+  } else if (skipped.size() > 1) {
+    lazy = PyTuple_New(static_cast<Py_ssize_t>(skipped.size()));
+    for (size_t i = 0; lazy != nullptr && i < skipped.size(); ++i) {
+      Py_INCREF(skipped[i]);
+      PyTuple_SET_ITEM(lazy, i, skipped[i]);
+    }
+    if (lazy == nullptr) {  // no memory: nothing wrapped yet
+      StatusFromPyErr(status);
+      Py_XDECREF(producer);
+      for (int j = 0; j < n; ++j) TFE_DeleteTensorHandle(outs[j]);
+      return true;
+    }
+  }
   int done = 0;
   for (; producer != nullptr && done < n; ++done) {
     TFE_TensorHandle* h = outs[done];
     TF_DataType dt = TFE_TensorHandleDataType(h);
-    bool leaves = d.transient && dt == TF_RESOURCE;  // RFC "Placement of resource handles"
-    if (!leaves && d.next != g_physical) {
+    // RFC "Placement of resource handles": a transient level leaves them on its next
+    // stack (every skipped level is transient, so they leave from the lowest one up).
+    bool leaves = (d.transient || !skipped.empty()) && dt == TF_RESOURCE;
+    if (!leaves && run_on != g_physical) {
       TFOH_Payload* p = PayloadOf(h);
-      leaves = p == nullptr || reinterpret_cast<PyObject*>(p->stack) != d.next;
+      leaves = p == nullptr || reinterpret_cast<PyObject*>(p->stack) != run_on;
     }
     if (leaves) {
       outputs[done] = h;  // ownership moves to the caller
@@ -94,10 +142,11 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
     }
     // No EagerTensor for the value: made only if Python asks (PayloadValue).
     outs[done] = nullptr;  // taken by the payload in every case
-    outputs[done] = NewHandlerTensorHandleFromHandle(stack, h, dt, producer);
+    outputs[done] = NewHandlerTensorHandleFromHandle(stack, h, dt, producer, lazy);
     if (outputs[done] == nullptr) break;
   }
   Py_XDECREF(producer);
+  Py_XDECREF(lazy);
   if (done < n) {  // a failure (Python exception set)
     StatusFromPyErr(status);
     for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);

@@ -36,6 +36,8 @@
 
 #include <cstdint>
 
+#include "absl/container/inlined_vector.h"
+
 #include "fast_path.h"
 #include "native_internal.h"
 #include "tensorflow/c/eager/c_api.h"
@@ -140,14 +142,22 @@ bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle
 // the payload; `own[i]`, when `own` is not null, the payload's value, borrowed, else
 // null), and `in[i]` itself for an input `pass` lets through. Returns false (nothing
 // done) when an input needs Python: a payload of `stack` that is not an EagerTensor, or a
-// foreign input needing a copy_on hook. `in` borrowed. Never fails otherwise; no Python
-// exception set. GIL: held.
+// foreign input needing a copy_on hook, unless `foreign` is not null: such an input then
+// gets `values[i]` = `in[i]` (`own[i]` null) and its index is appended to `*foreign`, for
+// the caller to copy on (RunRecord over a Python execute hook). On false, `*foreign` may
+// hold indices of inputs seen before the one that declined. `in` borrowed. Never fails
+// otherwise; no Python exception set. GIL: held.
 bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
-                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own);
+                  TFE_TensorHandle** in, TFE_TensorHandle** values, PyObject** own,
+                  absl::InlinedVector<int, 4>* foreign = nullptr);
 
 // HandlerStack.execute's forwarding path for a handler that does not execute `type`
 // (kForward): unwrap in C, RunOn the next stack, wrap the outputs that stay on the
-// stacks as payloads of `stack` (no EagerTensor made). The Run* "handled" contract.
+// stacks as payloads of `stack` (no EagerTensor made). Forwarding levels right below
+// that take every input as it is (kForward, transient, default copy_on) are skipped:
+// their unwrap runs here, the op runs on the first level below them, and the payloads
+// record them (payload.h `lazy`; their tensors are made by PayloadValue when Python asks).
+// The Run* "handled" contract.
 bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                 const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                 TFE_TensorHandle** outputs, TF_Status* status, int depth);

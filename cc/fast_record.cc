@@ -53,30 +53,12 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
       over_hook = true;
     }
   }
-  // Inputs from elsewhere to copy on in C (over a hook, on the op's first stack only).
+  // Inputs from elsewhere to copy on in C (over a hook, on the op's first stack only):
+  // UnwrapInputs lists them instead of declining.
   absl::InlinedVector<int, 4> foreign;
   if (!UnwrapInputs(stack, Pass::kPhysical, d.next == g_physical, n_in, in, values.data(),
-                    own.data())) {
-    if (!over_hook || depth != 0) return false;
-    for (int i = 0; i < n_in; ++i) {  // which inputs: nothing done yet
-      TFOH_Payload* p = PayloadOf(in[i]);
-      if (p != nullptr && reinterpret_cast<PyObject*>(p->stack) == stack) {
-        if (p->kind != TFOH_PAYLOAD_PYTHON) return false;
-        PyObject* v = PayloadValue(p);
-        if (v == nullptr) {
-          PyErr_Clear();
-          return false;
-        }
-        if (!EagerTensor_CheckExact(v)) return false;
-        own[i] = v;
-        values[i] = PayloadTensorHandle(p);
-        if (values[i] == nullptr) return false;
-      } else {
-        own[i] = nullptr;
-        values[i] = in[i];
-        foreign.push_back(i);
-      }
-    }
+                    own.data(), over_hook && depth == 0 ? &foreign : nullptr)) {
+    return false;
   }
   const int capacity = *num_outputs;
   int n = capacity;

@@ -31,6 +31,7 @@ void FreePayloadWithGil(TFOH_Payload* p) {
   Py_XDECREF(reinterpret_cast<PyObject*>(p->stack));
   Py_XDECREF(reinterpret_cast<PyObject*>(p->value));
   Py_XDECREF(reinterpret_cast<PyObject*>(p->producer));
+  Py_XDECREF(reinterpret_cast<PyObject*>(p->lazy));
   delete p;
 }
 
@@ -251,7 +252,8 @@ TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_Da
 }
 
 TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHandle* value,
-                                                   TF_DataType dtype, PyObject* producer) {
+                                                   TF_DataType dtype, PyObject* producer,
+                                                   PyObject* lazy) {
   if (g_ctx == nullptr) {
     TFE_DeleteTensorHandle(value);
     PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: dispatcher not initialized");
@@ -260,12 +262,55 @@ TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHa
   DrainPending();
   TFOH_Payload* p = NewPythonPayload(stack, producer);
   p->shape_source = value;  // its Python value is made on first use (PayloadValue)
+  if (lazy != nullptr) {
+    Py_INCREF(lazy);
+    p->lazy = lazy;
+  }
   TF_Status* s = ThreadStatus();
   return HandleOfPayload(p, dtype, s);
 }
 
+namespace {
+
+// The value of a payload with skipped levels: shape_source's tensor wrapped by each
+// skipped stack from the lowest up (as their RunForward would have), as an EagerTensor
+// (new reference), or null with a Python exception set. GIL: held.
+PyObject* MakeLazyValue(TFOH_Payload* p) {
+  PyObject* lazy = reinterpret_cast<PyObject*>(p->lazy);
+  PyObject* producer = p->producer != nullptr ? reinterpret_cast<PyObject*>(p->producer)
+                                              : nullptr;
+  TF_Status* s = ThreadStatus();
+  TF_DataType dtype = TFE_TensorHandleDataType(p->shape_source);
+  TFE_TensorHandle* h = TFE_TensorHandleCopySharingTensor(p->shape_source, s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
+    TF_SetStatus(s, TF_OK, "");
+    return nullptr;
+  }
+  Py_ssize_t n = PyTuple_Check(lazy) ? PyTuple_GET_SIZE(lazy) : 1;
+  for (Py_ssize_t i = n - 1; i >= 0 && h != nullptr; --i) {
+    PyObject* stack = PyTuple_Check(lazy) ? PyTuple_GET_ITEM(lazy, i) : lazy;
+    h = NewHandlerTensorHandleFromHandle(stack, h, dtype, producer);  // takes h
+  }
+  if (h == nullptr) return nullptr;
+  PyObject* v = EagerTensorFromHandle(h, false);  // owns `h` on success
+  if (v == nullptr) TFE_DeleteTensorHandle(h);
+  return v;
+}
+
+}  // namespace
+
 PyObject* PayloadValue(TFOH_Payload* p) {
   if (p->value != nullptr) return reinterpret_cast<PyObject*>(p->value);
+  if (p->lazy != nullptr && p->shape_source != nullptr) {
+    PyObject* v = MakeLazyValue(p);
+    if (v == nullptr) return nullptr;
+    p->value = v;
+    PyObject* lazy = reinterpret_cast<PyObject*>(p->lazy);
+    p->lazy = nullptr;
+    Py_DECREF(lazy);
+    return v;
+  }
   if (p->shape_source == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: a handler tensor without a value");
     return nullptr;

@@ -42,7 +42,10 @@ TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_Da
 // pass-through level never need a Python object. Null with a Python exception set on
 // failure. GIL: must be held. Also drains the pending-free queue.
 TFE_TensorHandle* NewHandlerTensorHandleFromHandle(PyObject* stack, TFE_TensorHandle* value,
-                                                   TF_DataType dtype, PyObject* producer);
+                                                   TF_DataType dtype, PyObject* producer,
+                                                   PyObject* lazy = nullptr);
+// (`lazy`, borrowed, may be null: the payload's forwarding levels skipped in between,
+// payload.h; the payload takes a reference.)
 
 // The payload's value (borrowed; `p` kind TFOH_PAYLOAD_PYTHON), made on first use for a
 // payload created from a handle (an EagerTensor sharing shape_source's tensor, kept in

@@ -350,8 +350,16 @@ bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
   int cap = op->num_outputs < 0 ? 0 : op->num_outputs;
   outs.assign(cap > 0 ? cap : 1, nullptr);
   int n = cap;
-  self->type->hooks.execute(self->state, ctx, op, static_cast<int>(ins.size()), ins.data(), &n,
-                            outs.data(), status);
+  auto execute = self->type->hooks.execute;
+  if (execute != nullptr) {
+    execute(self->state, ctx, op, static_cast<int>(ins.size()), ins.data(), &n, outs.data(),
+            status);
+  } else {
+    // ABI version 4: a type without execute forwards every op (the paths that reach here
+    // for it: the no-GIL path, a direct `_oh_execute`; the stacks forward it otherwise).
+    ApiExecuteNext(ctx, op, static_cast<int>(ins.size()), ins.data(), &n, outs.data(),
+                   status);
+  }
   if (TF_GetCode(status) != TF_OK) {
     for (auto* t : outs) Unref(t);
     outs.clear();
@@ -571,7 +579,8 @@ bool NativeNoGilExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle
   if (plan.stack == nullptr || plan.generation != StacksGeneration()) return false;
   if (g_state == nullptr || PyGILState_Check()) return false;
   NativeHandlerObject* self = plan.handler;
-  if (self->state == nullptr) return false;
+  // A type that chooses its ops (executes_op, asked with the GIL) takes the GIL path.
+  if (self->state == nullptr || self->type->hooks.executes_op != nullptr) return false;
   TF_Status* s = ThreadStatus();
   // The cheapest test first: an op a scope placed runs on state.current, which must be
   // the remembered stack (another stack's ops decline here, in a few dozen instructions).

@@ -28,6 +28,10 @@ void SetBuffer(TF_Buffer* out, const std::string& text) {
 }
 
 // ---- PassThrough: forwards every op to the next stack ----------------------------------
+//
+// No execute hook (ABI version 4): the runtime forwards every op itself, a forwarding
+// level with no hook call and no TFOH_* object per op (a handler that executes some ops
+// and forwards the rest names them with executes_op instead).
 
 struct PassThroughState {};
 
@@ -41,11 +45,6 @@ void* PassThroughCreate(void*, const char* config, TF_Status* status) {
 
 void PassThroughDelete(void* state) { delete static_cast<PassThroughState*>(state); }
 
-void PassThroughExecute(void*, TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
-                        TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
-                        TF_Status* status) {
-  g_api->execute_next(ctx, op, num_inputs, inputs, num_outputs, outputs, status);
-}
 
 // ---- OpCounter: counts the ops it executes, by type -------------------------------------
 //
@@ -165,7 +164,7 @@ TFOH_HandlerType MakeType(const char* name, const char* doc) {
 
 extern "C" TFOH_EXPORT void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* api,
                                                     TFOH_Library* library, TF_Status* status) {
-  if (api->abi_version < 1) {
+  if (api->abi_version < TFOH_ABI_VERSION) {  // PassThrough needs version 4's NULL execute
     TF_SetStatus(status, TF_FAILED_PRECONDITION, "runtime ABI too old");
     return;
   }
@@ -173,7 +172,7 @@ extern "C" TFOH_EXPORT void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* api,
   TFOH_HandlerType pass = MakeType("PassThrough", "Forwards every op unchanged (C++).");
   pass.create = PassThroughCreate;
   pass.delete_state = PassThroughDelete;
-  pass.execute = PassThroughExecute;
+  pass.execute = nullptr;  // forwards every op (ABI version 4)
   api->register_type(library, &pass, status);
   if (TF_GetCode(status) != TF_OK) return;
 

@@ -19,6 +19,7 @@ std::string UnknownAbiVersionMessage(int abi_version) {
 size_t HandlerTypeBytes(const TFOH_HandlerType* type) {
   size_t defined = type->abi_version == 1   ? TFOH_HANDLER_TYPE_V1_SIZE
                    : type->abi_version == 2 ? TFOH_HANDLER_TYPE_V2_SIZE
+                   : type->abi_version == 3 ? TFOH_HANDLER_TYPE_V3_SIZE
                                             : sizeof(TFOH_HandlerType);
   return type->struct_size < defined ? type->struct_size : defined;
 }

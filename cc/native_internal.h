@@ -240,6 +240,11 @@ void RaiseStatus(TF_Status* status);
 // Whether `self` was initialized; false with a Python exception set otherwise. GIL: held.
 bool CheckState(NativeHandlerObject* self);
 
+// Whether `self`'s execute hook runs for ops of `type` (ABI version 4: false for every
+// type when the hook is NULL; else the executes_op hook's answer, true without it). `self`
+// must be initialized. Never fails. GIL: held (the executes_op hook runs with it).
+bool ExecutesOp(NativeHandlerObject* self, const char* type);
+
 }  // namespace native_internal
 }  // namespace tf_ophandlers
 

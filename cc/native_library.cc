@@ -146,10 +146,10 @@ void ApiRegisterType(TFOH_Library* library, const TFOH_HandlerType* type, TF_Sta
     return;
   }
   if (type->name == nullptr || type->name[0] == '\0' || type->create == nullptr ||
-      type->delete_state == nullptr || type->execute == nullptr) {
+      type->delete_state == nullptr || (type->execute == nullptr && type->abi_version < 4)) {
     TF_SetStatus(status, TF_INVALID_ARGUMENT,
-                 "tf_ophandlers: register_type: name, create, delete_state and execute are "
-                 "required");
+                 "tf_ophandlers: register_type: name, create, delete_state and (before ABI "
+                 "version 4) execute are required");
     return;
   }
   for (void* r : *library->types) {
@@ -228,7 +228,8 @@ PyObject* PyLoadHandlerLibrary(PyObject*, PyObject* args) {
     PyObject* cap = PyCapsule_New(rec, "tf_ophandlers.type", nullptr);
     const TFOH_HandlerType& k = rec->hooks;
     PyObject* hooks = Py_BuildValue(
-        "{sOsOsOsOsOsOsOsOsOsOsO}", "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
+        "{sOsOsOsOsOsOsOsOsOsOsOsOsO}", "execute", k.execute ? Py_True : Py_False,
+        "executes_op", k.executes_op ? Py_True : Py_False, "copy_on", k.copy_on ? Py_True : Py_False, "copy_off",
         k.copy_off ? Py_True : Py_False, "num_dims", k.num_dims ? Py_True : Py_False, "dim",
         k.dim ? Py_True : Py_False, "debug_string", k.debug_string ? Py_True : Py_False,
         "tensor_debug_string", k.tensor_debug_string ? Py_True : Py_False, "query",

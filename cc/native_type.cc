@@ -48,6 +48,12 @@ bool CheckState(NativeHandlerObject* self) {
   return true;
 }
 
+bool ExecutesOp(NativeHandlerObject* self, const char* type) {
+  const TFOH_HandlerType& k = self->type->hooks;
+  if (k.execute == nullptr) return false;
+  return k.executes_op == nullptr || k.executes_op(self->state, type) != 0;
+}
+
 namespace {
 
 // ---- NativeHandlerBase methods ------------------------------------------------------------
@@ -308,6 +314,15 @@ PyObject* NativeStaticValue(NativeHandlerObject* self, PyObject* value) {
   return r;
 }
 
+// _oh_executes_op(op_type) -> bool: whether the execute hook runs for ops of `op_type`
+// (the class's `handles_ops`; ExecutesOp).
+PyObject* NativeExecutesOp(NativeHandlerObject* self, PyObject* op_type) {
+  if (!CheckState(self)) return nullptr;
+  const char* type = PyUnicode_AsUTF8(op_type);
+  if (type == nullptr) return nullptr;
+  return PyBool_FromLong(ExecutesOp(self, type));
+}
+
 PyObject* NativeTypeName(NativeHandlerObject* self, void*) {
   if (self->type == nullptr) Py_RETURN_NONE;
   return PyUnicode_FromString(self->type->name.c_str());
@@ -330,6 +345,8 @@ PyMethodDef kNativeMethods[] = {
      "_oh_function_output(summary, value) -> value (the function_output hook)."},
     {"_oh_cache_key", reinterpret_cast<PyCFunction>(NativeCacheKey), METH_NOARGS,
      "_oh_cache_key() -> bytes or None (the function_cache_key hook)."},
+    {"_oh_executes_op", reinterpret_cast<PyCFunction>(NativeExecutesOp), METH_O,
+     "_oh_executes_op(op_type) -> bool: whether the execute hook runs for the op type."},
     {"query", reinterpret_cast<PyCFunction>(NativeQuery), METH_VARARGS,
      "query(key) -> bytes: a read-only request the handler defines."},
     {"_oh_debug_string", reinterpret_cast<PyCFunction>(NativeDebugString), METH_NOARGS, nullptr},

@@ -25,7 +25,9 @@ def _chain(a, b):
     return [x, y, s, tf.cast(s, tf.int32), tf.shape(y), u[0]]
 
 
-@pytest.mark.parametrize("make", [oh.native.PassThrough, oh.native.OpCounter])
+# (oh.native.PassThrough has no execute hook since ABI version 4: it forwards on the GIL
+# fast path, tests/native/test_abi_v4.py; OpCounter's execute hook runs without the GIL.)
+@pytest.mark.parametrize("make", [oh.native.OpCounter])
 def test_c_handler_over_physical_runs_without_the_gil_and_matches_tensorflow(make):
     a = tf.random.stateless_uniform([4, 3], seed=[1, 2])
     b = tf.random.stateless_uniform([4, 3], seed=[3, 4])
@@ -145,12 +147,12 @@ def test_threads_with_c_handlers_and_python_work_at_once():
 def test_errors_of_the_no_gil_path_name_the_handler_and_the_op():
     a = tf.ones([2, 3])
     b = tf.ones([4, 5])
-    with oh.native.PassThrough():
+    with oh.native.OpCounter():
         x = tf.identity(a)
         tf.add(x, a)  # remembered
         with pytest.raises(tf.errors.InvalidArgumentError) as e:
             tf.matmul(x, b)
-    assert "PassThrough" in str(e.value) and "MatMul" in str(e.value)
+    assert "OpCounter" in str(e.value) and "MatMul" in str(e.value)
 
 
 def test_placement_of_ops_with_handler_inputs_follows_tensorflow_rules():

@@ -66,12 +66,13 @@ def _ops_of_every_output_kind(x, i):
     ]
 
 
+@pytest.mark.parametrize("make", ["PassThrough", "OpCounter"])  # forwarded / a hook
 @pytest.mark.parametrize("levels", [1, 2])
-def test_output_dtypes_of_every_kind_match_tensorflow(levels):
+def test_output_dtypes_of_every_kind_match_tensorflow(levels, make):
     x = tf.constant([[1.0, -2.0], [3.0, 0.5]])
     i = tf.constant([1, 0, 1])
     want = _ops_of_every_output_kind(x, i)
-    handlers = [oh.native.PassThrough() for _ in range(levels)]
+    handlers = [getattr(oh.native, make)() for _ in range(levels)]
 
     def run():
         return _ops_of_every_output_kind(tf.identity(x), tf.identity(i))
@@ -108,7 +109,7 @@ def test_output_dtype_check_is_per_op_not_per_op_type():
     assert counter.counts["AddV2"] == 4 and counter.counts["Cast"] == 4
 
 
-@pytest.mark.parametrize("order", ["cxx-py-cxx", "py-cxx-py", "cxx-cxx-cxx"])
+@pytest.mark.parametrize("order", ["cxx-py-cxx", "py-cxx-py", "cxx-cxx-cxx", "cnt-py-cnt"])
 def test_mixed_levels_keras_values_and_gradients(order):
     """C++ levels over, under and between Python levels: a Keras model's values and
     gradients equal plain TensorFlow's, eagerly and in a fresh tf.function, with a
@@ -125,7 +126,7 @@ def test_mixed_levels_keras_values_and_gradients(order):
         return loss, tape.gradient(loss, model.trainable_variables)
 
     want = [step(x[:4]), step(x[4:])]
-    make = {"cxx": oh.native.PassThrough, "py": oh.OpHandler}
+    make = {"cxx": oh.native.PassThrough, "py": oh.OpHandler, "cnt": oh.native.OpCounter}
     for run in (step, tf.function(step)):
         handlers = [make[k]() for k in order.split("-")]
         for h in handlers:

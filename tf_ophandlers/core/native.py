@@ -144,6 +144,11 @@ class HandlerLibrary:
         return "<HandlerLibrary %s: %s>" % (self.path, ", ".join(sorted(self._types)))
 
 
+def _handles_ops(self):
+    """The type's executes_op hook as `handles_ops` (op_type -> bool)."""
+    return self._oh_executes_op
+
+
 def _make_class(name, doc, capsule, hooks):
     namespace = {
         "__doc__": doc or "Handler type %s from a handler library." % name,
@@ -154,6 +159,10 @@ def _make_class(name, doc, capsule, hooks):
     }
     # Hooks the type leaves out keep OpHandler's defaults, so the stacks keep their fast
     # paths (a default copy_on needs no hook frame).
+    if not hooks.get("execute", True):  # ABI version 4: executes no op (forwards all)
+        namespace["execute"] = OpHandler.execute
+    elif hooks.get("executes_op"):  # ABI version 4: executes only the ops it names
+        namespace["handles_ops"] = property(_handles_ops)
     if hooks.get("copy_on"):
         namespace["copy_on"] = _copy_on
     if hooks.get("copy_off"):

@@ -340,7 +340,8 @@ class HandlerStack(Stack):
         reads besides `op_type` and `self.next` must be in the signature)."""
         handler = self.handler
         if isinstance(handler, _C.NativeHandlerBase):
-            kind = FAST_NATIVE
+            # (C++ decides these stacks itself: fast_decision.cc, the same rule.)
+            kind = FAST_NATIVE if self._runs_execute(op_type) else FAST_FORWARD
         elif op_type in COPY_OPS:
             kind = FAST_PYTHON
         elif not self._runs_execute(op_type):

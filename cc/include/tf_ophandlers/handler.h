@@ -28,8 +28,8 @@
    a library built against an older header (smaller struct_size) keeps working and a
    newer library checks `api->struct_size` before using a field added later. The runtime
    reads a type's fields up to the smaller of its struct_size and the size its
-   abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE, _V2_SIZE): a field added in a later
-   version is NULL for a type of an earlier version.
+   abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE, _V2_SIZE, _V3_SIZE): a field added in
+   a later version is NULL for a type of an earlier version.
    - Version 1: the hooks up to `function_input_summary`.
    - Version 2: `static_value` (tf.get_static_value of a handler's tensors).
    - Version 3: building ops (TFOH_RuntimeApi `op_new` .. `op_set_attr_tensor`: a hook
@@ -38,7 +38,13 @@
      handler-defined tensor state (`tensor_set_data`, `tensor_data`) and the
      `function_output` hook that rebuilds it after a function boundary.
      A version 3 library checks `api->abi_version >= 3` (or `api->struct_size`) before
-     calling a version 3 runtime function; the runtime accepts types of versions 1 to 3.
+     calling a version 3 runtime function.
+   - Version 4: ops a handler does not execute. `execute` may be NULL (the handler
+     executes no op: every op is forwarded to the next stack without a hook call), and
+     the `executes_op` hook tells, per op type, whether `execute` runs for it. An op the
+     handler does not execute costs a forwarding level (no TFOH_Op, TFOH_Tensor or hook
+     call is made for it), like a Python handler's `handles_ops`.
+   The runtime accepts types of versions 1 to 4.
 
    A handler's *representation* of a tensor is a tensor of the next stack, plus (ABI
    version 3) data of the handler's own attached with `tensor_set_data`: the runtime
@@ -97,7 +103,7 @@ extern "C" {
 struct TFE_TensorHandle;
 struct TFE_OpAttrs;
 
-#define TFOH_ABI_VERSION 3
+#define TFOH_ABI_VERSION 4
 
 #if defined(_WIN32)
 #define TFOH_EXPORT __declspec(dllexport)
@@ -167,7 +173,8 @@ typedef struct TFOH_RuntimeApi {
   // ---- registration (only inside TFOH_InitHandlerLibrary) ----
   // Registers a handler type. `type` is copied except for its function pointers and
   // `type_data`, which must stay valid while the library is loaded (libraries are
-  // never unloaded). Fails for an unknown abi_version, a missing name or execute, or a
+  // never unloaded). Fails for an unknown abi_version, a missing name, create or
+  // delete_state, a missing execute in a type of ABI version 1 to 3, or a
   // name registered twice in the library.
   void (*register_type)(TFOH_Library* library, const struct TFOH_HandlerType* type,
                         TF_Status* status);
@@ -221,8 +228,8 @@ typedef struct TFOH_RuntimeApi {
 } TFOH_RuntimeApi;
 
 // A handler type: the hooks of RFC "Available hooks". Only `name`, `create`,
-// `delete_state` and `execute` are required; a NULL optional hook has the default
-// behaviour described with it.
+// `delete_state` and (before ABI version 4) `execute` are required; a NULL optional hook
+// has the default behaviour described with it.
 typedef struct TFOH_HandlerType {
   int abi_version;     // TFOH_ABI_VERSION the library was built with.
   size_t struct_size;  // sizeof(TFOH_HandlerType) of the library.
@@ -240,11 +247,15 @@ typedef struct TFOH_HandlerType {
   void* (*create)(void* type_data, const char* config, TF_Status* status);
   void (*delete_state)(void* state);
 
-  // Execute (required): produce the op's outputs from `inputs` (this handler's
-  // representations: tensors of the next stack). Write at most `*num_outputs` new
-  // references into `outputs` and set `*num_outputs`; the count and dtypes must match
-  // the op's OpDef (the runtime checks and raises otherwise). A pass-through forwards
-  // with `api->execute_next(ctx, op, num_inputs, inputs, num_outputs, outputs, status)`.
+  // Execute (required before ABI version 4): produce the op's outputs from `inputs` (this
+  // handler's representations: tensors of the next stack). Write at most `*num_outputs`
+  // new references into `outputs` and set `*num_outputs`; the count and dtypes must match
+  // the op's OpDef (the runtime checks and raises otherwise). A hook forwards an op with
+  // `api->execute_next(ctx, op, num_inputs, inputs, num_outputs, outputs, status)`.
+  // NULL (ABI version 4 on): the handler executes no op; the runtime forwards every op to
+  // the next stack itself (inputs that are the handler's are unwrapped, outputs wrapped as
+  // its tensors, other inputs go through copy_on) without calling any hook per op: the
+  // cheapest pass-through. GIL: see the common contract (may run without it).
   void (*execute)(void* state, TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
                   TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
                   TF_Status* status);
@@ -326,12 +337,27 @@ typedef struct TFOH_HandlerType {
   // the tensor itself, without data. On failure set `status` (the call raises).
   TFOH_Tensor* (*function_output)(void* state, const char* summary, size_t summary_length,
                                   TFOH_Tensor* tensor, TF_Status* status);
+
+  // ---- ABI version 4 (read only for a type whose abi_version is 4 or more) ----
+
+  // ExecutesOp (optional): whether `execute` runs for ops of type `op_type` (nonzero) or
+  // the runtime forwards them to the next stack without a hook call (0), as a Python
+  // handler's `handles_ops`. The answer must depend only on `state` and `op_type`: the
+  // runtime asks once per (handler stack, op type) and caches it, so a further level that
+  // does not execute an op costs no per-op hook call. Copy ops (CopyOn, CopyOff, ...) are
+  // never asked. Called with the GIL held, on the thread that runs the op; must not
+  // block, fail or execute ops. `op_type` is borrowed for the call. NULL hook: `execute`
+  // runs for every op (or for none when `execute` is NULL). A type with this hook runs
+  // its executed ops with the GIL held (the no-GIL path of execute is not taken for it).
+  int (*executes_op)(void* state, const char* op_type);
 } TFOH_HandlerType;
 
 // sizeof(TFOH_HandlerType) of ABI version 1: what a version 1 type's struct_size is.
 #define TFOH_HANDLER_TYPE_V1_SIZE offsetof(TFOH_HandlerType, static_value)
 // sizeof(TFOH_HandlerType) of ABI version 2.
 #define TFOH_HANDLER_TYPE_V2_SIZE offsetof(TFOH_HandlerType, function_cache_key)
+// sizeof(TFOH_HandlerType) of ABI version 3.
+#define TFOH_HANDLER_TYPE_V3_SIZE offsetof(TFOH_HandlerType, executes_op)
 
 // The entry point every handler library exports (looked up by this name). Called once,
 // with the GIL held, by tf_ophandlers.load_handler_library. `api` lives for the process;

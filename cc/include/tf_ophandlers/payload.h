@@ -51,6 +51,13 @@ typedef struct TFOH_Payload {
   // tensor's hooks (num_dims, dim); null when it was created outside an op's execution
   // (a copy onto the stack). Strong reference.
   void* producer;  // PyObject*
+  // Forwarding levels skipped by the C fast path (RunForward), or null: the value is then,
+  // when made, the tensor of those stacks over `shape_source` (a HandlerStack, or a tuple
+  // of them from the highest down), built at the first PayloadValue exactly as the
+  // skipped levels would have wrapped it; until then C paths unwrap `shape_source`, the
+  // tensor those levels' default copy_on passes through. Strong reference; cleared once
+  // the value is made.
+  void* lazy;  // PyObject*
 } TFOH_Payload;
 
 #ifdef __cplusplus

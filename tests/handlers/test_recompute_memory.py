@@ -58,7 +58,9 @@ def test_non_persistent_tape_frees_records_during_the_backward_pass():
     tf_peak, oh_peak, persistent_peak = (int(v) for v in out.split())
     mb = 1 << 20
     assert oh_peak <= tf_peak + 20 * mb, (tf_peak, oh_peak)  # (134 MB before)
-    assert persistent_peak >= oh_peak + 30 * mb, (oh_peak, persistent_peak)
+    # Since records keep only what gradients read (as TensorFlow's), a persistent tape
+    # keeps fewer of the chain's 4 MB values to the end (measured 20 MB more; 30+ before).
+    assert persistent_peak >= oh_peak + 12 * mb, (oh_peak, persistent_peak)
 
 
 def test_failed_gradient_after_the_scope_cannot_be_retried_with_wrong_values():

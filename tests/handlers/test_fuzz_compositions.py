@@ -573,3 +573,16 @@ def test_forward_accumulator_max_pool_in_a_function_matches_eager():
     with oh.ForwardAccumulator(x, v) as acc:
         got = acc.jvp(tf.function(_softmax_max_pool)(x))
     _same(want, got, "JVP of softmax then max_pool in a tf.function")
+
+
+def test_tape_over_vmap_looped_gather_eagerly_after_a_traced_one():
+    # Fuzz finding (OH_FUZZ_SEED=11, order-dependent): the per-op while-loop function of
+    # a ResourceGather was cached across eager and traced use; differentiated first while
+    # a tf.function was traced, its gradient functions had outputs of unknown shape, and
+    # a later eager gradient through it raised ValueError ("Cannot convert a partially
+    # known TensorShape"). The cache is keyed by eagerness now. Both orders.
+    traced, eager = Program(12066, (4, 10)), Program(12092, (4, 10))
+    _run_case("GradientTape/vectorized_map", traced, "function", [3], True)
+    _run_case("GradientTape/vectorized_map", eager, "eager", [3], True)
+    _run_case("GradientTape/vectorized_map", eager, "eager", [2], False)
+    _run_case("GradientTape/vectorized_map", traced, "function", [2], False)

@@ -143,7 +143,12 @@ def _pfor_function(op, inputs, while_loop=False):
 
 
 def _converted_by_pfor(handler, execute, op, inputs):
-    key = _signature(op, inputs) + (handler.fallback_to_while_loop,)
+    # Keyed by eagerness too: the tf.function keeps the gradient functions TensorFlow
+    # builds at its first differentiation, and those built while a graph is traced (a
+    # replayed or traced step) have extra outputs of unknown shape that an eager
+    # gradient then cannot fill with zeros (ValueError: "Cannot convert a partially
+    # known TensorShape"; found by test_fuzz_compositions, OH_FUZZ_SEED=11).
+    key = _signature(op, inputs) + (handler.fallback_to_while_loop, tf.executing_eagerly())
     fn = _converted.get(key, False)
     if fn is False:
         try:

@@ -45,7 +45,6 @@ from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
-_stack_of = stack_of
 _EagerTensor = _ops.EagerTensor
 _key = tensor_key  # tensors are keyed by TensorFlow handle (see PyTensorKey in cc/module.cc)
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
@@ -314,7 +313,7 @@ class GradientTape(BackwardPass, OpHandler):
     def copy_on(self, tensor):
         # The default move, recorded when it creates a new tensor from a tracked one, so
         # gradients flow back through CopyOnGrad (RFC "Copies and their gradients").
-        source = _stack_of(tensor)
+        source = stack_of(tensor)
         if source is not None and source.handler is self:
             tensor = source.unwrap(tensor)  # our tensor from an earlier merge
         below = self.next

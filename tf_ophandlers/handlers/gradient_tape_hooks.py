@@ -25,7 +25,6 @@ from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of
 from tf_ophandlers.handlers.gradient_tape_exclusions import tracked_entry
 
 _EagerTensor = _ops.EagerTensor
-_stack_of = stack_of
 
 
 _original_record_operation = [_record.record_operation]  # the one replaced at install
@@ -89,7 +88,7 @@ def _copy_on_reducing_stack(tape, below, inputs):
     tracked = tape._tracked  # pylint: disable=protected-access
     for i, t in enumerate(inputs):
         known = tracked_entry(tracked, t)
-        if known is None or _stack_of(t) is not None:
+        if known is None or stack_of(t) is not None:
             continue
         known = known[0]
         copied = below.copy_on(known)

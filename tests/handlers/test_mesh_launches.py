@@ -40,12 +40,14 @@ def _values(rng, *shapes):
 
 CASES = [  # fn, layouts, shapes, eager ops per call
     (lambda a, b: a * b, [("batch", "model")] * 2, [[8, 6], [8, 6]], {"Mul": 4}),
-    (tf.matmul, [("batch", None), (None, "model")], [[8, 6], [6, 4]], {"MatMul": 4}),
+    # Small float products launch as BatchMatMulV3 (mesh_rules._small_matmul).
+    (tf.matmul, [("batch", None), (None, "model")], [[8, 6], [6, 4]],
+     {"BatchMatMulV3": 4}),
     # Partial sums over "model": both inputs are replicated over "batch" (devices (0, m)
     # and (1, m) share their shards), so one MatMul per "model" coordinate and one AddN,
     # read in place by every device.
     (tf.matmul, [(None, "model"), ("model", None)], [[8, 6], [6, 4]],
-     {"MatMul": 2, "AddN": 1}),
+     {"BatchMatMulV3": 2, "AddN": 1}),
     # A reduction over sharded axes combines the group's shards first (one AddN), then
     # reduces the group's shared sum once.
     (lambda a, b: tf.reduce_sum(a), [("batch", "model")] * 2, [[8, 6], [8, 6]],
@@ -79,6 +81,42 @@ def test_eager_ops_per_sharded_op(mesh, launched, fn, layouts, shapes, ops):
         assert dict(launched) == ops, launched
     assert_close(out, fn(a0, b0), 1e-5)
     assert not mesh.fallbacks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+@pytest.mark.parametrize("ta, tb", [(False, False), (True, False), (False, True),
+                                    (True, True)])
+@pytest.mark.parametrize("m, k, n", [(8, 6, 4), (256, 128, 256)])
+def test_small_real_matmuls_launch_as_batch_matmul_v3(
+        mesh, launched, dtype, ta, tb, m, k, n):
+    """Per device m/2 x k x n/2 multiply-adds: BatchMatMulV3 up to 2**20 for float32 and
+    float64 (transposes as adjoints), else TensorFlow's MatMul; the same values and
+    dtype as tf.matmul either way, and a tape's gradients too."""
+    rng = np.random.default_rng(2)
+    a0 = tf.constant(rng.integers(-3, 4, size=[m, k] if not ta else [k, m]), dtype)
+    b0 = tf.constant(rng.integers(-3, 4, size=[k, n] if not tb else [n, k]), dtype)
+    want = tf.matmul(a0, b0, transpose_a=ta, transpose_b=tb)
+    with mesh:
+        a = mesh.shard(a0, (None, "batch") if ta else ("batch", None))
+        b = mesh.shard(b0, ("model", None) if tb else (None, "model"))
+        launched.clear()
+        got = tf.matmul(a, b, transpose_a=ta, transpose_b=tb)
+        small = dtype != "int32" and (m // 2) * k * (n // 2) <= 1 << 20
+        assert dict(launched) == {"BatchMatMulV3" if small else "MatMul": 4}, launched
+        assert mesh.layout_of(got) == ("batch", "model")
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if dtype == "float32" and small:
+        with mesh:
+            with oh.GradientTape() as tape:
+                tape.watch([a, b])
+                y = tf.reduce_sum(tf.matmul(a, b, transpose_a=ta, transpose_b=tb) ** 2)
+            ga, gb = tape.gradient(y, [a, b])
+        with tf.GradientTape() as ref:
+            ref.watch([a0, b0])
+            y0 = tf.reduce_sum(tf.matmul(a0, b0, transpose_a=ta, transpose_b=tb) ** 2)
+        for g, g0 in zip([ga, gb], ref.gradient(y0, [a0, b0])):
+            assert_close(g, g0, 1e-5)
 
 
 def test_reduced_values_are_read_in_place_and_unpacked_on_their_devices(mesh, launched):

@@ -122,27 +122,31 @@ class MeshCommunication:
         creates on the hook's device)."""
         return scope.on_device(self.devices[device_index])
 
-    def run(self, op, args):
+    def run(self, op, args, eager_op=None, distinct=False):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output
-        of the per-device results."""
+        of the per-device results. `eager_op`: an equivalent op launched instead when
+        the shards run as eager ops on TensorFlow's devices (not in a replay);
+        `distinct`: no two devices hold the same shards of every arg (the caller knows
+        from the layouts: no search for shared inputs)."""
         if self._per_op.enabled:
             compiled = self._per_op.run(
                 op, [[v.shards[i] for v in args] for i in range(len(self.devices))],
                 next_stack)
             if compiled is not None:
                 return compiled
-        if self.shares_host_memory and args:
+        if self.shares_host_memory and args and not distinct:
             first = args[0].shards
             if (first[0] is first[-1] or len(set(map(id, first))) < len(first)) \
                     and stateless(op.type):
                 columns = list(zip(*[v.shards for v in args]))
                 keys = [tuple(map(id, c)) for c in columns]
                 if len(set(keys)) < len(keys):
-                    return self._run_once_per_inputs(op, columns, keys)
+                    return self._run_once_per_inputs(op, columns, keys, eager_op)
         below = next_stack()
         st = state
         if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
             # Eager, straight on TensorFlow's devices: one eager op per device.
+            op = eager_op or op
             if args:
                 outs = [execute_physical(op, shards, device) for device, shards in
                         zip(self.devices, zip(*[v.shards for v in args]))]
@@ -166,7 +170,7 @@ class MeshCommunication:
             st.device = saved
         return list(zip(*outs)) if outs and outs[0] else []
 
-    def _run_once_per_inputs(self, op, columns, keys):
+    def _run_once_per_inputs(self, op, columns, keys, eager_op=None):
         """A stateless op on a host-memory mesh whose devices share input shards (the
         same tensors: replicated along a mesh dimension): run once per distinct inputs
         (`columns`: each device's input shards, `keys` their ids), on the first device
@@ -175,16 +179,17 @@ class MeshCommunication:
         for i, (shards, key) in enumerate(zip(columns, keys)):
             out = done.get(key)
             if out is None:
-                out = done[key] = self.run_on(op, list(shards), i)
+                out = done[key] = self.run_on(op, list(shards), i, eager_op)
             outs.append(out)
         return list(zip(*outs)) if outs[0] else []
 
-    def run_on(self, op, inputs, device_index):
-        """The outputs of `op` run once, on mesh device `device_index`."""
+    def run_on(self, op, inputs, device_index, eager_op=None):
+        """The outputs of `op` run once, on mesh device `device_index` (`eager_op`: as
+        in `run`)."""
         st = state
         below = next_stack()
         if below is PHYSICAL and st.mode is None:
-            return execute_physical(op, inputs, self.devices[device_index])
+            return execute_physical(eager_op or op, inputs, self.devices[device_index])
         saved = st.device
         st.device = device = self.devices[device_index]
         try:

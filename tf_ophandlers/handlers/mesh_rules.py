@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.op import Op
 
 # Contraction plans (layout decisions), per (letters, input layouts, input shapes): they
 # depend on nothing else (the mesh's dimension names appear in the layouts).
@@ -137,32 +138,35 @@ def _broadcast_plan(inputs):
 
 # -- contractions: MatMul, BatchMatMul, Einsum -----------------------------------------
 
-def _contract(mesh, op, inputs, letters, out_letters):
+def _contract(mesh, op, inputs, letters, out_letters, small_op=None):
     """Each index letter gets one mesh dimension (the first input sharding it); inputs
     are relayouted to that assignment; letters summed over and sharded give partial sums
     that are all-reduced over their mesh dimensions. The plan is cached per (letters,
-    layouts, shapes)."""
+    layouts, shapes, mesh dimension sizes). `small_op`: the op launched eagerly instead
+    of `op` when each device's product is small (`_matmul`)."""
     if len(inputs) == 2:  # MatMul, BatchMatMul: no generator objects on the hot path
         a, b = inputs
-        key = (tuple(letters), out_letters, a.layout, b.layout, a.shape, b.shape)
+        key = (tuple(letters), out_letters, a.layout, b.layout, a.shape, b.shape,
+               mesh.dims_key)
     else:
-        key = (tuple(letters), out_letters) + tuple(v.layout for v in inputs) + tuple(
-            v.shape for v in inputs)
+        key = (tuple(letters), out_letters, mesh.dims_key) + tuple(
+            v.layout for v in inputs) + tuple(v.shape for v in inputs)
     plan = _plans.get(key, _MISSING)
     if plan is _MISSING:
         plan = _plans[key] = _contract_plan(mesh, inputs, letters, out_letters)
     if plan is None:
         return None
-    wants, summed, layout, shape = plan
+    wants, summed, layout, shape, work, distinct = plan
     args = [mesh.relayout_value(v, want) for v, want in zip(inputs, wants)]
-    (shards,) = mesh.run(op, args)
+    (shards,) = mesh.run(op, args, small_op if work <= _SMALL_PRODUCT else None, distinct)
     if summed:
         shards = mesh.all_reduce(shards, summed, "sum")
     return [MeshValue(shards, layout, shape)]
 
 
 def _contract_plan(mesh, inputs, letters, out_letters):
-    """(input layouts, summed mesh dimensions, output layout, output shape) or None."""
+    """(input layouts, summed mesh dimensions, output layout, output shape, multiply-adds
+    per device, whether every device gets distinct input shards) or None."""
     if any(None in v.shape for v in inputs):
         return None
     size = {}
@@ -182,12 +186,36 @@ def _contract_plan(mesh, inputs, letters, out_letters):
     wants = [tuple(assign.get(l) if n == size[l] else None for l, n in zip(ls, v.shape))
              for v, ls in zip(inputs, letters)]
     summed = [assign[l] for l in assign if l not in out_letters]
+    work = int(np.prod([n // mesh.dim_size(assign[l]) if l in assign else n
+                        for l, n in size.items()]))
+    # Every mesh dimension assigned: devices differ in a slice of some input (no two
+    # share all their input shards), so `run` need not look for shared ones.
+    distinct = len(used) == len(mesh.dims)
     return (wants, summed, tuple(assign.get(l) for l in out_letters),
-            tuple(size[l] for l in out_letters))
+            tuple(size[l] for l in out_letters), work, distinct)
 
 
 _MATMUL_LETTERS = {(ta, tb): ("ki" if ta else "ik", "jk" if tb else "kj")
                    for ta in (False, True) for tb in (False, True)}
+
+
+# Small real products launched eagerly as BatchMatMulV3 (2-D: the same product, the
+# same sgemm, equal results): TensorFlow's eager runtime rewrites every MatMul launch to
+# its oneDNN op first, ~2.5 us of CPU more per launch on 32x64 @ 64x32 shards. Above
+# 2**20 multiply-adds per device oneDNN's MatMul is the faster kernel (128x256 @ 256x128:
+# 98 vs 240 us). Measured with time.process_time, interleaved, on this 2-core machine.
+_SMALL_PRODUCT = 1 << 20
+_small_matmuls = {}  # (id of the dtype, transpose_a, transpose_b) -> Op or None
+
+
+def _small_matmul(dtype, ta, tb):
+    key = (id(dtype), ta, tb)  # DTypes are interned; hashing one runs Python code
+    op = _small_matmuls.get(key, _MISSING)
+    if op is _MISSING:
+        op = _small_matmuls[key] = Op.cached(  # real dtypes: adjoint == transpose
+            "BatchMatMulV3", Ta=dtype, Tb=dtype, Tout=dtype, adj_x=ta, adj_y=tb
+        ) if dtype in (tf.float32, tf.float64) else None
+    return op
 
 
 def _matmul(mesh, op, inputs):
@@ -195,8 +223,9 @@ def _matmul(mesh, op, inputs):
     if len(a.shape) != 2 or len(b.shape) != 2:
         return None
     attrs = op.attrs
-    return _contract(mesh, op, inputs, _MATMUL_LETTERS[
-        bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))], "ij")
+    ta, tb = bool(attrs.get("transpose_a")), bool(attrs.get("transpose_b"))
+    return _contract(mesh, op, inputs, _MATMUL_LETTERS[ta, tb], "ij",
+                     _small_matmul(attrs.get("T"), ta, tb))
 
 
 def _batch_matmul(mesh, op, inputs):

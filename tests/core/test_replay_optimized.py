@@ -112,3 +112,27 @@ def test_a_replayed_function_follows_the_contexts_optimizer_options(meta_optimiz
     # only the unfused Conv2D is compared there.)
     assert twin_ops["Conv2D"] >= 1, twin_ops
     assert not _fused(ops) and ops["Conv2D"] == 1 and ops["MatMul"] == 1, ops
+
+
+class _UnoptimizedDataFormat(oh.DataFormat):
+    optimize_replays = False
+
+
+def test_a_handler_can_opt_its_replays_out_of_the_optimizer():
+    """`optimize_replays = False` (oh.Mesh): the replay is instantiated without grappler
+    (its Conv2D unfused; the default handler's is fused, first test), same values."""
+    first, last = _cnn()
+    x = tf.random.stateless_normal([2, 3, 8, 8], seed=[7, 8])
+    twin = tf.function(last)(tf.transpose(x, [0, 2, 3, 1]))
+    f = tf.function(first)
+    before = set(function_calls._cache)  # pylint: disable=protected-access
+
+    def replayed():
+        with _UnoptimizedDataFormat():
+            return oh.copy_off(f(x))
+
+    got, ops = _post_optimization_ops(replayed)
+    np.testing.assert_allclose(got.numpy(), twin.numpy(), rtol=1e-5, atol=1e-5)
+    (key,) = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
+    assert function_calls._cache[key].compiled.optimized is False  # pylint: disable=protected-access
+    assert ops["Conv2D"] >= 1, ops

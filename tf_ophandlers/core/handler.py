@@ -105,6 +105,12 @@ class OpHandler:
     #: per call.
     replays_functions = True
 
+    #: Whether a function replayed through this handler is instantiated with the
+    #: context's graph optimizer options, as TensorFlow's own call is (grappler;
+    #: core/functions/call.py `CompiledCall(optimized=...)`). A handler whose replays
+    #: measure slower optimized sets False (oh.Mesh).
+    optimize_replays = True
+
     #: Whether `execute` may return `oh.OffStack(tensor)` outputs that leave the stack
     #: as they are (a parallel handler's unpack gives ordinary component tensors): True
     #: for any op, or the op types that may (the others then take the C++ per-op path

@@ -111,8 +111,8 @@ def _as_bytes(value):
 class _Entry:
     __slots__ = ("compiled", "output_trees", "dense")
 
-    def __init__(self, function, output_trees, dense=False):
-        self.compiled = CompiledCall(function, optimized=True, ungated=True)
+    def __init__(self, function, output_trees, dense=False, optimized=True):
+        self.compiled = CompiledCall(function, optimized=optimized, ungated=True)
         self.output_trees = output_trees
         # Tangents reach the arguments: tapes get dense gradients (call_records.py).
         self.dense = dense
@@ -290,7 +290,8 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
         function = tf.function(replayed, input_signature=specs, autograph=False,
                                reduce_retracing=False).get_concrete_function()
     dense = any(_gradients_dense(t, segment) for t in trees)
-    return _Entry(function, tuple(output_trees), dense)
+    optimized = all(getattr(s.handler, "optimize_replays", True) for s in segment)
+    return _Entry(function, tuple(output_trees), dense, optimized)
 
 
 def _gradients_dense(tree, segment):

@@ -150,6 +150,14 @@ class _Layout:
 def _layout_of(op, roles):
     """The op's `_Layout`, or None if its data format is not channels-first (or it has
     inputs this conversion does not know)."""
+    raw = op._attrs_proto()  # pylint: disable=protected-access
+    if b"NC" not in raw and b"CHANNELS_FIRST" not in raw:
+        # The serialized attributes hold the data_format string as it is: without
+        # NCHW/NCDHW/CHANNELS_FIRST the op runs as it is, with no canonical key to build
+        # (TensorFlow's attribute bytes come in a new order at almost every call, so the
+        # canonical key costs ~20 us per op: Keras's channels-first pooling and depthwise
+        # convolution run NHWC ops on data it transposed).
+        return None
     key = (op.type, op.attrs_key())
     layout = _layouts.get(key, False)
     if layout is False:
@@ -335,7 +343,7 @@ class DataFormat(OpHandler):
                                              layout.target.decode(), e.message))) from None
         if layout.filter_out:
             return outputs  # a filter has no data layout
-        return [Permuted(o, perm) if o.shape.rank == rank else o for o in outputs]
+        return [Permuted(o, perm) if rank_of(o) == rank else o for o in outputs]
 
     def _relayout(self, nxt, x, perm):
         if nxt is not PHYSICAL or not relayout_transposes(x, perm) or not tf.executing_eagerly():

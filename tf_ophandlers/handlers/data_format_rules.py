@@ -11,12 +11,16 @@ logical one) or a `Permuted(value, perm)`: the logical tensor is
 ``tf.transpose(value, perm)``, i.e. logical axis i is physical axis ``perm[i]``. A
 logical NCHW tensor stored as NHWC has ``perm == (0, 3, 1, 2)``.
 """
+import math
+
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.stack import stack_of
 
 
 class Permuted:
@@ -95,12 +99,29 @@ def moves_no_data(dims, q):
     return True
 
 
+_EagerTensor = _ops.EagerTensor
+
+
 def static(t):
     """The value of `t` (numpy) if known without running anything, else None (a tensor
     of a stack below answers through its handler, also a symbolic one while a function
     is replayed: core/tensor.py)."""
+    if type(t) is _EagerTensor and stack_of(t) is None:
+        # A physical eager tensor (a perm, axes, a shape: several per call): its value,
+        # as tf.get_static_value gives it, without that function's dispatch.
+        try:
+            return t.numpy()
+        except tf.errors.UnimplementedError:  # resource and variant tensors
+            return None
     v = tf.get_static_value(t)
     return None if v is None else np.asarray(v)
+
+
+def dims_of(t):
+    """The axis lengths of a next-stack tensor of known rank (None: unknown), as a list
+    built from its shape tuple (no TensorShape: this runs several times per op)."""
+    dims = t._shape_tuple()  # pylint: disable=protected-access
+    return t.shape.as_list() if dims is None else list(dims)  # (unknown rank: TF's error)
 
 
 # -- ops on the next stack ------------------------------------------------------------
@@ -136,7 +157,7 @@ def collapsed_transpose(dims, q):
     the same data as [16, 3, 3136] -> [16, 3136, 3]."""
     if sum(d is None for d in dims) > 1:
         return None
-    if None not in dims and int(np.prod(dims, dtype=np.int64)) < _COLLAPSE_MIN_ELEMENTS:
+    if None not in dims and math.prod(dims) < _COLLAPSE_MIN_ELEMENTS:
         return None
     groups = []  # in output order: runs of input axes, each run ascending and adjacent
     for a in q:
@@ -153,7 +174,7 @@ def collapsed_transpose(dims, q):
 
     def length(axes):
         ds = [dims[a] for a in axes]
-        return -1 if None in ds else int(np.prod(ds, dtype=np.int64))
+        return -1 if None in ds else math.prod(ds)
 
     shape = [length(groups[g]) for g in order]
     perm = tuple(order.index(g) for g in range(len(groups)))
@@ -164,7 +185,7 @@ def collapsed_transpose(dims, q):
 def transpose(nxt, value, q):
     """``transpose(value, q)`` on the next stack, at the lowest rank that moves the same
     data (collapsed_transpose)."""
-    plan = collapsed_transpose(value.shape.as_list(), q)
+    plan = collapsed_transpose(dims_of(value), q)
     if plan is not None:
         shape, perm, out_shape = plan
         value = reshape(nxt, value, shape)
@@ -194,7 +215,7 @@ def gather(nxt, value, indices):
 def move_axes(nxt, value, q):
     """``transpose(value, q)``: a Reshape when that moves no data and at most one length
     is unknown, else a Transpose."""
-    dims = value.shape.as_list()
+    dims = dims_of(value)
     if moves_no_data(dims, q) and sum(d is None for d in dims) <= 1:
         return reshape(nxt, value, [-1 if dims[k] is None else dims[k] for k in q])
     return transpose(nxt, value, q)
@@ -223,7 +244,7 @@ def relayout_transposes(x, target):
     q = _axes_to_move(x, target)
     if q is None:
         return False
-    dims = physical(x).shape.as_list()
+    dims = dims_of(physical(x))
     return not (moves_no_data(dims, q) and sum(d is None for d in dims) <= 1)
 
 
@@ -232,7 +253,8 @@ def logical(nxt, x):
 
 
 def rank_of(x):
-    return physical(x).shape.rank
+    dims = physical(x)._shape_tuple()  # pylint: disable=protected-access
+    return None if dims is None else len(dims)
 
 
 def fallback(handler, nxt, op, inputs):
@@ -267,7 +289,7 @@ def _broadcast_operand(nxt, x, perm):
     to the trailing logical axes, reordered to the physical axes (a Reshape when that
     moves no data, else a Reshape and a Transpose); None if its shape is too unknown."""
     value = logical(nxt, x)
-    dims = value.shape.as_list()
+    dims = dims_of(value)
     if not dims:
         return value
     full = [1] * (len(perm) - len(dims)) + dims
@@ -423,7 +445,7 @@ def reshape_rule(handler, nxt, op, inputs):
     x, shape = inputs
     if type(x) is not Permuted:
         return nxt.execute(op, inputs)
-    dims = x.value.shape.as_list()
+    dims = dims_of(x.value)
     if moves_no_data(dims, x.perm):
         return nxt.execute(op, [x.value, shape])
     target = static(shape)

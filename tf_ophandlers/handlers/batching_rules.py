@@ -68,10 +68,20 @@ def _int32(values):
 _INT32 = tf.int32
 
 
+# dtype enum -> the Reshape Op of `_reshaped` (bounded by TensorFlow's dtypes).
+_reshape_ops = {}
+
+
 def _reshaped(execute, value, shape):
     """`value` reshaped to `shape` (ints, -1 allowed) with one Reshape run by `execute`:
     no TensorFlow op wrapper on the path (this runs for every batched matmul)."""
-    reshape = Op.cached("Reshape", T=dtype_of(value), Tshape=_INT32)
+    if type(value) is _EagerTensor:
+        enum = value._datatype_enum()  # pylint: disable=protected-access
+    else:
+        enum = value.dtype.as_datatype_enum
+    reshape = _reshape_ops.get(enum)
+    if reshape is None:
+        reshape = _reshape_ops[enum] = Op.cached("Reshape", T=_DTYPES[enum], Tshape=_INT32)
     return execute(reshape, [value, _int32(shape)])[0]
 
 
@@ -168,6 +178,10 @@ def _same_shape(handler, execute, op, inputs):
     return batched(execute(op, [broadcast_batch(b, handler.size) for b in inputs]))
 
 
+# (dtype, transpose_a, transpose_b) -> the BatchMatMulV2 Op of `_matmul` (a few).
+_bmm_ops = {}
+
+
 def _matmul(handler, execute, op, inputs):
     a, b = inputs
     if _rank(a) != 2 or _rank(b) != 2:
@@ -183,8 +197,11 @@ def _matmul(handler, execute, op, inputs):
             flat = _reshaped(execute, a.value, (-1, shape[2]))
             (out,) = execute(op, [flat, b.value])
             return [Batched(_reshaped(execute, out, (handler.size, shape[1], -1)), True)]
-    bmm = Op.cached("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
-                    adj_y=attrs["transpose_b"])
+    key = (attrs["T"], attrs["transpose_a"], attrs["transpose_b"])
+    bmm = _bmm_ops.get(key)
+    if bmm is None:
+        bmm = _bmm_ops[key] = Op.cached("BatchMatMulV2", T=key[0], adj_x=key[1],
+                                        adj_y=key[2])
     return batched(execute(bmm, [a.value, b.value]))
 
 

@@ -5,6 +5,7 @@ up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a 
 """
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager.context import executing_eagerly as _executing_eagerly
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from tf_ophandlers.core import op_kinds
@@ -47,15 +48,17 @@ _replaced = BoundedCache("vectorized_map.replaced_ops", 4096)
 
 
 def _constant(values, dtype):
-    """A (cached) constant tensor of `values` (an int or a flat sequence of ints)."""
-    key = (int(values) if isinstance(values, (int, np.integer))
-           else tuple(int(v) for v in values),
-           tf.as_dtype(dtype))
-    if not tf.executing_eagerly():  # replaying a function: a constant of that graph
-        return tf.constant(key[0], dtype=dtype)
+    """A (cached) constant tensor of `values` (an int or a flat sequence of ints) of
+    `dtype` (a tf.DType or a numpy dtype: keyed as given, the entries of both spellings
+    hold equal constants)."""
+    value = (int(values) if isinstance(values, (int, np.integer))
+             else tuple(map(int, values)))
+    if not _executing_eagerly():  # replaying a function: a constant of that graph
+        return tf.constant(value, dtype=dtype)
+    key = (value, dtype)
     t = _shape_constants.get(key)
     if t is None:
-        t = _shape_constants[key] = tf.constant(key[0], dtype=dtype)
+        t = _shape_constants[key] = tf.constant(value, dtype=dtype)
     return t
 
 
@@ -124,7 +127,7 @@ def _replace(op, **attrs):
 
 def _prepended(first, values):
     """A constant: `values` (a numpy array) with `first` in front, in their dtype."""
-    return _constant([first] + [int(v) for v in values], values.dtype)
+    return _constant((first,) + tuple(values.tolist()), values.dtype)
 
 
 def batched(outputs):
@@ -317,6 +320,12 @@ def _shape(handler, execute, op, inputs):
     return [Batched(tf.raw_ops.Slice(input=out, begin=[1], size=[-1]), False)]
 
 
+# (attributes, begin, end and strides as bytes, their dtype) -> (the rewritten op, its
+# begin, end and strides constants): a slice seen before (`e[None]` in the mapped
+# function, every call) builds nothing (issue 17).
+_slices = BoundedCache("vectorized_map.strided_slices", 4096)
+
+
 def _strided_slice(handler, execute, op, inputs):
     x, begin, end, strides = inputs
     if not x.batched or begin.batched or end.batched or strides.batched:
@@ -325,13 +334,21 @@ def _strided_slice(handler, execute, op, inputs):
     values = [_static(t.value) for t in (begin, end, strides)]
     if any(v is None for v in values):
         return None
-    args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
-    attrs = op.attrs
-    new = _replace(op, begin_mask=(attrs["begin_mask"] << 1) | 1,
-                     end_mask=(attrs["end_mask"] << 1) | 1,
-                     ellipsis_mask=attrs["ellipsis_mask"] << 1,
-                     new_axis_mask=attrs["new_axis_mask"] << 1,
-                     shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
+    eager = _executing_eagerly()
+    key = (op.attrs_key(),) + tuple(v.tobytes() for v in values) + (values[0].dtype.str,)
+    hit = _slices.get(key) if eager else None
+    if hit is None:
+        args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
+        attrs = op.attrs
+        new = _replace(op, begin_mask=(attrs["begin_mask"] << 1) | 1,
+                       end_mask=(attrs["end_mask"] << 1) | 1,
+                       ellipsis_mask=attrs["ellipsis_mask"] << 1,
+                       new_axis_mask=attrs["new_axis_mask"] << 1,
+                       shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
+        hit = (new, args)
+        if eager:
+            _slices[key] = hit
+    new, args = hit
     return batched(execute(new, [x.value] + args))
 
 

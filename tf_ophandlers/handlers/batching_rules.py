@@ -183,16 +183,26 @@ def _same_shape(handler, execute, op, inputs):
 
 # (dtype, transpose_a, transpose_b) -> the BatchMatMulV2 Op of `_matmul` (a few).
 _bmm_ops = {}
+# A MatMul's serialized attributes -> (dtype, transpose_a, transpose_b). TensorFlow
+# serializes the attribute map in hash-table order (a few hundred byte strings for the
+# same attributes), which misses op.attrs' shared decode cache most of the time; this one
+# holds only MatMuls' strings, so it fills once and then hits (issue 17).
+_matmul_attrs = BoundedCache("vectorized_map.matmul_attrs", 4096)
 
 
 def _matmul(handler, execute, op, inputs):
     a, b = inputs
     if _rank(a) != 2 or _rank(b) != 2:
         return None
-    attrs = op.attrs
-    if attrs["T"].is_complex and (attrs["transpose_a"] or attrs["transpose_b"]):
+    raw = op._attrs_proto()  # pylint: disable=protected-access
+    key = _matmul_attrs.get(raw)
+    if key is None:
+        attrs = op.attrs
+        key = _matmul_attrs[raw] = (attrs["T"], attrs["transpose_a"], attrs["transpose_b"])
+    dtype, transpose_a, transpose_b = key
+    if dtype.is_complex and (transpose_a or transpose_b):
         return None  # BatchMatMul's adj_x/adj_y would also conjugate: leave it to pfor
-    if a.batched and not b.batched and not attrs["transpose_a"]:
+    if a.batched and not b.batched and not transpose_a:
         # [B, m, k] @ [k, n]: one MatMul on [B*m, k] (much faster than a broadcast
         # batched matmul), as pfor's converter does.
         shape = static_shape(a.value)
@@ -200,7 +210,6 @@ def _matmul(handler, execute, op, inputs):
             flat = _reshaped(execute, a.value, (-1, shape[2]))
             (out,) = execute(op, [flat, b.value])
             return [Batched(_reshaped(execute, out, (handler.size, shape[1], -1)), True)]
-    key = (attrs["T"], attrs["transpose_a"], attrs["transpose_b"])
     bmm = _bmm_ops.get(key)
     if bmm is None:
         bmm = _bmm_ops[key] = Op.cached("BatchMatMulV2", T=key[0], adj_x=key[1],
@@ -226,13 +235,14 @@ def _reduction(handler, execute, op, inputs):
     if axes is None:
         return None
     key = (axes.tobytes(), axes.shape, axes.dtype.str, rank)
-    shifted = _shifted.get(key) if tf.executing_eagerly() else None
+    eager = _executing_eagerly()
+    shifted = _shifted.get(key) if eager else None
     if shifted is None:
         new = _shift_axes(axes, rank)
         if axes.ndim == 0:
             new = new[0]  # ArgMax/ArgMin take a scalar axis
         shifted = _constant(new, dtype_of(axis.value))
-        if tf.executing_eagerly():
+        if eager:
             _shifted[key] = shifted
     return batched(execute(op, [x.value, shifted]))
 

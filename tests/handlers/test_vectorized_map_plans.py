@@ -219,3 +219,31 @@ def test_rules_with_unknown_per_example_rank_match_tensorflow():
     for batch in (4, 1):  # a partial last batch
         ids = tf.constant([[i % 6, (i + 2) % 6] for i in range(batch)], tf.int32)
         assert_close(oh.vectorized_map(per_example, ids), tf.vectorized_map(per_example, ids))
+
+
+def test_strided_slices_seen_before_match_tensorflow():
+    """The StridedSlice rule keeps its rewritten op and constants per (attributes, begin,
+    end, strides) (issue 17): slices that share their attributes but not their bounds,
+    strides or index dtype, each taken twice (the second from the cache), eagerly and in a
+    replayed tf.function (no cache: its constants belong to the graph), match
+    tf.vectorized_map; the cache is bounded."""
+    rng = np.random.default_rng(7)
+    x = tf.constant(rng.standard_normal((5, 6, 4)).astype(np.float32))
+
+    def fn(e):
+        parts = [e[None], e[1:3], e[0:2], e[::2], e[::3], e[..., 0], e[None, :, 1],
+                 e[-2:, 1:], e[1], tf.strided_slice(e, tf.constant([1, 0], tf.int64),
+                                                    tf.constant([3, 4], tf.int64))]
+        return [tf.reduce_sum(p * p, axis=0) for p in parts]
+
+    want = tf.vectorized_map(fn, x)
+    for _ in range(2):
+        for got, expected in zip(oh.vectorized_map(fn, x), want):
+            assert got.dtype == expected.dtype
+            assert_close(got, expected)
+    replayed = tf.function(fn)
+    for _ in range(2):
+        for got, expected in zip(oh.vectorized_map(replayed, x), want):
+            assert_close(got, expected)
+    entries, maxsize = caches()["vectorized_map.strided_slices"]
+    assert 0 < entries <= maxsize

@@ -5,6 +5,7 @@ up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a 
 """
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager.context import executing_eagerly as _executing_eagerly
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from tf_ophandlers.core import op_kinds
@@ -47,15 +48,17 @@ _replaced = BoundedCache("vectorized_map.replaced_ops", 4096)
 
 
 def _constant(values, dtype):
-    """A (cached) constant tensor of `values` (an int or a flat sequence of ints)."""
-    key = (int(values) if isinstance(values, (int, np.integer))
-           else tuple(int(v) for v in values),
-           tf.as_dtype(dtype))
-    if not tf.executing_eagerly():  # replaying a function: a constant of that graph
-        return tf.constant(key[0], dtype=dtype)
+    """A (cached) constant tensor of `values` (an int or a flat sequence of ints) of
+    `dtype` (a tf.DType or a numpy dtype: keyed as given, the entries of both spellings
+    hold equal constants)."""
+    value = (int(values) if isinstance(values, (int, np.integer))
+             else tuple(map(int, values)))
+    if not _executing_eagerly():  # replaying a function: a constant of that graph
+        return tf.constant(value, dtype=dtype)
+    key = (value, dtype)
     t = _shape_constants.get(key)
     if t is None:
-        t = _shape_constants[key] = tf.constant(key[0], dtype=dtype)
+        t = _shape_constants[key] = tf.constant(value, dtype=dtype)
     return t
 
 
@@ -68,10 +71,20 @@ def _int32(values):
 _INT32 = tf.int32
 
 
+# dtype enum -> the Reshape Op of `_reshaped` (bounded by TensorFlow's dtypes).
+_reshape_ops = {}
+
+
 def _reshaped(execute, value, shape):
     """`value` reshaped to `shape` (ints, -1 allowed) with one Reshape run by `execute`:
     no TensorFlow op wrapper on the path (this runs for every batched matmul)."""
-    reshape = Op.cached("Reshape", T=dtype_of(value), Tshape=_INT32)
+    if type(value) is _EagerTensor:
+        enum = value._datatype_enum()  # pylint: disable=protected-access
+    else:
+        enum = value.dtype.as_datatype_enum
+    reshape = _reshape_ops.get(enum)
+    if reshape is None:
+        reshape = _reshape_ops[enum] = Op.cached("Reshape", T=_DTYPES[enum], Tshape=_INT32)
     return execute(reshape, [value, _int32(shape)])[0]
 
 
@@ -114,7 +127,7 @@ def _replace(op, **attrs):
 
 def _prepended(first, values):
     """A constant: `values` (a numpy array) with `first` in front, in their dtype."""
-    return _constant([first] + [int(v) for v in values], values.dtype)
+    return _constant((first,) + tuple(values.tolist()), values.dtype)
 
 
 def batched(outputs):
@@ -168,14 +181,28 @@ def _same_shape(handler, execute, op, inputs):
     return batched(execute(op, [broadcast_batch(b, handler.size) for b in inputs]))
 
 
+# (dtype, transpose_a, transpose_b) -> the BatchMatMulV2 Op of `_matmul` (a few).
+_bmm_ops = {}
+# A MatMul's serialized attributes -> (dtype, transpose_a, transpose_b). TensorFlow
+# serializes the attribute map in hash-table order (a few hundred byte strings for the
+# same attributes), which misses op.attrs' shared decode cache most of the time; this one
+# holds only MatMuls' strings, so it fills once and then hits (issue 17).
+_matmul_attrs = BoundedCache("vectorized_map.matmul_attrs", 4096)
+
+
 def _matmul(handler, execute, op, inputs):
     a, b = inputs
     if _rank(a) != 2 or _rank(b) != 2:
         return None
-    attrs = op.attrs
-    if attrs["T"].is_complex and (attrs["transpose_a"] or attrs["transpose_b"]):
+    raw = op._attrs_proto()  # pylint: disable=protected-access
+    key = _matmul_attrs.get(raw)
+    if key is None:
+        attrs = op.attrs
+        key = _matmul_attrs[raw] = (attrs["T"], attrs["transpose_a"], attrs["transpose_b"])
+    dtype, transpose_a, transpose_b = key
+    if dtype.is_complex and (transpose_a or transpose_b):
         return None  # BatchMatMul's adj_x/adj_y would also conjugate: leave it to pfor
-    if a.batched and not b.batched and not attrs["transpose_a"]:
+    if a.batched and not b.batched and not transpose_a:
         # [B, m, k] @ [k, n]: one MatMul on [B*m, k] (much faster than a broadcast
         # batched matmul), as pfor's converter does.
         shape = static_shape(a.value)
@@ -183,8 +210,10 @@ def _matmul(handler, execute, op, inputs):
             flat = _reshaped(execute, a.value, (-1, shape[2]))
             (out,) = execute(op, [flat, b.value])
             return [Batched(_reshaped(execute, out, (handler.size, shape[1], -1)), True)]
-    bmm = Op.cached("BatchMatMulV2", T=attrs["T"], adj_x=attrs["transpose_a"],
-                    adj_y=attrs["transpose_b"])
+    bmm = _bmm_ops.get(key)
+    if bmm is None:
+        bmm = _bmm_ops[key] = Op.cached("BatchMatMulV2", T=key[0], adj_x=key[1],
+                                        adj_y=key[2])
     return batched(execute(bmm, [a.value, b.value]))
 
 
@@ -206,13 +235,14 @@ def _reduction(handler, execute, op, inputs):
     if axes is None:
         return None
     key = (axes.tobytes(), axes.shape, axes.dtype.str, rank)
-    shifted = _shifted.get(key) if tf.executing_eagerly() else None
+    eager = _executing_eagerly()
+    shifted = _shifted.get(key) if eager else None
     if shifted is None:
         new = _shift_axes(axes, rank)
         if axes.ndim == 0:
             new = new[0]  # ArgMax/ArgMin take a scalar axis
         shifted = _constant(new, dtype_of(axis.value))
-        if tf.executing_eagerly():
+        if eager:
             _shifted[key] = shifted
     return batched(execute(op, [x.value, shifted]))
 
@@ -300,6 +330,12 @@ def _shape(handler, execute, op, inputs):
     return [Batched(tf.raw_ops.Slice(input=out, begin=[1], size=[-1]), False)]
 
 
+# (attributes, begin, end and strides as bytes, their dtype) -> (the rewritten op, its
+# begin, end and strides constants): a slice seen before (`e[None]` in the mapped
+# function, every call) builds nothing (issue 17).
+_slices = BoundedCache("vectorized_map.strided_slices", 4096)
+
+
 def _strided_slice(handler, execute, op, inputs):
     x, begin, end, strides = inputs
     if not x.batched or begin.batched or end.batched or strides.batched:
@@ -308,13 +344,21 @@ def _strided_slice(handler, execute, op, inputs):
     values = [_static(t.value) for t in (begin, end, strides)]
     if any(v is None for v in values):
         return None
-    args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
-    attrs = op.attrs
-    new = _replace(op, begin_mask=(attrs["begin_mask"] << 1) | 1,
-                     end_mask=(attrs["end_mask"] << 1) | 1,
-                     ellipsis_mask=attrs["ellipsis_mask"] << 1,
-                     new_axis_mask=attrs["new_axis_mask"] << 1,
-                     shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
+    eager = _executing_eagerly()
+    key = (op.attrs_key(),) + tuple(v.tobytes() for v in values) + (values[0].dtype.str,)
+    hit = _slices.get(key) if eager else None
+    if hit is None:
+        args = [_prepended(first, v) for first, v in zip((0, 0, 1), values)]
+        attrs = op.attrs
+        new = _replace(op, begin_mask=(attrs["begin_mask"] << 1) | 1,
+                       end_mask=(attrs["end_mask"] << 1) | 1,
+                       ellipsis_mask=attrs["ellipsis_mask"] << 1,
+                       new_axis_mask=attrs["new_axis_mask"] << 1,
+                       shrink_axis_mask=attrs["shrink_axis_mask"] << 1)
+        hit = (new, args)
+        if eager:
+            _slices[key] = hit
+    new, args = hit
     return batched(execute(new, [x.value] + args))
 
 

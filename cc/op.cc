@@ -2,6 +2,8 @@
 #define PY_SSIZE_T_CLEAN
 #include "op.h"
 
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <unordered_map>
 #include <utility>
@@ -80,6 +82,44 @@ PyObject* OpGetOutputDtypes(OpObject* op, void*) {
   return op->output_dtypes;
 }
 
+// TensorFlow serializes an op's attribute map in its hash table's order, which differs
+// between ops with the same attributes (one Conv2D call site gives dozens of byte strings),
+// so caches keyed by the bytes miss. Sorting the top-level fields (the op name and one
+// length-delimited map entry per attribute) gives one byte string per content: exactly
+// what core/op.py's `_canonical` computes, at C speed. False (bytes left as they are,
+// `_canonical` then parses) on any encoding other than one-byte tags of wire type 2.
+bool SortTopLevelFields(const char* data, size_t n, std::string* out) {
+  absl::InlinedVector<std::pair<size_t, size_t>, 16> fields;  // (start, length)
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
+  size_t i = 0;
+  while (i < n) {
+    const size_t start = i;
+    if ((p[i] & 7) != 2 || p[i] >= 0x80) return false;
+    ++i;
+    uint64_t length = 0;
+    int shift = 0;
+    while (true) {
+      if (i >= n || shift > 63) return false;
+      const unsigned char b = p[i++];
+      length |= static_cast<uint64_t>(b & 0x7F) << shift;
+      if (b < 0x80) break;
+      shift += 7;
+    }
+    if (length > n - i) return false;
+    i += length;
+    fields.emplace_back(start, i - start);
+  }
+  std::sort(fields.begin(), fields.end(),
+            [data](const std::pair<size_t, size_t>& a, const std::pair<size_t, size_t>& b) {
+              const int c = std::memcmp(data + a.first, data + b.first,
+                                        std::min(a.second, b.second));
+              return c != 0 ? c < 0 : a.second < b.second;
+            });
+  out->reserve(n);
+  for (const auto& f : fields) out->append(data + f.first, f.second);
+  return true;
+}
+
 PyObject* OpAttrsProto(OpObject* op, PyObject*) {
   const TFE_Op* src = OpAttrSource(op);
   if (src == nullptr) return nullptr;
@@ -88,8 +128,13 @@ PyObject* OpAttrsProto(OpObject* op, PyObject*) {
   TFE_OpAttrsSerialize(TFE_OpGetAttrs(src), buf, s);
   PyObject* r = nullptr;
   if (TF_GetCode(s) == TF_OK) {
-    r = PyBytes_FromStringAndSize(static_cast<const char*>(buf->data),
-                                  static_cast<Py_ssize_t>(buf->length));
+    const char* data = static_cast<const char*>(buf->data);
+    std::string sorted;
+    if (SortTopLevelFields(data, buf->length, &sorted)) {
+      r = PyBytes_FromStringAndSize(sorted.data(), static_cast<Py_ssize_t>(sorted.size()));
+    } else {
+      r = PyBytes_FromStringAndSize(data, static_cast<Py_ssize_t>(buf->length));
+    }
   } else {
     PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
   }
@@ -114,7 +159,8 @@ PyGetSetDef kOpGetSet[] = {
 
 PyMethodDef kOpMethods[] = {
     {"_attrs_proto", reinterpret_cast<PyCFunction>(OpAttrsProto), METH_NOARGS,
-     "Serialized NameAttrList of the op's attributes."},
+     "Serialized NameAttrList of the op's attributes, top-level fields sorted (one byte "
+     "string per content; see SortTopLevelFields)."},
     {nullptr}};
 
 }  // namespace

@@ -144,3 +144,25 @@ def test_attribute_caches_key_by_content_not_byte_order():
     raw = odd.SerializeToString() + b"\x18\x01"
     again = attr_value_pb2.NameAttrList.FromString(op_module._canonical(raw))
     assert again.name == "X" and again.attr["a"].i == 1
+
+
+def test_attrs_proto_is_one_byte_string_per_content():
+    """cc/op.cc sorts the serialized attributes' top-level fields, so the same attributes
+    give the same bytes on every op (TensorFlow's own order varies with its hash map):
+    raw-keyed caches hit, and the bytes equal core/op.py's canonical form."""
+    from tf_ophandlers.core import op as op_module
+    x = tf.random.stateless_normal([1, 5, 5, 2], seed=[1, 1])
+    w = tf.random.stateless_normal([1, 1, 2, 2], seed=[2, 2])
+    a = tf.ones([3, 3])
+    k = Keeper()
+    with k:
+        for _ in range(100):
+            tf.nn.conv2d(x, w, 1, "SAME")
+            tf.matmul(a, a, transpose_b=True)
+    by_type = {}
+    for op in k.ops:
+        by_type.setdefault(op.type, set()).add(op._attrs_proto())
+    assert {t: len(r) for t, r in by_type.items()} == {"Conv2D": 1, "MatMul": 1}
+    for raws in by_type.values():
+        raw = next(iter(raws))
+        assert op_module._canonical(raw) == raw

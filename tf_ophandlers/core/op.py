@@ -127,7 +127,9 @@ def _canonical(raw):
     differs between ops with the same attributes (the same Conv2D call gives dozens of
     byte strings), so caches keyed by the raw bytes alone miss often. Sorting the
     length-delimited top-level fields is cheaper than parsing and re-serializing
-    deterministically; an unexpected encoding takes that slower way.
+    deterministically; an unexpected encoding takes that slower way. `_attrs_proto()`
+    already returns the sorted bytes (cc/op.cc `SortTopLevelFields`, the same order), so
+    this is the identity on its result and only the fallback for other encodings costs.
     """
     fields = []
     i, n = 0, len(raw)

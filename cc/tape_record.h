@@ -5,7 +5,8 @@
    fast path calls it for every op the tape executes, fast_record.cc RunRecord) is
    implemented here, so recording an op enters no Python frame. It does what the Python
    reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape.py)
-   does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`): an op
+   does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`, read
+   from its instance dict: plain attributes, no class-level descriptors): an op
    one of whose inputs is tracked and one of whose outputs is differentiable becomes a
    record, `_C.TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)`.
 

@@ -16,6 +16,7 @@
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
+#include "tape_record.h"
 
 namespace tf_ophandlers {
 namespace fast {
@@ -168,7 +169,11 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
   handler = PyObject_GetAttr(stack, s_handler);
   fn = handler != nullptr ? PyObject_GetAttr(handler, s_after_execute) : nullptr;
   if (fn == nullptr) goto fail;
-  r = CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
+  // An oh.GradientTape's C recording needs no hook frame (tape_record.h).
+  r = IsTapeAfterExecute(fn)
+          ? TapeAfterExecuteDirect(fn, stack, d.next, reinterpret_cast<PyObject*>(op), py_in,
+                                   py_out)
+          : CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
   if (r == nullptr) goto fail;
   // Wrap (as RunForward does).
   producer = InternedString(type);

@@ -8,10 +8,16 @@
 #include <cstring>
 
 #include "absl/container/inlined_vector.h"
+#include "fast_internal.h"
 #include "handler_tensor.h"
 #include "native_internal.h"
 #include "op.h"
 #include "runtime.h"
+
+// TensorFlow's tape-set queries (pywrap_tfe.h; lib_pywrap_tensorflow_common.so, which
+// the extension links): called directly, not through their pybind11 wrappers.
+PyObject* TFE_Py_TapeSetIsStopped();
+PyObject* TFE_Py_TapeSetIsEmpty();
 
 namespace tf_ophandlers {
 namespace {
@@ -101,8 +107,7 @@ bool ReadyRecordType() {
 
 // ---- after_execute ------------------------------------------------------------------------
 
-PyObject* g_is_stopped = nullptr;  // pywrap_tfe.TFE_Py_TapeSetIsStopped
-PyObject* g_is_empty = nullptr;    // pywrap_tfe.TFE_Py_TapeSetIsEmpty
+PyObject* g_after_fn = nullptr;  // the after_execute function (bound methods wrap it)
 uint64_t g_trainable = 0;          // bit per differentiable TF_DataType (IsTrainable)
 PyObject* s_live = nullptr;
 PyObject* s_tracked = nullptr;
@@ -110,6 +115,9 @@ PyObject* s_producer = nullptr;
 PyObject* s_seq = nullptr;
 PyObject* s_python = nullptr;  // GradientTape._after_execute_python
 PyObject* s_bridge = nullptr;  // GradientTape._bridge_to_tf_tapes
+PyObject* s_sweep_at = nullptr;  // GradientTape._sweep_at
+PyObject* s_sweep = nullptr;     // GradientTape._sweep_tracked
+constexpr Py_ssize_t kSweepMin = 1024;  // `_tracked` sizes below never ask for a sweep
 PyObject* g_used_fn = nullptr;   // used_indices(op_type) -> (inputs, outputs), None = all
 PyObject* g_used = nullptr;      // dict op_type -> used_indices(op_type), filled lazily
 constexpr int kUidShift = 20;    // an output's id: (seq << kUidShift) | index
@@ -197,9 +205,9 @@ bool CopyOp(const char* type) {
          !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad");
 }
 
-// A truth value of calling `fn()`: 1, 0, or -1 with an exception set.
-int CallTruth(PyObject* fn) {
-  PyObject* r = PyObject_CallNoArgs(fn);
+// The truth value of `r` (a new reference, or null with an exception set), released:
+// 1, 0, or -1 with an exception set.
+int Truth(PyObject* r) {
   if (r == nullptr) return -1;
   int t = PyObject_IsTrue(r);
   Py_DECREF(r);
@@ -223,22 +231,63 @@ PyObject* RunningNext() {
   return next;
 }
 
-PyObject* Slow(PyObject* tape, PyObject* op, PyObject* inputs, PyObject* outputs) {
-  return PyObject_CallMethodObjArgs(tape, s_python, op, inputs, outputs, nullptr);
+// Where a recording runs: in the tape's hook frame (called as a Python method), or from
+// the fast path with no frame pushed (`stack` the tape's stack, `next` below it), where
+// the Python methods it calls get the frame they would have had (fast::CallHook).
+struct Frame {
+  PyObject* stack = nullptr;  // null: in the hook's frame already
+  PyObject* next = nullptr;
+};
+
+// tape.<name>(op, inputs, outputs), in the hook's frame.
+PyObject* CallInFrame(const Frame& f, PyObject* tape, PyObject* name, PyObject* op,
+                      PyObject* inputs, PyObject* outputs) {
+  if (f.stack == nullptr) return PyObject_CallMethodObjArgs(tape, name, op, inputs, outputs, nullptr);
+  PyObject* fn = PyObject_GetAttr(tape, name);
+  if (fn == nullptr) return nullptr;
+  PyObject* r = fast::CallHook(f.stack, f.next, fn, op, inputs, outputs);
+  Py_DECREF(fn);
+  return r;
 }
 
-// after_execute(tape, op, inputs, outputs): see tape_record.h.
-PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "after_execute(op, inputs, outputs)");
-    return nullptr;
-  }
-  PyObject *tape = args[0], *op = args[1], *inputs = args[2], *outputs = args[3];
+PyObject* Slow(const Frame& f, PyObject* tape, PyObject* op, PyObject* inputs,
+               PyObject* outputs) {
+  return CallInFrame(f, tape, s_python, op, inputs, outputs);
+}
+
+// The tape's attribute `name` from its instance dict `state` (PyObject_GetAttr searches
+// the classes first: ~600 instructions when the type cache misses); new reference or null.
+PyObject* StateItem(PyObject* state, PyObject* name) {
+  PyObject* v = PyDict_GetItemWithError(state, name);
+  if (v != nullptr) return Py_NewRef(v);
+  if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+  return nullptr;
+}
+
+// A long-lived tape's `_tracked` drops the entries of outputs that are gone, when it has
+// doubled since the last sweep (`_sweep_at`; amortized O(1) per record): 0, or -1 with
+// an exception set.
+int MaybeSweep(PyObject* tape, PyObject* state, PyObject* tracked) {
+  if (PyDict_GET_SIZE(tracked) < kSweepMin) return 0;
+  PyObject* at = StateItem(state, s_sweep_at);
+  if (at == nullptr) return -1;
+  Py_ssize_t v = PyLong_AsSsize_t(at);
+  Py_DECREF(at);
+  if (v == -1 && PyErr_Occurred()) return -1;
+  if (PyDict_GET_SIZE(tracked) < v) return 0;
+  PyObject* r = PyObject_CallMethodNoArgs(tape, s_sweep);
+  Py_XDECREF(r);
+  return r == nullptr ? -1 : 0;
+}
+
+// Records `op` (see tape_record.h) in frame `f`; `state` is the tape's instance dict.
+PyObject* RecordWith(const Frame& f, PyObject* tape, PyObject* state, PyObject* op,
+                     PyObject* inputs, PyObject* outputs) {
   if (s_python == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "tf_ophandlers: tape_setup was not called");
     return nullptr;
   }
-  PyObject* live = PyObject_GetAttr(tape, s_live);
+  PyObject* live = StateItem(state, s_live);
   if (live == nullptr) return nullptr;
   int is_live = PyObject_IsTrue(live);
   Py_DECREF(live);
@@ -248,27 +297,27 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (!PyList_CheckExact(inputs) || !PyList_CheckExact(outputs) ||
       !PyObject_TypeCheck(op, &OpBaseType)) {
-    return Slow(tape, op, inputs, outputs);
+    return Slow(f, tape, op, inputs, outputs);
   }
   const char* type = PyUnicode_AsUTF8(reinterpret_cast<OpObject*>(op)->type);
   if (type == nullptr) return nullptr;
-  if (CopyOp(type)) return Slow(tape, op, inputs, outputs);
+  if (CopyOp(type)) return Slow(f, tape, op, inputs, outputs);
   Py_ssize_t n_out = PyList_GET_SIZE(outputs);
   for (Py_ssize_t j = 0; j < n_out; ++j) {
-    if (!EagerTensor_CheckExact(PyList_GET_ITEM(outputs, j))) return Slow(tape, op, inputs, outputs);
+    if (!EagerTensor_CheckExact(PyList_GET_ITEM(outputs, j))) return Slow(f, tape, op, inputs, outputs);
   }
-  PyObject* tracked = PyObject_GetAttr(tape, s_tracked);
+  PyObject* tracked = StateItem(state, s_tracked);
   if (tracked == nullptr) return nullptr;
   if (!PyDict_CheckExact(tracked)) {
     Py_DECREF(tracked);
-    return Slow(tape, op, inputs, outputs);
+    return Slow(f, tape, op, inputs, outputs);
   }
   // Which inputs are tracked (the tape's first objects for them, alive), nothing changed
   // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape.py).
   Py_ssize_t n_in = PyList_GET_SIZE(inputs);
   if (n_out >= (Py_ssize_t{1} << kUidShift)) {
     Py_DECREF(tracked);
-    return Slow(tape, op, inputs, outputs);
+    return Slow(f, tape, op, inputs, outputs);
   }
   absl::InlinedVector<PyObject*, 4> known(n_in, nullptr);  // new references
   absl::InlinedVector<PyObject*, 4> ids(n_in, nullptr);    // new references
@@ -315,15 +364,15 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     found = true;
   }
   if (malformed) {
-    result = Slow(tape, op, inputs, outputs);
+    result = Slow(f, tape, op, inputs, outputs);
     goto done;
   }
   if (!found) {
-    if (VariableRead(type)) result = Slow(tape, op, inputs, outputs);  // may watch one now
+    if (VariableRead(type)) result = Slow(f, tape, op, inputs, outputs);  // may watch one now
     else result = Py_NewRef(Py_None);
     goto done;
   }
-  stopped = CallTruth(g_is_stopped);
+  stopped = Truth(TFE_Py_TapeSetIsStopped());
   if (stopped != 0) {
     if (stopped > 0) result = Py_NewRef(Py_None);
     goto done;
@@ -347,13 +396,13 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   // As TensorFlow's tape: keep only what the gradient function reads, unless a
   // TensorFlow tape or accumulator records too (it may differentiate more).
-  empty = CallTruth(g_is_empty);
+  empty = Truth(TFE_Py_TapeSetIsEmpty());
   if (empty < 0) goto done;
   if (empty > 0) {
     used = UsedIndices(reinterpret_cast<OpObject*>(op)->type);
     if (used == nullptr) goto done;
   }
-  seq = PyObject_GetAttr(tape, s_seq);
+  seq = StateItem(state, s_seq);
   if (seq == nullptr) goto done;
   {
     Py_ssize_t v = PyLong_AsSsize_t(seq);
@@ -362,9 +411,9 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     base = static_cast<long long>(v + 1) << kUidShift;
   }
   if (next_seq == nullptr) goto done;
-  stack = RunningNext();
+  stack = f.stack != nullptr ? Py_NewRef(f.next) : RunningNext();
   if (stack == nullptr) goto done;
-  producer = PyObject_GetAttr(tape, s_producer);
+  producer = StateItem(state, s_producer);
   if (producer == nullptr) goto done;
   rec_in = PyList_New(n_in);
   in_ids = PyTuple_New(n_in);
@@ -406,7 +455,7 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   all_ids = PyTuple_Pack(3, in_ids, out_ids, specs != nullptr ? specs : Py_None);
   if (all_ids == nullptr) goto done;
-  if (PyObject_SetAttr(tape, s_seq, next_seq) < 0) goto done;
+  if (PyDict_SetItem(state, s_seq, next_seq) < 0) goto done;
   {
     PyObject* op_type = reinterpret_cast<OpObject*>(op)->type;
     PyObject* fields[9] = {next_seq, op_type, op, Py_None, rec_in, rec_out, stack, skip,
@@ -431,9 +480,10 @@ PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(key);
     Py_DECREF(entry);
   }
+  if (MaybeSweep(tape, state, tracked) < 0) goto done;
   if (empty == 0) {
     // A tf.GradientTape (or ForwardAccumulator) is active: it sees the op too.
-    result = PyObject_CallMethodObjArgs(tape, s_bridge, op, inputs, outputs, nullptr);
+    result = CallInFrame(f, tape, s_bridge, op, inputs, outputs);
     goto done;
   }
   result = Py_NewRef(Py_None);
@@ -456,19 +506,35 @@ done:
   return result;
 }
 
+PyObject* Record(const Frame& f, PyObject* tape, PyObject* op, PyObject* inputs,
+                 PyObject* outputs) {
+  PyObject* state = PyObject_GenericGetDict(tape, nullptr);
+  if (state == nullptr) return nullptr;
+  PyObject* r = PyDict_CheckExact(state) ? RecordWith(f, tape, state, op, inputs, outputs)
+                                         : Slow(f, tape, op, inputs, outputs);
+  Py_DECREF(state);
+  return r;
+}
+
+// after_execute(tape, op, inputs, outputs): see tape_record.h.
+PyObject* AfterExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "after_execute(op, inputs, outputs)");
+    return nullptr;
+  }
+  return Record(Frame(), args[0], args[1], args[2], args[3]);
+}
+
 PyMethodDef kAfterExecuteDef = {
     "after_execute", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(AfterExecute)),
     METH_FASTCALL,
     "after_execute(op, inputs, outputs): records op when an input is tracked (C; "
     "cc/tape_record.h)."};
 
-// tape_setup(is_stopped, is_empty, trainable_enums, used_indices)
-//   -> (TapeRecord, after_execute)
+// tape_setup(trainable_enums, used_indices) -> (TapeRecord, after_execute)
 PyObject* PyTapeSetup(PyObject*, PyObject* args) {
-  PyObject *is_stopped, *is_empty, *trainable, *used_fn;
-  if (!PyArg_ParseTuple(args, "OOOO", &is_stopped, &is_empty, &trainable, &used_fn)) {
-    return nullptr;
-  }
+  PyObject *trainable, *used_fn;
+  if (!PyArg_ParseTuple(args, "OO", &trainable, &used_fn)) return nullptr;
   if (!ReadyRecordType()) return nullptr;
   uint64_t mask = 0;
   PyObject* it = PyObject_GetIter(trainable);
@@ -486,8 +552,6 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
   Py_DECREF(it);
   if (PyErr_Occurred()) return nullptr;
   g_trainable = mask;
-  Py_XSETREF(g_is_stopped, Py_NewRef(is_stopped));
-  Py_XSETREF(g_is_empty, Py_NewRef(is_empty));
   Py_XSETREF(g_used_fn, Py_NewRef(used_fn));
   Py_XSETREF(g_used, PyDict_New());
   if (g_used == nullptr) return nullptr;
@@ -499,11 +563,13 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
       !InternOnce(&s_producer, "_producer") || !InternOnce(&s_seq, "_seq") ||
       !InternOnce(&s_python, "_after_execute_python") ||
       !InternOnce(&s_bridge, "_bridge_to_tf_tapes") ||
+      !InternOnce(&s_sweep_at, "_sweep_at") || !InternOnce(&s_sweep, "_sweep_tracked") ||
       !InternOnce(&native_internal::s_frames, "frames")) {
     return nullptr;
   }
   PyObject* fn = PyCFunction_New(&kAfterExecuteDef, nullptr);
   if (fn == nullptr) return nullptr;
+  Py_XSETREF(g_after_fn, Py_NewRef(fn));
   PyObject* method = PyInstanceMethod_New(fn);  // binds like a Python function
   Py_DECREF(fn);
   if (method == nullptr) return nullptr;
@@ -512,10 +578,22 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
 
 }  // namespace
 
+bool IsTapeAfterExecute(PyObject* fn) {
+  return g_after_fn != nullptr && PyMethod_Check(fn) && PyMethod_GET_FUNCTION(fn) == g_after_fn;
+}
+
+PyObject* TapeAfterExecuteDirect(PyObject* fn, PyObject* stack, PyObject* next, PyObject* op,
+                                 PyObject* inputs, PyObject* outputs) {
+  Frame f;
+  f.stack = stack;
+  f.next = next;
+  return Record(f, PyMethod_GET_SELF(fn), op, inputs, outputs);
+}
+
 PyMethodDef kTapeModuleMethods[] = {
     {"tape_setup", PyTapeSetup, METH_VARARGS,
-     "tape_setup(is_stopped, is_empty, trainable_dtype_enums, used_indices) -> (TapeRecord, "
-     "after_execute): oh.GradientTape's recording in C (cc/tape_record.h)."},
+     "tape_setup(trainable_dtype_enums, used_indices) -> (TapeRecord, after_execute): "
+     "oh.GradientTape's recording in C (cc/tape_record.h)."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

@@ -5,7 +5,8 @@
    fast path calls it for every op the tape executes, fast_record.cc RunRecord) is
    implemented here, so recording an op enters no Python frame. It does what the Python
    reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape.py)
-   does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`): an op
+   does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`, read
+   from its instance dict: plain attributes, no class-level descriptors): an op
    one of whose inputs is tracked and one of whose outputs is differentiable becomes a
    record, `_C.TapeRecord(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)`.
 
@@ -24,8 +25,11 @@
    output of a multi-output op (None for kept ones), for the zeros of its gradient.
    Every case it does not take (no input tracked on a variable read, a copy op, inputs or
    outputs that are not EagerTensors, a state it cannot read) is handed, before anything
-   changed, to that Python reference. TensorFlow's tape set is asked through the
-   callables given to `tape_setup`.
+   changed, to that Python reference. TensorFlow's tape set is asked through
+   pywrap_tfe's C functions (TFE_Py_TapeSetIsStopped / IsEmpty), not their Python
+   wrappers. A `_tracked` of kSweepMin entries or more is swept of dead entries
+   (`_sweep_tracked()`) when it reaches `_sweep_at`, which the sweep sets to twice what
+   remains, so a long persistent tape does not grow by the outputs it no longer tracks.
 */
 #ifndef TF_OPHANDLERS_TAPE_RECORD_H_
 #define TF_OPHANDLERS_TAPE_RECORD_H_
@@ -34,10 +38,20 @@
 
 namespace tf_ophandlers {
 
-// tape_setup(is_stopped, is_empty, trainable_dtype_enums) -> (TapeRecord type,
-// after_execute method): appended to the module's method table by module.cc.
-// Null-terminated.
+// tape_setup(trainable_dtype_enums, used_indices) -> (TapeRecord type, after_execute
+// method): appended to the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kTapeModuleMethods[];
+
+// Whether `fn` (a handler's `after_execute`, as read from it) is the C after_execute
+// bound to a tape. GIL: held.
+bool IsTapeAfterExecute(PyObject* fn);
+
+// `fn(op, inputs, outputs)` for such an `fn`, called by the fast path's record path
+// (fast_record.cc) without a hook frame: `stack` is the tape's stack, `next` the one its
+// op ran on. Pushes the frame (fast::CallHook) only for the Python methods it calls.
+// Returns a new reference, or null with an exception set. GIL: held.
+PyObject* TapeAfterExecuteDirect(PyObject* fn, PyObject* stack, PyObject* next, PyObject* op,
+                                 PyObject* inputs, PyObject* outputs);
 
 }  // namespace tf_ophandlers
 

@@ -3,6 +3,8 @@
 implementation of it (cc/tape_record.h), each against its Python reference and against
 tf.GradientTape."""
 
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -263,3 +265,34 @@ def test_record_type_is_read_only_and_named():
     # Sin's gradient reads its input, not its output: the record keeps only the input.
     assert record.outputs == [None] and float(record.inputs[0]) == 1.0
     assert record.ids == ((-1,), (1 << 20,), None)
+
+
+@pytest.mark.parametrize("cls", [oh.GradientTape, PythonRecordingTape])
+def test_a_long_persistent_tape_drops_tracking_of_outputs_gone(cls):
+    """`_tracked` forgets recorded outputs nobody holds any more (it kept an entry for
+    each until the tape was cleared, or a new tensor happened to take its key), and
+    keeps the ones still held: their gradients stay TensorFlow's."""
+    x = tf.random.stateless_uniform([3], seed=[5, 6])
+    c = tf.constant(1.01)
+
+    def program(tape):
+        tape.watch(x)
+        burst = [x * c for _ in range(3000)]  # held only by this list (Mul reads inputs)
+        del burst
+        kept = []
+        for i in range(2000):  # each Mul output stays, held by the Reshape's record
+            h = tf.reshape(x * c, [1, 3])
+            if i % 500 == 0:
+                kept.append(h)
+        return tf.add_n(kept), kept
+
+    with cls(persistent=True) as tape:
+        y, kept = program(tape)
+    dead = [e for e in tape._tracked.values()  # pylint: disable=protected-access
+            if type(e[0]) is weakref.ref and e[0]() is None]  # pylint: disable=unidiomatic-typecheck
+    assert len(dead) < 1000, len(dead)  # most of the burst's 3000 without the sweep
+    with tf.GradientTape(persistent=True) as ref:
+        want, want_kept = program(ref)
+    assert_close(y, want)
+    assert_same_tensors(ref.gradient(want, x), tape.gradient(y, x))
+    assert_same_tensors(ref.gradient(want, want_kept[1:]), tape.gradient(y, kept[1:]))

@@ -1,6 +1,6 @@
 """A tape's per-op recording in C (cc/tape_record.h), for handlers in the tape's role.
 
-`recording(is_stopped, is_empty, trainable_dtype_enums, used_indices)` returns
+`recording(trainable_dtype_enums, used_indices)` returns
 ``(Record, after_execute)``:
 
 - ``Record(seq, op_type, op, backward, inputs, outputs, stack, skip, ids)``: a C type
@@ -11,8 +11,9 @@
   weakref to it, id)``; `_producer`, a dict from output id to record; an int `_seq`), with `_after_execute_python(op, inputs, outputs)` doing the same in
   Python for the cases C hands over (a variable read whose handle is not tracked yet, a
   copy op, non-eager tensors) and `_bridge_to_tf_tapes(op, inputs, outputs)` called
-  when TensorFlow's tape set (`is_empty()`) is not empty. It records nothing while
-  `is_stopped()` (TensorFlow's `stop_recording`). The outputs whose dtype enum is in
+  when TensorFlow's tape set is not empty. It records nothing while TensorFlow's tape
+  set is stopped (`stop_recording`). A `_tracked` of 1024 entries or more calls
+  `_sweep_tracked()` when its size reaches the int `_sweep_at`. The outputs whose dtype enum is in
   `trainable_dtype_enums` become tracked (by weak reference, with id ``(seq << 20) |
   index``). Unless TensorFlow's tape set is recording, a record keeps only the inputs
   and outputs `used_indices(op_type)` names (``(inputs, outputs)``, each a set of
@@ -26,10 +27,9 @@ from tensorflow.python import pywrap_tfe
 import tf_ophandlers._C as _C
 
 
-def recording(is_stopped, is_empty, trainable_dtype_enums, used_indices):
+def recording(trainable_dtype_enums, used_indices):
     """``(Record type, after_execute method)``; see the module docstring."""
-    return _C.tape_setup(is_stopped, is_empty, frozenset(trainable_dtype_enums),
-                         used_indices)
+    return _C.tape_setup(frozenset(trainable_dtype_enums), used_indices)
 
 
 def record_on_tf_tapes(op, inputs, outputs):

@@ -22,6 +22,7 @@ The API is `tf.GradientTape`'s: `persistent`, `watch_accessed_variables`, `watch
 """
 import contextlib
 import logging
+import weakref
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
@@ -69,8 +70,8 @@ _TRAINABLE_ENUMS = frozenset(
 # TensorFlow's tape, a record keeps only the inputs and outputs its op's gradient reads,
 # gradient_tape_exclusions.py) with read-only seq, op_type, op, backward, inputs,
 # outputs, stack (where its gradient runs), skip and ids (the graph's links).
-_Record, _after_execute_c = recording(_tape_set_is_stopped, _tape_set_is_empty,
-                                      _TRAINABLE_ENUMS, used_indices)
+_Record, _after_execute_c = recording(_TRAINABLE_ENUMS, used_indices)
+_SWEEP_MIN = 1024  # `_tracked` sizes that never ask for a sweep (cc/tape_record.cc kSweepMin)
 
 
 def _active_tapes():
@@ -126,6 +127,7 @@ class GradientTape(BackwardPass, OpHandler):
         # _key(tensor) -> (tensor, id) for watched tensors, (weakref or tensor, id) for
         # recorded outputs (see tracked_entry)
         self._tracked = {}
+        self._sweep_at = _SWEEP_MIN  # `_tracked`'s size at which dead entries are dropped
         self._variables = {}  # _key(handle) -> variable watched
         self._seq = 0
         self._watch_ids = 0  # watched tensors' ids: -1, -2, ...
@@ -302,7 +304,21 @@ class GradientTape(BackwardPass, OpHandler):
             if id(o) in trainable:
                 tracked[_key(o)] = (track_ref(o), out_ids[j])
                 producer[out_ids[j]] = record
+        if len(tracked) >= max(self._sweep_at, _SWEEP_MIN):
+            self._sweep_tracked()
         return record
+
+    def _sweep_tracked(self):
+        """Drops the `_tracked` entries of recorded outputs that are gone (their records
+        stay, linked by id): without it a long persistent tape's `_tracked` grows by
+        every output it ever recorded. The next sweep waits until the size doubles, so
+        the cost per record stays O(1)."""
+        tracked = self._tracked
+        dead = [k for k, (ref, _) in tracked.items()
+                if type(ref) is weakref.ref and ref() is None]  # pylint: disable=unidiomatic-typecheck
+        for k in dead:
+            del tracked[k]
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(tracked))
 
     def handles_copy(self, op):
         # While recording, copy ops on the tape's stack are recorded like other ops and

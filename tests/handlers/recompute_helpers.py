@@ -31,8 +31,10 @@ def assert_grads(expected, got):
     for e, g in zip(expected, got):
         assert g is not None
         assert type(e) is type(g), (type(e), type(g))
+        # atol 1e-6: float32 gradients near 1e-3 differ by ~2e-7 between the recomputed
+        # (graph) and eager kernels where oneDNN's custom ops are on.
         np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
-                                   tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-7)
+                                   tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-6)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

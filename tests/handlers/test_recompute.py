@@ -210,7 +210,7 @@ def test_peak_memory_drops_on_a_deep_mlp():
         import recompute as bench
         r = bench.measure_mlp(layers=32, width=64, batch=384, configs=("tape", "recompute",
                                                                        "budget"))
-        g = bench.measure_graph(layers=32, width=64, batch=384)  # a traced step
+        g = bench.measure_graph(layers=64, width=64, batch=2048)  # a traced step
         print(r["tape"]["peak"], r["recompute"]["peak"], r["budget"]["peak"],
               r["budget"]["budget"], g["graph_tf"]["peak"], g["graph_recompute"]["peak"])
     """)
@@ -220,8 +220,12 @@ def test_peak_memory_drops_on_a_deep_mlp():
     # A traced step's peak depends on the order TensorFlow's executor runs ready ops in
     # (inter-op threads, machine load): measured 2.3-2.7x idle, 1.56x on a loaded machine
     # (a CI failure of ">= 2x"), 1.1-1.2x with one inter-op thread. A bound the schedule
-    # cannot break would need control dependencies in the recomputed graph.
-    assert graph >= 1.3 * graph_recompute, (graph, graph_recompute)
+    # cannot break would need control dependencies in the recomputed graph. Where oneDNN's
+    # custom ops are on (x86 with AVX-512 VNNI/BF16) its kernels' working memory hides
+    # the saving on small steps: at batch 384, 32 layers gave 1.08x (1.40x with
+    # TF_ENABLE_ONEDNN_OPTS=0) and even tf.recompute_grad saved nothing (7.0 vs 7.1 MB at
+    # 64 layers); at batch 2048, 64 layers: 34.5 -> 10.8 MB (3.2x; tf.recompute_grad 8.8 MB).
+    assert graph >= 1.5 * graph_recompute, (graph, graph_recompute)
 
 
 def test_inside_a_traced_function_and_around_fit():
@@ -273,7 +277,9 @@ def test_hessian_vector_product_with_forward_accumulator():
                         loss = fn(x)
             g = tape.gradient(loss, w)
         results.append((g, acc.jvp(g)))
-    np.testing.assert_allclose(results[1][0].numpy(), results[0][0].numpy(), rtol=1e-5)
+    # atol: float32 HVP entries near 1e-4 differ by ~5e-9 between kernel paths (oneDNN).
+    np.testing.assert_allclose(results[1][0].numpy(), results[0][0].numpy(), rtol=1e-5,
+                               atol=1e-7)
     np.testing.assert_allclose(results[1][1].numpy(), results[0][1].numpy(), rtol=1e-4,
                                atol=1e-6)
 

@@ -114,8 +114,11 @@ bool ForwardNoGil(const Plan& plan, const PlanType entry, const TFE_Op* tfe_op,
       values[i] = in[i];
       continue;
     }
+    // (A payload a C path made, without a value, holds what PHYSICAL returned; one with
+    // a value from a Python hook is checked: its tensor could be another stack's.)
     if (p->kind != TFOH_PAYLOAD_PYTHON || reinterpret_cast<PyObject*>(p->stack) != plan.stack ||
-        p->lazy != nullptr || p->shape_source == nullptr || PayloadOf(p->shape_source) != nullptr) {
+        p->lazy != nullptr || p->shape_source == nullptr ||
+        (p->value != nullptr && PayloadOf(p->shape_source) != nullptr)) {
       return false;
     }
     values[i] = p->shape_source;

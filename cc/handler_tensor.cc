@@ -57,17 +57,16 @@ bool ReleaseStackAnchorNoGil(StackAnchor* a) {
 }
 
 // Drops the payload's Python references (an anchored payload: its count of the anchor,
-// and only `value` and `lazy`, which PayloadValue may have set since) and frees it.
-// GIL: held.
+// and only `value`, which PayloadValue may have set since) and frees it. GIL: held.
 void FreePayloadWithGil(TFOH_Payload* p) {
   if (p->anchor != nullptr) {
     ReleaseStackAnchor(static_cast<StackAnchor*>(p->anchor));
   } else {
     Py_XDECREF(reinterpret_cast<PyObject*>(p->stack));
     Py_XDECREF(reinterpret_cast<PyObject*>(p->producer));
+    Py_XDECREF(reinterpret_cast<PyObject*>(p->lazy));
   }
   Py_XDECREF(reinterpret_cast<PyObject*>(p->value));
-  Py_XDECREF(reinterpret_cast<PyObject*>(p->lazy));
   delete p;
 }
 
@@ -154,7 +153,7 @@ void PayloadDeallocate(void* data) {
   }
   // A payload made without the GIL and never given a Python value: its only reference is
   // its count of the anchor, dropped without the GIL unless it is the last.
-  if (p->anchor != nullptr && p->value == nullptr && p->lazy == nullptr &&
+  if (p->anchor != nullptr && p->value == nullptr &&
       ReleaseStackAnchorNoGil(static_cast<StackAnchor*>(p->anchor))) {
     delete p;
     return;
@@ -278,7 +277,8 @@ static TFE_TensorHandle* HandleOfPayload(TFOH_Payload* p, TF_DataType dtype, TF_
 }
 
 TFE_TensorHandle* NewAnchoredHandle(StackAnchor* anchor, TFE_TensorHandle* value,
-                                    TF_DataType dtype, PyObject* producer, TF_Status* s) {
+                                    TF_DataType dtype, PyObject* producer, PyObject* lazy,
+                                    TF_Status* s) {
   anchor->count.fetch_add(1, std::memory_order_relaxed);  // the caller holds one
   auto* p = new TFOH_Payload();
   p->kind = TFOH_PAYLOAD_PYTHON;
@@ -286,6 +286,7 @@ TFE_TensorHandle* NewAnchoredHandle(StackAnchor* anchor, TFE_TensorHandle* value
   p->producer = producer;
   p->shape_source = value;  // its Python value is made on first use (PayloadValue)
   p->anchor = anchor;
+  p->lazy = lazy;
   TFE_CustomDeviceTensorHandle methods;
   methods.num_dims = &PayloadNumDims;
   methods.dim = &PayloadDim;
@@ -372,7 +373,7 @@ PyObject* PayloadValue(TFOH_Payload* p) {
     p->value = v;
     PyObject* lazy = reinterpret_cast<PyObject*>(p->lazy);
     p->lazy = nullptr;
-    Py_DECREF(lazy);
+    if (p->anchor == nullptr) Py_DECREF(lazy);  // (anchored: borrowed)
     return v;
   }
   if (p->shape_source == nullptr) {

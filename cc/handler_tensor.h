@@ -88,12 +88,14 @@ void ReleaseStackAnchor(StackAnchor* anchor);
 
 // A handler tensor of the anchor's stack whose payload holds `value` (owned: taken in
 // every case) as its shape_source and no Python object, like
-// NewHandlerTensorHandleFromHandle without `lazy`; `producer` is borrowed for the
-// payload's life (an op type str InternedString keeps for the process). The payload
+// NewHandlerTensorHandleFromHandle; `producer` (an op type str InternedString keeps for
+// the process) and `lazy` (null, or the one skipped forwarding level: the stack's next
+// stack, alive as long as the stack) are borrowed for the payload's life. The payload
 // takes a count of `anchor`, which the caller must hold (a count of its own). Returns
 // null with `status` set on failure. GIL: not needed.
 TFE_TensorHandle* NewAnchoredHandle(StackAnchor* anchor, TFE_TensorHandle* value,
-                                    TF_DataType dtype, PyObject* producer, TF_Status* status);
+                                    TF_DataType dtype, PyObject* producer, PyObject* lazy,
+                                    TF_Status* status);
 
 // Whether payloads may be queued for DrainPending (the no-GIL path leaves the op to the
 // GIL path, which drains them). GIL: not needed.

@@ -75,11 +75,12 @@ bool NativeNoGilExecute(const TFE_Op* op, int* num_outputs, TFE_TensorHandle** o
 // no-GIL plan if it is state.current. GIL: must be held.
 void RememberNoGilStack(PyObject* stack, PyObject* handler);
 
-// Remembers that `stack` (next stack PHYSICAL) forwards ops of `type` (a kForward
-// decision with these `transient` and `default_copy_on`), in this thread's no-GIL plan,
-// if it is state.current. GIL: must be held.
+// Remembers that `stack` forwards ops of `type` to PHYSICAL (a kForward decision with
+// these `transient` and `default_copy_on`; `skipped`: null when its next stack is
+// PHYSICAL, else that next stack, a forwarding level RunForward skips), in this thread's
+// no-GIL plan, if it is state.current. GIL: must be held.
 void RememberNoGilForward(PyObject* stack, const char* type, bool transient,
-                          bool default_copy_on);
+                          bool default_copy_on, PyObject* skipped = nullptr);
 
 // `_C.nogil_forget()`: drops this thread's no-GIL plan and with it the plan's hold on its
 // stack (core/scope.py calls it when a scope closes: a plan keeps its stack alive until

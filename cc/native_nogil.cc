@@ -23,6 +23,7 @@ namespace {
 struct PlanType {
   char text[40];
   PyObject* producer;
+  PyObject* lazy;  // (forwarding) null, or the one forwarding level skipped: stack.next
 };
 
 // This thread's plan: the stack it last ran in C directly over PHYSICAL while it was
@@ -81,14 +82,15 @@ const PlanType* FindType(const Plan& plan, const char* type) {
   return nullptr;
 }
 
-// Adds `type` to the plan's types (the oldest gives way). GIL: held.
-void AddType(Plan& plan, const char* type) {
+// Adds `type` to the plan's types (the oldest gives way); `lazy`: see PlanType. GIL: held.
+void AddType(Plan& plan, const char* type, PyObject* lazy = nullptr) {
   if (FindType(plan, type) != nullptr || std::strlen(type) >= sizeof(PlanType::text)) return;
   PyObject* producer = InternedStringKept(type);
   if (producer == nullptr) return;
   int i = plan.n_types < Plan::kTypes ? plan.n_types++ : plan.next_type++ % Plan::kTypes;
   std::strcpy(plan.types[i].text, type);
   plan.types[i].producer = producer;
+  plan.types[i].lazy = lazy;
 }
 
 // Ops the no-GIL path leaves to the GIL path: copy ops, _EagerConst, and ops running
@@ -114,10 +116,11 @@ bool ForwardNoGil(const Plan& plan, const PlanType entry, const TFE_Op* tfe_op,
       values[i] = in[i];
       continue;
     }
-    // (A payload a C path made, without a value, holds what PHYSICAL returned; one with
-    // a value from a Python hook is checked: its tensor could be another stack's.)
+    // (A payload a C path made, without a value, holds what PHYSICAL returned, also with
+    // a skipped level; one with a value from a Python hook is checked: its tensor could
+    // be another stack's.)
     if (p->kind != TFOH_PAYLOAD_PYTHON || reinterpret_cast<PyObject*>(p->stack) != plan.stack ||
-        p->lazy != nullptr || p->shape_source == nullptr ||
+        p->shape_source == nullptr ||
         (p->value != nullptr && PayloadOf(p->shape_source) != nullptr)) {
       return false;
     }
@@ -141,14 +144,15 @@ bool ForwardNoGil(const Plan& plan, const PlanType entry, const TFE_Op* tfe_op,
     TFE_TensorHandle* h = outs[i];
     outs[i] = nullptr;
     const TF_DataType dt = TFE_TensorHandleDataType(h);
-    // RFC "Placement of resource handles": a transient level leaves them on PHYSICAL.
-    if (transient && dt == TF_RESOURCE) {
+    // RFC "Placement of resource handles": a transient level leaves them on PHYSICAL
+    // (a skipped level is transient).
+    if ((transient || entry.lazy != nullptr) && dt == TF_RESOURCE) {
       outputs[i] = h;
     } else if (gil) {
-      outputs[i] = NewHandlerTensorHandleFromHandle(stack, h, dt, entry.producer);
+      outputs[i] = NewHandlerTensorHandleFromHandle(stack, h, dt, entry.producer, entry.lazy);
       if (outputs[i] == nullptr) StatusFromPyErr(status);
     } else {
-      outputs[i] = NewAnchoredHandle(anchor, h, dt, entry.producer, status);
+      outputs[i] = NewAnchoredHandle(anchor, h, dt, entry.producer, entry.lazy, status);
     }
     if (outputs[i] == nullptr || TF_GetCode(status) != TF_OK) {
       // (Releasing an anchored handle here needs no GIL: the plan holds a count.)
@@ -192,7 +196,7 @@ bool WrapNoGil(StackAnchor* anchor, NativeHandlerObject* self, PyObject* produce
     } else {
       TFE_TensorHandle* h = t->h;
       t->h = nullptr;  // moved into the payload
-      result = NewAnchoredHandle(anchor, h, want[i], producer, status);
+      result = NewAnchoredHandle(anchor, h, want[i], producer, nullptr, status);
     }
     if (result == nullptr || TF_GetCode(status) != TF_OK) {
       for (size_t j = 0; j < i; ++j) TFE_DeleteTensorHandle(outputs[j]);
@@ -216,9 +220,9 @@ void RememberNoGilStack(PyObject* stack, PyObject* handler) {
 }
 
 void RememberNoGilForward(PyObject* stack, const char* type, bool transient,
-                          bool default_copy_on) {
+                          bool default_copy_on, PyObject* skipped) {
   Plan& plan = t_plan;
-  if (Adopt(plan, stack, nullptr, transient, default_copy_on)) AddType(plan, type);
+  if (Adopt(plan, stack, nullptr, transient, default_copy_on)) AddType(plan, type, skipped);
 }
 
 PyObject* PyNoGilForget(PyObject*, PyObject*) {
@@ -324,7 +328,7 @@ bool NativeNoGilExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle
   // From here on the op is ours: failures are reported through `status`.
   PyObject* const stack = plan.stack;  // (copied: execute_next may run Python)
   StackAnchor* const anchor = plan.anchor;
-  const PlanType known = entry != nullptr ? *entry : PlanType{"", nullptr};
+  const PlanType known = entry != nullptr ? *entry : PlanType{"", nullptr, nullptr};
   TFOH_Context ctx{stack, g_physical, true, dev};
   ctx.gil = false;
   ctx.device_utf8 = dev_utf8;

@@ -166,3 +166,35 @@ def test_a_kernel_error_on_the_no_gil_path_is_tensorflow_s():
             tf.matmul(x, b)
         assert _forward_ops() > before
     assert want.value.message.split(" [Op:")[0] in got.value.message
+
+
+@pytest.mark.parametrize("outer,inner", [(oh.native.PassThrough, oh.native.PassThrough),
+                                         (oh.OpHandler, oh.native.PassThrough),
+                                         (oh.native.PassThrough, oh.OpHandler)])
+def test_two_forwarding_levels_skip_the_inner_one_without_the_gil(outer, inner):
+    """The outer level runs the op on PHYSICAL, skipping the inner one: its tensors'
+    payloads name the inner stack (borrowed), whose tensor is made when Python asks."""
+    a = tf.random.stateless_uniform([4, 3], seed=[1, 2])
+    b = tf.random.stateless_uniform([4, 3], seed=[3, 4])
+    want = _chain(a, b)
+    h_out, h_in = outer(), inner()
+    with h_out, h_in:
+        a1, b1 = tf.identity(a), tf.identity(b)
+        _chain(a1, b1)
+        before = _forward_ops()
+        got = _chain(a1, b1)
+        assert _forward_ops() - before >= len(want)
+        outer_stack, value = _C.payload(got[1])  # the inner level's tensor, made now
+        inner_stack, physical = _C.payload(value)
+        assert outer_stack.handler is h_in and inner_stack.handler is h_out
+        assert _C.payload(physical) is None
+        np.testing.assert_allclose(physical.numpy(), want[1].numpy(), rtol=1e-6)
+        more = tf.add(got[1], got[1])  # an input whose value was made: still no GIL
+    np.testing.assert_allclose(more.numpy(), 2 * want[1].numpy(), rtol=1e-6)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+    ref_out, ref_in = weakref.ref(h_out), weakref.ref(h_in)
+    del h_out, h_in, got, value, outer_stack, inner_stack, a1, b1, more, g
+    gc.collect()
+    assert ref_out() is None and ref_in() is None

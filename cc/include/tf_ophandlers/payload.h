@@ -61,8 +61,9 @@ typedef struct TFOH_Payload {
   void* lazy;  // PyObject*
   // Null, or the dispatcher's hold on `stack` for a payload made without the GIL (the
   // no-GIL path, cc/native_nogil.cc): `stack` is then not a reference of the payload (the
-  // hold keeps one for all its payloads) and `producer` is borrowed from the dispatcher's
-  // interned op types, which live for the process. Opaque (tf_ophandlers::StackAnchor).
+  // hold keeps one for all its payloads), `producer` is borrowed from the dispatcher's
+  // interned op types, which live for the process, and `lazy` (a single stack, the next
+  // one) is borrowed too (the stack keeps it). Opaque (tf_ophandlers::StackAnchor).
   void* anchor;
 } TFOH_Payload;
 

@@ -232,9 +232,9 @@ PyObject* PyStacksChanged(PyObject*, PyObject* arg) {
 
 // fast_stats() -> dict: counters of the fast path (tests and benchmarks).
 PyObject* PyFastStats(PyObject*, PyObject*) {
-  return Py_BuildValue("{sKsKsKsKsnsnsOsKsKsnsnsK}", "hits", (unsigned long long)g_hits,
+  return Py_BuildValue("{sKsKsKsKsnsnsOsKsKsnsnsKsK}", "hits", (unsigned long long)g_hits,
                        "misses", (unsigned long long)g_misses, "fast_ops",
-                       (unsigned long long)(g_fast_ops + NativeNoGilOps()), "clears",
+                       (unsigned long long)(g_fast_ops + NativeNoGilOps() + NativeNoGilForwardOps()), "clears",
                        (unsigned long long)g_clears, "entries",
                        (Py_ssize_t)(g_decisions ? g_decisions->size() : 0), "maxsize",
                        (Py_ssize_t)kMaxDecisions, "enabled",
@@ -243,7 +243,8 @@ PyObject* PyFastStats(PyObject*, PyObject*) {
                        (unsigned long long)g_python_asks, "shared_entries",
                        (Py_ssize_t)(g_shared ? g_shared->size() : 0), "shared_maxsize",
                        (Py_ssize_t)kMaxShared, "nogil_ops",
-                       (unsigned long long)NativeNoGilOps());
+                       (unsigned long long)NativeNoGilOps(), "nogil_forward_ops",
+                       (unsigned long long)NativeNoGilForwardOps());
 }
 
 }  // namespace fast

@@ -107,6 +107,11 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
     return false;
   }
   if (TF_GetCode(status) != TF_OK) return true;
+  if (depth == 0 && run_on == g_physical && skipped.size() <= 1) {
+    // This thread's next ops of this type on this stack may run without the GIL.
+    RememberNoGilForward(stack, type, d.transient, d.default_copy_on,
+                         skipped.empty() ? nullptr : skipped[0]);
+  }
   PyObject* producer = InternedString(type);
   PyObject* lazy = nullptr;  // the skipped stacks (new reference), shared by the outputs
   if (skipped.size() == 1) {

@@ -211,9 +211,12 @@ PyMethodDef kFastModuleMethods[] = {
      "fast_setup(state, PHYSICAL): what the C++ per-op fast path reads."},
     {"stacks_changed", PyStacksChanged, METH_O,
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
+    {"nogil_forget", PyNoGilForget, METH_NOARGS,
+     "nogil_forget(): drops this thread's no-GIL plan (a scope closed)."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
-     "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops}."},
+     "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops, "
+     "nogil_forward_ops}."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

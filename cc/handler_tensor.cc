@@ -26,12 +26,47 @@ std::vector<TFOH_Payload*> g_pending;  // guarded by g_pending_mu
 // (nothing queued) costs no lock on every op.
 std::atomic<bool> g_maybe_pending{false};
 
-// Drops the payload's Python references and frees it. GIL: held.
+}  // namespace
+
+struct StackAnchor {
+  std::atomic<intptr_t> count;
+  PyObject* stack;  // one strong reference while count > 0
+};
+
+StackAnchor* NewStackAnchor(PyObject* stack) {
+  Py_INCREF(stack);
+  return new StackAnchor{{1}, stack};
+}
+
+void ReleaseStackAnchor(StackAnchor* a) {
+  if (a->count.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  Py_DECREF(a->stack);
+  delete a;
+}
+
+namespace {
+
+// Drops one count of `a` unless it is the last one (which needs the GIL): returns whether
+// it did. GIL: not needed.
+bool ReleaseStackAnchorNoGil(StackAnchor* a) {
+  intptr_t n = a->count.load(std::memory_order_relaxed);
+  while (n > 1) {
+    if (a->count.compare_exchange_weak(n, n - 1, std::memory_order_acq_rel)) return true;
+  }
+  return false;
+}
+
+// Drops the payload's Python references (an anchored payload: its count of the anchor,
+// and only `value`, which PayloadValue may have set since) and frees it. GIL: held.
 void FreePayloadWithGil(TFOH_Payload* p) {
-  Py_XDECREF(reinterpret_cast<PyObject*>(p->stack));
+  if (p->anchor != nullptr) {
+    ReleaseStackAnchor(static_cast<StackAnchor*>(p->anchor));
+  } else {
+    Py_XDECREF(reinterpret_cast<PyObject*>(p->stack));
+    Py_XDECREF(reinterpret_cast<PyObject*>(p->producer));
+    Py_XDECREF(reinterpret_cast<PyObject*>(p->lazy));
+  }
   Py_XDECREF(reinterpret_cast<PyObject*>(p->value));
-  Py_XDECREF(reinterpret_cast<PyObject*>(p->producer));
-  Py_XDECREF(reinterpret_cast<PyObject*>(p->lazy));
   delete p;
 }
 
@@ -116,6 +151,13 @@ void PayloadDeallocate(void* data) {
     delete p;
     return;
   }
+  // A payload made without the GIL and never given a Python value: its only reference is
+  // its count of the anchor, dropped without the GIL unless it is the last.
+  if (p->anchor != nullptr && p->value == nullptr &&
+      ReleaseStackAnchorNoGil(static_cast<StackAnchor*>(p->anchor))) {
+    delete p;
+    return;
+  }
   if (PyGILState_Check()) {
     FreePayloadWithGil(p);
   } else if (PyGILState_GetThisThreadState() != nullptr) {
@@ -166,6 +208,8 @@ TF_Buffer* PayloadSummarize(void* data, TF_Status* status) {
 }
 
 }  // namespace
+
+bool PendingQueued() { return g_maybe_pending.load(std::memory_order_relaxed); }
 
 void DrainPending() {
   if (!g_maybe_pending.load(std::memory_order_acquire)) return;
@@ -230,6 +274,27 @@ static TFE_TensorHandle* HandleOfPayload(TFOH_Payload* p, TF_DataType dtype, TF_
     return nullptr;
   }
   return h;
+}
+
+TFE_TensorHandle* NewAnchoredHandle(StackAnchor* anchor, TFE_TensorHandle* value,
+                                    TF_DataType dtype, PyObject* producer, PyObject* lazy,
+                                    TF_Status* s) {
+  anchor->count.fetch_add(1, std::memory_order_relaxed);  // the caller holds one
+  auto* p = new TFOH_Payload();
+  p->kind = TFOH_PAYLOAD_PYTHON;
+  p->stack = anchor->stack;
+  p->producer = producer;
+  p->shape_source = value;  // its Python value is made on first use (PayloadValue)
+  p->anchor = anchor;
+  p->lazy = lazy;
+  TFE_CustomDeviceTensorHandle methods;
+  methods.num_dims = &PayloadNumDims;
+  methods.dim = &PayloadDim;
+  methods.deallocator = &PayloadDeallocate;
+  methods.summarize = &PayloadSummarize;
+  // On failure TensorFlow has called the deallocator (the count is not the last: the
+  // caller's remains, so no GIL is needed).
+  return TFE_NewCustomDeviceTensorHandle(g_ctx, g_device_name.c_str(), dtype, p, methods, s);
 }
 
 TFE_TensorHandle* NewHandlerTensorHandle(PyObject* stack, PyObject* value, TF_DataType dtype,
@@ -308,7 +373,7 @@ PyObject* PayloadValue(TFOH_Payload* p) {
     p->value = v;
     PyObject* lazy = reinterpret_cast<PyObject*>(p->lazy);
     p->lazy = nullptr;
-    Py_DECREF(lazy);
+    if (p->anchor == nullptr) Py_DECREF(lazy);  // (anchored: borrowed)
     return v;
   }
   if (p->shape_source == nullptr) {

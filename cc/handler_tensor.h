@@ -68,6 +68,39 @@ TFOH_Payload* PayloadOf(TFE_TensorHandle* handle);
 // GIL: must be held. Never fails.
 void DrainPending();
 
+// ---- handler tensors made without the GIL (the no-GIL path, native_nogil.cc) ----------
+//
+// A StackAnchor holds one Python reference to a stack for a count of users: the thread
+// plan that made it (native_nogil.cc, one count until the plan is dropped) and each
+// payload made through it. Counts change without the GIL except the last release, which
+// drops the stack's reference and so needs the GIL: a release that would be the last
+// one without it is left to the deallocator's GIL paths. While a plan holds its count,
+// payloads can be added without the GIL.
+struct StackAnchor;
+
+// A new anchor of `stack` (borrowed; the anchor takes a reference) with one count, the
+// caller's. Never fails (C++ new). GIL: must be held.
+StackAnchor* NewStackAnchor(PyObject* stack);
+
+// Drops one count; the last drops the stack's reference and frees the anchor. GIL: must
+// be held.
+void ReleaseStackAnchor(StackAnchor* anchor);
+
+// A handler tensor of the anchor's stack whose payload holds `value` (owned: taken in
+// every case) as its shape_source and no Python object, like
+// NewHandlerTensorHandleFromHandle; `producer` (an op type str InternedString keeps for
+// the process) and `lazy` (null, or the one skipped forwarding level: the stack's next
+// stack, alive as long as the stack) are borrowed for the payload's life. The payload
+// takes a count of `anchor`, which the caller must hold (a count of its own). Returns
+// null with `status` set on failure. GIL: not needed.
+TFE_TensorHandle* NewAnchoredHandle(StackAnchor* anchor, TFE_TensorHandle* value,
+                                    TF_DataType dtype, PyObject* producer, PyObject* lazy,
+                                    TF_Status* status);
+
+// Whether payloads may be queued for DrainPending (the no-GIL path leaves the op to the
+// GIL path, which drains them). GIL: not needed.
+bool PendingQueued();
+
 // Maximum rank of a TensorFlow tensor (TensorShape's limit); num_dims results above it
 // are rejected.
 constexpr int kMaxRank = 254;

@@ -52,22 +52,46 @@ bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TF
                     int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status,
                     bool first_stack = false);
 
-// The no-GIL path, tried by the dispatcher's execute callback (device.cc) before it takes
-// the GIL. Runs `op` without the GIL when it is this thread's op on a stack whose handler
-// is a C/C++ handler directly over PHYSICAL, as the fast path ran it on this thread
-// before (NativeStackRun remembers the stack, valid until StacksGeneration changes), no
-// function is being replayed, and every input is physical (the handler has no copy_on
-// hook) or a handler tensor of that stack whose value is a TensorFlow handle. The
-// execute hook and the physical execution run without the GIL; the GIL is taken once, to
-// wrap the outputs (and inside execute_next for anything but a physical execution).
-// Returns false when it does not qualify (nothing done, `status` untouched); true when it
-// ran the op (`status` tells whether it succeeded; on success `outputs` holds
-// `*num_outputs` new handles). GIL: must NOT be held (false is returned if it is).
+// The no-GIL path (native_nogil.cc), tried by the dispatcher's execute callback
+// (device.cc) before it takes the GIL. Runs `op` without the GIL when it is this thread's
+// op on the stack of this thread's plan: a stack directly over PHYSICAL that is
+// state.current, whose handler is a C/C++ handler (NativeStackRun remembers it) or
+// forwards ops of this type (RunForward at the op's first stack remembers the type: a
+// pass-through level, C++ or Python); the plan is valid until StacksGeneration changes.
+// Also: no function is being replayed, no payload is queued for release, and every
+// input is physical (taken as it is: no copy_on hook) or a handler tensor of that stack
+// whose value is a physical TensorFlow handle. The execute hook (if any) and the
+// physical execution run without the GIL, and so do the outputs' handler tensors when
+// they are plain handles of an op type the plan has interned (NewAnchoredHandle); else
+// the GIL is taken once, to wrap them (and inside execute_next for anything but a
+// physical execution). Returns false when it does not qualify (nothing done, `status`
+// untouched); true when it ran the op (`status` tells whether it succeeded; on success
+// `outputs` holds `*num_outputs` new handles). GIL: must NOT be held (false is returned
+// if it is).
 bool NativeNoGilExecute(const TFE_Op* op, int* num_outputs, TFE_TensorHandle** outputs,
                         TF_Status* status);
 
-// How many ops NativeNoGilExecute ran (fast_stats' nogil_ops, included in fast_ops).
+// Remembers `stack` (its C/C++ handler `handler`, next stack PHYSICAL) as this thread's
+// no-GIL plan if it is state.current. GIL: must be held.
+void RememberNoGilStack(PyObject* stack, PyObject* handler);
+
+// Remembers that `stack` forwards ops of `type` to PHYSICAL (a kForward decision with
+// these `transient` and `default_copy_on`; `skipped`: null when its next stack is
+// PHYSICAL, else that next stack, a forwarding level RunForward skips), in this thread's
+// no-GIL plan, if it is state.current. GIL: must be held.
+void RememberNoGilForward(PyObject* stack, const char* type, bool transient,
+                          bool default_copy_on, PyObject* skipped = nullptr);
+
+// `_C.nogil_forget()`: drops this thread's no-GIL plan and with it the plan's hold on its
+// stack (core/scope.py calls it when a scope closes: a plan keeps its stack alive until
+// then, or until the thread remembers another stack; a thread that exits inside a scope
+// leaks that hold). Python C-API contract. GIL: must be held.
+PyObject* PyNoGilForget(PyObject*, PyObject*);
+
+// How many ops NativeNoGilExecute ran with an execute hook (fast_stats' nogil_ops) and as
+// a forwarding level (nogil_forward_ops); both included in fast_ops.
 uint64_t NativeNoGilOps();
+uint64_t NativeNoGilForwardOps();
 
 // Whether `stack`'s handler is native with a num_dims or dim hook: its tensors then
 // answer rank and dims through those hooks, not from their representation. Never fails.

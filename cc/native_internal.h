@@ -224,6 +224,15 @@ bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
                 const absl::InlinedVector<TF_DataType, 4>* want,
                 TF_Status* status);
 
+// NativeStackExecute's wrap: the handler tensors of `stack` for the hook's outputs `outs`
+// (checked against `want`), or the tensors that left the stacks below (resources, or
+// outputs not on `next`). On success `outputs` holds outs.size() new handles; on failure
+// it holds nothing and `status` is set. `outs` stay the caller's. GIL: held.
+bool WrapNativeOutputs(PyObject* stack, NativeHandlerObject* self, PyObject* next,
+                       const char* type, const absl::InlinedVector<TF_DataType, 4>& want,
+                       absl::InlinedVector<TFOH_Tensor*, 4>& outs, TFE_TensorHandle** outputs,
+                       TF_Status* status);
+
 // ---- helpers (native_type.cc) ---------------------------------------------------------------
 
 // The handler's debug_string hook's text, or "<type name>()". Never fails. GIL: held.

@@ -54,9 +54,30 @@ TF_Status* ThreadStatus() {
   return s;
 }
 
+namespace {
+// InternedString's strings, each with one reference for the process (never released).
+std::unordered_map<std::string, PyObject*>* InternCache() {
+  static auto* cache = new std::unordered_map<std::string, PyObject*>();
+  return cache;
+}
+constexpr size_t kMaxInterned = 100000;
+}  // namespace
+
+PyObject* InternedStringKept(const char* text) {
+  PyObject* s = InternedString(text);
+  if (s == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  auto* cache = InternCache();
+  auto it = cache->find(text);
+  PyObject* kept = it != cache->end() && it->second == s ? s : nullptr;
+  Py_DECREF(s);
+  return kept;
+}
+
 PyObject* InternedString(const char* text) {
-  static std::unordered_map<std::string, PyObject*>* cache =
-      new std::unordered_map<std::string, PyObject*>();
+  auto* cache = InternCache();
   // The last few hits of this thread, compared by content (a caller's buffer may hold
   // another text next time): no std::string and no hash for an op type seen just before.
   // Entries point at strings the cache holds for the process (never released).
@@ -85,7 +106,7 @@ PyObject* InternedString(const char* text) {
   }
   PyObject* s = PyUnicode_FromString(text);
   if (s == nullptr) return nullptr;
-  if (cache->size() < 100000) {
+  if (cache->size() < kMaxInterned) {
     Py_INCREF(s);
     (*cache)[text] = s;
   }

@@ -65,6 +65,11 @@ TF_Status* ThreadStatus();
 // set. GIL: must be held.
 PyObject* InternedString(const char* text);
 
+// The interned str for `text` if InternedString keeps it for the process (made and kept
+// now if there is room), borrowed: valid for the process; null when it is not kept (no
+// Python exception left set). GIL: must be held.
+PyObject* InternedStringKept(const char* text);
+
 // Whether `dtype` is a TensorFlow dtype a tensor can have (a valid, non-reference
 // DataType other than DT_INVALID). GIL: not needed.
 bool ValidDataType(long dtype);

@@ -154,6 +154,7 @@ def _abandon(entry, opened):
     while scopes and any(e is entry for e in scopes):
         scopes.pop()
     state.current = entry.previous
+    _C.nogil_forget()  # the C no-GIL path's hold on a stack ends with its scope
     try:
         for h in reversed(opened):
             try:
@@ -188,6 +189,7 @@ def _close(entry):
         entry.traced.__exit__(None, None, None)
         return
     state.current = entry.previous
+    _C.nogil_forget()  # the C no-GIL path's hold on a stack ends with its scope
     try:
         error = None
         for h in reversed(entry.opened):

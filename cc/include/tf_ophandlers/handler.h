@@ -56,7 +56,8 @@
      op. Hooks must not call the Python C API, must not rely on the GIL being held and
      must not release it: `execute` of a handler whose next stack is the physical one
      runs without the GIL for eager ops whose inputs are plain tensors (the runtime takes
-     the GIL only to wrap the outputs); other hooks run holding it. The runtime functions
+     it only to wrap outputs that need a Python object: handler data, a type with shape
+     hooks, the first op of a type on the thread); other hooks run holding it. The runtime functions
      hooks call (`execute_next`) release and retake the GIL where they block.
    - Threading: hooks of one handler state may run on several threads at once (two
      Python threads using one handler, with or without the GIL), so handler state must

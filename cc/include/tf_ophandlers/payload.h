@@ -37,7 +37,8 @@ typedef enum TFOH_PayloadKind {
 typedef struct TFOH_Payload {
   TFOH_PayloadKind kind;
   // The handler stack (a tf_ophandlers.core.stack.HandlerStack) and the handler's own
-  // representation of the tensor. Both are strong references; `stack` is never null.
+  // representation of the tensor. Both are strong references (`stack`: unless `anchor` is
+  // set, below); `stack` is never null.
   // `value` is null while the representation is the eager tensor `shape_source` and no
   // one has asked for a Python object of it yet (the C paths' outputs: the dispatcher
   // makes it on first use, with the GIL held, and keeps it).
@@ -58,6 +59,12 @@ typedef struct TFOH_Payload {
   // tensor those levels' default copy_on passes through. Strong reference; cleared once
   // the value is made.
   void* lazy;  // PyObject*
+  // Null, or the dispatcher's hold on `stack` for a payload made without the GIL (the
+  // no-GIL path, cc/native_nogil.cc): `stack` is then not a reference of the payload (the
+  // hold keeps one for all its payloads), `producer` is borrowed from the dispatcher's
+  // interned op types, which live for the process, and `lazy` (a single stack, the next
+  // one) is borrowed too (the stack keeps it). Opaque (tf_ophandlers::StackAnchor).
+  void* anchor;
 } TFOH_Payload;
 
 #ifdef __cplusplus

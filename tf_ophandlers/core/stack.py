@@ -559,8 +559,8 @@ class HandlerStack(Stack):
         value = self.call_hook(hook, self.unwrap(t), device)
         below = getattr(self.next, "handler", None)
         try:  # a gradient's copy with a tape or accumulator below: recorded there
-            if op.type != "CopyOnGrad" or not getattr(below, "differentiates", None) or (
-                    not below.handles_copy(op)):  # (copied off, it lost its tangent)
+            if op.type != "CopyOnGrad" or not any(h.differentiates and h.handles_copy(
+                    op) for h in self.next.handlers):  # (copied off, it lost its tangent)
                 return [self.next.copy_off(value, device)]
         except errors.CopyOffError as e:  # refused by the next stack itself: its copy op
             if getattr(e, "refused_by", None) is not self.next or getattr(

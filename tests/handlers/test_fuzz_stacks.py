@@ -143,9 +143,16 @@ def _known_limitation(stack, program):
     - a tape around an accumulator: tf.GradientTape > tf.autodiff.ForwardAccumulator
       around a called tf.function gives other second-order values than the same
       nesting eagerly (ours gives the eager ones; OH_FUZZ_SEED=5, case 11).
-    And eagerly, unfixed: oh.Async inside oh.vectorized_map around a called tf.function
-    raises CopyOffError (vectorized_map > tf.GradientTape > Async, OH_FUZZ_SEED=6,
-    slow case 23, from a warm run)."""
+    - Lazy or Async inside vectorized_map (pfor traces the mapped function): Lazy
+      refuses with a clear HandlerError; Async raised CopyOffError (vectorized_map >
+      Recompute(save) > tf.GradientTape > Async > PassThrough, OH_FUZZ_SEED=6 slow case
+      23): left out, unfixed.
+    Also run eagerly, unfixed: DataFormat with vectorized_map in a function
+    (RuntimeError "Expected a PyOperation got None": DataFormat > vectorized_map >
+    OpCounter > DataFormat > tf.GradientTape, OH_FUZZ_SEED=20 slow case 8) and an HVP
+    (accumulator around a tape) with Lazy in a function (None JVP of the gradient:
+    Recompute(save) > ForwardAccumulator > GradientTape > Lazy, OH_FUZZ_SEED=20 slow
+    case 23)."""
     layers = stack.layers
     if layers.count("ForwardAccumulator") > 1:
         return True
@@ -157,8 +164,15 @@ def _known_limitation(stack, program):
         return True
     acc = layers.index("ForwardAccumulator") if "ForwardAccumulator" in layers else None
     if acc is not None and (any(name == "pool_nhwc" for name, _, _ in program.steps) or any(
-            name in ("GradientTape", "tf.GradientTape") for name in layers[:acc])) or (
-                "vectorized_map" in layers and "Async" in layers):
+            name in ("GradientTape", "tf.GradientTape") for name in layers[:acc])):
+        stack.mode, stack.batches = "eager", stack.batches[:1]
+    if "vectorized_map" in layers:
+        inside = layers[layers.index("vectorized_map") + 1:]
+        if "Lazy" in inside or "Async" in inside:
+            return True
+        if "DataFormat" in layers:
+            stack.mode, stack.batches = "eager", stack.batches[:1]
+    if acc is not None and "Lazy" in layers and "GradientTape" in layers[acc:]:
         stack.mode, stack.batches = "eager", stack.batches[:1]
     return False
 

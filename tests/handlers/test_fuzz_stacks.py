@@ -307,3 +307,10 @@ def test_hvp_through_a_handler_between_accumulator_and_tape(between):
             g = t.gradient(y, x)
         results.append([y, g, acc.jvp(g)])
     _same(results[0], results[1], "ForwardAccumulator > %s > GradientTape" % between)
+
+
+# Unfixed, order-dependent (not left out of the draw; the default seeds do not meet it):
+# OH_FUZZ_SEED=40 (slow draw, cases 8 and 27: OpLogHandler > GradientTape > OpHandler >
+# Recompute and GradientTape > CheckNumerics > Recompute(save), unknown_batch) gives a
+# zero gradient where TensorFlow's is None (an unconnected source); each case passes
+# alone, so a cache filled by an earlier case of that run is involved.

@@ -4,6 +4,10 @@ Einsum, LRN on the logical last axis, Softmax on an axis, StridedSlice), against
 TensorFlow on the same logical data (values and dtypes, every intermediate), eagerly and
 in a fresh tf.function. Layout-sensitive ops in the reference run as their channels-last
 twins between transposes (the CPU refuses NCHW convolutions and pools)."""
+import contextlib
+import os
+import random
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -135,3 +139,42 @@ def test_lrn_is_computed_on_the_logical_last_axis():
         tf.nn.local_response_normalization(tf.transpose(ref_h, NHWC), depth_radius=2),
         NCHW).numpy(), rtol=1e-5, atol=1e-5)
     assert df.fallbacks["LRN"] == 1  # the logical-axis one transposes back; not the other
+
+
+# -- gradients: random NCHW chains under a tape ---------------------------------------
+# oh.DataFormat inside or around oh.GradientTape (or inside tf.GradientTape), eager or
+# the chain in a fresh tf.function, against tf.GradientTape on the reference chain:
+# gradients of every intermediate w.r.t. the input and a per-channel scale variable.
+GRAD_SEEDS = range(100, 100 + int(os.environ.get("OH_DATA_FORMAT_GRAD_SEEDS", "8")))
+
+
+def _gradients(names, x, scale, seed, ref, nesting, in_function):
+    chain = lambda a: _run(names, a * scale, seed, ref)  # noqa: E731
+    if in_function:
+        chain = tf.function(chain)
+    Tape = tf.GradientTape if ref or nesting == "tf_tape_outside" else oh.GradientTape
+    df = contextlib.nullcontext() if ref else oh.DataFormat()
+    inner = contextlib.nullcontext() if nesting == "tape_inside" else df
+    outer = df if nesting == "tape_inside" else contextlib.nullcontext()
+    with outer:
+        with Tape() as t:
+            t.watch(x)
+            with inner:
+                outs = chain(x)
+        grads = t.gradient(outs, [x, scale])
+    return outs, grads
+
+
+@pytest.mark.parametrize("seed", GRAD_SEEDS)
+def test_random_chain_gradients_match_tensorflow(seed):
+    rng = random.Random(seed)
+    names = _chain(seed)
+    nesting = rng.choice(["tape_inside", "tape_outside", "tf_tape_outside"])
+    in_function = rng.random() < 0.4
+    x = tf.random.stateless_normal([2, 3, 6, 5], seed=[seed, 2])
+    scale = tf.Variable(tf.random.stateless_uniform([1, 3, 1, 1], [seed, 3], 0.5, 1.5))
+    want_outs, want = _gradients(names, x, scale, seed, True, nesting, in_function)
+    got_outs, got = _gradients(names, x, scale, seed, False, nesting, in_function)
+    _compare(got_outs, want_outs, names)
+    what = "gradients, %s, %s" % (nesting, "tf.function" if in_function else "eager")
+    _compare(got, want, names + [what])

@@ -538,9 +538,8 @@ class HandlerStack(Stack):
         source = stack_of(tensor)
         if source is not None and self._below(source):
             # A tensor of a stack built on this one (a tape's tensor used under the
-            # accumulator the tape ran on): its representation here, stepping down
-            # through the handlers above, instead of copying it off to a physical device
-            # and on again, which would lose this handler's representation (a tangent).
+            # accumulator the tape ran on): its representation here, not copied off and
+            # on again, which would lose this handler's representation (a tangent).
             found, value = representation_of(self.handler, tensor)
             if found:
                 return value
@@ -558,15 +557,16 @@ class HandlerStack(Stack):
             t = self.copy_on(t)
         hook = self.handler.copy_off if op.type == "CopyOff" else self.handler.copy_on_grad
         value = self.call_hook(hook, self.unwrap(t), device)
-        try:
-            return [self.next.copy_off(value, device)]
-        except errors.CopyOffError as e:  # kept below (per example): the next stack's copy op
-            # (its own refusal only: after a refusal further down its hook ran already)
-            below = getattr(self.next, "handler", None)
+        below = getattr(self.next, "handler", None)
+        try:  # a gradient's copy with a tape or accumulator below: recorded there
+            if op.type != "CopyOnGrad" or not any(h.differentiates and h.handles_copy(
+                    op) for h in self.next.handlers):  # (copied off, it lost its tangent)
+                return [self.next.copy_off(value, device)]
+        except errors.CopyOffError as e:  # refused by the next stack itself: its copy op
             if getattr(e, "refused_by", None) is not self.next or getattr(
                     below, "handles_copy", None) is None or not below.handles_copy(op):
                 raise
-            return self.next.execute(op, [value])
+        return self.next.execute(op, [value])
 
     def copy_on(self, tensor):
         p = payload(tensor)

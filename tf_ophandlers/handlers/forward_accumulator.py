@@ -265,6 +265,21 @@ _jvp_relaxed = _tracing_compilation.TracingOptions(
     function_cache=_jvp_function_cache)
 
 
+def _distinct(primals):
+    """`primals` with each repeated input (tf.maximum(t, t)) copied: TensorFlow's JVP
+    construction run eagerly watches the inputs on a tape, which knows a tensor by its
+    id, so each occurrence would get the gradient of all of them (a tangent counted
+    twice). A traced JVP function gets one placeholder per input instead."""
+    seen, out = set(), []
+    for p in primals:
+        key = getattr(p, "_id", None)
+        if key is not None and key in seen:
+            p = tf.identity(p)
+        seen.add(key)
+        out.append(p)
+    return out
+
+
 def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     """TensorFlow's own JVP: the transposed gradient function of the op."""
     if op.output_dtypes is None:
@@ -284,6 +299,7 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
             # An accumulator below must see the JVP op by op (higher order): run
             # TensorFlow's construction eagerly instead of as one traced function call.
             with _tapes_recording():
+                args = args[:2] + (_distinct(args[2]),) + args[3:]
                 result = _tf_forwardprop._jvp_helper(*args)  # pylint: disable=protected-access
         else:
             # Traced once per op signature (exact shapes for the first 32 traces of an

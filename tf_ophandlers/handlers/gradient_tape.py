@@ -414,6 +414,17 @@ class GradientTape(BackwardPass, OpHandler):
         self._track_watched(self._level_of(handle))
         self._variables.setdefault(_key(handle), variable)
 
+    def _targets_at_level(self, targets):
+        """The targets as this tape sees them, the ops that make that view recorded even
+        if the tape no longer records (scope closed, non-persistent tape stopped): a
+        handler above may compute it (oh.DataFormat transposes its channels-last value
+        back), and an unrecorded view is unconnected (a None gradient)."""
+        self._live = not self._used
+        try:
+            return [self._level_of(t) for t in targets]
+        finally:
+            self._update_live()
+
     def _track_watched(self, value):
         if tracked_entry(self._tracked, value) is None:
             self._watch_ids -= 1
@@ -451,16 +462,13 @@ class GradientTape(BackwardPass, OpHandler):
                             "be differentiated, but received None.")
         check_differentiable("gradient", "target", target)
         check_differentiable("gradient", "sources", sources)
-        for t in nest.flatten(target):
-            if isinstance(t, _EagerTensor):
-                # The tape's view of a target is a value request for handlers inside it:
-                # one that records lazily (oh.Recompute) records what computed it now,
-                # while this tape still records.
-                self._level_of(t)
-        self._stop_if_non_persistent_in_scope()
         flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
             nest.flatten(target))
         flat_targets = [_tf_backprop._handle_or_self(t) for t in flat_targets]  # pylint: disable=protected-access
+        # Before a non-persistent tape stops: the view is a value request for handlers
+        # inside the tape (oh.Recompute records what computed it now).
+        flat_targets = self._targets_at_level(flat_targets)
+        self._stop_if_non_persistent_in_scope()
         flat_sources_raw = nest.flatten(sources)
         flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
             [_tf_backprop._handle_or_self(t) for t in flat_sources_raw])  # pylint: disable=protected-access

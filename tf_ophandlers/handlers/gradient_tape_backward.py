@@ -149,7 +149,7 @@ class BackwardPass:
         gradient function ran, as TensorFlow's tape erases its entries, so the values
         it saved are freed during the backward pass instead of after it."""
         unconnected = UnconnectedGradients(unconnected)
-        targets = [self._level_of(t) for t in targets]
+        targets = self._targets_at_level(targets)
         sources = [self._level_of(s) for s in sources]
         producer = self._producer
         # Tensors are known by their ids in records (GradientTape._id_of).

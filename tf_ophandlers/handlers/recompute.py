@@ -413,8 +413,12 @@ class Recompute(OpHandler):
                 self._calls += 1
                 self._call_segments += segments
                 return self._wrap(outputs, True)
-        if not _record.could_possibly_record():
-            # No tape records: nothing to checkpoint (also during a backward pass).
+        if self._tf_tape or not _record.could_possibly_record():
+            # No tape records: nothing to checkpoint (also during a backward pass). Under a
+            # recording tf.GradientTape nothing can be saved (it keeps the scope's values
+            # itself) and a segment's gradient, one call of a cached function, is not
+            # differentiable by that tape: its gradient of an oh tape's gradient was None.
+            # So each op is recorded as it is.
             if any(type(v) is _Value and v.segment is not None for v in inputs):
                 self.flush()
             return self._wrap(below.execute(op, self._tensors(inputs)), False)

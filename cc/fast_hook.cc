@@ -48,11 +48,31 @@ PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, P
   return r;
 }
 
+int WantsCopy(PyObject* stack, PyObject* op, int index, TFE_TensorHandle* h) {
+  TFOH_Payload* p = PayloadOf(h);
+  if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
+      reinterpret_cast<PyObject*>(p->stack) != stack) {
+    PyObject* r =
+        PyObject_CallMethodOneArg(stack, s_below, reinterpret_cast<PyObject*>(p->stack));
+    int above = r != nullptr ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    if (above != 0) return above;
+  }
+  PyObject* idx = PyLong_FromLong(index);
+  PyObject* want =
+      idx ? PyObject_CallMethodObjArgs(stack, s_wants_copy, op, idx, nullptr) : nullptr;
+  Py_XDECREF(idx);
+  int yes = want != nullptr ? PyObject_IsTrue(want) : -1;
+  Py_XDECREF(want);
+  return yes;
+}
+
 // HandlerStack.execute for a Python handler whose execute hook runs for the op, on the
 // op's first stack: unwrap and copy-on, the hook, and the wrap, with only the hook (and
 // copy_on hooks) in Python; then the dispatcher's output validation (TakeOutputs).
 // Always handled: errors are reported through `status` as the Python path raises them.
 // GIL: held.
+
 bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
              const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
              TFE_TensorHandle** outputs, TF_Status* status) {
@@ -91,12 +111,7 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
   }
   for (int i : foreign) {
     if (!d.copy_all) {
-      PyObject* idx = PyLong_FromLong(i);
-      PyObject* want = idx ? PyObject_CallMethodObjArgs(stack, s_wants_copy, op, idx, nullptr)
-                           : nullptr;
-      Py_XDECREF(idx);
-      int yes = want != nullptr ? PyObject_IsTrue(want) : -1;
-      Py_XDECREF(want);
+      int yes = WantsCopy(stack, reinterpret_cast<PyObject*>(op), i, in[i]);
       if (yes < 0) goto fail;
       if (yes == 0) continue;
     }

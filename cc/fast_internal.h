@@ -94,6 +94,7 @@ extern PyObject* s_fast;           // "_oh_fast"
 extern PyObject* s_value_dtype;    // "value_dtype"
 extern PyObject* s_wants_copy;     // "wants_copy"
 extern PyObject* s_copy_on_value;  // "_copy_on_value"
+extern PyObject* s_below;          // "_below"
 extern PyObject* s_not_a_list;     // "_raise_not_a_list"
 extern PyObject* s_wrap_eager;     // "_wrap_eager"
 extern PyObject* s_after_execute;  // "after_execute"
@@ -163,6 +164,15 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
                 TFE_TensorHandle** outputs, TF_Status* status, int depth);
 
 // ---- fast_hook.cc ---------------------------------------------------------------------
+
+// Whether foreign input `index` (handle `h`) of `op` is copied onto `stack` before its hook
+// runs, as HandlerStack.execute decides: always for a tensor of a stack built on this one
+// (its representation here: a tape over a handler that takes foreign inputs as they are,
+// oh.Async, must still see the tensor it recorded, not the wrapper of a handler above);
+// else as `stack.wants_copy(op, index)` says. Returns 1 or 0, or -1 with a Python error
+// set. Arguments borrowed. GIL: held.
+int WantsCopy(PyObject* stack, PyObject* op, int index, TFE_TensorHandle* h);
+
 
 // Runs `fn(a, b[, c])` as HandlerStack.call_hook does: `stack` pushed on state.frames and
 // state.current set to `next` meanwhile (restored on failure too, keeping the error).

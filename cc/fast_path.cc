@@ -27,6 +27,7 @@ PyObject* s_fast = nullptr;
 PyObject* s_value_dtype = nullptr;
 PyObject* s_wants_copy = nullptr;
 PyObject* s_copy_on_value = nullptr;
+PyObject* s_below = nullptr;
 PyObject* s_not_a_list = nullptr;
 PyObject* s_wrap_eager = nullptr;
 PyObject* s_after_execute = nullptr;
@@ -103,7 +104,7 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
   using native_internal::InternOnce;
   if (!InternOnce(&s_fast, "_oh_fast") ||
       !InternOnce(&s_value_dtype, "value_dtype") || !InternOnce(&s_wants_copy, "wants_copy") ||
-      !InternOnce(&s_copy_on_value, "_copy_on_value") ||
+      !InternOnce(&s_copy_on_value, "_copy_on_value") || !InternOnce(&s_below, "_below") ||
       !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
       !InternOnce(&s_wrap_eager, "_wrap_eager") ||
       !InternOnce(&s_after_execute, "after_execute") || !InternOnce(&s_sig, "_oh_sig")) {

@@ -83,12 +83,7 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
       PyObject* t = native_internal::EagerTensorSharing(in[i]);
       if (t == nullptr) goto fail;
       if (!d.copy_all) {
-        PyObject* idx = PyLong_FromLong(i);
-        PyObject* want =
-            idx ? PyObject_CallMethodObjArgs(stack, s_wants_copy, op, idx, nullptr) : nullptr;
-        Py_XDECREF(idx);
-        int yes = want != nullptr ? PyObject_IsTrue(want) : -1;
-        Py_XDECREF(want);
+        int yes = WantsCopy(stack, reinterpret_cast<PyObject*>(op), i, in[i]);
         if (yes <= 0) {
           if (yes < 0) {
             Py_DECREF(t);

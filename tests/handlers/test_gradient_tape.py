@@ -954,15 +954,14 @@ def _unbox(value):
     return value.tensor if isinstance(value, _Box) else value
 
 
-@pytest.mark.parametrize("below", [
-    oh.OpHandler,
-    pytest.param(oh.Async, marks=pytest.mark.xfail(strict=True, reason=(
-        "found this round, not fixed: over oh.Async, a value of a handler with its own "
-        "representation opened inside the tape's scope reaches the tape, when used after "
-        "that scope, as another TensorFlow tensor than the one the tape recorded (the "
-        "conversion happens in C, no Python copy hook runs), so the gradient is None; "
-        "oh.Recompute is such a handler (test_recompute.py's Async xfail)")))])
+@pytest.mark.parametrize("below", [oh.OpHandler, oh.Async, oh.native.PassThrough])
 def test_value_of_a_representing_handler_used_after_its_scope(below):
+    """Found this round (the stacks fuzzer, via oh.Recompute): over a handler that takes
+    inputs from elsewhere as they are (oh.Async), a value of a handler with its own
+    representation opened inside the tape's scope, used after that scope, reached the tape
+    as that handler's wrapper instead of the tensor the tape recorded, so its gradient was
+    None. A tensor of a stack built on the tape's is now always taken in its
+    representation there (HandlerStack.execute, cc/fast_hook.cc WantsCopy)."""
     z = tf.constant([[0.3, -0.7], [1.2, 0.5]])
     with below():
         with oh.GradientTape() as tape:

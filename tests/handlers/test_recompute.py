@@ -382,13 +382,9 @@ def test_tf_tape_around_oh_tape_and_scope_gives_second_order(between):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.xfail(strict=True, reason="found this round, not fixed: oh.Async below "
-                   "oh.GradientTape > oh.Recompute gives a None first-order gradient. The "
-                   "segment is recorded with its output, but each later use of the value "
-                   "outside the scope reaches the tape as another object (with oh.OpHandler "
-                   "below instead of Async, the same one), so the tape, which tracks its "
-                   "values by identity, does not connect the Mul to the segment")
 def test_async_below_oh_tape_and_scope_first_order():
+    """Found by the stacks fuzzer: a None gradient (test_gradient_tape.py's
+    test_value_of_a_representing_handler_used_after_its_scope has the cause)."""
     z = tf.constant([[0.3, -0.7], [1.2, 0.5]])
     with oh.Async():
         with oh.GradientTape() as tape:

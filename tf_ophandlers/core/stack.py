@@ -47,9 +47,8 @@ def register_function_call_rule(rule):
     _function_call_rule[0] = rule
 
 
-#: ``tensor_key(tensor)``: an identity key of a tensor (its TensorFlow handle), stable
-#: while it lives; for handler state keyed by tensors (a tape's tracked set, a trace's
-#: inputs). The C function itself: it is on hot paths.
+#: ``tensor_key(tensor)``: a tensor's identity key (its TensorFlow handle), stable while it
+#: lives, for state keyed by tensors (a tape's tracked set); C, as it is on hot paths.
 tensor_key = _C.tensor_key
 
 
@@ -433,8 +432,9 @@ class HandlerStack(Stack):
                 for i in foreign:
                     values[i] = self._copy_on_value(values[i])
             else:
-                for i in foreign:
-                    if self.wants_copy(op, i):
+                for i in foreign:  # a tensor of a stack built on this one: always
+                    source = stack_of(values[i])  # (cc/fast_internal.h WantsCopy)
+                    if self.wants_copy(op, i) or source is not None and self._below(source):
                         values[i] = self._copy_on_value(values[i])
         if not self._runs_execute(op.type) and (
                 self._handles is None or all(isinstance(v, _Tensor) for v in values)):

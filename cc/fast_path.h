@@ -39,7 +39,7 @@
    `transient`) are read when the stack first sees an op type.
 
    A second bounded cache shares decisions between stacks: keyed by the stack's
-   `_oh_sig` (HandlerStack._fast_signature: one canonical Python object per declaration,
+   `_oh_sig` (core/fast_decision.py fast_signature: one canonical Python object per declaration,
    i.e. everything `_oh_fast` reads besides the op type and the next stack; None when the
    decision may depend on the instance) and the op type, holding a strong reference to
    the signature object (so its address cannot be reused while the entry lives). It keeps

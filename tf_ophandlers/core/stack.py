@@ -24,12 +24,9 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
-from tf_ophandlers.core.cache import BoundedCache, register_external_cache
+from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
+    COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
-
-#: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
-#: copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
-COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
 
 _execute = _C.execute
 _unwrap_inputs = _C.unwrap_inputs
@@ -209,48 +206,6 @@ register_bottom(PHYSICAL)
 # What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
 _C.fast_setup(state, PHYSICAL)
 
-register_external_cache(
-    "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
-register_external_cache(
-    "fast_path.shared_decisions",
-    lambda: (_C.fast_stats()["shared_entries"], _C.fast_stats()["shared_maxsize"]))
-
-# The canonical object of each declaration signature (HandlerStack._fast_signature): C++
-# keys the decisions it shares between stacks by this object's identity (holding a
-# reference), so equal declarations must map to one object.
-_fast_signatures = BoundedCache("fast_path.signatures", 1024)
-
-#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD = 0, 1, 2, 3, 4
-
-
-def needs_no_python_kernel(op_type):
-    """Whether ops of `op_type` run no Python inside their kernel (tf.py_function's do;
-    the C++ fast path never takes them either)."""
-    return "PyFunc" not in op_type
-
-
-def never_copy(op, index):  # pylint: disable=unused-argument
-    """``needs_copy = staticmethod(never_copy)``: every input from elsewhere (a physical
-    tensor, a constant) enters as it is, and the stack answers `wants_copy` in C, so the
-    C++ per-op path makes no Python call per such input (`oh.Lazy`, `oh.Async`)."""
-    return False
-
-
-def _handles_predicate(handler):
-    """``handler.handles_ops`` as a predicate on op types, or None (every op)."""
-    handles = handler.handles_ops
-    if handles is None:
-        return None
-    if callable(handles):
-        return handles
-    if isinstance(handles, (str, bytes)):
-        raise TypeError(
-            "%s.handles_ops must be a collection of op types or a function "
-            "op_type -> bool, not the string %r" % (handler.debug_string(), handles))
-    return frozenset(handles).__contains__
-
-
 class HandlerStack(Stack):
     """A handler merged onto the stack it executes on."""
 
@@ -274,7 +229,7 @@ class HandlerStack(Stack):
         self._off_stack_ops = None if off is True or not off else frozenset(off)
         # Op types the handler's execute hook is not called for are forwarded to the
         # next stack as with a default execute (OpHandler.handles_ops).
-        self._handles = _handles_predicate(handler)
+        self._handles = handles_predicate(handler)
         # A handler that only moves tensors on (default copy_on, or a tape) lets the
         # handler below decide which inputs to take as they are (a parallel pack).
         self._defer_copy = isinstance(next_stack, HandlerStack) and (
@@ -283,7 +238,7 @@ class HandlerStack(Stack):
             # `wants_copy(op, index)` as a C function returning False (an op is never
             # its input index object), so the C++ path calls no Python frame for it.
             self.wants_copy = operator.is_
-        self._oh_sig = self._fast_signature(handler)
+        self._oh_sig = fast_signature(self, handler)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -294,66 +249,10 @@ class HandlerStack(Stack):
                           or self._handles is not None
                           or isinstance(handler, _C.NativeHandlerBase))
 
-    def _fast_signature(self, handler):
-        """Everything `_oh_fast` reads besides the op type and `self.next` (the handler's
-        class, its default hooks, `handles_ops`, `returns_off_stack`, `after_execute`,
-        `needs_copy`, `transient`, and whether copies defer to the stack below), as one
-        canonical object: stacks with equal signatures get equal decisions, so C++
-        shares them (a fresh handler per step asks Python once per op type, not once
-        per step). None when the decision cannot be shared: a C/C++ handler (decided in
-        C), or a `handles_ops` function that may read the instance (a bound method, a
-        closure, any callable that is not a plain function)."""
-        if isinstance(handler, _C.NativeHandlerBase):
-            return None
-        handles = handler.handles_ops
-        if handles is not None:
-            if callable(handles):
-                if not (isinstance(handles, types.FunctionType) and handles.__closure__ is None):
-                    return None
-            else:
-                handles = self._handles.__self__  # the frozenset _handles_predicate built
-        sig = (type(handler), self._default_execute, self._records, handles,
-               self._off_stack_ops if self._off_stack_ops is not None else self._off_stack,
-               handler.needs_copy is None, self._defer_copy, bool(handler.transient),
-               self.default_copy_on)
-        try:
-            got = _fast_signatures.get(sig)
-        except TypeError:  # an unhashable declaration: not shared
-            return None
-        if got is None:
-            _fast_signatures[sig] = got = sig
-        return got
-
     def _oh_fast(self, op_type):
-        """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
-        this stack: ``(kind, next, transient, default_copy_on, copy_all)``. `kind` is FAST_FORWARD
-        when the handler's execute is not called for the op type (so C++ unwraps,
-        runs the op on `next` and wraps, as `execute` below does), FAST_NATIVE for a
-        C/C++ handler, FAST_HOOK when the Python execute hook runs for it (C++ does
-        this method's unwrap, copy-on and wrap around the hook, on the op's first
-        stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
-        stack's is copied on (no `needs_copy`, no deferral to the stack below). `default_copy_on`: a tensor that is not
-        this stack's is moved to the next stack as it is (`move_onto`). Asked once
-        per (stack, op type); the answer is cached in C++ until a stack is built, and
-        shared with later stacks of the same `_fast_signature` (so everything this
-        reads besides `op_type` and `self.next` must be in the signature)."""
-        handler = self.handler
-        if isinstance(handler, _C.NativeHandlerBase):
-            # (C++ decides these stacks itself: fast_decision.cc, the same rule.)
-            kind = FAST_NATIVE if self._runs_execute(op_type) else FAST_FORWARD
-        elif op_type in COPY_OPS:
-            kind = FAST_PYTHON
-        elif not self._runs_execute(op_type):
-            kind = FAST_FORWARD
-        elif self._records and not self._off_stack and needs_no_python_kernel(op_type):
-            kind = FAST_RECORD
-        elif not self._off_stack or (self._off_stack_ops is not None
-                                     and op_type not in self._off_stack_ops):
-            kind = FAST_HOOK
-        else:
-            kind = FAST_PYTHON
-        copy_all = handler.needs_copy is None and not self._defer_copy
-        return (kind, self.next, bool(handler.transient), self.default_copy_on, copy_all)
+        """The C++ per-op path's decision for `op_type` on this stack (asked by cc/fast_path.cc;
+        core/fast_decision.py says what it is)."""
+        return fast_decision(self, op_type)
 
     def _runs_execute(self, op_type):
         """Whether the handler's execute hook is called for ops of `op_type`."""

@@ -1,0 +1,121 @@
+"""The C++ per-op path's decisions (cc/fast_path.h), as the stacks declare them.
+
+For each (stack, op type) the C++ path asks once how it may run ops of that type placed
+on the stack: forward them without a Python frame, call a native handler, call the
+Python execute hook with unwrap/copy-on/wrap done in C, record for a tape in C, or take
+the whole Python path (`HandlerStack.execute`). `fast_decision` answers;
+`fast_signature` canonicalizes what the answer depends on, so stacks of equal
+declarations share decisions. Kept apart from core/stack.py, which only calls them.
+"""
+import types
+
+import tf_ophandlers._C as _C
+from tf_ophandlers.core.cache import BoundedCache, register_external_cache
+
+#: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
+#: copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
+COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
+
+register_external_cache(
+    "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
+register_external_cache(
+    "fast_path.shared_decisions",
+    lambda: (_C.fast_stats()["shared_entries"], _C.fast_stats()["shared_maxsize"]))
+
+# The canonical object of each declaration signature (fast_signature below): C++
+# keys the decisions it shares between stacks by this object's identity (holding a
+# reference), so equal declarations must map to one object.
+_fast_signatures = BoundedCache("fast_path.signatures", 1024)
+
+#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD = 0, 1, 2, 3, 4
+
+
+def needs_no_python_kernel(op_type):
+    """Whether ops of `op_type` run no Python inside their kernel (tf.py_function's do;
+    the C++ fast path never takes them either)."""
+    return "PyFunc" not in op_type
+
+
+def never_copy(op, index):  # pylint: disable=unused-argument
+    """``needs_copy = staticmethod(never_copy)``: every input from elsewhere (a physical
+    tensor, a constant) enters as it is, and the stack answers `wants_copy` in C, so the
+    C++ per-op path makes no Python call per such input (`oh.Lazy`, `oh.Async`)."""
+    return False
+
+
+def handles_predicate(handler):
+    """``handler.handles_ops`` as a predicate on op types, or None (every op)."""
+    handles = handler.handles_ops
+    if handles is None:
+        return None
+    if callable(handles):
+        return handles
+    if isinstance(handles, (str, bytes)):
+        raise TypeError(
+            "%s.handles_ops must be a collection of op types or a function "
+            "op_type -> bool, not the string %r" % (handler.debug_string(), handles))
+    return frozenset(handles).__contains__
+
+
+def fast_signature(stack, handler):
+    """Everything `fast_decision` reads besides the op type and `stack.next` (the handler's
+    class, its default hooks, `handles_ops`, `returns_off_stack`, `after_execute`,
+    `needs_copy`, `transient`, and whether copies defer to the stack below), as one
+    canonical object: stacks with equal signatures get equal decisions, so C++
+    shares them (a fresh handler per step asks Python once per op type, not once
+    per step). None when the decision cannot be shared: a C/C++ handler (decided in
+    C), or a `handles_ops` function that may read the instance (a bound method, a
+    closure, any callable that is not a plain function)."""
+    if isinstance(handler, _C.NativeHandlerBase):
+        return None
+    handles = handler.handles_ops
+    if handles is not None:
+        if callable(handles):
+            if not (isinstance(handles, types.FunctionType) and handles.__closure__ is None):
+                return None
+        else:
+            handles = stack._handles.__self__  # the frozenset handles_predicate built
+    sig = (type(handler), stack._default_execute, stack._records, handles,
+           stack._off_stack_ops if stack._off_stack_ops is not None else stack._off_stack,
+           handler.needs_copy is None, stack._defer_copy, bool(handler.transient),
+           stack.default_copy_on)
+    try:
+        got = _fast_signatures.get(sig)
+    except TypeError:  # an unhashable declaration: not shared
+        return None
+    if got is None:
+        _fast_signatures[sig] = got = sig
+    return got
+
+
+def fast_decision(stack, op_type):
+    """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
+    the stack: ``(kind, next, transient, default_copy_on, copy_all)``. `kind` is FAST_FORWARD
+    when the handler's execute is not called for the op type (so C++ unwraps,
+    runs the op on `next` and wraps, as `HandlerStack.execute` does), FAST_NATIVE for a
+    C/C++ handler, FAST_HOOK when the Python execute hook runs for it (C++ does
+    `HandlerStack.execute`'s unwrap, copy-on and wrap around the hook, on the op's first
+    stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
+    stack's is copied on (no `needs_copy`, no deferral to the stack below).
+    `default_copy_on`: a tensor that is not the stack's is moved to the next stack as it is (`move_onto`). Asked once
+    per (stack, op type); the answer is cached in C++ until a stack is built, and
+    shared with later stacks of the same `fast_signature` (so everything this
+    reads besides `op_type` and `stack.next` must be in the signature)."""
+    handler = stack.handler
+    if isinstance(handler, _C.NativeHandlerBase):
+        # (C++ decides these stacks itself: fast_decision.cc, the same rule.)
+        kind = FAST_NATIVE if stack._runs_execute(op_type) else FAST_FORWARD
+    elif op_type in COPY_OPS:
+        kind = FAST_PYTHON
+    elif not stack._runs_execute(op_type):
+        kind = FAST_FORWARD
+    elif stack._records and not stack._off_stack and needs_no_python_kernel(op_type):
+        kind = FAST_RECORD
+    elif not stack._off_stack or (stack._off_stack_ops is not None
+                                 and op_type not in stack._off_stack_ops):
+        kind = FAST_HOOK
+    else:
+        kind = FAST_PYTHON
+    copy_all = handler.needs_copy is None and not stack._defer_copy
+    return (kind, stack.next, bool(handler.transient), stack.default_copy_on, copy_all)

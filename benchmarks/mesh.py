@@ -122,6 +122,16 @@ def _mlp_loss(x, y, w1, w2):
     return tf.reduce_mean(err * err)
 
 
+def _sgd_step(tape_type, x, y, w1, w2):
+    """One SGD step of `_mlp_loss` (every configuration's step, eager or traced)."""
+    with tape_type() as tape:
+        loss = _mlp_loss(x, y, w1, w2)
+    g1, g2 = tape.gradient(loss, [w1, w2])
+    w1.assign_sub(0.01 * g1)
+    w2.assign_sub(0.01 * g2)
+    return loss
+
+
 def make_step_configs(args, dmesh, omesh, rng):
     x0, y0 = rng.normal(size=[N, D]).astype("float32"), rng.normal(size=[N, D]).astype("float32")
     w10 = (rng.normal(size=[D, F]) * 0.1).astype("float32")
@@ -139,56 +149,31 @@ def make_step_configs(args, dmesh, omesh, rng):
     # runs as a tf.function, DTensor's documented training path.
     @tf.function
     def step_dtensor():
-        with tf.GradientTape() as tape:
-            loss = _mlp_loss(dx, dy, dw1, dw2)
-        g1, g2 = tape.gradient(loss, [dw1, dw2])
-        dw1.assign_sub(0.01 * g1)
-        dw2.assign_sub(0.01 * g2)
-        return loss
+        return _sgd_step(tf.GradientTape, dx, dy, dw1, dw2)
 
     with omesh:
         ox, oy = omesh.shard(x0, ("batch", None)), omesh.shard(y0, ("batch", None))
         ow1 = tf.Variable(omesh.shard(w10, (None, "model")))
         ow2 = tf.Variable(omesh.shard(w20, ("model", None)))
+        rw1 = tf.Variable(omesh.shard(w10, (None, "model")))
+        rw2 = tf.Variable(omesh.shard(w20, ("model", None)))
+        cw1 = tf.Variable(omesh.shard(w10, (None, "model")))
+        cw2 = tf.Variable(omesh.shard(w20, ("model", None)))
 
     def step_oh():
         with omesh:
-            with oh.GradientTape() as tape:
-                loss = _mlp_loss(ox, oy, ow1, ow2)
-            g1, g2 = tape.gradient(loss, [ow1, ow2])
-            ow1.assign_sub(0.01 * g1)
-            ow2.assign_sub(0.01 * g2)
-        return loss
+            return _sgd_step(oh.GradientTape, ox, oy, ow1, ow2)
 
-    @tf.function
-    def traced_step(x, y, w1, w2):  # the same step as one tf.function
-        with tf.GradientTape() as tape:
-            loss = _mlp_loss(x, y, w1, w2)
-        g1, g2 = tape.gradient(loss, [w1, w2])
-        w1.assign_sub(0.01 * g1)
-        w2.assign_sub(0.01 * g2)
-        return loss
-
-    with omesh:
-        rw1 = tf.Variable(omesh.shard(w10, (None, "model")))
-        rw2 = tf.Variable(omesh.shard(w20, ("model", None)))
+    traced_step = tf.function(  # the same step as one tf.function
+        lambda x, y, w1, w2: _sgd_step(tf.GradientTape, x, y, w1, w2))
 
     def step_oh_replayed():  # replayed through the mesh once, then a cached function
         with omesh:
             return traced_step(ox, oy, rw1, rw2)
 
-    with omesh:
-        cw1 = tf.Variable(omesh.shard(w10, (None, "model")))
-        cw2 = tf.Variable(omesh.shard(w20, ("model", None)))
-
     @tf.function
     def captured_step():  # DTensor's form: no arguments, the tensors and variables captured
-        with tf.GradientTape() as tape:
-            loss = _mlp_loss(ox, oy, cw1, cw2)
-        g1, g2 = tape.gradient(loss, [cw1, cw2])
-        cw1.assign_sub(0.01 * g1)
-        cw2.assign_sub(0.01 * g2)
-        return loss
+        return _sgd_step(tf.GradientTape, ox, oy, cw1, cw2)
 
     def step_oh_captured():
         with omesh:

@@ -68,6 +68,7 @@ def evict(segment, below, min_bytes):
     docstring for what stays). Returns the bytes dropped."""
     last = len(segment.nodes) - 1
     freed = 0
+    segment.below = below
     for n, refs in enumerate(segment.values):
         if n == last or (segment.saved is not None and segment.saved[n] is not None):
             continue  # (a partial segment's saved values are held by the segment)
@@ -82,8 +83,6 @@ def evict(segment, below, min_bytes):
             v.meta = Dropped(t.dtype, t.shape, t.device)
             v.tensor = None
             freed += size
-    if freed:
-        segment.below = below
     return freed
 
 
@@ -113,6 +112,8 @@ def _held(segment, p, i):
     t = segment.used.get((p, i))
     if t is not None:
         return t
+    if segment.saved is not None and segment.saved[p] is not None:
+        return segment.saved[p][i]  # (a partial segment's saved values)
     refs = segment.values[p]
     v = refs[i]() if i < len(refs) else None
     return None if v is None else v.tensor

@@ -20,8 +20,10 @@ tape; a Keras 3 functional model holds every layer's output until its call retur
 floor under an eager forward pass that does not drop them) and TensorFlow's tape's saved
 activations (its *kept*), which say whether activations dominate. Peaks are TensorFlow's
 BFC CPU allocator's (`TF_CPU_ALLOCATOR_USE_BFC=true`, `reset_memory_stats`,
-`get_memory_info`) minus the bytes in use before the step; they do not depend on the
-machine's load. Step times are of one step each (the second; the first warms up) on a
+`get_memory_info`) minus the bytes in use before the step (after `gc.collect()`); they
+do not depend on the machine's load, but vary by some MB from step to step (the order in
+which the executor's threads run ops): each figure is the median of `--steps` (3) steps
+after a warm-up step, with the step peaks' range. Step times are of the same steps on a
 shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
 Writes the `recompute-resnet` section of docs/benchmarks.md.
 
@@ -55,7 +57,7 @@ BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "recompute_noevict"
             "called_recompute": "called"}
 
 
-def measure_batch(batch, size=SIZE):
+def measure_batch(batch, size=SIZE, steps=3):
     """{kind: {forward, kept, peak, ms}, gradient_bytes, inference, stats} for one batch
     size; raises AssertionError when a configuration's gradients differ from
     tf.GradientTape's."""
@@ -96,16 +98,22 @@ def measure_batch(batch, size=SIZE):
     reference = None
     for kind in KINDS:
         step(kind)  # warm-up (a Recompute handler learns the computation's size)
-        result, grads = step(kind)
-        if reference is None:
-            reference = [tf.convert_to_tensor(g).numpy() for g in grads]
-        else:
-            for g, r in zip(grads, reference):
-                np.testing.assert_allclose(
-                    tf.convert_to_tensor(g).numpy(), r, rtol=1e-5, atol=1e-6,
-                    err_msg="ResNet50 batch %d, %s: gradients differ" % (batch, kind))
-        del grads
-        out[kind] = result
+        runs = []
+        for _ in range(steps):
+            result, grads = step(kind)
+            if reference is None:
+                reference = [tf.convert_to_tensor(g).numpy() for g in grads]
+            else:
+                for g, r in zip(grads, reference):
+                    np.testing.assert_allclose(
+                        tf.convert_to_tensor(g).numpy(), r, rtol=1e-5, atol=1e-6,
+                        err_msg="ResNet50 batch %d, %s: gradients differ" % (batch, kind))
+            del grads
+            runs.append(result)
+        # Peaks vary by some MB from step to step (the order in which the executor's
+        # threads run a gradient function's ops): medians, and the peaks' range.
+        out[kind] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        out[kind]["peak_range"] = (min(r["peak"] for r in runs), max(r["peak"] for r in runs))
     gc.collect()
     tf.config.experimental.reset_memory_stats("CPU:0")
     base = info("CPU:0")["current"]
@@ -118,7 +126,7 @@ def measure_batch(batch, size=SIZE):
     return out
 
 
-def render_md(results, info, elapsed):
+def render_md(results, info, elapsed, steps=3):
     mb = 1e6
     rows = []
     dominate = []
@@ -135,6 +143,7 @@ def render_md(results, info, elapsed):
                          "%.2fx" % (r[BASELINE[kind]]["peak"] / max(m["peak"], 1)),
                          "%.2fx" % (r["tape"]["peak"] / max(m["peak"], 1)),
                          "%.2fx" % (r["tf"]["peak"] / max(m["peak"], 1)),
+                         "%.0f–%.0f" % (m["peak_range"][0] / mb, m["peak_range"][1] / mb),
                          "%.0f" % m["ms"], "%.1f" % m["cpu"]))
     summary = [(
         "%d" % b, "%.1f" % (r["tf"]["kept"] / mb), "%.1f" % (r["gradient_bytes"] / mb),
@@ -148,15 +157,18 @@ def render_md(results, info, elapsed):
          "`python benchmarks/recompute_resnet.py` — `keras.applications.ResNet50("
          "weights=None)`, %dx%d inputs, inference-mode batch norm, eager; one step = loss "
          "and gradients of every weight. Peaks: BFC CPU allocator peak minus the bytes in "
-         "use before the step (independent of the machine's load). Gradients of every "
-         "configuration equal tf.GradientTape's (rtol 1e-5, atol 1e-6; checked). "
-         "Step times: one step each on a shared, loaded machine (indicative only)." % (
-             SIZE, SIZE), "",
+         "use before the step (a `gc.collect()` first), the median of %d steps after a "
+         "warm-up step, and their range (a step's peak varies by some MB with the order "
+         "in which the executor's threads run ops). Gradients of every step equal "
+         "tf.GradientTape's (rtol 1e-5, atol 1e-6; checked). Step times: medians of the "
+         "same steps on a shared, loaded machine (wall-clock indicative only; CPU time "
+         "is the process's, all threads)." % (SIZE, SIZE, steps), "",
          _common.machine_md(info, len(KINDS) * len(results), elapsed), "",
          _common.md_table(("batch", "configuration", "forward peak MB", "kept MB",
                            "step peak MB", "vs same call without Recompute",
                            "vs eager oh.GradientTape", "vs tf.GradientTape",
-                           "one step ms", "one step CPU s"), rows), "",
+                           "step peak range MB", "one step ms", "one step CPU s"),
+                          rows), "",
          "Per batch: activations TensorFlow's tape saves (its kept bytes), weight "
          "gradients (alive at the end of every step), eager inference peak (no tape), "
          "and what oh.Recompute() computed in segments, kept, how many segments, the bytes "
@@ -230,6 +242,8 @@ def render_md(results, info, elapsed):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="8,16,32")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per "
+                        "configuration (after one warm-up step)")
     parser.add_argument("--out", default=_common.DEFAULT_MD)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -239,7 +253,7 @@ def main(argv=None):
 
     def measure():
         for b in (int(s) for s in args.batches.split(",")):
-            results[b] = measure_batch(b)
+            results[b] = measure_batch(b, steps=args.steps)
             r = results[b]
             print("batch %d: %s" % (b, ", ".join(
                 "%s peak %.1f MB" % (k, r[k]["peak"] / 1e6) for k in KINDS)), flush=True)
@@ -247,7 +261,7 @@ def main(argv=None):
     if args.json:  # the raw numbers, to render again without measuring
         with open(args.json, "w") as f:
             json.dump({"results": {str(b): r for b, r in results.items()}, "info": info}, f)
-    body = render_md(results, info, time.perf_counter() - start)
+    body = render_md(results, info, time.perf_counter() - start, args.steps)
     print(body)
     _common.write_section(args.out, "recompute-resnet", body)
     return results

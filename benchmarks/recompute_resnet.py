@@ -10,20 +10,28 @@ in one process: tf.GradientTape, oh.GradientTape (the baseline oh.Recompute comp
 with) and oh.GradientTape + oh.Recompute() (default policy, the handler reused per step).
 Gradients must equal tf.GradientTape's (rtol 1e-5, atol 1e-6) or the script fails.
 
+oh.Recompute() is measured twice: as it is (it drops the values a Keras functional model
+holds in its `tensor_dict` once their segment closed and rematerializes them when used,
+recompute_evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
+
 Columns: *forward peak* and *kept* (bytes still allocated when the forward pass ends:
 what the tape holds for the backward pass), *step peak*, the eager inference peak (no
 tape; a Keras 3 functional model holds every layer's output until its call returns, a
-floor under any eager forward pass) and TensorFlow's tape's saved activations (its
-*kept*), which say whether activations dominate. Peaks are TensorFlow's BFC CPU
-allocator's (`TF_CPU_ALLOCATOR_USE_BFC=true`, `reset_memory_stats`, `get_memory_info`)
-minus the bytes in use before the step; they do not depend on the machine's load. Step
-times are of one step each (the second; the first warms up) on a shared machine.
+floor under an eager forward pass that does not drop them) and TensorFlow's tape's saved
+activations (its *kept*), which say whether activations dominate. Peaks are TensorFlow's
+BFC CPU allocator's (`TF_CPU_ALLOCATOR_USE_BFC=true`, `reset_memory_stats`,
+`get_memory_info`) minus the bytes in use before the step (after `gc.collect()`); they
+do not depend on the machine's load, but vary by some MB from step to step (the order in
+which the executor's threads run ops): each figure is the median of `--steps` (3) steps
+after a warm-up step, with the step peaks' range. Step times are of the same steps on a
+shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
 Writes the `recompute-resnet` section of docs/benchmarks.md.
 
     python benchmarks/recompute_resnet.py               # batches 8, 16, 32
     python benchmarks/recompute_resnet.py --batches 8   # one row
 """
 import argparse
+import gc
 import json
 import os
 import time
@@ -38,32 +46,40 @@ import tf_ophandlers as oh  # noqa: E402
 from recompute import _resnet50  # noqa: E402  (the same seeded ResNet50 as recompute.py)
 
 SIZE = 64
-KINDS = ("tf", "tape", "recompute", "called", "called_recompute")
+KINDS = ("tf", "tape", "recompute", "recompute_noevict", "called", "called_recompute")
 NAMES = {"tf": "tf.GradientTape", "tape": "oh.GradientTape",
          "recompute": "oh.GradientTape + oh.Recompute()",
+         "recompute_noevict": "oh.GradientTape + oh.Recompute(), eviction off",
          "called": "model in a called tf.function, oh.GradientTape",
          "called_recompute": "model in a called tf.function, + oh.Recompute()"}
-BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "called": "called",
+BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "recompute_noevict": "tape",
+            "called": "called",
             "called_recompute": "called"}
 
 
-def measure_batch(batch, size=SIZE):
+def measure_batch(batch, size=SIZE, steps=3):
     """{kind: {forward, kept, peak, ms}, gradient_bytes, inference, stats} for one batch
     size; raises AssertionError when a configuration's gradients differ from
     tf.GradientTape's."""
     model, x, y, loss_fn = _resnet50(batch, size)
     info = tf.config.experimental.get_memory_info
-    rc, rc_called = oh.Recompute(), oh.Recompute()
+    rc, rc_called, rc_noevict = oh.Recompute(), oh.Recompute(), oh.Recompute()
+    rc_noevict.evict_min_bytes = None
     called = tf.function(lambda v: loss_fn(y, model(v, training=False)))
 
     def step(kind):
+        # Garbage first: a model of an earlier batch (Keras layers form reference
+        # cycles) freed by the collector during a step would lower the bytes in use
+        # below the base and the peak minus the base under the truth (a first version
+        # of this script measured 134 MB instead of about 165 MB so at batch 16).
+        gc.collect()
         tf.config.experimental.reset_memory_stats("CPU:0")
         base = info("CPU:0")["current"]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         tape = tf.GradientTape() if kind == "tf" else oh.GradientTape()
         with tape:
-            if kind == "recompute":
-                with rc:
+            if kind in ("recompute", "recompute_noevict"):
+                with rc if kind == "recompute" else rc_noevict:
                     loss = loss_fn(y, model(x, training=False))
             elif kind == "called":
                 loss = called(x)
@@ -75,22 +91,30 @@ def measure_batch(batch, size=SIZE):
         forward, kept = info("CPU:0")["peak"] - base, info("CPU:0")["current"] - base
         grads = tape.gradient(loss, model.trainable_variables)
         return dict(forward=forward, kept=kept, peak=info("CPU:0")["peak"] - base,
-                    ms=(time.perf_counter() - start) * 1e3), grads
+                    ms=(time.perf_counter() - start) * 1e3,
+                    cpu=time.process_time() - cpu), grads
 
     out = {}
     reference = None
     for kind in KINDS:
         step(kind)  # warm-up (a Recompute handler learns the computation's size)
-        result, grads = step(kind)
-        if reference is None:
-            reference = [tf.convert_to_tensor(g).numpy() for g in grads]
-        else:
-            for g, r in zip(grads, reference):
-                np.testing.assert_allclose(
-                    tf.convert_to_tensor(g).numpy(), r, rtol=1e-5, atol=1e-6,
-                    err_msg="ResNet50 batch %d, %s: gradients differ" % (batch, kind))
-        del grads
-        out[kind] = result
+        runs = []
+        for _ in range(steps):
+            result, grads = step(kind)
+            if reference is None:
+                reference = [tf.convert_to_tensor(g).numpy() for g in grads]
+            else:
+                for g, r in zip(grads, reference):
+                    np.testing.assert_allclose(
+                        tf.convert_to_tensor(g).numpy(), r, rtol=1e-5, atol=1e-6,
+                        err_msg="ResNet50 batch %d, %s: gradients differ" % (batch, kind))
+            del grads
+            runs.append(result)
+        # Peaks vary by some MB from step to step (the order in which the executor's
+        # threads run a gradient function's ops): medians, and the peaks' range.
+        out[kind] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        out[kind]["peak_range"] = (min(r["peak"] for r in runs), max(r["peak"] for r in runs))
+    gc.collect()
     tf.config.experimental.reset_memory_stats("CPU:0")
     base = info("CPU:0")["current"]
     model(x, training=False)
@@ -102,7 +126,7 @@ def measure_batch(batch, size=SIZE):
     return out
 
 
-def render_md(results, info, elapsed):
+def render_md(results, info, elapsed, steps=3):
     mb = 1e6
     rows = []
     dominate = []
@@ -119,55 +143,80 @@ def render_md(results, info, elapsed):
                          "%.2fx" % (r[BASELINE[kind]]["peak"] / max(m["peak"], 1)),
                          "%.2fx" % (r["tape"]["peak"] / max(m["peak"], 1)),
                          "%.2fx" % (r["tf"]["peak"] / max(m["peak"], 1)),
-                         "%.0f" % m["ms"]))
+                         "%.0f–%.0f" % (m["peak_range"][0] / mb, m["peak_range"][1] / mb),
+                         "%.0f" % m["ms"], "%.1f" % m["cpu"]))
     summary = [(
         "%d" % b, "%.1f" % (r["tf"]["kept"] / mb), "%.1f" % (r["gradient_bytes"] / mb),
         "%.1f" % (r["inference"] / mb), "%.0f" % (r["stats"]["computed"] / mb),
         "%.1f" % (r["stats"]["kept"] / mb), "%d" % r["stats"]["segments"],
+        "%.1f" % (r["stats"]["evicted"] / mb), "%d" % r["stats"]["rematerialized"],
         "%.2fx" % (r["tape"]["peak"] / max(r["recompute"]["peak"], 1)))
         for b, r in results.items()]
-    first = min(results)
+    first = min(results)  # (the smallest batch: weights weigh most there)
     L = ["## recompute-resnet: oh.Recompute() on ResNet50 over batch sizes", "",
          "`python benchmarks/recompute_resnet.py` — `keras.applications.ResNet50("
          "weights=None)`, %dx%d inputs, inference-mode batch norm, eager; one step = loss "
          "and gradients of every weight. Peaks: BFC CPU allocator peak minus the bytes in "
-         "use before the step (independent of the machine's load). Gradients of every "
-         "configuration equal tf.GradientTape's (rtol 1e-5, atol 1e-6; checked). "
-         "Step times: one step each on a shared, loaded machine (indicative only)." % (
-             SIZE, SIZE), "",
+         "use before the step (a `gc.collect()` first), the median of %d steps after a "
+         "warm-up step, and their range (a step's peak varies by some MB with the order "
+         "in which the executor's threads run ops). Gradients of every step equal "
+         "tf.GradientTape's (rtol 1e-5, atol 1e-6; checked). Step times: medians of the "
+         "same steps on a shared, loaded machine (wall-clock indicative only; CPU time "
+         "is the process's, all threads)." % (SIZE, SIZE, steps), "",
          _common.machine_md(info, len(KINDS) * len(results), elapsed), "",
          _common.md_table(("batch", "configuration", "forward peak MB", "kept MB",
                            "step peak MB", "vs same call without Recompute",
                            "vs eager oh.GradientTape", "vs tf.GradientTape",
-                           "one step ms"), rows), "",
+                           "step peak range MB", "one step ms", "one step CPU s"),
+                          rows), "",
          "Per batch: activations TensorFlow's tape saves (its kept bytes), weight "
          "gradients (alive at the end of every step), eager inference peak (no tape), "
-         "and what oh.Recompute() computed in segments, kept, and how many segments:", "",
+         "and what oh.Recompute() computed in segments, kept, how many segments, the bytes "
+         "it dropped while Keras held them and the ops it ran again to rematerialize "
+         "values:", "",
          _common.md_table(("batch", "tf tape activations MB", "weight gradients MB",
                            "eager inference peak MB", "segments computed MB",
-                           "Recompute kept MB", "segments", "peak ratio vs oh tape"),
+                           "Recompute kept MB", "segments", "dropped MB",
+                           "rematerialized ops", "peak ratio vs oh tape"),
                           summary), "",
          "- Activations dominate (TensorFlow's tape saves more than twice the weight "
-         "gradients' bytes) from batch %s on; at batch %d they are about as large as the "
-         "weight gradients (94 MB, alive at the end of every step)." % (
+         "gradients' bytes) at batch %s; at batch %d they are %.1f MB against %.1f MB of "
+         "weight gradients (alive at the end of every step)." % (
              ", ".join(str(b) for b in dominate) if dominate else "(none measured)",
-             first),
-         "- The issue's figure (peak >= 2x lower) was measured so far at batch %d, the "
-         "row where weights weigh most; the larger batches are the regime gradient "
-         "checkpointing is for. The default policy (`oh.Recompute()`, sqrt) is the one "
-         "measured in every row; nothing is tuned per batch." % first,
-         "- Eager model call, against eager oh.GradientTape: %s. 2x is %s. From batch 16 "
-         "on the step's peak *is* the forward pass's: it cannot go below the eager "
-         "inference peak, because Keras 3's functional `_run_through_graph` holds every "
-         "layer's output in its `tensor_dict` until the call returns (oh.GradientTape's "
-         "peak over the eager inference peak, measured separately, bounds the ratio: "
-         "%s)." % (
+             first, results[first]["tf"]["kept"] / mb,
+             results[first]["gradient_bytes"] / mb),
+         "- The issue's figure (peak >= 2x lower), eager model call, default policy "
+         "(`oh.Recompute()`, sqrt; nothing tuned per batch), against eager "
+         "oh.GradientTape: %s; against tf.GradientTape: %s. 2x is met at %s." % (
              ", ".join("batch %d %.2fx" % (b, r["tape"]["peak"] / r["recompute"]["peak"])
                        for b, r in results.items()),
-             "met" if any(r["tape"]["peak"] >= 2 * r["recompute"]["peak"]
-                          for r in results.values()) else "**not met**",
-             ", ".join("batch %d %.2fx" % (b, r["tape"]["peak"] / r["inference"])
-                       for b, r in results.items())),
+             ", ".join("batch %d %.2fx" % (b, r["tf"]["peak"] / r["recompute"]["peak"])
+                       for b, r in results.items()),
+             ", ".join("batch %d" % b for b, r in results.items()
+                       if r["tape"]["peak"] >= 2 * r["recompute"]["peak"])
+             or "**no batch measured**"),
+         "- Where the weight gradients alone (%.1f MB, the step's result, alive at its end) "
+         "exceed half of oh.GradientTape's peak, 2x is out of reach for any "
+         "checkpointing: %s." % (
+             results[first]["gradient_bytes"] / mb,
+             ", ".join("batch %d (half the peak: %.1f MB)" % (b, r["tape"]["peak"] / 2 / mb)
+                       for b, r in results.items()
+                       if r["gradient_bytes"] > r["tape"]["peak"] / 2) or "no batch"),
+         "- Eviction (dropping the values Keras's functional `_run_through_graph` holds "
+         "in its `tensor_dict` until the call returns, rematerialized when read): "
+         "forward peak without it / with it %s (eager inference peak %s); step peak "
+         "%s. Without eviction an eager forward pass cannot go below the inference "
+         "peak; with it the step's peak is the backward pass's: the weight gradients "
+         "accumulate (the last stages hold most weights) while the checkpoints of the "
+         "first stages (most activation bytes) are still kept, plus one segment's "
+         "recomputation and a convolution backprop's scratch buffer." % (
+             ", ".join("%.1f / %.1f MB" % (r["recompute_noevict"]["forward"] / mb,
+                                           r["recompute"]["forward"] / mb)
+                       for r in results.values()),
+             ", ".join("%.1f MB" % (r["inference"] / mb) for r in results.values()),
+             ", ".join("%.1f / %.1f MB" % (r["recompute_noevict"]["peak"] / mb,
+                                           r["recompute"]["peak"] / mb)
+                       for r in results.values())),
          "- Model in a `tf.function` called inside the scope (no Keras dictionary: the "
          "call runs as a segmented rewrite, %s segments), against the same call without "
          "Recompute: %s; against the eager oh.GradientTape step: %s." % (
@@ -193,6 +242,8 @@ def render_md(results, info, elapsed):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="8,16,32")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per "
+                        "configuration (after one warm-up step)")
     parser.add_argument("--out", default=_common.DEFAULT_MD)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -202,7 +253,7 @@ def main(argv=None):
 
     def measure():
         for b in (int(s) for s in args.batches.split(",")):
-            results[b] = measure_batch(b)
+            results[b] = measure_batch(b, steps=args.steps)
             r = results[b]
             print("batch %d: %s" % (b, ", ".join(
                 "%s peak %.1f MB" % (k, r[k]["peak"] / 1e6) for k in KINDS)), flush=True)
@@ -210,7 +261,7 @@ def main(argv=None):
     if args.json:  # the raw numbers, to render again without measuring
         with open(args.json, "w") as f:
             json.dump({"results": {str(b): r for b, r in results.items()}, "info": info}, f)
-    body = render_md(results, info, time.perf_counter() - start)
+    body = render_md(results, info, time.perf_counter() - start, args.steps)
     print(body)
     _common.write_section(args.out, "recompute-resnet", body)
     return results

@@ -75,7 +75,9 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS, never_copy
-from tf_ophandlers.handlers import recompute_calls, recompute_graph
+from tf_ophandlers.handlers import recompute_calls, recompute_evict, recompute_graph
+from tf_ophandlers.handlers.recompute_evict import Value as _Value, described as _described
+from tf_ophandlers.handlers.recompute_evict import tensor_of as _tensor_of
 from tf_ophandlers.handlers.recompute_graph import Window
 from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
 
@@ -117,24 +119,6 @@ def _user_stacklevel():
 
 def _trainable(tensor):
     return tensor.dtype.as_datatype_enum in _TRAINABLE
-
-
-def _tensor_of(value):
-    return value.tensor if type(value) is _Value else value
-
-
-class _Value:
-    """The representation: a tensor of the next stack, and the segment computing it
-    while that segment is not recorded yet (`node`, `index` inside it)."""
-
-    __slots__ = ("tensor", "segment", "node", "index", "tracked", "__weakref__")
-
-    def __init__(self, tensor, segment=None, node=0, index=0, tracked=False):
-        self.tensor = tensor
-        self.segment = segment
-        self.node = node
-        self.index = index
-        self.tracked = tracked
 
 
 class Recompute(OpHandler):
@@ -179,9 +163,13 @@ class Recompute(OpHandler):
         self.policy = policy
         self.save = save
         self.memory_budget = memory_budget
+        # Values below this many bytes are never dropped (recompute_evict.py); None
+        # turns eviction off.
+        self.evict_min_bytes = 4096
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
         self._pending = []  # closed segments not recorded yet (recorded at flush)
+        self._lagging = None  # the last segment closed, its values not dropped yet
         self._depth = 0
         self._computed = 0  # bytes of values computed by segments in this scope
         self._count = 0  # values computed by segments in this scope
@@ -257,6 +245,7 @@ class Recompute(OpHandler):
             self._variables, self._params = {}, 0
             self._segments_at_entry = self.segments
             self._calls = self._call_segments = 0  # tf.function calls run as rewrites
+            self._evicted = self._remat_ops = 0  # bytes dropped, ops rerun (eviction)
             self._threshold_cache = None
             if self.policy == "memory_budget" and self._expected is not None:
                 self._plan_budget()
@@ -276,7 +265,8 @@ class Recompute(OpHandler):
                               segments=self.segments - self._segments_at_entry,
                               recomputed=dict(self._recomputed), mode="eager",
                               graph=self.graph_stats, tf_tape_recording=self._tf_tape,
-                              calls=self._calls, call_segments=self._call_segments)
+                              calls=self._calls, call_segments=self._call_segments,
+                              evicted=self._evicted, rematerialized=self._remat_ops)
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:
@@ -350,7 +340,7 @@ class Recompute(OpHandler):
             return
         if not _record.could_possibly_record():
             return  # no tape records now; recorded when one does
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._lagging = self._pending, [], None
         for segment in pending:
             self._record(segment)
 
@@ -360,21 +350,21 @@ class Recompute(OpHandler):
     # variants (a dataset, a list), which are never recomputed.
 
     def value_dtype(self, value):
-        return _tensor_of(value).dtype
+        return _described(value).dtype
 
     def num_dims(self, value):
-        rank = _tensor_of(value).shape.rank
+        rank = _described(value).shape.rank
         return -1 if rank is None else rank
 
     def dim(self, value, index):
-        d = _tensor_of(value).shape[index]
+        d = _described(value).shape[index]
         return -1 if d is None else int(d)
 
     def static_value(self, value):
         return tf.get_static_value(_tensor_of(value))
 
     def device_string(self, value, stack):
-        return _tensor_of(value).device
+        return _described(value).device
 
     def tensor_debug_string(self, value):
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
@@ -429,7 +419,7 @@ class Recompute(OpHandler):
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
         recomputable = (enums is not None and not _is_stateful(op.type)
                         and not any(e in _OPAQUE for e in enums)
-                        and not any(self._tensor(v).dtype.as_datatype_enum in _OPAQUE
+                        and not any(_described(v).dtype.as_datatype_enum in _OPAQUE
                                     for v in inputs))
         if recomputable:
             tracked = [self._is_tracked(v) for v in inputs]
@@ -472,13 +462,11 @@ class Recompute(OpHandler):
             self._largest_value = max(sizes)
         return size
 
-    @staticmethod
-    def _tensor(v):
-        return v.tensor if type(v) is _Value else v
+    _tensor = staticmethod(_tensor_of)
 
     @staticmethod
     def _tensors(inputs):
-        return [v.tensor if type(v) is _Value else v for v in inputs]
+        return [_tensor_of(v) for v in inputs]
 
     @staticmethod
     def _wrap(outputs, tracked):
@@ -501,7 +489,7 @@ class Recompute(OpHandler):
         if segment is not None and ((segment.saved is not None) != (keep or partial)
                                     or segment.partial != partial
                                     or self._segment_full(segment)):
-            self._close()
+            self._close(evict=True)
             segment = None
         if segment is None:
             segment = self._open = Segment(keep=keep, partial=partial)
@@ -512,7 +500,7 @@ class Recompute(OpHandler):
                 continue
             if type(v) is _Value and v.segment is not None:
                 # A value of a closed segment not recorded yet: one of its outputs.
-                v.segment.used[(v.node, v.index)] = v.tensor
+                v.segment.used[(v.node, v.index)] = _tensor_of(v)
             refs.append((-1, segment.external(self._tensor(v), tr)))
         with _record.stop_recording():
             outputs = self.next.execute(op, self._tensors(inputs))
@@ -527,7 +515,7 @@ class Recompute(OpHandler):
         if partial:
             segment.saved.append(None)  # recomputed by the gradient function
         if self.policy == "save" and op.type in self.save:
-            self._close()
+            self._close(evict=True)
         return values
 
     def _segment_full(self, segment):
@@ -543,7 +531,7 @@ class Recompute(OpHandler):
             total = max(total, self._expected[0])
         return segment.bytes * segment.bytes >= total * (self._computed / count)
 
-    def _close(self):
+    def _close(self, evict=False):
         segment, self._open = self._open, None
         if segment is None or not segment.nodes:
             return
@@ -553,10 +541,20 @@ class Recompute(OpHandler):
         # its values): by then the program has dropped the values its layers held while
         # they ran (a Keras functional model holds every layer's output until the call
         # returns), so only values used by later segments, which the segment holds
-        # meanwhile, or still referenced are kept.
+        # meanwhile, or still referenced are kept. Meanwhile (a segment closed while the
+        # forward pass goes on) the values the program holds are dropped, to be
+        # rematerialized when used (recompute_evict.py), one segment late: a residual
+        # input is typically read again soon after its segment closed.
+        if evict and self.evict_min_bytes is not None:
+            lagging, self._lagging = self._lagging, segment
+            if lagging is not None:
+                self._evicted += recompute_evict.evict(lagging, self.next,
+                                                       self.evict_min_bytes)
         self._pending.append(segment)
 
     def _record(self, segment):
+        recompute_evict.restore(segment)  # values the program holds are outputs
+        self._remat_ops += segment.remat_ops
         try:
             outputs = record(segment, _trainable)
         except Exception as e:

@@ -43,7 +43,7 @@ class Segment:
     """Consecutive recomputable ops of a forward pass, recorded on the tapes as one op."""
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
-                 "bytes", "saved", "partial", "__weakref__")
+                 "bytes", "saved", "partial", "below", "remat", "remat_ops", "__weakref__")
 
     def __init__(self, keep=False, partial=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
@@ -60,6 +60,10 @@ class Segment:
         # function takes them and recomputes the others (graph speed, one call).
         self.saved = [] if keep or partial else None  # per node: its output tensors
         self.partial = partial
+        # Eviction (recompute_evict.py): the stack rematerializations run on, and how
+        # many values / ops they recomputed.
+        self.below = None
+        self.remat = self.remat_ops = 0
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""

@@ -88,8 +88,14 @@ LINEAR = {
 }
 
 
+BETWEEN = {"OpHandler": oh.OpHandler, "PassThrough": lambda: oh.native.PassThrough(),
+           # (its representation is no tensor: found through its copy_off; OH_FUZZ_SEED=20
+           # case 41, inside vectorized_map)
+           "Recompute(save)": lambda: oh.Recompute(save=("MatMul", "Conv2D"))}
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
-@pytest.mark.parametrize("between", [None, "OpHandler", "PassThrough"])
+@pytest.mark.parametrize("between", [None] + sorted(BETWEEN))
 @pytest.mark.parametrize("name", sorted(LINEAR))
 def test_nested_accumulators_jvp_of_a_jvp_linear_in_the_primal(name, between, mode):
     # Fuzz finding (two ForwardAccumulators): the outer's JVP of the inner's JVP of an op
@@ -97,6 +103,10 @@ def test_nested_accumulators_jvp_of_a_jvp_linear_in_the_primal(name, between, mo
     # whose primal input the outer sees). Accumulators below now get zeros there (also
     # in a replayed tf.function: Recompute > OpHandler > OpCounter > ForwardAccumulator >
     # ForwardAccumulator, OH_FUZZ_SEED=5 case 21).
+    if between == "Recompute(save)" and mode == "function" and name in ("conv",
+                                                                       "matmul_constant"):
+        pytest.skip("unfixed: Recompute keeps the call whole, so the inner accumulator's "
+                    "replay ends above it and cannot reach the outer's tangents: None")
     fn = LINEAR[name] if mode == "eager" else tf.function(LINEAR[name])
     x, tx, tz = _rand(8, 3, 4), _rand(9, 3, 4), _rand(10, 3, 4)
     results = []
@@ -104,8 +114,7 @@ def test_nested_accumulators_jvp_of_a_jvp_linear_in_the_primal(name, between, mo
         with Acc(x, tx) as outer:
             handler = None
             if between and Acc is oh.ForwardAccumulator:
-                handler = (oh.OpHandler() if between == "OpHandler"
-                           else oh.native.PassThrough())
+                handler = BETWEEN[between]()
                 handler.__enter__()
             try:
                 with Acc(x, tz) as inner:

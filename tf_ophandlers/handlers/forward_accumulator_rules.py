@@ -2,9 +2,9 @@
 zero tangents an accumulator below gets for the JVPs of one above (nested accumulators).
 """
 import tensorflow as tf
-from tensorflow.python.framework.tensor import Tensor as _Tensor
 
-from tf_ophandlers.core.stack import current_stack, stack_of
+from tf_ophandlers.core import errors
+from tf_ophandlers.core.stack import current_stack, representation_of
 
 _NHWC = (b"NHWC", "NHWC")
 
@@ -41,18 +41,13 @@ def max_pool(fallback):
 
 
 def _dual(handler, tensor):
-    """`handler`'s representation of `tensor` (a tensor of a stack above or at it, through
-    handlers whose representations are tensors), or None."""
-    while True:
-        stack = stack_of(tensor)
-        if stack is None or not any(h is handler for h in stack.handlers):
-            return None
-        value = stack.unwrap(tensor)
-        if stack.handler is handler:
-            return value
-        if not isinstance(value, _Tensor):
-            return None  # (a handler's own representation: vectorized_map's batch)
-        tensor = value
+    """`handler`'s representation of `tensor` (a tensor of a stack above or at it), or
+    None (also where a handler between refuses to copy it off: a per-example value)."""
+    try:
+        found, value = representation_of(handler, tensor)
+    except errors.HandlerError:
+        return None
+    return value if found else None
 
 
 def _sources(primals, outputs, tangents, multilinear):

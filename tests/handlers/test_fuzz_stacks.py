@@ -137,6 +137,12 @@ def _known_limitation(stack, program):
       fixed, Recompute records each op under a recording tf.GradientTape; the category
       stays out of the draw until a wider run shows no other case).
     Run eagerly instead (TensorFlow's reference is wrong in a function):
+    - two accumulators: which of the outer's JVPs of the inner's JVPs are None and which
+      zeros depends in a function on TensorFlow's per-op JVP graphs (inlined there; each
+      a call eagerly, which oh.ForwardAccumulator matches: zeros wherever the outer has
+      a tangent for the op), e.g. None for a reshape, zeros for a matmul by a constant or
+      concat_split(y, y) (Recompute > OpHandler > OpCounter > ForwardAccumulator >
+      ForwardAccumulator, OH_FUZZ_SEED=5 case 21); values agree;
     - oh.vectorized_map with oh.ForwardAccumulator: TensorFlow's accumulator inside
       tf.vectorized_map over a called tf.function gives no tangent to a captured
       variable (None, or the other tangents only), and over a gathered variable raises
@@ -160,6 +166,8 @@ def _known_limitation(stack, program):
     if "vectorized_map" in layers and "ForwardAccumulator" in layers:
         if any(name == "pool_nhwc" for name, _, _ in program.steps):
             return True  # TensorFlow's map traces: its MaxPool JVP is wrong (see above)
+        stack.mode, stack.batches = "eager", stack.batches[:1]
+    if layers.count("ForwardAccumulator") > 1:
         stack.mode, stack.batches = "eager", stack.batches[:1]
     if "tf.GradientTape" in layers and any(
             name in ("GradientTape", "ForwardAccumulator")

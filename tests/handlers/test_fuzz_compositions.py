@@ -431,8 +431,9 @@ def _run_case(kind, program, mode, batches, ours_first):
     run = COMPOSITIONS[kind]
     if kind.startswith("ForwardAccumulator") and mode != "eager" and any(
             name == "pool_nhwc" for name, _, _ in program.steps):
-        # MaxPool's JVP in a graph is wrong in TensorFlow itself; oh.ForwardAccumulator
-        # inherits it in a replayed function (xfail below): such cases run eagerly.
+        # MaxPool's JVP in a graph is wrong in TensorFlow itself (zeros: its
+        # MaxPoolGradGrad kernel; oh.ForwardAccumulator has its own rule, see
+        # test_forward_accumulator_compose): such cases run eagerly.
         mode, batches = "eager", batches[:1]
     for step, batch in enumerate(batches):
         outer = 3 if kind in _MAPPED else None
@@ -553,26 +554,6 @@ def test_tape_over_vmap_concat_split_gradient_is_dense_as_tensorflows():
     _same(results[0], results[1], "tape over vectorized_map, concat then split")
     _same(results[0], results[2], "tf tape over oh.vectorized_map, concat then split")
     assert not isinstance(results[0][1], tf.IndexedSlices)
-
-
-def _softmax_max_pool(a):
-    pooled = tf.nn.max_pool2d(tf.reshape(tf.nn.softmax(a), [-1, 2, 2, 1]), 2, 1, "SAME")
-    return tf.reshape(pooled, [-1, 4])
-
-
-@pytest.mark.xfail(strict=True, reason="fuzz finding: MaxPool's JVP computed in a graph "
-                   "(TensorFlow's forwardprop._jvp_helper) is wrong; oh.ForwardAccumulator "
-                   "replaying a tf.function gets it (tf.autodiff.ForwardAccumulator over a "
-                   "tf.function is wrong too, for other programs, e.g. exp then max_pool)")
-def test_forward_accumulator_max_pool_in_a_function_matches_eager():
-    r = np.random.default_rng(0)
-    x = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
-    v = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
-    with tf.autodiff.ForwardAccumulator(x, v) as acc:
-        want = acc.jvp(_softmax_max_pool(x))
-    with oh.ForwardAccumulator(x, v) as acc:
-        got = acc.jvp(tf.function(_softmax_max_pool)(x))
-    _same(want, got, "JVP of softmax then max_pool in a tf.function")
 
 
 def test_tape_over_vmap_looped_gather_eagerly_after_a_traced_one():

@@ -441,6 +441,22 @@ def _bias_add_grad(handler, execute, op, inputs):
     return [Batched(tf.reduce_sum(x.value, axis=axes), True)]
 
 
+def _pool_grad(handler, execute, op, inputs):
+    """MaxPool's gradient ops and MaxPoolWithArgmax (per-image indices): every input
+    batched, the map's batch folded into the images' batch dim. (pfor's graph gives
+    zeros for MaxPoolGradGrad with an unbatched input: see forward_accumulator_rules.)"""
+    if op.attrs.get("include_batch_in_index"):
+        return None
+    values = [broadcast_batch(b, handler.size) for b in inputs]
+    if any(v.shape.rank is None for v in values):
+        return None
+    lead = tf.shape(values[0])[:2]
+    outs = execute(op, [tf.reshape(v, tf.concat([[-1], tf.shape(v)[2:]], 0))
+                        for v in values])
+    return [Batched(tf.reshape(o, tf.concat([lead, tf.shape(o)[1:]], 0)), True)
+            for o in outs]
+
+
 # Elementwise ops from core's table. ClipByValue is left to pfor's converter: its bounds
 # must be scalars or of the input's shape, which aligning them to the batched rank breaks.
 # The project's copy ops are elementwise identities too.
@@ -464,6 +480,9 @@ RULES.update({
     "BiasAddGrad": _bias_add_grad, "L2Loss": _l2_loss, "StridedSlice": _strided_slice,
     "BiasAdd": _bias_add,
     "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
+    "MaxPoolGrad": _pool_grad, "MaxPoolGradGrad": _pool_grad,
+    "MaxPool3DGrad": _pool_grad, "MaxPool3DGradGrad": _pool_grad,
+    "MaxPoolWithArgmax": _pool_grad,
 })
 
 

@@ -39,6 +39,7 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import record_on_tf_tapes
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
+from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
 
 _log = logging.getLogger("tf_ophandlers")
 _key = tensor_key  # tensors are keyed by TensorFlow handle
@@ -295,9 +296,13 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
               for p, t in zip(primals, tangents)]
     args = (op.type, op.attr_tuple(), list(primals), list(outputs), filled)
     try:
-        if any(isinstance(h, ForwardAccumulator) for h in current_stack().handlers):
+        if tf.executing_eagerly() and any(
+                isinstance(h, ForwardAccumulator) for h in current_stack().handlers):
             # An accumulator below must see the JVP op by op (higher order): run
             # TensorFlow's construction eagerly instead of as one traced function call.
+            # (Not in a function being replayed: TensorFlow's gradient functions fold
+            # shape computations there, which on the stacks are not constants; the
+            # traced call is replayed op by op by the accumulators below.)
             with _tapes_recording():
                 args = args[:2] + (_distinct(args[2]),) + args[3:]
                 result = _tf_forwardprop._jvp_helper(*args)  # pylint: disable=protected-access
@@ -317,6 +322,9 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     # a gather's gradient); tangents are tensors, as TensorFlow's C++ accumulator's.
     return [tf.convert_to_tensor(r) if isinstance(r, tf.IndexedSlices) else r
             for r in result]
+
+
+_RULES["MaxPool"] = _more_rules.max_pool(_tensorflow_jvp)
 
 
 _UNSEEN_INPUT_WARNING = (
@@ -524,6 +532,10 @@ class ForwardAccumulator(OpHandler):
                 raise errors.HandlerError(
                     "oh.ForwardAccumulator: the JVP of op %s gave %d tangents for %d outputs"
                     % (op.type, len(out_tangents), len(outputs)))
+            # Accumulators below see a JVP as TensorFlow's do (zeros, not None).
+            out_tangents = _more_rules.connect_below(
+                self, (ForwardAccumulator, Dual), primals, outputs, tangents, out_tangents,
+                multilinear=rule is _multilinear)
         else:
             out_tangents = [None] * len(outputs)
         # Resource handles stay on the next stack (transient handler): a variable created

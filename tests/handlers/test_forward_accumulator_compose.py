@@ -1,0 +1,145 @@
+"""oh.ForwardAccumulator composed with oh.vectorized_map, tf.function replays and a
+second accumulator, against TensorFlow (fuzz findings of test_fuzz_stacks)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from test_differential import _same  # values, dtypes, shapes, IndexedSlices, None
+
+
+def _rand(seed, *shape):
+    return tf.constant(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def _pool(a):
+    """The fuzzers' pool_nhwc (SAME, stride 1: MaxPoolGradGrad's input shape is its
+    output's) after a relu (ties: zeros)."""
+    img = tf.reshape(tf.nn.relu(a), [-1, 2, 2, 1])
+    return tf.reshape(tf.nn.max_pool2d(img, 2, 1, "SAME") + tf.nn.avg_pool2d(
+        img, 2, 1, "SAME"), [-1, 4])
+
+
+def _softmax_max_pool(a):
+    pooled = tf.nn.max_pool2d(tf.reshape(tf.nn.softmax(a), [-1, 2, 2, 1]), 2, 1, "SAME")
+    return tf.reshape(pooled, [-1, 4])
+
+
+@pytest.mark.parametrize("fn", [_softmax_max_pool, _pool])
+def test_max_pool_jvp_in_a_replayed_function_matches_eager(fn):
+    # Was an xfail of test_fuzz_compositions: TensorFlow's JVP of MaxPool is
+    # MaxPoolGradGrad on the tangent, whose kernel returns zeros in a graph when the
+    # tangent is an intermediate (it reuses that buffer for its output). The replay
+    # of the tf.function made it one; the accumulator now gathers at the argmax.
+    x, v = _rand(0, 3, 4), _rand(1, 3, 4)
+    with tf.autodiff.ForwardAccumulator(x, v) as acc:
+        want = acc.jvp(fn(x))
+    with oh.ForwardAccumulator(x, v) as acc:
+        got = acc.jvp(tf.function(fn)(x))
+    _same(want, got, "JVP of max_pool in a tf.function")
+
+
+@pytest.mark.parametrize("padding,strides,ksize", [("SAME", 1, 2), ("VALID", 1, 2),
+                                                   ("SAME", 2, 3), ("VALID", 2, 2)])
+def test_max_pool_jvp_per_example_in_vectorized_map(padding, strides, ksize):
+    # Fuzz finding (vectorized_map > Recompute > ForwardAccumulator, OH_FUZZ_SEED=101
+    # slow case 12): the JVP of MaxPool inside the map was zeros (the traced JVP replayed
+    # in the map: the MaxPoolGradGrad kernel above). tf.vectorized_map gives those zeros
+    # too, so the reference is TensorFlow's accumulator eagerly, one example at a time.
+    xs = tf.nn.relu(_rand(2, 2, 3, 5, 5, 2))  # relu: ties in the windows
+    v = _rand(3, 3, 5, 5, 2)
+
+    def per_example(Acc):
+        def f(x):
+            with Acc(x, v) as acc:
+                y = tf.nn.max_pool2d(x, ksize, strides, padding)
+            return y, acc.jvp(y)
+        return f
+    want = [tf.stack(list(col)) for col in zip(
+        *[per_example(tf.autodiff.ForwardAccumulator)(xs[i]) for i in range(2)])]
+    got = oh.vectorized_map(per_example(oh.ForwardAccumulator), xs)
+    _same(want, list(got), "JVP of max_pool per example")
+
+
+def test_max_pool_grad_grad_with_an_unbatched_input_in_vectorized_map():
+    # pfor's converted graph of MaxPoolGradGrad with an unbatched gradient gave zeros (the
+    # kernel above; tf.vectorized_map too): vectorized_map folds its batch in instead.
+    xs, v = _rand(4, 2, 3, 2, 2, 1), _rand(5, 3, 2, 2, 1)
+    kw = dict(ksize=[1, 2, 2, 1], strides=[1, 1, 1, 1], padding="SAME")
+
+    def f(x):
+        y = tf.nn.max_pool2d(x, 2, 1, "SAME")
+        return tf.raw_ops.MaxPoolGradGrad(orig_input=x, orig_output=y, grad=v, **kw)
+    _same(tf.stack([f(xs[i]) for i in range(2)]), oh.vectorized_map(f, xs),
+          "MaxPoolGradGrad under vectorized_map")
+
+
+_W = _rand(6, 4, 4)
+_K = _rand(7, 2, 2, 1, 3)
+LINEAR = {
+    "matmul_constant": lambda a: tf.matmul(a, _W),
+    "conv": lambda a: tf.nn.conv2d(tf.reshape(a, [-1, 2, 2, 1]), _K, 1, "SAME"),
+    "add_constant": lambda a: a + _W[:1],
+    "reshape_sum": lambda a: tf.reduce_sum(tf.reshape(a, [-1, 2]), axis=0),
+    "identity": tf.identity,
+    "cast": lambda a: tf.cast(a, tf.float64),
+    "maximum": lambda a: tf.maximum(a, _W[:1]),  # TensorFlow's construction, eagerly
+    "relu_then_matmul": lambda a: tf.matmul(tf.nn.relu(a), _W),  # (a value: not zero)
+}
+
+
+BETWEEN = {"OpHandler": oh.OpHandler, "PassThrough": lambda: oh.native.PassThrough(),
+           # (its representation is no tensor: found through its copy_off; OH_FUZZ_SEED=20
+           # case 41, inside vectorized_map)
+           "Recompute(save)": lambda: oh.Recompute(save=("MatMul", "Conv2D"))}
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("between", [None] + sorted(BETWEEN))
+@pytest.mark.parametrize("name", sorted(LINEAR))
+def test_nested_accumulators_jvp_of_a_jvp_linear_in_the_primal(name, between, mode):
+    # Fuzz finding (two ForwardAccumulators): the outer's JVP of the inner's JVP of an op
+    # linear in its primal was None; TensorFlow's is zeros (its inner JVP is a traced call
+    # whose primal input the outer sees). Accumulators below now get zeros there (also
+    # in a replayed tf.function: Recompute > OpHandler > OpCounter > ForwardAccumulator >
+    # ForwardAccumulator, OH_FUZZ_SEED=5 case 21).
+    if between == "Recompute(save)" and mode == "function" and name in ("conv",
+                                                                       "matmul_constant"):
+        pytest.skip("unfixed: Recompute keeps the call whole, so the inner accumulator's "
+                    "replay ends above it and cannot reach the outer's tangents: None")
+    fn = LINEAR[name] if mode == "eager" else tf.function(LINEAR[name])
+    x, tx, tz = _rand(8, 3, 4), _rand(9, 3, 4), _rand(10, 3, 4)
+    results = []
+    for Acc in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with Acc(x, tx) as outer:
+            handler = None
+            if between and Acc is oh.ForwardAccumulator:
+                handler = BETWEEN[between]()
+                handler.__enter__()
+            try:
+                with Acc(x, tz) as inner:
+                    y = fn(x)
+                j = inner.jvp(y)
+            finally:
+                if handler is not None:
+                    handler.__exit__(None, None, None)
+        results.append([y, j, outer.jvp(y), outer.jvp(j)])
+    _same(results[0], results[1], "nested accumulators, %s" % name)
+
+
+def test_nested_accumulators_per_example_in_vectorized_map():
+    # Fuzz finding (vectorized_map > ForwardAccumulator > OpCounter > ForwardAccumulator,
+    # OH_FUZZ_SEED=101 slow case 4): the same None, per example.
+    zs, tz = _rand(11, 2, 3, 4), _rand(12, 3, 4)
+
+    def f(Acc):
+        def g(z):
+            with Acc(z, tz) as outer:
+                with Acc(z, tz) as inner:
+                    y = tf.reshape(z, [-1, 2, 2]) * 2.0
+                j = inner.jvp(y)
+            return y, j, outer.jvp(y), outer.jvp(j)
+        return g
+    want = tf.vectorized_map(f(tf.autodiff.ForwardAccumulator), zs)
+    got = oh.vectorized_map(f(oh.ForwardAccumulator), zs)
+    _same(list(want), list(got), "nested accumulators in a map")

@@ -13,6 +13,8 @@
      fast_hook.cc      CallHook (HandlerStack.call_hook's frame) and RunHook (a Python
                        execute hook run from C, on the op's first stack)
      fast_record.cc    RunRecord (a level with after_execute: forward, then record)
+     fast_async.cc     AsyncExecute (oh.Async's execute hook in C for its common
+                       case, tried by RunHook before the Python hook)
 
    Everything lives in namespace tf_ophandlers::fast. Common contract, unless a function
    says otherwise:

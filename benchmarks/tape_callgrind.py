@@ -57,13 +57,18 @@ def child(helper, n):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=20, help="counted calls per tape")
+    p.add_argument("--keep", help="a directory to keep the callgrind output files in")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args.child, args.n)
     if not shutil.which("valgrind") or not os.path.exists("/usr/include/valgrind/callgrind.h"):
         sys.exit("needs valgrind and its headers (apt-get install valgrind)")
-    work = tempfile.mkdtemp(prefix="oh_tape_callgrind_")
+    work = args.keep or tempfile.mkdtemp(prefix="oh_tape_callgrind_")
+    os.makedirs(work, exist_ok=True)
+    for name in os.listdir(work):  # an earlier run's files in a kept directory
+        if name.startswith("cg.out"):
+            os.remove(os.path.join(work, name))
     src, lib = os.path.join(work, "cg.c"), os.path.join(work, "libcg.so")
     with open(src, "w") as f:
         f.write(HELPER)
@@ -84,7 +89,8 @@ def main():
     print("tf.GradientTape %8.0f instr/op" % per_op["tf"])
     print("oh.GradientTape %8.0f instr/op" % per_op["oh"])
     print("oh / tf         %8.3f" % (per_op["oh"] / per_op["tf"]))
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -76,16 +76,25 @@ int WantsCopy(PyObject* stack, PyObject* op, int index, TFE_TensorHandle* h) {
 bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
              const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
              TFE_TensorHandle** outputs, TF_Status* status) {
-  OpObject* op = NewOpObject(type, device, *num_outputs);
-  if (op == nullptr) {
-    StatusFromPyErr(status);
-    return true;
-  }
-  op->borrowed = src;
   // Read per op (the handler may rebind them); not cached, so the cache keeps no handler
   // alive.
   PyObject* handler = PyObject_GetAttr(stack, s_handler);
   PyObject* execute = handler != nullptr ? PyObject_GetAttr(handler, s_execute) : nullptr;
+  if (execute != nullptr && d.next == g_physical && AsyncHookIs(execute) &&
+      AsyncExecute(stack, src, type, n_in, in, num_outputs, outputs, status)) {
+    // oh.Async's hook in C for its common case: no Op object, no hook frame.
+    Py_DECREF(execute);
+    Py_DECREF(handler);
+    return true;
+  }
+  OpObject* op = PyErr_Occurred() ? nullptr : NewOpObject(type, device, *num_outputs);
+  if (op == nullptr) {
+    StatusFromPyErr(status);
+    Py_XDECREF(execute);
+    Py_XDECREF(handler);
+    return true;
+  }
+  op->borrowed = src;
   PyObject* value_dtype = nullptr;
   PyObject* values = execute != nullptr ? PyList_New(n_in) : nullptr;
   PyObject* result = nullptr;

@@ -13,6 +13,8 @@
      fast_hook.cc      CallHook (HandlerStack.call_hook's frame) and RunHook (a Python
                        execute hook run from C, on the op's first stack)
      fast_record.cc    RunRecord (a level with after_execute: forward, then record)
+     fast_async.cc     AsyncExecute (oh.Async's execute hook in C for its common
+                       case, tried by RunHook before the Python hook)
 
    Everything lives in namespace tf_ophandlers::fast. Common contract, unless a function
    says otherwise:
@@ -40,6 +42,7 @@
 
 #include "fast_path.h"
 #include "native_internal.h"
+#include "op.h"
 #include "tensorflow/c/eager/c_api.h"
 #include "tensorflow/c/tf_status.h"
 
@@ -188,6 +191,27 @@ PyObject* CallHook(PyObject* stack, PyObject* next, PyObject* fn, PyObject* a, P
 bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
              const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
              TFE_TensorHandle** outputs, TF_Status* status);
+
+// ---- fast_async.cc --------------------------------------------------------------------
+
+// Whether `execute` (a handler's bound `execute`, borrowed) is oh.Async's hook, whose
+// common case AsyncExecute runs in C. False until async_setup ran. GIL: held.
+bool AsyncHookIs(PyObject* execute);
+
+// oh.Async's execute hook in C, with RunHook's wrap and output check, for `type` on
+// `stack` (whose next stack is PHYSICAL, no replay running), from the op's inputs `in`
+// (borrowed). Returns false when the Python hook must run instead (nothing done, no
+// Python exception set); true when the op was queued: `status` tells whether its outputs
+// were made (the Run* contract). GIL: held; released around TFE_Execute.
+bool AsyncExecute(PyObject* stack, const TFE_Op* src, const char* type, int n_in,
+                  TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
+                  TF_Status* status);
+
+// async_setup(execute, op_kinds, implied, inferred, resource, valueless): the tables of
+// handlers/async_execution.py AsyncExecute reads (kFastModuleMethods). GIL: held.
+PyObject* PyAsyncSetup(PyObject*, PyObject* args);
+// async_stats() -> {"c_ops": ops AsyncExecute ran} (kFastModuleMethods). GIL: held.
+PyObject* PyAsyncStats(PyObject*, PyObject*);
 
 // ---- fast_record.cc -------------------------------------------------------------------
 

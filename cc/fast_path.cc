@@ -212,6 +212,11 @@ PyMethodDef kFastModuleMethods[] = {
      "fast_setup(state, PHYSICAL): what the C++ per-op fast path reads."},
     {"stacks_changed", PyStacksChanged, METH_O,
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
+    {"async_setup", PyAsyncSetup, METH_VARARGS,
+     "async_setup(execute, op_kinds, implied, inferred, resource, valueless): oh.Async's "
+     "tables, for its hook's common case in C (cc/fast_async.cc)."},
+    {"async_stats", PyAsyncStats, METH_NOARGS,
+     "async_stats() -> {c_ops}: ops oh.Async's hook ran in C (cc/fast_async.cc)."},
     {"nogil_forget", PyNoGilForget, METH_NOARGS,
      "nogil_forget(): drops this thread's no-GIL plan (a scope closed)."},
     {"fast_stats", PyFastStats, METH_NOARGS,

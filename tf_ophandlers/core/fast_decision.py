@@ -119,3 +119,13 @@ def fast_decision(stack, op_type):
         kind = FAST_PYTHON
     copy_all = handler.needs_copy is None and not stack._defer_copy
     return (kind, stack.next, bool(handler.transient), stack.default_copy_on, copy_all)
+
+
+def async_hook_in_c(execute, op_kinds, implied, inferred, resource, valueless):
+    """Lets the C++ path run `execute` (oh.Async's hook, handlers/async_execution.py) for
+    its common case in C (cc/fast_async.cc), from the hook's own tables: `op_kinds`
+    (op type -> kind), `implied` (the kind whose signature needs no attributes),
+    `inferred` (signature -> outputs' ``(part, dtype)``), `resource` (`tf.resource`) and
+    `valueless` (dtype enums whose parts carry no value). The C path reads the tables
+    and never fills them: a miss runs the hook, which does."""
+    _C.async_setup(execute, op_kinds, implied, inferred, resource, valueless)

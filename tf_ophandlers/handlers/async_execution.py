@@ -42,6 +42,7 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import shapes
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.fast_decision import async_hook_in_c
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
@@ -544,3 +545,8 @@ def _input_spec(part):
         np_dtype, data, shape = known
         value = np.frombuffer(data, dtype=np.dtype(np_dtype)).reshape(shape)
     return shapes.Spec(tf.TensorSpec(dims, _AS_DTYPE[enum]), value)
+
+
+# The C++ per-op path runs the hook's common case (an _IMPLIED op over PHYSICAL whose
+# signature is in `_inferred`) in C from these tables (cc/fast_async.cc).
+async_hook_in_c(Async.execute, _op_kinds, _IMPLIED, _inferred, _RESOURCE, _VALUELESS)

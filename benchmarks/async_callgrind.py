@@ -1,0 +1,110 @@
+"""Instructions per op of benchmarks/small_ops.py's async16 (chain16 under one `oh.Async()`
+created once) against eager chain16 and TensorFlow's asynchronous executor without the
+handler, counted with callgrind (load-independent, unlike wall-clock timing).
+
+    python benchmarks/async_callgrind.py                # runs itself under valgrind, prints
+    python benchmarks/async_callgrind.py --n 5 --keep /tmp/cg   # keep files for callgrind_annotate
+
+In one process, for each configuration: 3 untimed and then N counted calls of chain16
+(`h = tf.tanh(h) * 1.01` 100 times, 200 ops, on x [16, 16], then `.numpy()`). The count
+covers the whole loop on every thread (Python, TensorFlow, the dispatcher, the executor's
+thread running the kernels, the release of the results), collection toggled around it
+with callgrind client requests (benchmarks/native_callgrind.py's helper). Counts leave out
+what instructions do not show: waking the executor's thread, cache misses. Needs
+valgrind, its headers and gcc.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from native_callgrind import HELPER
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OPS = 200  # per call
+KEYS = ("eager", "tf-async", "oh-async")
+
+
+def child(helper, n):
+    """Runs under valgrind: counts each configuration's loop."""
+    import ctypes
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, os.path.dirname(HERE))
+    import tensorflow as tf
+    from tensorflow.python.eager import context, executor
+    import tf_ophandlers as oh
+    cg = ctypes.CDLL(helper)
+    x16 = tf.random.stateless_uniform([16, 16], seed=[1, 2])
+
+    def chain(h):
+        for _ in range(OPS // 2):
+            h = tf.tanh(h) * 1.01
+        return h.numpy()
+
+    runner = oh.Async()
+    tf_executor = executor.new_executor(enable_async=True)
+
+    def tf_async():
+        with context.executor_scope(tf_executor):
+            return chain(x16)
+
+    def oh_async():
+        with runner:
+            return chain(x16)
+
+    calls = {"eager": lambda: chain(x16), "tf-async": tf_async, "oh-async": oh_async}
+    for key in KEYS:
+        call = calls[key]
+        for _ in range(3):
+            call()
+        cg.cg_toggle()
+        for _ in range(n):
+            call()
+        cg.cg_toggle()
+        cg.cg_dump(key.encode())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=10, help="counted calls per configuration")
+    p.add_argument("--keep", help="a directory to keep the callgrind output files in")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args.child, args.n)
+    if not shutil.which("valgrind") or not os.path.exists("/usr/include/valgrind/callgrind.h"):
+        sys.exit("needs valgrind and its headers (apt-get install valgrind)")
+    work = args.keep or tempfile.mkdtemp(prefix="oh_async_callgrind_")
+    os.makedirs(work, exist_ok=True)
+    for name in os.listdir(work):  # an earlier run's files in a kept directory
+        if name.startswith("cg.out"):
+            os.remove(os.path.join(work, name))
+    src, lib = os.path.join(work, "cg.c"), os.path.join(work, "libcg.so")
+    with open(src, "w") as f:
+        f.write(HELPER)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
+    out = os.path.join(work, "cg.out")
+    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
+                    "--callgrind-out-file=" + out, sys.executable, os.path.abspath(__file__),
+                    "--child", lib, "--n", str(args.n)],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    per_op = {}
+    for name in os.listdir(work):
+        if name.startswith("cg.out."):
+            with open(os.path.join(work, name)) as f:
+                text = f.read()
+            key = re.search(r"Client Request: (\S+)", text).group(1)
+            total = int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1))
+            per_op[key] = per_op.get(key, 0) + total / (args.n * OPS)
+    for key in KEYS:
+        print("%-9s %8.0f instr/op  %.3fx eager" % (key, per_op[key],
+                                                   per_op[key] / per_op["eager"]))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -78,6 +78,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
       Decision copy = *d;
       return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
     }
+    case kLazy: {
+      if (depth > 0) return false;  // as kHook
+      Decision copy = *d;
+      return RunLazy(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
+    }
     default:
       return false;
   }
@@ -214,6 +219,8 @@ PyMethodDef kFastModuleMethods[] = {
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
     {"nogil_forget", PyNoGilForget, METH_NOARGS,
      "nogil_forget(): drops this thread's no-GIL plan (a scope closed)."},
+    {"lazy_setup", PyLazySetup, METH_VARARGS,
+     "lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful): oh.Lazy's C record."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
      "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops, "

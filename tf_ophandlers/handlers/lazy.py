@@ -39,6 +39,7 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers.core import graph_builder, shapes
 from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.fast_decision import lazy_record_setup
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
@@ -154,6 +155,11 @@ def _ready(tensor):
     return LazyValue(None, 0, tensor.dtype, tensor)
 
 
+# What the C++ record path (cc/fast_lazy.cc) builds and reads: these types (by slot),
+# the sequence numbers and the caches `Lazy.execute` fills.
+lazy_record_setup(LazyValue, _Node, _sequence, _sigs, _dtypes, _stateful)
+
+
 class Lazy(OpHandler):
     """Defers ops until a value is needed, then runs the pending ops as one function.
 
@@ -180,6 +186,15 @@ class Lazy(OpHandler):
     needs_copy = staticmethod(never_copy)
     # A representation's dtype, read by the C++ path per output: a C callable, no frame.
     value_dtype = operator.attrgetter("dtype")
+    # The C++ path records this class's common ops itself (cc/fast_lazy.cc builds the
+    # _Node and LazyValues `execute` builds): no Python frame per op. A subclass that
+    # overrides `execute` or `needs_copy` gets its hook called.
+    _oh_records_in_c = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.execute is not Lazy.execute or cls.needs_copy is not Lazy.needs_copy:
+            cls._oh_records_in_c = False
 
     def __init__(self, jit_compile=False, chunk_ops=None):
         if not isinstance(jit_compile, bool):

@@ -7,7 +7,7 @@
 // and one `LazyValue` per output, allocated with their types' own allocator and their
 // slots set by offset, as their `__init__` sets them) and appends the node to the
 // handler's `_pending`: recording costs no Python frame, no Op object and no wrap of a
-// Python list. Anything else (chunks, an op or input the hook treats specially, a cache
+// Python list. Anything else (a chunk to launch, an op or input the hook treats specially, a cache
 // miss) runs the hook (RunHook), which fills the caches for the next op.
 #define PY_SSIZE_T_CLEAN
 #include "fast_internal.h"
@@ -38,6 +38,7 @@ struct LazyTypes {
   PyObject* stateful = nullptr;   // lazy._stateful: op type -> whether it runs eagerly
   PyObject* s_pending = nullptr;  // "_pending"
   PyObject* s_chunk_ops = nullptr;
+  PyObject* s_recorded = nullptr;
   PyObject* s_live_nodes = nullptr;
   PyObject* s_prune = nullptr;
   // Slot offsets (LazyValue: node, index, dtype, value; _Node: the rest).
@@ -175,11 +176,21 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     Py_XDECREF(handler);
     return hook();
   }
+  // With chunk_ops: the ops recorded since the last chunk (-1 without). When a chunk is
+  // due the hook launches it first. An execute set on the instance is its hook.
+  long recorded = -1;
+  if (chunk != Py_None) {
+    long limit = PyLong_CheckExact(chunk) ? PyLong_AsLong(chunk) : -1;
+    PyObject* r = PyObject_GetAttr(handler, g_lazy.s_recorded);
+    recorded = r != nullptr && PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
+    Py_XDECREF(r);
+    if (recorded < 0 || limit < 1 || (recorded > 0 && recorded >= limit)) recorded = -2;
+  }
   Py_DECREF(chunk);
-  // Chunks count the recorded ops (Python); an execute set on the instance is its hook.
   PyObject** dict = _PyObject_GetDictPtr(handler);
-  if (chunk != Py_None ||
+  if (recorded == -2 ||
       (dict != nullptr && *dict != nullptr && PyDict_GetItem(*dict, s_execute) != nullptr)) {
+    PyErr_Clear();
     Py_DECREF(handler);
     return hook();
   }
@@ -270,7 +281,12 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     if (outputs[made] == nullptr) goto fail;
   }
   if (PyList_Append(pending, node_ref) < 0) goto fail;
-  {
+  if (recorded >= 0) {  // (chunks: counted, not pruned; as the hook)
+    PyObject* r = PyLong_FromLong(recorded + 1);
+    int failed = r == nullptr || PyObject_SetAttr(handler, g_lazy.s_recorded, r) < 0;
+    Py_XDECREF(r);
+    if (failed) goto failed_after;
+  } else {
     // As the hook: prune `_pending` when it grew past twice the live nodes.
     PyObject* live = PyObject_GetAttr(handler, g_lazy.s_live_nodes);
     long n_live = live != nullptr ? PyLong_AsLong(live) : -1;
@@ -333,6 +349,7 @@ PyObject* PyLazySetup(PyObject*, PyObject* args) {
   }
   using native_internal::InternOnce;
   if (!InternOnce(&t.s_pending, "_pending") || !InternOnce(&t.s_chunk_ops, "chunk_ops") ||
+      !InternOnce(&t.s_recorded, "_recorded") ||
       !InternOnce(&t.s_live_nodes, "_live_nodes") || !InternOnce(&t.s_prune, "_prune")) {
     return nullptr;
   }

@@ -122,18 +122,19 @@ def test_a_fresh_tf_function_between_pending_ops_and_a_keras_partial_batch():
     assert lazy.compiled == 0 and lazy.cache_hits >= 1
 
 
-def test_recording_runs_no_python_frame_per_op():
+@pytest.mark.parametrize("chunk_ops", [None, 6])
+def test_recording_runs_no_python_frame_per_op(chunk_ops):
     """Once an op type was recorded (its signature and statefulness cached), recording
-    it again is done in C (cc/fast_lazy.cc): no package frame at all, the C path counts
-    each op."""
+    it again is done in C (cc/fast_lazy.cc): no package frame per op; with chunk_ops,
+    the hook runs only for the op before which a chunk is launched."""
     x = tf.random.stateless_normal([4, 4], seed=[1, 2])
     seen = []
 
     def profile(frame, event, arg):
         if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
-            seen.append(frame.f_code.co_name)
+            seen.append((frame.f_code.co_filename.rpartition("/")[2], frame.f_code.co_name))
 
-    with oh.Lazy():
+    with oh.Lazy(chunk_ops=chunk_ops):
         h = tf.tanh(x) * 1.01  # (first ops of each type: the hook fills the caches)
         before = _C.fast_stats()["fast_ops"]
         sys.setprofile(profile)
@@ -144,7 +145,12 @@ def test_recording_runs_no_python_frame_per_op():
             sys.setprofile(None)
         assert _C.fast_stats()["fast_ops"] - before == 20
         value = h.numpy()
-    assert seen == [], sorted(set(seen))
+    hooks = seen.count(("lazy.py", "execute"))
+    assert hooks == seen.count(("lazy.py", "_launch_chunk"))
+    if chunk_ops is None:
+        assert seen == [], sorted(set(seen))
+    else:  # a chunk is due every 6 recorded ops: its hook launches it, C records the rest
+        assert hooks == 3, seen
     want = tf.tanh(x) * 1.01
     for _ in range(10):
         want = tf.tanh(want) * 1.01

@@ -216,6 +216,12 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
 // import): the types and caches RunLazy uses. Python C-API contract. GIL: held.
 PyObject* PyLazySetup(PyObject*, PyObject* args);
 
+// lazy_plan(order, needed, specs) -> (plan, parts, returned, kept, external, ext_specs):
+// Lazy._run's pass over the pending nodes `order` (handlers/lazy.py says what each is;
+// `ext_specs` the external inputs' (dtype enum, shape) when `specs`, else None). Python
+// C-API contract. GIL: held.
+PyObject* PyLazyPlan(PyObject*, PyObject* args);
+
 }  // namespace fast
 }  // namespace tf_ophandlers
 

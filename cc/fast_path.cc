@@ -221,6 +221,8 @@ PyMethodDef kFastModuleMethods[] = {
      "nogil_forget(): drops this thread's no-GIL plan (a scope closed)."},
     {"lazy_setup", PyLazySetup, METH_VARARGS,
      "lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful): oh.Lazy's C record."},
+    {"lazy_plan", PyLazyPlan, METH_VARARGS,
+     "lazy_plan(order, needed, specs): oh.Lazy's plan, key parts and external inputs."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
      "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops, "

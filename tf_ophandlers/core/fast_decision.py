@@ -50,6 +50,11 @@ def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
     _C.lazy_setup(value_type, node_type, sequence, sigs, dtypes, stateful)
 
 
+#: ``lazy_plan(order, needed, specs)``: oh.Lazy's pass over the pending nodes of a value
+#: request (cc/fast_lazy.cc; handlers/lazy.py `Lazy._run` says what it returns).
+lazy_plan = _C.lazy_plan
+
+
 def handles_predicate(handler):
     """``handler.handles_ops`` as a predicate on op types, or None (every op)."""
     handles = handler.handles_ops

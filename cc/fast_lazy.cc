@@ -326,7 +326,6 @@ PyObject* PyLazySetup(PyObject*, PyObject* args) {
                         &stateful)) {
     return nullptr;
   }
-  if (g_lazy_ready) Py_RETURN_NONE;  // once per process (a reload keeps the first)
   LazyTypes t;
   t.value = reinterpret_cast<PyTypeObject*>(value);
   t.node = reinterpret_cast<PyTypeObject*>(node);
@@ -358,7 +357,14 @@ PyObject* PyLazySetup(PyObject*, PyObject* args) {
   t.dtypes = dtypes;
   t.stateful = stateful;
   for (PyObject* o : {value, node, sequence, sigs, dtypes, stateful}) Py_INCREF(o);
-  g_sig_cache = new std::unordered_map<std::string, PyObject*>();
+  if (g_lazy_ready) {  // a reloaded module: its classes and caches from now on
+    for (PyObject* o : {reinterpret_cast<PyObject*>(g_lazy.value),
+                        reinterpret_cast<PyObject*>(g_lazy.node), g_lazy.sequence, g_lazy.sigs,
+                        g_lazy.dtypes, g_lazy.stateful}) {
+      Py_DECREF(o);
+    }
+  }
+  if (g_sig_cache == nullptr) g_sig_cache = new std::unordered_map<std::string, PyObject*>();
   g_lazy = t;
   g_lazy_ready = true;
   Py_RETURN_NONE;

@@ -287,8 +287,8 @@ def breakdown(w, n):
             cpu_ms = _common.median([t[1] for t in times[k]]) * 1e3
             med[k] = wall_ms
             cells.append("%.2f (%.2f)" % (wall_ms, cpu_ms))
-        # Without overlap a Lazy call cannot take less than recording at the floor plus
-        # the compiled call: (floor + tf.function) / tf.function.
+        # A Lazy recording at the floor plus the compiled call, without overlap:
+        # (floor + tf.function) / tf.function (its C recording can go slightly under).
         bound = (med["floor"] + med["function"]) / med["function"]
         rows.append([name] + cells + ["%.2fx" % bound])
     return rows
@@ -354,8 +354,9 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
               "*record floor*: the same 200 ops under a handler whose `execute` returns "
               "a prepared value (TensorFlow's op wrappers, the dispatcher and one Python "
               "hook call per op, nothing of Lazy's); *bound*: (record floor + "
-              "tf.function) / tf.function, the least time / `tf.function` a Lazy "
-              "without overlap can take, whatever its own cost.", "",
+              "tf.function) / tf.function, what a Lazy without overlap whose recording "
+              "cost the floor would take (`oh.Lazy` records its common ops in C, without "
+              "the floor's Python hook call, so it can go slightly under).", "",
               _common.md_table(["case", "record", "value request", "tf.function",
                                 "eager", "record floor", "bound"], list(split)), "",
               "The verdicts compare this run's medians with the targets as measured. The "

@@ -15,6 +15,7 @@
      fast_record.cc    RunRecord (a level with after_execute: forward, then record)
      fast_async.cc     AsyncExecute (oh.Async's execute hook in C for its common
                        case, tried by RunHook before the Python hook)
+     fast_lazy.cc      RunLazy (oh.Lazy's execute: its common ops recorded in C)
 
    Everything lives in namespace tf_ophandlers::fast. Common contract, unless a function
    says otherwise:
@@ -56,6 +57,7 @@ enum Kind : int {
   kNative = 2,   // a C/C++ handler (native.h)
   kHook = 3,     // a Python execute hook, called from C (the op's first stack only)
   kRecord = 4,   // forward to the next stack, then the handler's after_execute (RunRecord)
+  kLazy = 5,     // oh.Lazy's execute: its common ops recorded in C, else kHook (RunLazy)
 };
 
 // One stack's decision for one op type. Callers copy it before running anything that may
@@ -222,6 +224,27 @@ PyObject* PyAsyncStats(PyObject*, PyObject*);
 bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                TFE_TensorHandle** outputs, TF_Status* status, int depth);
+
+// ---- fast_lazy.cc --------------------------------------------------------------------
+
+// kLazy, on the op's first stack: oh.Lazy's execute for a stateless op over PHYSICAL
+// with known output dtypes, a cached signature and inputs that are the stack's
+// LazyValues or physical non-resource tensors, recorded in C (the hook's _Node and
+// LazyValues, appended to the handler's `_pending`); anything else runs RunHook. Always
+// handled (returns true): errors through `status`.
+bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+             const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+             TFE_TensorHandle** outputs, TF_Status* status);
+
+// lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful) (handlers/lazy.py at
+// import): the types and caches RunLazy uses. Python C-API contract. GIL: held.
+PyObject* PyLazySetup(PyObject*, PyObject* args);
+
+// lazy_plan(order, needed, specs) -> (plan, parts, returned, kept, external, ext_specs):
+// Lazy._run's pass over the pending nodes `order` (handlers/lazy.py says what each is;
+// `ext_specs` the external inputs' (dtype enum, shape) when `specs`, else None). Python
+// C-API contract. GIL: held.
+PyObject* PyLazyPlan(PyObject*, PyObject* args);
 
 }  // namespace fast
 }  // namespace tf_ophandlers

@@ -78,6 +78,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
       Decision copy = *d;
       return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
     }
+    case kLazy: {
+      if (depth > 0) return false;  // as kHook
+      Decision copy = *d;
+      return RunLazy(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
+    }
     default:
       return false;
   }
@@ -219,6 +224,10 @@ PyMethodDef kFastModuleMethods[] = {
      "async_stats() -> {c_ops}: ops oh.Async's hook ran in C (cc/fast_async.cc)."},
     {"nogil_forget", PyNoGilForget, METH_NOARGS,
      "nogil_forget(): drops this thread's no-GIL plan (a scope closed)."},
+    {"lazy_setup", PyLazySetup, METH_VARARGS,
+     "lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful): oh.Lazy's C record."},
+    {"lazy_plan", PyLazyPlan, METH_VARARGS,
+     "lazy_plan(order, needed, specs): oh.Lazy's plan, key parts and external inputs."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
      "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops, "

@@ -1,6 +1,6 @@
 /* tf-ophandlers C++ boundary: the per-op fast path (internal header). Implementation:
-   fast_path.cc (entry points), fast_decision.cc, fast_forward.cc, fast_hook.cc and
-   fast_record.cc; what those share, and each function's contract: fast_internal.h.
+   fast_path.cc (entry points), fast_decision.cc, fast_forward.cc, fast_hook.cc,
+   fast_record.cc and fast_lazy.cc; what those share, and each function's contract: fast_internal.h.
 
    The dispatcher's execute callback (device.cc) first offers every op to
    TryFastExecute, which runs it without any Python frame when every stack it passes
@@ -24,6 +24,10 @@
      outputs)` is the one call, in the hook's frame, and the outputs are wrapped as for a
      forwarding level (RunRecord); oh.GradientTape's after_execute is C itself
      (tape_record.h).
+   - on the op's first stack, oh.Lazy (FAST_LAZY): its common op (stateless, over
+     PHYSICAL, inputs its own values or physical tensors, signature cached) is recorded
+     in C, building the `_Node` and `LazyValue`s its execute hook would (RunLazy); any
+     other op runs the hook as above.
    Anything else (a function call op, copy ops and `_EagerConst`, ops that run Python
    inside their kernel, a function being replayed, `returns_off_stack` handlers, a Python
    hook below a forwarding level, an input no level below owns) returns "not handled"

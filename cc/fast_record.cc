@@ -49,7 +49,7 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
   bool over_hook = false;
   if (d.next != g_physical) {
     const Decision* nd = Decide(d.next, type);
-    if (nd != nullptr && nd->kind == kHook) {
+    if (nd != nullptr && (nd->kind == kHook || nd->kind == kLazy)) {  // (Lazy: its hook)
       hook = *nd;
       over_hook = true;
     }

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+import tf_ophandlers._C as _C
 from tf_ophandlers.handlers import lazy_compile
 
 from conftest import assert_same_tensors
@@ -121,27 +122,35 @@ def test_a_fresh_tf_function_between_pending_ops_and_a_keras_partial_batch():
     assert lazy.compiled == 0 and lazy.cache_hits >= 1
 
 
-def test_recording_calls_no_python_copy_or_dtype_hook_per_op():
-    """Constants enter as they are and output dtypes are read without a Python frame:
-    the only package frames per recorded op are Lazy.execute and its node's."""
+@pytest.mark.parametrize("chunk_ops", [None, 6])
+def test_recording_runs_no_python_frame_per_op(chunk_ops):
+    """Once an op type was recorded (its signature and statefulness cached), recording
+    it again is done in C (cc/fast_lazy.cc): no package frame per op; with chunk_ops,
+    the hook runs only for the op before which a chunk is launched."""
     x = tf.random.stateless_normal([4, 4], seed=[1, 2])
     seen = []
 
     def profile(frame, event, arg):
         if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
-            seen.append(frame.f_code.co_name)
+            seen.append((frame.f_code.co_filename.rpartition("/")[2], frame.f_code.co_name))
 
-    with oh.Lazy():
-        h = tf.tanh(x) * 1.01  # (first ops of each type ask the stack once)
+    with oh.Lazy(chunk_ops=chunk_ops):
+        h = tf.tanh(x) * 1.01  # (first ops of each type: the hook fills the caches)
+        before = _C.fast_stats()["fast_ops"]
         sys.setprofile(profile)
         try:
             for _ in range(10):
                 h = tf.tanh(h) * 1.01
         finally:
             sys.setprofile(None)
+        assert _C.fast_stats()["fast_ops"] - before == 20
         value = h.numpy()
-    assert set(seen) <= {"execute", "__init__", "attrs_key"}, sorted(set(seen))
-    assert seen.count("execute") == 20
+    hooks = seen.count(("lazy.py", "execute"))
+    assert hooks == seen.count(("lazy.py", "_launch_chunk"))
+    if chunk_ops is None:
+        assert seen == [], sorted(set(seen))
+    else:  # a chunk is due every 6 recorded ops: its hook launches it, C records the rest
+        assert hooks == 3, seen
     want = tf.tanh(x) * 1.01
     for _ in range(10):
         want = tf.tanh(want) * 1.01
@@ -192,3 +201,51 @@ def test_error_naming_keeps_a_bare_op_error():
     assert "oh.Lazy" in got.message and "Reshape" in got.message and "boom" in got.message
     got = lazy._named(tf.errors.InvalidArgumentError(None, None, "bad"), {"Tanh"})  # pylint: disable=protected-access
     assert type(got) is tf.errors.InvalidArgumentError and "Tanh" in got.message
+
+
+class _HookLazy(oh.Lazy):
+    """oh.Lazy whose execute is its Python hook for every op (no C record path)."""
+
+    def execute(self, op, inputs):
+        return super().execute(op, inputs)
+
+
+def test_c_record_path_builds_the_nodes_the_hook_builds():
+    """A structure recorded by the Python hook and the same one recorded in C have one
+    key: the C path's nodes (signature, wiring, device, live outputs) are the hook's. A
+    subclass overriding execute gets its hook per op."""
+    assert oh.Lazy._oh_records_in_c and not _HookLazy._oh_records_in_c
+    x = tf.random.stateless_normal([5, 3], seed=[3, 9])
+    plain, calls = oh.Lazy(), []
+    plain.execute = lambda op, inputs: (calls.append(op.type), oh.Lazy.execute(plain, op,
+                                                                                 inputs))[1]
+    with plain:  # an execute set on the instance is called too
+        tf.tanh(tf.tanh(x) * 2.0).numpy()
+    assert calls == ["Tanh", "Mul", "Tanh"]
+    c = tf.constant(2.0)
+
+    def program(h):
+        a, b = tf.split(h, [2, 1], axis=1)  # several outputs
+        h = tf.tanh(a) * c + tf.reduce_sum(b)  # a captured tensor, a fresh constant
+        with tf.device("/cpu:0"):
+            h = tf.nn.relu(h - 0.5)
+        return tf.cast(h > 0.1, tf.int32) + tf.cast(h * 10.0, tf.int32)
+
+    want = program(x)
+    for first, second in ((_HookLazy, oh.Lazy), (oh.Lazy, _HookLazy)):
+        lazy_compile.functions.clear()
+        handlers = (first(), second(), first())
+        for handler in handlers:
+            calls = []
+            if isinstance(handler, _HookLazy):
+                handler.execute = lambda op, inputs, h=handler: (
+                    calls.append(op.type), _HookLazy.execute(h, op, inputs))[1]
+            with handler:
+                program(x)  # (the first ops of a type fill the caches)
+                got = program(x)
+                assert_same_tensors(want, got)
+            if isinstance(handler, _HookLazy):
+                assert len(calls) >= 2 * 9, calls  # its hook ran for every op
+        assert handlers[0].compiled == 1
+        assert [h.compiled for h in handlers[1:]] == [0, 0], (first, second)
+        assert [h.cache_hits for h in handlers[1:]] == [1, 1]

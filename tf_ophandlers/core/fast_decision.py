@@ -28,7 +28,7 @@ register_external_cache(
 _fast_signatures = BoundedCache("fast_path.signatures", 1024)
 
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD = 0, 1, 2, 3, 4
+FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD, FAST_LAZY = 0, 1, 2, 3, 4, 5
 
 
 def needs_no_python_kernel(op_type):
@@ -42,6 +42,17 @@ def never_copy(op, index):  # pylint: disable=unused-argument
     tensor, a constant) enters as it is, and the stack answers `wants_copy` in C, so the
     C++ per-op path makes no Python call per such input (`oh.Lazy`, `oh.Async`)."""
     return False
+
+
+def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
+    """Registers oh.Lazy's representation types (`__slots__` classes), its sequence
+    counter and its caches with the C++ record path (FAST_LAZY, cc/fast_lazy.cc)."""
+    _C.lazy_setup(value_type, node_type, sequence, sigs, dtypes, stateful)
+
+
+#: ``lazy_plan(order, needed, specs)``: oh.Lazy's pass over the pending nodes of a value
+#: request (cc/fast_lazy.cc; handlers/lazy.py `Lazy._run` says what it returns).
+lazy_plan = _C.lazy_plan
 
 
 def handles_predicate(handler):
@@ -114,7 +125,9 @@ def fast_decision(stack, op_type):
         kind = FAST_RECORD
     elif not stack._off_stack or (stack._off_stack_ops is not None
                                  and op_type not in stack._off_stack_ops):
-        kind = FAST_HOOK
+        # FAST_LAZY: oh.Lazy's execute, its common ops recorded in C (cc/fast_lazy.cc);
+        # the class declares it (its type is in fast_signature), else the hook.
+        kind = FAST_LAZY if getattr(type(handler), "_oh_records_in_c", False) else FAST_HOOK
     else:
         kind = FAST_PYTHON
     copy_all = handler.needs_copy is None and not stack._defer_copy

@@ -36,9 +36,10 @@ from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import graph_builder, shapes
+from tf_ophandlers.core import shapes
 from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.fast_decision import lazy_plan, lazy_record_setup
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
@@ -51,7 +52,6 @@ _sigs = lazy_compile.sigs  # (op type, output dtypes) -> a node's signature
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
-_FIRST = (0,)
 
 
 _threads = threading.local()  # .executor: this thread's async executor for chunks
@@ -145,6 +145,15 @@ def _named(e, types, what=""):
     return error
 
 
+def _spec_key(t):
+    """(dtype enum, shape tuple or None) of a tensor or TensorSpec, as lazy_plan gives
+    an external input's part of the key."""
+    if type(t) is _EagerTensor:
+        return (t._datatype_enum(), t._shape_tuple())  # pylint: disable=protected-access
+    shape = t.shape
+    return (t.dtype.as_datatype_enum, None if shape.rank is None else tuple(shape.as_list()))
+
+
 def _dtype(enum):
     d = _dtypes[enum] = tf.as_dtype(enum)
     return d
@@ -152,6 +161,11 @@ def _dtype(enum):
 
 def _ready(tensor):
     return LazyValue(None, 0, tensor.dtype, tensor)
+
+
+# What the C++ record path (cc/fast_lazy.cc) builds and reads: these types (by slot),
+# the sequence numbers and the caches `Lazy.execute` fills.
+lazy_record_setup(LazyValue, _Node, _sequence, _sigs, _dtypes, _stateful)
 
 
 class Lazy(OpHandler):
@@ -180,6 +194,15 @@ class Lazy(OpHandler):
     needs_copy = staticmethod(never_copy)
     # A representation's dtype, read by the C++ path per output: a C callable, no frame.
     value_dtype = operator.attrgetter("dtype")
+    # The C++ path records this class's common ops itself (cc/fast_lazy.cc builds the
+    # _Node and LazyValues `execute` builds): no Python frame per op. A subclass that
+    # overrides `execute` or `needs_copy` gets its hook called.
+    _oh_records_in_c = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.execute is not Lazy.execute or cls.needs_copy is not Lazy.needs_copy:
+            cls._oh_records_in_c = False
 
     def __init__(self, jit_compile=False, chunk_ops=None):
         if not isinstance(jit_compile, bool):
@@ -468,53 +491,18 @@ class Lazy(OpHandler):
                     for i in c.inputs:
                         if type(i) is tuple and i[0].seq in seen:
                             needed.add((i[0].seq, i[1]))
-        # The plan, the key (core/graph_builder.py's parts, built in the same pass) and
-        # the outputs to keep, in one loop: this runs on every value request.
-        position, external, ext_index = {}, [], {}
-        plan, parts, returned, kept = [], [], [], []
-        for j, node in enumerate(order):
-            position[node.seq] = j
-            outs = node.outputs
-            if len(outs) == 1 and not (needed and (node.seq, 0) in needed):  # most nodes
-                o = outs[0]()
-                if o is None:
-                    live = ()
-                else:
-                    live = _FIRST
-                    kept.append((node, 0, o))
-                    returned.append((j, 0))
-            else:
-                live = []
-                for k, r in enumerate(outs):
-                    o = r()
-                    if o is not None or (node.seq, k) in needed:
-                        live.append(k)
-                        kept.append((node, k, o))
-                        returned.append((j, k))
-                live = tuple(live)
-            refs = []
-            for i in node.inputs:
-                if type(i) is tuple:
-                    producer, k = i
-                    if producer.inputs is not None:
-                        refs.append((position[producer.seq], k))
-                        continue
-                    i = producer.values[k]
-                k = tensor_key(i)
-                e = ext_index.get(k)
-                if e is None:
-                    e = ext_index[k] = len(external)
-                    external.append(i)
-                refs.append((-1, e))
-            device = node.device
-            plan.append((node, refs, live, device))
-            parts.append(node.sig + (tuple(refs), device))  # graph_builder.node_part's
-        # Everything the compiled function depends on (handlers/lazy_compile.py).
+        # The plan, the key's parts (graph_builder.node_part's) and the outputs to keep,
+        # in one pass in C (cc/fast_lazy.cc): this runs on every value request. plan:
+        # (node, refs, live, device) per node, refs (-1, k) for external input k or (p, i)
+        # for output i of plan entry p; kept: (node, output, its LazyValue or None).
         inflight = self._inflight
-        key = graph_builder.key_of_parts(
-            parts, returned, [inflight[tensor_key(t)][1] if tensor_key(t) in inflight
-                              else t for t in external] if inflight else external,
-            jit_compile=self.jit_compile)
+        plan, parts, returned, kept, external, specs = lazy_plan(order, needed, not inflight)
+        if inflight:  # a chunk's outputs: the specs its function gives (not awaited)
+            specs = tuple(_spec_key(inflight[tensor_key(t)][1] if tensor_key(t) in inflight
+                                    else t) for t in external)
+        # Everything the compiled function depends on (handlers/lazy_compile.py): op
+        # types, attributes, wiring, devices, live outputs, the inputs' dtypes and shapes.
+        key = (parts, returned, specs, self.jit_compile)
         try:
             entry = lazy_compile.functions.get(key) if chunk else None
             if entry is not None:  # a chunk of a known structure: launched, not awaited

@@ -132,19 +132,35 @@ _constants = BoundedCache("data_format.constants", 1024)  # (dtype, shape, value
 def constant(values, dtype):
     """An integer constant (a shape, axes, a perm); cached eagerly, a graph constant
     while a function is replayed."""
-    arr = np.asarray(values, dtype=dtype.as_numpy_dtype)
     if not tf.executing_eagerly():
-        return tf.constant(arr)
-    key = (dtype, arr.shape, arr.tobytes())
-    t = _constants.get(key)
+        return tf.constant(np.asarray(values, dtype=dtype.as_numpy_dtype))
+    # Keyed by the Python values when they are a flat sequence of ints or an int (what
+    # the rules pass, several times per op): no numpy conversion on a hit.
+    kind = type(values)
+    try:
+        if kind is not list and kind is not tuple and kind is not int:
+            raise TypeError
+        key = (dtype, tuple(values) if kind is not int else values)
+        t = _constants.get(key)
+    except TypeError:  # a numpy value (a permuted static vector), nested lists
+        arr = np.asarray(values, dtype=dtype.as_numpy_dtype)
+        key = (dtype, arr.shape, arr.tobytes())
+        t = _constants.get(key)
     if t is None:
-        t = _constants[key] = tf.constant(arr)
+        t = _constants[key] = tf.constant(np.asarray(values, dtype=dtype.as_numpy_dtype))
     return t
 
 
 # Below this many elements a transpose is cheaper than the two reshapes that would
 # lower its rank (eagerly each is an op call); unknown sizes (a replay) always lower it.
 _COLLAPSE_MIN_ELEMENTS = 1 << 14
+# Whether eager transposes are lowered too. Not on the AVX-512 machine of issue 20's
+# last round: the CNN's input transpose (NCHW [16, 3, 56, 56] to NHWC) took 140 us of
+# process CPU time as one 4-D Transpose against 169 us as Reshape, rank-3 Transpose,
+# Reshape (102 vs 118 us with one intra-op thread; the kernels cost the same, the two
+# reshapes' op calls are the difference). In a replayed function reshapes cost nothing
+# and both forms measured the same there, so replays keep the lowered form.
+_COLLAPSE_EAGERLY = False
 
 
 def collapsed_transpose(dims, q):
@@ -153,8 +169,9 @@ def collapsed_transpose(dims, q):
     ignored) merge into one. Returns ``(shape, perm, out_shape)`` (reshape to `shape`,
     transpose by `perm`, reshape to `out_shape`; -1 for the one unknown length), or None
     when no axes merge, more than one length is unknown, or the tensor is small.
-    TensorFlow's CPU transpose of NCHW [16, 3, 56, 56] to NHWC takes ~1.5x as long as
-    the same data as [16, 3, 3136] -> [16, 3136, 3]."""
+    On issue 20's first machine TensorFlow's CPU transpose of NCHW [16, 3, 56, 56] to
+    NHWC took ~1.5x as long as the same data as [16, 3, 3136] -> [16, 3136, 3] (on the
+    AVX-512 machine of its last round they cost the same: _COLLAPSE_EAGERLY)."""
     if sum(d is None for d in dims) > 1:
         return None
     if None not in dims and math.prod(dims) < _COLLAPSE_MIN_ELEMENTS:
@@ -182,11 +199,20 @@ def collapsed_transpose(dims, q):
     return shape, perm, out_shape
 
 
+_plans = BoundedCache("data_format.transpose_plans", 1024)  # (dims, q) -> plan or False
+
+
 def transpose(nxt, value, q):
     """``transpose(value, q)`` on the next stack, at the lowest rank that moves the same
-    data (collapsed_transpose)."""
-    plan = collapsed_transpose(dims_of(value), q)
-    if plan is not None:
+    data (collapsed_transpose, planned once per shape and perm) in a replayed function
+    (eagerly only if _COLLAPSE_EAGERLY)."""
+    if not _COLLAPSE_EAGERLY and tf.executing_eagerly():
+        return _transpose(nxt, value, q)
+    key = (value._shape_tuple(), q)  # pylint: disable=protected-access
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = collapsed_transpose(dims_of(value), q) or False
+    if plan:
         shape, perm, out_shape = plan
         value = reshape(nxt, value, shape)
         if len(perm) > 1:  # else the data is in order already: the reshapes suffice
@@ -195,14 +221,24 @@ def transpose(nxt, value, q):
     return _transpose(nxt, value, q)
 
 
+# (op type, dtype) -> the Transpose/Reshape the rules run (Op.cached's key costs more).
+_shape_ops = BoundedCache("data_format.shape_ops", 256)
+
+
+def _shape_op(op_type, dtype):
+    op = _shape_ops.get((op_type, dtype))
+    if op is None:
+        attr = "Tperm" if op_type == "Transpose" else "Tshape"
+        op = _shape_ops[(op_type, dtype)] = Op.cached(op_type, T=dtype, **{attr: tf.int32})
+    return op
+
+
 def _transpose(nxt, value, q):
-    op = Op.cached("Transpose", T=value.dtype, Tperm=tf.int32)
-    return nxt.execute(op, [value, constant(q, tf.int32)])[0]
+    return nxt.execute(_shape_op("Transpose", value.dtype), [value, constant(q, tf.int32)])[0]
 
 
 def reshape(nxt, value, dims):
-    op = Op.cached("Reshape", T=value.dtype, Tshape=tf.int32)
-    return nxt.execute(op, [value, constant(dims, tf.int32)])[0]
+    return nxt.execute(_shape_op("Reshape", value.dtype), [value, constant(dims, tf.int32)])[0]
 
 
 def gather(nxt, value, indices):
@@ -522,6 +558,9 @@ def last_axis(handler, nxt, op, inputs):
     return [Permuted(o, x.perm) for o in nxt.execute(op, [x.value])]
 
 
+_nhwc_bias_adds = BoundedCache("data_format.bias_adds", 64)  # dtype -> BiasAdd NHWC
+
+
 def bias_add_permuted(handler, nxt, op, inputs):
     """BiasAdd (either data format) of a permuted tensor: a BiasAdd NHWC on the physical
     data when the channel axis is physically last, else an AddV2 of the bias reshaped
@@ -532,7 +571,9 @@ def bias_add_permuted(handler, nxt, op, inputs):
     fmt = op.attrs.get("data_format", b"NHWC")
     k = perm[1 if fmt in (b"NCHW", "NCHW") else rank - 1]
     if k == rank - 1:
-        new_op = Op.cached("BiasAdd", T=x.dtype, data_format=b"NHWC")
+        new_op = _nhwc_bias_adds.get(x.dtype)
+        if new_op is None:
+            new_op = _nhwc_bias_adds[x.dtype] = Op.cached("BiasAdd", T=x.dtype, data_format=b"NHWC")
         return [Permuted(o, perm) for o in nxt.execute(new_op, [x.value, physical(bias)])]
     length = physical(bias).shape[0]
     shape = [1] * rank

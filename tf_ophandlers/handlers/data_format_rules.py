@@ -137,12 +137,12 @@ def constant(values, dtype):
     # Keyed by the Python values when they are a flat sequence of ints or an int (what
     # the rules pass, several times per op): no numpy conversion on a hit.
     kind = type(values)
-    try:
+    try:  # (a numpy value, a permuted static vector: keyed by its bytes)
         if kind is not list and kind is not tuple and kind is not int:
             raise TypeError
         key = (dtype, tuple(values) if kind is not int else values)
         t = _constants.get(key)
-    except TypeError:  # a numpy value (a permuted static vector), nested lists
+    except TypeError:  # (also nested lists: unhashable)
         arr = np.asarray(values, dtype=dtype.as_numpy_dtype)
         key = (dtype, arr.shape, arr.tobytes())
         t = _constants.get(key)
@@ -154,12 +154,10 @@ def constant(values, dtype):
 # Below this many elements a transpose is cheaper than the two reshapes that would
 # lower its rank (eagerly each is an op call); unknown sizes (a replay) always lower it.
 _COLLAPSE_MIN_ELEMENTS = 1 << 14
-# Whether eager transposes are lowered too. Not on the AVX-512 machine of issue 20's
-# last round: the CNN's input transpose (NCHW [16, 3, 56, 56] to NHWC) took 140 us of
-# process CPU time as one 4-D Transpose against 169 us as Reshape, rank-3 Transpose,
-# Reshape (102 vs 118 us with one intra-op thread; the kernels cost the same, the two
-# reshapes' op calls are the difference). In a replayed function reshapes cost nothing
-# and both forms measured the same there, so replays keep the lowered form.
+# Whether eager transposes are lowered too: not on issue 20's AVX-512 machine, where the
+# CNN's input transpose took 140 us of process CPU as one 4-D Transpose vs 169 us as
+# Reshape, rank-3 Transpose, Reshape (equal kernels; two more op calls). Replays, where
+# reshapes cost nothing and both forms measured the same, keep the lowered form.
 _COLLAPSE_EAGERLY = False
 
 
@@ -199,20 +197,13 @@ def collapsed_transpose(dims, q):
     return shape, perm, out_shape
 
 
-_plans = BoundedCache("data_format.transpose_plans", 1024)  # (dims, q) -> plan or False
-
-
 def transpose(nxt, value, q):
     """``transpose(value, q)`` on the next stack, at the lowest rank that moves the same
-    data (collapsed_transpose, planned once per shape and perm) in a replayed function
-    (eagerly only if _COLLAPSE_EAGERLY)."""
+    data (collapsed_transpose) in a replayed function (eagerly if _COLLAPSE_EAGERLY)."""
     if not _COLLAPSE_EAGERLY and tf.executing_eagerly():
         return _transpose(nxt, value, q)
-    key = (value._shape_tuple(), q)  # pylint: disable=protected-access
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = collapsed_transpose(dims_of(value), q) or False
-    if plan:
+    plan = collapsed_transpose(dims_of(value), q)
+    if plan is not None:
         shape, perm, out_shape = plan
         value = reshape(nxt, value, shape)
         if len(perm) > 1:  # else the data is in order already: the reshapes suffice
@@ -221,15 +212,17 @@ def transpose(nxt, value, q):
     return _transpose(nxt, value, q)
 
 
-# (op type, dtype) -> the Transpose/Reshape the rules run (Op.cached's key costs more).
-_shape_ops = BoundedCache("data_format.shape_ops", 256)
+# (op type, dtype) -> the Transpose, Reshape, BiasAdd NHWC the rules run (Op.cached's
+# key costs more).
+_dtype_ops = BoundedCache("data_format.dtype_ops", 256)
+_INT_ATTRS = {"Transpose": {"Tperm": tf.int32}, "Reshape": {"Tshape": tf.int32},
+              "BiasAdd": {"data_format": b"NHWC"}}
 
 
 def _shape_op(op_type, dtype):
-    op = _shape_ops.get((op_type, dtype))
+    op = _dtype_ops.get((op_type, dtype))
     if op is None:
-        attr = "Tperm" if op_type == "Transpose" else "Tshape"
-        op = _shape_ops[(op_type, dtype)] = Op.cached(op_type, T=dtype, **{attr: tf.int32})
+        op = _dtype_ops[(op_type, dtype)] = Op.cached(op_type, T=dtype, **_INT_ATTRS[op_type])
     return op
 
 
@@ -558,9 +551,6 @@ def last_axis(handler, nxt, op, inputs):
     return [Permuted(o, x.perm) for o in nxt.execute(op, [x.value])]
 
 
-_nhwc_bias_adds = BoundedCache("data_format.bias_adds", 64)  # dtype -> BiasAdd NHWC
-
-
 def bias_add_permuted(handler, nxt, op, inputs):
     """BiasAdd (either data format) of a permuted tensor: a BiasAdd NHWC on the physical
     data when the channel axis is physically last, else an AddV2 of the bias reshaped
@@ -571,10 +561,8 @@ def bias_add_permuted(handler, nxt, op, inputs):
     fmt = op.attrs.get("data_format", b"NHWC")
     k = perm[1 if fmt in (b"NCHW", "NCHW") else rank - 1]
     if k == rank - 1:
-        new_op = _nhwc_bias_adds.get(x.dtype)
-        if new_op is None:
-            new_op = _nhwc_bias_adds[x.dtype] = Op.cached("BiasAdd", T=x.dtype, data_format=b"NHWC")
-        return [Permuted(o, perm) for o in nxt.execute(new_op, [x.value, physical(bias)])]
+        return [Permuted(o, perm) for o in nxt.execute(_shape_op("BiasAdd", x.dtype),
+                                                       [x.value, physical(bias)])]
     length = physical(bias).shape[0]
     shape = [1] * rank
     shape[k] = -1 if length is None else int(length)

@@ -242,7 +242,30 @@ def main(argv=None):
               "converts under the scope, 40 shape queries answered by the handler, the "
               "wrapping of outputs). By cProfile's deterministic count a call runs 11,257 "
               "Python function calls under the handler (11,504 before this round) against "
-              "9,233 for the twin.", ""]
+              "9,233 for the twin.", "",
+              "Issue 20's speed round, by instruction counts (callgrind, one intra-op thread; "
+              "other jobs loaded the machine, so no wall time): at a tiny input (batch 1, "
+              "3x8x8, kernels negligible) the twin's eager call runs 19.3M instructions and the "
+              "handler's 25.3M, +6.0M (+6.2M before the round, which made the eager input "
+              "transpose one op instead of three, cached the rules' integer constants by value "
+              "and sent the 4 ops on channels-last data through the C++ hook path). Of that, "
+              "the handler's op handling (the dispatcher device's execute, inclusive) is 3.0M: "
+              "its hooks 1.8M (~85K instructions each, kernel calls included), ops forwarded in "
+              "C++ 0.9M, shape queries answered by its Python `dim` 0.26M. Most of the rest "
+              "comes with Keras's "
+              "channels-first path (inclusive counts, which overlap): TensorFlow's "
+              "Python-fallback executes (`TFE_Py_Execute`) "
+              "take 3.2M against the twin's 1.3M, and every eager op captures a Python stack "
+              "trace (`StackTrace::Capture`, 64-80K instructions per op, a quarter of either "
+              "call; 7.2M per call under the handler, 5.3M for the twin). At the benchmark's "
+              "size the handler's eager call is 1.09x the twin's in instructions (119.1M vs "
+              "108.8M), so the 1.2x target is missed on the calling thread's Python and "
+              "TensorFlow's per-op cost, not on kernels. A replayed SavedModel call adds 0.30M "
+              "instructions on the calling thread (~90 us of its CPU at the tiny input, the "
+              "same as the twin's function called under the handler: opening the scope, which "
+              "builds a HandlerStack per fresh handler and enters TensorFlow's device scope, "
+              "then the replay's argument split, cache lookup and call) to the input transpose "
+              "inside the function.", ""]
         bullets = []
         try:
             loaded = float(info["other"]) > 0.5

@@ -91,7 +91,7 @@ def fast_signature(stack, handler):
 
 def fast_decision(stack, op_type):
     """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
-    the stack: ``(kind, next, transient, default_copy_on, copy_all, hook_objects)``.
+    the stack: ``(kind, next, transient, default_copy_on, copy_all[, hook_objects])``.
     `kind` is FAST_FORWARD when the handler's execute is not called for the op type (so
     C++ unwraps, runs the op on `next` and wraps, as `HandlerStack.execute` does),
     FAST_NATIVE for a C/C++ handler, FAST_HOOK when the Python execute hook runs for it
@@ -101,7 +101,8 @@ def fast_decision(stack, op_type):
     `default_copy_on`: a tensor that is not the stack's is moved to the next stack as it
     is (`move_onto`). `hook_objects`: a FAST_FORWARD type (outside `handles_ops`) whose
     ops with an input that is not a tensor (the handler's own object, which only its
-    execute can take) run as FAST_HOOK would. Asked once per (stack, op type); the
+    execute can take) run as FAST_HOOK would; given only when true (an extension
+    built before it parses five items). Asked once per (stack, op type); the
     answer is cached in C++ until a stack is built, and shared with later stacks of the
     same `fast_signature` (so everything this reads besides `op_type` and `stack.next`
     must be in the signature)."""
@@ -130,5 +131,5 @@ def fast_decision(stack, op_type):
                     and op_type not in COPY_OPS and (
                         not stack._off_stack or (stack._off_stack_ops is not None
                                                  and op_type not in stack._off_stack_ops)))
-    return (kind, stack.next, bool(handler.transient), stack.default_copy_on, copy_all,
-            hook_objects)
+    decision = (kind, stack.next, bool(handler.transient), stack.default_copy_on, copy_all)
+    return decision + (True,) if hook_objects else decision  # (C++: optional 6th item)

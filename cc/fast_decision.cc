@@ -53,6 +53,7 @@ struct Shared {
   bool transient = true;
   bool default_copy_on = false;
   bool copy_all = true;
+  bool hook_objects = false;
 };
 constexpr size_t kMaxShared = 4096;
 std::unordered_map<Key, Shared, KeyHash>* g_shared = nullptr;  // Key.stack: the signature
@@ -175,6 +176,7 @@ const Decision* Decide(PyObject* stack, const char* type) {
       d.transient = sh.transient;
       d.default_copy_on = sh.default_copy_on;
       d.copy_all = sh.copy_all;
+      d.hook_objects = sh.hook_objects;
     } else {
       ++g_python_asks;
       PyObject* name = PyUnicode_FromString(type);
@@ -185,10 +187,10 @@ const Decision* Decide(PyObject* stack, const char* type) {
         Py_XDECREF(sig);
         return nullptr;
       }
-      int kind = 0, transient = 1, default_copy_on = 0, copy_all = 1;
+      int kind = 0, transient = 1, default_copy_on = 0, copy_all = 1, hook_objects = 0;
       PyObject* next = nullptr;
-      if (!PyArg_ParseTuple(r, "iOppp", &kind, &next, &transient, &default_copy_on,
-                            &copy_all)) {
+      if (!PyArg_ParseTuple(r, "iOppp|p", &kind, &next, &transient, &default_copy_on,
+                            &copy_all, &hook_objects)) {
         PyErr_Clear();
         Py_DECREF(r);
         Py_XDECREF(sig);
@@ -199,6 +201,7 @@ const Decision* Decide(PyObject* stack, const char* type) {
       d.transient = transient != 0;
       d.default_copy_on = default_copy_on != 0;
       d.copy_all = copy_all != 0;
+      d.hook_objects = hook_objects != 0;
       Py_DECREF(r);
       if (sig != nullptr) {
         if (g_shared->size() >= kMaxShared) ClearShared();
@@ -207,6 +210,7 @@ const Decision* Decide(PyObject* stack, const char* type) {
         sh.transient = d.transient;
         sh.default_copy_on = d.default_copy_on;
         sh.copy_all = d.copy_all;
+        sh.hook_objects = d.hook_objects;
         // The reference taken by GetAttr moves into the entry.
         if (!g_shared->emplace(Key{sig, type}, sh).second) Py_DECREF(sig);
         sig = nullptr;

@@ -69,6 +69,9 @@ struct Decision {
   bool transient = true;     // resource outputs stay on the next stack
   bool default_copy_on = false;  // the handler's copy_on is OpHandler's (a move)
   bool copy_all = true;      // every foreign input is copied on (no needs_copy, no deferral)
+  // kForward of a type outside the handler's handles_ops: an op with an input whose
+  // representation is not a tensor runs the execute hook (RunHook) instead of Python.
+  bool hook_objects = false;
 };
 
 // Which inputs that are not `stack`'s an unwrap passes down as they are.

@@ -50,6 +50,18 @@ bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle
   return true;  // ran (or failed like the Python path's TFE_Execute would)
 }
 
+// Whether an input is a Python payload of `stack` holding no tensor. GIL: held.
+bool HasObjectInput(PyObject* stack, int n_in, TFE_TensorHandle** in) {
+  for (int i = 0; i < n_in; ++i) {
+    TFOH_Payload* p = PayloadOf(in[i]);
+    if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
+        reinterpret_cast<PyObject*>(p->stack) == stack && PayloadTensorHandle(p) == nullptr) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
            int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
            TF_Status* status, int depth) {
@@ -60,8 +72,15 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
   switch (d->kind) {
     case kForward: {
       Decision copy = *d;  // the cache may be cleared by nested decisions
-      return RunForward(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
-                        depth);
+      if (RunForward(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
+                     depth)) {
+        return true;
+      }
+      // Nothing done. An input of this stack whose representation is not a tensor (a
+      // handler's own object) makes HandlerStack.execute call the hook for a type
+      // outside handles_ops: the C hook path does the same around it.
+      if (!copy.hook_objects || depth > 0 || !HasObjectInput(stack, n_in, in)) return false;
+      return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
     }
     case kNative: {
       Decision copy = *d;

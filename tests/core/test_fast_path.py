@@ -149,6 +149,23 @@ def test_handles_ops_sends_non_tensor_representations_to_execute(ab, below):
     _same(s, tf.sin(a0))
 
 
+def test_non_tensor_representations_take_the_cpp_hook_path(ab):
+    """An op outside handles_ops with a handler's own object as input runs the execute
+    hook from C++ (as a handled type does), not through HandlerStack.execute in Python:
+    the same outputs and calls, counted as a fast-path op."""
+    a0, _ = ab
+    h = Boxing()
+    with h:
+        s = tf.sin(tf.identity(a0))
+        tf.exp(s)  # decided once
+        before = _C.fast_stats()["fast_ops"]
+        got = tf.exp(s)
+        ran_fast = _C.fast_stats()["fast_ops"] - before
+    assert ran_fast == 1
+    assert h.seen == ["Sin", "Exp", "Exp"]
+    _same(got, tf.exp(tf.sin(a0)))
+
+
 def test_handles_ops_string_is_an_error_naming_the_handler():
     class Bad(oh.OpHandler):
         handles_ops = "MatMul"

@@ -403,10 +403,11 @@ def test_a_layout_survives_re_entering_the_handler_on_another_stack():
 def test_transposes_run_at_the_lowest_rank(monkeypatch):
     """The handler's transposes merge axes that stay adjacent (NCHW [N, C, H, W] to NHWC
     is [N, C, H*W] -> [N, H*W, C], which TensorFlow's CPU kernel runs faster): equal to
-    tf.transpose for every perm of ranks 2-5 (length-1 axes included), eagerly and in a
-    replayed function."""
+    tf.transpose for every perm of ranks 2-5 (length-1 axes included), eagerly (with
+    eager lowering switched on) and in a replayed function."""
     from tf_ophandlers.handlers import data_format_rules as rules
     monkeypatch.setattr(rules, "_COLLAPSE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(rules, "_COLLAPSE_EAGERLY", True)
     assert rules.collapsed_transpose([16, 3, 56, 56], (0, 2, 3, 1)) == (
         [16, 3, 3136], (0, 2, 1), [16, 56, 56, 3])
     assert rules.collapsed_transpose([None, 3, 56, 56], (0, 2, 3, 1)) == (

@@ -102,17 +102,21 @@ def fast_signature(stack, handler):
 
 def fast_decision(stack, op_type):
     """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
-    the stack: ``(kind, next, transient, default_copy_on, copy_all)``. `kind` is FAST_FORWARD
-    when the handler's execute is not called for the op type (so C++ unwraps,
-    runs the op on `next` and wraps, as `HandlerStack.execute` does), FAST_NATIVE for a
-    C/C++ handler, FAST_HOOK when the Python execute hook runs for it (C++ does
-    `HandlerStack.execute`'s unwrap, copy-on and wrap around the hook, on the op's first
-    stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
+    the stack: ``(kind, next, transient, default_copy_on, copy_all[, hook_objects])``.
+    `kind` is FAST_FORWARD when the handler's execute is not called for the op type (so
+    C++ unwraps, runs the op on `next` and wraps, as `HandlerStack.execute` does),
+    FAST_NATIVE for a C/C++ handler, FAST_HOOK when the Python execute hook runs for it
+    (C++ does `HandlerStack.execute`'s unwrap, copy-on and wrap around the hook, on the
+    op's first stack), FAST_PYTHON otherwise. `copy_all`: every input that is not this
     stack's is copied on (no `needs_copy`, no deferral to the stack below).
-    `default_copy_on`: a tensor that is not the stack's is moved to the next stack as it is (`move_onto`). Asked once
-    per (stack, op type); the answer is cached in C++ until a stack is built, and
-    shared with later stacks of the same `fast_signature` (so everything this
-    reads besides `op_type` and `stack.next` must be in the signature)."""
+    `default_copy_on`: a tensor that is not the stack's is moved to the next stack as it
+    is (`move_onto`). `hook_objects`: a FAST_FORWARD type (outside `handles_ops`) whose
+    ops with an input that is not a tensor (the handler's own object, which only its
+    execute can take) run as FAST_HOOK would; given only when true (an extension
+    built before it parses five items). Asked once per (stack, op type); the
+    answer is cached in C++ until a stack is built, and shared with later stacks of the
+    same `fast_signature` (so everything this reads besides `op_type` and `stack.next`
+    must be in the signature)."""
     handler = stack.handler
     if isinstance(handler, _C.NativeHandlerBase):
         # (C++ decides these stacks itself: fast_decision.cc, the same rule.)
@@ -131,7 +135,17 @@ def fast_decision(stack, op_type):
     else:
         kind = FAST_PYTHON
     copy_all = handler.needs_copy is None and not stack._defer_copy
-    return (kind, stack.next, bool(handler.transient), stack.default_copy_on, copy_all)
+    # A forwarded type outside handles_ops whose op has an input that is not a tensor
+    # (the handler's own object) goes to the execute hook (HandlerStack.execute): C++
+    # runs it as FAST_HOOK when the type would take that path if handled.
+    hook_objects = (kind == FAST_FORWARD and stack._handles is not None
+                    and not isinstance(handler, _C.NativeHandlerBase)
+                    and not stack._default_execute and not stack._records
+                    and op_type not in COPY_OPS and (
+                        not stack._off_stack or (stack._off_stack_ops is not None
+                                                 and op_type not in stack._off_stack_ops)))
+    decision = (kind, stack.next, bool(handler.transient), stack.default_copy_on, copy_all)
+    return decision + (True,) if hook_objects else decision  # (C++: optional 6th item)
 
 
 def async_hook_in_c(execute, op_kinds, implied, inferred, resource, valueless):

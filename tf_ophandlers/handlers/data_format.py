@@ -153,12 +153,12 @@ def _layout_of(op, roles):
     raw = op._attrs_proto()  # pylint: disable=protected-access
     if b"NC" not in raw and b"CHANNELS_FIRST" not in raw:
         # The serialized attributes hold the data_format string as it is: without
-        # NCHW/NCDHW/CHANNELS_FIRST the op runs as it is, with no canonical key to build
-        # (TensorFlow's attribute bytes come in a new order at almost every call, so the
-        # canonical key costs ~20 us per op: Keras's channels-first pooling and depthwise
-        # convolution run NHWC ops on data it transposed).
+        # NCHW/NCDHW/CHANNELS_FIRST the op runs as it is (Keras's channels-first pooling
+        # and depthwise convolution run NHWC ops on data it transposed).
         return None
-    key = (op.type, op.attrs_key())
+    # `_attrs_proto` gives one byte string per attribute content (cc/op.cc sorts the
+    # fields), so the bytes are the key (op.attrs_key() would serialize them again).
+    key = (op.type, raw)
     layout = _layouts.get(key, False)
     if layout is False:
         attrs = op.attrs
@@ -267,12 +267,13 @@ class DataFormat(OpHandler):
 
     def execute(self, op, inputs):
         nxt = next_stack()
-        rule = RULES.get(op.type)
+        op_type = op.type  # (a new str per read)
+        rule = RULES.get(op_type)
         if rule is not None:
             return rule(self, nxt, op, inputs)
-        roles = _input_roles(op.type)
+        roles = _input_roles(op_type)
         if roles is not None:
-            if op.type == "BiasAdd" and type(inputs[0]) is Permuted and self._converts(op):
+            if op_type == "BiasAdd" and type(inputs[0]) is Permuted and self._converts(op):
                 return bias_add_permuted(self, nxt, op, inputs)
             layout = _layout_of(op, roles)
             if layout is not None:

@@ -132,19 +132,33 @@ _constants = BoundedCache("data_format.constants", 1024)  # (dtype, shape, value
 def constant(values, dtype):
     """An integer constant (a shape, axes, a perm); cached eagerly, a graph constant
     while a function is replayed."""
-    arr = np.asarray(values, dtype=dtype.as_numpy_dtype)
     if not tf.executing_eagerly():
-        return tf.constant(arr)
-    key = (dtype, arr.shape, arr.tobytes())
-    t = _constants.get(key)
+        return tf.constant(np.asarray(values, dtype=dtype.as_numpy_dtype))
+    # Keyed by the Python values when they are a flat sequence of ints or an int (what
+    # the rules pass, several times per op): no numpy conversion on a hit.
+    kind = type(values)
+    try:  # (a numpy value, a permuted static vector: keyed by its bytes)
+        if kind is not list and kind is not tuple and kind is not int:
+            raise TypeError
+        key = (dtype, tuple(values) if kind is not int else values)
+        t = _constants.get(key)
+    except TypeError:  # (also nested lists: unhashable)
+        arr = np.asarray(values, dtype=dtype.as_numpy_dtype)
+        key = (dtype, arr.shape, arr.tobytes())
+        t = _constants.get(key)
     if t is None:
-        t = _constants[key] = tf.constant(arr)
+        t = _constants[key] = tf.constant(np.asarray(values, dtype=dtype.as_numpy_dtype))
     return t
 
 
 # Below this many elements a transpose is cheaper than the two reshapes that would
 # lower its rank (eagerly each is an op call); unknown sizes (a replay) always lower it.
 _COLLAPSE_MIN_ELEMENTS = 1 << 14
+# Whether eager transposes are lowered too: not on issue 20's AVX-512 machine, where the
+# CNN's input transpose took 140 us of process CPU as one 4-D Transpose vs 169 us as
+# Reshape, rank-3 Transpose, Reshape (equal kernels; two more op calls). Replays, where
+# reshapes cost nothing and both forms measured the same, keep the lowered form.
+_COLLAPSE_EAGERLY = False
 
 
 def collapsed_transpose(dims, q):
@@ -153,8 +167,9 @@ def collapsed_transpose(dims, q):
     ignored) merge into one. Returns ``(shape, perm, out_shape)`` (reshape to `shape`,
     transpose by `perm`, reshape to `out_shape`; -1 for the one unknown length), or None
     when no axes merge, more than one length is unknown, or the tensor is small.
-    TensorFlow's CPU transpose of NCHW [16, 3, 56, 56] to NHWC takes ~1.5x as long as
-    the same data as [16, 3, 3136] -> [16, 3136, 3]."""
+    On issue 20's first machine TensorFlow's CPU transpose of NCHW [16, 3, 56, 56] to
+    NHWC took ~1.5x as long as the same data as [16, 3, 3136] -> [16, 3136, 3] (on the
+    AVX-512 machine of its last round they cost the same: _COLLAPSE_EAGERLY)."""
     if sum(d is None for d in dims) > 1:
         return None
     if None not in dims and math.prod(dims) < _COLLAPSE_MIN_ELEMENTS:
@@ -184,7 +199,9 @@ def collapsed_transpose(dims, q):
 
 def transpose(nxt, value, q):
     """``transpose(value, q)`` on the next stack, at the lowest rank that moves the same
-    data (collapsed_transpose)."""
+    data (collapsed_transpose) in a replayed function (eagerly if _COLLAPSE_EAGERLY)."""
+    if not _COLLAPSE_EAGERLY and tf.executing_eagerly():
+        return _transpose(nxt, value, q)
     plan = collapsed_transpose(dims_of(value), q)
     if plan is not None:
         shape, perm, out_shape = plan
@@ -195,14 +212,26 @@ def transpose(nxt, value, q):
     return _transpose(nxt, value, q)
 
 
+# (op type, dtype) -> the Transpose, Reshape, BiasAdd NHWC the rules run (Op.cached's
+# key costs more).
+_dtype_ops = BoundedCache("data_format.dtype_ops", 256)
+_INT_ATTRS = {"Transpose": {"Tperm": tf.int32}, "Reshape": {"Tshape": tf.int32},
+              "BiasAdd": {"data_format": b"NHWC"}}
+
+
+def _shape_op(op_type, dtype):
+    op = _dtype_ops.get((op_type, dtype))
+    if op is None:
+        op = _dtype_ops[(op_type, dtype)] = Op.cached(op_type, T=dtype, **_INT_ATTRS[op_type])
+    return op
+
+
 def _transpose(nxt, value, q):
-    op = Op.cached("Transpose", T=value.dtype, Tperm=tf.int32)
-    return nxt.execute(op, [value, constant(q, tf.int32)])[0]
+    return nxt.execute(_shape_op("Transpose", value.dtype), [value, constant(q, tf.int32)])[0]
 
 
 def reshape(nxt, value, dims):
-    op = Op.cached("Reshape", T=value.dtype, Tshape=tf.int32)
-    return nxt.execute(op, [value, constant(dims, tf.int32)])[0]
+    return nxt.execute(_shape_op("Reshape", value.dtype), [value, constant(dims, tf.int32)])[0]
 
 
 def gather(nxt, value, indices):
@@ -532,8 +561,8 @@ def bias_add_permuted(handler, nxt, op, inputs):
     fmt = op.attrs.get("data_format", b"NHWC")
     k = perm[1 if fmt in (b"NCHW", "NCHW") else rank - 1]
     if k == rank - 1:
-        new_op = Op.cached("BiasAdd", T=x.dtype, data_format=b"NHWC")
-        return [Permuted(o, perm) for o in nxt.execute(new_op, [x.value, physical(bias)])]
+        return [Permuted(o, perm) for o in nxt.execute(_shape_op("BiasAdd", x.dtype),
+                                                       [x.value, physical(bias)])]
     length = physical(bias).shape[0]
     shape = [1] * rank
     shape[k] = -1 if length is None else int(length)

@@ -325,3 +325,12 @@ def test_hvp_through_a_handler_between_accumulator_and_tape(between):
 # Recompute and GradientTape > CheckNumerics > Recompute(save), unknown_batch) gives a
 # zero gradient where TensorFlow's is None (an unconnected source); each case passes
 # alone, so a cache filled by an earlier case of that run is involved.
+#
+# Unfixed (in the draw): ForwardAccumulator > PassThrough > vectorized_map >
+# Recompute(save), OH_FUZZ_SEED=20 slow draw case 48, raises HandlerOutputError
+# "ForwardAccumulator().function_coerce gave summary True, not False". Smallest form:
+# `with oh.ForwardAccumulator(V, tV): with oh.native.PassThrough():
+# oh.vectorized_map(lambda i: tf.gather(V, i), ids)` for a watched variable V (without
+# the PassThrough it works): the gather runs in pfor's while-loop function, whose
+# replay through the PassThrough and the accumulator probes the loop variables as
+# having no tangent and then finds one in the body (core/functions/control_flow.py).

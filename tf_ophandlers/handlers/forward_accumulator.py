@@ -266,21 +266,6 @@ _jvp_relaxed = _tracing_compilation.TracingOptions(
     function_cache=_jvp_function_cache)
 
 
-def _distinct(primals):
-    """`primals` with each repeated input (tf.maximum(t, t)) copied: TensorFlow's JVP
-    construction run eagerly watches the inputs on a tape, which knows a tensor by its
-    id, so each occurrence would get the gradient of all of them (a tangent counted
-    twice). A traced JVP function gets one placeholder per input instead."""
-    seen, out = set(), []
-    for p in primals:
-        key = getattr(p, "_id", None)
-        if key is not None and key in seen:
-            p = tf.identity(p)
-        seen.add(key)
-        out.append(p)
-    return out
-
-
 def _tensorflow_jvp(execute, op, primals, tangents, outputs):
     """TensorFlow's own JVP: the transposed gradient function of the op."""
     if op.output_dtypes is None:
@@ -296,17 +281,21 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
               for p, t in zip(primals, tangents)]
     args = (op.type, op.attr_tuple(), list(primals), list(outputs), filled)
     try:
-        if tf.executing_eagerly() and any(
-                isinstance(h, ForwardAccumulator) for h in current_stack().handlers):
+        result = None
+        if any(isinstance(h, ForwardAccumulator) for h in current_stack().handlers):
             # An accumulator below must see the JVP op by op (higher order): run
             # TensorFlow's construction eagerly instead of as one traced function call.
-            # (Not in a function being replayed: TensorFlow's gradient functions fold
-            # shape computations there, which on the stacks are not constants; the
-            # traced call is replayed op by op by the accumulators below.)
-            with _tapes_recording():
-                args = args[:2] + (_distinct(args[2]),) + args[3:]
-                result = _tf_forwardprop._jvp_helper(*args)  # pylint: disable=protected-access
-        else:
+            try:
+                with _tapes_recording():
+                    result = _tf_forwardprop._jvp_helper(  # pylint: disable=protected-access
+                        *(args[:2] + (_more_rules.distinct(args[2]),) + args[3:]))
+            except AssertionError:
+                if tf.executing_eagerly():
+                    raise
+                # In a function being replayed some gradient functions fold shape
+                # computations, which are no constants on the stacks (_SumGrad asserts):
+                # the traced call then, which the accumulators below replay op by op.
+        if result is None:
             # Traced once per op signature (exact shapes for the first 32 traces of an
             # op, as TensorFlow does, then relaxed shapes).
             traces = _tf_forwardprop._TRACE_COUNT.get(op.type, 0)  # pylint: disable=protected-access

@@ -1,5 +1,6 @@
-"""`ForwardAccumulator` (handlers/forward_accumulator.py): the MaxPool JVP rule, and the
-zero tangents an accumulator below gets for the JVPs of one above (nested accumulators).
+"""`ForwardAccumulator` (handlers/forward_accumulator.py): the MaxPool JVP rule, and what
+nested accumulators need (distinct inputs for TensorFlow's construction run eagerly; the
+zero tangents an accumulator below gets for the JVPs of one above).
 """
 import tensorflow as tf
 
@@ -38,6 +39,21 @@ def max_pool(fallback):
         offsets = tf.reshape(tf.range(n) * per_image, [-1, 1, 1, 1])
         return [tf.gather(tf.reshape(t, [-1]), argmax + offsets)]
     return rule
+
+
+def distinct(primals):
+    """`primals` with each repeated input (tf.maximum(t, t)) copied: TensorFlow's JVP
+    construction run eagerly watches the inputs on a tape, which knows a tensor by its
+    id, so each occurrence would get the gradient of all of them (a tangent counted
+    twice). A traced JVP function gets one placeholder per input instead."""
+    seen, out = set(), []
+    for p in primals:
+        key = getattr(p, "_id", None)
+        if key is not None and key in seen:
+            p = tf.identity(p)
+        seen.add(key)
+        out.append(p)
+    return out
 
 
 def _dual(handler, tensor):

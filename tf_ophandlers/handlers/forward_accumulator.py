@@ -84,9 +84,6 @@ def _float(t):
 # `execute(op, inputs)` runs an op on the next stack; plain TensorFlow calls in a rule run
 # there too. A tangent of None is zero.
 
-_CALL_ZEROS = "zero tangents for a call's floating-point arguments"  # function_call_join
-
-
 def _zeros(p):
     return tf.zeros_like(p)
 
@@ -549,16 +546,15 @@ class ForwardAccumulator(OpHandler):
         return any(summaries)  # a tangent in one branch: zeros in the others
 
     def function_coerce(self, value, summary):
-        if summary is _CALL_ZEROS and (value.tangent is not None or not _float(value.primal)):
-            return value  # (only floating-point arguments of a call get zeros)
+        if summary == "call" and (value.tangent is not None or not _float(value.primal)):
+            return value  # (function_call_join: float arguments without a tangent)
         return Dual(value.primal, tf.zeros_like(value.primal)) if summary else value
 
     def function_call_join(self, summaries):
-        # TensorFlow computes a call's JVP with zeros for the arguments without a tangent
-        # (ConcreteFunction's forward function with JVPs): a result computed from them
-        # gets zeros, not None (the gradient call of an HVP, whose output gradients have
-        # no tangent). A paused accumulator computes no JVPs.
-        return _CALL_ZEROS if self._live and any(summaries) else None
+        # TensorFlow's JVP of a call takes zeros for the arguments without a tangent: a
+        # result computed from them gets zeros, not None (an HVP's gradient call, whose
+        # output gradients have none). A paused accumulator computes no JVPs.
+        return "call" if self._live and any(summaries) else None
 
     def function_gradients_dense(self, summary):
         # As TensorFlow's: tangents on a call's arguments make its gradients dense (only

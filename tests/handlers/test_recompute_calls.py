@@ -164,6 +164,10 @@ class GradientTape(oh.OpHandler):  # pylint: disable=function-redefined
 class ForwardAccumulator(oh.OpHandler):
     """A pass-through handler that only shares oh.ForwardAccumulator's class name."""
 
+    # Takes calls whole: a handler below the scope that replays them keeps the call whole
+    # (its replay of the rewrite would drop the segments' gradient; test_fuzz_stacks).
+    replays_functions = False
+
 
 def _call_under(inner, seed=11, below=False):
     """Loss and gradients (variables, x) of a called tf.function inside oh.Recompute with

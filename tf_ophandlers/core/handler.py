@@ -294,6 +294,15 @@ class OpHandler:
             "%s cannot convert %r to function summary %r (implement function_coerce)"
             % (self.debug_string(), value, summary))
 
+    def function_call_join(self, summaries):
+        """The summary every argument of a replayed call on this handler's stack is
+        converted to (`function_coerce`) inside the replay, given the arguments'
+        `summaries`, or None (the default) to leave them as they are. The forward
+        accumulator gives a zero tangent to every floating-point argument when one has a
+        tangent: TensorFlow's JVP of a call fills the others with zeros, so a result
+        computed from them has a zero JVP rather than None."""
+        return None
+
     def function_gradients_dense(self, summary):
         """Whether the gradients of a replayed tf.function call with an argument of this
         `summary` (from `function_input`) are dense: TensorFlow converts a call's

@@ -42,6 +42,7 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import shapes
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.fast_decision import async_hook_in_c
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
@@ -468,7 +469,12 @@ def _outside_part(tensor):
     hit = _outside_parts.get(key)
     if hit is not None:
         return hit[1]
-    known = shapes.known_value(tensor)
+    try:
+        known = shapes.known_value(tensor)
+    except CopyOffError:
+        # A tensor of a handler below that has no single value (oh.vectorized_map's
+        # per-example ids): described by shape only, as a symbolic one.
+        return (enum, tensor._shape_tuple(), None)  # pylint: disable=protected-access
     part = _part(tensor, known)
     if known is not None:
         _outside_parts[key] = (tensor, part)

@@ -547,7 +547,15 @@ class ForwardAccumulator(OpHandler):
         return any(summaries)  # a tangent in one branch: zeros in the others
 
     def function_coerce(self, value, summary):
+        if summary == "call" and (value.tangent is not None or not _float(value.primal)):
+            return value  # (function_call_join: float arguments without a tangent)
         return Dual(value.primal, tf.zeros_like(value.primal)) if summary else value
+
+    def function_call_join(self, summaries):
+        # TensorFlow's JVP of a call takes zeros for the arguments without a tangent: a
+        # result computed from them gets zeros, not None (an HVP's gradient call, whose
+        # output gradients have none). A paused accumulator computes no JVPs.
+        return "call" if self._live and any(summaries) else None
 
     def function_gradients_dense(self, summary):
         # As TensorFlow's: tangents on a call's arguments make its gradients dense (only

@@ -39,7 +39,7 @@ from tf_ophandlers.core.functions import call_records, library
 from tf_ophandlers.core.functions import ungated as _ungated
 from tf_ophandlers.core.functions.control_flow import as_list
 from tf_ophandlers.core.functions.representations import (
-    count_leaves, eager_leaf, graph_leaf, rebuild, split)
+    call_joins, count_leaves, eager_leaf, graph_leaf, rebuild, split)
 from tf_ophandlers.core.functions.symbolic import Replay, active
 from tf_ophandlers.core.stack import (
     PHYSICAL, HandlerStack, register_function_call_rule, replays)
@@ -279,7 +279,8 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
                     _set_handle_data(p, leaves[position], body.inputs[i])
                 position += 1
         it = iter(placeholders)
-        args = [rebuild(t, segment, it) for t in trees]
+        joins = call_joins(trees, segment)  # (an accumulator: zero tangents, as TensorFlow)
+        args = [rebuild(t, segment, it, joins) for t in trees]
         outs = [replay.lower(o) for o in replay.interpret(body, args)]
         flat = []
         output_trees.extend(split(o, segment, graph_leaf, flat) for o in outs)

@@ -41,18 +41,43 @@ def split(tensor, segment, leaf_key, comps):
     return leaf_key(tensor)
 
 
-def rebuild(tree, segment, comps):
-    """The tensor (on its stack of `segment`) for `tree` from the bottom tensors `comps`."""
+def rebuild(tree, segment, comps, joins=None):
+    """The tensor (on its stack of `segment`) for `tree` from the bottom tensors `comps`;
+    `joins` (level -> summary, from `call_joins`): values of those levels are coerced to
+    that summary."""
     if tree[0] == "leaf":
         return next(comps)
     level, summary, subtrees = tree
     stack = segment[level]
-    parts = [rebuild(t, segment, comps) for t in subtrees]
+    parts = [rebuild(t, segment, comps, joins) for t in subtrees]
     handler = stack.handler
     if stack.default_function_output:
         return stack.wrap(parts[0])
     value = stack.call_hook(handler.function_output, summary, parts)  # pylint: disable=protected-access
+    if joins is not None and level in joins and joins[level] != summary:
+        value = stack.call_hook(handler.function_coerce, value, joins[level])  # pylint: disable=protected-access
     return stack.wrap(value)
+
+
+def call_joins(trees, segment):
+    """level -> the summary every argument of a call at that level is coerced to, for the
+    handlers of `segment` whose `function_call_join` gives one (None if none does)."""
+    found = {}
+
+    def walk(tree):
+        if tree[0] != "leaf":
+            found.setdefault(tree[0], []).append(tree[1])
+            for t in tree[2]:
+                walk(t)
+    for t in trees:
+        walk(t)
+    joins = {}
+    for level, summaries in found.items():
+        handler = segment[level].handler
+        joined = segment[level].call_hook(handler.function_call_join, summaries)  # pylint: disable=protected-access
+        if joined is not None:
+            joins[level] = joined
+    return joins or None
 
 
 def eager_leaf(tensor, comps=None):

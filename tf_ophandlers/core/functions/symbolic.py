@@ -96,7 +96,16 @@ class Replay(Mode, Interpreter, ControlFlow):
                                            attrs, op_def, compute_device)
         if op_type in CALL_OPS:
             # A tf.function a hook calls: replayed on the hook's next stack, as eagerly.
-            outputs = self.interpret(function_body(attrs["f"].func.name), list(inputs), target)
+            # As for the replay's own body, the interpreter's stack is the bottom: ops
+            # TensorFlow adds itself (while_v2's loop counter, automatic control
+            # dependencies) must be nodes, not ops of `target` ("Expected a PyOperation
+            # got None" for a pfor while loop under oh.vectorized_map).
+            state.current = self.bottom
+            try:
+                outputs = self.interpret(function_body(attrs["f"].func.name), list(inputs),
+                                         target)
+            finally:
+                state.current = target
             return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
         op = Op.create(op_type, **(attrs or {}))
         outputs = target.execute(op, list(inputs))

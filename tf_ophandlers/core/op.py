@@ -177,6 +177,20 @@ def _raw_attr(value):
     return value
 
 
+#: The attribute of a graph node naming the gradient function that replaces its type's
+#: (TensorFlow's ``ops.get_gradient_function`` reads it).
+GRADIENT_OP_TYPE_ATTR = "_gradient_op_type"
+
+
+def node_attrs(node_def):
+    """A graph node's attributes as a copy of the node keeps them: its OpDef's, without
+    TensorFlow's internal ("_") ones, except the gradient override, which decides the
+    node's gradient (dropping it silently gives the type's gradient instead of a
+    `tf.custom_gradient`'s)."""
+    return {k: v for k, v in node_def.attr.items()
+            if not k.startswith("_") or k == GRADIENT_OP_TYPE_ATTR}
+
+
 class Op(_C.OpBase):
     """One operation to execute: `type`, `attrs`, `num_outputs`, `output_dtypes`.
 
@@ -192,6 +206,17 @@ class Op(_C.OpBase):
     # of a function body; None for eager ops): the graph node's name and its function's.
     node_name = None
     function_name = None
+    #: The gradient a graph node asked for in place of its type's (the node's
+    #: ``_gradient_op_type``, set by `tf.custom_gradient` and `gradient_override_map`),
+    #: or None. Set for the nodes of a replayed function (core/functions), kept when the
+    #: op is emitted into the replayed graph, and looked up by the tapes (`gradient_type`).
+    gradient_op_type = None
+
+    @property
+    def gradient_type(self):
+        """The name this op's gradient function is registered under: its
+        `gradient_op_type` if the node overrode it, else its type."""
+        return self.gradient_op_type or self.type
 
     @property
     def traceback(self):

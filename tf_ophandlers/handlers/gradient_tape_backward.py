@@ -270,8 +270,11 @@ class BackwardPass:
         if record.backward is not None:
             in_grads = record.backward(*out_grads)
         else:
+            # A node's gradient override (tf.custom_gradient in a replayed function)
+            # replaces its type's gradient, as in TensorFlow's graph gradients.
+            gradient_type = getattr(record.op, "gradient_op_type", None) or record.op_type
             try:
-                grad_fn = _ops._gradient_registry.lookup(record.op_type)  # pylint: disable=protected-access
+                grad_fn = _ops._gradient_registry.lookup(gradient_type)  # pylint: disable=protected-access
             except LookupError as e:
                 raise LookupError(
                     "oh.GradientTape: op %s has no registered gradient (%s); register one "

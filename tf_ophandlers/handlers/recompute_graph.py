@@ -52,6 +52,7 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.errors import HandlerError
+from tf_ophandlers.core.op import node_attrs
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.recompute_segments import Segment, serialize_heavy, split
 
@@ -484,11 +485,11 @@ class Window:
 def _copy(graph, op, inputs):
     """A copy of graph op `op` on `inputs`; recorded on the tapes that track an input
     (a tape recording the backward pass: second order), as a gen op wrapper would."""
-    attrs = {k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
-    new = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs], attrs=attrs)
+    new = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs],
+                          attrs=node_attrs(op.node_def))
     if _record.could_possibly_record() and _record.should_record_backprop(inputs):
-        try:
-            grad_fn = _ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
+        try:  # (a node's gradient override, tf.custom_gradient's, is its gradient)
+            grad_fn = _ops.get_gradient_function(new)
         except LookupError:
             grad_fn = None
         if grad_fn is not None:

@@ -10,8 +10,9 @@ from tensorflow.python.eager import context as _context
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.functions.custom_gradients import replayable_gradient
 from tf_ophandlers.core.functions.library import body as function_body
-from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op
 from tf_ophandlers.core.stack import HandlerStack, stack_of
 
 CALL_OPS = frozenset(("PartitionedCall", "StatefulPartitionedCall"))
@@ -23,10 +24,14 @@ PHYSICAL_OPS = frozenset(("Const", "Placeholder", "NoOp"))
 
 
 def node_op(node):
-    """The Op of a FunctionDef node, without TensorFlow's internal ("_") attributes."""
-    op = Op.create(node.type, **{k: v for k, v in node.node_def.attr.items()
-                                 if not k.startswith("_")})
+    """The Op of a FunctionDef node, without TensorFlow's internal ("_") attributes; a
+    gradient override (`tf.custom_gradient`) is kept as the op's `gradient_op_type`."""
+    attrs = node.node_def.attr
+    op = Op.create(node.type, **{k: v for k, v in attrs.items() if not k.startswith("_")})
     op.node_name, op.function_name = node.name, node.graph.name  # for op.traceback
+    override = attrs.get(GRADIENT_OP_TYPE_ATTR)
+    if override is not None:
+        op.gradient_op_type = replayable_gradient(node, override.s.decode())
     return op
 
 

@@ -11,6 +11,7 @@ import contextlib
 
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import func_graph as _func_graph
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops as _array_ops
 
@@ -19,7 +20,7 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.functions.control_flow import ControlFlow
 from tf_ophandlers.core.functions.interpreter import CALL_OPS, PHYSICAL_OPS, Interpreter
 from tf_ophandlers.core.functions.library import body as function_body
-from tf_ophandlers.core.op import Op, decode_attr
+from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op, decode_attr
 from tf_ophandlers.core.stack import payload
 from tf_ophandlers.core.state import Mode, state
 
@@ -76,6 +77,9 @@ class Replay(Mode, Interpreter, ControlFlow):
         """Adds `op` on bottom tensors to the function being built."""
         inputs = [self.to_bottom(t) for t in inputs]
         attrs = op.attr_protos()
+        if op.gradient_op_type is not None:  # the node's gradient stays its own
+            attrs[GRADIENT_OP_TYPE_ATTR] = attr_value_pb2.AttrValue(
+                s=op.gradient_op_type.encode())
         graph = _ops.get_default_graph()
         with _ops.device(state.device) if state.device else contextlib.nullcontext():
             node = _original_create_op(graph, op.type, inputs, attrs=attrs)

@@ -279,7 +279,6 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
             % op.type)
     filled = [t if t is not None or not _float(p) else _zeros(p)
               for p, t in zip(primals, tangents)]
-    # (op.gradient_type: a node's gradient override, tf.custom_gradient's, transposed)
     args = (op.gradient_type, op.attr_tuple(), list(primals), list(outputs), filled)
     try:
         result = None
@@ -512,10 +511,9 @@ class ForwardAccumulator(OpHandler):
         tangents = [d.tangent for d in inputs]
         if self._live and any(t is not None for t in tangents) and any(
                 _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):
-            # A node whose gradient is overridden (tf.custom_gradient in a replayed
-            # function) gets the transpose of that gradient, as TensorFlow's JVP does.
-            rule = (_RULES.get(op.type, _tensorflow_jvp) if op.gradient_op_type is None
-                    else _tensorflow_jvp)
+            # (a tf.custom_gradient's node: its gradient transposed, as TensorFlow's)
+            rule = _RULES.get(op.type) if not op.gradient_op_type else None
+            rule = rule or _tensorflow_jvp
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
             out_tangents = rule(run, op, primals, tangents, outputs)

@@ -512,8 +512,7 @@ class ForwardAccumulator(OpHandler):
         if self._live and any(t is not None for t in tangents) and any(
                 _enum(o) in _DIFFERENTIABLE_ENUMS for o in outputs):
             # (a tf.custom_gradient's node: its gradient transposed, as TensorFlow's)
-            rule = _RULES.get(op.type) if not op.gradient_op_type else None
-            rule = rule or _tensorflow_jvp
+            rule = (_RULES.get(op.type) if not op.gradient_op_type else None) or _tensorflow_jvp
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
             out_tangents = rule(run, op, primals, tangents, outputs)

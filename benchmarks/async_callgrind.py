@@ -9,19 +9,15 @@ In one process, for each configuration: 3 untimed and then N counted calls of ch
 (`h = tf.tanh(h) * 1.01` 100 times, 200 ops, on x [16, 16], then `.numpy()`). The count
 covers the whole loop on every thread (Python, TensorFlow, the dispatcher, the executor's
 thread running the kernels, the release of the results), collection toggled around it
-with callgrind client requests (benchmarks/native_callgrind.py's helper). Counts leave out
+with callgrind client requests (benchmarks/_callgrind.py). Counts leave out
 what instructions do not show: waking the executor's thread, cache misses. Needs
 valgrind, its headers and gcc.
 """
 import argparse
 import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 
-from native_callgrind import HELPER
+import _callgrind
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OPS = 200  # per call
@@ -30,13 +26,12 @@ KEYS = ("eager", "tf-async", "oh-async")
 
 def child(helper, n):
     """Runs under valgrind: counts each configuration's loop."""
-    import ctypes
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(HERE))
     import tensorflow as tf
     from tensorflow.python.eager import context, executor
     import tf_ophandlers as oh
-    cg = ctypes.CDLL(helper)
+    cg = _callgrind.load(helper)
     x16 = tf.random.stateless_uniform([16, 16], seed=[1, 2])
 
     def chain(h):
@@ -57,14 +52,7 @@ def child(helper, n):
 
     calls = {"eager": lambda: chain(x16), "tf-async": tf_async, "oh-async": oh_async}
     for key in KEYS:
-        call = calls[key]
-        for _ in range(3):
-            call()
-        cg.cg_toggle()
-        for _ in range(n):
-            call()
-        cg.cg_toggle()
-        cg.cg_dump(key.encode())
+        _callgrind.counted(cg, key, calls[key], n, warm=3)
 
 
 def main():
@@ -75,35 +63,11 @@ def main():
     args = p.parse_args()
     if args.child:
         return child(args.child, args.n)
-    if not shutil.which("valgrind") or not os.path.exists("/usr/include/valgrind/callgrind.h"):
-        sys.exit("needs valgrind and its headers (apt-get install valgrind)")
-    work = args.keep or tempfile.mkdtemp(prefix="oh_async_callgrind_")
-    os.makedirs(work, exist_ok=True)
-    for name in os.listdir(work):  # an earlier run's files in a kept directory
-        if name.startswith("cg.out"):
-            os.remove(os.path.join(work, name))
-    src, lib = os.path.join(work, "cg.c"), os.path.join(work, "libcg.so")
-    with open(src, "w") as f:
-        f.write(HELPER)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
-    out = os.path.join(work, "cg.out")
-    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
-                    "--callgrind-out-file=" + out, sys.executable, os.path.abspath(__file__),
-                    "--child", lib, "--n", str(args.n)],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    per_op = {}
-    for name in os.listdir(work):
-        if name.startswith("cg.out."):
-            with open(os.path.join(work, name)) as f:
-                text = f.read()
-            key = re.search(r"Client Request: (\S+)", text).group(1)
-            total = int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1))
-            per_op[key] = per_op.get(key, 0) + total / (args.n * OPS)
+    totals = _callgrind.run(__file__, ["--n", str(args.n)], "oh_async_callgrind_", args.keep)
+    per_op = {key: total / (args.n * OPS) for key, total in totals.items()}
     for key in KEYS:
         print("%-9s %8.0f instr/op  %.3fx eager" % (key, per_op[key],
                                                    per_op[key] / per_op["eager"]))
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -16,21 +16,13 @@ Needs valgrind, its headers and gcc.
 """
 import argparse
 import contextlib
-import ctypes
 import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
+
+import _callgrind
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = ("plain", "cxx-1", "cxx-2", "py-1", "py-2", "counter", "oplog")
-HELPER = r"""
-#include <valgrind/callgrind.h>
-void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
-void cg_dump(const char* name) { CALLGRIND_DUMP_STATS_AT(name); }
-"""
 
 
 def child(helper, n, keys=KEYS):
@@ -39,7 +31,7 @@ def child(helper, n, keys=KEYS):
     sys.path.insert(0, os.path.dirname(HERE))
     import tensorflow as tf
     import tf_ophandlers as oh
-    cg = ctypes.CDLL(helper)
+    cg = _callgrind.load(helper)
     make = {"plain": lambda: [], "cxx-1": lambda: [oh.native.PassThrough()],
             "cxx-2": lambda: [oh.native.PassThrough(), oh.native.PassThrough()],
             "py-1": lambda: [oh.OpHandler()], "py-2": lambda: [oh.OpHandler(), oh.OpHandler()],
@@ -51,15 +43,7 @@ def child(helper, n, keys=KEYS):
             for h in make[key]():
                 scopes.enter_context(h)
             a, b = tf.identity(a0), tf.identity(b0)
-            r = None
-            for _ in range(50):
-                r = tf.add(a, b)
-            cg.cg_toggle()
-            for _ in range(n):
-                r = tf.add(a, b)
-            r = None
-            cg.cg_toggle()
-            cg.cg_dump(key.encode())
+            _callgrind.counted(cg, key, lambda: tf.add(a, b), n, warm=50)
 
 
 def main():
@@ -73,32 +57,9 @@ def main():
     keys = [k for k in KEYS if k == "plain" or k in args.configs.split(",")]
     if args.child:
         return child(args.child, args.n, keys)
-    if not shutil.which("valgrind") or not os.path.exists("/usr/include/valgrind/callgrind.h"):
-        sys.exit("needs valgrind and its headers (apt-get install valgrind)")
-    work = args.keep or tempfile.mkdtemp(prefix="oh_callgrind_")
-    os.makedirs(work, exist_ok=True)
-    for name in os.listdir(work):  # an earlier run's files in a kept directory
-        if name.startswith("cg.out"):
-            os.remove(os.path.join(work, name))
-    src, lib = os.path.join(work, "cg.c"), os.path.join(work, "libcg.so")
-    with open(src, "w") as f:
-        f.write(HELPER)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
-    out = os.path.join(work, "cg.out")
-    subprocess.run(["valgrind", "--tool=callgrind", "--collect-atstart=no",
-                    "--callgrind-out-file=" + out, sys.executable, os.path.abspath(__file__),
-                    "--child", lib, "--n", str(args.n), "--configs", ",".join(keys)],
-                   check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    per_op = {}
-    for name in os.listdir(work):
-        if not name.startswith("cg.out."):
-            continue
-        with open(os.path.join(work, name)) as f:
-            text = f.read()
-        key = re.search(r"Client Request: (\S+)", text).group(1)
-        total = int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1))
-        per_op[key] = total / args.n
+    totals = _callgrind.run(__file__, ["--n", str(args.n), "--configs", ",".join(keys)],
+                            "oh_callgrind_", args.keep)
+    per_op = {key: total / args.n for key, total in totals.items()}
     plain = per_op["plain"]
     print("%-8s %12s %10s" % ("config", "instr/op", "over plain"))
     for key in keys:
@@ -108,8 +69,6 @@ def main():
     print("further C++ level %+.0f, further Python level %+.0f, oplog/counter overhead %.2fx"
           % (per_op["cxx-2"] - per_op["cxx-1"], per_op["py-2"] - per_op["py-1"],
              (per_op["oplog"] - plain) / (per_op["counter"] - plain)))
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

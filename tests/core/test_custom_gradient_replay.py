@@ -97,3 +97,27 @@ def test_tf_tape_outside_a_replay_keeps_a_custom_gradient_reading_traced_tensors
         with oh.CheckNumericsHandler():
             y = f(x)
     np.testing.assert_allclose(tape.gradient(y, x).numpy(), want.numpy(), rtol=1e-6)
+
+
+def test_gradient_override_reading_its_op_inputs_is_replayed():
+    # An override registered for any op (gradient_override_map) reads `op.inputs`: the
+    # tapes give it the replay's tensors, so it runs (the probe must not flag it).
+    @tf.RegisterGradient("OhTestTripleSquareGrad")
+    def _grad(op, dy):  # pylint: disable=unused-variable
+        return dy * 3.0 * op.inputs[0]
+
+    @tf.function
+    def f(x):
+        with tf.compat.v1.get_default_graph().gradient_override_map(
+                {"Identity": "OhTestTripleSquareGrad"}):
+            y = tf.identity(x * 1.0)
+        return tf.reduce_sum(y)
+
+    x = tf.constant(X)
+    want = _tf_gradient(f, x)
+    np.testing.assert_allclose(want.numpy(), 3.0 * X, rtol=1e-6)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with oh.CheckNumericsHandler():
+            y = f(x)
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), want.numpy(), rtol=1e-6)

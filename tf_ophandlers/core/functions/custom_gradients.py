@@ -12,6 +12,7 @@ the replayed node gets a gradient that raises a clear error when it is asked for
 Whether a gradient reads traced tensors is probed once per override by tracing it in a
 scratch graph (bounded cache).
 """
+from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import array_ops as _array_ops
@@ -29,9 +30,14 @@ def _reads_traced_tensors(node, grad_fn):
     with _ops.init_scope():  # a graph whose outer graphs hold no traced tensors
         graph = _func_graph.FuncGraph("oh_custom_gradient_probe")
     with graph.as_default():
-        dys = [_array_ops.placeholder(t.dtype, t.shape) for t in node.outputs]
+        def like(tensors):
+            return [_array_ops.placeholder(t.dtype, t.shape) for t in tensors]
+        # The op as the tapes pass it (their inputs and outputs, not the traced node's):
+        # an override registered for any op may read `op.inputs`.
+        op = _backprop._MockOp(  # pylint: disable=protected-access
+            (), like(node.inputs), like(node.outputs), node.type, None)
         try:
-            grad_fn(node, *dys)
+            grad_fn(op, *like(node.outputs))
         except (TypeError, ValueError) as e:
             text = str(e)
             return "out of scope" in text or "must be from the same graph" in text

@@ -381,23 +381,6 @@ def test_tf_tape_around_oh_tape_and_scope_gives_second_order(between):
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_async_below_oh_tape_and_scope_first_order():
-    """Found by the stacks fuzzer: a None gradient (test_gradient_tape.py's
-    test_value_of_a_representing_handler_used_after_its_scope has the cause)."""
-    z = tf.constant([[0.3, -0.7], [1.2, 0.5]])
-    with oh.Async():
-        with oh.GradientTape() as tape:
-            tape.watch(z)
-            with oh.Recompute():
-                y = tf.nn.softplus(z)
-            loss = tf.reduce_sum(y * y)
-        g = tape.gradient(loss, z)
-    assert g is not None
-    np.testing.assert_allclose(g.numpy(), (2 * tf.nn.softplus(z) * tf.sigmoid(z)).numpy(),
-                               rtol=1e-5)
-
-
 def test_tf_gradient_tape_around_the_scope_warns_and_says_so():
     """A tf.GradientTape records the scope's ops itself (on the program's tensors): the
     handler cannot save anything there, and says so (gradients unchanged)."""

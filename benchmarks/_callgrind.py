@@ -2,7 +2,7 @@
 callgrind, collection toggled around each configuration's counted loop, and reading one
 instruction count per configuration (load-independent, unlike wall-clock timing).
 
-A script's child counts with ``counted(cg, key, call, n, warm)``; its parent calls
+A script's child starts with ``tf, oh, cg = child_setup(helper)`` and counts with ``counted(cg, key, call, n, warm)``; its parent calls
 ``run(script, args, prefix, keep)``, which compiles the client-request helper, runs
 ``python script --child LIB *args`` under callgrind and returns ``{key: instructions}``.
 Needs valgrind, its headers and gcc.
@@ -25,6 +25,16 @@ void cg_dump(const char* name) { CALLGRIND_DUMP_STATS_AT(name); }
 def load(helper):
     """The compiled helper library (in the child, under valgrind)."""
     return ctypes.CDLL(helper)
+
+
+def child_setup(helper):
+    """A child's common start: quiet TensorFlow, this checkout's package first on the path;
+    returns (tf, oh, the helper library)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tf_ophandlers as oh  # pylint: disable=import-outside-toplevel
+    return tf, oh, load(helper)
 
 
 def counted(cg, key, call, n, warm):

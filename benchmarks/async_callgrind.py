@@ -14,24 +14,17 @@ what instructions do not show: waking the executor's thread, cache misses. Needs
 valgrind, its headers and gcc.
 """
 import argparse
-import os
-import sys
 
 import _callgrind
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 OPS = 200  # per call
 KEYS = ("eager", "tf-async", "oh-async")
 
 
 def child(helper, n):
     """Runs under valgrind: counts each configuration's loop."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, os.path.dirname(HERE))
-    import tensorflow as tf
+    tf, oh, cg = _callgrind.child_setup(helper)
     from tensorflow.python.eager import context, executor
-    import tf_ophandlers as oh
-    cg = _callgrind.load(helper)
     x16 = tf.random.stateless_uniform([16, 16], seed=[1, 2])
 
     def chain(h):

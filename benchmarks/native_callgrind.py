@@ -16,22 +16,15 @@ Needs valgrind, its headers and gcc.
 """
 import argparse
 import contextlib
-import os
-import sys
 
 import _callgrind
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = ("plain", "cxx-1", "cxx-2", "py-1", "py-2", "counter", "oplog")
 
 
 def child(helper, n, keys=KEYS):
     """Runs under valgrind: counts each configuration's loop."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, os.path.dirname(HERE))
-    import tensorflow as tf
-    import tf_ophandlers as oh
-    cg = _callgrind.load(helper)
+    tf, oh, cg = _callgrind.child_setup(helper)
     make = {"plain": lambda: [], "cxx-1": lambda: [oh.native.PassThrough()],
             "cxx-2": lambda: [oh.native.PassThrough(), oh.native.PassThrough()],
             "py-1": lambda: [oh.OpHandler()], "py-2": lambda: [oh.OpHandler(), oh.OpHandler()],

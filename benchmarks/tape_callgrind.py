@@ -13,22 +13,15 @@ records), collection toggled around it with callgrind client requests
 (benchmarks/_callgrind.py). Needs valgrind, its headers and gcc.
 """
 import argparse
-import os
-import sys
 
 import _callgrind
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 OPS = 100  # per call
 
 
 def child(helper, n):
     """Runs under valgrind: counts each tape's loop."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, os.path.dirname(HERE))
-    import tensorflow as tf
-    import tf_ophandlers as oh
-    cg = _callgrind.load(helper)
+    tf, oh, cg = _callgrind.child_setup(helper)
     a4 = tf.random.stateless_uniform([4, 4], seed=[1, 2])
 
     def call(tape_type):

@@ -1,5 +1,7 @@
 """oh.ForwardAccumulator composed with oh.vectorized_map, tf.function replays and a
 second accumulator, against TensorFlow (fuzz findings of test_fuzz_stacks)."""
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -146,3 +148,43 @@ def test_nested_accumulators_per_example_in_vectorized_map():
     want = tf.vectorized_map(f(tf.autodiff.ForwardAccumulator), zs)
     got = oh.vectorized_map(f(oh.ForwardAccumulator), zs)
     _same(list(want), list(got), "nested accumulators in a map")
+
+
+_BETWEEN = {"PassThrough": lambda: oh.native.PassThrough(), "OpHandler": oh.OpHandler,
+            "PassThrough+OpCounter": None}
+
+
+@pytest.mark.parametrize("between", sorted(_BETWEEN))
+@pytest.mark.parametrize("loop", ["vectorized_map", "while_loop"])
+def test_loop_variable_given_a_tangent_under_a_handler_in_between(loop, between):
+    # Fuzz finding (ForwardAccumulator > PassThrough > vectorized_map > Recompute(save),
+    # OH_FUZZ_SEED=20 slow case 48): a loop variable without a tangent that gets one in
+    # the body (the gather of a watched variable in pfor's while loop) under a handler
+    # between the accumulator and the loop: the replay joined the loop variables at the
+    # handler's level only, and the user saw HandlerOutputError "function_coerce gave
+    # summary True, not False". The levels below are joined too now (a tangent for
+    # `s` in tf.while_loop's body, under an OpHandler: the same error).
+    V = tf.Variable(_rand(21, 6, 4))
+    tV, ids = _rand(22, 6, 4), tf.constant([[1, 2], [3, 0], [5, 5]])
+    x, tx = _rand(23, 3, 2, 4), _rand(24, 3, 2, 4)
+
+    @tf.function(autograph=False)
+    def loop_sum(a):  # (TensorFlow's accumulator fails on a variable read in a loop)
+        return tf.while_loop(lambda k, s: k < 3, lambda k, s: (
+            k + 1, s + tf.sin(a[k]) * tf.cast(k + 1, tf.float32)),
+            (tf.constant(0), tf.zeros([2, 4])))[1]
+    results = []
+    for ours in (False, True):
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        vmap = oh.vectorized_map if ours else tf.vectorized_map
+        with Acc(*((V, tV) if loop == "vectorized_map" else (x, tx))) as acc, \
+                contextlib.ExitStack() as handlers:
+            for name in between.split("+") if ours else ():
+                handlers.enter_context(
+                    oh.native.OpCounter() if name == "OpCounter" else _BETWEEN[name]())
+            if loop == "vectorized_map":
+                y = vmap(lambda i: tf.sin(tf.gather(V, i)) * 2.0, ids)
+            else:
+                y = loop_sum(x)
+        results.append([y, acc.jvp(y)])
+    _same(results[0], results[1], "ForwardAccumulator > %s > %s" % (between, loop))

@@ -104,14 +104,10 @@ def test_nested_accumulators_jvp_of_a_jvp_linear_in_the_primal(name, between, mo
     # linear in its primal was None; TensorFlow's is zeros (its inner JVP is a traced call
     # whose primal input the outer sees). Accumulators below now get zeros there (also
     # in a replayed tf.function: Recompute > OpHandler > OpCounter > ForwardAccumulator >
-    # ForwardAccumulator, OH_FUZZ_SEED=5 case 21).
-    if between == "Recompute(save)" and mode == "function":
-        # Recompute keeps a call whole when a replaying handler (the inner accumulator)
-        # is right below it (fuzzfix: its rewrite replayed there lost its gradient), so
-        # the outer accumulator gets the call's JVP as one op: None for a matmul or conv
-        # (TensorFlow: zeros), zeros for the others (TensorFlow: None); values agree.
-        pytest.skip("unfixed: Recompute keeps the call whole; the outer JVP's None/zeros "
-                    "pattern differs from TensorFlow's (values agree)")
+    # ForwardAccumulator, OH_FUZZ_SEED=5 case 21). With Recompute(save) between, in a
+    # function: the inner's replay of the call reached the outer whole (Recompute keeps
+    # calls whole), which gave the inner's tangents zero tangents as a call's JVP does:
+    # zeros where TensorFlow (nested JVPs op by op in one function) has None. Not now.
     fn = LINEAR[name] if mode == "eager" else tf.function(LINEAR[name])
     x, tx, tz = _rand(8, 3, 4), _rand(9, 3, 4), _rand(10, 3, 4)
     results = []

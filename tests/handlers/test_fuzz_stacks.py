@@ -460,15 +460,10 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
           "vectorized_map > OpCounter > PassThrough > GradientTape")
 
 
-# Unfixed, still in the draw (OH_FUZZ_SEED=7 slow run, case 33, fails on c45ad02 too):
-# CheckNumerics > GradientTape > ForwardAccumulator > Recompute(budget), eager, over a
-# max pool: wrong second-order values (the tape's gradient of the JVPs).
-#
-# Unfixed (in the draw): ForwardAccumulator > PassThrough > vectorized_map >
-# Recompute(save), OH_FUZZ_SEED=20 slow draw case 48, raises HandlerOutputError
-# "ForwardAccumulator().function_coerce gave summary True, not False". Smallest form:
-# `with oh.ForwardAccumulator(V, tV): with oh.native.PassThrough():
-# oh.vectorized_map(lambda i: tf.gather(V, i), ids)` for a watched variable V (without
-# the PassThrough it works): the gather runs in pfor's while-loop function, whose
-# replay through the PassThrough and the accumulator probes the loop variables as
-# having no tangent and then finds one in the body (core/functions/control_flow.py).
+# Fixed (tests elsewhere): CheckNumerics > GradientTape > ForwardAccumulator >
+# Recompute(budget) over a max pool (OH_FUZZ_SEED=7 slow case 33; the max pool was not
+# involved: Recompute's segments under an accumulator lost the tape's record of the
+# tangents, test_recompute.py); ForwardAccumulator > PassThrough > vectorized_map >
+# Recompute(save) (OH_FUZZ_SEED=20 slow case 48; HandlerOutputError from
+# function_coerce: loop variables joined at one level only,
+# test_forward_accumulator_compose.py).

@@ -161,6 +161,11 @@ def _known_limitation(stack, program):
     - a tape around an accumulator: tf.GradientTape > tf.autodiff.ForwardAccumulator
       around a called tf.function gives other second-order values than the same
       nesting eagerly (ours gives the eager ones; OH_FUZZ_SEED=5, case 11).
+    Spot-checked 2026-11-25 (TensorFlow's reference eager against in a function, seeds
+    5-6, both draws): still wrong in a function for a tape around an accumulator
+    (OH_FUZZ_SEED=5 case 11: second-order values) and an accumulator over a max pool
+    (case 71: JVPs); two accumulators in a function mostly fail in TensorFlow itself
+    ("variable without handle data", 6 of 6 drawn), so eager keeps them covered.
     Fixed and back in the draw (tests below): Async inside vectorized_map, DataFormat
     with vectorized_map in a function, an HVP with Lazy in a function."""
     layers = stack.layers

@@ -472,3 +472,15 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # Recompute(save) (OH_FUZZ_SEED=20 slow case 48; HandlerOutputError from
 # function_coerce: loop variables joined at one level only,
 # test_forward_accumulator_compose.py).
+#
+# Unfixed (in the draw, fails on defda0e too): GradientTape > Recompute > Recompute, warm
+# (a tf.function), OH_FUZZ_SEED=20 slow draw case 38 (alone too): HandlerError "the
+# gradient of recompute segment gradients/IdentityN_3_grad/IdentityN is not known here
+# (its function was rebuilt from a FunctionDef)": two nested Recompute scopes.
+#
+# Unfixed (in the draw, fails on defda0e too): tf.GradientTape > vectorized_map > Async >
+# OpCounter, unknown_batch, and CheckNumerics > ForwardAccumulator > tf.GradientTape >
+# vectorized_map > Async, eager (OH_FUZZ_SEED=24 slow draw cases 15 and 31, alone too):
+# under a tf.GradientTape the map traces the mapped function, and Async refuses to be
+# opened in a trace (HandlerError "Async() cannot be opened inside a function being
+# traced"): a clear error, as Lazy's (left out of the draw), but not excluded.

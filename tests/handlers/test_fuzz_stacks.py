@@ -484,3 +484,11 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # under a tf.GradientTape the map traces the mapped function, and Async refuses to be
 # opened in a trace (HandlerError "Async() cannot be opened inside a function being
 # traced"): a clear error, as Lazy's (left out of the draw), but not excluded.
+#
+# Unfixed (in the draw, fail on defda0e too, alone too), found 2026-11-25 (slow draws of
+# seeds 6-30, OpCounter and tf.GradientTape stacks only):
+# - vectorized_map > Recompute(save) > tf.GradientTape > DataFormat > tf.GradientTape,
+#   unknown_batch, OH_FUZZ_SEED=21 slow case 39: wrong second-order values (output 7).
+# - Async > OpCounter > ForwardAccumulator > Recompute > ForwardAccumulator >
+#   vectorized_map, eager, OH_FUZZ_SEED=28 slow case 7: TypeError "`dtype` resource is
+#   not compatible with 0 of dtype int64" (vectorized_map.py _batched).

@@ -1,5 +1,7 @@
 """oh.ForwardAccumulator composed with oh.vectorized_map, tf.function replays and a
 second accumulator, against TensorFlow (fuzz findings of test_fuzz_stacks)."""
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -102,14 +104,10 @@ def test_nested_accumulators_jvp_of_a_jvp_linear_in_the_primal(name, between, mo
     # linear in its primal was None; TensorFlow's is zeros (its inner JVP is a traced call
     # whose primal input the outer sees). Accumulators below now get zeros there (also
     # in a replayed tf.function: Recompute > OpHandler > OpCounter > ForwardAccumulator >
-    # ForwardAccumulator, OH_FUZZ_SEED=5 case 21).
-    if between == "Recompute(save)" and mode == "function":
-        # Recompute keeps a call whole when a replaying handler (the inner accumulator)
-        # is right below it (fuzzfix: its rewrite replayed there lost its gradient), so
-        # the outer accumulator gets the call's JVP as one op: None for a matmul or conv
-        # (TensorFlow: zeros), zeros for the others (TensorFlow: None); values agree.
-        pytest.skip("unfixed: Recompute keeps the call whole; the outer JVP's None/zeros "
-                    "pattern differs from TensorFlow's (values agree)")
+    # ForwardAccumulator, OH_FUZZ_SEED=5 case 21). With Recompute(save) between, in a
+    # function: the inner's replay of the call reached the outer whole (Recompute keeps
+    # calls whole), which gave the inner's tangents zero tangents as a call's JVP does:
+    # zeros where TensorFlow (nested JVPs op by op in one function) has None. Not now.
     fn = LINEAR[name] if mode == "eager" else tf.function(LINEAR[name])
     x, tx, tz = _rand(8, 3, 4), _rand(9, 3, 4), _rand(10, 3, 4)
     results = []
@@ -146,3 +144,43 @@ def test_nested_accumulators_per_example_in_vectorized_map():
     want = tf.vectorized_map(f(tf.autodiff.ForwardAccumulator), zs)
     got = oh.vectorized_map(f(oh.ForwardAccumulator), zs)
     _same(list(want), list(got), "nested accumulators in a map")
+
+
+_BETWEEN = {"PassThrough": lambda: oh.native.PassThrough(), "OpHandler": oh.OpHandler,
+            "PassThrough+OpCounter": None}
+
+
+@pytest.mark.parametrize("between", sorted(_BETWEEN))
+@pytest.mark.parametrize("loop", ["vectorized_map", "while_loop"])
+def test_loop_variable_given_a_tangent_under_a_handler_in_between(loop, between):
+    # Fuzz finding (ForwardAccumulator > PassThrough > vectorized_map > Recompute(save),
+    # OH_FUZZ_SEED=20 slow case 48): a loop variable without a tangent that gets one in
+    # the body (the gather of a watched variable in pfor's while loop) under a handler
+    # between the accumulator and the loop: the replay joined the loop variables at the
+    # handler's level only, and the user saw HandlerOutputError "function_coerce gave
+    # summary True, not False". The levels below are joined too now (a tangent for
+    # `s` in tf.while_loop's body, under an OpHandler: the same error).
+    V = tf.Variable(_rand(21, 6, 4))
+    tV, ids = _rand(22, 6, 4), tf.constant([[1, 2], [3, 0], [5, 5]])
+    x, tx = _rand(23, 3, 2, 4), _rand(24, 3, 2, 4)
+
+    @tf.function(autograph=False)
+    def loop_sum(a):  # (TensorFlow's accumulator fails on a variable read in a loop)
+        return tf.while_loop(lambda k, s: k < 3, lambda k, s: (
+            k + 1, s + tf.sin(a[k]) * tf.cast(k + 1, tf.float32)),
+            (tf.constant(0), tf.zeros([2, 4])))[1]
+    results = []
+    for ours in (False, True):
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        vmap = oh.vectorized_map if ours else tf.vectorized_map
+        with Acc(*((V, tV) if loop == "vectorized_map" else (x, tx))) as acc, \
+                contextlib.ExitStack() as handlers:
+            for name in between.split("+") if ours else ():
+                handlers.enter_context(
+                    oh.native.OpCounter() if name == "OpCounter" else _BETWEEN[name]())
+            if loop == "vectorized_map":
+                y = vmap(lambda i: tf.sin(tf.gather(V, i)) * 2.0, ids)
+            else:
+                y = loop_sum(x)
+        results.append([y, acc.jvp(y)])
+    _same(results[0], results[1], "ForwardAccumulator > %s > %s" % (between, loop))

@@ -161,6 +161,11 @@ def _known_limitation(stack, program):
     - a tape around an accumulator: tf.GradientTape > tf.autodiff.ForwardAccumulator
       around a called tf.function gives other second-order values than the same
       nesting eagerly (ours gives the eager ones; OH_FUZZ_SEED=5, case 11).
+    Spot-checked 2026-11-25 (TensorFlow's reference eager against in a function, seeds
+    5-6, both draws): still wrong in a function for a tape around an accumulator
+    (OH_FUZZ_SEED=5 case 11: second-order values) and an accumulator over a max pool
+    (case 71: JVPs); two accumulators in a function mostly fail in TensorFlow itself
+    ("variable without handle data", 6 of 6 drawn), so eager keeps them covered.
     Fixed and back in the draw (tests below): Async inside vectorized_map, DataFormat
     with vectorized_map in a function, an HVP with Lazy in a function."""
     layers = stack.layers
@@ -460,15 +465,30 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
           "vectorized_map > OpCounter > PassThrough > GradientTape")
 
 
-# Unfixed, still in the draw (OH_FUZZ_SEED=7 slow run, case 33, fails on c45ad02 too):
-# CheckNumerics > GradientTape > ForwardAccumulator > Recompute(budget), eager, over a
-# max pool: wrong second-order values (the tape's gradient of the JVPs).
+# Fixed (tests elsewhere): CheckNumerics > GradientTape > ForwardAccumulator >
+# Recompute(budget) over a max pool (OH_FUZZ_SEED=7 slow case 33; the max pool was not
+# involved: Recompute's segments under an accumulator lost the tape's record of the
+# tangents, test_recompute.py); ForwardAccumulator > PassThrough > vectorized_map >
+# Recompute(save) (OH_FUZZ_SEED=20 slow case 48; HandlerOutputError from
+# function_coerce: loop variables joined at one level only,
+# test_forward_accumulator_compose.py).
 #
-# Unfixed (in the draw): ForwardAccumulator > PassThrough > vectorized_map >
-# Recompute(save), OH_FUZZ_SEED=20 slow draw case 48, raises HandlerOutputError
-# "ForwardAccumulator().function_coerce gave summary True, not False". Smallest form:
-# `with oh.ForwardAccumulator(V, tV): with oh.native.PassThrough():
-# oh.vectorized_map(lambda i: tf.gather(V, i), ids)` for a watched variable V (without
-# the PassThrough it works): the gather runs in pfor's while-loop function, whose
-# replay through the PassThrough and the accumulator probes the loop variables as
-# having no tangent and then finds one in the body (core/functions/control_flow.py).
+# Unfixed (in the draw, fails on defda0e too): GradientTape > Recompute > Recompute, warm
+# (a tf.function), OH_FUZZ_SEED=20 slow draw case 38 (alone too): HandlerError "the
+# gradient of recompute segment gradients/IdentityN_3_grad/IdentityN is not known here
+# (its function was rebuilt from a FunctionDef)": two nested Recompute scopes.
+#
+# Unfixed (in the draw, fails on defda0e too): tf.GradientTape > vectorized_map > Async >
+# OpCounter, unknown_batch, and CheckNumerics > ForwardAccumulator > tf.GradientTape >
+# vectorized_map > Async, eager (OH_FUZZ_SEED=24 slow draw cases 15 and 31, alone too):
+# under a tf.GradientTape the map traces the mapped function, and Async refuses to be
+# opened in a trace (HandlerError "Async() cannot be opened inside a function being
+# traced"): a clear error, as Lazy's (left out of the draw), but not excluded.
+#
+# Unfixed (in the draw, fail on defda0e too, alone too), found 2026-11-25 (slow draws of
+# seeds 6-30, OpCounter and tf.GradientTape stacks only):
+# - vectorized_map > Recompute(save) > tf.GradientTape > DataFormat > tf.GradientTape,
+#   unknown_batch, OH_FUZZ_SEED=21 slow case 39: wrong second-order values (output 7).
+# - Async > OpCounter > ForwardAccumulator > Recompute > ForwardAccumulator >
+#   vectorized_map, eager, OH_FUZZ_SEED=28 slow case 7: TypeError "`dtype` resource is
+#   not compatible with 0 of dtype int64" (vectorized_map.py _batched).

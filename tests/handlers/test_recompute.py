@@ -2,6 +2,9 @@
 and Keras models, eager and in tf.function, stateful ops kept, a real drop of the peak
 memory measured with TensorFlow's BFC CPU allocator (in a subprocess), clear errors."""
 
+import contextlib
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -282,6 +285,38 @@ def test_hessian_vector_product_with_forward_accumulator():
                                atol=1e-7)
     np.testing.assert_allclose(results[1][1].numpy(), results[0][1].numpy(), rtol=1e-4,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["sqrt", "save", "budget"])
+def test_tape_of_jvps_with_the_accumulator_between_tape_and_scope(policy):
+    # Fuzz finding (CheckNumerics > GradientTape > ForwardAccumulator > Recompute(budget),
+    # OH_FUZZ_SEED=7 slow case 33): the accumulator computed the tangents of a segment's
+    # ops with the tapes paused, and the segment's gradient recomputes primals only: the
+    # tape's gradients of the JVPs were None, second-order gradients wrong. Ops now run
+    # as they are there (warned: nothing can be saved).
+    z = tf.constant(RNG.standard_normal((4, 4)).astype(np.float32))
+    w = tf.Variable(RNG.standard_normal((4, 4)).astype(np.float32))
+    tz, tw = [tf.constant(RNG.standard_normal((4, 4)).astype(np.float32)) for _ in "zw"]
+    make = {"sqrt": oh.Recompute, "save": lambda: oh.Recompute(save=("MatMul",)),
+            "budget": lambda: oh.Recompute(memory_budget=1 << 20)}[policy]
+    results = []
+    for ours in (False, True):
+        Tape = oh.GradientTape if ours else tf.GradientTape
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        with Tape(persistent=True) as tape:
+            tape.watch(z)
+            with Acc([z, w], [tz, tw]) as acc:
+                with make() if ours else contextlib.nullcontext(), \
+                        warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    outs = [tf.matmul(z, w), tf.sin(z) * tf.tanh(z @ w)]
+            outs += [acc.jvp(o) for o in outs]
+        results.append(outs + [g for o in outs for g in tape.gradient(o, [z, w])])
+    for i, (want, got) in enumerate(zip(*results)):
+        assert (got is None) == (want is None), i
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5,
+                                   err_msg=str(i))
+    assert any("ForwardAccumulator is between" in str(w.message) for w in caught)
 
 
 def test_composes_with_parallel_handler_and_vectorized_map():

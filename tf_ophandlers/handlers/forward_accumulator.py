@@ -314,6 +314,7 @@ def _tensorflow_jvp(execute, op, primals, tangents, outputs):
 
 
 _RULES["MaxPool"] = _more_rules.max_pool(_tensorflow_jvp)
+_under_another = lambda acc: _more_rules.under_another(acc, ForwardAccumulator)  # noqa: E731
 
 
 _UNSEEN_INPUT_WARNING = (
@@ -553,10 +554,9 @@ class ForwardAccumulator(OpHandler):
         return Dual(value.primal, tf.zeros_like(value.primal)) if summary else value
 
     def function_call_join(self, summaries):
-        # TensorFlow's JVP of a call takes zeros for the arguments without a tangent: a
-        # result computed from them gets zeros, not None (an HVP's gradient call, whose
-        # output gradients have none). A paused accumulator computes no JVPs.
-        return "call" if self._live and any(summaries) else None
+        # TensorFlow's JVP of a call gives zeros to the arguments without a tangent (an
+        # HVP's gradient call), not inside nested JVPs (see under_another). Paused: none.
+        return "call" if self._live and any(summaries) and not _under_another(self) else None
 
     def function_gradients_dense(self, summary):
         # As TensorFlow's: tangents on a call's arguments make its gradients dense (only
@@ -564,9 +564,9 @@ class ForwardAccumulator(OpHandler):
         return bool(summary) and self._live
 
     def function_cache_key(self):
-        # The replay depends only on the tangents' presence (the summaries) and on
-        # whether the accumulator records: accumulators of later steps share it.
-        return ("ForwardAccumulator", self._live)
+        # The replay depends on the tangents' presence (the summaries), on whether the
+        # accumulator records and function_call_join: later steps' accumulators share it.
+        return ("ForwardAccumulator", self._live, _under_another(self))
 
     # -- results --------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.stack import current_stack, representation_of
+from tf_ophandlers.core.functions import call_records
 
 _NHWC = (b"NHWC", "NHWC")
 
@@ -39,6 +40,17 @@ def max_pool(fallback):
         offsets = tf.reshape(tf.range(n) * per_image, [-1, 1, 1, 1])
         return [tf.gather(tf.reshape(t, [-1]), argmax + offsets)]
     return rule
+
+
+def under_another(accumulator, kind):
+    """Whether a call reaching `accumulator` is another recording accumulator's (`kind`)
+    replay of a tf.function (its JVPs inside), kept whole by a handler between (e.g.
+    oh.Recompute). TensorFlow computes nested accumulators' JVPs of a call op by op in
+    one function, where an argument without a tangent has none (None, not the zeros of
+    a call's JVP)."""
+    return any(isinstance(s.handler, kind) and s.handler is not accumulator
+               and s.handler._live  # pylint: disable=protected-access
+               for run in call_records.replays_running() for s in run.segment)
 
 
 def distinct(primals):

@@ -171,6 +171,7 @@ class Recompute(OpHandler):
         self._pending = []  # closed segments not recorded yet (recorded at flush)
         self._lagging = None  # the last segment closed, its values not dropped yet
         self._depth = 0
+        self._below = self._tf_tape = self._as_is = self._warned_forward = None
         self._computed = 0  # bytes of values computed by segments in this scope
         self._count = 0  # values computed by segments in this scope
         self._kept = 0  # bytes kept by the tapes (segment outputs) in this scope
@@ -230,6 +231,7 @@ class Recompute(OpHandler):
             # activation whatever the handler does (only oh.GradientTape, below the
             # handler, records what it gives it). Said, not silently ignored.
             self._tf_tape = not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+            self._below = None  # _as_is follows _tf_tape
             if self._tf_tape:
                 warnings.warn(
                     "oh.Recompute: a tf.GradientTape is recording around this scope; it "
@@ -392,8 +394,10 @@ class Recompute(OpHandler):
 
     def execute(self, op, inputs):
         below = self.next
+        if below is not self._below:
+            self._below_stack(below)
         if op.output_dtype_enums is None and self._depth \
-                and not self._tf_tape and recompute_calls.applies(op):
+                and not self._as_is and recompute_calls.applies(op):
             # The forward function of a tf.function call a tape records (TensorFlow
             # calls it with recording stopped): run as a segmented rewrite.
             if any(type(v) is _Value and v.segment is not None for v in inputs):
@@ -403,12 +407,12 @@ class Recompute(OpHandler):
                 self._calls += 1
                 self._call_segments += segments
                 return self._wrap(outputs, True)
-        if self._tf_tape or not _record.could_possibly_record():
+        if self._as_is or not _record.could_possibly_record():
             # No tape records: nothing to checkpoint (also during a backward pass). Under a
             # recording tf.GradientTape nothing can be saved (it keeps the scope's values
             # itself) and a segment's gradient, one call of a cached function, is not
             # differentiable by that tape: its gradient of an oh tape's gradient was None.
-            # So each op is recorded as it is.
+            # So each op is recorded as it is; also under an accumulator (_below_stack).
             if any(type(v) is _Value and v.segment is not None for v in inputs):
                 self.flush()
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
@@ -431,6 +435,16 @@ class Recompute(OpHandler):
                                             partial=self._region() == "selective")
             return self._wrap(below.execute(op, self._tensors(inputs)), False)
         return self._run_kept(op, inputs, interior)
+
+    def _below_stack(self, below):
+        """Ops run as they are with an accumulator below (recompute_calls.forward_between)."""
+        self._below = below
+        forward = recompute_calls.forward_between(below)
+        self._as_is = self._tf_tape or forward
+        if forward and not self._warned_forward:
+            self._warned_forward = True
+            warnings.warn(recompute_calls.FORWARD_BETWEEN, RuntimeWarning,
+                          stacklevel=_user_stacklevel())
 
     def _run_kept(self, op, inputs, interior):
         """Runs `op` as it is; the tape records it itself, so the segments computing its

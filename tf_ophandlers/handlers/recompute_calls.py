@@ -282,6 +282,28 @@ def _tape_above(handler):
                and handler in f.handlers for f in state.frames)
 
 
+FORWARD_BETWEEN = (
+    "oh.Recompute: an oh.ForwardAccumulator is between this scope and the tape; the "
+    "tangents it computes are recorded op by op, so nothing is saved (gradients are "
+    "unchanged). Open oh.Recompute() outside the accumulator (inside the tape) to save "
+    "memory.")
+
+
+def forward_between(stack):
+    """Whether the handler nearest `stack`'s top that differentiates is a forward one
+    (oh.ForwardAccumulator): then oh.Recompute above runs its ops as they are. The
+    accumulator computes the tangents of a segment's ops with the tapes paused, and a
+    segment's gradient recomputes the primals only: a tape's gradient of a JVP was None
+    (reverse over forward: a Hessian-vector product) and second-order gradients wrong
+    (CheckNumerics > GradientTape > ForwardAccumulator > Recompute(budget),
+    OH_FUZZ_SEED=7 slow case 33)."""
+    for h in reversed(getattr(stack, "handlers", ())):
+        kind = getattr(h, "differentiates", None)
+        if kind in ("forward", "reverse"):
+            return kind == "forward"
+    return False
+
+
 def run(handler, op, tensors, stack):
     """Runs forward call `op` on `tensors` (of `stack`, the handler's next) as its
     rewrite; returns its outputs and the number of segments in the rewrite, or None when

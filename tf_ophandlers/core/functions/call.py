@@ -186,7 +186,7 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
     if bottom is PHYSICAL:
         results = entry.compiled.run(bottom, leaves)
     else:  # a tape at the bottom records the replayed call: dense gradients if `dense`
-        with call_records.replay_run(dense) as run:
+        with call_records.replay_run(dense, segment) as run:
             results = entry.compiled.run(bottom, leaves)
         dense = dense or run.nested_dense  # tangents from further down
     it = iter(results)

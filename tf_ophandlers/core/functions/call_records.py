@@ -105,18 +105,28 @@ class ReplayRun:
     TensorFlow makes then densifies its gradients (`dense`), and whether a call replayed
     inside the run had dense gradients (`nested_dense`)."""
 
-    __slots__ = ("dense", "nested_dense")
+    __slots__ = ("dense", "nested_dense", "segment", "outer")
 
-    def __init__(self, dense):
+    def __init__(self, dense, segment=(), outer=None):
         self.dense = dense
         self.nested_dense = False
+        self.segment = segment  # the stacks that replayed it (their handlers above)
+        self.outer = outer  # the run this one runs in, if any
+
+
+def replays_running():
+    """The `ReplayRun`s running on this thread, innermost first."""
+    run = _local.run
+    while run is not None:
+        yield run
+        run = run.outer
 
 
 @contextlib.contextmanager
-def replay_run(dense):
+def replay_run(dense, segment=()):
     """Around the run of a replayed function on a tape's stack; yields its `ReplayRun`."""
     saved = _local.run
-    run = _local.run = ReplayRun(dense)
+    run = _local.run = ReplayRun(dense, segment, saved)
     try:
         yield run
     finally:

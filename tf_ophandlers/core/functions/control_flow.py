@@ -46,10 +46,17 @@ class ControlFlow:
                 "different handler stacks (%r)" % (self.name, list(trees)))
         stack = self.segment[first[0]]
         summary = stack.call_hook(stack.handler.function_join, [t[1] for t in trees])
-        for t in trees:
-            if t[1] == summary:
-                return t
-        return (first[0], summary, None)  # parts follow from the coerced values
+        same = [t for t in trees if t[1] == summary]
+        if not same:
+            return (first[0], summary, None)  # parts follow from the coerced values
+        subs = [t[2] for t in same]
+        if any(s is None or len(s) != len(subs[0]) for s in subs) or all(
+                s == subs[0] for s in subs[1:]):
+            return same[0]
+        # Equal here, different below (a tangent appearing under a pass-through handler
+        # in a loop body): the levels below are joined too.
+        return (first[0], summary,
+                tuple(self._join([s[k] for s in subs]) for k in range(len(subs[0]))))
 
     def _coerce(self, tensor, tree):
         """`tensor` (on the stack of `tree`'s level) converted to `tree`'s summaries."""

@@ -46,11 +46,14 @@ def _reduction_axes(xs, ys):
     return x_axes, y_axes
 
 
-def _reduced(grad, shape, axes, other_rank):
-    """`_ReduceGradientArg` with static axes (graph mode's `must_reduce`)."""
+def _reduced(grad, grad_shape, shape, axes, other_rank):
+    """`_ReduceGradientArg` with static axes (graph mode's `must_reduce`). A Sum over
+    axes of size 1 only (`h + b` with `h` [1, n] per example) is left out: the Reshape
+    alone gives its values (up to the sign of a zero)."""
     if grad is None or not (axes or len(shape) < other_rank):
         return grad
-    grad = math_ops.reduce_sum(grad, _int32(tuple(axes)), keepdims=True)
+    if any(grad_shape[a] != 1 for a in axes):
+        grad = math_ops.reduce_sum(grad, _int32(tuple(axes)), keepdims=True)
     return array_ops.reshape(grad, _int32(shape))
 
 
@@ -74,7 +77,7 @@ def _add_or_sub(op, grad, negate):
     x_axes, y_axes = _reduction_axes(xs, ys)
     gx = None if 0 in skip else grad
     gy = None if 1 in skip else (-grad if negate else grad)
-    return (_reduced(gx, xs, x_axes, len(ys)), _reduced(gy, ys, y_axes, len(xs)))
+    return (_reduced(gx, gs, xs, x_axes, len(ys)), _reduced(gy, gs, ys, y_axes, len(xs)))
 
 
 #: op type -> fn(mock op, *output gradients) -> input gradients, or None (no fast path)

@@ -1,4 +1,4 @@
-"""Gradients of the broadcasting Add/AddV2/Sub from static shapes, for `oh.GradientTape`
+"""Gradients of the broadcasting Add/AddV2/Sub (and Sum) from static shapes, for `oh.GradientTape`
 on the stack of a handler with ``static_shape_gradients = True`` (oh.vectorized_map,
 issue 17).
 
@@ -80,9 +80,22 @@ def _add_or_sub(op, grad, negate):
     return (_reduced(gx, gs, xs, x_axes, len(ys)), _reduced(gy, gs, ys, y_axes, len(xs)))
 
 
+def _sum(op, grad):
+    """TensorFlow's `_SumGrad` where the input has one element (a per-example loss of
+    shape [1] summed to a scalar): the Reshape alone, without its Tile by ones."""
+    if not isinstance(grad, tf.Tensor) or not _context.executing_eagerly():
+        return None
+    x = op.inputs[0]
+    shape = None if x is None else x._shape_tuple()  # pylint: disable=protected-access
+    if not _known(shape) or any(d != 1 for d in shape):
+        return None
+    return [array_ops.reshape(grad, _int32(shape)), None]
+
+
 #: op type -> fn(mock op, *output gradients) -> input gradients, or None (no fast path)
 STATIC_GRADIENTS = {
     "Add": lambda op, grad: _add_or_sub(op, grad, False),
     "AddV2": lambda op, grad: _add_or_sub(op, grad, False),
     "Sub": lambda op, grad: _add_or_sub(op, grad, True),
+    "Sum": _sum,
 }

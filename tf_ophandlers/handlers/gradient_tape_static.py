@@ -1,4 +1,4 @@
-"""Gradients of the broadcasting Add/AddV2/Sub (and Sum) from static shapes, for `oh.GradientTape`
+"""Gradients of the broadcasting Add/AddV2/Sub/Mul (and Sum) from static shapes, for `oh.GradientTape`
 on the stack of a handler with ``static_shape_gradients = True`` (oh.vectorized_map,
 issue 17).
 
@@ -13,7 +13,7 @@ axes and a Reshape to the same shape are the identity).
 """
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
-from tensorflow.python.ops import array_ops, math_ops
+from tensorflow.python.ops import array_ops, gen_math_ops, math_ops
 
 from tf_ophandlers.core.cache import BoundedCache
 
@@ -80,6 +80,28 @@ def _add_or_sub(op, grad, negate):
     return (_reduced(gx, gs, xs, x_axes, len(ys)), _reduced(gy, gs, ys, y_axes, len(xs)))
 
 
+def _mul(op, grad):
+    """TensorFlow's `_MulGrad` with static reduction axes, or None."""
+    if not isinstance(grad, tf.Tensor) or not _context.executing_eagerly():
+        return None
+    x, y = op.inputs
+    if x is None or y is None or x.dtype.base_dtype != y.dtype.base_dtype:
+        return None
+    xs, ys = x._shape_tuple(), y._shape_tuple()  # pylint: disable=protected-access
+    gs = grad._shape_tuple()  # pylint: disable=protected-access
+    if not (_known(xs) and _known(ys) and _known(gs)):
+        return None
+    skip = op.skip_input_indices or ()
+    if 1 in skip and ys == ():
+        return gen_math_ops.mul(grad, math_ops.conj(y)), None
+    if xs == ys == gs and grad.dtype in (tf.int32, tf.float32):
+        return gen_math_ops.mul(grad, y), gen_math_ops.mul(grad, x)
+    gx = None if 0 in skip else gen_math_ops.mul(grad, math_ops.conj(y))
+    gy = None if 1 in skip else gen_math_ops.mul(math_ops.conj(x), grad)
+    x_axes, y_axes = _reduction_axes(xs, ys)
+    return (_reduced(gx, gs, xs, x_axes, len(ys)), _reduced(gy, gs, ys, y_axes, len(xs)))
+
+
 def _sum(op, grad):
     """TensorFlow's `_SumGrad` where the input has one element (a per-example loss of
     shape [1] summed to a scalar): the Reshape alone, without its Tile by ones."""
@@ -97,5 +119,6 @@ STATIC_GRADIENTS = {
     "Add": lambda op, grad: _add_or_sub(op, grad, False),
     "AddV2": lambda op, grad: _add_or_sub(op, grad, False),
     "Sub": lambda op, grad: _add_or_sub(op, grad, True),
+    "Mul": _mul,
     "Sum": _sum,
 }

@@ -1,6 +1,6 @@
-"""Gradients of the broadcasting Add/AddV2/Sub/Mul (and Sum) from static shapes, for `oh.GradientTape`
-on the stack of a handler with ``static_shape_gradients = True`` (oh.vectorized_map,
-issue 17).
+"""Gradients of the broadcasting Add/AddV2/Sub/Mul (and Sum) from static shapes, for
+`oh.GradientTape` on the stack of a handler with ``static_shape_gradients = True``
+(oh.vectorized_map, issue 17).
 
 TensorFlow's eager gradient functions find the reduction axes at run time (two Shape ops
 and a BroadcastGradientArgs, then a Sum and a Reshape per input: 7 ops for `h + b`),
@@ -17,14 +17,15 @@ from tensorflow.python.ops import array_ops, gen_math_ops, math_ops
 
 from tf_ophandlers.core.cache import BoundedCache
 
-# Shapes and axes by value -> a physical int32 constant (a few per program).
+# (shape or axes, device scope) -> a physical int32 constant (a few per program).
 _constants = BoundedCache("gradient_tape.static_shape_constants", 1024)
 
 
 def _int32(values):
-    t = _constants.get(values)
+    key = (values, _context.context().device_name)
+    t = _constants.get(key)
     if t is None:
-        t = _constants[values] = tf.constant(values, dtype=tf.int32)
+        t = _constants[key] = tf.constant(values, dtype=tf.int32)
     return t
 
 

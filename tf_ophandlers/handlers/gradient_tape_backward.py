@@ -24,6 +24,7 @@ from tensorflow.python.util import nest
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
+from tf_ophandlers.handlers.gradient_tape_static import STATIC_GRADIENTS
 
 _key = tensor_key
 _stack_of = stack_of
@@ -285,7 +286,13 @@ class BackwardPass:
             mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
                 record.op.attr_tuple(), record.inputs, record.outputs, record.op_type,
                 record.skip)
-            in_grads = grad_fn(mock, *out_grads)
+            in_grads = None
+            static = STATIC_GRADIENTS.get(gradient_type)
+            if static is not None and getattr(record.stack.handler, "static_shape_gradients",
+                                              False):
+                in_grads = static(mock, *out_grads)  # None: not on static shapes
+            if in_grads is None:
+                in_grads = grad_fn(mock, *out_grads)
         if not isinstance(in_grads, (list, tuple)):
             in_grads = [in_grads]
         if len(in_grads) != len(record.inputs):

@@ -267,6 +267,9 @@ class VectorizedMap(OpHandler):
     # Read by oh.GradientTape: a target's default output gradient (ones) may be a cached
     # constant copied onto this stack (unbatched), as `ones_like` here gives.
     constant_seeds = True
+    # Read by oh.GradientTape: Add/Sub gradients take their reduction axes from the
+    # static (per-example) shapes, as graph gradients do (gradient_tape_static.py).
+    static_shape_gradients = True
 
     def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)

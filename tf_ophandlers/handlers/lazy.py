@@ -553,6 +553,10 @@ class Lazy(OpHandler):
                     node.values = [None] * len(node.outputs)
                 node.values[k] = value
         lazy_computed(order)  # node.inputs = None for each: releases the inputs
+        if len(self._pending) == len(order):
+            # Every pending node was in `order` (each has one entry in `_pending`), now
+            # computed: what _prune would keep is nothing (spares the scope exit's passes).
+            self._pending = []
         self._recorded = 0  # chunks count the ops recorded since the last run
         if not chunk:
             self.flushes += 1

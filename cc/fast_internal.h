@@ -243,11 +243,48 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
 // import): the types and caches RunLazy uses. Python C-API contract. GIL: held.
 PyObject* PyLazySetup(PyObject*, PyObject* args);
 
-// lazy_plan(order, needed, specs) -> (plan, parts, returned, kept, external, ext_specs):
+// What lazy_setup registered (strong references, for the process), null before it;
+// shared by fast_lazy.cc (recording) and fast_lazy_plan.cc (value requests).
+struct LazyTypes {
+  PyTypeObject* value = nullptr;  // LazyValue
+  PyTypeObject* node = nullptr;   // _Node
+  PyObject* sequence = nullptr;   // lazy._sequence (an itertools.count)
+  PyObject* sigs = nullptr;       // lazy_compile.sigs: (op type, enums) -> signature
+  PyObject* dtypes = nullptr;     // lazy._dtypes: enum -> tf.DType
+  PyObject* stateful = nullptr;   // lazy._stateful: op type -> whether it runs eagerly
+  PyObject* s_pending = nullptr;  // "_pending"
+  PyObject* s_chunk_ops = nullptr;
+  PyObject* s_recorded = nullptr;
+  PyObject* s_live_nodes = nullptr;
+  PyObject* s_prune = nullptr;
+  // Slot offsets (LazyValue: node, index, dtype, value; _Node: the rest).
+  Py_ssize_t v_node = 0, v_index = 0, v_dtype = 0, v_value = 0;
+  Py_ssize_t n_seq = 0, n_sig = 0, n_op = 0, n_device = 0, n_inputs = 0, n_outputs = 0,
+             n_values = 0, n_specs = 0, n_next = 0, n_failed = 0;
+};
+extern LazyTypes g_lazy;
+extern bool g_lazy_ready;
+
+// Slot `offset` of a `__slots__` object (may be null: unset).
+inline PyObject*& Slot(PyObject* o, Py_ssize_t offset) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
+}
+
+// ---- fast_lazy_plan.cc ---------------------------------------------------------------
+
+// lazy_upstream(roots) -> list: the pending nodes `roots` depend on through pending
+// producers, roots included, in recording order (Lazy._run). Python C-API contract.
+PyObject* PyLazyUpstream(PyObject*, PyObject* args);
+
+// lazy_plan(order, needed, specs, want_plan) -> (plan, key, kept, external, ext_specs):
 // Lazy._run's pass over the pending nodes `order` (handlers/lazy.py says what each is;
-// `ext_specs` the external inputs' (dtype enum, shape) when `specs`, else None). Python
-// C-API contract. GIL: held.
+// `key` one bytes object encoding every node's op type, attributes, wiring, device and
+// live outputs; `plan` None unless `want_plan`; `ext_specs` the external inputs' (dtype
+// enum, shape) when `specs`, else None). Python C-API contract. GIL: held.
 PyObject* PyLazyPlan(PyObject*, PyObject* args);
+
+// lazy_computed(order): marks the nodes computed (inputs None, releasing them).
+PyObject* PyLazyComputed(PyObject*, PyObject* args);
 
 }  // namespace fast
 }  // namespace tf_ophandlers

@@ -26,28 +26,11 @@
 
 namespace tf_ophandlers {
 namespace fast {
-namespace {
 
-// What lazy_setup registered (strong references, for the process), null before it.
-struct LazyTypes {
-  PyTypeObject* value = nullptr;  // LazyValue
-  PyTypeObject* node = nullptr;   // _Node
-  PyObject* sequence = nullptr;   // lazy._sequence (an itertools.count)
-  PyObject* sigs = nullptr;       // lazy_compile.sigs: (op type, enums) -> signature
-  PyObject* dtypes = nullptr;     // lazy._dtypes: enum -> tf.DType
-  PyObject* stateful = nullptr;   // lazy._stateful: op type -> whether it runs eagerly
-  PyObject* s_pending = nullptr;  // "_pending"
-  PyObject* s_chunk_ops = nullptr;
-  PyObject* s_recorded = nullptr;
-  PyObject* s_live_nodes = nullptr;
-  PyObject* s_prune = nullptr;
-  // Slot offsets (LazyValue: node, index, dtype, value; _Node: the rest).
-  Py_ssize_t v_node = 0, v_index = 0, v_dtype = 0, v_value = 0;
-  Py_ssize_t n_seq = 0, n_sig = 0, n_op = 0, n_device = 0, n_inputs = 0, n_outputs = 0,
-             n_values = 0, n_specs = 0, n_next = 0, n_failed = 0;
-};
 LazyTypes g_lazy;
 bool g_lazy_ready = false;
+
+namespace {
 
 // (op type, output dtypes) -> signature, for types the Python caches call stateless
 // with attributes that follow the outputs. Strong references; bounded (cleared when full).
@@ -56,10 +39,6 @@ constexpr size_t kMaxSigs = 4096;
 // enum -> tf.DType (strong references).
 constexpr int kMaxEnum = 256;
 PyObject* g_dtype_objs[kMaxEnum] = {nullptr};
-
-PyObject*& Slot(PyObject* o, Py_ssize_t offset) {
-  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
-}
 
 // Sets slot `offset` of `o` (a fresh object: the slot is empty) to a new reference.
 void Set(PyObject* o, Py_ssize_t offset, PyObject* value) {
@@ -368,217 +347,6 @@ PyObject* PyLazySetup(PyObject*, PyObject* args) {
   g_lazy = t;
   g_lazy_ready = true;
   Py_RETURN_NONE;
-}
-
-}  // namespace fast
-}  // namespace tf_ophandlers
-
-namespace tf_ophandlers {
-namespace fast {
-namespace {
-
-// (dtype enum, shape tuple) of an EagerTensor, as a key part; null with an error set.
-PyObject* EagerSpec(PyObject* t) {
-  TFE_TensorHandle* h = EagerTensor_Handle(t);
-  TF_Status* s = ThreadStatus();
-  int rank = TFE_TensorHandleNumDims(h, s);
-  PyObject* shape = TF_GetCode(s) == TF_OK && rank >= 0 ? PyTuple_New(rank) : nullptr;
-  for (int d = 0; shape != nullptr && d < rank; ++d) {
-    int64_t n = TFE_TensorHandleDim(h, d, s);
-    PyObject* o = TF_GetCode(s) == TF_OK ? PyLong_FromLongLong(n) : nullptr;
-    if (o == nullptr) Py_CLEAR(shape);
-    else PyTuple_SET_ITEM(shape, d, o);
-  }
-  if (TF_GetCode(s) != TF_OK) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, TF_Message(s));
-    TF_SetStatus(s, TF_OK, "");
-    Py_XDECREF(shape);
-    return nullptr;
-  }
-  if (shape == nullptr) return nullptr;
-  PyObject* r = Py_BuildValue("(iN)", static_cast<int>(TFE_TensorHandleDataType(h)), shape);
-  return r;
-}
-
-bool Pending(PyObject* node) {
-  PyObject* in = Slot(node, g_lazy.n_inputs);
-  return in != nullptr && in != Py_None;
-}
-
-}  // namespace
-
-// lazy_plan(order, needed, specs) -> (plan, parts, returned, kept, external, ext_specs):
-// Lazy._run's loop over the pending nodes `order` (recording order). See lazy.py.
-PyObject* PyLazyPlan(PyObject*, PyObject* args) {
-  PyObject *order, *needed;
-  int specs;
-  if (!PyArg_ParseTuple(args, "O!Op", &PyList_Type, &order, &needed, &specs)) return nullptr;
-  if (!g_lazy_ready) {
-    PyErr_SetString(PyExc_RuntimeError, "lazy_plan: lazy_setup was not called");
-    return nullptr;
-  }
-  const bool any_needed = PyObject_IsTrue(needed) == 1;
-  std::unordered_map<PyObject*, Py_ssize_t> position;
-  std::unordered_map<void*, Py_ssize_t> ext_index;
-  PyObject* plan = PyList_New(0);
-  PyObject* parts = PyList_New(0);
-  PyObject* returned = PyList_New(0);
-  PyObject* kept = PyList_New(0);
-  PyObject* external = PyList_New(0);
-  PyObject* ext_specs = specs ? PyList_New(0) : Py_NewRef(Py_None);
-  PyObject* result = nullptr;
-  Py_ssize_t n = PyList_GET_SIZE(order);
-  if (!plan || !parts || !returned || !kept || !external || !ext_specs) goto out;
-  for (Py_ssize_t j = 0; j < n; ++j) {
-    PyObject* node = PyList_GET_ITEM(order, j);
-    if (Py_TYPE(node) != g_lazy.node || !Pending(node)) {
-      PyErr_SetString(PyExc_TypeError, "lazy_plan: not a pending node");
-      goto out;
-    }
-    position[node] = j;
-    PyObject* outs = Slot(node, g_lazy.n_outputs);
-    PyObject* inputs = Slot(node, g_lazy.n_inputs);
-    PyObject* seq = Slot(node, g_lazy.n_seq);
-    if (!outs || !PyList_Check(outs) || !PyList_Check(inputs) || !seq) {
-      PyErr_SetString(PyExc_TypeError, "lazy_plan: a malformed node");
-      goto out;
-    }
-    // The live outputs: referenced by the program, or needed by a pending node outside.
-    PyObject* live = PyList_New(0);
-    if (live == nullptr) goto out;
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(outs); ++k) {
-      PyObject* o = PyWeakref_GetObject(PyList_GET_ITEM(outs, k));  // borrowed
-      if (o == nullptr) {
-        Py_DECREF(live);
-        goto out;
-      }
-      int need = 0;
-      if (any_needed) {
-        PyObject* key = Py_BuildValue("(On)", seq, k);
-        need = key != nullptr ? PySet_Contains(needed, key) : -1;
-        Py_XDECREF(key);
-        if (need < 0) {
-          Py_DECREF(live);
-          goto out;
-        }
-      }
-      if (o == Py_None && !need) continue;
-      PyObject* kk = PyLong_FromSsize_t(k);
-      PyObject* entry = kk ? PyTuple_Pack(3, node, kk, o) : nullptr;
-      PyObject* ret = entry ? Py_BuildValue("(nn)", j, k) : nullptr;
-      bool ok = ret && PyList_Append(live, kk) == 0 && PyList_Append(kept, entry) == 0 &&
-                PyList_Append(returned, ret) == 0;
-      Py_XDECREF(kk);
-      Py_XDECREF(entry);
-      Py_XDECREF(ret);
-      if (!ok) {
-        Py_DECREF(live);
-        goto out;
-      }
-    }
-    PyObject* live_t = PyList_AsTuple(live);
-    Py_DECREF(live);
-    if (live_t == nullptr) goto out;
-    Py_ssize_t n_in = PyList_GET_SIZE(inputs);
-    PyObject* refs = PyList_New(n_in);
-    bool ok = refs != nullptr;
-    for (Py_ssize_t i = 0; ok && i < n_in; ++i) {
-      PyObject* t = PyList_GET_ITEM(inputs, i);
-      PyObject* ref = nullptr;
-      if (PyTuple_CheckExact(t)) {
-        PyObject* producer = PyTuple_GET_ITEM(t, 0);
-        PyObject* k = PyTuple_GET_ITEM(t, 1);
-        if (Pending(producer)) {
-          auto it = position.find(producer);
-          if (it == position.end()) {
-            PyErr_SetString(PyExc_RuntimeError, "lazy_plan: a producer after its consumer");
-            ok = false;
-            break;
-          }
-          ref = Py_BuildValue("(nO)", it->second, k);
-          ok = ref != nullptr;
-          if (ok) PyList_SET_ITEM(refs, i, ref);
-          continue;
-        }
-        PyObject* values = Slot(producer, g_lazy.n_values);  // computed: its kept value
-        t = values != nullptr && values != Py_None ? PyObject_GetItem(values, k) : nullptr;
-        if (t == nullptr) {
-          if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "lazy_plan: a lost value");
-          ok = false;
-          break;
-        }
-        Py_DECREF(t);  // (values keeps it)
-      }
-      void* key = EagerTensor_CheckExact(t) ? static_cast<void*>(EagerTensor_Handle(t))
-                                            : static_cast<void*>(t);
-      auto it = ext_index.find(key);
-      Py_ssize_t e;
-      if (it == ext_index.end()) {
-        e = PyList_GET_SIZE(external);
-        ext_index.emplace(key, e);
-        if (PyList_Append(external, t) < 0) {
-          ok = false;
-          break;
-        }
-        if (specs) {
-          PyObject* sp = EagerTensor_CheckExact(t) ? EagerSpec(t) : nullptr;
-          if (sp == nullptr && !PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "lazy_plan: an external input is not a tensor");
-          }
-          ok = sp != nullptr && PyList_Append(ext_specs, sp) == 0;
-          Py_XDECREF(sp);
-          if (!ok) break;
-        }
-      } else {
-        e = it->second;
-      }
-      ref = Py_BuildValue("(nn)", static_cast<Py_ssize_t>(-1), e);
-      ok = ref != nullptr;
-      if (ok) PyList_SET_ITEM(refs, i, ref);
-    }
-    PyObject* refs_t = ok ? PyList_AsTuple(refs) : nullptr;
-    PyObject* sig = Slot(node, g_lazy.n_sig);
-    PyObject* device = Slot(node, g_lazy.n_device);
-    if (refs_t != nullptr && (sig == nullptr || device == nullptr)) {
-      PyErr_SetString(PyExc_TypeError, "lazy_plan: a node without sig or device");
-      Py_CLEAR(refs_t);
-      ok = false;
-    }
-    PyObject* step = refs_t ? PyTuple_Pack(4, node, refs, live_t, device) : nullptr;
-    // graph_builder.node_part's (op type, attributes key, refs, device).
-    PyObject* part = step && PyTuple_Check(sig) && PyTuple_GET_SIZE(sig) == 2
-                         ? PyTuple_Pack(4, PyTuple_GET_ITEM(sig, 0), PyTuple_GET_ITEM(sig, 1),
-                                        refs_t, device)
-                         : nullptr;
-    ok = part && PyList_Append(plan, step) == 0 && PyList_Append(parts, part) == 0;
-    if (step && !part && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "lazy_plan: sig");
-    Py_XDECREF(part);
-    Py_XDECREF(step);
-    Py_XDECREF(refs_t);
-    Py_XDECREF(refs);
-    Py_DECREF(live_t);
-    if (!ok) goto out;
-  }
-  {
-    PyObject* ret_t = PyList_AsTuple(returned);
-    PyObject* parts_t = ret_t ? PyList_AsTuple(parts) : nullptr;
-    PyObject* specs_t = parts_t ? (specs ? PyList_AsTuple(ext_specs) : Py_NewRef(Py_None))
-                                : nullptr;
-    if (specs_t != nullptr) {
-      result = Py_BuildValue("(ONNOON)", plan, parts_t, ret_t, kept, external, specs_t);
-    } else {
-      Py_XDECREF(ret_t);
-      Py_XDECREF(parts_t);
-    }
-  }
-out:
-  Py_XDECREF(plan);
-  Py_XDECREF(parts);
-  Py_XDECREF(returned);
-  Py_XDECREF(kept);
-  Py_XDECREF(external);
-  Py_XDECREF(ext_specs);
-  return result;
 }
 
 }  // namespace fast

@@ -246,7 +246,12 @@ PyMethodDef kFastModuleMethods[] = {
     {"lazy_setup", PyLazySetup, METH_VARARGS,
      "lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful): oh.Lazy's C record."},
     {"lazy_plan", PyLazyPlan, METH_VARARGS,
-     "lazy_plan(order, needed, specs): oh.Lazy's plan, key parts and external inputs."},
+     "lazy_plan(order, needed, specs, want_plan): oh.Lazy's key, kept outputs, external "
+     "inputs and (want_plan) plan."},
+    {"lazy_upstream", PyLazyUpstream, METH_VARARGS,
+     "lazy_upstream(roots): the pending nodes roots depend on, in recording order."},
+    {"lazy_computed", PyLazyComputed, METH_VARARGS,
+     "lazy_computed(order): marks the nodes computed (releases their inputs)."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
      "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops, "

@@ -50,9 +50,12 @@ def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
     _C.lazy_setup(value_type, node_type, sequence, sigs, dtypes, stateful)
 
 
-#: ``lazy_plan(order, needed, specs)``: oh.Lazy's pass over the pending nodes of a value
-#: request (cc/fast_lazy.cc; handlers/lazy.py `Lazy._run` says what it returns).
+#: ``lazy_plan(order, needed, specs, want_plan)``: oh.Lazy's pass over the pending nodes
+#: of a value request; ``lazy_upstream(roots)``: those nodes; ``lazy_computed(order)``:
+#: marks them computed (cc/fast_lazy_plan.cc; handlers/lazy.py `Lazy._run`).
 lazy_plan = _C.lazy_plan
+lazy_upstream = _C.lazy_upstream
+lazy_computed = _C.lazy_computed
 
 
 def handles_predicate(handler):

@@ -272,10 +272,10 @@ class BackwardPass:
             in_grads = record.backward(*out_grads)
         else:
             # A node's gradient override (tf.custom_gradient in a replayed function)
-            # replaces its type's gradient, as in TensorFlow's graph gradients.
-            gradient_type = getattr(record.op, "gradient_op_type", None) or record.op_type
+            # replaces its type's gradient, as in TensorFlow's graph gradients; the same
+            # lookup as oh.ForwardAccumulator's (a record without `backward` has its Op).
             try:
-                grad_fn = _ops._gradient_registry.lookup(gradient_type)  # pylint: disable=protected-access
+                grad_fn = _ops._gradient_registry.lookup(record.op.gradient_type)  # pylint: disable=protected-access
             except LookupError as e:
                 raise LookupError(
                     "oh.GradientTape: op %s has no registered gradient (%s); register one "

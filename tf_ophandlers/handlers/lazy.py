@@ -39,7 +39,8 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers.core import shapes
 from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.fast_decision import lazy_plan, lazy_record_setup
+from tf_ophandlers.core.fast_decision import (lazy_computed, lazy_plan, lazy_record_setup,
+                                               lazy_upstream)
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
@@ -117,8 +118,8 @@ class LazyValue:
 def _upstream(roots, follow):
     """`roots` and the nodes they depend on through producers for which `follow` holds,
     in topological order (the order of recording: an op is recorded after the ops that
-    produce its inputs); also the nodes by `seq`. A loop, not recursion: a chain of
-    pending ops can be thousands long."""
+    produce its inputs). A loop, not recursion: a chain of pending ops can be thousands
+    long. (A value request's walk, through every pending producer, is `lazy_upstream`.)"""
     seen, todo = {}, list(roots)
     while todo:
         node = todo.pop()
@@ -126,11 +127,9 @@ def _upstream(roots, follow):
             continue
         seen[node.seq] = node
         for i in node.inputs:
-            # (follow None: the pending producers, the value request's common case)
-            if type(i) is tuple and (i[0].inputs is not None if follow is None
-                                     else follow(i[0])):
+            if type(i) is tuple and follow(i[0]):
                 todo.append(i[0])
-    return [seen[k] for k in sorted(seen)], seen
+    return [seen[k] for k in sorted(seen)]
 
 
 def _named(e, types, what=""):
@@ -279,7 +278,7 @@ class Lazy(OpHandler):
             return self._tensor_spec(node.values[index])
         if node.specs is None:
             # The pending producers without specs, inferred in recording order.
-            chain, _ = _upstream([node], lambda p: p.inputs is not None and p.specs is None)
+            chain = _upstream([node], lambda p: p.inputs is not None and p.specs is None)
             for n in chain:
                 if n.inputs is not None and n.specs is None and not self._infer_node(n):
                     # The shape depends on values only the computation gives (eager
@@ -480,29 +479,34 @@ class Lazy(OpHandler):
         by a pending node outside this computation, or `keep` (a `(node, index)`). The
         others stay inside it (returning them would keep TensorFlow from freeing them).
         """
-        order, seen = _upstream(roots, None)  # the pending nodes they depend on
+        # The pending nodes they depend on, in recording order (cc/fast_lazy_plan.cc).
+        order = lazy_upstream(roots)
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
         if len(self._pending) > len(order):
             # Outputs that pending nodes outside `order` will need (every pending node
             # is in `_pending`; when it holds only `order`'s, there are none).
+            seen = {n.seq for n in order}
             for r in self._pending:
                 c = r()
                 if c is not None and c.inputs is not None and c.seq not in seen:
                     for i in c.inputs:
                         if type(i) is tuple and i[0].seq in seen:
                             needed.add((i[0].seq, i[1]))
-        # The plan, the key's parts (graph_builder.node_part's) and the outputs to keep,
-        # in one pass in C (cc/fast_lazy.cc): this runs on every value request. plan:
-        # (node, refs, live, device) per node, refs (-1, k) for external input k or (p, i)
-        # for output i of plan entry p; kept: (node, output, its LazyValue or None).
+        # The key's bytes (graph_builder.node_part's parts and the live outputs), the
+        # outputs to keep and the external inputs, in one pass in C: this runs on every
+        # value request. The plan only when the ops run one by one or compile (a cache
+        # miss): (node, refs, live, device) per node, refs (-1, k) for external input k
+        # or (p, i) for output i of plan entry p; kept: (node, output, its LazyValue or
+        # None).
         inflight = self._inflight
-        plan, parts, returned, kept, external, specs = lazy_plan(order, needed, not inflight)
+        physical = order[-1].next is PHYSICAL
+        plan, key, kept, external, specs = lazy_plan(order, needed, not inflight, not physical)
         if inflight:  # a chunk's outputs: the specs its function gives (not awaited)
             specs = tuple(_spec_key(inflight[tensor_key(t)][1] if tensor_key(t) in inflight
                                     else t) for t in external)
         # Everything the compiled function depends on (handlers/lazy_compile.py): op
         # types, attributes, wiring, devices, live outputs, the inputs' dtypes and shapes.
-        key = (parts, returned, specs, self.jit_compile)
+        key = (key, specs, self.jit_compile)
         try:
             entry = lazy_compile.functions.get(key) if chunk else None
             if entry is not None:  # a chunk of a known structure: launched, not awaited
@@ -512,7 +516,7 @@ class Lazy(OpHandler):
             else:
                 if inflight or (self._deferred is not None and not chunk):
                     self._wait()  # a chunk's error first; compiling needs the shapes
-                if order[-1].next is not PHYSICAL:
+                if not physical:
                     # A handler below (a tape) would see one function call: its gradient
                     # treats the call's outputs as one unit (a pending value the program
                     # keeps, e.g. a variable read's Identity, adds a dense zero to a
@@ -525,6 +529,7 @@ class Lazy(OpHandler):
                         outputs = entry.run(PHYSICAL, external)
                         self.cache_hits += 1
                     else:  # compiled from the nodes' Ops
+                        plan = lazy_plan(order, needed, False, True)[0]
                         plan = [(lazy_compile.op_of(n), r, l, d) for n, r, l, d in plan]
                         outputs, built, entry = lazy_compile.run(key, plan, external,
                                                                  self.jit_compile)
@@ -547,8 +552,11 @@ class Lazy(OpHandler):
                 if node.values is None:
                     node.values = [None] * len(node.outputs)
                 node.values[k] = value
-        for node in order:
-            node.inputs = None  # computed: release the inputs
+        lazy_computed(order)  # node.inputs = None for each: releases the inputs
+        if len(self._pending) == len(order):
+            # Every pending node was in `order` (each has one entry in `_pending`), now
+            # computed: what _prune would keep is nothing (spares the scope exit's passes).
+            self._pending = []
         self._recorded = 0  # chunks count the ops recorded since the last run
         if not chunk:
             self.flushes += 1

@@ -274,8 +274,9 @@ class BackwardPass:
             # A node's gradient override (tf.custom_gradient in a replayed function)
             # replaces its type's gradient, as in TensorFlow's graph gradients; the same
             # lookup as oh.ForwardAccumulator's (a record without `backward` has its Op).
+            gradient_type = record.op.gradient_type
             try:
-                grad_fn = _ops._gradient_registry.lookup(record.op.gradient_type)  # pylint: disable=protected-access
+                grad_fn = _ops._gradient_registry.lookup(gradient_type)  # pylint: disable=protected-access
             except LookupError as e:
                 raise LookupError(
                     "oh.GradientTape: op %s has no registered gradient (%s); register one "

@@ -13,6 +13,7 @@ send them to the oh.GradientTapes of the current scope, at each tape's level.
 >>> float(tape.gradient(y, x))
 4.0
 """
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util
@@ -110,14 +111,41 @@ def _could_possibly_record():
 
 
 def _possible_gradient_types(tensors):
+    tapes = _active_tapes()
+    if tapes and not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
+        for tape in tapes:  # first: TensorFlow's tapes then see the arguments they know
+            _link_on_tf_tapes(tensors, tape._tracked)  # pylint: disable=protected-access
     kind = _original_possible_gradient_types(tensors)
-    for tape in _active_tapes():
+    for tape in tapes:
         tape._harvest_variables()  # a function's captured variables were just read  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
         if any(_maybe_tracked(tape, t, tracked) for t in tensors):
             kind = (gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER if kind == 0
                     else gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER)
     return kind
+
+
+def _identity_gradient(gradient):
+    return [gradient]
+
+
+def _link_on_tf_tapes(tensors, tracked):
+    """Before a function call on `tensors` (TensorFlow asks which tapes could record it):
+    records on TensorFlow's tapes each argument that is another Python object of a
+    tensor an oh.GradientTape tracks (same handle; `tracked` is its map) as that tensor,
+    the object the tape recorded and bridged to TensorFlow's tapes. TensorFlow's tapes
+    know tensors by Python object, and a call replayed by handlers above the tape runs
+    on new wrappers of the arguments: a tf.GradientTape around the tape did not connect
+    the call the tape records to what it watches (and took its first-order forward
+    function, which keeps the saved tensors off its tape), so its gradient of the tape's
+    gradient was None."""
+    for t in tensors:
+        if not isinstance(t, _EagerTensor):
+            continue
+        known = tracked_entry(tracked, t)
+        if known is not None and known[0] is not t and isinstance(known[0], _EagerTensor):
+            _record.record_operation_backprop_only("Identity", [t], [known[0]],
+                                                   _identity_gradient)
 
 
 def _maybe_tracked(tape, tensor, tracked):

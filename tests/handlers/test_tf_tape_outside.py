@@ -1,0 +1,63 @@
+"""A tf.GradientTape outside an oh autodiff layer (a Hessian, a gradient penalty: the
+user's `with tf.GradientTape() as outer:` around `with oh.GradientTape() as inner:`),
+against the same program under TensorFlow's own nesting (tf.GradientTape >
+tf.GradientTape): values, None pattern, dtype, dense vs tf.IndexedSlices.
+
+Reductions of the stacks test_fuzz_stacks found differing (its `_known_limitation`).
+"""
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+
+from test_differential import _same  # values, dtypes, shapes, IndexedSlices, None
+
+HANDLERS = {"none": None, "OpHandler": oh.OpHandler, "OpLogHandler": oh.OpLogHandler}
+
+
+def _pool_matmul(x, w):
+    img = tf.reshape(x, [-1, 2, 2, 1])
+    p = tf.reshape(tf.nn.max_pool2d(img, 2, 1, "SAME"), [-1, 4])
+    return tf.reduce_mean(tf.matmul(p, w))
+
+
+def _tanh_matmul(x, w):
+    return tf.reduce_sum(tf.exp(tf.matmul(tf.tanh(x), w)) * x)
+
+
+PROGRAMS = {"pool_matmul": _pool_matmul, "tanh_matmul": _tanh_matmul}
+
+
+def _second_order(inner_tape, handler, program, function):
+    r = np.random.default_rng(0)
+    x = tf.constant(r.standard_normal((2, 4)).astype(np.float32))
+    w = tf.Variable(r.standard_normal((4, 4)).astype(np.float32))
+    fn = tf.function(program, autograph=False) if function else program
+    with tf.GradientTape(persistent=True) as outer:
+        outer.watch(x)
+        with inner_tape(persistent=True) as inner:
+            inner.watch(x)
+            with (handler() if handler is not None else contextlib.nullcontext()):
+                y = fn(x, w)
+        gx, gw = inner.gradient(y, [x, w])
+    # each target separately: a None among them shows which link is missing
+    return [outer.gradient(t, [x, w]) for t in (y, gx, gw)]
+
+
+@pytest.mark.parametrize("function", [False, True])
+@pytest.mark.parametrize("program", sorted(PROGRAMS))
+@pytest.mark.parametrize("handler", sorted(HANDLERS))
+def test_tf_tape_over_oh_tape_over_handler(handler, program, function):
+    # Found by test_fuzz_stacks (tf.GradientTape > GradientTape > OpLogHandler,
+    # OH_FUZZ_SEED=2 case 16; > OpHandler, OH_FUZZ_SEED=57 case 18): a tf.function
+    # called under a handler above oh.GradientTape is replayed, and the tape records the
+    # replayed call, on new Python wrappers of the arguments; TensorFlow's tape (which
+    # knows tensors by Python object) did not connect that call to what it watches, so
+    # its gradient of the inner gradient was None (or the first-order part only).
+    want = _second_order(tf.GradientTape, None, PROGRAMS[program], function)
+    got = _second_order(oh.GradientTape, HANDLERS[handler], PROGRAMS[program], function)
+    _same(want, got, "tf.GradientTape > oh.GradientTape > %s, %s, function=%s" % (
+        handler, program, function))

@@ -13,6 +13,7 @@ Each stack's public operations take and return ordinary tensors:
 Inputs that live elsewhere are copied on first (RFC placement policy); inputs already on
 this stack are unwrapped to the handler's own representation.
 """
+import inspect
 import itertools
 import operator
 import types
@@ -24,6 +25,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
     COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
@@ -32,7 +34,37 @@ _execute = _C.execute
 _unwrap_inputs = _C.unwrap_inputs
 _wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
-_merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
+
+
+class WeakRegistry:
+    """key -> object held weakly, as a WeakValueDictionary without its per-entry Python
+    (a KeyedRef made per insertion, a callback run per death): a scope per call makes
+    and drops a stack, registered twice. Dead entries are swept when the dict has doubled."""
+
+    __slots__ = ("_refs", "_limit")
+
+    def __init__(self):
+        self._refs = {}
+        self._limit = 64
+
+    def get(self, key):
+        ref = self._refs.get(key)
+        return None if ref is None else ref()
+
+    def __setitem__(self, key, value):
+        refs = self._refs
+        refs[key] = weakref.ref(value)
+        if len(refs) > self._limit:
+            for k, r in list(refs.items()):  # (a copy: other threads may insert)
+                if r() is None and refs.get(k) is r:
+                    refs.pop(k, None)
+            self._limit = max(64, 2 * len(refs))
+
+    def __len__(self):
+        return len(self._refs)
+
+
+_merges = WeakRegistry()  # (id(handler), id(next)) -> HandlerStack
 _function_call_rule = [None]  # set by core/functions (register_function_call_rule)
 
 
@@ -206,6 +238,49 @@ register_bottom(PHYSICAL)
 # What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
 _C.fast_setup(state, PHYSICAL)
 
+#: The handler attributes a stack derives its fields from (HandlerStack._declarations;
+#: fast_signature reads `transient` too).
+_DECLARATIONS = ("execute", "copy_on", "function_input", "function_output", "after_execute",
+                 "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy",
+                 "transient")
+_templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
+_class_declares = BoundedCache("stack.class_declarations", 256)  # class -> bool
+
+
+def _declared_by_class(cls):
+    """Whether instances of `cls` take every declaration from the class: no declaration
+    is a data descriptor (a property may read the instance) and attribute lookup is
+    the ordinary one."""
+    got = _class_declares.get(cls)
+    if got is None:
+        got = (getattr(cls, "__getattribute__") is object.__getattribute__
+               and not hasattr(cls, "__getattr__") and not any(
+                   hasattr(type(inspect.getattr_static(cls, name, None)), "__set__")
+                   for name in _DECLARATIONS))
+        _class_declares[cls] = got
+    return got
+
+
+def _template_key(handler, next_stack):
+    """The key of the fields a stack of `handler` on `next_stack` shares with other
+    stacks, or None when they are its own (a C/C++ handler, an instance that overrides
+    a declaration, a class whose declarations may read the instance)."""
+    cls = type(handler)
+    if isinstance(handler, _C.NativeHandlerBase) or not _declared_by_class(cls):
+        return None
+    own = getattr(handler, "__dict__", None)
+    if own and not own.keys().isdisjoint(_DECLARATIONS):
+        return None
+    handles = handler.handles_ops
+    if not (handles is None or type(handles) is frozenset or (
+            type(handles) is types.FunctionType and handles.__closure__ is None)):
+        return None  # a method may read the instance; a mutable collection may change
+    off = cls.returns_off_stack
+    if not (off is None or type(off) in (bool, frozenset)):
+        return None
+    return (cls, isinstance(next_stack, HandlerStack))
+
+
 class HandlerStack(Stack):
     """A handler merged onto the stack it executes on."""
 
@@ -213,41 +288,56 @@ class HandlerStack(Stack):
         self.handler = handler
         self.next = next_stack
         self.handlers = next_stack.handlers + (handler,)
-        # Hooks left at their defaults take fast paths that skip the hook frame (the
-        # base class marks its default hooks with `_oh_default`).
-        cls = type(handler)
-        self._records = getattr(handler, "after_execute", None) is not None
-        # A default execute with after_execute still runs (it calls after_execute).
-        self._default_execute = (getattr(cls.execute, "_oh_default", False)
-                                 and not self._records)
-        self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
-        self.default_function_input = getattr(cls.function_input, "_oh_default", False)
-        self.default_function_output = getattr(cls.function_output, "_oh_default", False)
-        off = handler.returns_off_stack
-        self._off_stack = bool(off)
-        # Op types whose outputs may leave the stack (None: any op type).
-        self._off_stack_ops = None if off is True or not off else frozenset(off)
-        # Op types the handler's execute hook is not called for are forwarded to the
-        # next stack as with a default execute (OpHandler.handles_ops).
-        self._handles = handles_predicate(handler)
-        # A handler that only moves tensors on (default copy_on, or a tape) lets the
-        # handler below decide which inputs to take as they are (a parallel pack).
-        self._defer_copy = isinstance(next_stack, HandlerStack) and (
-            self.default_copy_on or handler.defers_needs_copy)
-        if handler.needs_copy is never_copy:
-            # `wants_copy(op, index)` as a C function returning False (an op is never
-            # its input index object), so the C++ path calls no Python frame for it.
-            self.wants_copy = operator.is_
-        self._oh_sig = fast_signature(self, handler)
+        # What the stack derives from the handler's declarations depends only on its class
+        # (and on whether it sits on another handler) unless the instance overrides one:
+        # a fresh handler per scope reuses it (entering a scope builds a stack).
+        key = _template_key(handler, next_stack)
+        fields = _templates.get(key) if key is not None else None
+        if fields is None:
+            fields = self._declarations(handler, next_stack)
+            if key is not None:
+                _templates[key] = fields
+        self.__dict__.update(fields)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
         # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
         # stack objects, and this one may reuse a dead stack's address).
-        _C.stacks_changed(not self._off_stack or self._off_stack_ops is not None
-                          or self._default_execute
-                          or self._handles is not None
-                          or isinstance(handler, _C.NativeHandlerBase))
+        _C.stacks_changed(fields["_may_be_fast"])
+
+    def _declarations(self, handler, next_stack):
+        """The fields the stack derives from `handler`'s declarations (a dict)."""
+        # Hooks left at their defaults take fast paths that skip the hook frame (the
+        # base class marks its default hooks with `_oh_default`).
+        cls = type(handler)
+        f = {}
+        f["_records"] = records = getattr(handler, "after_execute", None) is not None
+        # A default execute with after_execute still runs (it calls after_execute).
+        f["_default_execute"] = getattr(cls.execute, "_oh_default", False) and not records
+        f["default_copy_on"] = getattr(cls.copy_on, "_oh_default", False)
+        f["default_function_input"] = getattr(cls.function_input, "_oh_default", False)
+        f["default_function_output"] = getattr(cls.function_output, "_oh_default", False)
+        off = handler.returns_off_stack
+        f["_off_stack"] = bool(off)
+        # Op types whose outputs may leave the stack (None: any op type).
+        f["_off_stack_ops"] = None if off is True or not off else frozenset(off)
+        # Op types the handler's execute hook is not called for are forwarded to the
+        # next stack as with a default execute (OpHandler.handles_ops).
+        f["_handles"] = handles_predicate(handler)
+        # A handler that only moves tensors on (default copy_on, or a tape) lets the
+        # handler below decide which inputs to take as they are (a parallel pack).
+        f["_defer_copy"] = isinstance(next_stack, HandlerStack) and (
+            f["default_copy_on"] or handler.defers_needs_copy)
+        if handler.needs_copy is never_copy:
+            # `wants_copy(op, index)` as a C function returning False (an op is never
+            # its input index object), so the C++ path calls no Python frame for it.
+            f["wants_copy"] = operator.is_
+        self.__dict__.update(f)  # (fast_signature reads them from the stack)
+        f["_oh_sig"] = fast_signature(self, handler)
+        f["_may_be_fast"] = (not f["_off_stack"] or f["_off_stack_ops"] is not None
+                             or f["_default_execute"] or f["_handles"] is not None
+                             or isinstance(handler, _C.NativeHandlerBase))
+        return f
 
     def _oh_fast(self, op_type):
         """The C++ per-op path's decision for `op_type` on this stack (asked by cc/fast_path.cc;

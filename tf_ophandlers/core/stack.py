@@ -240,43 +240,49 @@ _C.fast_setup(state, PHYSICAL)
 
 #: The handler attributes a stack derives its fields from (HandlerStack._declarations;
 #: fast_signature reads `transient` too).
-_DECLARATIONS = ("execute", "copy_on", "function_input", "function_output", "after_execute",
-                 "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy",
-                 "transient")
+_DECLARATIONS = frozenset((
+    "execute", "copy_on", "function_input", "function_output", "after_execute",
+    "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
-_class_declares = BoundedCache("stack.class_declarations", 256)  # class -> bool
+_class_decides = BoundedCache("stack.class_declarations", 256)  # class -> bool
 
 
-def _declared_by_class(cls):
-    """Whether instances of `cls` take every declaration from the class: no declaration
-    is a data descriptor (a property may read the instance) and attribute lookup is
-    the ordinary one."""
-    got = _class_declares.get(cls)
-    if got is None:
-        got = (getattr(cls, "__getattribute__") is object.__getattribute__
-               and not hasattr(cls, "__getattr__") and not any(
-                   hasattr(type(inspect.getattr_static(cls, name, None)), "__set__")
-                   for name in _DECLARATIONS))
-        _class_declares[cls] = got
-    return got
+def _decided_by_class(cls):
+    """Whether a `cls` instance that sets no declaration itself takes them all from the
+    class: not a C/C++ handler, ordinary attribute lookup, no declaration a data
+    descriptor (a property may read the instance), `handles_ops` None, a frozenset or a
+    staticmethod of a plain function (a method or closure may read the instance, a
+    mutable collection may change), `returns_off_stack` a bool, None or a frozenset."""
+    if issubclass(cls, _C.NativeHandlerBase) or getattr(
+            cls, "__getattribute__") is not object.__getattribute__ or hasattr(
+                cls, "__getattr__"):
+        return False
+    if any(hasattr(type(inspect.getattr_static(cls, name, None)), "__set__")
+           for name in _DECLARATIONS):
+        return False
+    handles = inspect.getattr_static(cls, "handles_ops", None)
+    if isinstance(handles, staticmethod):
+        handles = handles.__func__
+        if not (type(handles) is types.FunctionType and handles.__closure__ is None):
+            return False
+    elif not (handles is None or type(handles) is frozenset):
+        return False
+    off = inspect.getattr_static(cls, "returns_off_stack", None)
+    return off is None or type(off) in (bool, frozenset)
 
 
 def _template_key(handler, next_stack):
     """The key of the fields a stack of `handler` on `next_stack` shares with other
-    stacks, or None when they are its own (a C/C++ handler, an instance that overrides
-    a declaration, a class whose declarations may read the instance)."""
+    stacks (its class, and whether it sits on a handler), or None when they are its own
+    (`_decided_by_class`, or the instance sets a declaration itself)."""
     cls = type(handler)
-    if isinstance(handler, _C.NativeHandlerBase) or not _declared_by_class(cls):
+    decided = _class_decides.get(cls)
+    if decided is None:
+        decided = _class_decides[cls] = _decided_by_class(cls)
+    if not decided:
         return None
     own = getattr(handler, "__dict__", None)
-    if own and not own.keys().isdisjoint(_DECLARATIONS):
-        return None
-    handles = handler.handles_ops
-    if not (handles is None or type(handles) is frozenset or (
-            type(handles) is types.FunctionType and handles.__closure__ is None)):
-        return None  # a method may read the instance; a mutable collection may change
-    off = cls.returns_off_stack
-    if not (off is None or type(off) in (bool, frozenset)):
+    if own and not _DECLARATIONS.isdisjoint(own):
         return None
     return (cls, isinstance(next_stack, HandlerStack))
 

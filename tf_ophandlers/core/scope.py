@@ -22,11 +22,11 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import (  # noqa: F401  (current_stack: public here too)
-    PHYSICAL, HandlerStack, Stack, WeakRegistry, current_stack, stack_of)
+    PHYSICAL, HandlerStack, Stack, current_stack, stack_of)
 from tf_ophandlers.core.state import state
 
 _original_context_device = _context.Context.device
-_stacks_by_name = WeakRegistry()
+_stacks_by_name = _cache.WeakRegistry()
 _merged_devices = _cache.BoundedCache("scope.merged_devices", 1024)
 
 

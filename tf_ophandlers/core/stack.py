@@ -17,7 +17,6 @@ import inspect
 import itertools
 import operator
 import types
-import weakref
 
 from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
@@ -25,7 +24,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
-from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.cache import BoundedCache, WeakRegistry
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
     COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
@@ -34,35 +33,6 @@ _execute = _C.execute
 _unwrap_inputs = _C.unwrap_inputs
 _wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
-
-
-class WeakRegistry:
-    """key -> object held weakly, as a WeakValueDictionary without its per-entry Python
-    (a KeyedRef made per insertion, a callback run per death): a scope per call makes
-    and drops a stack, registered twice. Dead entries are swept when the dict has doubled."""
-
-    __slots__ = ("_refs", "_limit")
-
-    def __init__(self):
-        self._refs = {}
-        self._limit = 64
-
-    def get(self, key):
-        ref = self._refs.get(key)
-        return None if ref is None else ref()
-
-    def __setitem__(self, key, value):
-        refs = self._refs
-        refs[key] = weakref.ref(value)
-        if len(refs) > self._limit:
-            for k, r in list(refs.items()):  # (a copy: other threads may insert)
-                if r() is None and refs.get(k) is r:
-                    refs.pop(k, None)
-            self._limit = max(64, 2 * len(refs))
-
-    def __len__(self):
-        return len(self._refs)
-
 
 _merges = WeakRegistry()  # (id(handler), id(next)) -> HandlerStack
 _function_call_rule = [None]  # set by core/functions (register_function_call_rule)

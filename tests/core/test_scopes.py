@@ -250,3 +250,24 @@ def test_scopes_of_fresh_handlers_share_what_only_the_class_decides(x):
     assert inner.seen == ["Sin"] and oh.handler_of(y)._defer_copy is True
     assert stacks[0]._defer_copy is False
     assert_close(y, tf.sin(x))
+
+
+def test_stack_registries_hold_stacks_weakly_and_stay_bounded(x):
+    """A stack per scope is registered by its merge and its name without being kept
+    alive; dead entries are swept, so the registries stay bounded."""
+    import gc
+    import weakref
+    from tf_ophandlers.core import scope as scope_module
+    from tf_ophandlers.core import stack as stack_module
+    refs = []
+    for _ in range(300):
+        with oh.OpHandler() as h:
+            y = tf.sin(x)
+        stack = oh.handler_of(y)
+        assert scope_module.stack_named(stack.name) is stack
+        assert stack_module.HandlerStack.merged(h, oh.PHYSICAL) is stack  # memoized
+        refs.append(weakref.ref(stack))
+        del stack, y, h
+    gc.collect()
+    assert sum(r() is not None for r in refs) <= 1
+    assert len(stack_module._merges) <= 256 and len(scope_module._stacks_by_name) <= 256

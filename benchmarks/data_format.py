@@ -265,7 +265,29 @@ def main(argv=None):
               "same as the twin's function called under the handler: opening the scope, which "
               "builds a HandlerStack per fresh handler and enters TensorFlow's device scope, "
               "then the replay's argument split, cache lookup and call) to the input transpose "
-              "inside the function.", ""]
+              "inside the function.", "",
+              "Issue 20's third speed round (scope entry), by instruction counts "
+              "(`benchmarks/data_format_callgrind.py`, callgrind, tiny input; the machine was "
+              "loaded, so no wall time): entering and leaving `with oh.DataFormat():` with a "
+              "fresh handler runs 96.8K instructions (114.4K before: a stack's "
+              "declaration-derived fields are reused per handler class, the stack registries hold "
+              "plain weak references instead of WeakValueDictionary entries, and DataFormat makes "
+              "its `fallbacks` counter on first use; building the HandlerStack 17.2K, was 18.6K; "
+              "merging a fresh handler 28.5K, was 41.5K). The per-(stack, op type) decisions the "
+              "C++ path re-derives after a new stack were not the cost the round expected: "
+              "`fast::Decide` runs 3K instructions per SavedModel call and 32K per eager call "
+              "(0.2% and 0.13%), as every op type's decision is already shared between stacks of "
+              "equal declarations. Per call (20 calls each): the replayed SavedModel call runs "
+              "1.363M instructions on the calling thread against the twin's 1.079M (+0.28M, was "
+              "+0.29M; counted at the round's first commit, whose scope ran 100.4K), the eager "
+              "call 25.39M against 19.33M (+6.07M, unchanged within the "
+              "counts' run-to-run spread of about 0.1M). Neither target moves measurably with "
+              "this: what remains of the SavedModel gap is the input's transpose inside the "
+              "function (~150 us at the benchmark's size; a rank-3 or rank-4 Transpose, a "
+              "BatchMatMul with the identity and a per-channel stack were timed in a tf.function "
+              "by process time, the Transpose kernels being the cheapest) and the replay's per-call Python; of the eager gap, "
+              "Keras's 8 channels-first ops that take TensorFlow's Python fallback (their tuple "
+              "`perm`/`shape` arguments fail the C fast path with or without the handler).", ""]
         bullets = []
         try:
             loaded = float(info["other"]) > 0.5

@@ -190,3 +190,84 @@ def test_variables_under_transient_handler_stay_physical():
     assert "VarHandleOp" in types and "ReadVariableOp" in types
     assert "AssignAddVariableOp" in types
     assert_close(v, [2.0, 3.0])
+
+
+class _Logged(oh.OpHandler):
+    """Records the op types its execute hook sees (class-level handles_ops)."""
+
+    handles_ops = frozenset(("Sin",))
+
+    def __init__(self):
+        self.seen = []
+
+    def execute(self, op, inputs):
+        self.seen.append(op.type)
+        return self.next.execute(op, inputs)
+
+
+class _LoggedCos(_Logged):
+    handles_ops = frozenset(("Cos",))
+
+
+class _Transient(oh.OpHandler):
+    """`transient` read from the instance through a property (a declaration the class
+    alone does not decide)."""
+
+    def __init__(self, keep):
+        self.keep = keep
+
+    @property
+    def transient(self):
+        return not self.keep
+
+
+def test_scopes_of_fresh_handlers_share_what_only_the_class_decides(x):
+    """A stack per fresh handler reuses the fields derived from its class's declarations
+    (entering a scope is cheap), but never across classes, instance overrides,
+    properties reading the instance, or a different stack below."""
+    want = tf.sin(x) + tf.cos(x)
+    stacks = []
+    for make, seen in ((_Logged, ["Sin"]), (_LoggedCos, ["Cos"]), (_Logged, ["Sin"])):
+        with make() as h:
+            y = tf.sin(x) + tf.cos(x)
+        assert h.seen == seen, (make, h.seen)
+        assert_close(y, want)
+        stacks.append(oh.handler_of(y))
+    assert stacks[0]._handles is stacks[2]._handles  # shared by equal declarations
+    h = _Logged()
+    h.handles_ops = frozenset(("AddV2",))  # an instance's own declaration
+    with h:
+        assert_close(tf.sin(x) + tf.cos(x), want)
+    assert h.seen == ["AddV2"]
+    for n, keep in enumerate((True, False, True, False)):
+        with _Transient(keep):
+            r = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[], shared_name="tr%d" % n)
+        assert (oh.stack_of(r) is not None) == keep, keep
+    with _Logged():
+        with _Logged() as inner:
+            y = tf.sin(x)
+    # (a default copy_on on another handler lets it decide which inputs to copy)
+    assert inner.seen == ["Sin"] and oh.handler_of(y)._defer_copy is True
+    assert stacks[0]._defer_copy is False
+    assert_close(y, tf.sin(x))
+
+
+def test_stack_registries_hold_stacks_weakly_and_stay_bounded(x):
+    """A stack per scope is registered by its merge and its name without being kept
+    alive; dead entries are swept, so the registries stay bounded."""
+    import gc
+    import weakref
+    from tf_ophandlers.core import scope as scope_module
+    from tf_ophandlers.core import stack as stack_module
+    refs = []
+    for _ in range(300):
+        with oh.OpHandler() as h:
+            y = tf.sin(x)
+        stack = oh.handler_of(y)
+        assert scope_module.stack_named(stack.name) is stack
+        assert stack_module.HandlerStack.merged(h, oh.PHYSICAL) is stack  # memoized
+        refs.append(weakref.ref(stack))
+        del stack, y, h
+    gc.collect()
+    assert sum(r() is not None for r in refs) <= 1
+    assert len(stack_module._merges) <= 256 and len(scope_module._stacks_by_name) <= 256

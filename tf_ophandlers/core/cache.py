@@ -94,3 +94,31 @@ def caches():
     out = {name: (len(c), c.maxsize) for name, c in _all.items()}
     out.update((name, tuple(sizes())) for name, sizes in _external.items())
     return dict(sorted(out.items()))
+
+
+class WeakRegistry:
+    """key -> object held weakly, as a WeakValueDictionary without its per-entry Python
+    (a KeyedRef made per insertion, a callback run per death): a scope per call makes
+    and drops a stack, registered twice. Dead entries are swept when the dict has doubled."""
+
+    __slots__ = ("_refs", "_limit")
+
+    def __init__(self):
+        self._refs = {}
+        self._limit = 64
+
+    def get(self, key):
+        ref = self._refs.get(key)
+        return None if ref is None else ref()
+
+    def __setitem__(self, key, value):
+        refs = self._refs
+        refs[key] = weakref.ref(value)
+        if len(refs) > self._limit:
+            for k, r in list(refs.items()):  # (a copy: other threads may insert)
+                if r() is None and refs.get(k) is r:
+                    refs.pop(k, None)
+            self._limit = max(64, 2 * len(refs))
+
+    def __len__(self):
+        return len(self._refs)

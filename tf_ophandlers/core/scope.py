@@ -8,7 +8,6 @@ Inside a scope, `tf.device(...)` does not leave the handlers: the physical place
 names accumulates at the bottom of the stack (RFC "Final handlers").
 """
 import contextlib
-import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
@@ -27,7 +26,7 @@ from tf_ophandlers.core.stack import (  # noqa: F401  (current_stack: public her
 from tf_ophandlers.core.state import state
 
 _original_context_device = _context.Context.device
-_stacks_by_name = weakref.WeakValueDictionary()
+_stacks_by_name = _cache.WeakRegistry()
 _merged_devices = _cache.BoundedCache("scope.merged_devices", 1024)
 
 

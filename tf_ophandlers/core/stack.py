@@ -13,10 +13,10 @@ Each stack's public operations take and return ordinary tensors:
 Inputs that live elsewhere are copied on first (RFC placement policy); inputs already on
 this stack are unwrapped to the handler's own representation.
 """
+import inspect
 import itertools
 import operator
 import types
-import weakref
 
 from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
@@ -24,6 +24,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core.cache import BoundedCache, WeakRegistry
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
     COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
@@ -32,7 +33,8 @@ _execute = _C.execute
 _unwrap_inputs = _C.unwrap_inputs
 _wrap_outputs = _C.wrap_outputs
 _indices = {}  # handler type name -> itertools.count
-_merges = weakref.WeakValueDictionary()  # (id(handler), id(next)) -> HandlerStack
+
+_merges = WeakRegistry()  # (id(handler), id(next)) -> HandlerStack
 _function_call_rule = [None]  # set by core/functions (register_function_call_rule)
 
 
@@ -206,6 +208,55 @@ register_bottom(PHYSICAL)
 # What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
 _C.fast_setup(state, PHYSICAL)
 
+#: The handler attributes a stack derives its fields from (HandlerStack._declarations;
+#: fast_signature reads `transient` too).
+_DECLARATIONS = frozenset((
+    "execute", "copy_on", "function_input", "function_output", "after_execute",
+    "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient"))
+_templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
+_class_decides = BoundedCache("stack.class_declarations", 256)  # class -> bool
+
+
+def _decided_by_class(cls):
+    """Whether a `cls` instance that sets no declaration itself takes them all from the
+    class: not a C/C++ handler, ordinary attribute lookup, no declaration a data
+    descriptor (a property may read the instance), `handles_ops` None, a frozenset or a
+    staticmethod of a plain function (a method or closure may read the instance, a
+    mutable collection may change), `returns_off_stack` a bool, None or a frozenset."""
+    if issubclass(cls, _C.NativeHandlerBase) or getattr(
+            cls, "__getattribute__") is not object.__getattribute__ or hasattr(
+                cls, "__getattr__"):
+        return False
+    if any(hasattr(type(inspect.getattr_static(cls, name, None)), "__set__")
+           for name in _DECLARATIONS):
+        return False
+    handles = inspect.getattr_static(cls, "handles_ops", None)
+    if isinstance(handles, staticmethod):
+        handles = handles.__func__
+        if not (type(handles) is types.FunctionType and handles.__closure__ is None):
+            return False
+    elif not (handles is None or type(handles) is frozenset):
+        return False
+    off = inspect.getattr_static(cls, "returns_off_stack", None)
+    return off is None or type(off) in (bool, frozenset)
+
+
+def _template_key(handler, next_stack):
+    """The key of the fields a stack of `handler` on `next_stack` shares with other
+    stacks (its class, and whether it sits on a handler), or None when they are its own
+    (`_decided_by_class`, or the instance sets a declaration itself)."""
+    cls = type(handler)
+    decided = _class_decides.get(cls)
+    if decided is None:
+        decided = _class_decides[cls] = _decided_by_class(cls)
+    if not decided:
+        return None
+    own = getattr(handler, "__dict__", None)
+    if own and not _DECLARATIONS.isdisjoint(own):
+        return None
+    return (cls, isinstance(next_stack, HandlerStack))
+
+
 class HandlerStack(Stack):
     """A handler merged onto the stack it executes on."""
 
@@ -213,41 +264,56 @@ class HandlerStack(Stack):
         self.handler = handler
         self.next = next_stack
         self.handlers = next_stack.handlers + (handler,)
-        # Hooks left at their defaults take fast paths that skip the hook frame (the
-        # base class marks its default hooks with `_oh_default`).
-        cls = type(handler)
-        self._records = getattr(handler, "after_execute", None) is not None
-        # A default execute with after_execute still runs (it calls after_execute).
-        self._default_execute = (getattr(cls.execute, "_oh_default", False)
-                                 and not self._records)
-        self.default_copy_on = getattr(cls.copy_on, "_oh_default", False)
-        self.default_function_input = getattr(cls.function_input, "_oh_default", False)
-        self.default_function_output = getattr(cls.function_output, "_oh_default", False)
-        off = handler.returns_off_stack
-        self._off_stack = bool(off)
-        # Op types whose outputs may leave the stack (None: any op type).
-        self._off_stack_ops = None if off is True or not off else frozenset(off)
-        # Op types the handler's execute hook is not called for are forwarded to the
-        # next stack as with a default execute (OpHandler.handles_ops).
-        self._handles = handles_predicate(handler)
-        # A handler that only moves tensors on (default copy_on, or a tape) lets the
-        # handler below decide which inputs to take as they are (a parallel pack).
-        self._defer_copy = isinstance(next_stack, HandlerStack) and (
-            self.default_copy_on or handler.defers_needs_copy)
-        if handler.needs_copy is never_copy:
-            # `wants_copy(op, index)` as a C function returning False (an op is never
-            # its input index object), so the C++ path calls no Python frame for it.
-            self.wants_copy = operator.is_
-        self._oh_sig = fast_signature(self, handler)
+        # What the stack derives from the handler's declarations depends only on its class
+        # (and on whether it sits on another handler) unless the instance overrides one:
+        # a fresh handler per scope reuses it (entering a scope builds a stack).
+        key = _template_key(handler, next_stack)
+        fields = _templates.get(key) if key is not None else None
+        if fields is None:
+            fields = self._declarations(handler, next_stack)
+            if key is not None:
+                _templates[key] = fields
+        self.__dict__.update(fields)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
         # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
         # stack objects, and this one may reuse a dead stack's address).
-        _C.stacks_changed(not self._off_stack or self._off_stack_ops is not None
-                          or self._default_execute
-                          or self._handles is not None
-                          or isinstance(handler, _C.NativeHandlerBase))
+        _C.stacks_changed(fields["_may_be_fast"])
+
+    def _declarations(self, handler, next_stack):
+        """The fields the stack derives from `handler`'s declarations (a dict)."""
+        # Hooks left at their defaults take fast paths that skip the hook frame (the
+        # base class marks its default hooks with `_oh_default`).
+        cls = type(handler)
+        f = {}
+        f["_records"] = records = getattr(handler, "after_execute", None) is not None
+        # A default execute with after_execute still runs (it calls after_execute).
+        f["_default_execute"] = getattr(cls.execute, "_oh_default", False) and not records
+        f["default_copy_on"] = getattr(cls.copy_on, "_oh_default", False)
+        f["default_function_input"] = getattr(cls.function_input, "_oh_default", False)
+        f["default_function_output"] = getattr(cls.function_output, "_oh_default", False)
+        off = handler.returns_off_stack
+        f["_off_stack"] = bool(off)
+        # Op types whose outputs may leave the stack (None: any op type).
+        f["_off_stack_ops"] = None if off is True or not off else frozenset(off)
+        # Op types the handler's execute hook is not called for are forwarded to the
+        # next stack as with a default execute (OpHandler.handles_ops).
+        f["_handles"] = handles_predicate(handler)
+        # A handler that only moves tensors on (default copy_on, or a tape) lets the
+        # handler below decide which inputs to take as they are (a parallel pack).
+        f["_defer_copy"] = isinstance(next_stack, HandlerStack) and (
+            f["default_copy_on"] or handler.defers_needs_copy)
+        if handler.needs_copy is never_copy:
+            # `wants_copy(op, index)` as a C function returning False (an op is never
+            # its input index object), so the C++ path calls no Python frame for it.
+            f["wants_copy"] = operator.is_
+        self.__dict__.update(f)  # (fast_signature reads them from the stack)
+        f["_oh_sig"] = fast_signature(self, handler)
+        f["_may_be_fast"] = (not f["_off_stack"] or f["_off_stack_ops"] is not None
+                             or f["_default_execute"] or f["_handles"] is not None
+                             or isinstance(handler, _C.NativeHandlerBase))
+        return f
 
     def _oh_fast(self, op_type):
         """The C++ per-op path's decision for `op_type` on this stack (asked by cc/fast_path.cc;

@@ -209,7 +209,7 @@ class DataFormat(OpHandler):
         # Whether the program has a GPU: asked at first use, since listing devices
         # initializes TensorFlow, and users configure devices after making handlers.
         self._gpu_known = None if key == "auto" else False
-        self.fallbacks = collections.Counter()
+        self._fallbacks = None  # made on first use (a handler is often made per call)
         self.converted_ranks = set()  # ranks of the channels-first ops converted so far
         # Eagerly, the channels-last copies of the last few data inputs made for
         # converted ops: a backward pass (Conv2DBackpropInput and ...Filter) or a second
@@ -220,6 +220,12 @@ class DataFormat(OpHandler):
 
     def debug_string(self):
         return "DataFormat(target=%r)" % self.target
+
+    @property
+    def fallbacks(self):
+        if self._fallbacks is None:
+            self._fallbacks = collections.Counter()
+        return self._fallbacks
 
     def note_transpose_back(self, op_type):
         self.fallbacks[op_type] += 1

@@ -271,3 +271,49 @@ def test_stack_registries_hold_stacks_weakly_and_stay_bounded(x):
     gc.collect()
     assert sum(r() is not None for r in refs) <= 1
     assert len(stack_module._merges) <= 256 and len(scope_module._stacks_by_name) <= 256
+
+
+class _MergingToACopy(oh.OpHandler):
+    """A handler whose `merge` returns another object (its state for that stack)."""
+
+    def __init__(self, tag):
+        super().__init__()
+        self.tag = tag
+
+    def merge(self, next_stack):
+        return _Tagged(self.tag)
+
+
+class _Tagged(oh.OpHandler):
+    def __init__(self, tag):
+        super().__init__()
+        self.tag = tag
+
+
+def test_merged_stack_of_a_new_handler_at_a_dead_handlers_address():
+    """HandlerStack.merged memoizes by (id(handler), id(next)). When `merge` returned
+    another object, the stack did not keep the handler alive, so a new handler at the
+    dead one's address got the dead one's stack (its state). Now either the handler
+    lives as long as its stack, or its address finds a new stack."""
+    import gc
+    import weakref
+    from tf_ophandlers.core import stack as stack_module
+    first = _MergingToACopy(1)
+    first_ref = weakref.ref(first)
+    old = stack_module.HandlerStack.merged(first, oh.PHYSICAL)  # kept alive, as a tensor would
+    assert old.handler.tag == 1
+    first_id = id(first)
+    del first
+    gc.collect()
+    if first_ref() is not None:
+        return  # its address cannot be reused while `old` lives
+    made = []  # kept, so that each try takes a new address
+    for _ in range(2000):
+        handler = _MergingToACopy(2)
+        if id(handler) == first_id:
+            break
+        made.append(handler)
+    else:
+        pytest.skip("CPython did not reuse the address in 2000 allocations")
+    stack = stack_module.HandlerStack.merged(handler, oh.PHYSICAL)
+    assert stack is not old and stack.handler.tag == 2

@@ -330,10 +330,13 @@ class HandlerStack(Stack):
         """The stack of `handler` executing on `next_stack` (memoized while alive)."""
         key = (id(handler), id(next_stack))
         stack = _merges.get(key)
-        if stack is None or stack.next is not next_stack:
+        # The stack keeps both objects alive, so matching them by identity makes the ids
+        # mean what they meant when the entry was made (merge may return other state).
+        if stack is None or stack.next is not next_stack or stack.merged_from is not handler:
             start_runtime()  # a stack's tensors live on the dispatcher device
             state = handler.merge(next_stack)
             stack = HandlerStack(state if state is not None else handler, next_stack)
+            stack.merged_from = handler
             _merges[key] = stack
         return stack
 

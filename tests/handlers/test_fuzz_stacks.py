@@ -509,10 +509,10 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # function_coerce: loop variables joined at one level only,
 # test_forward_accumulator_compose.py).
 #
-# Unfixed (in the draw, fails on defda0e too): GradientTape > Recompute > Recompute, warm
-# (a tf.function), OH_FUZZ_SEED=20 slow draw case 38 (alone too): HandlerError "the
-# gradient of recompute segment gradients/IdentityN_3_grad/IdentityN is not known here
-# (its function was rebuilt from a FunctionDef)": two nested Recompute scopes.
+# Fixed: GradientTape > Recompute > Recompute, warm (a tf.function), OH_FUZZ_SEED=20 slow
+# draw case 38: HandlerError "the gradient of recompute segment ... is not known here (its
+# function was rebuilt from a FunctionDef)" (test_recompute_calls.py
+# test_nested_scopes_over_a_called_function).
 #
 # Unfixed (in the draw, fails on defda0e too): tf.GradientTape > vectorized_map > Async >
 # OpCounter, unknown_batch, and CheckNumerics > ForwardAccumulator > tf.GradientTape >

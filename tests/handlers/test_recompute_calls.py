@@ -215,3 +215,33 @@ def test_a_handler_merely_named_like_a_tape_does_not_keep_the_call_whole(same_na
     np.testing.assert_allclose(l1.numpy(), l0.numpy(), rtol=1e-6)
     _assert_grads(g0, g1)
     assert rc.stats["calls"] == 1 and rc.stats["call_segments"] >= 1, rc.stats
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_nested_scopes_over_a_called_function():
+    """Found by the stacks fuzzer (GradientTape > Recompute > Recompute, warm, the slow
+    draw of OH_FUZZ_SEED=20, case 38): the outer scope rewrites the inner scope's
+    rewritten call, whose segment IdentityNs come back from a FunctionDef without their
+    plan, and their gradient override raised "not known here". A copy of such a node now
+    keeps IdentityN's own gradient, through the segment's ops (its graph has them)."""
+    w = tf.Variable(tf.random.stateless_normal([4, 4], seed=[1, 2]))
+    x = tf.random.stateless_normal([1, 4], seed=[3, 4])  # a batch of 1, as found
+    z = tf.random.stateless_normal([1, 4], seed=[5, 6])
+
+    @tf.function
+    def f(x, z):
+        t = tf.gather(tf.nn.softplus(z), [1, 0, 0], axis=-1)
+        m = tf.reduce_min(x, axis=0)
+        return tf.matmul(m - x, w), t
+
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, z])
+        want = f(x, z)
+    want_g = tape.gradient(want, [x, z, w])
+    with oh.GradientTape(persistent=True) as tape:
+        tape.watch([x, z])
+        with oh.Recompute(), oh.Recompute():
+            got = f(x, z)
+    got_g = tape.gradient(got, [x, z, w])
+    for a, b in zip(list(want) + want_g, list(got) + got_g):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)

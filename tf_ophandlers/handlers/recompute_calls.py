@@ -59,13 +59,13 @@ from tensorflow.python.framework import op_def_registry
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.errors import HandlerError
-from tf_ophandlers.core.op import node_attrs
 from tf_ophandlers.core.functions import CompiledCall, call_records, library
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute_graph import recompute_gradient
+from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, copied_attrs,
+                                                     recompute_gradient)
 
-GRADIENT = "OhRecomputeSegment"
+GRADIENT = SEGMENT_GRADIENT
 _OPAQUE = (tf.resource, tf.variant)
 _READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
 # (forward function name, save policy) -> _Rewrite, or False (kept whole)
@@ -230,7 +230,7 @@ class _Rewrite:
         for o in self.ops:
             ins = [env[t.ref()] for t in o.inputs]
             control = [made[id(c)] for c in o.control_inputs if id(c) in made]
-            attrs = node_attrs(o.node_def)  # (a tf.custom_gradient's override kept)
+            attrs = copied_attrs(o)  # (a tf.custom_gradient's override kept)
             with graph.control_dependencies(control) if control else contextlib.nullcontext():
                 new = graph.create_op(o.type, ins, [t.dtype for t in o.outputs], attrs=attrs,
                                       name=o.name)

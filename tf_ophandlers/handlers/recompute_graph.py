@@ -52,7 +52,7 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.errors import HandlerError
-from tf_ophandlers.core.op import node_attrs
+from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, node_attrs
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.recompute_segments import Segment, serialize_heavy, split
 
@@ -482,11 +482,30 @@ class Window:
                 _interior.pop(next(iter(_interior)))
 
 
+SEGMENT_GRADIENT = "OhRecomputeSegment"  # a segment IdentityN's gradient (recompute_calls)
+
+
+def copied_attrs(op):
+    """Graph op `op`'s attributes for a copy of it. A segment's IdentityN whose plan (a
+    Python attribute) is gone, its graph rebuilt from a FunctionDef, keeps IdentityN's
+    own gradient instead: its inputs are the segment's outputs, made by the segment's
+    ops, which the copy's graph has too, so the gradient goes through them."""
+    attrs = node_attrs(op.node_def)
+    override = attrs.get(GRADIENT_OP_TYPE_ATTR)
+    if (override is not None and override.s == SEGMENT_GRADIENT.encode()
+            and getattr(op, "oh_recompute_segment", None) is None):
+        del attrs[GRADIENT_OP_TYPE_ATTR]
+    return attrs
+
+
 def _copy(graph, op, inputs):
     """A copy of graph op `op` on `inputs`; recorded on the tapes that track an input
     (a tape recording the backward pass: second order), as a gen op wrapper would."""
     new = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs],
-                          attrs=node_attrs(op.node_def))
+                          attrs=copied_attrs(op))
+    plan = getattr(op, "oh_recompute_segment", None)
+    if plan is not None:  # a nested scope's segment: the copy keeps its gradient's plan
+        new.oh_recompute_segment = plan
     if _record.could_possibly_record() and _record.should_record_backprop(inputs):
         try:  # (a node's gradient override, tf.custom_gradient's, is its gradient)
             grad_fn = _ops.get_gradient_function(new)

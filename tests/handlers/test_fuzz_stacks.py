@@ -152,11 +152,6 @@ def _known_limitation(stack, program):
       Without the tf.GradientTape outside, or without Recompute(save), these pass.
       Unfixed. (A local run of the slow draw, seeds 1-75, only stacks with
       tf.GradientTape outside an oh autodiff layer: 240 stacks, these 4 differ.)
-    - vectorized_map outside two tapes over a max pool in a function: second-order
-      values differ (vectorized_map > OpHandler > DataFormat > tf.GradientTape >
-      GradientTape > CheckNumerics, OH_FUZZ_SEED=64 case 34; also with oh.GradientTape
-      > oh.GradientTape, and eagerly it passes; TensorFlow's nesting gives the same
-      values eagerly and in a function, so ours is wrong). Unfixed.
     - Lazy inside vectorized_map (pfor traces the mapped function): Lazy refuses with a
       clear HandlerError.
     Run eagerly instead (TensorFlow's reference is wrong in a function):
@@ -185,7 +180,9 @@ def _known_limitation(stack, program):
     outside an oh autodiff layer (a tf.function replayed by a handler above
     oh.GradientTape: None second-order gradients, OH_FUZZ_SEED=2 case 16 and
     OH_FUZZ_SEED=57 case 18, test_tf_tape_outside.py; earlier tf.GradientTape > Async >
-    GradientTape > Recompute(save), OH_FUZZ_SEED=102 case 1)."""
+    GradientTape > Recompute(save), OH_FUZZ_SEED=102 case 1); vectorized_map outside
+    two tapes over a max pool in a function (OH_FUZZ_SEED=64 case 34: MaxPoolGradGrad's
+    kernel zeros in the map's replayed graphs, test_vectorized_map_max_pool.py)."""
     layers = stack.layers
     if "vectorized_map" in layers and "ForwardAccumulator" in layers:
         if any(name == "pool_nhwc" for name, _, _ in program.steps):
@@ -209,11 +206,6 @@ def _known_limitation(stack, program):
             name in ("Recompute(save)", "Async")
             for name in layers[layers.index("vectorized_map") + 1:]):
         return True  # a tf.GradientTape outside the map (see above)
-    if "vectorized_map" in layers and stack.mode != "eager" and sum(
-            name in ("GradientTape", "tf.GradientTape")
-            for name in layers[layers.index("vectorized_map") + 1:]) > 1 and any(
-                name == "pool_nhwc" for name, _, _ in program.steps):
-        return True  # second order of a max pool under the map in a function (see above)
     return False
 
 

@@ -441,6 +441,25 @@ def _bias_add_grad(handler, execute, op, inputs):
     return [Batched(tf.reduce_sum(x.value, axis=axes), True)]
 
 
+def _grad_grad_by_argmax(op, values):
+    """MaxPoolGradGrad(x, y, g) as g at each window's maximum (MaxPoolWithArgmax), or
+    None (NCHW, explicit padding: the op). In a graph (a function replayed under the
+    map) the kernel returns zeros when y's shape is x's (SAME, stride 1) and g's buffer
+    is not used elsewhere, as the folding reshape's can be: it reuses g's buffer for its
+    output and zeros it before reading g. Both take the first maximum of a window."""
+    attrs = op.attrs
+    padding = attrs.get("padding")
+    padding = padding.decode() if isinstance(padding, bytes) else padding
+    if (op.type != "MaxPoolGradGrad" or padding not in ("SAME", "VALID")
+            or attrs.get("data_format", b"NHWC") not in (b"NHWC", "NHWC")):
+        return None
+    x, _, g = values
+    _, argmax = tf.raw_ops.MaxPoolWithArgmax(
+        input=x, ksize=list(attrs["ksize"]), strides=list(attrs["strides"]),
+        padding=padding, include_batch_in_index=True)
+    return [tf.gather(tf.reshape(g, [-1]), argmax)]  # (argmax: indices into all of x)
+
+
 def _pool_grad(handler, execute, op, inputs):
     """MaxPool's gradient ops and MaxPoolWithArgmax (per-image indices): every input
     batched, the map's batch folded into the images' batch dim. (pfor's graph gives
@@ -451,8 +470,8 @@ def _pool_grad(handler, execute, op, inputs):
     if any(v.shape.rank is None for v in values):
         return None
     lead = tf.shape(values[0])[:2]
-    outs = execute(op, [tf.reshape(v, tf.concat([[-1], tf.shape(v)[2:]], 0))
-                        for v in values])
+    folded = [tf.reshape(v, tf.concat([[-1], tf.shape(v)[2:]], 0)) for v in values]
+    outs = _grad_grad_by_argmax(op, folded) or execute(op, folded)
     return [Batched(tf.reshape(o, tf.concat([lead, tf.shape(o)[1:]], 0)), True)
             for o in outs]
 

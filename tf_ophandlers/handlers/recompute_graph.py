@@ -69,9 +69,11 @@ def _capturing(name):
     def capture(*args, **kwargs):
         window = getattr(_local, "window", None)
         if window is not None and window.active and window.owns(name, args, kwargs):
-            if window.auto and _carries_tangents(name, args, kwargs):
-                # A forward accumulator's tangents (an HVP in the step): a segment's
-                # recomputation would carry none; the step's tape is not recomputed.
+            if _carries_tangents(name, args, kwargs):
+                # A forward accumulator's tangents (an HVP in the step, or an accumulator
+                # inside the scope): it needs the record now, and a segment's
+                # recomputation would carry none; the rest of the scope is not
+                # recomputed (as ops run as they are above an accumulator eagerly).
                 window.demote()
                 return _previous[name](*args, **kwargs)
             # Collected instead of made (made at the scope's exit, or replaced).
@@ -243,6 +245,11 @@ class Window:
         tf_patches.ensure("recompute graph records")
         self.graph = _ops.get_default_graph()
         self.outer = getattr(_local, "window", None)
+        if self.outer is not None and self.outer.active:
+            # A nested scope: the outer's records so far are made first, so the tapes
+            # know the values this scope's segments take from them (a segment none of
+            # whose inputs a tape knows is not recorded: its gradients were None).
+            self.outer.flush()
         _local.window = self
         self.active = True
         return self
@@ -262,8 +269,20 @@ class Window:
         self.active = False
         _local.window = self.outer
         if exc_type is None:
-            self._record_all()
+            self._make_records()
         return False
+
+    def _make_records(self):
+        # A nested scope's records go to the tapes now, not to the outer scope's window
+        # (its later segments take these values as inputs).
+        outer = self.outer if self.outer is not None and self.outer.active else None
+        if outer is not None:
+            outer.active = False
+        try:
+            self._record_all()
+        finally:
+            if outer is not None:
+                outer.active = True
 
     def flush(self):
         """Makes the records collected so far (a tape opens or closes inside the window:
@@ -272,7 +291,7 @@ class Window:
             return
         self.active = False  # records made meanwhile (a JVP helper's ops) pass through
         try:
-            self._record_all()
+            self._make_records()
         finally:
             self.records = []
             self.active = True

@@ -227,3 +227,40 @@ def test_accumulator_with_a_scope_in_a_function(acc_type, acc_in_scope):
             results.append(make(rc)(s.x))
     _same(results[0], results[1], "accumulator %s a Recompute scope in a function" % (
         "inside" if acc_in_scope else "around"))
+
+
+@_QUIET
+@pytest.mark.parametrize("inside_tape", [False, True])
+def test_gradient_inside_a_scope_in_a_function(inside_tape):
+    # Fuzz finding (tf.GradientTape > vectorized_map > Recompute(budget) > DataFormat >
+    # Recompute(save) > GradientTape, OH_FUZZ_SEED=40 slow case 38): eager code the map
+    # traces, a tape and its gradient inside the scope, raised HandlerError ("tape.gradient
+    # called inside an oh.Recompute scope of a traced function"). A tape opened or closed
+    # inside a scope's window now gets its records then (segments recorded while it
+    # records), and a gradient inside the window makes the records and ends collection.
+    s = _Setup()
+
+    def make(rc):
+        @tf.function
+        def step(x):
+            with rc if rc is not None else contextlib.nullcontext():
+                with tf.GradientTape(persistent=True) as t:
+                    t.watch(x)
+                    h = x
+                    for _ in range(6):
+                        h = tf.tanh(h @ s.w)
+                    loss = tf.reduce_sum(h * h)
+                    if inside_tape:
+                        g = t.gradient(loss, [x, s.w])
+                if not inside_tape:
+                    g = t.gradient(loss, [x, s.w])
+            return [loss] + g
+        return step
+    results = []
+    rc = oh.Recompute()
+    for r in (None, rc):
+        with tf.GradientTape():  # a tape could record: the scope opens a window
+            results.append(make(r)(s.x))
+    _same(results[0], results[1], "tape.gradient inside a Recompute scope in a function")
+    if not inside_tape:
+        assert rc.stats["segments"] >= 2  # recorded while the tape recorded

@@ -124,7 +124,7 @@ def eager_scope(handler):
 def _tape_enter(self):
     collecting = _collecting_window()
     if collecting is not None:
-        collecting.flush()  # the records made so far are not this tape's (TensorFlow's order)
+        collecting.flush()  # the records so far are not this tape's (TensorFlow's order)
     result = _previous["enter"](self)
     stack = getattr(_local, "eager", None)
     # Only the program's step: not while a handler's hook runs (a function it traces, an

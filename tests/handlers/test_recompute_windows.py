@@ -3,7 +3,9 @@ traced inside it (recompute_graph._tape_enter, the Keras fit rule): only for the
 program's step, never for a function oh.vectorized_map traces for its own use; a
 gradient taken inside a window (an HVP's inner tape, TensorFlow's forward accumulator)
 makes the window's records first; a tape opened inside a window gets exactly the records
-TensorFlow's tapes would. Compared with the same fresh tf.function without Recompute."""
+TensorFlow's tapes would. Also the program's own scopes in a traced function: nested
+scopes, an accumulator inside or around a scope, a tape's gradient inside one. Compared
+with the same fresh tf.function without Recompute."""
 import contextlib
 
 import keras

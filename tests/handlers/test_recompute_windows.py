@@ -3,7 +3,11 @@ traced inside it (recompute_graph._tape_enter, the Keras fit rule): only for the
 program's step, never for a function oh.vectorized_map traces for its own use; a
 gradient taken inside a window (an HVP's inner tape, TensorFlow's forward accumulator)
 makes the window's records first; a tape opened inside a window gets exactly the records
-TensorFlow's tapes would. Compared with the same fresh tf.function without Recompute."""
+TensorFlow's tapes would. Also the program's own scopes in a traced function: nested
+scopes, an accumulator inside or around a scope, a tape's gradient inside one. Compared
+with the same fresh tf.function without Recompute."""
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -131,3 +135,134 @@ def test_functions_vectorized_map_traces_get_no_windows():
         got = run(oh.vectorized_map)
     _same(ref, got, "Recompute > tf.GradientTape > oh.vectorized_map")
     assert rc.graph_stats is None
+
+
+# -- the program's own scopes in a traced function: nested, and with an accumulator ------
+
+def _nested_step(rc_count, save):
+    def step(y, z):
+        with tf.GradientTape(persistent=True) as t:
+            t.watch([y, z])
+            with contextlib.ExitStack() as scopes:
+                for k in range(rc_count):
+                    scopes.enter_context(oh.Recompute(save=("Conv2D",)) if save and k == 0
+                                         else oh.Recompute())
+                a = tf.reshape(y, [2, 2])
+                a = tf.split(tf.concat([a, a], -1), [2, 2], axis=-1)[1]
+                img = tf.reshape(z, [-1, 2, 2, 1])
+                b = tf.nn.conv2d(img, tf.ones([2, 2, 1, 2]), 1, "SAME")
+                out = [tf.sin(a), tf.reduce_sum(b * b)]
+        return out + t.gradient(out, [y, z])
+    return step
+
+
+@_QUIET
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("outer_tape", [False, True])
+def test_nested_scopes_in_a_function(save, outer_tape):
+    # Fuzz finding (tf.GradientTape > vectorized_map > GradientTape > Recompute(save) >
+    # Recompute, OH_FUZZ_SEED=34 slow case 5; the outer tape makes the map trace): the
+    # inner scope's segments were collected by the outer scope's window, so the tape did
+    # not know the values the inner's later segments take from its earlier ones, and
+    # those segments were not recorded: gradients None. A nested scope now makes its
+    # records itself (the outer's records so far first).
+    y = tf.constant(np.linspace(-1.0, 1.0, 4, dtype=np.float32))
+    z = tf.constant(np.linspace(0.5, 2.0, 12, dtype=np.float32).reshape(3, 4))
+    results = []
+    for count in (0, 2):
+        f = tf.function(_nested_step(count, save))
+        with tf.GradientTape() if outer_tape else contextlib.nullcontext():
+            results.append(f(y, z))
+    _same(results[0], results[1], "two nested Recompute scopes")
+
+
+@_QUIET
+def test_nested_scopes_in_vectorized_map_under_a_tape():
+    ys = tf.constant(np.arange(8, dtype=np.float32).reshape(2, 4) / 4)
+    zs = tf.constant(np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 8)
+    results = []
+    for count, vmap in ((0, tf.vectorized_map), (2, oh.vectorized_map)):
+        step = _nested_step(count, True)
+        with tf.GradientTape() as t:
+            t.watch([ys, zs])
+            out = vmap(lambda e, s=step: s(*e), (ys, zs))
+        results.append(list(out) + t.gradient(out, [ys, zs]))
+    _same(results[0], results[1], "tf.GradientTape > vectorized_map > Recompute x2")
+
+
+@_QUIET
+@pytest.mark.parametrize("acc_type", [tf.autodiff.ForwardAccumulator,
+                                      oh.ForwardAccumulator], ids=["tf", "oh"])
+@pytest.mark.parametrize("acc_in_scope", [True, False])
+def test_accumulator_with_a_scope_in_a_function(acc_type, acc_in_scope):
+    # Fuzz finding (tf.GradientTape > vectorized_map > Recompute(save) >
+    # ForwardAccumulator, OH_FUZZ_SEED=19 slow case 17): the scope collected the records
+    # of the ops the accumulator inside it needed (a window opens when a tape could
+    # record: the outer tape) and made them after the accumulator's scope: JVPs None.
+    # With the accumulator around the scope (the JVP of a gradient) the segments' records
+    # gave silently wrong JVPs. A record carrying tangents now makes the window's records
+    # and ends its collection (the scope's ops run as they are, as eagerly above an
+    # accumulator).
+    s = _Setup()
+    v = tf.constant(np.random.default_rng(5).standard_normal((3, 3)).astype(np.float32))
+
+    def make(rc):
+        @tf.function
+        def step(x):
+            with rc if acc_in_scope and rc is not None else contextlib.nullcontext():
+                with acc_type(s.w, v) as acc:
+                    with tf.GradientTape() as t:
+                        with rc if not acc_in_scope and rc is not None else \
+                                contextlib.nullcontext():
+                            h = x
+                            for _ in range(6):  # (segments: enough ops)
+                                h = tf.tanh(h @ s.w)
+                            loss = tf.reduce_sum(h * h)
+                    g = t.gradient(loss, s.w)
+            return [loss, g, acc.jvp(loss), acc.jvp(g)]
+        return step
+    results = []
+    for rc in (None, oh.Recompute()):
+        # Inside: a tape around (it could record: the scope opens a window). Around: the
+        # step's tape opens it (with a tape around, its values were right before).
+        with tf.GradientTape() if acc_in_scope else contextlib.nullcontext():
+            results.append(make(rc)(s.x))
+    _same(results[0], results[1], "accumulator %s a Recompute scope in a function" % (
+        "inside" if acc_in_scope else "around"))
+
+
+@_QUIET
+@pytest.mark.parametrize("inside_tape", [False, True])
+def test_gradient_inside_a_scope_in_a_function(inside_tape):
+    # Fuzz finding (tf.GradientTape > vectorized_map > Recompute(budget) > DataFormat >
+    # Recompute(save) > GradientTape, OH_FUZZ_SEED=40 slow case 38): eager code the map
+    # traces, a tape and its gradient inside the scope, raised HandlerError ("tape.gradient
+    # called inside an oh.Recompute scope of a traced function"). A tape opened or closed
+    # inside a scope's window now gets its records then (segments recorded while it
+    # records), and a gradient inside the window makes the records and ends collection.
+    s = _Setup()
+
+    def make(rc):
+        @tf.function
+        def step(x):
+            with rc if rc is not None else contextlib.nullcontext():
+                with tf.GradientTape(persistent=True) as t:
+                    t.watch(x)
+                    h = x
+                    for _ in range(6):
+                        h = tf.tanh(h @ s.w)
+                    loss = tf.reduce_sum(h * h)
+                    if inside_tape:
+                        g = t.gradient(loss, [x, s.w])
+                if not inside_tape:
+                    g = t.gradient(loss, [x, s.w])
+            return [loss] + g
+        return step
+    results = []
+    rc = oh.Recompute()
+    for r in (None, rc):
+        with tf.GradientTape():  # a tape could record: the scope opens a window
+            results.append(make(r)(s.x))
+    _same(results[0], results[1], "tape.gradient inside a Recompute scope in a function")
+    if not inside_tape:
+        assert rc.stats["segments"] >= 2  # recorded while the tape recorded

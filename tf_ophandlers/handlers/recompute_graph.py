@@ -69,9 +69,11 @@ def _capturing(name):
     def capture(*args, **kwargs):
         window = getattr(_local, "window", None)
         if window is not None and window.active and window.owns(name, args, kwargs):
-            if window.auto and _carries_tangents(name, args, kwargs):
-                # A forward accumulator's tangents (an HVP in the step): a segment's
-                # recomputation would carry none; the step's tape is not recomputed.
+            if _carries_tangents(name, args, kwargs):
+                # A forward accumulator's tangents (an HVP in the step, or an accumulator
+                # inside the scope): it needs the record now, and a segment's
+                # recomputation would carry none; the rest of the scope is not
+                # recomputed (as ops run as they are above an accumulator eagerly).
                 window.demote()
                 return _previous[name](*args, **kwargs)
             # Collected instead of made (made at the scope's exit, or replaced).
@@ -120,9 +122,9 @@ def eager_scope(handler):
 
 
 def _tape_enter(self):
-    auto = _auto_window()
-    if auto is not None:
-        auto.flush()  # the records made so far are not this tape's (TensorFlow's order)
+    collecting = _collecting_window()
+    if collecting is not None:
+        collecting.flush()  # the records so far are not this tape's (TensorFlow's order)
     result = _previous["enter"](self)
     stack = getattr(_local, "eager", None)
     # Only the program's step: not while a handler's hook runs (a function it traces, an
@@ -141,17 +143,18 @@ def _tape_exit(self, typ, value, traceback):
     if window is not None:
         window.__exit__(typ, value, traceback)  # records while the tape is active
     else:
-        auto = _auto_window()
-        if auto is not None:
-            auto.flush()  # the records made while this (inner) tape recorded
+        collecting = _collecting_window()
+        if collecting is not None:
+            collecting.flush()  # the records made while this (inner) tape recorded
     return _previous["exit"](self, typ, value, traceback)
 
 
-def _auto_window():
-    """The innermost window if it is one a tape scope opened (not the program's own
-    oh.Recompute scope) and is collecting."""
+def _collecting_window():
+    """The innermost window if it is collecting (a tape scope's, or the program's own
+    oh.Recompute scope's: a tape opened or closed inside it, or a gradient asked
+    after a tape closed inside it, needs the records of the ops run meanwhile)."""
     window = getattr(_local, "window", None)
-    return window if window is not None and window.active and window.auto else None
+    return window if window is not None and window.active else None
 
 
 _tape_windows = {}  # id(tf.GradientTape) -> the Window opened with it (while tracing)
@@ -159,16 +162,13 @@ _tape_windows = {}  # id(tf.GradientTape) -> the Window opened with it (while tr
 
 def _checked_gradient(self, target, sources, *args, **kwargs):
     window = getattr(_local, "window", None)
-    if window is not None and window.active and window.auto:
-        # A gradient inside the step before the tape's window closes (an HVP's inner
-        # tape, TensorFlow's forward accumulator's JVP helper): the window's records are
-        # made now and it collects no more (this tape's step is not recomputed).
+    while window is not None and window.active:
+        # A gradient inside a window (an HVP's inner tape, TensorFlow's forward
+        # accumulator's JVP helper, a tape inside the scope: eager code oh.vectorized_map
+        # traces): the records are made now and the window collects no more (the rest of
+        # the scope is not recomputed); so do the windows around it.
         window.demote()
-    elif window is not None and window.active:
-        raise HandlerError(
-            "oh.Recompute: tape.gradient called inside an oh.Recompute scope of a traced "
-            "function; the scope records its ops on the tapes at its exit: open the tape "
-            "outside the scope and ask for gradients after it")
+        window = getattr(_local, "window", None)
     if _interior and not tf.executing_eagerly():
         graph = _ops.get_default_graph()
         entry = _interior.get(id(graph))
@@ -243,6 +243,11 @@ class Window:
         tf_patches.ensure("recompute graph records")
         self.graph = _ops.get_default_graph()
         self.outer = getattr(_local, "window", None)
+        if self.outer is not None and self.outer.active:
+            # A nested scope: the outer's records so far are made first, so the tapes
+            # know the values this scope's segments take from them (a segment none of
+            # whose inputs a tape knows is not recorded: its gradients were None).
+            self.outer.flush()
         _local.window = self
         self.active = True
         return self
@@ -262,8 +267,20 @@ class Window:
         self.active = False
         _local.window = self.outer
         if exc_type is None:
-            self._record_all()
+            self._make_records()
         return False
+
+    def _make_records(self):
+        # A nested scope's records go to the tapes now, not to the outer scope's window
+        # (its later segments take these values as inputs).
+        outer = self.outer if self.outer is not None and self.outer.active else None
+        if outer is not None:
+            outer.active = False
+        try:
+            self._record_all()
+        finally:
+            if outer is not None:
+                outer.active = True
 
     def flush(self):
         """Makes the records collected so far (a tape opens or closes inside the window:
@@ -272,7 +289,7 @@ class Window:
             return
         self.active = False  # records made meanwhile (a JVP helper's ops) pass through
         try:
-            self._record_all()
+            self._make_records()
         finally:
             self.records = []
             self.active = True

@@ -64,25 +64,34 @@ class Config:
         return _common.time_per_call(self.fn, n)
 
 
-def make_configs():
+def twins(batch=None):
+    """The model channels-first and its channels-last twin with the same weights, their
+    inputs (NCHW, NHWC) and their loaded SavedModels: (cf, cl, x, xl, s_cf, s_cl)."""
     cf, cl = build("channels_first"), build("channels_last")
     weights = [w * 0.5 + 0.1 for w in cf.get_weights()]
     cf.set_weights(weights)
     cl.set_weights(weights)
-    x = tf.random.stateless_normal([BATCH, 3, SIZE, SIZE], seed=[1, 2])
+    x = tf.random.stateless_normal([batch or BATCH, 3, SIZE, SIZE], seed=[1, 2])
     xl = tf.transpose(x, [0, 2, 3, 1])
-    f_cf, f_cl = tf.function(lambda t: cf(t)), tf.function(lambda t: cl(t))
     tmp = tempfile.mkdtemp()
     cf.export(os.path.join(tmp, "cf"), verbose=False)
     cl.export(os.path.join(tmp, "cl"), verbose=False)
     s_cf = tf.saved_model.load(os.path.join(tmp, "cf"))
     s_cl = tf.saved_model.load(os.path.join(tmp, "cl"))
+    return cf, cl, x, xl, s_cf, s_cl
 
-    def under(fn, arg):
-        def call():
-            with oh.DataFormat():
-                return fn(arg).numpy()
-        return call
+
+def under(fn, arg):
+    """A call of `fn(arg)` under a fresh `oh.DataFormat()` scope, as users write it."""
+    def call():
+        with oh.DataFormat():
+            return fn(arg).numpy()
+    return call
+
+
+def make_configs():
+    cf, cl, x, xl, s_cf, s_cl = twins()
+    f_cf, f_cl = tf.function(lambda t: cf(t)), tf.function(lambda t: cl(t))
 
     pairs = {
         "eager": (lambda: cl(xl).numpy(), under(cf, x), lambda: cf(x)),

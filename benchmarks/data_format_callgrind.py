@@ -15,7 +15,6 @@ entering and leaving `with oh.DataFormat():` alone. Each is warmed up, then N ca
 import argparse
 import os
 import sys
-import tempfile
 
 import _callgrind
 
@@ -24,32 +23,13 @@ KEYS = ("eager-twin", "eager-oh", "saved-twin", "saved-oh", "scope")
 
 
 def child(helper, n, batch, size, keys=KEYS):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tf, oh, cg = _callgrind.child_setup(helper)
+    tf.config.threading.set_intra_op_parallelism_threads(1)  # (before the runtime starts)
     sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.dirname(HERE))
-    import tensorflow as tf
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    import tf_ophandlers as oh
     import data_format as bench
     bench.SIZE = size
-    cg = _callgrind.load(helper)
-    cf, cl = bench.build("channels_first"), bench.build("channels_last")
-    weights = [w * 0.5 + 0.1 for w in cf.get_weights()]
-    cf.set_weights(weights)
-    cl.set_weights(weights)
-    x = tf.random.stateless_normal([batch, 3, size, size], seed=[1, 2])
-    xl = tf.transpose(x, [0, 2, 3, 1])
-    tmp = tempfile.mkdtemp()
-    cf.export(os.path.join(tmp, "cf"), verbose=False)
-    cl.export(os.path.join(tmp, "cl"), verbose=False)
-    s_cf = tf.saved_model.load(os.path.join(tmp, "cf"))
-    s_cl = tf.saved_model.load(os.path.join(tmp, "cl"))
-
-    def under(fn, arg):
-        def call():
-            with oh.DataFormat():
-                return fn(arg).numpy()
-        return call
+    cf, cl, x, xl, s_cf, s_cl = bench.twins(batch)
+    under = bench.under
 
     def scope():
         with oh.DataFormat():

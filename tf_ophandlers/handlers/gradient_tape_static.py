@@ -58,9 +58,9 @@ def _reduced(grad, grad_shape, shape, axes, other_rank):
     return array_ops.reshape(grad, _int32(shape))
 
 
-def _add_or_sub(op, grad, negate):
-    """TensorFlow's `_AddGrad` / `_SubGrad` with static reduction axes, or None (not
-    eager, unknown shapes, a non-dense gradient: the caller runs TensorFlow's)."""
+def _static(op, grad):
+    """(x, y, x's shape, y's shape, grad's shape) of a binary op's gradient call when
+    all are static and it runs eagerly with a dense gradient, else None."""
     if not isinstance(grad, tf.Tensor) or not _context.executing_eagerly():
         return None
     x, y = op.inputs
@@ -70,6 +70,16 @@ def _add_or_sub(op, grad, negate):
     gs = grad._shape_tuple()  # pylint: disable=protected-access
     if not (_known(xs) and _known(ys) and _known(gs)):
         return None
+    return x, y, xs, ys, gs
+
+
+def _add_or_sub(op, grad, negate):
+    """TensorFlow's `_AddGrad` / `_SubGrad` with static reduction axes, or None (not
+    eager, unknown shapes, a non-dense gradient: the caller runs TensorFlow's)."""
+    static = _static(op, grad)
+    if static is None:
+        return None
+    _, _, xs, ys, gs = static
     skip = op.skip_input_indices or ()
     if 1 in skip and ys == ():
         return grad, None
@@ -83,15 +93,10 @@ def _add_or_sub(op, grad, negate):
 
 def _mul(op, grad):
     """TensorFlow's `_MulGrad` with static reduction axes, or None."""
-    if not isinstance(grad, tf.Tensor) or not _context.executing_eagerly():
+    static = _static(op, grad)
+    if static is None or static[0].dtype.base_dtype != static[1].dtype.base_dtype:
         return None
-    x, y = op.inputs
-    if x is None or y is None or x.dtype.base_dtype != y.dtype.base_dtype:
-        return None
-    xs, ys = x._shape_tuple(), y._shape_tuple()  # pylint: disable=protected-access
-    gs = grad._shape_tuple()  # pylint: disable=protected-access
-    if not (_known(xs) and _known(ys) and _known(gs)):
-        return None
+    x, y, xs, ys, gs = static
     skip = op.skip_input_indices or ()
     if 1 in skip and ys == ():
         return gen_math_ops.mul(grad, math_ops.conj(y)), None

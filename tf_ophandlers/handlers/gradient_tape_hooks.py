@@ -144,8 +144,11 @@ def _link_on_tf_tapes(tensors, tracked):
             continue
         known = tracked_entry(tracked, t)
         if known is not None and known[0] is not t and isinstance(known[0], _EagerTensor):
-            _record.record_operation_backprop_only("Identity", [t], [known[0]],
-                                                   _identity_gradient)
+            # TensorFlow's tapes only (the unpatched record): on an oh.GradientTape, t
+            # has known[0]'s key, so the record would replace its entry and cut the
+            # ops recorded on it before the call off the gradient.
+            _original_record_backprop_only[0]("Identity", [t], [known[0]],
+                                              _identity_gradient)
 
 
 def _maybe_tracked(tape, tensor, tracked):

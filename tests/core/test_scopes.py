@@ -252,6 +252,31 @@ def test_scopes_of_fresh_handlers_share_what_only_the_class_decides(x):
     assert_close(y, tf.sin(x))
 
 
+
+def test_a_declaration_assigned_to_the_class_after_its_first_scope(x):
+    """A hook or declaration set on the class after a scope of it (a monkeypatched
+    execute, a new handles_ops) is what the next scope's stack uses: the shared fields
+    were keyed by the class alone, so the patched execute was never called."""
+    class Patched(oh.OpHandler):
+        pass
+
+    with Patched():
+        tf.sin(x)
+    seen = []
+
+    def execute(self, op, inputs):
+        seen.append(op.type)
+        return oh.OpHandler.execute(self, op, inputs)
+    Patched.execute = execute
+    with Patched():
+        y = tf.sin(x)
+    assert seen == ["Sin"]
+    Patched.handles_ops = frozenset(("Cos",))
+    with Patched():
+        y = tf.sin(x) + tf.cos(y)
+    assert seen == ["Sin", "Cos"]
+    assert_close(y, tf.sin(x) + tf.cos(tf.sin(x)))
+
 def test_stack_registries_hold_stacks_weakly_and_stay_bounded(x):
     """A stack per scope is registered by its merge and its name without being kept
     alive; dead entries are swept, so the registries stay bounded."""

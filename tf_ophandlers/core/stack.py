@@ -214,7 +214,11 @@ _DECLARATIONS = frozenset((
     "execute", "copy_on", "function_input", "function_output", "after_execute",
     "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
-_class_decides = BoundedCache("stack.class_declarations", 256)  # class -> bool
+# class -> (its declarations when decided, bool). A declaration assigned to the class
+# after a stack of it was built (a monkeypatched execute) must not get the old fields:
+# the declarations are compared at each build (a tuple ==, cheaper than hashing them).
+_class_decides = BoundedCache("stack.class_declarations", 256)
+_class_declarations = operator.attrgetter(*sorted(_DECLARATIONS))
 
 
 def _decided_by_class(cls):
@@ -246,10 +250,17 @@ def _template_key(handler, next_stack):
     stacks (its class, and whether it sits on a handler), or None when they are its own
     (`_decided_by_class`, or the instance sets a declaration itself)."""
     cls = type(handler)
-    decided = _class_decides.get(cls)
-    if decided is None:
-        decided = _class_decides[cls] = _decided_by_class(cls)
-    if not decided:
+    try:
+        declared = _class_declarations(cls)
+        entry = _class_decides.get(cls)
+        if entry is None or entry[0] != declared:
+            # new or changed (or evicted): its templates may be stale
+            _templates.pop((cls, False), None)
+            _templates.pop((cls, True), None)
+            entry = _class_decides[cls] = (declared, _decided_by_class(cls))
+    except (AttributeError, ValueError, TypeError):  # a declaration missing or odd: own
+        return None
+    if not entry[1]:
         return None
     own = getattr(handler, "__dict__", None)
     if own and not _DECLARATIONS.isdisjoint(own):

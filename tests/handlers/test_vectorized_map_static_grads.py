@@ -87,3 +87,32 @@ def test_static_gradients_run_fewer_ops(monkeypatch):
     assert dynamic["BroadcastGradientArgs"] >= 1
     assert static["BroadcastGradientArgs"] == 0
     assert sum(static.values()) < sum(dynamic.values())
+
+
+@pytest.mark.parametrize("dtype", [tf.float64, tf.complex64])
+@pytest.mark.parametrize("example,capture", [((0, 4), (4,)), ((1, 4), (2, 1, 1)),
+                                             ((), (3, 1)), ((2, 1, 1), ())])
+@pytest.mark.parametrize("op", [tf.add, tf.subtract, tf.multiply], ids=["add", "sub", "mul"])
+def test_static_gradients_other_dtypes_and_zero_size(op, example, capture, dtype):
+    """The rules' reductions where TensorFlow's eager gradients ask for shapes at run
+    time: an empty example (a Sum over a size-0 axis), broadcasting on both sides or to
+    a higher rank, complex (Mul's conj) and float64 values."""
+    def values(shape):  # (complex with imaginary parts: conj matters)
+        r = _rng.standard_normal(shape) + (1j * _rng.standard_normal(shape)
+                                           if dtype.is_complex else 0)
+        return tf.constant(r, dtype=dtype)
+    xs, v = values((B,) + example), tf.Variable(values(capture))
+
+    def fn(tape_cls):
+        def f(x):
+            with tape_cls() as t:
+                t.watch(x)
+                y = op(x, v) * 1.5 + op(v, x)
+                loss = tf.reduce_sum(y * tf.reduce_sum(x))
+            return t.gradient(loss, [x, v])
+        return f
+    got = oh.vectorized_map(fn(oh.GradientTape), xs)
+    want = tf.vectorized_map(fn(tf.GradientTape), xs)
+    for g, w in zip(got, want):
+        assert isinstance(g, tf.Tensor) and g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)

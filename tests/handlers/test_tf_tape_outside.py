@@ -63,7 +63,7 @@ def test_tf_tape_over_oh_tape_over_handler(handler, program, function):
         handler, program, function))
 
 
-def _ops_around_a_call(inner_tape, handler):
+def _ops_around_a_call(inner_tape, handler, scaled_argument=False):
     r = np.random.default_rng(1)
     x = tf.constant(r.standard_normal((2, 4)).astype(np.float32))
     w = tf.Variable(r.standard_normal((4, 4)).astype(np.float32))
@@ -74,7 +74,10 @@ def _ops_around_a_call(inner_tape, handler):
             inner.watch(x)
             with (handler() if handler is not None else contextlib.nullcontext()):
                 before = tf.reduce_sum(x * x)  # recorded before the replayed call
-                y = before + fn(x, w) + tf.reduce_sum(tf.sin(x))
+                if scaled_argument:  # the call's argument computed under the handler
+                    y = fn(x * 2.0, w)
+                else:
+                    y = before + fn(x, w) + tf.reduce_sum(tf.sin(x))
         gx, gw = inner.gradient(y, [x, w])
     return [gx, gw] + [outer.gradient(t, [x, w]) for t in (y, gx, gw)]
 
@@ -87,3 +90,14 @@ def test_ops_before_a_replayed_call_keep_their_gradient(handler):
     want = _ops_around_a_call(tf.GradientTape, None)
     got = _ops_around_a_call(oh.GradientTape, HANDLERS[handler])
     _same(want, got, "tf.GradientTape > oh.GradientTape > %s, ops around a call" % handler)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("handler", ["OpHandler", "OpLogHandler"])
+def test_a_call_on_a_value_computed_under_the_handler(handler):
+    # The replayed call's argument is a tensor on the tape's stack, whose key is not
+    # its representation's (the one the tape tracks and bridged to TensorFlow's tapes):
+    # it was not linked, and the outer gradients of the tape's gradient were None.
+    want = _ops_around_a_call(tf.GradientTape, None, True)
+    got = _ops_around_a_call(oh.GradientTape, HANDLERS[handler], True)
+    _same(want, got, "tf.GradientTape > oh.GradientTape > %s, a call on x * 2" % handler)

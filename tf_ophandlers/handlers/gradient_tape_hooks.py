@@ -114,7 +114,7 @@ def _possible_gradient_types(tensors):
     tapes = _active_tapes()
     if tapes and not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
         for tape in tapes:  # first: TensorFlow's tapes then see the arguments they know
-            _link_on_tf_tapes(tensors, tape._tracked)  # pylint: disable=protected-access
+            _link_on_tf_tapes(tensors, tape)
     kind = _original_possible_gradient_types(tensors)
     for tape in tapes:
         tape._harvest_variables()  # a function's captured variables were just read  # pylint: disable=protected-access
@@ -129,20 +129,33 @@ def _identity_gradient(gradient):
     return [gradient]
 
 
-def _link_on_tf_tapes(tensors, tracked):
+def _link_on_tf_tapes(tensors, tape):
     """Before a function call on `tensors` (TensorFlow asks which tapes could record it):
     records on TensorFlow's tapes each argument that is another Python object of a
-    tensor an oh.GradientTape tracks (same handle; `tracked` is its map) as that tensor,
+    tensor `tape` tracks (same handle, or its representation) as that tensor,
     the object the tape recorded and bridged to TensorFlow's tapes. TensorFlow's tapes
     know tensors by Python object, and a call replayed by handlers above the tape runs
     on new wrappers of the arguments: a tf.GradientTape around the tape did not connect
     the call the tape records to what it watches (and took its first-order forward
     function, which keeps the saved tensors off its tape), so its gradient of the tape's
     gradient was None."""
+    tracked = tape._tracked  # pylint: disable=protected-access
     for t in tensors:
         if not isinstance(t, _EagerTensor):
             continue
         known = tracked_entry(tracked, t)
+        if known is None:
+            # An argument on the tape's own stack (the call replayed at its level, on a
+            # value computed under the handler above): the tape tracks its
+            # representation, which the bridge connected on TensorFlow's tapes (without
+            # this the outer second order through it was None or partial).
+            stack = stack_of(t)
+            if stack is None or stack.handler is not tape:
+                continue
+            try:
+                known = tracked_entry(tracked, tape._level_of(t))  # pylint: disable=protected-access
+            except CopyOffError:
+                continue
         if known is not None and known[0] is not t and isinstance(known[0], _EagerTensor):
             # TensorFlow's tapes only (the unpatched record): on an oh.GradientTape, t
             # has known[0]'s key, so the record would replace its entry and cut the

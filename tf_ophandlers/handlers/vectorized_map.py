@@ -38,7 +38,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.state import own_trace
-from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of, stack_of
 from tf_ophandlers.handlers.batching_rules import (
     FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch, dtype_of,
     ATTRIBUTE_PLANS, plan_of, static_shape)
@@ -336,6 +336,8 @@ class VectorizedMap(OpHandler):
     def copy_on(self, tensor):
         source = _stack_of(tensor)
         below = next_stack()
+        if source is None and below is PHYSICAL:
+            return Batched(tensor, False)  # (PHYSICAL's copy_on of a physical tensor)
         if source is not None and source.handler is self:
             b = source.unwrap(tensor)
             return Batched(below.copy_on(b.value), b.batched)
@@ -501,8 +503,9 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
                                  fallback_to_while_loop=fallback_to_while_loop)
 
 
-def _batch_of(elems):
-    """`elems` flattened to dense tensors, and their common batch size (or a clear error)."""
+def _batch_of(elems, fallback_to_while_loop, warn):
+    """`elems` flattened to dense tensors, and the handler for their common batch size
+    (or a clear error)."""
     flat = [_dense_elem(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
@@ -513,12 +516,11 @@ def _batch_of(elems):
     if len(sizes) != 1:
         raise ValueError("oh.vectorized_map: elems need one static leading dimension, got "
                          "shapes %s" % [e.shape for e in flat])
-    return flat, sizes.pop()
+    return flat, VectorizedMap(sizes.pop(), fallback_to_while_loop, warn)
 
 
 def _run(fn, elems, fallback_to_while_loop, warn):
-    flat, size = _batch_of(elems)
-    handler = VectorizedMap(size, fallback_to_while_loop, warn)
+    flat, handler = _batch_of(elems, fallback_to_while_loop, warn)
     with _scope.handler(handler) as stack:
         outputs = fn(nest.pack_sequence_as(
             elems, [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]))
@@ -528,6 +530,6 @@ def _run(fn, elems, fallback_to_while_loop, warn):
             return None
         t = tf.convert_to_tensor(t)
         found, value = representation_of(handler, t)
-        return broadcast_batch(value if found else Batched(t, False), size)
+        return broadcast_batch(value if found else Batched(t, False), handler.size)
 
     return nest.map_structure(unbatch, outputs)

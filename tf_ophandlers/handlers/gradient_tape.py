@@ -455,6 +455,20 @@ class GradientTape(BackwardPass, OpHandler):
         if self._traced is not None:
             return self._traced.gradient(target, sources, output_gradients,
                                          unconnected_gradients)
+        # The checks and conversions are helpers so that this frame stays at a small
+        # bytecode offset while the gradient ops run (see vectorized_map's comment:
+        # TensorFlow scans each frame's line table per eager op).
+        args = self._gradient_arguments(target, sources, output_gradients)
+        # A non-persistent tape asked after its scope closed (the usual step) frees
+        # each record once its gradient ran (inside the scope a failed call may be
+        # retried, so the records stay until it succeeds).
+        flat_grads = self._backprop(*args, unconnected_gradients,
+                                    release=not self._persistent and self._depth == 0)
+        return self._gradient_result(sources, args[3], flat_grads)
+
+    def _gradient_arguments(self, target, sources, output_gradients):
+        """gradient's checked, flattened (targets, sources, output gradients, sources as
+        given)."""
         self._check_usable()
         if target is None:
             raise TypeError("oh.GradientTape.gradient: argument `target` should be a list or "
@@ -481,12 +495,9 @@ class GradientTape(BackwardPass, OpHandler):
             if len(output_gradients) != len(flat_targets):
                 raise ValueError("oh.GradientTape.gradient: got %d output_gradients for %d "
                                  "targets" % (len(output_gradients), len(flat_targets)))
-        # A non-persistent tape asked after its scope closed (the usual step) frees
-        # each record once its gradient ran (inside the scope a failed call may be
-        # retried, so the records stay until it succeeds).
-        flat_grads = self._backprop(flat_targets, flat_sources, output_gradients,
-                                    flat_sources_raw, unconnected_gradients,
-                                    release=not self._persistent and self._depth == 0)
+        return flat_targets, flat_sources, output_gradients, flat_sources_raw
+
+    def _gradient_result(self, sources, flat_sources_raw, flat_grads):
         self._release_if_non_persistent()
         flat_sources_raw = [_tf_backprop._handle_or_self(s) for s in flat_sources_raw]  # pylint: disable=protected-access
         flat_grads = composite_tensor_gradient.replace_flat_tensors_for_gradients(

@@ -140,6 +140,45 @@ def short_repr(value):
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _registered_gradient(record):
+    """(gradient function, static-shape rule or None, _MockOp) of a record without
+    `backward`, or None when its op has no gradient (tf.no_gradient).
+
+    A node's gradient override (tf.custom_gradient in a replayed function) replaces its
+    type's gradient, as in TensorFlow's graph gradients; the same lookup as
+    oh.ForwardAccumulator's (a record without `backward` has its Op)."""
+    gradient_type = record.op.gradient_type
+    try:
+        grad_fn = _ops._gradient_registry.lookup(gradient_type)  # pylint: disable=protected-access
+    except LookupError as e:
+        raise LookupError(
+            "oh.GradientTape: op %s has no registered gradient (%s); register one "
+            "with tf.RegisterGradient or stop it with tf.stop_gradient"
+            % (record.op_type, e)) from e
+    if grad_fn is None:
+        return None
+    mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
+        record.op.attr_tuple(), record.inputs, record.outputs, record.op_type, record.skip)
+    static = STATIC_GRADIENTS.get(gradient_type)
+    if static is not None and not getattr(record.stack.handler, "static_shape_gradients",
+                                          False):
+        static = None
+    return grad_fn, static, mock
+
+
+def _take_parts(record, grads, source_ids):
+    """The gradient parts of `record`'s outputs (None if none has any), taken out of
+    `grads` (except for sources, whose gradients are results)."""
+    out_ids = record.ids[1]
+    parts = [grads.get(i) for i in out_ids]
+    if not any(parts):
+        return None
+    for i in out_ids:
+        if i not in source_ids:
+            grads.pop(i, None)
+    return parts
+
+
 class BackwardPass:
     """The backward pass, `jacobian` and `batch_jacobian` of `oh.GradientTape`."""
 
@@ -149,7 +188,28 @@ class BackwardPass:
         non-persistent tape's single backward pass) each record is dropped once its
         gradient function ran, as TensorFlow's tape erases its entries, so the values
         it saved are freed during the backward pass instead of after it."""
+        # Split in helpers so that the frames on the stack while gradient functions run
+        # stay at small bytecode offsets: TensorFlow captures the line numbers of up to
+        # 30 Python frames per eager op (TFE_Py_FastPathExecute), each by a scan of the
+        # frame's line table up to its current instruction.
         unconnected = UnconnectedGradients(unconnected)
+        path, grads, live, source_list, source_ids = self._backward_path(
+            targets, sources, output_gradients)
+        if release:
+            # The tape's own maps hold every record and recorded tensor: emptied now
+            # (the tape cannot be used again), so `path` holds the records alone.
+            self._release_records()
+            while path:
+                self._run_backward(path.pop(), grads, live, source_ids)
+        else:
+            for record in reversed(path):
+                self._run_backward(record, grads, live, source_ids)
+        return self._source_gradients(grads, source_list, sources_raw, unconnected)
+
+    def _backward_path(self, targets, sources, output_gradients):
+        """The records on a path from a source to a target (in recording order), the
+        targets' seed gradients by id, the ids reached from the sources, and the
+        sources' ids (a list and a set)."""
         targets = self._targets_at_level(targets)
         sources = [self._level_of(s) for s in sources]
         producer = self._producer
@@ -190,21 +250,15 @@ class BackwardPass:
                 if g is None:
                     g = self._ones_like(t)
             grads.setdefault(tid, []).append(g)
+        return path, grads, live, source_list, source_ids
 
-        if release:
-            # The tape's own maps hold every record and recorded tensor: emptied now
-            # (the tape cannot be used again), so `path` holds the records alone.
-            needed = producer = None
-            variables = self._variables
-            self._clear()
-            self._variables = variables
-            self._used = True
-            while path:
-                self._run_backward(path.pop(), grads, live, source_ids)
-        else:
-            for record in reversed(path):
-                self._run_backward(record, grads, live, source_ids)
+    def _release_records(self):
+        variables = self._variables
+        self._clear()
+        self._variables = variables
+        self._used = True
 
+    def _source_gradients(self, grads, source_list, sources_raw, unconnected):
         result = []
         for sid, raw in zip(source_list, sources_raw):
             parts = grads.get(sid)
@@ -239,58 +293,47 @@ class BackwardPass:
                 handler.record_sum(parts, total)
 
     def _run_backward(self, record, grads, live, source_ids):
-        outputs = record.outputs
-        in_ids, out_ids, specs = record.ids
-        parts = [grads.get(i) for i in out_ids]
-        if not any(parts):
+        parts = _take_parts(record, grads, source_ids)
+        if parts is None:
             return
-        for i in out_ids:
-            if i not in source_ids:
-                grads.pop(i, None)
         with self._placed(record.stack):
-            accepts_none = _ACCEPTS_NONE.get(record.op_type, ())
-            out_grads = []
-            for k, (o, p) in enumerate(zip(outputs, parts)):
-                if p:
-                    out_grads.append(_tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
-                elif k in accepts_none:
-                    out_grads.append(None)
-                elif specs is not None and specs[k] is not None:
-                    # an output the tape dropped (its gradient function does not read it)
-                    out_grads.append(_zeros_of(specs[k]))
-                elif o is None or o.dtype in (tf.string, tf.resource):
-                    out_grads.append(None)
-                else:
-                    out_grads.append(default_gradient.zeros_like(o))
-            in_grads = self._call_gradient_function(record, out_grads)
-        for i, g in zip(in_ids, in_grads):
+            in_grads = self._call_gradient_function(record,
+                                                    self._output_gradients(record, parts))
+        for i, g in zip(record.ids[0], in_grads):
             if g is not None and i is not None and i in live:
                 grads.setdefault(i, []).append(g)
+
+    @staticmethod
+    def _output_gradients(record, parts):
+        """The gradient of each output of `record`: the sum of its `parts`, else None or
+        zeros as its gradient function takes them."""
+        specs = record.ids[2]
+        accepts_none = _ACCEPTS_NONE.get(record.op_type, ())
+        out_grads = []
+        for k, (o, p) in enumerate(zip(record.outputs, parts)):
+            if p:
+                out_grads.append(_tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
+            elif k in accepts_none:
+                out_grads.append(None)
+            elif specs is not None and specs[k] is not None:
+                # an output the tape dropped (its gradient function does not read it)
+                out_grads.append(_zeros_of(specs[k]))
+            elif o is None or o.dtype in (tf.string, tf.resource):
+                out_grads.append(None)
+            else:
+                out_grads.append(default_gradient.zeros_like(o))
+        return out_grads
 
     def _call_gradient_function(self, record, out_grads):
         if record.backward is not None:
             in_grads = record.backward(*out_grads)
         else:
-            # A node's gradient override (tf.custom_gradient in a replayed function)
-            # replaces its type's gradient, as in TensorFlow's graph gradients; the same
-            # lookup as oh.ForwardAccumulator's (a record without `backward` has its Op).
-            gradient_type = record.op.gradient_type
-            try:
-                grad_fn = _ops._gradient_registry.lookup(gradient_type)  # pylint: disable=protected-access
-            except LookupError as e:
-                raise LookupError(
-                    "oh.GradientTape: op %s has no registered gradient (%s); register one "
-                    "with tf.RegisterGradient or stop it with tf.stop_gradient"
-                    % (record.op_type, e)) from e
-            if grad_fn is None:  # tf.no_gradient / ops.NotDifferentiable
+            found = _registered_gradient(record)
+            if found is None:  # tf.no_gradient / ops.NotDifferentiable
                 return [None] * len(record.inputs)
-            mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
-                record.op.attr_tuple(), record.inputs, record.outputs, record.op_type,
-                record.skip)
+            grad_fn, static, mock = found
             in_grads = None
-            static = STATIC_GRADIENTS.get(gradient_type)
-            if static is not None and getattr(record.stack.handler, "static_shape_gradients",
-                                              False):
+            if static is not None:
                 in_grads = static(mock, *out_grads)  # None: not on static shapes
             if in_grads is None:
                 in_grads = grad_fn(mock, *out_grads)

@@ -38,7 +38,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.state import own_trace
-from tf_ophandlers.core.stack import next_stack, representation_of, stack_of
+from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of, stack_of
 from tf_ophandlers.handlers.batching_rules import (
     FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch, dtype_of,
     ATTRIBUTE_PLANS, plan_of, static_shape)
@@ -336,6 +336,8 @@ class VectorizedMap(OpHandler):
     def copy_on(self, tensor):
         source = _stack_of(tensor)
         below = next_stack()
+        if source is None and below is PHYSICAL:
+            return Batched(tensor, False)  # (PHYSICAL's copy_on of a physical tensor)
         if source is not None and source.handler is self:
             b = source.unwrap(tensor)
             return Batched(below.copy_on(b.value), b.batched)
@@ -487,13 +489,23 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     a cached, handler-free function (core/functions): later calls with the same specs run
     at graph speed, with `fn` traced once, not at every call.
     """
-    if not tf.executing_eagerly() or not _tf_tape_set_is_empty():
-        # Traced: pfor on the graph. Under a tf.GradientTape (or TensorFlow's forward
-        # accumulator): TensorFlow's tapes record by Python object and would see none of
-        # the handler's ops (a None gradient, silently), so TensorFlow's own map runs.
-        with own_trace():  # pfor's function (eagerly) is not the program's step
-            return tf.vectorized_map(fn, elems, warn=warn,
-                                     fallback_to_while_loop=fallback_to_while_loop)
+    if tf.executing_eagerly() and _tf_tape_set_is_empty():
+        # First and in a helper, so that this frame (and _run's) stay at a small bytecode
+        # offset while fn's ops run: TensorFlow captures the line numbers of up to 30
+        # Python frames for every eager op (TFE_Py_FastPathExecute's stack trace), each
+        # by a scan of the frame's line table up to its current instruction.
+        return _run(fn, elems, fallback_to_while_loop, warn)
+    # Traced: pfor on the graph. Under a tf.GradientTape (or TensorFlow's forward
+    # accumulator): TensorFlow's tapes record by Python object and would see none of
+    # the handler's ops (a None gradient, silently), so TensorFlow's own map runs.
+    with own_trace():  # pfor's function (eagerly) is not the program's step
+        return tf.vectorized_map(fn, elems, warn=warn,
+                                 fallback_to_while_loop=fallback_to_while_loop)
+
+
+def _batch_of(elems, fallback_to_while_loop, warn):
+    """`elems` flattened to dense tensors, and the handler for their common batch size
+    (or a clear error)."""
     flat = [_dense_elem(e) for e in nest.flatten(elems)]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
@@ -504,17 +516,20 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     if len(sizes) != 1:
         raise ValueError("oh.vectorized_map: elems need one static leading dimension, got "
                          "shapes %s" % [e.shape for e in flat])
-    size = sizes.pop()
-    handler = VectorizedMap(size, fallback_to_while_loop, warn)
+    return flat, VectorizedMap(sizes.pop(), fallback_to_while_loop, warn)
+
+
+def _run(fn, elems, fallback_to_while_loop, warn):
+    flat, handler = _batch_of(elems, fallback_to_while_loop, warn)
     with _scope.handler(handler) as stack:
-        inputs = [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]
-        outputs = fn(nest.pack_sequence_as(elems, inputs))
+        outputs = fn(nest.pack_sequence_as(
+            elems, [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]))
 
     def unbatch(t):
         if t is None:
             return None
         t = tf.convert_to_tensor(t)
         found, value = representation_of(handler, t)
-        return broadcast_batch(value if found else Batched(t, False), size)
+        return broadcast_batch(value if found else Batched(t, False), handler.size)
 
     return nest.map_structure(unbatch, outputs)

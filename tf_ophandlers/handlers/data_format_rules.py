@@ -107,9 +107,8 @@ def static(t):
     running anything, else None (a tensor of a stack below answers through its handler,
     also a symbolic one while a function is replayed: core/tensor.py)."""
     if type(t) is _EagerTensor and stack_of(t) is None:
-        # A physical eager tensor (a perm, axes, a shape: several per call): its value,
-        # as tf.get_static_value gives it, without that function's dispatch or the copy
-        # `.numpy()` makes.
+        # A physical eager tensor (a perm, axes, a shape: several per call): its value
+        # without tf.get_static_value's dispatch or the copy `.numpy()` makes.
         try:
             return t._numpy()  # pylint: disable=protected-access
         except tf.errors.UnimplementedError:  # resource and variant tensors

@@ -250,10 +250,10 @@ class DataFormat(OpHandler):
         return -1 if d is None else d
 
     def static_value(self, value):
-        known = static(physical(value))
-        if known is None or type(value) is not Permuted:
-            return known
-        return known.transpose(value.perm)
+        known = static(physical(value))  # (the tensor's own buffer: a copy is given away)
+        if known is None:
+            return None
+        return (known.transpose(value.perm) if type(value) is Permuted else known).copy()
 
     def tensor_debug_string(self, value):
         if type(value) is Permuted:  # the logical value, as TensorFlow prints it

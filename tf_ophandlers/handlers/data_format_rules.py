@@ -103,14 +103,14 @@ _EagerTensor = _ops.EagerTensor
 
 
 def static(t):
-    """The value of `t` (numpy) if known without running anything, else None (a tensor
-    of a stack below answers through its handler, also a symbolic one while a function
-    is replayed: core/tensor.py)."""
+    """The value of `t` (numpy; callers copy what they give away) if known without
+    running anything, else None (a tensor of a stack below answers through its handler,
+    also a symbolic one while a function is replayed: core/tensor.py)."""
     if type(t) is _EagerTensor and stack_of(t) is None:
-        # A physical eager tensor (a perm, axes, a shape: several per call): its value,
-        # as tf.get_static_value gives it, without that function's dispatch.
+        # A physical eager tensor (a perm, axes, a shape: several per call): its value
+        # without tf.get_static_value's dispatch or the copy `.numpy()` makes.
         try:
-            return t.numpy()
+            return t._numpy()  # pylint: disable=protected-access
         except tf.errors.UnimplementedError:  # resource and variant tensors
             return None
     v = tf.get_static_value(t)
@@ -370,7 +370,7 @@ def _reduction(handler, nxt, op, inputs, keep):
         return fallback(handler, nxt, op, inputs)
     perm = x.perm
     rank = len(perm)
-    logical_axes = sorted({int(a) % rank for a in known.reshape(-1)})
+    logical_axes = sorted({a % rank for a in known.reshape(-1).tolist()})
     phys = [perm[a] for a in logical_axes]
     phys_axes = constant(phys if known.ndim else phys[0], axes.dtype)
     outs = nxt.execute(op, [x.value, phys_axes])
@@ -395,7 +395,7 @@ def transpose_rule(handler, nxt, op, inputs):
     known = static(perm_t)
     if known is None:
         return fallback(handler, nxt, op, inputs)
-    q = tuple(int(i) for i in known)
+    q = tuple(known.tolist())
     p = perm_of(x)
     if p is None:
         if len(q) >= 4 and q == channels_first_perm(len(q)):
@@ -478,7 +478,7 @@ def reshape_rule(handler, nxt, op, inputs):
     if moves_no_data(dims, x.perm):
         return nxt.execute(op, [x.value, shape])
     target = static(shape)
-    if target is not None and None not in dims and [int(d) for d in target.reshape(-1)] == [
+    if target is not None and None not in dims and target.reshape(-1).tolist() == [
             dims[i] for i in x.perm]:
         (out,) = nxt.execute(Op.cached("Identity", T=x.dtype), [x.value])
         return [Permuted(out, x.perm)]

@@ -51,6 +51,12 @@ OpObject* NewOpObject(const char* type, const char* device, int num_outputs);
 // reads raise). Never sets a Python exception. GIL: must be held.
 void EndBorrow(OpObject* op, TFE_Context* ctx);
 
+// A TFE_Op no longer used (its inputs may still be attached: TFE_OpReset releases them),
+// kept for reuse by TakePooledOp in a bounded pool, or deleted. TakePooledOp returns one
+// (to TFE_OpReset before use; owned by the caller) or null. GIL: must be held.
+void PoolOp(TFE_Op* op);
+TFE_Op* TakePooledOp();
+
 // Returns the attribute source of `op` (borrowed or owned; not transferred), or null with
 // a RuntimeError set if it has neither (which indicates a bug). GIL: must be held.
 const TFE_Op* OpAttrSource(OpObject* op);

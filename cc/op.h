@@ -7,7 +7,8 @@
    TensorFlow's `const TFE_Op*` (no copy: the pass-through path pays nothing for
    attributes). When the callback returns, an Op that Python still references (a tape
    that recorded it, a lazy trace) *detaches*: it takes its own copy of the attributes
-   (EndBorrow). An Op is therefore always safe to keep.
+   (EndBorrow; a tape's record path instead hands it the physical TFE_Op that ran, with
+   its inputs released: fast_record.cc). An Op is therefore always safe to keep.
 */
 #ifndef TF_OPHANDLERS_OP_H_
 #define TF_OPHANDLERS_OP_H_

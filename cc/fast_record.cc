@@ -24,8 +24,10 @@ namespace fast {
 namespace {
 
 // Whether `handler.after_execute` is the C recording of a tape: its class's (looked up in
-// the type cache) and not replaced on the instance. Never sets an exception. GIL: held.
+// the type cache, for a class with the generic attribute lookup) and not replaced on the
+// instance. Never sets an exception. GIL: held.
 bool IsTape(PyObject* handler) {
+  if (Py_TYPE(handler)->tp_getattro != PyObject_GenericGetAttr) return false;
   PyObject* m = _PyType_Lookup(Py_TYPE(handler), s_after_execute);  // borrowed
   if (m == nullptr || !PyInstanceMethod_Check(m) ||
       !IsTapeAfterExecute(PyInstanceMethod_GET_FUNCTION(m))) {

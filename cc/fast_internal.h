@@ -144,6 +144,15 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
 bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle** in,
                  int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
 
+// RunRecord's physical TFE_Op, handed over instead of copied (EndBorrow): after
+// KeepNextPhysicalOp, the next ExecuteOnPhysical on this thread that succeeds leaves its
+// TFE_Op, inputs released, for TakeKeptPhysicalOp (which also cancels a keep that no
+// execution took), owned by the caller; ReturnPhysicalOp gives an op not kept back to
+// the thread's cache (or deletes it). GIL: held (thread-local state).
+void KeepNextPhysicalOp();
+TFE_Op* TakeKeptPhysicalOp();
+void ReturnPhysicalOp(TFE_Op* op);
+
 // ---- fast_forward.cc ------------------------------------------------------------------
 
 // HandlerStack.execute's unwrap in C: `values[i]` (n_in slots) gets the physical handle

@@ -18,6 +18,8 @@
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
+#include "tensorflow/c/eager/immediate_execution_operation.h"
+#include "tensorflow/c/eager/tfe_op_internal.h"
 
 namespace tf_ophandlers {
 namespace fast {
@@ -188,13 +190,41 @@ bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* 
   return RunOn(stack, op, type, device, n_in, in, num_outputs, outputs, status, 1);
 }
 
+namespace {
+// RunRecord's hand-over of the physical TFE_Op (KeepNextPhysicalOp): whether the next
+// ExecuteOnPhysical on this thread leaves its op here instead of in its cache.
+thread_local bool t_keep_next = false;
+thread_local TFE_Op* t_kept = nullptr;
+thread_local TFE_Op* t_cached_op = nullptr;  // the reused TFE_Op (TFE_OpReset)
+}  // namespace
+
+void fast::KeepNextPhysicalOp() { t_keep_next = true; }
+
+TFE_Op* fast::TakeKeptPhysicalOp() {
+  t_keep_next = false;
+  TFE_Op* op = t_kept;
+  t_kept = nullptr;
+  return op;
+}
+
+void fast::ReturnPhysicalOp(TFE_Op* op) {
+  if (op == nullptr) return;
+  if (t_cached_op == nullptr) {
+    t_cached_op = op;
+  } else {
+    PoolOp(op);
+  }
+}
+
 void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, int n_in,
                        TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
                        TF_Status* status, bool gil_held) {
   // Reuse this thread's TFE_Op (as ExecuteOp does); a nested use takes it out first.
-  thread_local TFE_Op* cached_op = nullptr;
-  TFE_Op* tfe = cached_op;
-  cached_op = nullptr;
+  const bool keep = t_keep_next;
+  t_keep_next = false;
+  TFE_Op* tfe = t_cached_op;
+  t_cached_op = nullptr;
+  if (tfe == nullptr && gil_held) tfe = TakePooledOp();  // a released record's op
   if (tfe != nullptr) {
     TFE_OpReset(tfe, type, device, status);
     if (TF_GetCode(status) != TF_OK) {
@@ -223,8 +253,14 @@ void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, 
     }
   }
   if (tfe != nullptr) {
-    if (cached_op == nullptr && TF_GetCode(status) == TF_OK) {
-      cached_op = tfe;
+    if (keep && TF_GetCode(status) == TF_OK) {
+      // The op holds exactly `src`'s attributes: a record keeps it (without its inputs)
+      // instead of copying them again (EndBorrow).
+      tensorflow::unwrap(tfe)->Clear();
+      if (t_kept != nullptr) TFE_DeleteOp(t_kept);
+      t_kept = tfe;
+    } else if (t_cached_op == nullptr && TF_GetCode(status) == TF_OK) {
+      t_cached_op = tfe;
     } else {
       TFE_DeleteOp(tfe);
     }

@@ -21,6 +21,28 @@
 namespace tf_ophandlers {
 namespace fast {
 
+namespace {
+
+// Whether `handler.after_execute` is the C recording of a tape: its class's (looked up in
+// the type cache, for a class with the generic attribute lookup) and not replaced on the
+// instance. Never sets an exception. GIL: held.
+bool IsTape(PyObject* handler) {
+  if (Py_TYPE(handler)->tp_getattro != PyObject_GenericGetAttr) return false;
+  PyObject* m = _PyType_Lookup(Py_TYPE(handler), s_after_execute);  // borrowed
+  if (m == nullptr || !PyInstanceMethod_Check(m) ||
+      !IsTapeAfterExecute(PyInstanceMethod_GET_FUNCTION(m))) {
+    return false;
+  }
+  PyObject* dict = PyObject_GenericGetDict(handler, nullptr);
+  bool own = dict == nullptr || !PyDict_Check(dict) ||
+             PyDict_GetItemWithError(dict, s_after_execute) != nullptr;
+  Py_XDECREF(dict);
+  PyErr_Clear();
+  return !own;
+}
+
+}  // namespace
+
 // ---- kRecord: a handler that records what ran (OpHandler.after_execute, a tape) -------
 //
 // HandlerStack.execute for a handler that defines `after_execute`: inputs on the stack
@@ -73,6 +95,7 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
   PyObject* r = nullptr;
   PyObject* producer = nullptr;
   OpObject* op = nullptr;
+  TFE_Op* ran = nullptr;  // the physical op that ran, when handed over (KeepNextPhysicalOp)
   int done = 0;
   if (!foreign.empty()) {
     // HandlerStack.execute's copy-on, before the op runs (nothing was done before).
@@ -110,6 +133,19 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
   }
   if (over_hook) {
     RunHook(d.next, hook, src, type, device, n_in, values.data(), &n, outs.data(), status);
+  } else if (d.next == g_physical) {
+    // The op's attributes, when a record keeps the Op, are those of the physical op that
+    // ran: it is handed over below instead of copied (EndBorrow, ~2.5k instructions).
+    KeepNextPhysicalOp();
+    bool ran_here = RunPhysical(src, type, n_in, values.data(), &n, outs.data(), status);
+    ran = TakeKeptPhysicalOp();
+    if (!ran_here) {
+      if (op != nullptr) {
+        EndBorrow(op, g_ctx);
+        Py_DECREF(op);
+      }
+      return false;
+    }
   } else if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
                     depth + 1)) {
     // Nothing done (no copy-on happened: `foreign` is only filled over a hook).
@@ -162,13 +198,16 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
     op->borrowed = src;
   }
   handler = PyObject_GetAttr(stack, s_handler);
-  fn = handler != nullptr ? PyObject_GetAttr(handler, s_after_execute) : nullptr;
-  if (fn == nullptr) goto fail;
-  // An oh.GradientTape's C recording needs no hook frame (tape_record.h).
-  r = IsTapeAfterExecute(fn)
-          ? TapeAfterExecuteDirect(fn, stack, d.next, reinterpret_cast<PyObject*>(op), py_in,
-                                   py_out)
-          : CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
+  if (handler == nullptr) goto fail;
+  if (IsTape(handler)) {
+    // An oh.GradientTape's C recording: no hook frame, no bound method (tape_record.h).
+    r = TapeAfterExecuteDirect(handler, stack, d.next, reinterpret_cast<PyObject*>(op), py_in,
+                               py_out);
+  } else {
+    fn = PyObject_GetAttr(handler, s_after_execute);
+    if (fn == nullptr) goto fail;
+    r = CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
+  }
   if (r == nullptr) goto fail;
   // Wrap (as RunForward does).
   producer = InternedString(type);
@@ -195,9 +234,15 @@ cleanup:
     if (outs[j] != nullptr) TFE_DeleteTensorHandle(outs[j]);
   }
   if (op != nullptr) {
+    if (ran != nullptr && op->borrowed != nullptr && op->owned == nullptr &&
+        Py_REFCNT(op) > 1) {
+      op->owned = ran;  // kept (by a record): the attributes it ran with
+      ran = nullptr;
+    }
     EndBorrow(op, g_ctx);
     Py_DECREF(op);
   }
+  ReturnPhysicalOp(ran);
   for (PyObject* c : copied) Py_XDECREF(c);
   Py_XDECREF(producer);
   Py_XDECREF(r);

@@ -26,9 +26,15 @@ namespace {
 
 // ---- Op type slots ----------------------------------------------------------------------
 
+// Ops released by Ops that owned one (a record's), for the next physical execution to
+// reset instead of allocating one (TakePooledOp). Guarded by the GIL.
+constexpr size_t kPoolMax = 128;
+TFE_Op* g_pool[kPoolMax];
+size_t g_pooled = 0;
+
 void OpDealloc(OpObject* op) {
   PyObject_GC_UnTrack(op);
-  if (op->owned) TFE_DeleteOp(op->owned);
+  if (op->owned) PoolOp(op->owned);
   Py_CLEAR(op->type);
   Py_CLEAR(op->device);
   Py_CLEAR(op->output_dtypes);
@@ -164,6 +170,16 @@ PyMethodDef kOpMethods[] = {
     {nullptr}};
 
 }  // namespace
+
+void PoolOp(TFE_Op* op) {
+  if (g_pooled < kPoolMax) {
+    g_pool[g_pooled++] = op;
+  } else {
+    TFE_DeleteOp(op);
+  }
+}
+
+TFE_Op* TakePooledOp() { return g_pooled > 0 ? g_pool[--g_pooled] : nullptr; }
 
 PyTypeObject OpBaseType = {
     PyVarObject_HEAD_INIT(nullptr, 0) "tf_ophandlers._C.OpBase", /* tp_name */

@@ -7,7 +7,8 @@
    TensorFlow's `const TFE_Op*` (no copy: the pass-through path pays nothing for
    attributes). When the callback returns, an Op that Python still references (a tape
    that recorded it, a lazy trace) *detaches*: it takes its own copy of the attributes
-   (EndBorrow). An Op is therefore always safe to keep.
+   (EndBorrow; a tape's record path instead hands it the physical TFE_Op that ran, with
+   its inputs released: fast_record.cc). An Op is therefore always safe to keep.
 */
 #ifndef TF_OPHANDLERS_OP_H_
 #define TF_OPHANDLERS_OP_H_
@@ -50,6 +51,12 @@ OpObject* NewOpObject(const char* type, const char* device, int num_outputs);
 // owns, created in `ctx`. A failed copy leaves the Op without attributes (later attribute
 // reads raise). Never sets a Python exception. GIL: must be held.
 void EndBorrow(OpObject* op, TFE_Context* ctx);
+
+// A TFE_Op no longer used (its inputs may still be attached: TFE_OpReset releases them),
+// kept for reuse by TakePooledOp in a bounded pool, or deleted. TakePooledOp returns one
+// (to TFE_OpReset before use; owned by the caller) or null. GIL: must be held.
+void PoolOp(TFE_Op* op);
+TFE_Op* TakePooledOp();
 
 // Returns the attribute source of `op` (borrowed or owned; not transferred), or null with
 // a RuntimeError set if it has neither (which indicates a bug). GIL: must be held.

@@ -82,7 +82,7 @@ PyObject* InternedString(const char* text) {
   // another text next time): no std::string and no hash for an op type seen just before.
   // Entries point at strings the cache holds for the process (never released).
   struct Recent {
-    char text[40];
+    char text[64];  // room for the dispatcher's device name (51)
     PyObject* value;
   };
   constexpr int kRecent = 4;

@@ -578,16 +578,14 @@ PyObject* PyTapeSetup(PyObject*, PyObject* args) {
 
 }  // namespace
 
-bool IsTapeAfterExecute(PyObject* fn) {
-  return g_after_fn != nullptr && PyMethod_Check(fn) && PyMethod_GET_FUNCTION(fn) == g_after_fn;
-}
+bool IsTapeAfterExecute(PyObject* fn) { return g_after_fn != nullptr && fn == g_after_fn; }
 
-PyObject* TapeAfterExecuteDirect(PyObject* fn, PyObject* stack, PyObject* next, PyObject* op,
+PyObject* TapeAfterExecuteDirect(PyObject* tape, PyObject* stack, PyObject* next, PyObject* op,
                                  PyObject* inputs, PyObject* outputs) {
   Frame f;
   f.stack = stack;
   f.next = next;
-  return Record(f, PyMethod_GET_SELF(fn), op, inputs, outputs);
+  return Record(f, tape, op, inputs, outputs);
 }
 
 PyMethodDef kTapeModuleMethods[] = {

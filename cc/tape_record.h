@@ -42,15 +42,15 @@ namespace tf_ophandlers {
 // method): appended to the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kTapeModuleMethods[];
 
-// Whether `fn` (a handler's `after_execute`, as read from it) is the C after_execute
-// bound to a tape. GIL: held.
+// Whether `fn` (a function: an `after_execute` as found on a handler's class, unbound) is
+// the C after_execute of a tape. GIL: held.
 bool IsTapeAfterExecute(PyObject* fn);
 
-// `fn(op, inputs, outputs)` for such an `fn`, called by the fast path's record path
-// (fast_record.cc) without a hook frame: `stack` is the tape's stack, `next` the one its
-// op ran on. Pushes the frame (fast::CallHook) only for the Python methods it calls.
+// The tape `tape`'s after_execute(op, inputs, outputs), called by the fast path's record
+// path (fast_record.cc) without a hook frame: `stack` is the tape's stack, `next` the one
+// its op ran on. Pushes the frame (fast::CallHook) only for the Python methods it calls.
 // Returns a new reference, or null with an exception set. GIL: held.
-PyObject* TapeAfterExecuteDirect(PyObject* fn, PyObject* stack, PyObject* next, PyObject* op,
+PyObject* TapeAfterExecuteDirect(PyObject* tape, PyObject* stack, PyObject* next, PyObject* op,
                                  PyObject* inputs, PyObject* outputs);
 
 }  // namespace tf_ophandlers

@@ -296,3 +296,55 @@ def test_a_long_persistent_tape_drops_tracking_of_outputs_gone(cls):
     assert_close(y, want)
     assert_same_tensors(ref.gradient(want, x), tape.gradient(y, x))
     assert_same_tensors(ref.gradient(want, want_kept[1:]), tape.gradient(y, kept[1:]))
+
+
+def _attr_program(tape, x):
+    tape.watch(x)
+    a = tf.transpose(x, perm=[1, 0])
+    b = tf.reduce_sum(a, axis=1, keepdims=True)
+    c = tf.cast(b, tf.float64)
+    d = tf.matmul(x, x, transpose_b=True)
+    return tf.reduce_sum(c) + tf.cast(tf.reduce_sum(d), tf.float64)
+
+
+def test_records_keep_the_attributes_of_their_op_scope_after_scope():
+    """Over PHYSICAL a record's Op keeps the TFE_Op that ran (cc/fast_record.cc) and
+    released ones are reused by later ops (cc/op.cc PoolOp): scope after scope, each
+    record's attributes are those the copying path (a Python level below) records, and
+    the gradients are TensorFlow's."""
+    x = tf.random.stateless_normal([3, 4], seed=[5, 6])
+    with tf.GradientTape() as ref:
+        want = _attr_program(ref, x)
+    want_grad = ref.gradient(want, x)
+    seen = {}
+    for below in (None, Forwarding):
+        for _ in range(3):  # later scopes run on ops released by the earlier ones
+            tape = oh.GradientTape()
+            if below is None:
+                with tape:
+                    y = _attr_program(tape, x)
+            else:
+                with below(), tape:
+                    y = _attr_program(tape, x)
+            records = sorted(set(tape._producer.values()), key=lambda r: r.seq)  # pylint: disable=protected-access
+            attrs = [(r.op_type, dict(r.op.attrs)) for r in records]
+            assert_same_tensors(want_grad, tape.gradient(y, x))
+            assert seen.setdefault(below, attrs) == attrs
+    copies = ("CopyOn", "CopyOff")  # the Python level's own records
+    assert seen[None] == [(t, a) for t, a in seen[Forwarding] if t not in copies]
+    assert ("Cast", {"SrcT": tf.float32, "DstT": tf.float64, "Truncate": False}) in seen[None]
+    assert any(t == "MatMul" and a["transpose_b"] and not a["transpose_a"]
+               for t, a in seen[None])
+
+
+def test_an_after_execute_set_on_the_tape_instance_is_the_one_called():
+    """The C recording is taken only when `after_execute` is the class's: one set on the
+    instance is called instead (as attribute lookup says)."""
+    x = tf.constant([1.0, 2.0])
+    seen = []
+    tape = oh.GradientTape()
+    tape.after_execute = lambda op, inputs, outputs: seen.append(op.type)
+    with tape:
+        tape.watch(x)
+        tf.sin(x)
+    assert "Sin" in seen and not tape._producer  # pylint: disable=protected-access

@@ -108,6 +108,9 @@ PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
 // The module functions of the fast path (fast_setup, stacks_changed, fast_stats), appended
 // to the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kFastModuleMethods[];
+// skip_trace_setup / skip_trace_execute (fast_trace.cc): TensorFlow's op fast path
+// without its stack capture, for ops placed on the dispatcher while oh.Lazy is open.
+extern PyMethodDef kTraceModuleMethods[];
 
 }  // namespace tf_ophandlers
 

@@ -30,11 +30,11 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-import tf_ophandlers._C as _C
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
+from tf_ophandlers.core.fast_decision import skip_trace_execute, skip_trace_setup
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import state as _state
@@ -242,8 +242,8 @@ _fast_path_execute = pywrap_tfe.TFE_Py_FastPathExecute
 
 
 def _install_skip_trace():
-    _C.skip_trace_setup(_fast_path_execute)
-    pywrap_tfe.TFE_Py_FastPathExecute = _C.skip_trace_execute
+    skip_trace_setup(_fast_path_execute)
+    pywrap_tfe.TFE_Py_FastPathExecute = skip_trace_execute
 
 
 def _uninstall_skip_trace():

@@ -48,7 +48,7 @@ PyObject* g_original = nullptr;  // TensorFlow's TFE_Py_FastPathExecute (strong)
 PyObject* g_tld_attr = nullptr;  // "_thread_local_data"
 PyObject* g_device_attr = nullptr;  // "device_name"
 PyObject* g_callbacks_attr = nullptr;  // "op_callbacks"
-long long g_taken = 0;  // ops run here (skip_trace_stats; GIL held)
+long long g_taken = 0;  // ops run here, failed or not (skip_trace_stats; GIL held)
 
 // What an op type needs for this path, from its OpDef. `ok` false: TensorFlow's function.
 struct OpInfo {
@@ -253,6 +253,7 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   for (TFE_TensorHandle* c : converted) TFE_DeleteTensorHandle(c);  // (the op is done)
+  ++g_taken;
   if (TF_GetCode(status) != TF_OK) {
     // As TensorFlow's fast path reports it (the wrapper converts the exception).
     std::string message = std::string(TF_Message(status)) + " [Op:" + type + "]";
@@ -268,7 +269,6 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* result = EagerTensorFromHandle(out, false);  // owns `out` on success
   if (result == nullptr) TFE_DeleteTensorHandle(out);
-  ++g_taken;
   return result;
 }
 

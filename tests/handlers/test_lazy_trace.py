@@ -118,3 +118,23 @@ def test_errors_are_tensorflows(name, fn):
         got = _error_of(fn)
         assert _taken() == before  # left to TensorFlow's function, which raised
     assert got is not None and got[0] is want[0], (name, got, want)
+
+
+class _Refuses(oh.OpHandler):
+    def execute(self, op, inputs):
+        if op.type == "Tanh":
+            raise ValueError("tanh refused by the handler")
+        return self.next.execute(op, inputs)
+
+
+def test_a_handlers_exception_reaches_the_program_unchanged():
+    x = tf.ones([2])
+    with oh.Lazy():
+        with _Refuses():
+            before = _taken()
+            with pytest.raises(ValueError, match="^tanh refused by the handler$"):
+                tf.tanh(x)
+            assert _taken() == before + 1  # run here, failed in the handler's hook
+            y = tf.sin(x) * 2.0  # and the next op runs normally
+        assert _taken() == before + 3
+        np.testing.assert_allclose(y.numpy(), np.sin([1.0, 1.0]) * 2.0, rtol=1e-6)

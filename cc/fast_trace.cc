@@ -117,11 +117,22 @@ PyObject* Original(PyObject* const* args, Py_ssize_t nargs) {
 // null otherwise (also on an error, cleared: TensorFlow's function then reports it).
 // Returns a new reference.
 PyObject* DispatcherPlacement(PyObject* ctx) {
-  PyObject* tld = PyObject_GetAttr(ctx, g_tld_attr);
-  if (tld == nullptr) {
-    PyErr_Clear();
-    return nullptr;
+  // The context's `_thread_local_data`, set once in its __init__: kept with the context
+  // (strong references: neither address is reused while cached).
+  static PyObject* last_ctx = nullptr;
+  static PyObject* last_tld = nullptr;
+  if (ctx != last_ctx) {
+    PyObject* fresh = PyObject_GetAttr(ctx, g_tld_attr);
+    if (fresh == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_INCREF(ctx);
+    Py_XSETREF(last_ctx, ctx);
+    Py_XSETREF(last_tld, fresh);
   }
+  PyObject* tld = last_tld;
+  Py_INCREF(tld);
   PyObject* device = PyObject_GetAttr(tld, g_device_attr);
   PyObject* callbacks = device != nullptr ? PyObject_GetAttr(tld, g_callbacks_attr) : nullptr;
   Py_DECREF(tld);

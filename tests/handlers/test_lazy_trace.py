@@ -3,6 +3,8 @@ only while a Lazy scope is open, it runs the common op itself (values equal eage
 leaves every other call to TensorFlow's function: ops a tape or accumulator records, ops
 off the dispatcher, Python numbers it cannot convert, dtype errors (same errors as
 eager)."""
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -90,7 +92,14 @@ def test_ops_off_the_dispatcher_and_other_threads_get_tensorflows_path():
             y = tf.tanh(x) * 2.0  # a physical op: TensorFlow's own path
         assert _taken() == before
         assert oh.handler_of(y) is None
+        results = []
+        worker = threading.Thread(target=lambda: results.append(tf.sin(x) * 3.0))
+        worker.start()  # another thread's eager ops, while this thread's scope is open
+        worker.join()
+        assert _taken() == before
+        assert oh.handler_of(results[0]) is None
     np.testing.assert_allclose(y.numpy(), np.tanh([1.0, 2.0]) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(results[0].numpy(), np.sin([1.0, 2.0]) * 3.0, rtol=1e-6)
 
 
 def _error_of(fn):

@@ -1,6 +1,8 @@
 /* tf-ophandlers C++ boundary: the per-op fast path (internal header). Implementation:
    fast_path.cc (entry points), fast_decision.cc, fast_forward.cc, fast_hook.cc,
    fast_record.cc and fast_lazy.cc; what those share, and each function's contract: fast_internal.h.
+   fast_trace.cc (kTraceModuleMethods, below) is TensorFlow's own op fast path without its
+   stack capture, which stands in for it while an oh.Lazy scope is open.
 
    The dispatcher's execute callback (device.cc) first offers every op to
    TryFastExecute, which runs it without any Python frame when every stack it passes
@@ -108,6 +110,9 @@ PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
 // The module functions of the fast path (fast_setup, stacks_changed, fast_stats), appended
 // to the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kFastModuleMethods[];
+// skip_trace_setup / skip_trace_execute (fast_trace.cc): TensorFlow's op fast path
+// without its stack capture, for ops placed on the dispatcher while oh.Lazy is open.
+extern PyMethodDef kTraceModuleMethods[];
 
 }  // namespace tf_ophandlers
 

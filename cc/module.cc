@@ -387,6 +387,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
   if (PyModule_AddFunctions(m, kFastModuleMethods) < 0) return nullptr;
   if (PyModule_AddFunctions(m, kTapeModuleMethods) < 0) return nullptr;
+  if (PyModule_AddFunctions(m, kTraceModuleMethods) < 0) return nullptr;
   Py_INCREF(&NativeHandlerBaseType);
   PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&native_internal::NativeValueType);

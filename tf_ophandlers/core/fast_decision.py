@@ -56,6 +56,10 @@ def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
 lazy_plan = _C.lazy_plan
 lazy_upstream = _C.lazy_upstream
 lazy_computed = _C.lazy_computed
+#: ``skip_trace_setup(TFE_Py_FastPathExecute)`` and ``skip_trace_execute``: TensorFlow's
+#: op fast path without its stack capture, while oh.Lazy is open (cc/fast_trace.cc).
+skip_trace_setup = _C.skip_trace_setup
+skip_trace_execute = _C.skip_trace_execute
 
 
 def handles_predicate(handler):

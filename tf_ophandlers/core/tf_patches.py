@@ -78,22 +78,33 @@ def install_runtime():
                 ensure(patch.name)
 
 
-@contextlib.contextmanager
-def installed(name):
-    """Keeps a "scoped" patch installed for the duration (reference counted, so nested
-    and concurrent users share one installation)."""
+def acquire(name):
+    """Installs "scoped" patch `name` for one more user (reference counted, so nested and
+    concurrent users share one installation); pair with `release(name)`."""
     patch = _registry[name]
     with _lock:
         if patch.installed == 0:
             patch.install()
         patch.installed += 1
+
+
+def release(name):
+    """Ends one `acquire(name)`; the last user's release uninstalls the patch."""
+    patch = _registry[name]
+    with _lock:
+        patch.installed -= 1
+        if patch.installed == 0:
+            patch.uninstall()
+
+
+@contextlib.contextmanager
+def installed(name):
+    """Keeps a "scoped" patch installed for the duration (`acquire`/`release`)."""
+    acquire(name)
     try:
         yield
     finally:
-        with _lock:
-            patch.installed -= 1
-            if patch.installed == 0:
-                patch.uninstall()
+        release(name)
 
 
 def patches():

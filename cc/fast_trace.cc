@@ -1,0 +1,324 @@
+// tf-ophandlers: TensorFlow's eager fast path without its per-op stack capture, for ops
+// placed on the dispatcher while an oh.Lazy scope is open.
+//
+// Every generated op wrapper (gen_*_ops) calls `pywrap_tfe.TFE_Py_FastPathExecute`, which
+// captures the Python stack of the op (StackTrace::Capture, for kernel error messages):
+// about 27k of the ~78k instructions TensorFlow's Python API costs per small op over a
+// do-nothing custom device (benchmarks: docs/benchmarks.md, "Lazy XLA: TensorFlow's
+// stack capture"). An op placed on the dispatcher never runs as that op: a handler
+// records it (oh.Lazy) or builds its own op from it, and the trace is dropped unread.
+// While an oh.Lazy scope is open (the "fast path without stack capture" patch,
+// handlers/lazy.py, registered in core/tf_patches.py), `skip_trace_execute` stands in
+// for TensorFlow's function. It takes the common op itself, as TensorFlow's fast path
+// does but without the capture: placed on the dispatcher (the thread's device scope is
+// the dispatcher's), no tape or forward accumulator recording, no op callback, every
+// input an EagerTensor of a single-tensor argument, every attribute a type attribute
+// those inputs give (consistent, allowed), one single-tensor output. Anything else calls
+// TensorFlow's function unchanged (its results, errors and recording).
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/container/inlined_vector.h"
+#include "fast_path.h"
+#include "runtime.h"
+#include "tensorflow/c/eager/c_api_experimental.h"
+#include "tensorflow/c/eager/immediate_execution_operation.h"
+#include "tensorflow/c/eager/tfe_op_internal.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_def.pb.h"
+
+// lib_pywrap_tensorflow_common.so (TF 2.21), declared in tensorflow/python/eager/pywrap_tfe.h.
+PyObject* TFE_Py_TapeSetIsEmpty();  // new reference to True/False (tapes and accumulators)
+namespace tensorflow {
+int MaybeRaiseExceptionFromTFStatus(TF_Status* status, PyObject* exception);
+// tensorflow/python/eager/pywrap_tensor.h: a Python value as a new handle of `dtype`
+// (DT_INVALID: inferred) on `device_name`, through TensorFlow's scalar cache.
+TFE_TensorHandle* ConvertToEagerTensor(TFE_Context* ctx, PyObject* value, DataType dtype,
+                                       const char* device_name);
+}  // namespace tensorflow
+
+namespace tf_ophandlers {
+namespace {
+
+PyObject* g_original = nullptr;  // TensorFlow's TFE_Py_FastPathExecute (strong)
+PyObject* g_tld_attr = nullptr;  // "_thread_local_data"
+PyObject* g_device_attr = nullptr;  // "device_name"
+PyObject* g_callbacks_attr = nullptr;  // "op_callbacks"
+long long g_taken = 0;  // ops run here, failed or not (skip_trace_stats; GIL held)
+
+// What an op type needs for this path, from its OpDef. `ok` false: TensorFlow's function.
+struct OpInfo {
+  bool ok = false;
+  std::vector<int> input_attr;            // per input: its type attribute, or -1 (fixed)
+  std::vector<TF_DataType> input_fixed;   // per input: its fixed dtype (input_attr -1)
+  std::vector<std::string> attr_names;    // the type attributes
+  std::vector<std::vector<TF_DataType>> allowed;  // per attribute; empty: any dtype
+};
+
+OpInfo MakeInfo(const char* type) {
+  OpInfo info;
+  const tensorflow::OpDef* def = nullptr;
+  if (!tensorflow::OpRegistry::Global()->LookUpOpDef(type, &def).ok()) return info;
+  if (def->output_arg_size() != 1) return info;
+  const auto& out = def->output_arg(0);
+  if (!out.number_attr().empty() || !out.type_list_attr().empty() || out.is_ref()) return info;
+  for (const auto& a : def->attr()) {
+    if (a.type() != "type") return info;  // an attribute the call would pass
+    info.attr_names.push_back(a.name());
+    std::vector<TF_DataType> allowed;
+    for (int t : a.allowed_values().list().type()) allowed.push_back(static_cast<TF_DataType>(t));
+    info.allowed.push_back(std::move(allowed));
+  }
+  std::vector<bool> given(info.attr_names.size(), false);
+  for (const auto& arg : def->input_arg()) {
+    if (!arg.number_attr().empty() || !arg.type_list_attr().empty() || arg.is_ref()) return info;
+    int attr = -1;
+    if (!arg.type_attr().empty()) {
+      for (size_t k = 0; k < info.attr_names.size(); ++k) {
+        if (info.attr_names[k] == arg.type_attr()) attr = static_cast<int>(k);
+      }
+      if (attr < 0) return info;
+      given[attr] = true;
+    }
+    info.input_attr.push_back(attr);
+    info.input_fixed.push_back(static_cast<TF_DataType>(arg.type()));
+  }
+  for (bool g : given) {
+    if (!g) return info;  // a type attribute no input gives (Cast's DstT)
+  }
+  info.ok = true;
+  return info;
+}
+
+// Op type str -> info. Keyed by the str object (the wrappers pass the same constant each
+// call), which the map keeps alive so its address is not reused. Bounded; GIL held.
+const OpInfo& InfoFor(PyObject* type, const char* utf8) {
+  constexpr size_t kMaxTypes = 4096;
+  static auto* infos = new std::unordered_map<PyObject*, OpInfo>();
+  auto it = infos->find(type);
+  if (it != infos->end()) return it->second;
+  if (infos->size() >= kMaxTypes) {
+    for (auto& e : *infos) Py_DECREF(e.first);
+    infos->clear();
+  }
+  Py_INCREF(type);
+  return infos->emplace(type, MakeInfo(utf8)).first->second;
+}
+
+PyObject* Original(PyObject* const* args, Py_ssize_t nargs) {
+  return PyObject_Vectorcall(g_original, args, nargs, nullptr);
+}
+
+// The thread's device scope name if it is the dispatcher and no op callback is set;
+// null otherwise (also on an error, cleared: TensorFlow's function then reports it).
+// Returns a new reference.
+PyObject* DispatcherPlacement(PyObject* ctx) {
+  // The context's `_thread_local_data`, set once in its __init__: kept with the context
+  // (strong references: neither address is reused while cached).
+  static PyObject* last_ctx = nullptr;
+  static PyObject* last_tld = nullptr;
+  if (ctx != last_ctx) {
+    PyObject* fresh = PyObject_GetAttr(ctx, g_tld_attr);
+    if (fresh == nullptr) {
+      PyErr_Clear();
+      return nullptr;
+    }
+    Py_INCREF(ctx);
+    Py_XSETREF(last_ctx, ctx);
+    Py_XSETREF(last_tld, fresh);
+  }
+  PyObject* tld = last_tld;
+  Py_INCREF(tld);
+  PyObject* device = PyObject_GetAttr(tld, g_device_attr);
+  PyObject* callbacks = device != nullptr ? PyObject_GetAttr(tld, g_callbacks_attr) : nullptr;
+  Py_DECREF(tld);
+  bool ok = callbacks != nullptr && PyUnicode_Check(device);
+  if (ok) {
+    int empty = PyObject_Not(callbacks);
+    ok = empty == 1;
+  }
+  if (ok) {
+    const char* name = PyUnicode_AsUTF8(device);
+    ok = name != nullptr && g_device_name == name;
+  }
+  Py_XDECREF(callbacks);
+  if (!ok) {
+    PyErr_Clear();
+    Py_XDECREF(device);
+    return nullptr;
+  }
+  return device;
+}
+
+PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (g_original == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "skip_trace_execute: skip_trace_setup was not called");
+    return nullptr;
+  }
+  if (nargs < 3 || !PyUnicode_CheckExact(args[1])) return Original(args, nargs);
+  const char* type = PyUnicode_AsUTF8(args[1]);
+  if (type == nullptr) return nullptr;
+  const OpInfo& info = InfoFor(args[1], type);
+  const Py_ssize_t n_in = nargs - 3;
+  if (!info.ok || n_in != static_cast<Py_ssize_t>(info.input_attr.size())) {
+    return Original(args, nargs);  // (also a call with attributes or too few inputs)
+  }
+  absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in, nullptr);
+  absl::InlinedVector<TF_DataType, 4> attrs(info.attr_names.size(), TF_DataType(0));
+  bool numbers = false;  // a Python int or float input (`x * 1.01`): converted below
+  for (Py_ssize_t i = 0; i < n_in; ++i) {
+    PyObject* t = args[3 + i];
+    if (!EagerTensor_CheckExact(t)) {
+      if (info.input_attr[i] < 0 || !(PyFloat_CheckExact(t) || PyLong_CheckExact(t))) {
+        return Original(args, nargs);  // converted there
+      }
+      numbers = true;
+      continue;
+    }
+    in[i] = EagerTensor_Handle(t);
+    TF_DataType dt = TFE_TensorHandleDataType(in[i]);
+    int a = info.input_attr[i];
+    if (a < 0) {
+      if (dt != info.input_fixed[i]) return Original(args, nargs);  // its error
+    } else if (attrs[a] == 0) {
+      const auto& allowed = info.allowed[a];
+      bool ok = allowed.empty();
+      for (TF_DataType x : allowed) ok = ok || x == dt;
+      if (!ok) return Original(args, nargs);
+      attrs[a] = dt;
+    } else if (attrs[a] != dt) {
+      return Original(args, nargs);  // its "expected to be a ... tensor" error
+    }
+  }
+  for (size_t a = 0; numbers && a < attrs.size(); ++a) {
+    if (attrs[a] == 0) return Original(args, nargs);  // no tensor input gives the dtype
+  }
+  PyObject* no_tape = TFE_Py_TapeSetIsEmpty();
+  if (no_tape == nullptr) return nullptr;
+  Py_DECREF(no_tape);
+  if (no_tape != Py_True) return Original(args, nargs);  // it records the op
+  PyObject* device = DispatcherPlacement(args[0]);
+  if (device == nullptr) return Original(args, nargs);
+  const char* device_name = PyUnicode_AsUTF8(device);  // (device is a new str)
+  // Python numbers as TensorFlow's fast path converts them: with the dtype the tensors
+  // bound to the same attribute give, on the device scope's device, through its scalar
+  // cache. `converted` owns the new handles.
+  absl::InlinedVector<TFE_TensorHandle*, 2> converted;
+  for (Py_ssize_t i = 0; numbers && i < n_in; ++i) {
+    if (in[i] != nullptr) continue;
+    TFE_TensorHandle* h = tensorflow::ConvertToEagerTensor(
+        g_ctx, args[3 + i], static_cast<tensorflow::DataType>(attrs[info.input_attr[i]]),
+        device_name);
+    if (h == nullptr || TFE_TensorHandleDataType(h) != attrs[info.input_attr[i]]) {
+      if (h != nullptr) TFE_DeleteTensorHandle(h);
+      for (TFE_TensorHandle* c : converted) TFE_DeleteTensorHandle(c);
+      PyErr_Clear();
+      Py_DECREF(device);
+      return Original(args, nargs);  // its conversion error
+    }
+    converted.push_back(h);
+    in[i] = h;
+  }
+  // This thread's TFE_Op (as TensorFlow's fast path keeps one); a nested use (a hook
+  // running ops) takes it out first.
+  thread_local TFE_Op* cached_op = nullptr;
+  TFE_Op* op = cached_op;
+  cached_op = nullptr;
+  TF_Status* status = ThreadStatus();  // (after the conversions, which may use it)
+  if (op != nullptr) {
+    TFE_OpReset(op, type, device_name, status);
+    if (TF_GetCode(status) != TF_OK) {
+      TFE_DeleteOp(op);
+      op = nullptr;
+      TF_SetStatus(status, TF_OK, "");
+    }
+  }
+  if (op == nullptr) {
+    op = TFE_NewOp(g_ctx, type, status);
+    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(op, device_name, status);
+  }
+  Py_DECREF(device);
+  for (size_t a = 0; a < attrs.size() && TF_GetCode(status) == TF_OK; ++a) {
+    TFE_OpSetAttrType(op, info.attr_names[a].c_str(), attrs[a]);
+  }
+  for (Py_ssize_t i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
+    TFE_OpAddInput(op, in[i], status);
+  }
+  TFE_TensorHandle* out = nullptr;
+  int num_out = 1;
+  if (TF_GetCode(status) == TF_OK) {
+    Py_BEGIN_ALLOW_THREADS;
+    TFE_Execute(op, &out, &num_out, status);
+    Py_END_ALLOW_THREADS;
+  }
+  if (op != nullptr) {
+    if (TF_GetCode(status) == TF_OK && cached_op == nullptr) {
+      tensorflow::unwrap(op)->Clear();  // releases the inputs now, as TensorFlow does
+      cached_op = op;
+    } else {
+      TFE_DeleteOp(op);
+    }
+  }
+  for (TFE_TensorHandle* c : converted) TFE_DeleteTensorHandle(c);  // (the op is done)
+  ++g_taken;
+  if (TF_GetCode(status) != TF_OK) {
+    // As TensorFlow's fast path reports it (the wrapper converts the exception).
+    std::string message = std::string(TF_Message(status)) + " [Op:" + type + "]";
+    TF_SetStatus(status, TF_GetCode(status), message.c_str());
+    tensorflow::MaybeRaiseExceptionFromTFStatus(status, nullptr);
+    TF_SetStatus(status, TF_OK, "");
+    return nullptr;
+  }
+  if (num_out != 1 || out == nullptr) {
+    PyErr_Format(PyExc_RuntimeError, "skip_trace_execute: %s gave %d outputs, expected 1", type,
+                 num_out);
+    return nullptr;
+  }
+  PyObject* result = EagerTensorFromHandle(out, false);  // owns `out` on success
+  if (result == nullptr) TFE_DeleteTensorHandle(out);
+  return result;
+}
+
+PyObject* PySkipTraceStats(PyObject*, PyObject*) {
+  return Py_BuildValue("{s:L}", "taken", g_taken);
+}
+
+PyObject* PySkipTraceSetup(PyObject*, PyObject* original) {
+  if (!PyCallable_Check(original)) {
+    PyErr_SetString(PyExc_TypeError, "skip_trace_setup: expected TensorFlow's function");
+    return nullptr;
+  }
+  if (!RequireInit()) return nullptr;
+  g_tld_attr = g_tld_attr ? g_tld_attr : PyUnicode_InternFromString("_thread_local_data");
+  g_device_attr = g_device_attr ? g_device_attr : PyUnicode_InternFromString("device_name");
+  g_callbacks_attr =
+      g_callbacks_attr ? g_callbacks_attr : PyUnicode_InternFromString("op_callbacks");
+  if (g_tld_attr == nullptr || g_device_attr == nullptr || g_callbacks_attr == nullptr) {
+    return nullptr;
+  }
+  Py_INCREF(original);
+  Py_XSETREF(g_original, original);
+  Py_RETURN_NONE;
+}
+
+}  // namespace
+
+PyMethodDef kTraceModuleMethods[] = {
+    {"skip_trace_setup", PySkipTraceSetup, METH_O,
+     "skip_trace_setup(TFE_Py_FastPathExecute): TensorFlow's function, for the ops "
+     "skip_trace_execute does not take."},
+    {"skip_trace_execute", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(
+                               SkipTraceExecute)),
+     METH_FASTCALL,
+     "skip_trace_execute(ctx, op_type, name, *inputs_and_attrs): TFE_Py_FastPathExecute "
+     "without the stack capture for the common op placed on the dispatcher "
+     "(cc/fast_trace.cc)."},
+    {"skip_trace_stats", PySkipTraceStats, METH_NOARGS,
+     "skip_trace_stats() -> {taken}: ops skip_trace_execute ran itself."},
+    {nullptr}};
+
+}  // namespace tf_ophandlers

@@ -1,0 +1,149 @@
+"""oh.Lazy's op fast path without TensorFlow's stack capture (cc/fast_trace.cc): installed
+only while a Lazy scope is open, it runs the common op itself (values equal eager's) and
+leaves every other call to TensorFlow's function: ops a tape or accumulator records, ops
+off the dispatcher, Python numbers it cannot convert, dtype errors (same errors as
+eager)."""
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python import pywrap_tfe
+
+import tf_ophandlers as oh
+import tf_ophandlers._C as _C
+from tf_ophandlers.core import scope
+from tf_ophandlers.handlers import lazy_compile
+
+from conftest import assert_same_tensors
+
+
+def _taken():
+    return _C.skip_trace_stats()["taken"]
+
+
+def _chain(h):
+    for _ in range(10):
+        h = tf.tanh(h) * 1.01 + 2  # a float and an int converted with the tensor's dtype
+        h = tf.maximum(h, 0.5) - tf.sin(h)
+    return h
+
+
+def test_installed_only_while_a_lazy_scope_is_open():
+    original = lazy_compile._fast_path_execute  # pylint: disable=protected-access
+    assert pywrap_tfe.TFE_Py_FastPathExecute is original
+    outer = oh.Lazy()
+    with outer:
+        assert pywrap_tfe.TFE_Py_FastPathExecute is _C.skip_trace_execute
+        with oh.Lazy():
+            pass
+        with outer:  # re-entered: still installed
+            pass
+        assert pywrap_tfe.TFE_Py_FastPathExecute is _C.skip_trace_execute
+    assert pywrap_tfe.TFE_Py_FastPathExecute is original
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        with oh.Lazy():  # a failing flush at the exit uninstalls it too
+            float(tf.reshape(tf.ones([4]), [3]) * 2.0)
+    assert pywrap_tfe.TFE_Py_FastPathExecute is original
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_ops_it_runs_equal_eager(jit, dtype):
+    x = tf.cast(tf.random.stateless_normal([4, 5], seed=[1, 2]), dtype)
+    before = _taken()
+    with oh.Lazy(jit_compile=jit) as lazy:
+        got = _chain(x)
+        got.numpy()
+    assert _taken() - before == 60  # every op of the chain, none through TensorFlow's
+    assert lazy.flushes == 1
+    assert_same_tensors(_chain(x), got, tol=1e-5 if jit else 0)
+
+
+def test_tapes_and_accumulators_get_tensorflows_path():
+    x = tf.random.stateless_normal([3, 3], seed=[3, 4])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(_chain(x))
+    want = tape.gradient(y, x)
+    with oh.Lazy():
+        before = _taken()
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(_chain(x))
+        assert _taken() == before  # recorded by the tape: TensorFlow's function
+        got = tape.gradient(y, x)  # (its ops, under no tape, are taken)
+        tangent = tf.ones_like(x)
+        before = _taken()
+        with tf.autodiff.ForwardAccumulator(x, tangent) as acc:
+            z = tf.tanh(x) * 3.0
+        assert _taken() == before
+        jvp = acc.jvp(z)
+        got.numpy()
+    assert_same_tensors(want, got, tol=1e-5)
+    assert_same_tensors((1.0 - tf.tanh(x) ** 2) * 3.0, jvp, tol=1e-5)
+
+
+def test_ops_off_the_dispatcher_and_other_threads_get_tensorflows_path():
+    x = tf.constant([1.0, 2.0])
+    with oh.Lazy():
+        before = _taken()
+        with scope.physical():
+            y = tf.tanh(x) * 2.0  # a physical op: TensorFlow's own path
+        assert _taken() == before
+        assert oh.handler_of(y) is None
+        results = []
+        worker = threading.Thread(target=lambda: results.append(tf.sin(x) * 3.0))
+        worker.start()  # another thread's eager ops, while this thread's scope is open
+        worker.join()
+        assert _taken() == before
+        assert oh.handler_of(results[0]) is None
+    np.testing.assert_allclose(y.numpy(), np.tanh([1.0, 2.0]) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(results[0].numpy(), np.sin([1.0, 2.0]) * 3.0, rtol=1e-6)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # pylint: disable=broad-except
+        return type(e), str(e)
+    return None
+
+
+_INT = tf.constant([1, 2])
+_FLOAT = tf.ones([2])
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("int tensor times 1.5", lambda: _INT * 1.5),
+    ("tanh of int32", lambda: tf.tanh(_INT).numpy()),
+    ("float plus int32", lambda: tf.add(_FLOAT, _INT).numpy()),
+])
+def test_errors_are_tensorflows(name, fn):
+    want = _error_of(fn)
+    assert want is not None, name
+    with oh.Lazy():
+        before = _taken()
+        got = _error_of(fn)
+        assert _taken() == before  # left to TensorFlow's function, which raised
+    assert got is not None and got[0] is want[0], (name, got, want)
+
+
+class _Refuses(oh.OpHandler):
+    def execute(self, op, inputs):
+        if op.type == "Tanh":
+            raise ValueError("tanh refused by the handler")
+        return self.next.execute(op, inputs)
+
+
+def test_a_handlers_exception_reaches_the_program_unchanged():
+    x = tf.ones([2])
+    with oh.Lazy():
+        with _Refuses():
+            before = _taken()
+            with pytest.raises(ValueError, match="^tanh refused by the handler$"):
+                tf.tanh(x)
+            assert _taken() == before + 1  # run here, failed in the handler's hook
+            y = tf.sin(x) * 2.0  # and the next op runs normally
+        assert _taken() == before + 3
+        np.testing.assert_allclose(y.numpy(), np.sin([1.0, 1.0]) * 2.0, rtol=1e-6)

@@ -1,23 +1,26 @@
 // tf-ophandlers: TensorFlow's eager fast path without its per-op stack capture, for ops
-// placed on the dispatcher while an oh.Lazy scope is open.
+// placed on the dispatcher while a handler scope is open (core/skip_trace.py).
 //
 // Every generated op wrapper (gen_*_ops) calls `pywrap_tfe.TFE_Py_FastPathExecute`, which
 // captures the Python stack of the op (StackTrace::Capture, for kernel error messages):
 // about 27k of the ~78k instructions TensorFlow's Python API costs per small op over a
 // do-nothing custom device (benchmarks: docs/benchmarks.md, "Lazy XLA: TensorFlow's
 // stack capture"). An op placed on the dispatcher never runs as that op: a handler
-// records it (oh.Lazy) or builds its own op from it, and the trace is dropped unread.
-// While an oh.Lazy scope is open (the "fast path without stack capture" patch,
-// handlers/lazy.py, registered in core/tf_patches.py), `skip_trace_execute` stands in
-// for TensorFlow's function. It takes the common op itself, as TensorFlow's fast path
-// does but without the capture: placed on the dispatcher (the thread's device scope is
-// the dispatcher's), no tape or forward accumulator recording, no op callback, every
-// input an EagerTensor of a single-tensor argument, every attribute a type attribute
-// those inputs give (consistent, allowed), one single-tensor output. Anything else calls
-// TensorFlow's function unchanged (its results, errors and recording).
+// records it (oh.Lazy) or the dispatcher builds its own op from it, and the trace is
+// dropped unread. While a scope places ops on the dispatcher (the scoped patch "fast path
+// without stack capture", core/skip_trace.py, registered in core/tf_patches.py),
+// `skip_trace_execute` stands in for TensorFlow's function. It takes the common op
+// itself, as TensorFlow's fast path does but without the capture: placed on the
+// dispatcher (the thread's device scope is the dispatcher's), no tape or forward
+// accumulator recording, no op callback, every input an EagerTensor (or a Python int or
+// float, converted with the dtype the tensors give) of a single-tensor argument, every
+// type attribute given by those inputs, every other attribute a bool, int, float, string
+// or list of ints passed as a plain Python value, one single-tensor output. Anything else
+// calls TensorFlow's function unchanged (its results, errors and recording).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -50,6 +53,9 @@ PyObject* g_device_attr = nullptr;  // "device_name"
 PyObject* g_callbacks_attr = nullptr;  // "op_callbacks"
 long long g_taken = 0;  // ops run here, failed or not (skip_trace_stats; GIL held)
 
+// The kinds of non-type attribute this path sets itself (others: TensorFlow's function).
+enum class AttrKind { kBool, kInt, kFloat, kString, kIntList };
+
 // What an op type needs for this path, from its OpDef. `ok` false: TensorFlow's function.
 struct OpInfo {
   bool ok = false;
@@ -57,6 +63,8 @@ struct OpInfo {
   std::vector<TF_DataType> input_fixed;   // per input: its fixed dtype (input_attr -1)
   std::vector<std::string> attr_names;    // the type attributes
   std::vector<std::vector<TF_DataType>> allowed;  // per attribute; empty: any dtype
+  // The other attributes the wrapper passes as (name, value) pairs after the inputs.
+  std::unordered_map<std::string, AttrKind> other;
 };
 
 OpInfo MakeInfo(const char* type) {
@@ -67,7 +75,15 @@ OpInfo MakeInfo(const char* type) {
   const auto& out = def->output_arg(0);
   if (!out.number_attr().empty() || !out.type_list_attr().empty() || out.is_ref()) return info;
   for (const auto& a : def->attr()) {
-    if (a.type() != "type") return info;  // an attribute the call would pass
+    if (a.type() != "type") {  // an attribute the call passes by name
+      static const auto* kinds = new std::unordered_map<std::string, AttrKind>{
+          {"bool", AttrKind::kBool}, {"int", AttrKind::kInt}, {"float", AttrKind::kFloat},
+          {"string", AttrKind::kString}, {"list(int)", AttrKind::kIntList}};
+      auto k = kinds->find(a.type());
+      if (k == kinds->end()) return info;
+      info.other.emplace(a.name(), k->second);
+      continue;
+    }
     info.attr_names.push_back(a.name());
     std::vector<TF_DataType> allowed;
     for (int t : a.allowed_values().list().type()) allowed.push_back(static_cast<TF_DataType>(t));
@@ -154,6 +170,84 @@ PyObject* DispatcherPlacement(PyObject* ctx) {
   return device;
 }
 
+// Whether `value` is a Python value of exactly the kind TensorFlow's fast path would
+// convert for an attribute of `kind` without surprises (others: TensorFlow's function,
+// which converts or rejects them). Never sets an exception.
+bool PlainAttr(AttrKind kind, PyObject* value) {
+  switch (kind) {
+    case AttrKind::kBool:
+      return PyBool_Check(value);
+    case AttrKind::kInt:
+      return PyLong_CheckExact(value);
+    case AttrKind::kFloat:
+      return PyFloat_CheckExact(value) || PyLong_CheckExact(value);
+    case AttrKind::kString:
+      return PyUnicode_CheckExact(value) || PyBytes_CheckExact(value);
+    case AttrKind::kIntList: {
+      if (!PyList_CheckExact(value) && !PyTuple_CheckExact(value)) return false;
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+      PyObject** items = PySequence_Fast_ITEMS(value);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!PyLong_CheckExact(items[i])) return false;
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+// Sets attribute `name` of `kind` to `value` (PlainAttr) on `op`. False with no exception
+// set when the value does not convert (overflow, bad UTF-8): the caller then leaves the
+// call to TensorFlow's function.
+bool SetOther(TFE_Op* op, const char* name, AttrKind kind, PyObject* value) {
+  switch (kind) {
+    case AttrKind::kBool:
+      TFE_OpSetAttrBool(op, name, value == Py_True);
+      return true;
+    case AttrKind::kInt: {
+      long long v = PyLong_AsLongLong(value);
+      if (v == -1 && PyErr_Occurred()) break;
+      TFE_OpSetAttrInt(op, name, v);
+      return true;
+    }
+    case AttrKind::kFloat: {
+      double v = PyFloat_AsDouble(value);
+      if (v == -1.0 && PyErr_Occurred()) break;
+      TFE_OpSetAttrFloat(op, name, static_cast<float>(v));
+      return true;
+    }
+    case AttrKind::kString: {
+      Py_ssize_t n = 0;
+      const char* data = nullptr;
+      if (PyBytes_CheckExact(value)) {
+        data = PyBytes_AS_STRING(value);
+        n = PyBytes_GET_SIZE(value);
+      } else {
+        data = PyUnicode_AsUTF8AndSize(value, &n);
+        if (data == nullptr) break;
+      }
+      TFE_OpSetAttrString(op, name, data, static_cast<size_t>(n));
+      return true;
+    }
+    case AttrKind::kIntList: {
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+      PyObject** items = PySequence_Fast_ITEMS(value);
+      absl::InlinedVector<int64_t, 8> v(n);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        v[i] = PyLong_AsLongLong(items[i]);
+        if (v[i] == -1 && PyErr_Occurred()) {
+          PyErr_Clear();
+          return false;
+        }
+      }
+      TFE_OpSetAttrIntList(op, name, v.data(), static_cast<int>(n));
+      return true;
+    }
+  }
+  PyErr_Clear();
+  return false;
+}
+
 PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (g_original == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "skip_trace_execute: skip_trace_setup was not called");
@@ -163,9 +257,30 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* type = PyUnicode_AsUTF8(args[1]);
   if (type == nullptr) return nullptr;
   const OpInfo& info = InfoFor(args[1], type);
-  const Py_ssize_t n_in = nargs - 3;
-  if (!info.ok || n_in != static_cast<Py_ssize_t>(info.input_attr.size())) {
-    return Original(args, nargs);  // (also a call with attributes or too few inputs)
+  const Py_ssize_t n_in = static_cast<Py_ssize_t>(info.input_attr.size());
+  const Py_ssize_t n_pairs = (nargs - 3 - n_in) / 2;
+  if (!info.ok || nargs - 3 - n_in < 0 || (nargs - 3 - n_in) % 2 != 0 ||
+      n_pairs != static_cast<Py_ssize_t>(info.other.size())) {
+    return Original(args, nargs);  // (too few inputs, or not every attribute given)
+  }
+  // The (name, value) pairs: every non-type attribute once, each a plain value.
+  absl::InlinedVector<std::pair<const char*, AttrKind>, 8> pairs;
+  for (Py_ssize_t p = 0; p < n_pairs; ++p) {
+    PyObject* name = args[3 + n_in + 2 * p];
+    if (!PyUnicode_CheckExact(name)) return Original(args, nargs);
+    const char* attr = PyUnicode_AsUTF8(name);
+    if (attr == nullptr) {
+      PyErr_Clear();
+      return Original(args, nargs);
+    }
+    auto it = info.other.find(attr);
+    if (it == info.other.end() || !PlainAttr(it->second, args[4 + n_in + 2 * p])) {
+      return Original(args, nargs);
+    }
+    for (const auto& q : pairs) {
+      if (std::strcmp(q.first, attr) == 0) return Original(args, nargs);  // given twice
+    }
+    pairs.emplace_back(attr, it->second);
   }
   absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in, nullptr);
   absl::InlinedVector<TF_DataType, 4> attrs(info.attr_names.size(), TF_DataType(0));
@@ -244,6 +359,15 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_DECREF(device);
   for (size_t a = 0; a < attrs.size() && TF_GetCode(status) == TF_OK; ++a) {
     TFE_OpSetAttrType(op, info.attr_names[a].c_str(), attrs[a]);
+  }
+  bool plain = true;  // every (name, value) pair set (PlainAttr values nearly always are)
+  for (Py_ssize_t p = 0; p < n_pairs && plain && TF_GetCode(status) == TF_OK; ++p) {
+    plain = SetOther(op, pairs[p].first, pairs[p].second, args[4 + n_in + 2 * p]);
+  }
+  if (!plain) {
+    TFE_DeleteOp(op);
+    for (TFE_TensorHandle* c : converted) TFE_DeleteTensorHandle(c);
+    return Original(args, nargs);
   }
   for (Py_ssize_t i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
     TFE_OpAddInput(op, in[i], status);

@@ -1,5 +1,6 @@
-"""oh.Lazy's op fast path without TensorFlow's stack capture (cc/fast_trace.cc): installed
-only while a Lazy scope is open, it runs the common op itself (values equal eager's) and
+"""The op fast path without TensorFlow's stack capture (core/skip_trace.py,
+cc/fast_trace.cc), tested mostly under oh.Lazy: installed only while a handler scope
+places ops on the dispatcher, it runs the common op itself (values equal eager's) and
 leaves every other call to TensorFlow's function: ops a tape or accumulator records, ops
 off the dispatcher, Python numbers it cannot convert, dtype errors (same errors as
 eager)."""
@@ -13,7 +14,7 @@ from tensorflow.python import pywrap_tfe
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import scope
-from tf_ophandlers.handlers import lazy_compile
+from tf_ophandlers.core import skip_trace
 
 from conftest import assert_same_tensors
 
@@ -29,22 +30,46 @@ def _chain(h):
     return h
 
 
-def test_installed_only_while_a_lazy_scope_is_open():
-    original = lazy_compile._fast_path_execute  # pylint: disable=protected-access
+@pytest.mark.parametrize("make", [oh.Lazy, oh.OpHandler])
+def test_installed_only_while_a_handler_scope_is_open(make):
+    original = skip_trace._fast_path_execute  # pylint: disable=protected-access
     assert pywrap_tfe.TFE_Py_FastPathExecute is original
-    outer = oh.Lazy()
+    outer = make()
     with outer:
         assert pywrap_tfe.TFE_Py_FastPathExecute is _C.skip_trace_execute
-        with oh.Lazy():
+        with make(), oh.GradientTape():
             pass
         with outer:  # re-entered: still installed
             pass
+        with tf.device("CPU:0"):  # the stack's physical placement: still the dispatcher
+            assert pywrap_tfe.TFE_Py_FastPathExecute is _C.skip_trace_execute
         assert pywrap_tfe.TFE_Py_FastPathExecute is _C.skip_trace_execute
     assert pywrap_tfe.TFE_Py_FastPathExecute is original
     with pytest.raises(tf.errors.InvalidArgumentError):
         with oh.Lazy():  # a failing flush at the exit uninstalls it too
             float(tf.reshape(tf.ones([4]), [3]) * 2.0)
     assert pywrap_tfe.TFE_Py_FastPathExecute is original
+
+    class Refuses(oh.OpHandler):
+        def scope_entered(self):
+            raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        with Refuses():  # a scope that fails to open uninstalls it
+            pass
+    assert pywrap_tfe.TFE_Py_FastPathExecute is original
+
+
+def test_ops_under_a_pass_through_handler_skip_the_capture():
+    x = tf.random.stateless_normal([4, 5], seed=[3, 4])
+    before = _taken()
+    with oh.OpHandler():
+        got = _chain(x)
+    assert _taken() - before == 60
+    assert_same_tensors(_chain(x), got)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"Op:AddV2"):
+        with oh.OpHandler():
+            tf.ones([2]) + tf.ones([3])  # the kernel's error, as eager names it
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -147,3 +172,46 @@ def test_a_handlers_exception_reaches_the_program_unchanged():
             y = tf.sin(x) * 2.0  # and the next op runs normally
         assert _taken() == before + 3
         np.testing.assert_allclose(y.numpy(), np.sin([1.0, 1.0]) * 2.0, rtol=1e-6)
+
+
+def _attribute_ops(x, w, k):
+    # Ops whose wrappers pass bool / int / float / string / list(int) attributes by name.
+    y = tf.matmul(x, w, transpose_b=True)               # bool
+    y = tf.nn.leaky_relu(y, alpha=0.3)                   # float
+    z = tf.nn.conv2d(tf.reshape(x, [1, 4, 5, 1]), k, strides=[1, 1, 1, 1],
+                     padding="SAME", data_format="NHWC")  # string, list(int)
+    z = tf.nn.bias_add(z, tf.ones([2]))                  # string
+    s = tf.raw_ops.Sum(input=z, axis=tf.constant([1, 2]), keep_dims=True)  # bool
+    c = tf.raw_ops.Cumsum(x=y, axis=tf.constant(1), exclusive=True, reverse=False)
+    return y, z, s, c
+
+
+def test_ops_with_plain_attributes_skip_the_capture():
+    x = tf.random.stateless_normal([4, 5], seed=[5, 6])
+    w = tf.random.stateless_normal([3, 5], seed=[7, 8])
+    k = tf.random.stateless_normal([2, 2, 1, 2], seed=[9, 1])
+    want = _attribute_ops(x, w, k)
+    before = _taken()
+    with oh.OpHandler():
+        got = _attribute_ops(x, w, k)
+    assert _taken() - before >= 6
+    for a, b in zip(want, got):
+        assert_same_tensors(a, b)
+    with oh.Lazy():
+        lazy = _attribute_ops(x, w, k)
+    for a, b in zip(want, lazy):
+        assert_same_tensors(a, b, tol=1e-6)
+
+
+def test_attribute_errors_are_tensorflows():
+    x = tf.ones([1, 4, 4, 1])
+    k = tf.ones([2, 2, 1, 1])
+    for make in (lambda: tf.nn.conv2d(x, k, strides=[1, 1, 1, 1], padding="NOPE"),
+                 lambda: tf.raw_ops.Conv2D(input=x, filter=k, strides=[1, 1, 1],
+                                           padding="SAME")):
+        with pytest.raises(Exception) as plain:
+            make()
+        with pytest.raises(Exception) as under:
+            with oh.OpHandler():
+                make()
+        assert type(under.value) is type(plain.value)

@@ -18,6 +18,7 @@ from tf_ophandlers.core import cache as _cache
 from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import handler as _handler
+from tf_ophandlers.core import skip_trace
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.handler import OpHandler
@@ -130,6 +131,7 @@ def _open(target):
     if stack is not previous and ctx.device_name != DISPATCHER_DEVICE:
         entry.device_scope = _original_context_device(ctx, DISPATCHER_DEVICE)
         entry.device_scope.__enter__()
+        skip_trace.acquire()  # while ops go to the dispatcher (core/skip_trace.py)
     state.scopes.append(entry)
     state.current = stack
     for i, h in enumerate(opened):
@@ -163,6 +165,7 @@ def _abandon(entry, opened):
     finally:
         if entry.device_scope is not None:
             entry.device_scope.__exit__(None, None, None)
+            skip_trace.release()
 
 
 def _close(entry):
@@ -203,6 +206,7 @@ def _close(entry):
     finally:
         if entry.device_scope is not None:
             entry.device_scope.__exit__(None, None, None)
+            skip_trace.release()
         _purge_tensor_caches()
         _C.drain()
 

@@ -36,7 +36,7 @@ from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import shapes, tf_patches
+from tf_ophandlers.core import shapes
 from tf_ophandlers.core.errors import with_message
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.fast_decision import (lazy_computed, lazy_plan, lazy_record_setup,
@@ -228,8 +228,6 @@ class Lazy(OpHandler):
         self.last_function = None  # the ConcreteFunction its last compiled run called
 
     def scope_entered(self):
-        if self._depth == 0:
-            tf_patches.acquire(lazy_compile.SKIP_TRACE)  # (lazy_compile.py)
         self._depth += 1
 
     def scope_exited(self):
@@ -240,11 +238,8 @@ class Lazy(OpHandler):
             try:
                 self.flush()
             finally:
-                try:
-                    if self._inflight or self._deferred is not None:
-                        self._wait()
-                finally:
-                    tf_patches.release(lazy_compile.SKIP_TRACE)
+                if self._inflight or self._deferred is not None:
+                    self._wait()
 
     def flush(self):
         """Runs every pending op whose result is still referenced."""

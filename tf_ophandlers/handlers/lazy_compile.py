@@ -26,15 +26,12 @@ import re
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import functions as _functions
-from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
-from tf_ophandlers.core.fast_decision import skip_trace_execute, skip_trace_setup
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import state as _state
@@ -231,28 +228,3 @@ def compile_plan(plan, external, jit, no_xla=()):
             # the kernel would have, with InvalidArgumentError (same error class).
             raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
     return _functions.CompiledCall(fn)
-
-
-# While an oh.Lazy scope is open, TensorFlow's per-op fast path runs without its Python
-# stack capture for ops placed on the dispatcher (cc/fast_trace.cc): a recorded op never
-# runs as that op, so its trace was dropped unread, and the capture cost a third of
-# TensorFlow's own per-op time. Every other op goes to TensorFlow's function unchanged.
-SKIP_TRACE = "Lazy: fast path without stack capture"
-_fast_path_execute = pywrap_tfe.TFE_Py_FastPathExecute
-
-
-def _install_skip_trace():
-    skip_trace_setup(_fast_path_execute)
-    pywrap_tfe.TFE_Py_FastPathExecute = skip_trace_execute
-
-
-def _uninstall_skip_trace():
-    pywrap_tfe.TFE_Py_FastPathExecute = _fast_path_execute
-
-
-tf_patches.register(
-    SKIP_TRACE, "tensorflow.python.pywrap_tfe.TFE_Py_FastPathExecute",
-    "every generated op wrapper captures the Python stack of the op (for kernel error "
-    "messages); an op oh.Lazy records never runs as that op. While a Lazy scope is open, "
-    "ops placed on the dispatcher skip the capture; TensorFlow has no switch for it.",
-    "scoped", _install_skip_trace, _uninstall_skip_trace)

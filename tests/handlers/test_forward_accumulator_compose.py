@@ -184,3 +184,53 @@ def test_loop_variable_given_a_tangent_under_a_handler_in_between(loop, between)
                 y = loop_sum(x)
         results.append([y, acc.jvp(y)])
     _same(results[0], results[1], "ForwardAccumulator > %s > %s" % (between, loop))
+
+
+@pytest.mark.parametrize("in_function", [False, True])
+def test_identity_of_a_watched_variable_handle_keeps_its_tangent(in_function):
+    # Found with fuzz OH_FUZZ_SEED=28's slow case 7: the JVP of a read of tf.identity(
+    # v.handle) was None (TensorFlow: the variable's tangent). A resource output of the
+    # accumulator left its tangent behind; in pfor's while loop (a handle passed on by
+    # the body's Identity) the loop variable then lost its tangent, and function_coerce
+    # raised TypeError (zeros_like of a resource).
+    from tensorflow.python.ops import gen_resource_variable_ops as gen  # pylint: disable=import-outside-toplevel
+    v, tv = tf.Variable(_rand(30, 2, 3)), _rand(31, 2, 3)
+
+    def f():
+        return gen.read_variable_op(tf.identity(v.handle), tf.float32) * 3.0
+    g = tf.function(f, autograph=False) if in_function else f
+    results = []
+    for Acc in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with Acc(v, tv) as acc:
+            y = g()
+        results.append([y, acc.jvp(y)])
+    assert results[0][1] is not None
+    _same(results[0], results[1], "ForwardAccumulator, identity of a variable handle")
+
+
+@pytest.mark.parametrize("between", ["", "Recompute"])
+def test_two_accumulators_over_vectorized_map_gathering_a_variable(between):
+    # Fuzz finding (Async > OpCounter > ForwardAccumulator > Recompute >
+    # ForwardAccumulator > vectorized_map, OH_FUZZ_SEED=28 slow case 7): with Recompute
+    # between, TypeError from function_coerce (the gather's loop over the examples, see
+    # above). Without it, the outer JVP of the inner JVP of a reshape was zeros where
+    # TensorFlow's is None: tf.vectorized_map traces the mapped function, where
+    # TensorFlow's nested accumulators inline each op's JVP graph (as in a function).
+    V, tV = tf.Variable(_rand(32, 6, 4)), _rand(33, 6, 4)
+    x, tx = _rand(34, 2, 3, 4), _rand(35, 2, 3, 4)
+    ids = tf.constant([[1, 2, 5], [3, 0, 0]])
+
+    def per_example(a):  # (TensorFlow's nesting fails with an elementwise op of a[0])
+        return [tf.gather(V, a[1]), tf.reshape(a[0], [-1, 2])]
+    results = []
+    for ours in (False, True):
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        vmap = oh.vectorized_map if ours else tf.vectorized_map
+        with Acc([x, V], [tx, tV]) as outer:
+            with oh.Recompute() if ours and between else contextlib.nullcontext():
+                with Acc([x, V], [tx, tV]) as inner:
+                    outs = vmap(per_example, (x, ids))
+                outs = outs + [inner.jvp(o) for o in outs]
+        results.append(outs + [None if o is None else outer.jvp(o) for o in outs])
+    _same(results[0], results[1], "ForwardAccumulator > %s > ForwardAccumulator > "
+          "vectorized_map" % (between or "(none)"))

@@ -234,3 +234,35 @@ def test_two_accumulators_over_vectorized_map_gathering_a_variable(between):
         results.append(outs + [None if o is None else outer.jvp(o) for o in outs])
     _same(results[0], results[1], "ForwardAccumulator > %s > ForwardAccumulator > "
           "vectorized_map" % (between or "(none)"))
+
+
+_CALLED = {
+    "identity": lambda a, b: [tf.identity(a)],
+    "identities": lambda a, b: [tf.identity(a), tf.identity(b)],
+    "identity_and_sum": lambda a, b: [tf.identity(a), tf.reduce_sum(b, 0)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CALLED))
+def test_tape_around_accumulator_gradient_of_a_called_functions_jvp(name):
+    # Open finding (oh.GradientTape > oh.ForwardAccumulator around tf.function(
+    # tf.identity)): the gradient of the JVP with respect to the primal was zeros where
+    # TensorFlow's is None. The tape records the replayed call, whose outputs are the
+    # primals' and the tangents', and a call's backward function gives zeros to the
+    # inputs its other outputs read. TensorFlow's tapes get the JVP apart from the call.
+    # (Here the JVPs do not depend on the primals: TensorFlow's tape in a call gives
+    # other second-order values, test_fuzz_stacks' _known_limitation.)
+    f = tf.function(tf.autograph.experimental.do_not_convert(_CALLED[name]))
+    x, z, tx, tz = _rand(40, 2, 3), _rand(41, 2, 3), _rand(42, 2, 3), _rand(43, 2, 3)
+    results = []
+    for ours in (False, True):
+        Tape = oh.GradientTape if ours else tf.GradientTape
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        with Tape(persistent=True) as tape:
+            tape.watch([x, z])
+            with Acc([x, z], [tx, tz]) as acc:
+                ys = f(x, z)
+            jvps = [acc.jvp(y) for y in ys]
+        targets = [[t] for t in ys + jvps] + [ys + jvps]
+        results.append(ys + jvps + [g for t in targets for g in tape.gradient(t, [x, z])])
+    _same(results[0], results[1], "GradientTape > ForwardAccumulator > %s" % name)

@@ -262,14 +262,20 @@ class BackwardPass:
                     out_grads.append(None)
                 else:
                     out_grads.append(default_gradient.zeros_like(o))
-            in_grads = self._call_gradient_function(record, out_grads)
+            in_grads = self._call_gradient_function(
+                record, out_grads, [k for k, p in enumerate(parts) if not p])
         for i, g in zip(in_ids, in_grads):
             if g is not None and i is not None and i in live:
                 grads.setdefault(i, []).append(g)
 
-    def _call_gradient_function(self, record, out_grads):
+    def _call_gradient_function(self, record, out_grads, missing=()):
         if record.backward is not None:
-            in_grads = record.backward(*out_grads)
+            if getattr(record.backward, "reads_missing", False):
+                # (a replayed call with tangents: which outputs had no gradient, before
+                # the zeros filled in; core/functions/call_records.densified)
+                in_grads = record.backward(*out_grads, missing=frozenset(missing))
+            else:
+                in_grads = record.backward(*out_grads)
         else:
             # A node's gradient override (tf.custom_gradient in a replayed function)
             # replaces its type's gradient, as in TensorFlow's graph gradients; the same

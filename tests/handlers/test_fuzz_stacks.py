@@ -534,11 +534,15 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 #   which leaves it out of the draw.
 #
 # Fixed: Async > OpCounter > ForwardAccumulator > Recompute > ForwardAccumulator >
-# vectorized_map, eager, OH_FUZZ_SEED=28 slow case 7: TypeError from
-# ForwardAccumulator.function_coerce (zeros_like of a resource loop variable of pfor's
-# while loop). The body's Identity of the variable's handle dropped its tangent (also a
-# None JVP of a read of tf.identity(v.handle), eager); then zeros where TensorFlow gives
-# None, nested accumulators inside the map (test_forward_accumulator_compose.py).
+# vectorized_map, OH_FUZZ_SEED=28 slow case 7 (TypeError from function_coerce: a loop
+# body's Identity of a variable's handle dropped its tangent; test_forward_accumulator_compose).
+# Unfixed, slow draws of seeds 76-90 (2026-11-25; all fail on d82ba01 too): 79 case 3
+# (HandlerError "gradient of recompute segment ... not known here", a replaying handler
+# between two tapes over Recompute; without it: test_recompute_calls' xfail), 81 case 30
+# (the same HandlerError), 81 case 38 (GradientTape > vectorized_map > Recompute(budget)
+# > OpLogHandler > Async: HandlerError, a per-example copy-off), 85 case 4
+# (ForwardAccumulator > GradientTape > Recompute, eager: zeros where TensorFlow's JVPs of
+# the gradients are None).
 
 
 def test_two_tapes_over_recompute_gathering_a_variable_in_vectorized_map():

@@ -544,7 +544,7 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # (ForwardAccumulator > GradientTape > Recompute, eager: zeros where TensorFlow's JVPs of
 # the gradients are None; also 91 case 42, 90 case 10), 90 case 32 (None JVP), 89 case 39,
 # and 89 case 4: GradientTape > Lazy > ForwardAccumulator, eager, a WRONG gradient of
-# [t10, jvp(t10)] with respect to x (sums 2.02 vs 4.49; passes without Lazy). Open.
+# [t10, jvp(t10)] wrt x (2.02 vs 4.49 summed; no Lazy: passes). Open: compose xfail.
 
 
 def test_two_tapes_over_recompute_gathering_a_variable_in_vectorized_map():

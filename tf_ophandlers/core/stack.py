@@ -504,8 +504,10 @@ class HandlerStack(Stack):
         for o in outputs:
             if type(o) is OffStack:
                 result.append(o.tensor)
-            elif transient and getattr(o, "dtype", None) == _dtypes.resource:
-                result.append(o)  # resource handles stay on the next stack
+            elif transient and isinstance(o, _Tensor) and o.dtype == _dtypes.resource:
+                # Resource handles stay on the next stack (as _C.wrap_outputs: a tensor;
+                # a handler's own value of a handle, a tangent's Dual, is wrapped).
+                result.append(o)
             elif (isinstance(o, _Tensor) and next_represented
                   and stack_of(o) is not self.next):
                 result.append(o)  # left the stacks below

@@ -268,19 +268,14 @@ def test_tape_around_accumulator_gradient_of_a_called_functions_jvp(name):
     _same(results[0], results[1], "GradientTape > ForwardAccumulator > %s" % name)
 
 
-@pytest.mark.xfail(strict=True, reason="open: oh.GradientTape > oh.Lazy > "
-                   "oh.ForwardAccumulator loses the gradient of an op whose JVP is "
-                   "TensorFlow's construction (None)")
 @pytest.mark.parametrize("op", ["erf", "avg_pool"])
 def test_tape_around_lazy_around_accumulator_op_without_a_jvp_rule(op):
-    # Open finding (fuzz OH_FUZZ_SEED=89 slow case 4, GradientTape > Lazy >
-    # ForwardAccumulator > OpLogHandler, eager: a wrong gradient). Minimal form: the
-    # tape's gradient of Erf or AvgPool (no JVP rule here: TensorFlow's traced JVP call)
-    # is None; with oh.OpHandler or oh.Async in place of oh.Lazy it is TensorFlow's, and
-    # ops with a rule (sin, max pool) are right. Cause: the traced JVP call's arguments
-    # include the pending Erf output, which Lazy computes inside TensorFlow's call path,
-    # where the tape set is stopped (Lazy._run sees TFE_Py_TapeSetIsStopped): the tape
-    # never records Erf. A fix would keep each pending node's recording state.
+    # Fuzz finding (OH_FUZZ_SEED=89 slow case 4, GradientTape > Lazy >
+    # ForwardAccumulator > OpLogHandler, eager): the tape's gradient of Erf or AvgPool (no
+    # JVP rule here: TensorFlow's traced JVP call) was None. The call's arguments include
+    # the pending Erf output, which Lazy computed inside TensorFlow's call path, where the
+    # tape set is stopped, so the tape never recorded Erf. Lazy now restarts recording
+    # for pending ops recorded while it was on (handlers/lazy.py `_run`).
     fn = {"erf": tf.math.erf,
           "avg_pool": lambda a: tf.nn.avg_pool2d(tf.reshape(a, [-1, 2, 2, 1]), 2, 1, "SAME")}[op]
     x, tx = _rand(50, 4, 4), _rand(51, 4, 4)

@@ -184,3 +184,110 @@ def test_loop_variable_given_a_tangent_under_a_handler_in_between(loop, between)
                 y = loop_sum(x)
         results.append([y, acc.jvp(y)])
     _same(results[0], results[1], "ForwardAccumulator > %s > %s" % (between, loop))
+
+
+@pytest.mark.parametrize("in_function", [False, True])
+def test_identity_of_a_watched_variable_handle_keeps_its_tangent(in_function):
+    # Found with fuzz OH_FUZZ_SEED=28's slow case 7: the JVP of a read of tf.identity(
+    # v.handle) was None (TensorFlow: the variable's tangent). A resource output of the
+    # accumulator left its tangent behind; in pfor's while loop (a handle passed on by
+    # the body's Identity) the loop variable then lost its tangent, and function_coerce
+    # raised TypeError (zeros_like of a resource).
+    from tensorflow.python.ops import gen_resource_variable_ops as gen  # pylint: disable=import-outside-toplevel
+    v, tv = tf.Variable(_rand(30, 2, 3)), _rand(31, 2, 3)
+
+    def f():
+        return gen.read_variable_op(tf.identity(v.handle), tf.float32) * 3.0
+    g = tf.function(f, autograph=False) if in_function else f
+    results = []
+    for Acc in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+        with Acc(v, tv) as acc:
+            y = g()
+        results.append([y, acc.jvp(y)])
+    assert results[0][1] is not None
+    _same(results[0], results[1], "ForwardAccumulator, identity of a variable handle")
+
+
+@pytest.mark.parametrize("between", ["", "Recompute"])
+def test_two_accumulators_over_vectorized_map_gathering_a_variable(between):
+    # Fuzz finding (Async > OpCounter > ForwardAccumulator > Recompute >
+    # ForwardAccumulator > vectorized_map, OH_FUZZ_SEED=28 slow case 7): with Recompute
+    # between, TypeError from function_coerce (the gather's loop over the examples, see
+    # above). Without it, the outer JVP of the inner JVP of a reshape was zeros where
+    # TensorFlow's is None: tf.vectorized_map traces the mapped function, where
+    # TensorFlow's nested accumulators inline each op's JVP graph (as in a function).
+    V, tV = tf.Variable(_rand(32, 6, 4)), _rand(33, 6, 4)
+    x, tx = _rand(34, 2, 3, 4), _rand(35, 2, 3, 4)
+    ids = tf.constant([[1, 2, 5], [3, 0, 0]])
+
+    def per_example(a):  # (TensorFlow's nesting fails with an elementwise op of a[0])
+        return [tf.gather(V, a[1]), tf.reshape(a[0], [-1, 2])]
+    results = []
+    for ours in (False, True):
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        vmap = oh.vectorized_map if ours else tf.vectorized_map
+        with Acc([x, V], [tx, tV]) as outer:
+            with oh.Recompute() if ours and between else contextlib.nullcontext():
+                with Acc([x, V], [tx, tV]) as inner:
+                    outs = vmap(per_example, (x, ids))
+                outs = outs + [inner.jvp(o) for o in outs]
+        results.append(outs + [None if o is None else outer.jvp(o) for o in outs])
+    _same(results[0], results[1], "ForwardAccumulator > %s > ForwardAccumulator > "
+          "vectorized_map" % (between or "(none)"))
+
+
+_CALLED = {
+    "identity": lambda a, b: [tf.identity(a)],
+    "identities": lambda a, b: [tf.identity(a), tf.identity(b)],
+    "identity_and_sum": lambda a, b: [tf.identity(a), tf.reduce_sum(b, 0)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CALLED))
+def test_tape_around_accumulator_gradient_of_a_called_functions_jvp(name):
+    # Open finding (oh.GradientTape > oh.ForwardAccumulator around tf.function(
+    # tf.identity)): the gradient of the JVP with respect to the primal was zeros where
+    # TensorFlow's is None. The tape records the replayed call, whose outputs are the
+    # primals' and the tangents', and a call's backward function gives zeros to the
+    # inputs its other outputs read. TensorFlow's tapes get the JVP apart from the call.
+    # (Here the JVPs do not depend on the primals: TensorFlow's tape in a call gives
+    # other second-order values, test_fuzz_stacks' _known_limitation.)
+    f = tf.function(tf.autograph.experimental.do_not_convert(_CALLED[name]))
+    x, z, tx, tz = _rand(40, 2, 3), _rand(41, 2, 3), _rand(42, 2, 3), _rand(43, 2, 3)
+    results = []
+    for ours in (False, True):
+        Tape = oh.GradientTape if ours else tf.GradientTape
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        with Tape(persistent=True) as tape:
+            tape.watch([x, z])
+            with Acc([x, z], [tx, tz]) as acc:
+                ys = f(x, z)
+            jvps = [acc.jvp(y) for y in ys]
+        targets = [[t] for t in ys + jvps] + [ys + jvps]
+        results.append(ys + jvps + [g for t in targets for g in tape.gradient(t, [x, z])])
+    _same(results[0], results[1], "GradientTape > ForwardAccumulator > %s" % name)
+
+
+@pytest.mark.parametrize("op", ["erf", "avg_pool"])
+def test_tape_around_lazy_around_accumulator_op_without_a_jvp_rule(op):
+    # Fuzz finding (OH_FUZZ_SEED=89 slow case 4, GradientTape > Lazy >
+    # ForwardAccumulator > OpLogHandler, eager): the tape's gradient of Erf or AvgPool (no
+    # JVP rule here: TensorFlow's traced JVP call) was None. The call's arguments include
+    # the pending Erf output, which Lazy computed inside TensorFlow's call path, where the
+    # tape set is stopped, so the tape never recorded Erf. Lazy now restarts recording
+    # for pending ops recorded while it was on (handlers/lazy.py `_run`).
+    fn = {"erf": tf.math.erf,
+          "avg_pool": lambda a: tf.nn.avg_pool2d(tf.reshape(a, [-1, 2, 2, 1]), 2, 1, "SAME")}[op]
+    x, tx = _rand(50, 4, 4), _rand(51, 4, 4)
+    results = []
+    for ours in (False, True):
+        Tape = oh.GradientTape if ours else tf.GradientTape
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        with Tape(persistent=True) as tape:
+            tape.watch(x)
+            with oh.Lazy() if ours else contextlib.nullcontext():
+                with Acc(x, tx) as acc:
+                    y = fn(x)
+                j = acc.jvp(y)
+        results.append([y, j, tape.gradient(y, x), tape.gradient(j, x)])
+    _same(results[0], results[1], "GradientTape > Lazy > ForwardAccumulator, %s" % op)

@@ -4,6 +4,7 @@ pass. Against the same program without Recompute: gradients equal (rtol 1e-5; de
 IndexedSlices), an unknown batch dimension, a Keras model, second order, save=, the peak
 memory lower (TensorFlow's BFC allocator, in a subprocess); a tf.GradientTape around
 keeps the call whole."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -245,3 +246,32 @@ def test_nested_scopes_over_a_called_function():
     got_g = tape.gradient(got, [x, z, w])
     for a, b in zip(list(want) + want_g, list(got) + got_g):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="open: an unused gather of a variable in a called "
+                   "function under two tapes and oh.Recompute gets a gradient of zeros")
+def test_two_tapes_over_a_called_function_with_an_unused_variable_gather():
+    # Open finding (OH_FUZZ_SEED=79 slow case 3, GradientTape > GradientTape >
+    # Recompute in a function): the inner tape's gradient of V is tf.IndexedSlices of
+    # zeros where TensorFlow's is None (V is read only by a gather nothing returns).
+    # It raised ValueError "variable without handle data" before the rewrite's resource
+    # placeholders got handle data; a used gather is right (test_fuzz_stacks).
+    V = tf.Variable(np.arange(24, dtype=np.float32).reshape(6, 4) / 10)
+    x = tf.constant(np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4))
+
+    @tf.function(autograph=False)
+    def prog(a, i):
+        tf.nn.softmax(tf.gather(V, i))  # computed, never used
+        return tf.reduce_sum(tf.sin(a * 2.0))
+    got = []
+    for ours in (False, True):
+        Tape = oh.GradientTape if ours else tf.GradientTape
+        with Tape(persistent=True) as outer:
+            outer.watch(x)
+            with Tape(persistent=True) as inner:
+                inner.watch(x)
+                with oh.Recompute() if ours else contextlib.nullcontext():
+                    y = prog(x, tf.constant([1, 2]))
+            grads = inner.gradient(y, [x, V])
+        got.append(grads[1])
+    assert got[0] is None and got[1] is None, got

@@ -67,6 +67,21 @@ def next_stack():
     return frames[-1].next
 
 
+def run_deferred_above(handler):
+    """Runs what the handlers above `handler` on this thread's current stack deferred
+    (those with a `run_deferred()` method: oh.Lazy), innermost first. A handler about to
+    change how it treats ops (a tape that pauses or resumes) calls it first, so that ops
+    recorded before the change reach it as it was, not as it will be."""
+    handlers = state.current.handlers
+    for i in range(len(handlers) - 1, -1, -1):
+        h = handlers[i]
+        if h is handler:
+            return
+        run = getattr(h, "run_deferred", None)
+        if run is not None:
+            run()
+
+
 def payload(tensor):
     """``(stack, representation)`` of a handler tensor, or None for an ordinary tensor.
     Eager handler tensors carry their payload in C++; while a function is being replayed
@@ -489,8 +504,10 @@ class HandlerStack(Stack):
         for o in outputs:
             if type(o) is OffStack:
                 result.append(o.tensor)
-            elif transient and getattr(o, "dtype", None) == _dtypes.resource:
-                result.append(o)  # resource handles stay on the next stack
+            elif transient and isinstance(o, _Tensor) and o.dtype == _dtypes.resource:
+                # Resource handles stay on the next stack (as _C.wrap_outputs: a tensor;
+                # a handler's own value of a handle, a tangent's Dual, is wrapped).
+                result.append(o)
             elif (isinstance(o, _Tensor) and next_represented
                   and stack_of(o) is not self.next):
                 result.append(o)  # left the stacks below

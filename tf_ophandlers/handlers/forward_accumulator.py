@@ -40,13 +40,16 @@ from tf_ophandlers.core.recording import record_on_tf_tapes
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
 from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
+from tf_ophandlers.handlers.forward_accumulator_jvp import (
+    COMPLEX_ENUMS as _COMPLEX_ENUMS, DIFFERENTIABLE_ENUMS as _DIFFERENTIABLE_ENUMS,
+    FLOAT_ENUMS as _FLOAT_ENUMS, REAL_ONLY as _REAL_ONLY, RULES as _RULES,
+    dtype_enum as _enum, is_float as _float, multilinear as _multilinear, zeros as _zeros)
 
 _log = logging.getLogger("tf_ophandlers")
 _key = tensor_key  # tensors are keyed by TensorFlow handle
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 _RESOURCE = tf.resource.as_datatype_enum
-_FLOAT_ENUMS = frozenset(d.as_datatype_enum for d in (
-    tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
+_FORWARDS_HANDLE = frozenset(("Identity", "IdentityN"))  # output i is input i
 
 
 class Dual:
@@ -64,166 +67,6 @@ class Dual:
 
     def __repr__(self):
         return "Dual(%r, %r)" % (self.primal, self.tangent)
-
-
-# Outputs that may carry a tangent: floats, and variants (TensorLists of a TensorArray,
-# whose tangent is a TensorList too, as in TensorFlow's forwardprop).
-_DIFFERENTIABLE_ENUMS = _FLOAT_ENUMS | {tf.variant.as_datatype_enum}
-
-
-def _enum(t):
-    """The dtype enum of an eager tensor (fast), or of a symbolic one (function replay)."""
-    get = getattr(t, "_datatype_enum", None)
-    return get() if get is not None else t.dtype.as_datatype_enum
-
-
-def _float(t):
-    return _enum(t) in _FLOAT_ENUMS
-
-
-# -- JVP rules: fn(execute, op, primals, tangents, outputs) -> output tangents -------------
-# `execute(op, inputs)` runs an op on the next stack; plain TensorFlow calls in a rule run
-# there too. A tangent of None is zero.
-
-def _zeros(p):
-    return tf.zeros_like(p)
-
-
-def _linear(positions):
-    """An op linear in the inputs at `positions` ("float": every float input)."""
-    def rule(execute, op, primals, tangents, outputs):
-        idx = [i for i, p in enumerate(primals) if _float(p)] if positions == "float" \
-            else positions
-        args = list(primals)
-        for i in idx:
-            if i < len(args):
-                args[i] = tangents[i] if tangents[i] is not None else _zeros(primals[i])
-        return execute(op, args)
-    return rule
-
-
-def _add_sub(sign):
-    def rule(execute, op, primals, tangents, outputs):
-        (a, b), (ta, tb), (y,) = primals, tangents, outputs
-        if tb is None and a.shape == y.shape:
-            return [ta]
-        if ta is None and b.shape == y.shape:
-            return [tb if sign > 0 else -tb]
-        return execute(op, [ta if ta is not None else _zeros(a),
-                            tb if tb is not None else _zeros(b)])
-    return rule
-
-
-def _multilinear(execute, op, primals, tangents, outputs):
-    """Product rule with the op itself: sum over i of op(..., t_i, ...)."""
-    total = None
-    for i, t in enumerate(tangents):
-        if t is None or not _float(primals[i]):
-            continue
-        args = list(primals)
-        args[i] = t
-        part = execute(op, args)
-        total = part if total is None else [a + b for a, b in zip(total, part)]
-    return total
-
-
-def _unary(fn):
-    def rule(execute, op, primals, tangents, outputs):
-        return [fn(primals[0], outputs[0], tangents[0])]
-    return rule
-
-
-def _real_div(execute, op, primals, tangents, outputs):
-    (_, b), (ta, tb), (y,) = primals, tangents, outputs
-    num = ta if ta is not None else _zeros(y)
-    if tb is not None:
-        num = num - tb * y
-    return [num / b]
-
-
-def _softmax(execute, op, primals, tangents, outputs):
-    (y,), (t,) = outputs, tangents
-    return [y * (t - tf.reduce_sum(y * t, axis=-1, keepdims=True))]
-
-
-def _log_softmax(execute, op, primals, tangents, outputs):
-    (y,), (t,) = outputs, tangents
-    return [t - tf.reduce_sum(tf.exp(y) * t, axis=-1, keepdims=True)]
-
-
-def _cast(execute, op, primals, tangents, outputs):
-    if not _float(outputs[0]):
-        return [None]
-    return execute(op, [tangents[0]])
-
-
-def _read_variable(execute, op, primals, tangents, outputs):
-    return [tangents[0]]
-
-
-def _resource_gather(execute, op, primals, tangents, outputs):
-    return [tf.gather(tangents[0], primals[1], batch_dims=op.attrs.get("batch_dims", 0))]
-
-
-def _no_tangent(execute, op, primals, tangents, outputs):
-    return [None] * len(outputs)
-
-
-_RULES = {
-    "AddV2": _add_sub(1), "Add": _add_sub(1), "Sub": _add_sub(-1),
-    "RealDiv": _real_div, "Div": _real_div,
-    "Mul": _multilinear, "MatMul": _multilinear, "BatchMatMul": _multilinear,
-    "BatchMatMulV2": _multilinear, "BatchMatMulV3": _multilinear, "Einsum": _multilinear,
-    "Conv2D": _multilinear, "Conv3D": _multilinear, "DepthwiseConv2dNative": _multilinear,
-    "Conv2DBackpropInput": _multilinear, "Conv2DBackpropFilter": _multilinear,
-    "Exp": _unary(lambda x, y, t: t * y),
-    "Log": _unary(lambda x, y, t: t / x),
-    "Log1p": _unary(lambda x, y, t: t / (1. + x)),
-    "Expm1": _unary(lambda x, y, t: t * (y + 1.)),
-    "Sin": _unary(lambda x, y, t: t * tf.cos(x)),
-    "Cos": _unary(lambda x, y, t: -t * tf.sin(x)),
-    "Tanh": _unary(lambda x, y, t: tf.raw_ops.TanhGrad(y=y, dy=t)),
-    "Sigmoid": _unary(lambda x, y, t: tf.raw_ops.SigmoidGrad(y=y, dy=t)),
-    "Relu": _unary(lambda x, y, t: tf.raw_ops.ReluGrad(gradients=t, features=x)),
-    "Relu6": _unary(lambda x, y, t: tf.raw_ops.Relu6Grad(gradients=t, features=x)),
-    "Softplus": _unary(lambda x, y, t: tf.raw_ops.SoftplusGrad(gradients=t, features=x)),
-    "Sqrt": _unary(lambda x, y, t: tf.raw_ops.SqrtGrad(y=y, dy=t)),
-    "Rsqrt": _unary(lambda x, y, t: tf.raw_ops.RsqrtGrad(y=y, dy=t)),
-    "Reciprocal": _unary(lambda x, y, t: tf.raw_ops.ReciprocalGrad(y=y, dy=t)),
-    "Square": _unary(lambda x, y, t: 2. * x * t),
-    "Abs": _unary(lambda x, y, t: t * tf.sign(x)),
-    "Softmax": _softmax, "LogSoftmax": _log_softmax,
-    "Cast": _cast, "ReadVariableOp": _read_variable, "ResourceGather": _resource_gather,
-    "StopGradient": _no_tangent, "PreventGradient": _no_tangent,
-    "ZerosLike": _no_tangent, "OnesLike": _no_tangent, "Shape": _no_tangent,
-    "Size": _no_tangent, "Rank": _no_tangent,
-}
-for _name in ("Neg", "Identity", "Reshape", "Transpose", "ExpandDims", "Squeeze", "Unpack",
-              "SplitV", "Slice", "StridedSlice", "GatherV2", "GatherNd", "Tile", "Pad",
-              "MirrorPad", "Sum", "Mean", "BroadcastTo", "ReverseV2", "Cumsum", "CopyOn",
-              "CopyOnGrad", "CopyOff", "CopyOffGrad", "Real", "Imag", "Conj",
-              "MatrixTranspose", "SpaceToDepth", "DepthToSpace", "DiagPart", "EnsureShape",
-              "CheckNumerics", "CheckNumericsV2"):
-    _RULES[_name] = _linear((0,))
-for _name in ("AddN", "Pack", "ConcatV2", "BiasAdd", "IdentityN"):
-    _RULES[_name] = _linear("float")
-for _name in ("Split", "Fill", "ScatterNd"):
-    _RULES[_name] = _linear((1,))
-# TensorLists (tf.TensorArray inside functions and loops) are linear in their elements;
-# TensorFlow's own JVP construction does not handle their variant tangents.
-for _name, _positions in (
-        ("TensorListFromTensor", (0,)), ("TensorListStack", (0,)),
-        ("TensorListGetItem", (0,)), ("TensorListSetItem", (0, 2)),
-        ("TensorListPushBack", (0, 1)), ("TensorListPopBack", (0,)),
-        ("TensorListGather", (0,)), ("TensorListScatterIntoExistingList", (0, 1)),
-        ("TensorListScatterV2", (0,)), ("TensorListScatter", (0,)),
-        ("TensorListSplit", (0,)), ("TensorListConcatV2", (0,)),
-        ("TensorListResize", (0,))):
-    _RULES[_name] = _linear(_positions)
-# Rules that use TensorFlow's *Grad kernels, which conjugate complex inputs.
-_REAL_ONLY = frozenset(_RULES[n] for n in (
-    "Tanh", "Sigmoid", "Relu", "Relu6", "Softplus", "Sqrt", "Rsqrt", "Reciprocal"))
-_COMPLEX_ENUMS = frozenset((tf.complex64.as_datatype_enum, tf.complex128.as_datatype_enum))
 
 
 def _tapes_recording():
@@ -531,8 +374,17 @@ class ForwardAccumulator(OpHandler):
             out_tangents = [None] * len(outputs)
         # Resource handles stay on the next stack (transient handler): a variable created
         # here must not keep the accumulator alive.
-        return [o if _enum(o) == _RESOURCE else Dual(o, t)
-                for o, t in zip(outputs, out_tangents)]
+        results = [o if _enum(o) == _RESOURCE else Dual(o, t)
+                   for o, t in zip(outputs, out_tangents)]
+        if op.type in _FORWARDS_HANDLE and self._live:
+            # A watched variable's handle passed on (a function's or a loop body's
+            # Identity) keeps its tangent, as in TensorFlow's accumulator: its reads are
+            # differentiated, and a loop variable keeps its representation (its primal
+            # on the next stack, as the input's).
+            for i, o in enumerate(outputs):
+                if _enum(o) == _RESOURCE and inputs[i].tangent is not None:
+                    results[i] = Dual(below.copy_on(o), inputs[i].tangent)
+        return results
 
     # -- functions (core/functions) ---------------------------------------------------------
 

@@ -7,6 +7,8 @@ import tensorflow as tf
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.stack import current_stack, representation_of
 from tf_ophandlers.core.functions import call_records
+from tf_ophandlers.core.state import state
+from tf_ophandlers.handlers.vectorized_map import VectorizedMap
 
 _NHWC = (b"NHWC", "NHWC")
 
@@ -81,14 +83,16 @@ def _dual(handler, tensor):
 def _sources(primals, outputs, tangents, multilinear):
     """The tensors whose tangents in an accumulator below make it see a JVP as TensorFlow's
     accumulators do (see connect_below), or []."""
-    if tf.executing_eagerly():
+    if tf.executing_eagerly() and not any(
+            isinstance(e.target, VectorizedMap) for e in state.scopes):
         # Eagerly TensorFlow computes a JVP as one call of a traced function of the op's
         # inputs, outputs and tangents: an accumulator below that sees a tangent on any
         # of them gives every output of the call a tangent (zeros where the JVP does not
         # depend on it: a matmul by a constant).
         return list(primals) + list(outputs) + [t for t in tangents if t is not None]
     if multilinear:
-        # In a function TensorFlow's accumulators inline the JVP graph: the ones below see
+        # In a function (and in tf.vectorized_map's, which traces the mapped function: an
+        # oh.vectorized_map scope is open) TensorFlow's accumulators inline the JVP graph: the ones below see
         # its ops. A multilinear op's JVP there has a term op(..., zeros, ...) for each
         # float input without a tangent, which reads the other inputs (zeros below where
         # they have tangents). The other rules' ops match TensorFlow's JVP graphs

@@ -43,7 +43,8 @@ from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_di
 from tf_ophandlers.handlers.gradient_tape_exclusions import (
     drop_unread, track_ref, tracked_entry, used_indices)
 from tf_ophandlers.core.stack import (
-    COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, stack_of, tensor_key)
+    COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, run_deferred_above,
+    stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
 _EagerTensor = _ops.EagerTensor
@@ -203,13 +204,19 @@ class GradientTape(BackwardPass, OpHandler):
         if not self._live:
             raise RuntimeError("oh.GradientTape: trying to stop recording a tape which is "
                                "not recording.")
+        # Ops a handler above deferred (oh.Lazy) run before the pause, as recorded ops, and
+        # those deferred inside it before the tape resumes.
+        run_deferred_above(self)
         self._paused += 1
         self._update_live()
         try:
             yield
         finally:
-            self._paused -= 1
-            self._update_live()
+            try:
+                run_deferred_above(self)
+            finally:
+                self._paused -= 1
+                self._update_live()
 
     def reset(self):
         """Clears everything recorded; recording continues if inside the tape's scope."""

@@ -297,8 +297,9 @@ class BackwardPass:
         if parts is None:
             return
         with self._placed(record.stack):
-            in_grads = self._call_gradient_function(record,
-                                                    self._output_gradients(record, parts))
+            in_grads = self._call_gradient_function(
+                record, self._output_gradients(record, parts),
+                [k for k, p in enumerate(parts) if not p])
         for i, g in zip(record.ids[0], in_grads):
             if g is not None and i is not None and i in live:
                 grads.setdefault(i, []).append(g)
@@ -324,9 +325,14 @@ class BackwardPass:
                 out_grads.append(default_gradient.zeros_like(o))
         return out_grads
 
-    def _call_gradient_function(self, record, out_grads):
+    def _call_gradient_function(self, record, out_grads, missing=()):
         if record.backward is not None:
-            in_grads = record.backward(*out_grads)
+            if getattr(record.backward, "reads_missing", False):
+                # (a replayed call with tangents: which outputs had no gradient, before
+                # the zeros filled in; core/functions/call_records.densified)
+                in_grads = record.backward(*out_grads, missing=frozenset(missing))
+            else:
+                in_grads = record.backward(*out_grads)
         else:
             found = _registered_gradient(record)
             if found is None:  # tf.no_gradient / ops.NotDifferentiable

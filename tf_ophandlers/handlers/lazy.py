@@ -31,6 +31,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import op_def_registry
@@ -50,6 +51,7 @@ _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it run
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType
 _sequence = itertools.count()
 _sigs = lazy_compile.sigs  # (op type, output dtypes) -> a node's signature
+_tape_set_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
@@ -255,6 +257,11 @@ class Lazy(OpHandler):
         finally:
             self._prune()
 
+    def run_deferred(self):
+        """`flush()`, for a handler below about to change how it treats ops (a tape that
+        pauses: core/stack.py's `run_deferred_above`)."""
+        self.flush()
+
     def debug_string(self):
         return "Lazy(jit_compile=True)" if self.jit_compile else "Lazy()"
 
@@ -352,7 +359,9 @@ class Lazy(OpHandler):
             self._launch_chunk()
         enums = op.output_dtype_enums
         node_inputs = None
-        if enums is not None:
+        if enums is not None and not (_state.current is not PHYSICAL and _tape_set_stopped()):
+            # (While TensorFlow's recording is stopped, a tape below records nothing: the
+            # op runs now, not when a value request finds recording on again.)
             stateful = _stateful.get(op.type)
             if stateful is None:
                 stateful = _is_stateful(op.type)
@@ -473,6 +482,18 @@ class Lazy(OpHandler):
         return value.value
 
     def _run(self, roots, keep=None, chunk=False):
+        """`_compute`, with TensorFlow's recording on if a value request finds it stopped
+        (inside a function call's execution, or `stop_recording`): pending ops over a
+        handler were recorded while it was on (`execute`), so a tape below records them."""
+        if roots[0].next is PHYSICAL or not _tape_set_stopped():
+            return self._compute(roots, keep, chunk)
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+        try:
+            return self._compute(roots, keep, chunk)
+        finally:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+    def _compute(self, roots, keep=None, chunk=False):
         """Computes the pending nodes `roots` and those they depend on, as one function.
 
         The function returns the outputs still referenced: by a LazyValue of the program,

@@ -60,6 +60,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.functions import CompiledCall, call_records, library
+from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, copied_attrs,
@@ -145,8 +146,9 @@ def num_results(body):
 class _Rewrite:
     """The rewritten function of one forward function (see the module docstring)."""
 
-    def __init__(self, body, k, handler):
+    def __init__(self, body, k, handler, exterior):
         self.body, self.k = body, k
+        self._exterior = exterior  # the first call's arguments (handle data), while built
         ops = [o for o in body.get_operations() if o.type != "Placeholder"]
         is_stateful, save = handler.is_stateful_type, (
             handler.save if handler.policy == "save" else None)
@@ -222,9 +224,16 @@ class _Rewrite:
             self.function = tf.function(self._build, input_signature=specs,
                                         autograph=False).get_concrete_function()
         self.call = CompiledCall(self.function)
+        self._exterior = None
 
     def _build(self, *args):
         graph = _ops.get_default_graph()
+        for a, t, p in zip(args, self._exterior, self.body.inputs):
+            if a.dtype in _OPAQUE:
+                # A variable's dtype and shape, as a replay's placeholders get them: a
+                # second tape's gradient of a gathered variable needs them ("variable
+                # without handle data", OH_FUZZ_SEED=79 slow case 3).
+                set_handle_data(a, t, p)
         env = {p.ref(): a for p, a in zip(self.body.inputs, args)}
         made = {}
         for o in self.ops:
@@ -251,7 +260,7 @@ class _Rewrite:
         return [env[t.ref()] for t in self.body.outputs[:self.k]]
 
 
-def _build_rewrite(name, handler):
+def _build_rewrite(name, handler, tensors):
     body = library.body(name)
     k = num_results(body)
     if k == 0 or any(_has_functions(o) for o in body.get_operations()):
@@ -259,7 +268,7 @@ def _build_rewrite(name, handler):
     if any(t.dtype in _OPAQUE for t in body.outputs[k:]):
         return False
     _register_gradient()
-    rewrite = _Rewrite(body, k, handler)
+    rewrite = _Rewrite(body, k, handler, tensors)
     return rewrite if rewrite.segments else False
 
 
@@ -324,7 +333,7 @@ def run(handler, op, tensors, stack):
     key = (op.type, handler.policy, handler.save)
     rewrite = _rewrites.get(key)
     if rewrite is None:
-        rewrite = _rewrites[key] = _build_rewrite(op.type, handler)
+        rewrite = _rewrites[key] = _build_rewrite(op.type, handler, tensors)
     if rewrite is False or len(tensors) != len(rewrite.body.inputs):
         return None, 0
     with call_records.recording_restarted():  # TensorFlow stopped it for its call

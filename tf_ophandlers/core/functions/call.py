@@ -109,13 +109,14 @@ def _as_bytes(value):
 
 
 class _Entry:
-    __slots__ = ("compiled", "output_trees", "dense")
+    __slots__ = ("compiled", "output_trees", "dense", "tangents")
 
-    def __init__(self, function, output_trees, dense=False, optimized=True):
+    def __init__(self, function, output_trees, dense=False, optimized=True, tangents=()):
         self.compiled = CompiledCall(function, optimized=optimized, ungated=True)
         self.output_trees = output_trees
         # Tangents reach the arguments: tapes get dense gradients (call_records.py).
         self.dense = dense
+        self.tangents = tangents  # the positions of flat outputs that are tangents
 
 
 def cache_info():
@@ -186,7 +187,7 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
     if bottom is PHYSICAL:
         results = entry.compiled.run(bottom, leaves)
     else:  # a tape at the bottom records the replayed call: dense gradients if `dense`
-        with call_records.replay_run(dense, segment) as run:
+        with call_records.replay_run(dense, segment, entry.tangents) as run:
             results = entry.compiled.run(bottom, leaves)
         dense = dense or run.nested_dense  # tangents from further down
     it = iter(results)
@@ -231,7 +232,7 @@ def _variable_dtype(node):
     return None
 
 
-def _set_handle_data(placeholder, exterior, argument):
+def set_handle_data(placeholder, exterior, argument):
     """Gives a resource placeholder of a replay its variable's dtype and shape (what shape
     inference of reads needs). The FunctionDef does not record it, and the eager handles
     TensorFlow passes to a device do not carry it (it is a Python attribute of a
@@ -276,7 +277,7 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
             for _ in range(count_leaves(tree)):
                 p = placeholders[position]
                 if p.dtype == tf.resource or p.dtype == tf.variant:
-                    _set_handle_data(p, leaves[position], body.inputs[i])
+                    set_handle_data(p, leaves[position], body.inputs[i])
                 position += 1
         it = iter(placeholders)
         joins = call_joins(trees, segment)  # (an accumulator: zero tangents, as TensorFlow)
@@ -292,7 +293,24 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
                                reduce_retracing=False).get_concrete_function()
     dense = any(_gradients_dense(t, segment) for t in trees)
     optimized = all(getattr(s.handler, "optimize_replays", True) for s in segment)
-    return _Entry(function, tuple(output_trees), dense, optimized)
+    flags = []
+    for t in output_trees:
+        _tangent_leaves(t, segment, False, flags)
+    return _Entry(function, tuple(output_trees), dense, optimized,
+                  frozenset(i for i, f in enumerate(flags) if f))
+
+
+def _tangent_leaves(tree, segment, inside, flags):
+    """Appends to `flags`, per leaf of `tree`, whether it is a forward-mode tangent: a
+    part after the first of a value whose handler makes gradients dense for it
+    (`function_gradients_dense`: the accumulator's [primal, tangent])."""
+    if tree[0] == "leaf":
+        flags.append(inside)
+        return
+    level, summary, subtrees = tree
+    dense = bool(segment[level].handler.function_gradients_dense(summary))
+    for k, sub in enumerate(subtrees or ()):
+        _tangent_leaves(sub, segment, inside or (dense and k > 0), flags)
 
 
 def _gradients_dense(tree, segment):

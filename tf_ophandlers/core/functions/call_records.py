@@ -37,12 +37,14 @@ import contextlib
 import threading
 
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import indexed_slices as _indexed_slices
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.stack import PHYSICAL, current_stack
 
 _FORWARD_PREFIX = "__forward_"  # TensorFlow's forward functions (ConcreteFunction)
@@ -105,10 +107,11 @@ class ReplayRun:
     TensorFlow makes then densifies its gradients (`dense`), and whether a call replayed
     inside the run had dense gradients (`nested_dense`)."""
 
-    __slots__ = ("dense", "nested_dense", "segment", "outer")
+    __slots__ = ("dense", "nested_dense", "segment", "outer", "tangents")
 
-    def __init__(self, dense, segment=(), outer=None):
+    def __init__(self, dense, segment=(), outer=None, tangents=()):
         self.dense = dense
+        self.tangents = tangents  # positions of its outputs that are forward-mode tangents
         self.nested_dense = False
         self.segment = segment  # the stacks that replayed it (their handlers above)
         self.outer = outer  # the run this one runs in, if any
@@ -123,10 +126,10 @@ def replays_running():
 
 
 @contextlib.contextmanager
-def replay_run(dense, segment=()):
+def replay_run(dense, segment=(), tangents=()):
     """Around the run of a replayed function on a tape's stack; yields its `ReplayRun`."""
     saved = _local.run
-    run = _local.run = ReplayRun(dense, segment, saved)
+    run = _local.run = ReplayRun(dense, segment, saved, tangents)
     try:
         yield run
     finally:
@@ -150,12 +153,65 @@ def densified(op_type, backward_function, original=True):
             or (noted is not None and noted.dense)):
         return backward_function
 
-    def backward(*args, **kwargs):
+    # The replayed call a tape records carries the accumulator's tangents as outputs
+    # too: differentiated from tangent outputs only, an input none of them reads gets
+    # None, as in TensorFlow, whose tapes get the JVP ops apart from the call (not the
+    # zeros a call's backward function gives its inputs that other outputs read).
+    tangents = run.tangents if run is not None and run.dense else ()
+    reached = _outputs_reached(op_type) if tangents else None
+
+    def backward(*args, missing=(), **kwargs):
         grads = backward_function(*args, **kwargs)
         if isinstance(grads, (list, tuple)):
-            return [_densify(g) for g in grads]
+            grads = [_densify(g) for g in grads]
+            given = {k for k, a in enumerate(args) if a is not None and k not in missing}
+            if reached is not None and len(reached) == len(grads) and given <= tangents:
+                grads = [g if r & given else None for g, r in zip(grads, reached)]
+            return grads
         return _densify(grads)
+    # oh.GradientTape passes `missing`: the outputs it filled with zeros (TensorFlow's
+    # backward of a call cannot fill an unknown shape itself).
+    backward.reads_missing = reached is not None
     return backward
+
+
+# forward function name -> per input, the output positions it reaches (or None).
+_reached_cache = BoundedCache("functions.call_outputs_reached", 256)
+
+
+def _outputs_reached(op_type):
+    """For each input of function `op_type`, the frozenset of its outputs that read it
+    (through any node: conservative for nodes with several outputs), or None."""
+    if op_type in _reached_cache:
+        return _reached_cache[op_type]
+    try:
+        fdef = _context.context().get_function_def(op_type)
+    except Exception:  # pylint: disable=broad-except
+        fdef = None
+    result = None
+    if fdef is not None:
+        args = {a.name: i for i, a in enumerate(fdef.signature.input_arg)}
+        nodes = {n.name: n for n in fdef.node_def}
+        memo = {}
+
+        def sources(ref):  # the inputs `ref` ("arg", "node:out:i", "^node") reads
+            name = ref.lstrip("^").split(":")[0]
+            if name in args:
+                return frozenset((args[name],))
+            if name not in memo:
+                memo[name] = frozenset()  # (no cycles in a FunctionDef's data edges)
+                memo[name] = frozenset().union(*[
+                    sources(r) for r in nodes[name].input if not r.startswith("^")]) \
+                    if name in nodes else frozenset()
+            return memo[name]
+
+        reached = [set() for _ in args]
+        for k, out in enumerate(fdef.signature.output_arg):
+            for i in sources(fdef.ret[out.name]):
+                reached[i].add(k)
+        result = [frozenset(r) for r in reached]
+    _reached_cache[op_type] = result
+    return result
 
 
 def replayed_call(op_type):

@@ -543,11 +543,11 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # (HandlerError "gradient of recompute segment ... not known here", a replaying handler
 # between two tapes over Recompute; without it: test_recompute_calls' xfail), 81 case 30
 # (the same HandlerError), 81 case 38 (GradientTape > vectorized_map > Recompute(budget)
-# > OpLogHandler > Async: HandlerError, a per-example copy-off), 90 case 10 (GradientTape
-# > GradientTape > Recompute, unknown_batch: zeros where TensorFlow's gradient is None).
-# Fixed: 85 case 4, 91 case 42 (ForwardAccumulator > GradientTape > Recompute: zero JVPs
-# of gradients, test_recompute_gradients), 90 case 32 (test_forward_accumulator_compose),
-# 89 case 39 (the reference, test_tape_over_accumulator_over_map), 89 case 4 (Lazy).
+# > OpLogHandler > Async: HandlerError, a per-example copy-off), 90 case 10 (GradientTape >
+# GradientTape > Recompute, a call computing an unused x - x: x's gradient zeros, not None;
+# test_recompute_calls' xfail's kind).
+# Fixed: 85 case 4, 91 case 42 (zero JVPs of gradients, test_recompute_gradients), 90 case
+# 32 (test_forward_accumulator_compose), 89 case 39 (the reference), 89 case 4 (Lazy).
 
 
 def test_two_tapes_over_recompute_gathering_a_variable_in_vectorized_map():

@@ -291,3 +291,35 @@ def test_tape_around_lazy_around_accumulator_op_without_a_jvp_rule(op):
                 j = acc.jvp(y)
         results.append([y, j, tape.gradient(y, x), tape.gradient(j, x)])
     _same(results[0], results[1], "GradientTape > Lazy > ForwardAccumulator, %s" % op)
+
+
+_PER_EXAMPLE = {  # e -> an op whose inner JVP reads no outer tangent (TensorFlow: zeros)
+    "mul": lambda e: e * 3.0,
+    "conv": lambda e: tf.reshape(tf.nn.conv2d(tf.reshape(e, [-1, 2, 2, 1]), tf.reshape(
+        tf.range(8.0), [2, 2, 1, 2]) / 8.0, 1, "SAME"), [-1, 8]),
+}
+
+
+@pytest.mark.parametrize("body", sorted(_PER_EXAMPLE))
+def test_accumulator_around_vectorized_map_of_an_accumulator(body):
+    # Fuzz finding (ForwardAccumulator > vectorized_map > ForwardAccumulator > PassThrough
+    # > Recompute, eager, OH_FUZZ_SEED=90 slow case 32): the outer JVP of the inner JVP
+    # was None where tf.vectorized_map's (traced: the JVP graph inlined) gives zeros. The
+    # zero tangent went on a per-example value, which the map refuses to copy off; it
+    # now goes on the map's batched tensor.
+    r = np.random.default_rng(5)
+    z, t_outer = [tf.constant(r.standard_normal((2, 1, 4)).astype(np.float32))
+                  for _ in range(2)]
+    t_inner = tf.constant(r.standard_normal((1, 4)).astype(np.float32))
+    results = []
+    for ours in (False, True):
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+
+        def per_example(e):
+            with Acc([e], [t_inner]) as inner:
+                o = _PER_EXAMPLE[body](e)
+            return [o, inner.jvp(o)]
+        with Acc([z], [t_outer]) as outer:
+            outs = (oh.vectorized_map if ours else tf.vectorized_map)(per_example, z)
+        results.append(list(outs) + [outer.jvp(o) for o in outs])
+    _same(results[0], results[1], "ForwardAccumulator > vectorized_map > " + body)

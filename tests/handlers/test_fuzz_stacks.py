@@ -61,8 +61,9 @@ def _dense(outs):
     return [tf.zeros([]) if o is None else tf.convert_to_tensor(o) for o in outs]
 
 
-def _layer(name, inner, variables, ours, seed):
-    """`inner(args) -> list` wrapped in layer `name` (ours, or TensorFlow's counterpart)."""
+def _layer(name, inner, variables, ours, seed, map_loop=False):
+    """`inner(args) -> list` in layer `name`: ours, or TensorFlow's (map_loop: see
+    _known_limitation; the map's reference is then a loop over the examples)."""
     def run(args):
         if name in HANDLERS:
             with (HANDLERS[name]() if ours else contextlib.nullcontext()):
@@ -86,6 +87,9 @@ def _layer(name, inner, variables, ours, seed):
             outs = [o.values if isinstance(o, tf.IndexedSlices) else o for o in outs]
             return outs + [acc.jvp(o) for o in outs if o is not None]
         if name == "vectorized_map":
+            if map_loop and not ours:
+                rows = [_dense(inner([a[k] for a in args])) for k in range(args[0].shape[0])]
+                return [tf.stack(col) for col in zip(*rows)]
             vmap = oh.vectorized_map if ours else tf.vectorized_map
             return vmap(lambda e: _dense(inner(e)), tuple(args))
         raise AssertionError(name)
@@ -122,7 +126,8 @@ class Stack:
         fn = _fn(program, variables, mode)
         run = lambda a: list(fn(*a))  # noqa: E731
         for name in reversed(self.layers):
-            run = _layer(name, run, variables, ours, self.seed)
+            run = _layer(name, run, variables, ours, self.seed,
+                         getattr(self, "map_loop", False))
         return run(args)
 
 
@@ -173,7 +178,12 @@ def _known_limitation(stack, program):
       (test_fuzz_compositions' xfail);
     - a tape around an accumulator: tf.GradientTape > tf.autodiff.ForwardAccumulator
       around a called tf.function gives other second-order values than the same
-      nesting eagerly (ours gives the eager ones; OH_FUZZ_SEED=5, case 11).
+      nesting eagerly (ours gives the eager ones; OH_FUZZ_SEED=5, case 11). With
+      vectorized_map under the accumulator tf.vectorized_map calls a traced function
+      even eagerly: its JVPs' gradient is None (oh.GradientTape above gives the eager
+      values, OH_FUZZ_SEED=89 slow case 39), so the reference map is then a loop over
+      the examples (its IndexedSlices densified, as tf.vectorized_map's); under a
+      tf.GradientTape ours has TensorFlow's None too, and tf.vectorized_map stays.
     Spot-checked 2026-11-25 (TensorFlow's reference eager against in a function, seeds
     5-6, both draws): still wrong in a function for a tape around an accumulator
     (OH_FUZZ_SEED=5 case 11: second-order values) and an accumulator over a max pool
@@ -201,6 +211,7 @@ def _known_limitation(stack, program):
     if acc is not None and (any(name == "pool_nhwc" for name, _, _ in program.steps) or any(
             name in ("GradientTape", "tf.GradientTape") for name in layers[:acc])):
         stack.mode, stack.batches = "eager", stack.batches[:1]
+        stack.map_loop = "vectorized_map" in layers[acc + 1:] and "GradientTape" in layers[:acc]
     if "vectorized_map" in layers and "Lazy" in layers[layers.index("vectorized_map") + 1:]:
         return True
     tf_tape = layers.index("tf.GradientTape") if "tf.GradientTape" in layers else None
@@ -229,6 +240,8 @@ def _run_case(stack, program, warm_program):
         results = {}
         for ours in order:
             results[ours] = stack.run(program, batch, program.seed * 7 + step, ours)
+        if getattr(stack, "map_loop", False):  # the loop's gathers: tf.vectorized_map's dense
+            results[False] = [_dense([t])[0] if t is not None else t for t in results[False]]
         if getattr(stack, "slices_summed", False):
             for i, (r, g) in enumerate(zip(results[False], results[True])):
                 assert isinstance(r, tf.IndexedSlices) == isinstance(g, tf.IndexedSlices), (
@@ -506,17 +519,11 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 
 
 # Fixed (tests elsewhere): CheckNumerics > GradientTape > ForwardAccumulator >
-# Recompute(budget) over a max pool (OH_FUZZ_SEED=7 slow case 33; the max pool was not
-# involved: Recompute's segments under an accumulator lost the tape's record of the
-# tangents, test_recompute.py); ForwardAccumulator > PassThrough > vectorized_map >
-# Recompute(save) (OH_FUZZ_SEED=20 slow case 48; HandlerOutputError from
-# function_coerce: loop variables joined at one level only,
-# test_forward_accumulator_compose.py).
-#
-# Fixed: GradientTape > Recompute > Recompute, warm (a tf.function), OH_FUZZ_SEED=20 slow
-# draw case 38: HandlerError "the gradient of recompute segment ... is not known here (its
-# function was rebuilt from a FunctionDef)" (test_recompute_calls.py
-# test_nested_scopes_over_a_called_function).
+# Recompute(budget), OH_FUZZ_SEED=7 slow case 33 (segments under an accumulator lost the
+# tape's record of the tangents, test_recompute.py); ForwardAccumulator > PassThrough >
+# vectorized_map > Recompute(save), 20 slow case 48 (loop variables joined at one level,
+# test_forward_accumulator_compose.py); GradientTape > Recompute > Recompute, warm, 20
+# slow case 38 (segment gradient "not known here", test_recompute_calls.py).
 #
 # Unfixed (in the draw, fails on defda0e too): tf.GradientTape > vectorized_map > Async >
 # OpCounter, unknown_batch, and CheckNumerics > ForwardAccumulator > tf.GradientTape >
@@ -525,13 +532,9 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # opened in a trace (HandlerError "Async() cannot be opened inside a function being
 # traced"): a clear error, as Lazy's (left out of the draw), but not excluded.
 #
-# Unfixed (in the draw, fail on defda0e too, alone too), found 2026-11-25 (slow draws of
-# seeds 6-30, OpCounter and tf.GradientTape stacks only):
-# - vectorized_map > Recompute(save) > tf.GradientTape > DataFormat > tf.GradientTape,
-#   unknown_batch, OH_FUZZ_SEED=21 slow case 39: wrong second-order values (output 7).
-#   Not Recompute's: vectorized_map > tf.GradientTape > tf.GradientTape differs alone on
-#   it (a max pool, in a function; eagerly it passes): the max-pool limitation above,
-#   which leaves it out of the draw.
+# Found 2026-11-25: vectorized_map > Recompute(save) > tf.GradientTape > DataFormat >
+# tf.GradientTape, unknown_batch, OH_FUZZ_SEED=21 slow case 39: wrong second-order values;
+# not Recompute's, the max-pool limitation above (out of the draw).
 #
 # Fixed: Async > OpCounter > ForwardAccumulator > Recompute > ForwardAccumulator >
 # vectorized_map, OH_FUZZ_SEED=28 slow case 7 (TypeError from function_coerce: a loop
@@ -540,11 +543,11 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
 # (HandlerError "gradient of recompute segment ... not known here", a replaying handler
 # between two tapes over Recompute; without it: test_recompute_calls' xfail), 81 case 30
 # (the same HandlerError), 81 case 38 (GradientTape > vectorized_map > Recompute(budget)
-# > OpLogHandler > Async: HandlerError, a per-example copy-off), 85 case 4
-# (ForwardAccumulator > GradientTape > Recompute, eager: zeros where TensorFlow's JVPs of
-# the gradients are None; also 91 case 42, 90 case 10), 90 case 32 (None JVP), 89 case 39,
-# and 89 case 4: GradientTape > Lazy > ForwardAccumulator, eager, a WRONG gradient of
-# [t10, jvp(t10)] wrt x (2.02 vs 4.49 summed; no Lazy: passes). Open: compose xfail.
+# > OpLogHandler > Async: HandlerError, a per-example copy-off), 90 case 10 (GradientTape >
+# GradientTape > Recompute, a call computing an unused x - x: x's gradient zeros, not None;
+# test_recompute_calls' xfail's kind).
+# Fixed: 85 case 4, 91 case 42 (zero JVPs of gradients, test_recompute_gradients), 90 case
+# 32 (test_forward_accumulator_compose), 89 case 39 (the reference), 89 case 4 (Lazy).
 
 
 def test_two_tapes_over_recompute_gathering_a_variable_in_vectorized_map():

@@ -1,6 +1,7 @@
 """oh.Recompute: gradients with respect to values computed inside the scope (segment
 interiors, boundaries, values watched there), kept segments of the budget policy, and a
 fuzz test of random programs; everything against tf.GradientTape on the same program."""
+import contextlib
 import os
 
 import keras
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 import recompute_helpers
+from test_differential import _same
 
 RNG = np.random.default_rng(1)
 
@@ -391,3 +393,33 @@ def test_memory_budget_recomputes_cheap_ops_first():
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5,
                                    atol=5e-5 * float(np.abs(e.numpy()).max()))
     assert "MatMul" not in stats["recomputed"] and stats["recomputed"], stats
+
+
+_UNCONNECTED = {  # f(x, z): gradients wrt x and z computed from no tangent (TensorFlow: None)
+    "concat_split": lambda x, z: tf.split(tf.concat([x, z], -1), [6, 2], axis=-1)[1],
+    "transpose": lambda x, z: tf.transpose(tf.concat([x, z], 0)),
+}
+
+
+@pytest.mark.parametrize("body", sorted(_UNCONNECTED))
+def test_jvp_of_a_gradient_through_recompute_is_none_as_tensorflows(body):
+    # Fuzz finding (ForwardAccumulator > GradientTape > Recompute, eager, OH_FUZZ_SEED=85
+    # slow case 4, 91 case 42): the JVP of a gradient computed from the output gradients
+    # only was zeros where TensorFlow's eager tape (op by op) gives None: the accumulator
+    # gave the segment's gradient function TensorFlow's call semantics (zero tangents for
+    # its arguments without one). That call now stands for the ops it runs.
+    r = np.random.default_rng(4)
+    x, z, tx, tz = [tf.constant(r.standard_normal((2, 4)).astype(np.float32))
+                    for _ in range(4)]
+    results = []
+    for ours in (False, True):
+        Acc = oh.ForwardAccumulator if ours else tf.autodiff.ForwardAccumulator
+        Tape = oh.GradientTape if ours else tf.GradientTape
+        with Acc([x, z], [tx, tz]) as acc:
+            with Tape() as t:
+                t.watch([x, z])
+                with oh.Recompute() if ours else contextlib.nullcontext():
+                    y = _UNCONNECTED[body](x, z)
+            g = t.gradient(y, [x, z])
+        results.append([y] + g + [acc.jvp(gi) for gi in g])
+    _same(results[0], results[1], "ForwardAccumulator > GradientTape > Recompute, " + body)

@@ -289,7 +289,9 @@ class _GradientFunction:
             self.function = tf.function(
                 build, input_signature=x_specs + c_specs + g_specs,
                 autograph=False).get_concrete_function()
-        self.call = CompiledCall(self.function)
+        # An accumulator above differentiates it as the ops TensorFlow's tape would run
+        # (None, not a call's zeros, for the JVP of a gradient without a tangent).
+        self.call = CompiledCall(self.function, op_by_op=True)
 
     def run(self, xs, cs, gs):
         """The gradients of the tracked inputs (None where unconnected)."""

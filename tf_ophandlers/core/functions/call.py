@@ -48,6 +48,9 @@ from tf_ophandlers.core.state import state
 # Keyed by everything a replay depends on: the function, placement, device, argument
 # summaries and specs, the handlers' cache keys and types, and the bottom stack.
 _cache = LRUCache("functions.replays", 512)  # key -> _Entry
+# Names of functions standing for ops run one by one (CompiledCall(op_by_op=True)): their
+# replay gives no call semantics (an accumulator's zero tangents for the arguments).
+_op_by_op = weakref.WeakValueDictionary()  # name -> CompiledCall
 
 
 class CompiledCall:
@@ -72,8 +75,12 @@ class CompiledCall:
     __slots__ = ("function", "call_op", "captured", "optimized", "ungated", "_options",
                  "__weakref__")
 
-    def __init__(self, function, optimized=False, ungated=False):
+    def __init__(self, function, optimized=False, ungated=False, op_by_op=False):
         self.function = function  # owns the function registered in the context
+        if op_by_op:  # (its ops as if run eagerly, e.g. oh.Recompute's gradient of a segment)
+            for f in (function, getattr(function, "_inference_function", None)):
+                if f is not None and hasattr(f, "name"):
+                    _op_by_op[_as_str(f.name)] = self
         self.captured = list(function.captured_inputs)
         self.optimized = optimized
         self.ungated = _ungated.ungated_copy(function) if ungated else None
@@ -106,6 +113,10 @@ class CompiledCall:
 
 def _as_bytes(value):
     return value if isinstance(value, bytes) else value.encode()
+
+
+def _as_str(value):
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class _Entry:
@@ -280,7 +291,8 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
                     set_handle_data(p, leaves[position], body.inputs[i])
                 position += 1
         it = iter(placeholders)
-        joins = call_joins(trees, segment)  # (an accumulator: zero tangents, as TensorFlow)
+        # (an accumulator: zero tangents, as TensorFlow's JVP of a call)
+        joins = None if name in _op_by_op else call_joins(trees, segment)
         args = [rebuild(t, segment, it, joins) for t in trees]
         outs = [replay.lower(o) for o in replay.interpret(body, args)]
         flat = []

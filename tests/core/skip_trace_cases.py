@@ -175,7 +175,37 @@ def _attr(rng):  # pylint: disable=too-many-return-statements
         lambda: R.DepthToSpace(input=x, block_size=depth, data_format=fmt)
 
 
-KINDS = [_unary, _binary, _scalar, _operator, _attr, _attr]
+def _other(rng):
+    # Inputs and attributes that are not plain: TensorFlow's function converts them.
+    dtype = _pick(rng, [tf.float32, tf.int32, tf.float16, tf.int64])
+    x = tensor(rng, dtype, (2, 3))
+    k = int(rng.integers(7))
+    if k == 0:
+        a, b = _pick(rng, SCALARS), _pick(rng, SCALARS)  # no tensor gives the dtype
+        return f"AddV2({a!r}, {b!r})", lambda: gen_math_ops.add_v2(a, b)
+    if k == 1:
+        v = _pick(rng, [[1, 2, 3], [[1.5, 2, 3]], np.int32(2), np.float64(0.5), np.bool_(1)])
+        return f"Mul({dtype.name}, {v!r})", lambda: gen_math_ops.mul(x, v)
+    if k == 2:
+        alpha = _pick(rng, [np.float32(0.25), np.float64(-1.0), np.int64(2)])
+        return f"LeakyRelu({dtype.name}, {alpha!r})", \
+            lambda: gen_nn_ops.leaky_relu(x, alpha=alpha)
+    if k == 3:
+        m = _pick(rng, [np.int64(1), np.int32(2), np.uint8(3)])
+        return f"StridedSlice(mask {m!r})", \
+            lambda: R.StridedSlice(input=x, begin=tf.constant([0, 1]), end=tf.constant([2, 3]),
+                                   strides=tf.constant([1, 1]), begin_mask=m, end_mask=0,
+                                   ellipsis_mask=0, new_axis_mask=0, shrink_axis_mask=0)
+    if k == 4:
+        return f"Sub({dtype.name}, named)", lambda: R.Sub(x=x, y=x, name="a name")
+    if k == 5:
+        v = tf.Variable(x)  # a resource variable: not an EagerTensor
+        return f"AddV2({dtype.name}, variable)", lambda: gen_math_ops.add_v2(v, x)
+    s = np.array(["x", "yz"])
+    return "StringJoin-like Add(string, str)", lambda: R.Add(x=tf.constant(s), y="!")
+
+
+KINDS = [_unary, _binary, _scalar, _operator, _attr, _attr, _other]
 
 
 def cases(seed, n):

@@ -262,3 +262,27 @@ def test_lazy_with_a_missing_device_inside_the_scope_soft_places():
             got = tf.nn.relu(x) * 2 + 1
         got = got.numpy()
     np.testing.assert_array_equal(got, want)
+
+
+def test_two_threads_each_in_its_own_scope():
+    # The patch is process-wide, each thread's device scope its own: both threads' ops
+    # run on the path (or TensorFlow's function) at once, each under its own handler.
+    jobs = {name: cases(20 + k, 60) for k, name in enumerate(["OpHandler", "Lazy"])}
+    wants = {name: [_outcome(fn) for _, fn in cs] for name, cs in jobs.items()}
+    bad = []
+
+    def run(name):
+        try:
+            for (desc, fn), want in zip(jobs[name], wants[name]):
+                why = _mismatch(want, _outcome(fn, HANDLERS[name]), name, desc)
+                if why is not None:
+                    bad.append(f"{name} {desc}: {why}"[:400])
+        except Exception as e:  # pylint: disable=broad-except
+            bad.append(f"{name}: {e!r}")
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, "\n".join(bad)

@@ -113,6 +113,30 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
   // wrapped (native.h).
   if (NativeNoGilExecute(tfe_op, num_outputs, outputs, status)) return;
   PyGILState_STATE g = PyGILState_Ensure();
+  // TensorFlow's fast path can call TFE_Execute with a Python exception pending (an int
+  // attribute past int64: PyLong_AsLongLong's OverflowError, unchecked there); it raises
+  // that exception, not the op's status, after the op. The handlers' Python would clear
+  // it (a silent wrong result) and a deferring handler would keep the op with a wrapped
+  // attribute: the op fails here unrun, and TensorFlow raises the pending exception.
+  // (TensorFlow's slow path, TFE_Py_Execute, raises this status instead: the message
+  // names the pending exception.)
+  if (PyErr_Occurred()) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject* text = value != nullptr ? PyObject_Str(value) : nullptr;
+    const char* utf8 = text != nullptr ? PyUnicode_AsUTF8(text) : nullptr;
+    if (utf8 == nullptr) PyErr_Clear();
+    std::string message = std::string("tf_ophandlers: an op called with a Python exception "
+                                      "pending (its attributes did not convert): ") +
+                          reinterpret_cast<PyTypeObject*>(type)->tp_name + ": " +
+                          (utf8 != nullptr ? utf8 : "?");
+    Py_XDECREF(text);
+    PyErr_Restore(type, value, tb);
+    TF_SetStatus(status, TF_INVALID_ARGUMENT, message.c_str());
+    PyGILState_Release(g);
+    return;
+  }
   DrainPending();
   TFE_Context* ctx = TFE_OpGetContext(tfe_op, status);
   const char* name = TFE_OpGetName(tfe_op, status);

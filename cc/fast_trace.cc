@@ -14,8 +14,9 @@
 // dispatcher (the thread's device scope is the dispatcher's), no tape or forward
 // accumulator recording, no op callback, every input an EagerTensor (or a Python int or
 // float, converted with the dtype the tensors give) of a single-tensor argument, every
-// type attribute given by those inputs, every other attribute a bool, int, float, string
-// or list of ints passed as a plain Python value, one single-tensor output. Anything else
+// type attribute given by those inputs or passed as a tf.DType (or its enum), every other
+// attribute a bool, int, float, string or list of ints passed as a plain Python value,
+// one single-tensor output. Anything else
 // calls TensorFlow's function unchanged (its results, errors and recording).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,10 +52,12 @@ PyObject* g_original = nullptr;  // TensorFlow's TFE_Py_FastPathExecute (strong)
 PyObject* g_tld_attr = nullptr;  // "_thread_local_data"
 PyObject* g_device_attr = nullptr;  // "device_name"
 PyObject* g_callbacks_attr = nullptr;  // "op_callbacks"
+PyObject* g_type_enum_attr = nullptr;  // "_type_enum"
+PyTypeObject* g_dtype_class = nullptr;  // tf.DType (strong), for explicit type attributes
 long long g_taken = 0;  // ops run here, failed or not (skip_trace_stats; GIL held)
 
 // The kinds of non-type attribute this path sets itself (others: TensorFlow's function).
-enum class AttrKind { kBool, kInt, kFloat, kString, kIntList };
+enum class AttrKind { kBool, kInt, kFloat, kString, kIntList, kType };
 
 // What an op type needs for this path, from its OpDef. `ok` false: TensorFlow's function.
 struct OpInfo {
@@ -103,9 +106,25 @@ OpInfo MakeInfo(const char* type) {
     info.input_attr.push_back(attr);
     info.input_fixed.push_back(static_cast<TF_DataType>(arg.type()));
   }
-  for (bool g : given) {
-    if (!g) return info;  // a type attribute no input gives (Cast's DstT)
+  // A type attribute no input gives (Cast's DstT, ReadVariableOp's dtype) is passed by
+  // name, as a DType or its enum: one of the other attributes.
+  std::vector<std::string> names;
+  std::vector<std::vector<TF_DataType>> allowed;
+  std::vector<int> index(given.size(), -1);
+  for (size_t k = 0; k < given.size(); ++k) {
+    if (!given[k]) {
+      info.other.emplace(info.attr_names[k], AttrKind::kType);
+      continue;
+    }
+    index[k] = static_cast<int>(names.size());
+    names.push_back(info.attr_names[k]);
+    allowed.push_back(info.allowed[k]);
   }
+  for (int& a : info.input_attr) {
+    if (a >= 0) a = index[a];
+  }
+  info.attr_names = std::move(names);
+  info.allowed = std::move(allowed);
   info.ok = true;
   return info;
 }
@@ -183,6 +202,9 @@ bool PlainAttr(AttrKind kind, PyObject* value) {
       return PyFloat_CheckExact(value) || PyLong_CheckExact(value);
     case AttrKind::kString:
       return PyUnicode_CheckExact(value) || PyBytes_CheckExact(value);
+    case AttrKind::kType:  // a tf.DType (its `_type_enum`) or the enum itself
+      return PyLong_CheckExact(value) ||
+             (g_dtype_class != nullptr && Py_TYPE(value) == g_dtype_class);
     case AttrKind::kIntList: {
       if (!PyList_CheckExact(value) && !PyTuple_CheckExact(value)) return false;
       Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
@@ -227,6 +249,15 @@ bool SetOther(TFE_Op* op, const char* name, AttrKind kind, PyObject* value) {
         if (data == nullptr) break;
       }
       TFE_OpSetAttrString(op, name, data, static_cast<size_t>(n));
+      return true;
+    }
+    case AttrKind::kType: {
+      PyObject* e = PyLong_CheckExact(value) ? Py_NewRef(value)
+                                             : PyObject_GetAttr(value, g_type_enum_attr);
+      long v = e != nullptr && PyLong_Check(e) ? PyLong_AsLong(e) : -1;
+      Py_XDECREF(e);
+      if (v <= 0 || v > 1000) break;  // not a DataType enum: TensorFlow's function
+      TFE_OpSetAttrType(op, name, static_cast<TF_DataType>(v));
       return true;
     }
     case AttrKind::kIntList: {
@@ -421,8 +452,20 @@ PyObject* PySkipTraceSetup(PyObject*, PyObject* original) {
   g_device_attr = g_device_attr ? g_device_attr : PyUnicode_InternFromString("device_name");
   g_callbacks_attr =
       g_callbacks_attr ? g_callbacks_attr : PyUnicode_InternFromString("op_callbacks");
-  if (g_tld_attr == nullptr || g_device_attr == nullptr || g_callbacks_attr == nullptr) {
+  g_type_enum_attr = g_type_enum_attr ? g_type_enum_attr : PyUnicode_InternFromString("_type_enum");
+  if (g_tld_attr == nullptr || g_device_attr == nullptr || g_callbacks_attr == nullptr ||
+      g_type_enum_attr == nullptr) {
     return nullptr;
+  }
+  if (g_dtype_class == nullptr) {
+    PyObject* module = PyImport_ImportModule("tensorflow.python.framework.dtypes");
+    PyObject* cls = module != nullptr ? PyObject_GetAttrString(module, "DType") : nullptr;
+    Py_XDECREF(module);
+    if (cls == nullptr || !PyType_Check(cls)) {
+      Py_XDECREF(cls);
+      return nullptr;
+    }
+    g_dtype_class = reinterpret_cast<PyTypeObject*>(cls);  // kept
   }
   Py_INCREF(original);
   Py_XSETREF(g_original, original);

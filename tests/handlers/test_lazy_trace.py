@@ -215,3 +215,27 @@ def test_attribute_errors_are_tensorflows():
             with oh.OpHandler():
                 make()
         assert type(under.value) is type(plain.value)
+
+
+def _explicit_type_ops(x, v):
+    return (tf.cast(x, tf.int32), tf.raw_ops.Cast(x=x, DstT=tf.float64.as_datatype_enum),
+            tf.shape(x, out_type=tf.int64), v.read_value() * 2.0,
+            tf.bitcast(x, tf.int32), tf.zeros_like(x, dtype=tf.float16))
+
+
+def test_ops_with_explicit_type_attributes_skip_the_capture():
+    x = tf.random.stateless_normal([3, 4], seed=[2, 3]) * 10
+    v = tf.Variable(tf.ones([2]))
+    want = _explicit_type_ops(x, v)
+    before = _taken()
+    with oh.OpHandler():
+        got = _explicit_type_ops(x, v)
+    assert _taken() - before >= 6
+    for a, b in zip(want, got):
+        assert_same_tensors(a, b)
+    with pytest.raises(Exception) as plain:
+        tf.raw_ops.Cast(x=x, DstT=tf.string)
+    with pytest.raises(Exception) as under:
+        with oh.OpHandler():
+            tf.raw_ops.Cast(x=x, DstT=tf.string)
+    assert type(under.value) is type(plain.value)

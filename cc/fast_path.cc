@@ -225,18 +225,7 @@ void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, 
   TFE_Op* tfe = t_cached_op;
   t_cached_op = nullptr;
   if (tfe == nullptr && gil_held) tfe = TakePooledOp();  // a released record's op
-  if (tfe != nullptr) {
-    TFE_OpReset(tfe, type, device, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TFE_DeleteOp(tfe);
-      tfe = nullptr;
-      TF_SetStatus(status, TF_OK, "");
-    }
-  }
-  if (tfe == nullptr) {
-    tfe = TFE_NewOp(g_ctx, type, status);
-    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(tfe, device, status);
-  }
+  tfe = ResetOrNewOp(tfe, type, device, status);
   if (TF_GetCode(status) == TF_OK) {
     TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
     for (int i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {

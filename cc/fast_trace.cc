@@ -28,6 +28,7 @@
 
 #include "absl/container/inlined_vector.h"
 #include "fast_path.h"
+#include "op.h"
 #include "runtime.h"
 #include "tensorflow/c/eager/c_api_experimental.h"
 #include "tensorflow/c/eager/immediate_execution_operation.h"
@@ -372,21 +373,9 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // This thread's TFE_Op (as TensorFlow's fast path keeps one); a nested use (a hook
   // running ops) takes it out first.
   thread_local TFE_Op* cached_op = nullptr;
-  TFE_Op* op = cached_op;
-  cached_op = nullptr;
   TF_Status* status = ThreadStatus();  // (after the conversions, which may use it)
-  if (op != nullptr) {
-    TFE_OpReset(op, type, device_name, status);
-    if (TF_GetCode(status) != TF_OK) {
-      TFE_DeleteOp(op);
-      op = nullptr;
-      TF_SetStatus(status, TF_OK, "");
-    }
-  }
-  if (op == nullptr) {
-    op = TFE_NewOp(g_ctx, type, status);
-    if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(op, device_name, status);
-  }
+  TFE_Op* op = ResetOrNewOp(cached_op, type, device_name, status);
+  cached_op = nullptr;
   Py_DECREF(device);
   for (size_t a = 0; a < attrs.size() && TF_GetCode(status) == TF_OK; ++a) {
     TFE_OpSetAttrType(op, info.attr_names[a].c_str(), attrs[a]);

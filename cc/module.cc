@@ -65,6 +65,31 @@ PyObject* PyInit(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// context_changed(capsule): TensorFlow's eager context was replaced
+// (context._reset_context) and the runtime starts in the new one: registers the
+// dispatcher device there and runs ops there from now on (g_ctx). TFE_Ops of the old
+// context are not reused (ResetOrNewOp, ForgetPooledOps). The caller keeps the old
+// context alive during the call.
+PyObject* PyContextChanged(PyObject* self, PyObject* capsule) {
+  if (!RequireInit()) return nullptr;
+  auto* ctx = static_cast<TFE_Context*>(PyCapsule_GetPointer(capsule, nullptr));
+  if (ctx == nullptr) return nullptr;
+  if (ctx == g_ctx) Py_RETURN_NONE;
+  TF_Status* s = TF_NewStatus();
+  RegisterDispatcherDevice(ctx, g_device_name.c_str(), s);
+  if (TF_GetCode(s) != TF_OK) {
+    PyErr_Format(PyExc_RuntimeError,
+                 "tf_ophandlers: cannot register the dispatcher in the new eager context: %s",
+                 TF_Message(s));
+    TF_DeleteStatus(s);
+    return nullptr;
+  }
+  TF_DeleteStatus(s);
+  ForgetPooledOps(g_ctx);
+  g_ctx = ctx;
+  Py_RETURN_NONE;
+}
+
 // Reads a dtype enum a handler's `value_dtype` gave (`enum_obj`, borrowed). Returns true
 // with `*dtype` set, or false with a HandlerOutputError naming the handler of `stack`, the
 // hook and the op (`op_type`, borrowed, may be null). GIL: held.
@@ -351,6 +376,9 @@ PyObject* PyDeviceName(PyObject* self, PyObject* t) {
 
 PyMethodDef kModuleMethods[] = {
     {"init", PyInit, METH_VARARGS, "Registers the dispatcher device (once per process)."},
+    {"context_changed", PyContextChanged, METH_O,
+     "context_changed(context_capsule): the runtime moves to a new eager context "
+     "(context._reset_context): registers the dispatcher device there."},
     {"wrap", PyWrap, METH_VARARGS, "wrap(stack, value, dtype_enum) -> handler tensor."},
     {"payload", PyPayload, METH_O, "payload(t) -> (stack, value) or None."},
     {"stack_of", PyStackOf, METH_O, "stack_of(t) -> stack or None."},

@@ -181,6 +181,31 @@ void PoolOp(TFE_Op* op) {
 
 TFE_Op* TakePooledOp() { return g_pooled > 0 ? g_pool[--g_pooled] : nullptr; }
 
+TFE_Op* ResetOrNewOp(TFE_Op* reuse, const char* type, const char* device, TF_Status* status) {
+  // (TFE_OpGetContext reads the op's context pointer without using the context.)
+  if (reuse != nullptr && TFE_OpGetContext(reuse, status) == g_ctx) {
+    TFE_OpReset(reuse, type, device, status);
+    if (TF_GetCode(status) == TF_OK) return reuse;
+    TFE_DeleteOp(reuse);
+  }
+  TF_SetStatus(status, TF_OK, "");
+  TFE_Op* op = TFE_NewOp(g_ctx, type, status);
+  if (TF_GetCode(status) == TF_OK) TFE_OpSetDevice(op, device, status);
+  if (TF_GetCode(status) != TF_OK && op != nullptr) {
+    TFE_DeleteOp(op);
+    op = nullptr;
+  }
+  return op;
+}
+
+void ForgetPooledOps(TFE_Context* old_ctx) {
+  TF_Status* s = ThreadStatus();
+  while (g_pooled > 0) {
+    TFE_Op* op = g_pool[--g_pooled];
+    if (TFE_OpGetContext(op, s) == old_ctx) TFE_DeleteOp(op);
+  }
+}
+
 PyTypeObject OpBaseType = {
     PyVarObject_HEAD_INIT(nullptr, 0) "tf_ophandlers._C.OpBase", /* tp_name */
     sizeof(OpObject),                                              /* tp_basicsize */
@@ -406,19 +431,8 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   // keeps the allocation and skips re-parsing an unchanged device name. A nested
   // ExecuteOp on the same thread (a copy-off hook) takes the op out of the cache first.
   thread_local TFE_Op* cached_op = nullptr;
-  TFE_Op* tfe = cached_op;
+  TFE_Op* tfe = ResetOrNewOp(cached_op, type, device, s);
   cached_op = nullptr;
-  if (tfe != nullptr) {
-    TFE_OpReset(tfe, type, device, s);
-    if (TF_GetCode(s) != TF_OK) {
-      TFE_DeleteOp(tfe);
-      tfe = nullptr;
-    }
-  }
-  if (tfe == nullptr) {
-    TF_SetStatus(s, TF_OK, "");
-    tfe = TFE_NewOp(g_ctx, type, s);
-  }
   PyObject* result = nullptr;
   int num = op->num_outputs;
   absl::InlinedVector<TFE_TensorHandle*, 4> rets;
@@ -449,8 +463,6 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
     TFE_OpAddInput(tfe, h, s);
     if (TF_GetCode(s) != TF_OK) goto fail;
   }
-  TFE_OpSetDevice(tfe, device, s);
-  if (TF_GetCode(s) != TF_OK) goto fail;
   if (num < 0) {
     PyErr_Format(PyExc_ValueError, "tf_ophandlers: unknown output count for %s", type);
     goto cleanup;

@@ -58,6 +58,22 @@ void EndBorrow(OpObject* op, TFE_Context* ctx);
 void PoolOp(TFE_Op* op);
 TFE_Op* TakePooledOp();
 
+// A TFE_Op for `type` on `device` (may be "") in the current eager context, g_ctx:
+// `reuse` reset with TFE_OpReset (as TensorFlow's own fast path reuses one: it keeps the
+// allocation and skips re-parsing an unchanged device name), else a new one (TFE_NewOp,
+// TFE_OpSetDevice). `reuse` (owned by the caller, or null: a thread's cached op, a
+// pooled one) is consumed in every case: reset, deleted if the reset fails, or dropped
+// without deleting it when it was made in an earlier eager context (replaced by
+// context._reset_context, ContextChanged; that context may be gone, and a reused op would
+// run there). Returns an op owned by the caller with `status` TF_OK, or null with
+// `status` set. GIL: not needed (g_ctx changes only with the GIL held, between ops).
+TFE_Op* ResetOrNewOp(TFE_Op* reuse, const char* type, const char* device, TF_Status* status);
+
+// The eager context was replaced (context._reset_context): drops the pooled ops of
+// `old_ctx` (deleted: the caller keeps that context alive during the call; ops of older
+// contexts are dropped without deleting). GIL: must be held.
+void ForgetPooledOps(TFE_Context* old_ctx);
+
 // Returns the attribute source of `op` (borrowed or owned; not transferred), or null with
 // a RuntimeError set if it has neither (which indicates a bug). GIL: must be held.
 const TFE_Op* OpAttrSource(OpObject* op);

@@ -96,6 +96,15 @@ def caches():
     return dict(sorted(out.items()))
 
 
+def clear_all():
+    """Empties every BoundedCache (an entry may go at any time, so this changes no
+    result): for a new eager context (dispatch.initialize), in which what they hold may
+    not exist (functions registered in the old one, its tensors)."""
+    for c in list(_all.values()):
+        with c._lock:  # pylint: disable=protected-access
+            c.clear()
+
+
 class WeakRegistry:
     """key -> object held weakly, as a WeakValueDictionary without its per-entry Python
     (a KeyedRef made per insertion, a callback run per death): a scope per call makes

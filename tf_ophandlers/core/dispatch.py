@@ -172,26 +172,36 @@ def output_error(op, kind, detail, outputs):
     return errors.stash_error(exc)[1]
 
 
-_initialized = False
+# The eager context the runtime runs in (None before the first scope). Tests and some
+# programs replace TensorFlow's context (context._reset_context, e.g. to configure devices
+# anew): the runtime then moves to the new one when it is next started. Holding the
+# context keeps its TFE_Context alive while the C++ side still points at it.
+_runtime_context = None
 _init_lock = threading.Lock()
 
 
 def initialize():
     """Starts the runtime on first use (the first handler scope), not at import: it
     initializes TensorFlow's eager context (after which devices can no longer be
-    configured), registers the dispatcher device and installs the runtime patches."""
-    global _initialized
-    if _initialized:
+    configured), registers the dispatcher device and installs the runtime patches.
+    After the context was replaced, it registers the device in the new one."""
+    global _runtime_context
+    ctx = _context.context()
+    if ctx is _runtime_context:
         return
     with _init_lock:
-        if _initialized:
+        if ctx is _runtime_context:
             return
-        ctx = _context.context()
         ctx.ensure_initialized()
-        _C.init(ctx._handle, DISPATCHER_DEVICE, Op, execute, copy_to_device,  # pylint: disable=protected-access
-                copy_from_device, errors.stash_error, num_dims, dim, summarize, output_error)
-        tf_patches.install_runtime()
-        _initialized = True
+        if _runtime_context is None:
+            _C.init(ctx._handle, DISPATCHER_DEVICE, Op, execute, copy_to_device,  # pylint: disable=protected-access
+                    copy_from_device, errors.stash_error, num_dims, dim, summarize,
+                    output_error)
+            tf_patches.install_runtime()
+        else:
+            _C.context_changed(ctx._handle)  # pylint: disable=protected-access
+            _cache.clear_all()
+        _runtime_context = ctx
 
 
 register_runtime_start(initialize)

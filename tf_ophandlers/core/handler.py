@@ -19,7 +19,7 @@ Inside a hook, `self.next` is the stack this handler executes on, and ops the ho
 with ordinary TensorFlow calls (``tf.sin(x)``) are placed there too.
 """
 from tf_ophandlers.core import errors
-from tf_ophandlers.core.stack import move_onto
+from tf_ophandlers.core.representation import move_onto
 from tf_ophandlers.core.state import state as _state
 
 # `with handler:` opens a scope through core/scope.py, which sits above this module and
@@ -202,6 +202,14 @@ class OpHandler:
         Raise (e.g. `oh.CopyOffError`) to refuse copies off this handler.
         """
         return value
+
+    def represented_value(self, value):
+        """The tensor of the next stack that carries `value` (a representation that is
+        not a tensor), for a handler below asking which of its values that is
+        (`oh.representation_of(h, t, carrier=True)`). Default: `copy_off(value, "")`;
+        a handler that refuses to copy some values off names the tensor they are part
+        of (oh.vectorized_map: the batched tensor of a per-example value)."""
+        return self.copy_off(value, "")
 
     def copy_on_grad(self, value, original_device):
         """CopyOnGrad: maps a gradient back off this handler. Default: as copy_off."""

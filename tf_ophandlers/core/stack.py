@@ -25,6 +25,8 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.cache import BoundedCache, WeakRegistry
+from tf_ophandlers.core.representation import (  # noqa: F401  (public via the stack)
+    move_onto, payload, representation_of, stack_of)
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
     COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
@@ -80,66 +82,6 @@ def run_deferred_above(handler):
         run = getattr(h, "run_deferred", None)
         if run is not None:
             run()
-
-
-def payload(tensor):
-    """``(stack, representation)`` of a handler tensor, or None for an ordinary tensor.
-    Eager handler tensors carry their payload in C++; while a function is being replayed
-    (state.mode) a stack's tensors are symbolic tensors whose payload the mode knows."""
-    p = _C.payload(tensor)
-    if p is None and state.mode is not None:
-        p = state.mode.payload(tensor)
-    return p
-
-
-def stack_of(tensor):
-    """The stack `tensor` lives on, or None (eager or replayed tensors)."""
-    s = _C.stack_of(tensor)
-    if s is None and state.mode is not None:
-        p = state.mode.payload(tensor)
-        if p is not None:
-            return p[0]
-    return s
-
-
-def move_onto(handler, next_stack, tensor):
-    """The default copy-on of `handler` merged onto `next_stack` (OpHandler.copy_on).
-
-    Moves `tensor` onto `next_stack`; a tensor of the same handler from an earlier merge
-    is taken directly (its representation is moved, no copy off the handler). A
-    representation that is not a tensor (a handler's own object, e.g. DataFormat's
-    `Permuted`) moves as it crosses a function boundary: its `function_input` parts are
-    moved and `function_output` rebuilds it."""
-    source = stack_of(tensor)
-    if source is not None and source.handler is handler:
-        value = source.unwrap(tensor)
-        if isinstance(value, _Tensor):
-            return next_stack.copy_on(value)
-        summary, parts = handler.function_input(value)
-        return handler.function_output(summary, [next_stack.copy_on(p) for p in parts])
-    return next_stack.copy_on(tensor)
-
-
-def representation_of(handler, tensor):
-    """`handler`'s representation of `tensor`: ``(True, value)`` if `tensor` lives on a
-    stack containing `handler` (looking through the tensor representations of handlers
-    above it), else ``(False, tensor)``."""
-    while True:
-        stack = stack_of(tensor)
-        if stack is None or not any(h is handler for h in stack.handlers):
-            return False, tensor
-        value = stack.unwrap(tensor)
-        if stack.handler is handler:
-            return True, value
-        if not isinstance(value, _Tensor):
-            # A handler above with its own representation (a forward accumulator's
-            # primal and tangent): step down through its copy_off, which gives the tensor
-            # of the next stack. A refusal (a parallel handler's CopyOffError) reaches the
-            # caller: a tensor of a handler below must not silently look unrelated.
-            value = stack.call_hook(stack.handler.copy_off, value, "")
-            if not isinstance(value, _Tensor):
-                return False, tensor
-        tensor = value
 
 
 def replays(handler, op):

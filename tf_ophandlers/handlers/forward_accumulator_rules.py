@@ -4,8 +4,7 @@ zero tangents an accumulator below gets for the JVPs of one above).
 """
 import tensorflow as tf
 
-from tf_ophandlers.core import errors
-from tf_ophandlers.core.stack import current_stack, representation_of, stack_of
+from tf_ophandlers.core.stack import current_stack, representation_of
 from tf_ophandlers.core.functions import call_records
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap
@@ -73,35 +72,11 @@ def distinct(primals):
 def _dual(handler, tensor):
     """`handler`'s representation of `tensor` (a tensor of a stack above or at it), or
     None. A per-example value of an oh.vectorized_map between (which refuses to copy it
-    off) is looked up as the map's batched tensor: whether it has a tangent, and where a
-    zero one goes (one per example; an accumulator around the map: OH_FUZZ_SEED=90 slow
-    case 32, None where tf.vectorized_map's trace gives zeros)."""
-    try:
-        found, value = representation_of(handler, tensor)
-    except errors.HandlerError:
-        found, value = _through_maps(handler, tensor)
+    off) is looked up as the map's batched tensor (`carrier`): whether it has a tangent,
+    and where a zero one goes (one per example; an accumulator around the map:
+    OH_FUZZ_SEED=90 slow case 32, None where tf.vectorized_map's trace gives zeros)."""
+    found, value = representation_of(handler, tensor, carrier=True)
     return value if found else None
-
-
-def _through_maps(handler, tensor):
-    """representation_of, taking a VectorizedMap's batched tensor for its value."""
-    while True:
-        stack = stack_of(tensor)
-        if stack is None or not any(h is handler for h in stack.handlers):
-            return False, tensor
-        value = stack.unwrap(tensor)
-        if stack.handler is handler:
-            return True, value
-        if isinstance(stack.handler, VectorizedMap):
-            value = value.value
-        elif not isinstance(value, tf.Tensor):
-            try:
-                value = stack.call_hook(stack.handler.copy_off, value, "")
-            except errors.HandlerError:
-                return False, tensor
-            if not isinstance(value, tf.Tensor):
-                return False, tensor
-        tensor = value
 
 
 def _sources(primals, outputs, tangents, multilinear):

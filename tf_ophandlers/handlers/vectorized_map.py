@@ -351,6 +351,11 @@ class VectorizedMap(OpHandler):
                 "function instead of calling .numpy() or using it in Python control flow")
         return value.value
 
+    def represented_value(self, value):
+        # What carries a per-example value below the map (which does not copy it off):
+        # its batched tensor, one row per example.
+        return value.value
+
     def handles_copy(self, op):
         # Copy ops inside the map act per example: a gradient computed inside the mapped
         # function (CopyOnGrad of a captured tensor) stays one value per example.

@@ -84,11 +84,15 @@ with oh.ParallelHandler(["/cpu:0", "/cpu:1"]) as p:
     v = p.pack([tf.constant(1.0), tf.constant(2.0)])
     u = v * 3.0
 close([float(t) for t in p.unpack(u)], [3.0, 6.0])
-with oh.OpHandler():
+h = oh.OpHandler()
+with h:
     with tf.device("/cpu:1"):
         t = tf.constant([1.0, 2.0]) * 2.0
 close(t, [2.0, 4.0])
 assert t.device.endswith("device:OPHANDLER:0"), t.device
+# (run by a TFE_Op of the old context, it would land on that context's only CPU)
+found, value = oh.representation_of(h, t)
+assert found and value.device.endswith("device:CPU:1"), value.device
 
 tf.config.experimental.set_synchronous_execution(False)
 try:

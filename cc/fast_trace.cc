@@ -12,8 +12,11 @@
 // `skip_trace_execute` stands in for TensorFlow's function. It takes the common op
 // itself, as TensorFlow's fast path does but without the capture: placed on the
 // dispatcher (the thread's device scope is the dispatcher's), no tape or forward
-// accumulator recording, no op callback, every input an EagerTensor (or a Python int or
-// float, converted with the dtype the tensors give) of a single-tensor argument, every
+// accumulator recording, no op callback, every input of a single-tensor argument an
+// EagerTensor, a Python int or float (converted with the dtype the tensors give, as the
+// fast path does) or a list or tuple of them (Keras's `perm`/`shape` tuples, which the
+// fast path refuses: converted as its generated Python fallback does, a type attribute
+// no tensor gives inferred from the value and required to be an allowed one), every
 // type attribute given by those inputs or passed as a tf.DType (or its enum), every other
 // attribute a bool, int, float, string or list of ints passed as a plain Python value,
 // one single-tensor output. Anything else
@@ -218,6 +221,22 @@ bool PlainAttr(AttrKind kind, PyObject* value) {
   return false;
 }
 
+// Whether `value` is a list or tuple (exactly) of Python ints and floats (exactly; not
+// bools), or of such lists, at most 8 deep: what TensorFlow converts to a constant,
+// never packs (no tensor inside). Never sets an exception.
+bool PlainNumbers(PyObject* value, int depth) {
+  if (depth > 8 || !(PyList_CheckExact(value) || PyTuple_CheckExact(value))) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+  PyObject** items = PySequence_Fast_ITEMS(value);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = items[i];
+    if (!PyLong_CheckExact(x) && !PyFloat_CheckExact(x) && !PlainNumbers(x, depth + 1)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Sets attribute `name` of `kind` to `value` (PlainAttr) on `op`. False with no exception
 // set when the value does not convert (overflow, bad UTF-8): the caller then leaves the
 // call to TensorFlow's function.
@@ -316,13 +335,17 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in, nullptr);
   absl::InlinedVector<TF_DataType, 4> attrs(info.attr_names.size(), TF_DataType(0));
   bool numbers = false;  // a Python int or float input (`x * 1.01`): converted below
+  bool lists = false;    // a list or tuple of them (`perm=(0, 2, 3, 1)`): likewise
   for (Py_ssize_t i = 0; i < n_in; ++i) {
     PyObject* t = args[3 + i];
     if (!EagerTensor_CheckExact(t)) {
-      if (info.input_attr[i] < 0 || !(PyFloat_CheckExact(t) || PyLong_CheckExact(t))) {
+      if (PyFloat_CheckExact(t) || PyLong_CheckExact(t)) {
+        numbers = true;
+      } else if (PlainNumbers(t, 0)) {
+        lists = true;
+      } else {
         return Original(args, nargs);  // converted there
       }
-      numbers = true;
       continue;
     }
     in[i] = EagerTensor_Handle(t);
@@ -340,8 +363,12 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return Original(args, nargs);  // its "expected to be a ... tensor" error
     }
   }
-  for (size_t a = 0; numbers && a < attrs.size(); ++a) {
-    if (attrs[a] == 0) return Original(args, nargs);  // no tensor input gives the dtype
+  // TensorFlow's fast path takes numbers but no lists: with a list, its generated
+  // fallback converts every input (execute.py args_to_matching_eager), which infers an
+  // attribute no tensor gives from its first converted input. Numbers alone: their
+  // dtype must come from a tensor here (the fast path would try the attribute's default).
+  for (size_t a = 0; numbers && !lists && a < attrs.size(); ++a) {
+    if (attrs[a] == 0) return Original(args, nargs);
   }
   PyObject* no_tape = TFE_Py_TapeSetIsEmpty();
   if (no_tape == nullptr) return nullptr;
@@ -354,12 +381,25 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // bound to the same attribute give, on the device scope's device, through its scalar
   // cache. `converted` owns the new handles.
   absl::InlinedVector<TFE_TensorHandle*, 2> converted;
-  for (Py_ssize_t i = 0; numbers && i < n_in; ++i) {
+  for (Py_ssize_t i = 0; (numbers || lists) && i < n_in; ++i) {
     if (in[i] != nullptr) continue;
+    const int a = info.input_attr[i];
+    // The dtype: fixed, given by the attribute's tensors, or inferred (0: DT_INVALID)
+    // as `tf.constant(value)` does, then required to be one of the allowed ones (else
+    // the fallback would retry with the attribute's default: TensorFlow's function).
+    const TF_DataType want = a < 0 ? info.input_fixed[i] : attrs[a];
     TFE_TensorHandle* h = tensorflow::ConvertToEagerTensor(
-        g_ctx, args[3 + i], static_cast<tensorflow::DataType>(attrs[info.input_attr[i]]),
-        device_name);
-    if (h == nullptr || TFE_TensorHandleDataType(h) != attrs[info.input_attr[i]]) {
+        g_ctx, args[3 + i], static_cast<tensorflow::DataType>(want), device_name);
+    bool ok = h != nullptr;
+    if (ok && want == 0) {  // (any dtype allowed: the default, if any, would be tried)
+      const TF_DataType dt = TFE_TensorHandleDataType(h);
+      ok = false;
+      for (TF_DataType x : info.allowed[a]) ok = ok || x == dt;
+      if (ok) attrs[a] = dt;
+    } else if (ok) {
+      ok = TFE_TensorHandleDataType(h) == want;
+    }
+    if (!ok) {
       if (h != nullptr) TFE_DeleteTensorHandle(h);
       for (TFE_TensorHandle* c : converted) TFE_DeleteTensorHandle(c);
       PyErr_Clear();

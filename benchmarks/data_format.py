@@ -406,7 +406,29 @@ def main(argv=None):
               "tuple inputs taken (15 captures, 1.87M), 15.80M with Keras variables and "
               "None attributes taken too (no capture, no fallback; 0.82x the twin's "
               "instructions, -3.38M). The SavedModel call is unchanged (1.369M against "
-              "1.075M): its ops run inside the replayed function.", ""]
+              "1.075M): its ops run inside the replayed function.", "",
+              "The same round's measurement change: idle runs a minute apart had given the "
+              "replayed function 1.07x to 1.48x. The old method ran the 7 configurations in "
+              "shuffled order each round, so a case's two sides ran up to ~0.5 s apart, "
+              "with 10 calls of ~2.5 ms per side and round, and took the ratio of the two "
+              "medians over rounds. Timing the replayed pair 30 times as A B B A in one "
+              "process (loaded machine), single rounds' ratios ranged 0.87x-1.25x, and a "
+              "side's first and second block of a round differed by ~4% in median (in "
+              "opposite directions for the two sides: an order effect A B B A cancels). The "
+              "method above (pairs back to back, 4x the calls for replayed cases, 30 rounds, "
+              "the median of same-round ratios) gave same-round IQRs of 0.03-0.10 on a "
+              "machine where other processes used a core, against 0.10-0.17 for the old "
+              "method on the idle machine. Where a replayed call's "
+              "extra time goes (process CPU time, 20 interleaved rounds, loaded machine): the "
+              "replayed function's op executed directly (no scope, no tf.function Python) "
+              "runs in 0.84x the twin's `tf.function` call, so the replayed graph is not "
+              "slower; the twin's own function called under `oh.DataFormat()` (replayed, no "
+              "transpose) is 1.05-1.07x, the handler's per-call path (scope, dispatch, the "
+              "arguments' split, cache lookup, output); the twin's model behind the input's "
+              "rank-3 transpose in one tf.function is 1.056x and the channels-first model's "
+              "replay 1.125x in that run. So ~4-5% of the replayed ratio is the input's "
+              "transpose and ~5% the handler's per-call path, which the 1.1x target leaves "
+              "no room for at this size.", ""]
         bullets = []
         try:
             loaded = float(info["other"]) > 0.5

@@ -145,14 +145,19 @@ OpInfo MakeInfo(const char* type) {
   return info;
 }
 
+// SkipTraceExecute calls running: an outer one holds its OpInfo while conversions run
+// Python (a Keras variable's read, a handler's hook), which may run ops of other types.
+int g_running = 0;
+
 // Op type str -> info. Keyed by the str object (the wrappers pass the same constant each
-// call), which the map keeps alive so its address is not reused. Bounded; GIL held.
+// call), which the map keeps alive so its address is not reused. Bounded (emptied only
+// when no call holds an entry); GIL held.
 const OpInfo& InfoFor(PyObject* type, const char* utf8) {
   constexpr size_t kMaxTypes = 4096;
   static auto* infos = new std::unordered_map<PyObject*, OpInfo>();
   auto it = infos->find(type);
   if (it != infos->end()) return it->second;
-  if (infos->size() >= kMaxTypes) {
+  if (infos->size() >= kMaxTypes && g_running == 0) {
     for (auto& e : *infos) Py_DECREF(e.first);
     infos->clear();
   }
@@ -304,6 +309,10 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* type = PyUnicode_AsUTF8(args[1]);
   if (type == nullptr) return nullptr;
   const OpInfo& info = InfoFor(args[1], type);
+  struct Running {  // (every return below)
+    Running() { ++g_running; }
+    ~Running() { --g_running; }
+  } running;
   const Py_ssize_t n_in = static_cast<Py_ssize_t>(info.input_attr.size());
   const Py_ssize_t n_pairs = (nargs - 3 - n_in) / 2;
   if (!info.ok || nargs - 3 - n_in < 0 || (nargs - 3 - n_in) % 2 != 0 ||

@@ -126,7 +126,8 @@ setup(cmdclass={"build_ext": build_ext}, ext_modules=[
         "cc/native_execute.cc", "cc/native_nogil.cc", "cc/native_value.cc",
         "cc/native_hooks.cc", "cc/fast_path.cc", "cc/fast_decision.cc", "cc/fast_forward.cc",
         "cc/fast_hook.cc", "cc/fast_record.cc", "cc/fast_async.cc", "cc/fast_lazy.cc",
-        "cc/fast_lazy_plan.cc", "cc/fast_trace.cc", "cc/tape_record.cc"], **common),
+        "cc/fast_lazy_plan.cc", "cc/fast_trace.cc", "cc/fast_convert.cc", "cc/tape_record.cc"],
+        **common),
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
     Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc"], **common),

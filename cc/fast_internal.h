@@ -295,6 +295,21 @@ PyObject* PyLazyPlan(PyObject*, PyObject* args);
 // lazy_computed(order): marks the nodes computed (inputs None, releasing them).
 PyObject* PyLazyComputed(PyObject*, PyObject* args);
 
+// ---- fast_convert.cc: skip_trace_execute's non-tensor inputs (fast_trace.cc) ----------
+
+// kNumber: a Python int or float; kList: a list or tuple of them (nested); kObject: an
+// object with `__tf_tensor__` that is not a resource variable (a Keras variable).
+enum class InputKind { kTensor, kNumber, kList, kObject, kOther };
+// Never sets an exception. GIL: held.
+InputKind ClassifyInput(PyObject* value);
+// `value` (of `kind`, not kTensor/kOther) as TensorFlow's conversion for the op makes it,
+// with dtype `want` (0: inferred), on `device_name`: a new handle, or null with no
+// exception set (TensorFlow's function then converts it, raising its error). GIL: held.
+TFE_TensorHandle* ConvertInput(PyObject* value, InputKind kind, TF_DataType want,
+                               const char* device_name);
+// Imports what ClassifyInput and ConvertInput use; false with an exception set.
+bool SetupConvert();
+
 }  // namespace fast
 }  // namespace tf_ophandlers
 

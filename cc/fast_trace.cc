@@ -12,8 +12,12 @@
 // `skip_trace_execute` stands in for TensorFlow's function. It takes the common op
 // itself, as TensorFlow's fast path does but without the capture: placed on the
 // dispatcher (the thread's device scope is the dispatcher's), no tape or forward
-// accumulator recording, no op callback, every input an EagerTensor (or a Python int or
-// float, converted with the dtype the tensors give) of a single-tensor argument, every
+// accumulator recording, no op callback, every input of a single-tensor argument an
+// EagerTensor, a Python int or float (converted with the dtype the tensors give, as the
+// fast path does) or a list or tuple of them (Keras's `perm`/`shape` tuples, which the
+// fast path refuses: converted as its generated Python fallback does, a type attribute
+// no tensor gives inferred from the value and required to be an allowed one; likewise
+// an object converting itself, such as a Keras variable; fast_convert.cc), every
 // type attribute given by those inputs or passed as a tf.DType (or its enum), every other
 // attribute a bool, int, float, string or list of ints passed as a plain Python value,
 // one single-tensor output. Anything else
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "fast_internal.h"
 #include "fast_path.h"
 #include "op.h"
 #include "runtime.h"
@@ -40,10 +45,6 @@
 PyObject* TFE_Py_TapeSetIsEmpty();  // new reference to True/False (tapes and accumulators)
 namespace tensorflow {
 int MaybeRaiseExceptionFromTFStatus(TF_Status* status, PyObject* exception);
-// tensorflow/python/eager/pywrap_tensor.h: a Python value as a new handle of `dtype`
-// (DT_INVALID: inferred) on `device_name`, through TensorFlow's scalar cache.
-TFE_TensorHandle* ConvertToEagerTensor(TFE_Context* ctx, PyObject* value, DataType dtype,
-                                       const char* device_name);
 }  // namespace tensorflow
 
 namespace tf_ophandlers {
@@ -67,8 +68,11 @@ struct OpInfo {
   std::vector<TF_DataType> input_fixed;   // per input: its fixed dtype (input_attr -1)
   std::vector<std::string> attr_names;    // the type attributes
   std::vector<std::vector<TF_DataType>> allowed;  // per attribute; empty: any dtype
+  std::vector<bool> has_default;          // per attribute
   // The other attributes the wrapper passes as (name, value) pairs after the inputs.
   std::unordered_map<std::string, AttrKind> other;
+  // Their defaults (serialized AttrValues), set for a None value as the fast path does.
+  std::unordered_map<std::string, std::string> defaults;
 };
 
 OpInfo MakeInfo(const char* type) {
@@ -86,12 +90,16 @@ OpInfo MakeInfo(const char* type) {
       auto k = kinds->find(a.type());
       if (k == kinds->end()) return info;
       info.other.emplace(a.name(), k->second);
+      if (a.has_default_value()) {
+        info.defaults.emplace(a.name(), a.default_value().SerializeAsString());
+      }
       continue;
     }
     info.attr_names.push_back(a.name());
     std::vector<TF_DataType> allowed;
     for (int t : a.allowed_values().list().type()) allowed.push_back(static_cast<TF_DataType>(t));
     info.allowed.push_back(std::move(allowed));
+    info.has_default.push_back(a.has_default_value());
   }
   std::vector<bool> given(info.attr_names.size(), false);
   for (const auto& arg : def->input_arg()) {
@@ -111,33 +119,46 @@ OpInfo MakeInfo(const char* type) {
   // name, as a DType or its enum: one of the other attributes.
   std::vector<std::string> names;
   std::vector<std::vector<TF_DataType>> allowed;
+  std::vector<bool> has_default;
   std::vector<int> index(given.size(), -1);
   for (size_t k = 0; k < given.size(); ++k) {
     if (!given[k]) {
       info.other.emplace(info.attr_names[k], AttrKind::kType);
+      for (const auto& a : def->attr()) {
+        if (a.name() == info.attr_names[k] && a.has_default_value()) {
+          info.defaults.emplace(a.name(), a.default_value().SerializeAsString());
+        }
+      }
       continue;
     }
     index[k] = static_cast<int>(names.size());
     names.push_back(info.attr_names[k]);
     allowed.push_back(info.allowed[k]);
+    has_default.push_back(info.has_default[k]);
   }
   for (int& a : info.input_attr) {
     if (a >= 0) a = index[a];
   }
   info.attr_names = std::move(names);
   info.allowed = std::move(allowed);
+  info.has_default = std::move(has_default);
   info.ok = true;
   return info;
 }
 
+// SkipTraceExecute calls running: an outer one holds its OpInfo while conversions run
+// Python (a Keras variable's read, a handler's hook), which may run ops of other types.
+int g_running = 0;
+
 // Op type str -> info. Keyed by the str object (the wrappers pass the same constant each
-// call), which the map keeps alive so its address is not reused. Bounded; GIL held.
+// call), which the map keeps alive so its address is not reused. Bounded (emptied only
+// when no call holds an entry); GIL held.
 const OpInfo& InfoFor(PyObject* type, const char* utf8) {
   constexpr size_t kMaxTypes = 4096;
   static auto* infos = new std::unordered_map<PyObject*, OpInfo>();
   auto it = infos->find(type);
   if (it != infos->end()) return it->second;
-  if (infos->size() >= kMaxTypes) {
+  if (infos->size() >= kMaxTypes && g_running == 0) {
     for (auto& e : *infos) Py_DECREF(e.first);
     infos->clear();
   }
@@ -289,14 +310,24 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* type = PyUnicode_AsUTF8(args[1]);
   if (type == nullptr) return nullptr;
   const OpInfo& info = InfoFor(args[1], type);
+  struct Running {  // (every return below)
+    Running() { ++g_running; }
+    ~Running() { --g_running; }
+  } running;
   const Py_ssize_t n_in = static_cast<Py_ssize_t>(info.input_attr.size());
   const Py_ssize_t n_pairs = (nargs - 3 - n_in) / 2;
   if (!info.ok || nargs - 3 - n_in < 0 || (nargs - 3 - n_in) % 2 != 0 ||
       n_pairs != static_cast<Py_ssize_t>(info.other.size())) {
     return Original(args, nargs);  // (too few inputs, or not every attribute given)
   }
-  // The (name, value) pairs: every non-type attribute once, each a plain value.
-  absl::InlinedVector<std::pair<const char*, AttrKind>, 8> pairs;
+  // The (name, value) pairs: every non-type attribute once, each a plain value or None
+  // for an attribute with a default (`proto`: that default).
+  struct Pair {
+    const char* name;
+    AttrKind kind;
+    const std::string* proto;
+  };
+  absl::InlinedVector<Pair, 8> pairs;
   for (Py_ssize_t p = 0; p < n_pairs; ++p) {
     PyObject* name = args[3 + n_in + 2 * p];
     if (!PyUnicode_CheckExact(name)) return Original(args, nargs);
@@ -306,24 +337,33 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return Original(args, nargs);
     }
     auto it = info.other.find(attr);
-    if (it == info.other.end() || !PlainAttr(it->second, args[4 + n_in + 2 * p])) {
+    if (it == info.other.end()) return Original(args, nargs);
+    const std::string* proto = nullptr;
+    if (args[4 + n_in + 2 * p] == Py_None) {
+      auto d = info.defaults.find(attr);
+      if (d == info.defaults.end()) return Original(args, nargs);
+      proto = &d->second;
+    } else if (!PlainAttr(it->second, args[4 + n_in + 2 * p])) {
       return Original(args, nargs);
     }
     for (const auto& q : pairs) {
-      if (std::strcmp(q.first, attr) == 0) return Original(args, nargs);  // given twice
+      if (std::strcmp(q.name, attr) == 0) return Original(args, nargs);  // given twice
     }
-    pairs.emplace_back(attr, it->second);
+    pairs.push_back({attr, it->second, proto});
   }
   absl::InlinedVector<TFE_TensorHandle*, 4> in(n_in, nullptr);
   absl::InlinedVector<TF_DataType, 4> attrs(info.attr_names.size(), TF_DataType(0));
+  absl::InlinedVector<fast::InputKind, 4> kinds(n_in, fast::InputKind::kTensor);
   bool numbers = false;  // a Python int or float input (`x * 1.01`): converted below
+  bool refused = false;  // an input TensorFlow's fast path refuses: a list or tuple of
+                         // them (`perm=(0, 2, 3, 1)`), a Keras variable
   for (Py_ssize_t i = 0; i < n_in; ++i) {
     PyObject* t = args[3 + i];
     if (!EagerTensor_CheckExact(t)) {
-      if (info.input_attr[i] < 0 || !(PyFloat_CheckExact(t) || PyLong_CheckExact(t))) {
-        return Original(args, nargs);  // converted there
-      }
-      numbers = true;
+      kinds[i] = fast::ClassifyInput(t);
+      if (kinds[i] == fast::InputKind::kOther) return Original(args, nargs);  // converted there
+      numbers = numbers || kinds[i] == fast::InputKind::kNumber;
+      refused = refused || kinds[i] != fast::InputKind::kNumber;
       continue;
     }
     in[i] = EagerTensor_Handle(t);
@@ -341,8 +381,12 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       return Original(args, nargs);  // its "expected to be a ... tensor" error
     }
   }
-  for (size_t a = 0; numbers && a < attrs.size(); ++a) {
-    if (attrs[a] == 0) return Original(args, nargs);  // no tensor input gives the dtype
+  // TensorFlow's fast path takes numbers but no lists or Keras variables: with one, its
+  // generated fallback converts every input (fast_convert.cc), which infers an attribute
+  // no tensor gives from its first converted input. Numbers alone: their dtype must come
+  // from a tensor here (the fast path would try the attribute's default).
+  for (size_t a = 0; numbers && !refused && a < attrs.size(); ++a) {
+    if (attrs[a] == 0) return Original(args, nargs);
   }
   PyObject* no_tape = TFE_Py_TapeSetIsEmpty();
   if (no_tape == nullptr) return nullptr;
@@ -351,19 +395,34 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* device = DispatcherPlacement(args[0]);
   if (device == nullptr) return Original(args, nargs);
   const char* device_name = PyUnicode_AsUTF8(device);  // (device is a new str)
-  // Python numbers as TensorFlow's fast path converts them: with the dtype the tensors
-  // bound to the same attribute give, on the device scope's device, through its scalar
-  // cache. `converted` owns the new handles.
+  // Python numbers as TensorFlow's fast path converts them, lists and Keras variables as
+  // its fallback does: with the dtype the tensors bound to the same attribute give, on
+  // the device scope's device (numbers through its scalar cache). `converted` owns the
+  // new handles.
   absl::InlinedVector<TFE_TensorHandle*, 2> converted;
-  for (Py_ssize_t i = 0; numbers && i < n_in; ++i) {
+  for (Py_ssize_t i = 0; (numbers || refused) && i < n_in; ++i) {
     if (in[i] != nullptr) continue;
-    TFE_TensorHandle* h = tensorflow::ConvertToEagerTensor(
-        g_ctx, args[3 + i], static_cast<tensorflow::DataType>(attrs[info.input_attr[i]]),
-        device_name);
-    if (h == nullptr || TFE_TensorHandleDataType(h) != attrs[info.input_attr[i]]) {
+    const int a = info.input_attr[i];
+    // The dtype: fixed, given by the attribute's tensors, or inferred (0: DT_INVALID)
+    // as `tf.constant(value)` does, then required to be one of the allowed ones (else
+    // the fallback would retry with the attribute's default: TensorFlow's function).
+    const TF_DataType want = a < 0 ? info.input_fixed[i] : attrs[a];
+    TFE_TensorHandle* h = fast::ConvertInput(args[3 + i], kinds[i], want, device_name);
+    bool ok = h != nullptr;
+    if (ok && want == 0) {
+      // (Any dtype allowed: the fallback converts a value with the attribute's default,
+      // if any, first; an object's `__tf_tensor__` ignores that.)
+      const TF_DataType dt = TFE_TensorHandleDataType(h);
+      ok = info.allowed[a].empty() &&
+           (kinds[i] == fast::InputKind::kObject || !info.has_default[a]);
+      for (TF_DataType x : info.allowed[a]) ok = ok || x == dt;
+      if (ok) attrs[a] = dt;
+    } else if (ok) {
+      ok = TFE_TensorHandleDataType(h) == want;
+    }
+    if (!ok) {
       if (h != nullptr) TFE_DeleteTensorHandle(h);
       for (TFE_TensorHandle* c : converted) TFE_DeleteTensorHandle(c);
-      PyErr_Clear();
       Py_DECREF(device);
       return Original(args, nargs);  // its conversion error
     }
@@ -382,7 +441,14 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   bool plain = true;  // every (name, value) pair set (PlainAttr values nearly always are)
   for (Py_ssize_t p = 0; p < n_pairs && plain && TF_GetCode(status) == TF_OK; ++p) {
-    plain = SetOther(op, pairs[p].first, pairs[p].second, args[4 + n_in + 2 * p]);
+    if (pairs[p].proto != nullptr) {
+      TFE_OpSetAttrValueProto(op, pairs[p].name, pairs[p].proto->data(), pairs[p].proto->size(),
+                              status);
+      plain = TF_GetCode(status) == TF_OK;
+      if (!plain) TF_SetStatus(status, TF_OK, "");
+      continue;
+    }
+    plain = SetOther(op, pairs[p].name, pairs[p].kind, args[4 + n_in + 2 * p]);
   }
   if (!plain) {
     TFE_DeleteOp(op);
@@ -436,7 +502,7 @@ PyObject* PySkipTraceSetup(PyObject*, PyObject* original) {
     PyErr_SetString(PyExc_TypeError, "skip_trace_setup: expected TensorFlow's function");
     return nullptr;
   }
-  if (!RequireInit()) return nullptr;
+  if (!RequireInit() || !fast::SetupConvert()) return nullptr;
   g_tld_attr = g_tld_attr ? g_tld_attr : PyUnicode_InternFromString("_thread_local_data");
   g_device_attr = g_device_attr ? g_device_attr : PyUnicode_InternFromString("device_name");
   g_callbacks_attr =

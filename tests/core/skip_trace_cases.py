@@ -205,7 +205,38 @@ def _other(rng):
     return "StringJoin-like Add(string, str)", lambda: R.Add(x=tf.constant(s), y="!")
 
 
-KINDS = [_unary, _binary, _scalar, _operator, _attr, _attr, _other]
+# Python lists and tuples as inputs (Keras's `perm`/`shape`/`axis` tuples), valid and not.
+LISTS = [[0], [1, 0], (1, 0), [0, 1], [-1], [2, 3], (3, 2), [6], [0, 0], [1, 2, 3], [],
+         [2 ** 31], [2 ** 40, 0], [2 ** 63], [1.5, 0], [True, 0], [[1, 0], [0, 2]],
+         ([0, 1], [2, 0]), [[1], [2, 3]], [-2, 3]]
+
+
+def _lists(rng):
+    dtype = _pick(rng, [tf.float32, tf.int32, tf.float64, tf.int64, tf.float16, tf.bool])
+    x = tensor(rng, dtype, _pick(rng, [(2, 3), (3, 2), (6,)]))
+    v = _pick(rng, LISTS)
+    k = int(rng.integers(7))
+    if k == 0:
+        return f"Transpose({dtype.name}, {v!r})", lambda: R.Transpose(x=x, perm=v)
+    if k == 1:
+        return f"Reshape({dtype.name}, {v!r})", lambda: R.Reshape(tensor=x, shape=v)
+    if k == 2:
+        kd = _pick(rng, [True, False, None])
+        return f"Mean({dtype.name}, {v!r}, {kd!r})", \
+            lambda: gen_math_ops.mean(x, v, keep_dims=kd)
+    if k == 3:
+        return f"Tile({dtype.name}, {v!r})", lambda: R.Tile(input=x, multiples=v)
+    if k == 4:
+        return f"Pad({dtype.name}, {v!r})", lambda: R.Pad(input=x, paddings=v)
+    if k == 5:
+        w = _pick(rng, LISTS + [1, 2.5])
+        if rng.random() < 0.5:
+            return f"AddV2({v!r}, {w!r})", lambda: gen_math_ops.add_v2(v, w)
+        return f"Mul({dtype.name}, {v!r})", lambda: gen_math_ops.mul(x, v)
+    return f"Squeeze({dtype.name}, None)", lambda: R.Squeeze(input=x, axis=None)
+
+
+KINDS = [_unary, _binary, _scalar, _operator, _attr, _attr, _other, _lists]
 
 
 def cases(seed, n):

@@ -111,6 +111,35 @@ def test_keras_cnn_forward_equals_the_channels_last_twin(twins, training):
         all_close(cf.get_weights(), cl.get_weights())
 
 
+def test_keras_cnn_ops_skip_tensorflows_python_fallback(twins):
+    """Keras's channels-first layers pass tuples (`perm`, `shape`, `axis`) and Keras
+    variables, which TensorFlow's C fast path refuses (its Python fallback captures the
+    stack twice per op); under the handler every op of the call skips both."""
+    import tf_ophandlers._C as _C  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.core import skip_trace  # pylint: disable=import-outside-toplevel
+    cf, cl, weights, x = twins
+    ref, _ = _reference(cl, weights, x, False)
+    cf.set_weights(weights)
+    seen = []
+    original = skip_trace._fast_path_execute  # pylint: disable=protected-access
+
+    def counting(*args):
+        seen.append(args[1])
+        return original(*args)
+
+    with oh.DataFormat():
+        _C.skip_trace_setup(counting)  # what the ops it does not take reach
+        try:
+            before = _C.skip_trace_stats()["taken"]
+            y = cf(x, training=False)
+            taken = _C.skip_trace_stats()["taken"] - before
+        finally:
+            _C.skip_trace_setup(original)
+    close(y, ref)
+    assert seen == []
+    assert taken >= 30  # (8 of them Transposes and Reshapes of tuples)
+
+
 @pytest.mark.parametrize("tape_inside", [False, True], ids=["tape_outside", "tape_inside"])
 def test_keras_cnn_gradients_equal_the_channels_last_twin(twins, tape_inside):
     cf, cl, weights, x = twins

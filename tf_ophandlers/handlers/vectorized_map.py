@@ -270,6 +270,12 @@ class VectorizedMap(OpHandler):
     # Read by oh.GradientTape: Add/Sub gradients take their reduction axes from the
     # static (per-example) shapes, as graph gradients do (gradient_tape_static.py).
     static_shape_gradients = True
+    # Read by oh.GradientTape's C record path: a physical input the tape does not track
+    # comes to `execute` as it is (copied on here, unbatched) instead of through the
+    # tape's copy_on, and the tape's record keeps it physical (core/recording.py).
+    tape_copies_through = True
+    # copy_on of a physical tensor over PHYSICAL, called by the C++ path without a frame.
+    physical_copy_on = staticmethod(lambda tensor: Batched(tensor, False))
 
     def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)
@@ -324,6 +330,13 @@ class VectorizedMap(OpHandler):
     def dim(self, value, index):
         d = static_shape(value.value)[index + 1 if value.batched else index]
         return -1 if d is None else d
+
+    def value_shape(self, value):
+        """The per-example shape (a tuple, None for unknown dims or rank), as
+        `tensor._shape_tuple()` gives it through num_dims/dim; read by oh.GradientTape's
+        static-shape gradients (gradient_tape_static.py) without those per-axis trips."""
+        shape = static_shape(value.value)
+        return shape[1:] if shape is not None and value.batched else shape
 
     def static_value(self, value):
         return None if value.batched else tf.get_static_value(value.value)

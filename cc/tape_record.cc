@@ -613,12 +613,10 @@ PyObject* PyTapeCopySetup(PyObject*, PyObject* fn) {
   Py_RETURN_NONE;
 }
 
-// A physical input `h`, not a resource handle (a variable read asks the watcher), that
-// `tape` (its instance dict `state`) does not track, while TensorFlow's tape set is empty
+// A physical input `h` that `tape` (its instance dict `state`) does not track, while TensorFlow's tape set is empty
 // (a tf.GradientTape would see the copy's record), under a handler that declares
 // `tape_copies_through`: 1, else 0, or -1 with an exception set.
 int PhysicalCopiesThrough(PyObject* state, PyObject* next, TFE_TensorHandle* h) {
-  if (TFE_TensorHandleDataType(h) == TF_RESOURCE) return 0;
   if (Truth(TFE_Py_TapeSetIsEmpty()) != 1) return 0;
   PyObject* below = PyObject_GetAttr(next, native_internal::s_handler);
   PyObject* flag = below != nullptr ? PyObject_GetAttr(below, s_copies_through) : nullptr;
@@ -649,6 +647,8 @@ int TapeCopiesThrough(PyObject* tape, PyObject* next, TFE_TensorHandle* h) {
       _PyType_Lookup(type, s_needs_copy) != Py_None) {
     return 0;  // a subclass's own copy rules: its hooks decide
   }
+  // A resource handle's copy-on may harvest the tape's variable watcher: Python.
+  if (TFE_TensorHandleDataType(h) == TF_RESOURCE) return 0;
   TFOH_Payload* p = PayloadOf(h);
   if (p != nullptr && (p->kind != TFOH_PAYLOAD_PYTHON ||
                        reinterpret_cast<PyObject*>(p->stack) != next)) {

@@ -60,8 +60,9 @@ PyObject* TapeAfterExecuteDirect(PyObject* tape, PyObject* stack, PyObject* next
 // hook as it is instead of through the tape's copy-on, because the tape's copy-on
 // would only hand it to `next.copy_on` and record nothing: `tape`'s copy_on is
 // GradientTape.copy_on (tape_copy_setup) and its needs_copy None (neither set on the
-// instance), and `h` is either a tensor of `next` (copy_on returns it as it is) or a
-// physical tensor that is not a resource handle and that the tape does not track, while
+// instance), `h` is not a resource handle (its copy-on may harvest the tape's variable
+// watcher), and `h` is either a tensor of `next` (copy_on returns it as it is) or a
+// physical tensor that the tape does not track, while
 // TensorFlow's tape set is empty, under a handler declaring `tape_copies_through = True`
 // (the hook then copies it on by its own rules: the tape defers its copies to them).
 // 1 or 0, or -1 with a Python exception set. GIL: held.

@@ -104,7 +104,7 @@ class _DtypeTable(dict):
         return d
 
 
-_DTYPES = _DtypeTable()
+_DTYPES = DTYPES = _DtypeTable()  # (public: vectorized_map's value_dtype reads it)
 
 
 def static_shape(v):

@@ -96,6 +96,7 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
   }
   op->borrowed = src;
   PyObject* value_dtype = nullptr;
+  PyObject* physical_copy = nullptr;  // handler.physical_copy_on, asked at the first use
   PyObject* values = execute != nullptr ? PyList_New(n_in) : nullptr;
   PyObject* result = nullptr;
   PyObject* wrapped = nullptr;
@@ -124,7 +125,16 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
       if (yes < 0) goto fail;
       if (yes == 0) continue;
     }
-    PyObject* moved = PyObject_CallMethodOneArg(stack, s_copy_on_value, PyList_GET_ITEM(values, i));
+    if (physical_copy == nullptr && d.next == g_physical && PayloadOf(in[i]) == nullptr) {
+      // A physical tensor onto a stack over PHYSICAL: the handler's `physical_copy_on`,
+      // when it declares one, gives what its copy_on would (OpHandler), with no frame.
+      physical_copy = PyObject_GetAttr(handler, s_physical_copy);
+      if (physical_copy == nullptr) goto fail;
+    }
+    PyObject* moved =
+        physical_copy != nullptr && physical_copy != Py_None && PayloadOf(in[i]) == nullptr
+            ? PyObject_CallOneArg(physical_copy, PyList_GET_ITEM(values, i))
+            : PyObject_CallMethodOneArg(stack, s_copy_on_value, PyList_GET_ITEM(values, i));
     if (moved == nullptr) goto fail;
     PyList_SetItem(values, i, moved);  // steals `moved`, releases the input
   }
@@ -157,6 +167,7 @@ done:
   Py_XDECREF(result);
   Py_XDECREF(values);
   Py_XDECREF(value_dtype);
+  Py_XDECREF(physical_copy);
   Py_XDECREF(execute);
   Py_XDECREF(handler);
   EndBorrow(op, g_ctx);

@@ -34,6 +34,7 @@ PyObject* s_not_a_list = nullptr;
 PyObject* s_wrap_eager = nullptr;
 PyObject* s_after_execute = nullptr;
 PyObject* s_sig = nullptr;
+PyObject* s_physical_copy = nullptr;
 
 // Runs `type` on PHYSICAL: every input must be physical. GIL: held; released around
 // TFE_Execute.
@@ -133,7 +134,8 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
       !InternOnce(&s_copy_on_value, "_copy_on_value") || !InternOnce(&s_below, "_below") ||
       !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
       !InternOnce(&s_wrap_eager, "_wrap_eager") ||
-      !InternOnce(&s_after_execute, "after_execute") || !InternOnce(&s_sig, "_oh_sig")) {
+      !InternOnce(&s_after_execute, "after_execute") || !InternOnce(&s_sig, "_oh_sig") ||
+      !InternOnce(&s_physical_copy, "physical_copy_on")) {
     return nullptr;
   }
   Py_RETURN_NONE;

@@ -103,6 +103,18 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
     if (op == nullptr) goto fail;
     op->borrowed = src;
     for (int i : foreign) {
+      if (!d.copy_all) {  // (the tape defers its copies to the hook's handler)
+        if (handler == nullptr) {
+          handler = PyObject_GetAttr(stack, s_handler);
+          if (handler == nullptr) goto fail;
+        }
+        // The tape's copy-on would only pass the input on (tape_record.h): the hook
+        // copies it on itself (RunHook), without a tape frame or a tensor made and
+        // unwrapped at once; the record keeps the input as it came.
+        int through = IsTape(handler) ? TapeCopiesThrough(handler, d.next, in[i]) : 0;
+        if (through < 0) goto fail;
+        if (through == 1) continue;
+      }
       PyObject* t = native_internal::EagerTensorSharing(in[i]);
       if (t == nullptr) goto fail;
       if (!d.copy_all) {
@@ -197,7 +209,7 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
     if (op == nullptr) goto fail;
     op->borrowed = src;
   }
-  handler = PyObject_GetAttr(stack, s_handler);
+  if (handler == nullptr) handler = PyObject_GetAttr(stack, s_handler);
   if (handler == nullptr) goto fail;
   if (IsTape(handler)) {
     // An oh.GradientTape's C recording: no hook frame, no bound method (tape_record.h).

@@ -20,7 +20,7 @@
 // an object converting itself, such as a Keras variable; fast_convert.cc), every
 // type attribute given by those inputs or passed as a tf.DType (or its enum), every other
 // attribute a bool, int, float, string or list of ints passed as a plain Python value,
-// one single-tensor output. Anything else
+// single-tensor outputs (a list of them when there are several). Anything else
 // calls TensorFlow's function unchanged (its results, errors and recording).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -73,15 +73,18 @@ struct OpInfo {
   std::unordered_map<std::string, AttrKind> other;
   // Their defaults (serialized AttrValues), set for a None value as the fast path does.
   std::unordered_map<std::string, std::string> defaults;
+  int n_out = 1;  // single-tensor outputs (more than one: returned as a list, as TF does)
 };
 
 OpInfo MakeInfo(const char* type) {
   OpInfo info;
   const tensorflow::OpDef* def = nullptr;
   if (!tensorflow::OpRegistry::Global()->LookUpOpDef(type, &def).ok()) return info;
-  if (def->output_arg_size() != 1) return info;
-  const auto& out = def->output_arg(0);
-  if (!out.number_attr().empty() || !out.type_list_attr().empty() || out.is_ref()) return info;
+  if (def->output_arg_size() < 1) return info;
+  for (const auto& out : def->output_arg()) {
+    if (!out.number_attr().empty() || !out.type_list_attr().empty() || out.is_ref()) return info;
+  }
+  info.n_out = def->output_arg_size();
   for (const auto& a : def->attr()) {
     if (a.type() != "type") {  // an attribute the call passes by name
       static const auto* kinds = new std::unordered_map<std::string, AttrKind>{
@@ -315,6 +318,7 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     ~Running() { --g_running; }
   } running;
   const Py_ssize_t n_in = static_cast<Py_ssize_t>(info.input_attr.size());
+  const int n_out = info.n_out;
   const Py_ssize_t n_pairs = (nargs - 3 - n_in) / 2;
   if (!info.ok || nargs - 3 - n_in < 0 || (nargs - 3 - n_in) % 2 != 0 ||
       n_pairs != static_cast<Py_ssize_t>(info.other.size())) {
@@ -458,11 +462,11 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (Py_ssize_t i = 0; i < n_in && TF_GetCode(status) == TF_OK; ++i) {
     TFE_OpAddInput(op, in[i], status);
   }
-  TFE_TensorHandle* out = nullptr;
-  int num_out = 1;
+  absl::InlinedVector<TFE_TensorHandle*, 2> out(n_out, nullptr);
+  int num_out = n_out;
   if (TF_GetCode(status) == TF_OK) {
     Py_BEGIN_ALLOW_THREADS;
-    TFE_Execute(op, &out, &num_out, status);
+    TFE_Execute(op, out.data(), &num_out, status);
     Py_END_ALLOW_THREADS;
   }
   if (op != nullptr) {
@@ -483,14 +487,31 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     TF_SetStatus(status, TF_OK, "");
     return nullptr;
   }
-  if (num_out != 1 || out == nullptr) {
-    PyErr_Format(PyExc_RuntimeError, "skip_trace_execute: %s gave %d outputs, expected 1", type,
-                 num_out);
+  if (num_out != n_out) {
+    for (int j = 0; j < num_out && j < n_out; ++j) TFE_DeleteTensorHandle(out[j]);
+    PyErr_Format(PyExc_RuntimeError, "skip_trace_execute: %s gave %d outputs, expected %d",
+                 type, num_out, n_out);
     return nullptr;
   }
-  PyObject* result = EagerTensorFromHandle(out, false);  // owns `out` on success
-  if (result == nullptr) TFE_DeleteTensorHandle(out);
-  return result;
+  // One output: the tensor; more: a list of them (TensorFlow's fast path returns the
+  // same, which the wrapper makes its named tuple).
+  PyObject* list = n_out > 1 ? PyList_New(n_out) : nullptr;
+  PyObject* result = nullptr;
+  for (int j = 0; j < n_out; ++j) {
+    PyObject* t = (n_out == 1 || list != nullptr) ? EagerTensorFromHandle(out[j], false)
+                                                  : nullptr;  // owns out[j] on success
+    if (t == nullptr) {
+      for (int k = j; k < n_out; ++k) TFE_DeleteTensorHandle(out[k]);
+      Py_XDECREF(list);
+      return nullptr;
+    }
+    if (list == nullptr) {
+      result = t;
+    } else {
+      PyList_SET_ITEM(list, j, t);
+    }
+  }
+  return list != nullptr ? list : result;
 }
 
 PyObject* PySkipTraceStats(PyObject*, PyObject*) {

@@ -588,10 +588,92 @@ PyObject* TapeAfterExecuteDirect(PyObject* tape, PyObject* stack, PyObject* next
   return Record(f, tape, op, inputs, outputs);
 }
 
+// ---- the tape's copy-on over a Python execute hook (TapeCopiesThrough) -------------
+
+namespace {
+
+PyObject* g_copy_on_fn = nullptr;  // GradientTape.copy_on (tape_copy_setup), strong
+PyObject* s_copy_on = nullptr;     // "copy_on"
+PyObject* s_needs_copy = nullptr;  // "needs_copy"
+PyObject* s_copies_through = nullptr;  // "tape_copies_through" (the handler below's)
+
+// tape_copy_setup(GradientTape.copy_on): the copy_on TapeCopiesThrough knows.
+PyObject* PyTapeCopySetup(PyObject*, PyObject* fn) {
+  using native_internal::InternOnce;
+  if (!PyFunction_Check(fn)) {
+    PyErr_SetString(PyExc_TypeError, "tape_copy_setup: expected GradientTape.copy_on");
+    return nullptr;
+  }
+  if (!InternOnce(&s_copy_on, "copy_on") || !InternOnce(&s_needs_copy, "needs_copy") ||
+      !InternOnce(&s_copies_through, "tape_copies_through") ||
+      !InternOnce(&s_tracked, "_tracked")) {
+    return nullptr;
+  }
+  Py_XSETREF(g_copy_on_fn, Py_NewRef(fn));
+  Py_RETURN_NONE;
+}
+
+// A physical input `h` that `tape` (its instance dict `state`) does not track, while TensorFlow's tape set is empty
+// (a tf.GradientTape would see the copy's record), under a handler that declares
+// `tape_copies_through`: 1, else 0, or -1 with an exception set.
+int PhysicalCopiesThrough(PyObject* state, PyObject* next, TFE_TensorHandle* h) {
+  if (Truth(TFE_Py_TapeSetIsEmpty()) != 1) return 0;
+  PyObject* below = PyObject_GetAttr(next, native_internal::s_handler);
+  PyObject* flag = below != nullptr ? PyObject_GetAttr(below, s_copies_through) : nullptr;
+  Py_XDECREF(below);
+  if (flag == nullptr) {
+    PyErr_Clear();
+    return 0;
+  }
+  int yes = flag == Py_True;
+  Py_DECREF(flag);
+  if (!yes) return 0;
+  PyObject* tracked = PyDict_GetItemWithError(state, s_tracked);  // borrowed
+  if (tracked == nullptr || !PyDict_CheckExact(tracked)) return PyErr_Occurred() ? -1 : 0;
+  PyObject* key = PyLong_FromVoidPtr(h);  // as Key(): tensors are keyed by handle
+  if (key == nullptr) return -1;
+  int known = PyDict_Contains(tracked, key);
+  Py_DECREF(key);
+  return known < 0 ? -1 : !known;
+}
+
+}  // namespace
+
+int TapeCopiesThrough(PyObject* tape, PyObject* next, TFE_TensorHandle* h) {
+  if (g_copy_on_fn == nullptr) return 0;
+  PyTypeObject* type = Py_TYPE(tape);
+  if (type->tp_getattro != PyObject_GenericGetAttr ||
+      _PyType_Lookup(type, s_copy_on) != g_copy_on_fn ||
+      _PyType_Lookup(type, s_needs_copy) != Py_None) {
+    return 0;  // a subclass's own copy rules: its hooks decide
+  }
+  // A resource handle's copy-on may harvest the tape's variable watcher: Python.
+  if (TFE_TensorHandleDataType(h) == TF_RESOURCE) return 0;
+  TFOH_Payload* p = PayloadOf(h);
+  if (p != nullptr && (p->kind != TFOH_PAYLOAD_PYTHON ||
+                       reinterpret_cast<PyObject*>(p->stack) != next)) {
+    return 0;
+  }
+  PyObject* state = PyObject_GenericGetDict(tape, nullptr);
+  if (state == nullptr) return -1;
+  int result = 0;
+  if (PyDict_Check(state) && PyDict_GetItemWithError(state, s_copy_on) == nullptr &&
+      PyDict_GetItemWithError(state, s_needs_copy) == nullptr && !PyErr_Occurred()) {
+    // A tensor of the next stack: the tape's copy_on returns it as it is, recording
+    // nothing (HandlerStack.copy_on of its own tensor).
+    result = p != nullptr ? 1 : PhysicalCopiesThrough(state, next, h);
+  }
+  Py_DECREF(state);
+  return PyErr_Occurred() ? -1 : result;
+}
+
 PyMethodDef kTapeModuleMethods[] = {
     {"tape_setup", PyTapeSetup, METH_VARARGS,
      "tape_setup(trainable_dtype_enums, used_indices) -> (TapeRecord, after_execute): "
      "oh.GradientTape's recording in C (cc/tape_record.h)."},
+    {"tape_copy_setup", PyTapeCopySetup, METH_O,
+     "tape_copy_setup(GradientTape.copy_on): the copy_on whose inputs the record path "
+     "may pass to a hook below as they are (cc/tape_record.h TapeCopiesThrough)."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

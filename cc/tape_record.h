@@ -36,6 +36,8 @@
 
 #include <Python.h>
 
+#include "tensorflow/c/eager/c_api.h"
+
 namespace tf_ophandlers {
 
 // tape_setup(trainable_dtype_enums, used_indices) -> (TapeRecord type, after_execute
@@ -52,6 +54,19 @@ bool IsTapeAfterExecute(PyObject* fn);
 // Returns a new reference, or null with an exception set. GIL: held.
 PyObject* TapeAfterExecuteDirect(PyObject* tape, PyObject* stack, PyObject* next, PyObject* op,
                                  PyObject* inputs, PyObject* outputs);
+
+// Whether foreign input `h` of an op on the stack of tape `tape`, whose next stack `next`
+// runs the op through a Python execute hook (fast_record.cc RunRecord), may go to that
+// hook as it is instead of through the tape's copy-on, because the tape's copy-on
+// would only hand it to `next.copy_on` and record nothing: `tape`'s copy_on is
+// GradientTape.copy_on (tape_copy_setup) and its needs_copy None (neither set on the
+// instance), `h` is not a resource handle (its copy-on may harvest the tape's variable
+// watcher), and `h` is either a tensor of `next` (copy_on returns it as it is) or a
+// physical tensor that the tape does not track, while
+// TensorFlow's tape set is empty, under a handler declaring `tape_copies_through = True`
+// (the hook then copies it on by its own rules: the tape defers its copies to them).
+// 1 or 0, or -1 with a Python exception set. GIL: held.
+int TapeCopiesThrough(PyObject* tape, PyObject* next, TFE_TensorHandle* h);
 
 }  // namespace tf_ophandlers
 

@@ -239,3 +239,31 @@ def test_ops_with_explicit_type_attributes_skip_the_capture():
         with oh.OpHandler():
             tf.raw_ops.Cast(x=x, DstT=tf.string)
     assert type(under.value) is type(plain.value)
+
+
+def _multi_output_ops(x, labels):
+    loss, backprop = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(
+        features=x, labels=labels)
+    mean, variance = tf.nn.moments(x, axes=[0])  # (single-output ops)
+    y, idx = tf.unique(labels)
+    return loss, backprop, mean, variance, y, idx
+
+
+def test_ops_with_several_outputs_skip_the_capture():
+    x = tf.random.stateless_normal([5, 4], seed=[3, 4])
+    labels = tf.constant([1, 0, 3, 1, 2])
+    want = _multi_output_ops(x, labels)
+    before = _taken()
+    with oh.OpHandler():
+        ssce = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels)
+        assert _taken() - before == 1  # (TensorFlow's function before: two outputs)
+        assert type(ssce).__name__ == "SparseSoftmaxCrossEntropyWithLogits"  # its tuple
+        got = _multi_output_ops(x, labels)
+    for a, b in zip(want, got):
+        assert_same_tensors(a, b)
+    with pytest.raises(Exception) as plain:
+        tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels[:2])
+    with pytest.raises(Exception) as under:
+        with oh.OpHandler():
+            tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels[:2])
+    assert type(under.value) is type(plain.value)

@@ -123,6 +123,12 @@ class OpHandler:
     #: default `copy_on` defer automatically.
     defers_needs_copy = False
 
+    #: None, or a function ``physical_copy_on(tensor) -> representation`` that gives
+    #: what `copy_on` gives for a physical tensor when the next stack is PHYSICAL, running
+    #: no ops. The C++ fast path then calls it instead of `copy_on`, without a hook frame
+    #: (oh.vectorized_map: the tensor as an unbatched value).
+    physical_copy_on = None
+
     #: Whether `copy_on_grad` combines the parts of a representation into one value (a
     #: parallel handler sums its components: the gradient of a broadcast). A sparse
     #: gradient (tf.IndexedSlices) reaching a CopyOnGrad on a stack with such a handler

@@ -32,6 +32,16 @@ def recording(trainable_dtype_enums, used_indices):
     return _C.tape_setup(frozenset(trainable_dtype_enums), used_indices)
 
 
+def copy_through(copy_on):
+    """Registers the tape's `copy_on` (GradientTape.copy_on) with the C record path:
+    over a Python execute hook whose handler declares ``tape_copies_through = True``
+    (oh.vectorized_map), an input that copy_on would only pass to the stack below (a
+    tensor of that stack; a physical tensor, not a resource handle, that the tape does
+    not track, while no TensorFlow tape records) goes to the hook as it is, which copies
+    it on by its own rules (cc/tape_record.h TapeCopiesThrough)."""
+    _C.tape_copy_setup(copy_on)
+
+
 def record_on_tf_tapes(op, inputs, outputs):
     """Records `op` (an oh.Op run on a handler's representations) on TensorFlow's tapes,
     if any is active; they record it only if an input is one they watch. TensorFlow's

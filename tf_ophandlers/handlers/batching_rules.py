@@ -5,12 +5,12 @@ up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a 
 """
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager.context import executing_eagerly as _executing_eagerly
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
 from tf_ophandlers.core import op_kinds
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.op import Op
+from tf_ophandlers.core.state import executing_eagerly as _executing_eagerly
 
 
 class Batched:
@@ -104,7 +104,7 @@ class _DtypeTable(dict):
         return d
 
 
-_DTYPES = _DtypeTable()
+_DTYPES = DTYPES = _DtypeTable()  # (public: vectorized_map's value_dtype reads it)
 
 
 def static_shape(v):

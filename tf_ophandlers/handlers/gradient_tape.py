@@ -37,7 +37,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.recording import record_on_tf_tapes, recording
+from tf_ophandlers.core.recording import copy_through, record_on_tf_tapes, recording
 from tf_ophandlers.handlers import gradient_tape_hooks
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.handlers.gradient_tape_exclusions import (
@@ -531,6 +531,9 @@ class GradientTape(BackwardPass, OpHandler):
             variables = self._variables
             self._clear()  # free what was recorded once gradients are computed
             self._variables = variables
+
+
+copy_through(GradientTape.copy_on)  # its untracked inputs skip it in C (recording.py)
 
 
 # -- integration with TensorFlow's Python-level tape hooks --------------------------------

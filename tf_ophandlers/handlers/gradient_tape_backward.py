@@ -296,10 +296,16 @@ class BackwardPass:
         parts = _take_parts(record, grads, source_ids)
         if parts is None:
             return
-        with self._placed(record.stack):
+        scope = self._entered(record.stack)
+        if scope is None:  # (no `with` of a null context per record)
             in_grads = self._call_gradient_function(
                 record, self._output_gradients(record, parts),
                 [k for k, p in enumerate(parts) if not p])
+        else:
+            with scope:
+                in_grads = self._call_gradient_function(
+                    record, self._output_gradients(record, parts),
+                    [k for k, p in enumerate(parts) if not p])
         for i, g in zip(record.ids[0], in_grads):
             if g is not None and i is not None and i in live:
                 grads.setdefault(i, []).append(g)
@@ -313,7 +319,7 @@ class BackwardPass:
         out_grads = []
         for k, (o, p) in enumerate(zip(record.outputs, parts)):
             if p:
-                out_grads.append(_tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
+                out_grads.append(p[0] if len(p) == 1 else _tf_backprop._aggregate_grads(p))  # pylint: disable=protected-access
             elif k in accepts_none:
                 out_grads.append(None)
             elif specs is not None and specs[k] is not None:
@@ -365,10 +371,17 @@ class BackwardPass:
     @staticmethod
     def _placed(stack):
         """Runs gradient ops on `stack` (entered within the current scope, per the RFC)."""
+        scope = BackwardPass._entered(stack)
+        return contextlib.nullcontext() if scope is None else scope
+
+    @staticmethod
+    def _entered(stack):
+        """The scope that places ops on `stack`, or None when they are placed there
+        already (re-entering would open nothing)."""
         current = current_stack()
         if stack is current or all(any(h is c for c in current.handlers)
                                    for h in stack.handlers):
-            return contextlib.nullcontext()  # re-entering would open nothing
+            return None
         return _scope.handler(stack)
 
     # -- jacobians (a loop of backward passes; vectorized with oh.vectorized_map) -----------

@@ -16,6 +16,8 @@ from tensorflow.python.eager import context as _context
 from tensorflow.python.ops import array_ops, gen_math_ops, math_ops
 
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.stack import payload as _payload
+from tf_ophandlers.core.state import executing_eagerly as _executing_eagerly
 
 # (shape or axes, device scope) -> a physical int32 constant (a few per program).
 _constants = BoundedCache("gradient_tape.static_shape_constants", 1024)
@@ -27,6 +29,18 @@ def _int32(values):
     if t is None:
         t = _constants[key] = tf.constant(values, dtype=tf.int32)
     return t
+
+
+def _shape(t):
+    """`t._shape_tuple()`; a handler tensor's from its representation when the handler
+    gives it (`value_shape`, oh.vectorized_map's per-example shape): TensorFlow would ask
+    the handler's num_dims and dim hooks, a trip through the dispatcher per axis."""
+    p = _payload(t)
+    if p is not None:
+        shape = getattr(p[0].handler, "value_shape", None)
+        if shape is not None:
+            return shape(p[1])
+    return t._shape_tuple()  # pylint: disable=protected-access
 
 
 def _known(shape):
@@ -61,13 +75,12 @@ def _reduced(grad, grad_shape, shape, axes, other_rank):
 def _static(op, grad):
     """(x, y, x's shape, y's shape, grad's shape) of a binary op's gradient call when
     all are static and it runs eagerly with a dense gradient, else None."""
-    if not isinstance(grad, tf.Tensor) or not _context.executing_eagerly():
+    if not isinstance(grad, tf.Tensor) or not _executing_eagerly():
         return None
     x, y = op.inputs
     if x is None or y is None:
         return None
-    xs, ys = x._shape_tuple(), y._shape_tuple()  # pylint: disable=protected-access
-    gs = grad._shape_tuple()  # pylint: disable=protected-access
+    xs, ys, gs = _shape(x), _shape(y), _shape(grad)
     if not (_known(xs) and _known(ys) and _known(gs)):
         return None
     return x, y, xs, ys, gs
@@ -111,10 +124,10 @@ def _mul(op, grad):
 def _sum(op, grad):
     """TensorFlow's `_SumGrad` where the input has one element (a per-example loss of
     shape [1] summed to a scalar): the Reshape alone, without its Tile by ones."""
-    if not isinstance(grad, tf.Tensor) or not _context.executing_eagerly():
+    if not isinstance(grad, tf.Tensor) or not _executing_eagerly():
         return None
     x = op.inputs[0]
-    shape = None if x is None else x._shape_tuple()  # pylint: disable=protected-access
+    shape = None if x is None else _shape(x)
     if not _known(shape) or any(d != 1 for d in shape):
         return None
     return [array_ops.reshape(grad, _int32(shape)), None]

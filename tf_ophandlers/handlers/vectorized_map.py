@@ -38,9 +38,12 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.state import own_trace
-from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of, stack_of
+from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.stack import (
+    COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
+    stack_of)
 from tf_ophandlers.handlers.batching_rules import (
-    FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch, dtype_of,
+    DTYPES, FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
     ATTRIBUTE_PLANS, plan_of, static_shape)
 
 _log = logging.getLogger("tf_ophandlers")
@@ -270,6 +273,12 @@ class VectorizedMap(OpHandler):
     # Read by oh.GradientTape: Add/Sub gradients take their reduction axes from the
     # static (per-example) shapes, as graph gradients do (gradient_tape_static.py).
     static_shape_gradients = True
+    # Read by oh.GradientTape's C record path: a physical input the tape does not track
+    # comes to `execute` as it is (copied on here, unbatched) instead of through the
+    # tape's copy_on, and the tape's record keeps it physical (core/recording.py).
+    tape_copies_through = True
+    # copy_on of a physical tensor over PHYSICAL, called by the C++ path without a frame.
+    physical_copy_on = staticmethod(lambda tensor: Batched(tensor, False))
 
     def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)
@@ -313,7 +322,8 @@ class VectorizedMap(OpHandler):
 
     # Per-example view of a batched value.
     def value_dtype(self, value):
-        return dtype_of(value.value)
+        v = value.value  # (dtype_of, inlined: called for every output the map wraps)
+        return DTYPES[v._datatype_enum()] if type(v) is _EagerTensor else v.dtype  # pylint: disable=protected-access
 
     def num_dims(self, value):
         shape = static_shape(value.value)
@@ -324,6 +334,13 @@ class VectorizedMap(OpHandler):
     def dim(self, value, index):
         d = static_shape(value.value)[index + 1 if value.batched else index]
         return -1 if d is None else d
+
+    def value_shape(self, value):
+        """The per-example shape (a tuple, None for unknown dims or rank), as
+        `tensor._shape_tuple()` gives it through num_dims/dim; read by oh.GradientTape's
+        static-shape gradients (gradient_tape_static.py) without those per-axis trips."""
+        shape = static_shape(value.value)
+        return shape[1:] if shape is not None and value.batched else shape
 
     def static_value(self, value):
         return None if value.batched else tf.get_static_value(value.value)
@@ -362,7 +379,8 @@ class VectorizedMap(OpHandler):
         return True
 
     def execute(self, op, inputs):
-        below = next_stack()
+        frames = _state.frames  # (next_stack(), inlined: this runs for every op)
+        below = frames[-1].next if frames else next_stack()
         execute = below.execute
         plan = _FALLBACK
         key = _plan_key(op, inputs)
@@ -370,10 +388,16 @@ class VectorizedMap(OpHandler):
             plan = _plans.get(key)
             if plan is None:
                 plan = _plans[key] = _plan(op, inputs)
-        if plan is FORWARD:  # every output batched, the values as they are
-            return [Batched(o, True) for o in execute(op, [b.value for b in inputs])]
-        if plan is UNBATCHED:  # no batched input, no resource input: the op as it is
-            return self._unbatched(execute(op, [b.value for b in inputs]))
+        if plan is FORWARD or plan is UNBATCHED:
+            values = [b.value for b in inputs]
+            if below is PHYSICAL and _state.mode is None and op.type not in COPY_OPS:
+                # PHYSICAL.execute's eager case, without its frame (eager inputs: a plan)
+                outputs = _execute_physical(op, values, _state.device)
+            else:
+                outputs = execute(op, values)
+            if plan is FORWARD:  # every output batched, the values as they are
+                return [Batched(o, True) for o in outputs]
+            return self._unbatched(outputs)  # no batched or resource input: as it is
         if plan is RULE:
             return self._batched(execute, op, inputs)
         return self._execute_generic(execute, op, inputs)

@@ -211,7 +211,8 @@ def _known_limitation(stack, program):
     if acc is not None and (any(name == "pool_nhwc" for name, _, _ in program.steps) or any(
             name in ("GradientTape", "tf.GradientTape") for name in layers[:acc])):
         stack.mode, stack.batches = "eager", stack.batches[:1]
-        stack.map_loop = "vectorized_map" in layers[acc + 1:] and "GradientTape" in layers[:acc]
+        stack.map_loop = "vectorized_map" in layers[acc + 1:] and (
+            "GradientTape" in layers[:acc] or _tracing_between_tf_tape(layers, acc))
     if "vectorized_map" in layers and "Lazy" in layers[layers.index("vectorized_map") + 1:]:
         return True
     tf_tape = layers.index("tf.GradientTape") if "tf.GradientTape" in layers else None
@@ -230,6 +231,15 @@ def _known_limitation(stack, program):
         if len(tapes) > 1 and any(name.startswith("Recompute") for name in below[tapes[1]:]):
             return True  # two tapes over Recompute under the map, a gathered variable
     return False
+
+
+def _tracing_between_tf_tape(layers, acc):
+    """A tracing handler (oh.Recompute, Lazy, Async) between a tf.GradientTape and the
+    accumulator at `acc`: that tape records the handler's call, whose gradient goes
+    through the JVPs too (the eager values; fuzz_findings.md, OH_FUZZ_SEED=106 case 29)."""
+    tapes = [k for k, name in enumerate(layers[:acc]) if name == "tf.GradientTape"]
+    return bool(tapes) and any(name.startswith(("Recompute", "Lazy", "Async"))
+                               for name in layers[tapes[0] + 1:acc])
 
 
 def _run_case(stack, program, warm_program):
@@ -518,36 +528,7 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
           "vectorized_map > OpCounter > PassThrough > GradientTape")
 
 
-# Fixed (tests elsewhere): CheckNumerics > GradientTape > ForwardAccumulator >
-# Recompute(budget), OH_FUZZ_SEED=7 slow case 33 (segments under an accumulator lost the
-# tape's record of the tangents, test_recompute.py); ForwardAccumulator > PassThrough >
-# vectorized_map > Recompute(save), 20 slow case 48 (loop variables joined at one level,
-# test_forward_accumulator_compose.py); GradientTape > Recompute > Recompute, warm, 20
-# slow case 38 (segment gradient "not known here", test_recompute_calls.py).
-#
-# Unfixed (in the draw, fails on defda0e too): tf.GradientTape > vectorized_map > Async >
-# OpCounter, unknown_batch, and CheckNumerics > ForwardAccumulator > tf.GradientTape >
-# vectorized_map > Async, eager (OH_FUZZ_SEED=24 slow draw cases 15 and 31, alone too):
-# under a tf.GradientTape the map traces the mapped function, and Async refuses to be
-# opened in a trace (HandlerError "Async() cannot be opened inside a function being
-# traced"): a clear error, as Lazy's (left out of the draw), but not excluded.
-#
-# Found 2026-11-25: vectorized_map > Recompute(save) > tf.GradientTape > DataFormat >
-# tf.GradientTape, unknown_batch, OH_FUZZ_SEED=21 slow case 39: wrong second-order values;
-# not Recompute's, the max-pool limitation above (out of the draw).
-#
-# Fixed: Async > OpCounter > ForwardAccumulator > Recompute > ForwardAccumulator >
-# vectorized_map, OH_FUZZ_SEED=28 slow case 7 (TypeError from function_coerce: a loop
-# body's Identity of a variable's handle dropped its tangent; test_forward_accumulator_compose).
-# Unfixed, slow draws of seeds 76-90 (2026-11-25; all fail on d82ba01 too): 79 case 3
-# (HandlerError "gradient of recompute segment ... not known here", a replaying handler
-# between two tapes over Recompute; without it: test_recompute_calls' xfail), 81 case 30
-# (the same HandlerError), 81 case 38 (GradientTape > vectorized_map > Recompute(budget)
-# > OpLogHandler > Async: HandlerError, a per-example copy-off), 90 case 10 (GradientTape >
-# GradientTape > Recompute, a call computing an unused x - x: x's gradient zeros, not None;
-# test_recompute_calls' xfail's kind).
-# Fixed: 85 case 4, 91 case 42 (zero JVPs of gradients, test_recompute_gradients), 90 case
-# 32 (test_forward_accumulator_compose), 89 case 39 (the reference), 89 case 4 (Lazy).
+# Findings of the seed sweeps (fixed, open, left out): tests/handlers/fuzz_findings.md.
 
 
 def test_two_tapes_over_recompute_gathering_a_variable_in_vectorized_map():

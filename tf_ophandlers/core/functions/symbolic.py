@@ -104,12 +104,22 @@ class Replay(Mode, Interpreter, ControlFlow):
             # TensorFlow adds itself (while_v2's loop counter, automatic control
             # dependencies) must be nodes, not ops of `target` ("Expected a PyOperation
             # got None" for a pfor while loop under oh.vectorized_map).
+            # TensorFlow's graph-mode call (ConcreteFunction._call_flat) overrides the
+            # gradient function of the call op it creates, and asserts that no override
+            # is active: a hook calling a tf.function while the body is interpreted
+            # (oh.vectorized_map's pfor conversion of a JVP's op) failed. There is no
+            # call op here: its override is lifted while the body runs.
             state.current = self.bottom
+            override = getattr(graph, "_gradient_function_map", None)
+            if override:
+                graph._gradient_function_map = {}  # pylint: disable=protected-access
             try:
                 outputs = self.interpret(function_body(attrs["f"].func.name), list(inputs),
                                          target)
             finally:
                 state.current = target
+                if override:
+                    graph._gradient_function_map = override  # pylint: disable=protected-access
             return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
         op = Op.create(op_type, **(attrs or {}))
         outputs = target.execute(op, list(inputs))

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -75,6 +76,26 @@ def assert_same_tensors(ref, got, tol=1e-5):
         r, g = tf.convert_to_tensor(r), tf.convert_to_tensor(g)
         assert r.dtype == g.dtype and r.shape == g.shape
         assert_close(g, r, tol)
+
+
+@contextlib.contextmanager
+def ops_left_to_tensorflow():
+    """Inside a handler scope: yields the list of op types that `skip_trace_execute`
+    (core/skip_trace.py) leaves to TensorFlow's own fast-path function, which captures
+    the stack; restores that function on exit."""
+    import tf_ophandlers._C as _C  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.core import skip_trace  # pylint: disable=import-outside-toplevel
+    seen = []
+    original = skip_trace._fast_path_execute  # pylint: disable=protected-access
+
+    def counting(*args):
+        seen.append(args[1])
+        return original(*args)
+    _C.skip_trace_setup(counting)
+    try:
+        yield seen
+    finally:
+        _C.skip_trace_setup(original)
 
 
 def package_frames(fn):

@@ -15,7 +15,7 @@ from tensorflow.python.ops import gen_math_ops
 
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
-from tf_ophandlers.core import skip_trace
+from conftest import ops_left_to_tensorflow
 
 HANDLERS = {"OpHandler": oh.OpHandler, "Lazy": oh.Lazy, "PassThrough": oh.native.PassThrough}
 
@@ -124,19 +124,9 @@ def test_other_list_inputs_give_eagers_outcome(handler, desc, fn):
 
 def test_tensorflows_function_sees_no_list_input():
     """The ops taken here never reach TensorFlow's function (which would capture)."""
-    seen = []
-    original = skip_trace._fast_path_execute  # pylint: disable=protected-access
-
-    def counting(*args):
-        seen.append(args[1])
-        return original(*args)
-
     with oh.OpHandler():
-        _C.skip_trace_setup(counting)  # what skip_trace_execute calls for other ops
-        try:
+        with ops_left_to_tensorflow() as seen:
             for _, fn in TAKEN:
                 fn()
             gen_array_ops.transpose(_X, np.array([1, 0, 2]))  # (checks the counting)
-        finally:
-            _C.skip_trace_setup(original)
     assert seen == ["Transpose"]

@@ -116,25 +116,15 @@ def test_keras_cnn_ops_skip_tensorflows_python_fallback(twins):
     variables, which TensorFlow's C fast path refuses (its Python fallback captures the
     stack twice per op); under the handler every op of the call skips both."""
     import tf_ophandlers._C as _C  # pylint: disable=import-outside-toplevel
-    from tf_ophandlers.core import skip_trace  # pylint: disable=import-outside-toplevel
+    from conftest import ops_left_to_tensorflow  # pylint: disable=import-outside-toplevel
     cf, cl, weights, x = twins
     ref, _ = _reference(cl, weights, x, False)
     cf.set_weights(weights)
-    seen = []
-    original = skip_trace._fast_path_execute  # pylint: disable=protected-access
-
-    def counting(*args):
-        seen.append(args[1])
-        return original(*args)
-
     with oh.DataFormat():
-        _C.skip_trace_setup(counting)  # what the ops it does not take reach
-        try:
+        with ops_left_to_tensorflow() as seen:
             before = _C.skip_trace_stats()["taken"]
             y = cf(x, training=False)
             taken = _C.skip_trace_stats()["taken"] - before
-        finally:
-            _C.skip_trace_setup(original)
     close(y, ref)
     assert seen == []
     assert taken >= 30  # (8 of them Transposes and Reshapes of tuples)

@@ -65,13 +65,25 @@ bool HasObjectInput(PyObject* stack, int n_in, TFE_TensorHandle** in) {
   return false;
 }
 
+bool IsCopyOp(const char* type) {
+  return std::strncmp(type, "Copy", 4) == 0 &&
+         (!std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
+          !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad"));
+}
+
 bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
            int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
            TF_Status* status, int depth) {
+  // A copy op runs here only on the op's first stack, through the Python execute hook
+  // of a handler taking every copy op like any op (`handles_copy = True`, decided
+  // FAST_HOOK by fast_decision); elsewhere it has the stacks' copy rules (Python).
+  const bool copy_op = IsCopyOp(type);
+  if (copy_op && (stack == g_physical || depth > 0)) return false;
   if (stack == g_physical) return RunPhysical(src, type, n_in, in, num_outputs, outputs, status);
   if (depth > kMaxDepth) return false;
   const Decision* d = Decide(stack, type);
   if (d == nullptr) return false;
+  if (copy_op && d->kind != kHook) return false;
   switch (d->kind) {
     case kForward: {
       Decision copy = *d;  // the cache may be cleared by nested decisions
@@ -110,16 +122,11 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
   }
 }
 
-// Ops the fast path never takes: copy ops and _EagerConst (their own rules in Python),
-// and ops running Python in their kernel (tf.py_function), whose body must run with
-// state.current set to the next stack.
+// Ops the fast path never takes: _EagerConst (its own rule in Python) and ops running
+// Python in their kernel (tf.py_function), whose body must run with state.current set
+// to the next stack. Copy ops are taken only as RunOn says.
 bool Excluded(const char* type) {
   if (type[0] == '_' && std::strcmp(type, "_EagerConst") == 0) return true;
-  if (std::strncmp(type, "Copy", 4) == 0 &&
-      (!std::strcmp(type, "CopyOn") || !std::strcmp(type, "CopyOff") ||
-       !std::strcmp(type, "CopyOnGrad") || !std::strcmp(type, "CopyOffGrad"))) {
-    return true;
-  }
   return std::strstr(type, "PyFunc") != nullptr;
 }
 

@@ -4,6 +4,7 @@
 #include "handler_tensor.h"
 
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -56,9 +57,19 @@ bool ReleaseStackAnchorNoGil(StackAnchor* a) {
   return false;
 }
 
+// The last shape a handler answered whole (dispatch.num_dims returned its `value_shape`
+// as a tuple) and its payload: TensorFlow asks the rank and then each axis, and those
+// axes are answered from here instead of one `dim` hook call each. One entry; read and
+// written with the GIL held; cleared when its payload is freed (under the GIL too), so
+// an address reused by a new payload never finds it.
+// (Atomic: PayloadDim peeks at it before taking the GIL.)
+std::atomic<const TFOH_Payload*> g_shape_payload{nullptr};
+std::vector<int64_t> g_shape_dims;
+
 // Drops the payload's Python references (an anchored payload: its count of the anchor,
 // and only `value`, which PayloadValue may have set since) and frees it. GIL: held.
 void FreePayloadWithGil(TFOH_Payload* p) {
+  if (g_shape_payload.load(std::memory_order_relaxed) == p) g_shape_payload.store(nullptr);
   if (p->anchor != nullptr) {
     ReleaseStackAnchor(static_cast<StackAnchor*>(p->anchor));
   } else {
@@ -92,6 +103,20 @@ int64_t AskShapeHook(TFOH_Payload* p, const char* hook, Call call, long long min
   int64_t result = -1;
   PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
   PyObject* r = call(stack);
+  if (r != nullptr && PyTuple_Check(r) && std::strcmp(hook, "num_dims") == 0) {
+    // The whole shape (dispatch.num_dims validated it: ints >= -1, rank <= kMaxRank).
+    std::vector<int64_t> dims(static_cast<size_t>(PyTuple_GET_SIZE(r)));
+    for (size_t i = 0; i < dims.size(); ++i) {
+      dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(r, static_cast<Py_ssize_t>(i)));
+    }
+    if (!PyErr_Occurred()) {
+      g_shape_payload.store(p);
+      g_shape_dims = std::move(dims);
+      Py_DECREF(r);
+      PyGILState_Release(g);
+      return static_cast<int64_t>(g_shape_dims.size());
+    }
+  }
   if (r != nullptr) {
     // dispatch validates; this is the last line of defence before an int.
     int overflow = 0;
@@ -129,6 +154,14 @@ int PayloadNumDims(void* data, TF_Status* status) {
 int64_t PayloadDim(void* data, int dim_index, TF_Status* status) {
   auto* p = static_cast<TFOH_Payload*>(data);
   if (p->shape_source != nullptr) return TFE_TensorHandleDim(p->shape_source, dim_index, status);
+  if (g_shape_payload.load(std::memory_order_relaxed) == p && PythonAlive()) {
+    PyGILState_STATE g = PyGILState_Ensure();  // (the peek above is checked again here)
+    const bool hit = g_shape_payload.load(std::memory_order_relaxed) == p && dim_index >= 0 &&
+                     static_cast<size_t>(dim_index) < g_shape_dims.size();
+    const int64_t d = hit ? g_shape_dims[static_cast<size_t>(dim_index)] : -1;
+    PyGILState_Release(g);
+    if (hit) return d;
+  }
   return AskShapeHook(
       p, "dim",
       [p, dim_index](PyObject* stack) {
@@ -155,6 +188,8 @@ void PayloadDeallocate(void* data) {
   // its count of the anchor, dropped without the GIL unless it is the last.
   if (p->anchor != nullptr && p->value == nullptr &&
       ReleaseStackAnchorNoGil(static_cast<StackAnchor*>(p->anchor))) {
+    const TFOH_Payload* cached = p;  // (never asked by Python without a value; if so)
+    g_shape_payload.compare_exchange_strong(cached, nullptr);
     delete p;
     return;
   }

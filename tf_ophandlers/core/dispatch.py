@@ -116,6 +116,15 @@ def _hook_int(stack, hook, op_type, result, what):
 
 def num_dims(stack, value, op_type=None):
     handler = stack.handler
+    value_shape = getattr(handler, "value_shape", None)
+    if value_shape is not None:
+        # A handler that answers the whole shape at once (oh.vectorized_map): the C++
+        # side answers the `dim` queries that follow from it (cc/handler_tensor.cc),
+        # instead of a hook call per axis. Anything but ints >= -1 (None: -1) takes the
+        # per-axis hooks, which report it.
+        shape = _whole_shape(value_shape(value))
+        if shape is not None:
+            return shape
     rank = _hook_int(stack, "num_dims", op_type, handler.num_dims(value),
                      "a rank is an int from 0 to %d" % _MAX_RANK)
     if rank < 0:
@@ -129,6 +138,19 @@ def num_dims(stack, value, op_type=None):
             stack, "num_dims", op_type,
             "%d (a rank is an int from 0 to %d)" % (rank, _MAX_RANK))
     return rank
+
+
+def _whole_shape(shape):
+    """`shape` (from `value_shape`) as a tuple of ints (-1 for unknown), or None when it
+    is not a known-rank shape of valid axis lengths."""
+    if type(shape) is not tuple or len(shape) > _MAX_RANK:
+        return None
+    if None in shape:
+        shape = tuple(-1 if d is None else d for d in shape)
+    for d in shape:
+        if type(d) is not int or d < -1 or d >= _INT64_LIMIT:
+            return None
+    return shape
 
 
 def dim(stack, value, index, op_type=None):

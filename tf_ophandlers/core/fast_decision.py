@@ -31,6 +31,13 @@ _fast_signatures = BoundedCache("fast_path.signatures", 1024)
 FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD, FAST_LAZY = 0, 1, 2, 3, 4, 5
 
 
+def takes_copy(handler, op):
+    """Whether `handler` takes copy op `op` in `execute` like any op
+    (`OpHandler.handles_copy`: True for every copy op, or a predicate)."""
+    handles_copy = handler.handles_copy
+    return handles_copy is True or (handles_copy is not None and bool(handles_copy(op)))
+
+
 def needs_no_python_kernel(op_type):
     """Whether ops of `op_type` run no Python inside their kernel (tf.py_function's do;
     the C++ fast path never takes them either)."""
@@ -97,7 +104,7 @@ def fast_signature(stack, handler):
     sig = (type(handler), stack._default_execute, stack._records, handles,
            stack._off_stack_ops if stack._off_stack_ops is not None else stack._off_stack,
            handler.needs_copy is None, stack._defer_copy, bool(handler.transient),
-           stack.default_copy_on)
+           stack.default_copy_on, handler.handles_copy is True)
     try:
         got = _fast_signatures.get(sig)
     except TypeError:  # an unhashable declaration: not shared
@@ -129,7 +136,10 @@ def fast_decision(stack, op_type):
         # (C++ decides these stacks itself: fast_decision.cc, the same rule.)
         kind = FAST_NATIVE if stack._runs_execute(op_type) else FAST_FORWARD
     elif op_type in COPY_OPS:
-        kind = FAST_PYTHON
+        # A handler taking every copy op like any op (`handles_copy = True`, in the
+        # signature) gets its hook called from C as for other ops; else the copy rules.
+        kind = (FAST_HOOK if handler.handles_copy is True and stack._runs_execute(op_type)
+                and not stack._records and not stack._off_stack else FAST_PYTHON)
     elif not stack._runs_execute(op_type):
         kind = FAST_FORWARD
     elif stack._records and not stack._off_stack and needs_no_python_kernel(op_type):

@@ -95,6 +95,8 @@ class OpHandler:
     #: CopyOnGrad, CopyOff, CopyOffGrad) placed on this handler's stack in `execute`,
     #: like any op, instead of the stack running them through `copy_on`/`copy_off`.
     #: A recording tape does, so that it records copies and their outputs stay on it.
+    #: ``True`` (not a function): every copy op, which the C++ per-op path then runs
+    #: through `execute` as it does other ops (no Python stack frames around it).
     handles_copy = None
 
     #: Whether a function call op placed on this handler is replayed op by op through it

@@ -28,7 +28,8 @@ from tf_ophandlers.core.cache import BoundedCache, WeakRegistry
 from tf_ophandlers.core.representation import (  # noqa: F401  (public via the stack)
     move_onto, payload, representation_of, stack_of)
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
-    COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy)
+    COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy,
+    takes_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
 
 _execute = _C.execute
@@ -169,7 +170,8 @@ _C.fast_setup(state, PHYSICAL)
 #: fast_signature reads `transient` too).
 _DECLARATIONS = frozenset((
     "execute", "copy_on", "function_input", "function_output", "after_execute",
-    "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient"))
+    "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient",
+    "handles_copy"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
 # class -> (its declarations when decided, bool). A declaration assigned to the class
 # after a stack of it was built (a monkeypatched execute) must not get the old fields:
@@ -355,10 +357,8 @@ class HandlerStack(Stack):
                     "tf_ophandlers: function call %s reached %s, but function replay "
                     "(tf_ophandlers.core.functions) is not loaded" % (op.type, self))
             return rule(self, op, inputs)
-        if op.type in COPY_OPS:
-            handles_copy = handler.handles_copy
-            if handles_copy is None or not handles_copy(op):
-                return self._execute_copy(op, inputs)
+        if op.type in COPY_OPS and not takes_copy(handler, op):
+            return self._execute_copy(op, inputs)
         if mode is None:
             values, foreign = _unwrap_inputs(self, inputs)
         else:
@@ -496,15 +496,15 @@ class HandlerStack(Stack):
         hook = self.handler.copy_off if op.type == "CopyOff" else self.handler.copy_on_grad
         value = self.call_hook(hook, self.unwrap(t), device)
         try:  # a gradient's copy with a tape or accumulator below: recorded there
-            if op.type != "CopyOnGrad" or not any(h.differentiates and h.handles_copy(
-                    op) for h in self.next.handlers):  # (copied off, it lost its tangent)
+            if op.type != "CopyOnGrad" or not any(h.differentiates and takes_copy(
+                    h, op) for h in self.next.handlers):  # (copied off, it lost its tangent)
                 return [self.next.copy_off(value, device)]
         except errors.CopyOffError as e:  # refused below by a handler taking copy ops
             # (also under transparent handlers between: vectorized_map > PassThrough >
             # GradientTape > Async, OH_FUZZ_SEED=100 slow case 28): the copy op runs there
             below = getattr(getattr(e, "refused_by", None), "handler", None)
             if not any(h is below for h in self.next.handlers) or getattr(
-                    below, "handles_copy", None) is None or not below.handles_copy(op):
+                    below, "handles_copy", None) is None or not takes_copy(below, op):
                 raise
         return self.next.execute(op, [value])
 

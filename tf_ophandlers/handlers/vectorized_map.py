@@ -373,10 +373,10 @@ class VectorizedMap(OpHandler):
         # its batched tensor, one row per example.
         return value.value
 
-    def handles_copy(self, op):
-        # Copy ops inside the map act per example: a gradient computed inside the mapped
-        # function (CopyOnGrad of a captured tensor) stays one value per example.
-        return True
+    # Copy ops inside the map act per example: a gradient computed inside the mapped
+    # function (CopyOnGrad of a captured tensor) stays one value per example. (True,
+    # not a method: the C++ per-op path runs them through `execute` without frames.)
+    handles_copy = True
 
     def execute(self, op, inputs):
         frames = _state.frames  # (next_stack(), inlined: this runs for every op)

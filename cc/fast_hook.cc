@@ -128,8 +128,14 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     if (physical_copy == nullptr && d.next == g_physical && PayloadOf(in[i]) == nullptr) {
       // A physical tensor onto a stack over PHYSICAL: the handler's `physical_copy_on`,
       // when it declares one, gives what its copy_on would (OpHandler), with no frame.
-      physical_copy = PyObject_GetAttr(handler, s_physical_copy);
-      if (physical_copy == nullptr) goto fail;
+      // The stack holds the one that applies (core/fast_decision.py physical_copy_of):
+      // None when a subclass or the instance set its own copy_on.
+      physical_copy = PyObject_GetAttr(stack, s_physical_copy);
+      if (physical_copy == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto fail;
+        PyErr_Clear();  // (a stack without the field: its copy_on)
+        physical_copy = Py_NewRef(Py_None);
+      }
     }
     PyObject* moved =
         physical_copy != nullptr && physical_copy != Py_None && PayloadOf(in[i]) == nullptr

@@ -107,7 +107,7 @@ extern PyObject* s_not_a_list;     // "_raise_not_a_list"
 extern PyObject* s_wrap_eager;     // "_wrap_eager"
 extern PyObject* s_after_execute;  // "after_execute"
 extern PyObject* s_sig;            // "_oh_sig"
-extern PyObject* s_physical_copy;  // "physical_copy_on"
+extern PyObject* s_physical_copy;  // "_physical_copy_on" (HandlerStack: physical_copy_of)
 
 // Set once a stack that may take the fast path exists (stacks_changed); g_fast_ops
 // counts the ops TryFastExecute handled (fast_stats). Guarded by the GIL. Defined in

@@ -142,7 +142,7 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
       !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
       !InternOnce(&s_wrap_eager, "_wrap_eager") ||
       !InternOnce(&s_after_execute, "after_execute") || !InternOnce(&s_sig, "_oh_sig") ||
-      !InternOnce(&s_physical_copy, "physical_copy_on")) {
+      !InternOnce(&s_physical_copy, "_physical_copy_on")) {
     return nullptr;
   }
   Py_RETURN_NONE;

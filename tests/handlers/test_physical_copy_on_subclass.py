@@ -1,10 +1,13 @@
 """A subclass of a handler declaring `physical_copy_on` (oh.VectorizedMap) that overrides
 `copy_on`: the C++ path (cc/fast_hook.cc RunHook) must call the subclass's copy_on for a
 physical input, not the inherited `physical_copy_on`, which stands in for the parent's
-copy_on only (review2: the inherited one silently replaced it)."""
+copy_on only (review2: the inherited one silently replaced it). The same for a `copy_on`
+set on an instance (vmap5), and an instance's own `physical_copy_on` is used; one
+function decides (core/fast_decision.py `physical_copy_of`)."""
 import numpy as np
 import tensorflow as tf
 
+from tf_ophandlers.core.fast_decision import physical_copy_of
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of, stack_of
 from tf_ophandlers.handlers.batching_rules import Batched
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap
@@ -22,8 +25,8 @@ class _Shifted(VectorizedMap):
 
 
 def test_subclass_copy_on_is_called_for_physical_inputs():
-    assert _Shifted.physical_copy_on is None
-    assert VectorizedMap.physical_copy_on is not None
+    assert physical_copy_of(_Shifted(3)) is None
+    assert physical_copy_of(VectorizedMap(3)) is VectorizedMap.physical_copy_on is not None
     c = tf.constant([10.0, 20.0])
     want = np.sin(np.array([[10.0, 20.0], [11.0, 21.0], [12.0, 22.0]], np.float32))
     for _ in range(3):  # (the C++ path's decisions are made at the first runs)
@@ -33,3 +36,47 @@ def test_subclass_copy_on_is_called_for_physical_inputs():
         found, value = representation_of(h, y)
         assert found and value.batched
         np.testing.assert_allclose(value.value.numpy(), want, rtol=1e-6)
+
+
+def _shifted_copy_on(h):
+    """`_Shifted.copy_on` as an instance's own function (a plain VectorizedMap's)."""
+    return lambda tensor: _Shifted.copy_on(h, tensor)
+
+
+def test_instance_copy_on_is_called_for_physical_inputs():
+    c = tf.constant([10.0, 20.0])
+    want = np.sin(np.array([[10.0, 20.0], [11.0, 21.0], [12.0, 22.0]], np.float32))
+    plain = np.sin(np.array([[10.0, 20.0]] * 3, np.float32))
+    for _ in range(3):
+        h = VectorizedMap(3)
+        h.copy_on = _shifted_copy_on(h)
+        assert physical_copy_of(h) is None
+        with h:
+            y = tf.sin(c)
+        found, value = representation_of(h, y)
+        assert found and value.batched
+        np.testing.assert_allclose(value.value.numpy(), want, rtol=1e-6)
+        # Stacks of plain instances between them keep the class's shortcut.
+        h = VectorizedMap(3)
+        with h:
+            y = tf.sin(c)
+        found, value = representation_of(h, y)
+        assert found and not value.batched
+        np.testing.assert_allclose(np.broadcast_to(value.value.numpy(), (3, 2)), plain,
+                                   rtol=1e-6)
+
+
+def test_instance_physical_copy_on_is_used():
+    c = tf.constant([10.0, 20.0])
+    for _ in range(3):
+        h = _Shifted(3)
+        calls = []
+        # Not what _Shifted.copy_on gives (that is shifted): the instance's own applies.
+        h.physical_copy_on = lambda tensor, calls=calls: (calls.append(1),
+                                                          Batched(tensor, False))[1]
+        assert physical_copy_of(h) is h.physical_copy_on
+        with h:
+            y = tf.sin(c)
+        found, value = representation_of(h, y)
+        assert found and not value.batched and calls
+        np.testing.assert_allclose(value.value.numpy(), np.sin([10.0, 20.0]), rtol=1e-6)

@@ -38,6 +38,26 @@ def takes_copy(handler, op):
     return handles_copy is True or (handles_copy is not None and bool(handles_copy(op)))
 
 
+def physical_copy_of(handler):
+    """The `physical_copy_on` the C++ path may call for `handler` instead of its
+    `copy_on` (read from the stack as `_physical_copy_on`), or None: the one that
+    `handler`'s `copy_on` comes with. The instance, then its classes from the most
+    derived: the first to set `copy_on` or `physical_copy_on` decides, and one that
+    sets `copy_on` alone gets None (its copy_on would be skipped for physical inputs)."""
+    own = getattr(handler, "__dict__", None) or {}
+    if "physical_copy_on" in own:
+        return own["physical_copy_on"]
+    if "copy_on" in own:
+        return None
+    for cls in type(handler).__mro__:
+        defined = cls.__dict__
+        if "physical_copy_on" in defined:
+            return getattr(handler, "physical_copy_on", None)
+        if "copy_on" in defined:
+            return None
+    return None
+
+
 def needs_no_python_kernel(op_type):
     """Whether ops of `op_type` run no Python inside their kernel (tf.py_function's do;
     the C++ fast path never takes them either)."""

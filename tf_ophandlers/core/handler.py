@@ -128,16 +128,11 @@ class OpHandler:
     #: None, or a function ``physical_copy_on(tensor) -> representation`` that gives
     #: what `copy_on` gives for a physical tensor when the next stack is PHYSICAL, running
     #: no ops. The C++ fast path then calls it instead of `copy_on`, without a hook frame
-    #: (oh.vectorized_map: the tensor as an unbatched value). A subclass that overrides
-    #: `copy_on` without its own `physical_copy_on` gets None (`__init_subclass__`).
+    #: (oh.vectorized_map: the tensor as an unbatched value). It stands in for the
+    #: `copy_on` defined beside it only: a subclass or an instance that sets its own
+    #: `copy_on` without its own `physical_copy_on` has its `copy_on` called
+    #: (core/fast_decision.py `physical_copy_of` decides, once per stack).
     physical_copy_on = None
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # An inherited physical_copy_on stands in for the parent's copy_on only: the
-        # C++ path would otherwise skip the subclass's own copy_on for physical inputs.
-        if "copy_on" in cls.__dict__ and "physical_copy_on" not in cls.__dict__:
-            cls.physical_copy_on = None
 
     #: Whether `copy_on_grad` combines the parts of a representation into one value (a
     #: parallel handler sums its components: the gradient of a broadcast). A sparse

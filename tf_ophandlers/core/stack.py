@@ -29,7 +29,7 @@ from tf_ophandlers.core.representation import (  # noqa: F401  (public via the s
     move_onto, payload, representation_of, stack_of)
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
     COPY_OPS, fast_decision, fast_signature, handles_predicate, needs_no_python_kernel, never_copy,
-    takes_copy)
+    physical_copy_of, takes_copy)
 from tf_ophandlers.core.state import register_bottom, start_runtime, state
 
 _execute = _C.execute
@@ -171,7 +171,7 @@ _C.fast_setup(state, PHYSICAL)
 _DECLARATIONS = frozenset((
     "execute", "copy_on", "function_input", "function_output", "after_execute",
     "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient",
-    "handles_copy"))
+    "handles_copy", "physical_copy_on"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
 # class -> (its declarations when decided, bool). A declaration assigned to the class
 # after a stack of it was built (a monkeypatched execute) must not get the old fields:
@@ -263,6 +263,7 @@ class HandlerStack(Stack):
         f["default_copy_on"] = getattr(cls.copy_on, "_oh_default", False)
         f["default_function_input"] = getattr(cls.function_input, "_oh_default", False)
         f["default_function_output"] = getattr(cls.function_output, "_oh_default", False)
+        f["_physical_copy_on"] = physical_copy_of(handler)  # (read by cc/fast_hook.cc)
         off = handler.returns_off_stack
         f["_off_stack"] = bool(off)
         # Op types whose outputs may leave the stack (None: any op type).

@@ -24,10 +24,14 @@ from tensorflow.python.util import nest
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
+from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers.gradient_tape_static import STATIC_GRADIENTS
 
 _key = tensor_key
 _stack_of = stack_of
+# TensorFlow's gradient registry's dict (name -> {"type": function, ...}), read before its
+# `lookup` (which converts the name and raises the LookupError reported below).
+_registered = getattr(_ops._gradient_registry, "_registry", {})  # pylint: disable=protected-access
 
 # Gradient functions that accept None for these output gradients; TensorFlow's tape
 # (pywrap_tfe_src.cc, FunctionsAcceptingNoneForIndicesMap) skips building zeros for them.
@@ -148,8 +152,11 @@ def _registered_gradient(record):
     type's gradient, as in TensorFlow's graph gradients; the same lookup as
     oh.ForwardAccumulator's (a record without `backward` has its Op)."""
     gradient_type = record.op.gradient_type
+    # Registry.lookup's own dict first (a str key: no compat.as_str frames per record).
+    entry = _registered.get(gradient_type) if type(gradient_type) is str else None
     try:
-        grad_fn = _ops._gradient_registry.lookup(gradient_type)  # pylint: disable=protected-access
+        grad_fn = (entry["type"] if type(entry) is dict and "type" in entry
+                   else _ops._gradient_registry.lookup(gradient_type))  # pylint: disable=protected-access
     except LookupError as e:
         raise LookupError(
             "oh.GradientTape: op %s has no registered gradient (%s); register one "
@@ -378,11 +385,18 @@ class BackwardPass:
     def _entered(stack):
         """The scope that places ops on `stack`, or None when they are placed there
         already (re-entering would open nothing)."""
-        current = current_stack()
-        if stack is current or all(any(h is c for c in current.handlers)
-                                   for h in stack.handlers):
+        current = _state.current  # (current_stack(), inlined: once per record)
+        if stack is current:
             return None
-        return _scope.handler(stack)
+        # (loops, not all/any of generators: this runs for every record)
+        handlers = current.handlers
+        for h in stack.handlers:
+            for c in handlers:
+                if h is c:
+                    break
+            else:
+                return _scope.handler(stack)
+        return None
 
     # -- jacobians (a loop of backward passes; vectorized with oh.vectorized_map) -----------
 

@@ -339,7 +339,8 @@ class VectorizedMap(OpHandler):
         """The per-example shape (a tuple, None for unknown dims or rank), as
         `tensor._shape_tuple()` gives it through num_dims/dim; read by oh.GradientTape's
         static-shape gradients (gradient_tape_static.py) without those per-axis trips."""
-        shape = static_shape(value.value)
+        v = value.value  # (static_shape, inlined for eager tensors: once per shape query)
+        shape = v._shape_tuple() if type(v) is _EagerTensor else static_shape(v)  # pylint: disable=protected-access
         return shape[1:] if shape is not None and value.batched else shape
 
     def static_value(self, value):

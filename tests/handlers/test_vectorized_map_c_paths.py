@@ -147,3 +147,25 @@ def test_whole_shapes_answer_the_axis_queries():
         assert_same_tensors(want, ref)
         assert seen_ref == seen, seen_ref
         assert calls["num_dims"] > 0 and calls["dim"] > 0, calls
+
+
+def test_gradients_reading_attributes_get_them_when_asked():
+    """The tape's backward pass makes a record's attribute tuple only when its gradient
+    function reads one (gradient_tape_backward._LazyAttrsOp): MatMul's transposes and
+    a reduction's keep_dims must still reach their gradients."""
+    w = tf.Variable(tf.random.stateless_normal([2, 3], seed=[5, 4]))
+    x = tf.random.stateless_normal([4, 3], seed=[5, 5])
+
+    def per_example(tape_cls):
+        def fn(e):
+            with tape_cls() as t:
+                a = tf.matmul(e[None], w, transpose_b=True)
+                b = tf.matmul(w, a, transpose_a=True, transpose_b=True)  # [3, 1]
+                y = tf.reduce_sum(tf.reduce_mean(a * a, axis=1, keepdims=True)) + \
+                    tf.reduce_sum(b)
+            return t.gradient(y, w)
+        return fn
+
+    want = tf.vectorized_map(per_example(tf.GradientTape), x)
+    got = oh.vectorized_map(per_example(oh.GradientTape), x)
+    assert_same_tensors(want, got)

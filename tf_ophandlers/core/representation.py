@@ -60,8 +60,15 @@ def representation_of(handler, tensor, carrier=False):
     oh.vectorized_map's batched tensor for a per-example one, which it does not copy
     off), and a refusal means no representation."""
     while True:
-        stack = stack_of(tensor)
-        if stack is None or not any(h is handler for h in stack.handlers):
+        stack = _C.stack_of(tensor)  # (stack_of, inlined for eager tensors)
+        if stack is None:
+            stack = stack_of(tensor) if state.mode is not None else None
+        if stack is None:
+            return False, tensor
+        for h in stack.handlers:  # (a loop, not any() of a generator: per tensor)
+            if h is handler:
+                break
+        else:
             return False, tensor
         value = stack.unwrap(tensor)
         if stack.handler is handler:

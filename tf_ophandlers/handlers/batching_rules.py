@@ -36,7 +36,8 @@ def _ndim(v):
 
 def _rank(b):
     """Per-example rank of a Batched."""
-    r = _ndim(b.value)
+    v = b.value  # (_ndim, inlined: per input of a batched op)
+    r = len(v._shape_tuple()) if type(v) is _EagerTensor else v.shape.rank  # pylint: disable=protected-access
     return r - 1 if b.batched and r is not None else r
 
 

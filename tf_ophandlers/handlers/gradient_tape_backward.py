@@ -144,6 +144,26 @@ def short_repr(value):
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+class _LazyAttrsOp(_tf_backprop._MockOp):  # pylint: disable=protected-access
+    """TensorFlow's `_MockOp` whose attribute tuple is made when a gradient function
+    first reads it (`get_attr`): making it serializes the recorded op's attributes, and
+    most gradient functions read none (relu, add, the copies, reshape)."""
+
+    def __init__(self, op, inputs, outputs, typ, skip_input_indices):  # pylint: disable=super-init-not-called
+        # (_MockOp.__init__ sets these and `attrs`, which __getattr__ makes instead)
+        self._op = op
+        self.inputs = inputs
+        self.outputs = outputs
+        self.type = typ
+        self.skip_input_indices = skip_input_indices
+
+    def __getattr__(self, name):
+        if name != "attrs":
+            raise AttributeError(name)
+        self.attrs = attrs = self._op.attr_tuple()  # (later reads: the instance's)
+        return attrs
+
+
 def _registered_gradient(record):
     """(gradient function, static-shape rule or None, _MockOp) of a record without
     `backward`, or None when its op has no gradient (tf.no_gradient).
@@ -151,7 +171,8 @@ def _registered_gradient(record):
     A node's gradient override (tf.custom_gradient in a replayed function) replaces its
     type's gradient, as in TensorFlow's graph gradients; the same lookup as
     oh.ForwardAccumulator's (a record without `backward` has its Op)."""
-    gradient_type = record.op.gradient_type
+    op = record.op  # (its gradient_type property, inlined: per record)
+    gradient_type = op.gradient_op_type or op.type
     # Registry.lookup's own dict first (a str key: no compat.as_str frames per record).
     entry = _registered.get(gradient_type) if type(gradient_type) is str else None
     try:
@@ -164,8 +185,8 @@ def _registered_gradient(record):
             % (record.op_type, e)) from e
     if grad_fn is None:
         return None
-    mock = _tf_backprop._MockOp(  # pylint: disable=protected-access
-        record.op.attr_tuple(), record.inputs, record.outputs, record.op_type, record.skip)
+    mock = _LazyAttrsOp(record.op, record.inputs, record.outputs, record.op_type,
+                        record.skip)
     static = STATIC_GRADIENTS.get(gradient_type)
     if static is not None and not getattr(record.stack.handler, "static_shape_gradients",
                                           False):
@@ -177,7 +198,7 @@ def _take_parts(record, grads, source_ids):
     """The gradient parts of `record`'s outputs (None if none has any), taken out of
     `grads` (except for sources, whose gradients are results)."""
     out_ids = record.ids[1]
-    parts = [grads.get(i) for i in out_ids]
+    parts = list(map(grads.get, out_ids))  # (no comprehension frame: per record)
     if not any(parts):
         return None
     for i in out_ids:
@@ -226,7 +247,7 @@ class BackwardPass:
         source_ids = set(source_list)
 
         # Records on a path from a source to a target, in recording order.
-        needed, pending, seen = {}, list(target_ids), set()
+        needed, pending, seen = {}, list(target_ids), {None}
         while pending:
             i = pending.pop()
             if i in seen:
@@ -235,14 +256,16 @@ class BackwardPass:
             record = producer.get(i)
             if record is not None and record.seq not in needed:
                 needed[record.seq] = record
-                pending.extend(x for x in record.ids[0] if x is not None)
+                pending.extend(record.ids[0])  # (None ids: skipped as seen below)
         live = set(source_ids)
         path = []
-        for seq in sorted(needed):
+        for seq in sorted(needed):  # (loops, not generators: per record)
             record = needed[seq]
-            if any(x in live for x in record.ids[0]):
-                path.append(record)
-                live.update(record.ids[1])
+            for x in record.ids[0]:
+                if x in live:
+                    path.append(record)
+                    live.update(record.ids[1])
+                    break
 
         if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
             _warn_untracked_inputs(path)
@@ -303,16 +326,15 @@ class BackwardPass:
         parts = _take_parts(record, grads, source_ids)
         if parts is None:
             return
-        scope = self._entered(record.stack)
+        stack = record.stack  # (placed there already: no _entered frame)
+        scope = None if stack is _state.current else self._entered(stack)
         if scope is None:  # (no `with` of a null context per record)
             in_grads = self._call_gradient_function(
-                record, self._output_gradients(record, parts),
-                [k for k, p in enumerate(parts) if not p])
+                record, self._output_gradients(record, parts), parts)
         else:
             with scope:
                 in_grads = self._call_gradient_function(
-                    record, self._output_gradients(record, parts),
-                    [k for k, p in enumerate(parts) if not p])
+                    record, self._output_gradients(record, parts), parts)
         for i, g in zip(record.ids[0], in_grads):
             if g is not None and i is not None and i in live:
                 grads.setdefault(i, []).append(g)
@@ -338,12 +360,15 @@ class BackwardPass:
                 out_grads.append(default_gradient.zeros_like(o))
         return out_grads
 
-    def _call_gradient_function(self, record, out_grads, missing=()):
+    def _call_gradient_function(self, record, out_grads, parts=()):
+        """`parts`: the outputs' gradient parts (falsy: none), for a backward reading
+        which were missing."""
         if record.backward is not None:
             if getattr(record.backward, "reads_missing", False):
                 # (a replayed call with tangents: which outputs had no gradient, before
                 # the zeros filled in; core/functions/call_records.densified)
-                in_grads = record.backward(*out_grads, missing=frozenset(missing))
+                missing = frozenset(k for k, p in enumerate(parts) if not p)
+                in_grads = record.backward(*out_grads, missing=missing)
             else:
                 in_grads = record.backward(*out_grads)
         else:

@@ -23,7 +23,9 @@ next stack whose leading axis is the batch when `batched` is true; unbatched val
   a warning of the `tf_ophandlers` logger (`warn=False` silences it); TensorFlow's own
   pfor error dumps for the op are suppressed.
 """
+import functools
 import logging
+import operator
 import threading
 
 import tensorflow as tf
@@ -234,11 +236,12 @@ _FALLBACK = "fallback"  # VectorizedMap._execute_generic: checks everything per 
 # decided once instead of per op. Bounded: a program has a few hundred signatures.
 _plans = BoundedCache("vectorized_map.plans", 8192)
 _EagerTensor = _ops.EagerTensor
+_value_of = operator.attrgetter("value")  # Batched.value, in C
 
 
 def _plan_key(op, inputs):
     """The signature `_plans` is keyed by, or None (not all inputs eager tensors: a
-    function being replayed)."""
+    function being replayed). (VectorizedMap.execute inlines it: per op.)"""
     sig = []
     for b in inputs:
         v = b.value
@@ -278,7 +281,7 @@ class VectorizedMap(OpHandler):
     # tape's copy_on, and the tape's record keeps it physical (core/recording.py).
     tape_copies_through = True
     # copy_on of a physical tensor over PHYSICAL, called by the C++ path without a frame.
-    physical_copy_on = staticmethod(lambda tensor: Batched(tensor, False))
+    physical_copy_on = staticmethod(functools.partial(Batched, batched=False))  # (C: no frame)
 
     def __init__(self, size, fallback_to_while_loop=True, warn=True):
         self.size = int(size)
@@ -384,19 +387,28 @@ class VectorizedMap(OpHandler):
         below = frames[-1].next if frames else next_stack()
         execute = below.execute
         plan = _FALLBACK
-        key = _plan_key(op, inputs)
-        if key is not None:
+        sig = []  # (_plan_key, inlined: this runs for every op)
+        for b in inputs:
+            v = b.value
+            if type(v) is not _EagerTensor:
+                break
+            sig.append((b.batched, v._datatype_enum(), len(v._shape_tuple())))  # pylint: disable=protected-access
+        else:
+            op_type = op.type
+            key = (op_type, op.attrs_key() if op_type in ATTRIBUTE_PLANS else None, tuple(sig))
             plan = _plans.get(key)
             if plan is None:
                 plan = _plans[key] = _plan(op, inputs)
         if plan is FORWARD or plan is UNBATCHED:
-            values = [b.value for b in inputs]
+            values = list(map(_value_of, inputs))  # (no comprehension frame)
             if below is PHYSICAL and _state.mode is None and op.type not in COPY_OPS:
                 # PHYSICAL.execute's eager case, without its frame (eager inputs: a plan)
                 outputs = _execute_physical(op, values, _state.device)
             else:
                 outputs = execute(op, values)
             if plan is FORWARD:  # every output batched, the values as they are
+                if len(outputs) == 1:  # (the common case, without a comprehension frame)
+                    return [Batched(outputs[0], True)]
                 return [Batched(o, True) for o in outputs]
             return self._unbatched(outputs)  # no batched or resource input: as it is
         if plan is RULE:

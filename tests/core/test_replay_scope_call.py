@@ -99,3 +99,27 @@ def test_the_patch_is_listed_and_outside_scopes_tensorflow_runs():
     before = function_calls.cache_info()
     assert f(tf.constant(2.0)).numpy() == 4.0
     assert function_calls.cache_info() == before  # no replay outside a scope
+
+
+def test_op_callbacks_registered_before_the_patch_still_see_calls(routes):
+    from tensorflow.python.eager import execute as tf_execute
+    from tensorflow.python.framework import op_callbacks
+    _, f, twin = _model()
+    x = tf.random.stateless_normal([2, 3, 6, 6], seed=[7, 8])
+    seen = []
+
+    def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        seen.append(op_type if isinstance(op_type, str) else op_type.decode())
+
+    saved = tf_execute.execute
+    op_callbacks.add_op_callback(callback)
+    try:
+        function_calls._install_scope_execute()  # (as if the first scope opened now)
+        with oh.DataFormat():
+            y = f(x)
+    finally:
+        op_callbacks.remove_op_callback(callback)
+        tf_execute.execute = saved
+    np.testing.assert_allclose(y.numpy(), twin(x).numpy(), rtol=1e-5, atol=1e-5)
+    assert any(t.startswith("__inference_") for t in seen), seen
+    assert routes == ["device"]  # TensorFlow's path, as with callbacks always

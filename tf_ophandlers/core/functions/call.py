@@ -353,15 +353,20 @@ def _scope_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
     as the dispatcher device's callback would run it, without the op's trip through
     TensorFlow's custom-device execute and the callback (which wraps each argument in a
     new EagerTensor): issue 20's sixth round measured that trip at ~1/2 of the replayed
-    call's per-call cost. Other calls and ops take TensorFlow's path unchanged."""
+    call's per-call cost. Other calls and ops take TensorFlow's path unchanged, and with
+    op callbacks registered (TensorFlow's `execute_with_callbacks`, which this replaced
+    if they were registered first) every call does."""
     stack = state.current
     if (stack is not PHYSICAL and op_name.startswith("__inference_")
             and state.mode is None and not state.frames
-            and ctx.device_name == DISPATCHER_DEVICE):
+            and ctx.device_name == DISPATCHER_DEVICE and not ctx.op_callbacks):
         op = _scope_call_op(stack, op_name, num_outputs, inputs, attrs)
         if op is not None:
             state.scope_placed = True
             return stack.execute(op, list(inputs))
+    if ctx.op_callbacks:
+        return _tf_execute.execute_with_callbacks(op_name, num_outputs, inputs, attrs, ctx,
+                                                  name)
     return _tf_execute.quick_execute(op_name, num_outputs, inputs, attrs, ctx, name)
 
 

@@ -348,26 +348,26 @@ _call_ops = BoundedCache("functions.scope_call_ops", 256)  # (name, attrs, n) ->
 
 
 def _scope_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
-    """TensorFlow's `execute.execute` (a ConcreteFunction's call) with a function call
-    placed by a handler scope on physical arguments taken straight to the replay rule,
-    as the dispatcher device's callback would run it, without the op's trip through
+    """TensorFlow's `execute.quick_execute` (a ConcreteFunction's call) with a function
+    call placed by a handler scope on physical arguments taken straight to the replay
+    rule, as the dispatcher device's callback would run it, without the op's trip through
     TensorFlow's custom-device execute and the callback (which wraps each argument in a
     new EagerTensor): issue 20's sixth round measured that trip at ~1/2 of the replayed
-    call's per-call cost. Other calls and ops take TensorFlow's path unchanged, and with
-    op callbacks registered (TensorFlow's `execute_with_callbacks`, which this replaced
-    if they were registered first) every call does."""
+    call's per-call cost. Other calls and ops take TensorFlow's path unchanged. (Op
+    callbacks: TensorFlow's `execute_with_callbacks` calls this and runs them after.)"""
     stack = state.current
-    if (stack is not PHYSICAL and op_name.startswith("__inference_")
+    if (stack is not PHYSICAL and type(op_name) is str  # (op wrappers pass bytes)
+            and op_name.startswith("__inference_")
             and state.mode is None and not state.frames
-            and ctx.device_name == DISPATCHER_DEVICE and not ctx.op_callbacks):
+            and ctx.device_name == DISPATCHER_DEVICE):
         op = _scope_call_op(stack, op_name, num_outputs, inputs, attrs)
         if op is not None:
             state.scope_placed = True
             return stack.execute(op, list(inputs))
-    if ctx.op_callbacks:
-        return _tf_execute.execute_with_callbacks(op_name, num_outputs, inputs, attrs, ctx,
-                                                  name)
-    return _tf_execute.quick_execute(op_name, num_outputs, inputs, attrs, ctx, name)
+    return _quick_execute(op_name, num_outputs, inputs, attrs, ctx, name)
+
+
+_quick_execute = None  # what quick_execute was (status_to_exception's wrapper, or TF's)
 
 
 def _scope_call_op(stack, op_name, num_outputs, inputs, attrs):
@@ -389,13 +389,23 @@ def _scope_call_op(stack, op_name, num_outputs, inputs, attrs):
 
 
 def _install_scope_execute():
-    # Calls quick_execute by name: whichever wrapper status_to_exception installs there
-    # (before or after this) stays on the path.
-    _tf_execute.execute = _scope_execute
+    # quick_execute, not only execute: TensorFlow resets `execute` to `quick_execute`
+    # when op callbacks go, and `execute_with_callbacks` calls it by name. The one it
+    # replaces (status_to_exception's wrapper, installed before or after this) stays
+    # on the path.
+    global _quick_execute
+    previous = _tf_execute.quick_execute
+    if previous is _scope_execute:
+        return
+    _quick_execute = previous
+    _tf_execute.quick_execute = _scope_execute
+    if _tf_execute.execute is previous:
+        _tf_execute.execute = _scope_execute
 
 
 tf_patches.register(
-    "scope_function_call", "tensorflow.python.eager.execute.execute",
+    "scope_function_call",
+    "tensorflow.python.eager.execute.quick_execute and execute",
     "a ConcreteFunction's call reaches the dispatcher only through TensorFlow's "
     "custom-device execute; a call placed by a handler scope on physical arguments is "
     "replayed from here, without that trip (the same rule and results)",

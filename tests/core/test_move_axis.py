@@ -138,7 +138,8 @@ def test_data_format_replay_uses_it_and_the_users_graph_does_not():
         ref_loss = tf.reduce_sum(twin(tf.transpose(x, [0, 2, 3, 1])) ** 2)
     np.testing.assert_allclose(grad.numpy(), tape.gradient(ref_loss, k).numpy(),
                                rtol=1e-4, atol=1e-4)
-    replays = [e.compiled.function for e in fcall._cache.values()]  # pylint: disable=protected-access
+    cached = fcall._cache.values()  # pylint: disable=protected-access
+    replays = [e.compiled.function for e in cached]
     assert replays and all("OhMoveAxis" in _ops_of(f) for f in replays)
     assert not any("Transpose" in _ops_of(f) for f in replays)
     # The user's function, traced under the handler, and a SavedModel of it afterwards

@@ -130,7 +130,7 @@ setup(cmdclass={"build_ext": build_ext}, ext_modules=[
         **common),
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
-    Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc"], **common),
+    Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc", "cc/move_axis.cc"], **common),
     # A handler library (no Python module): oh.native.PassThrough and OpCounter, built
     # only against the public header cc/include/tf_ophandlers/handler.h and loaded with
     # oh.load_handler_library. It links TensorFlow's framework library (TF_Status) only.

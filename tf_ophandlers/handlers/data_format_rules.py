@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import op_kinds
+from tf_ophandlers.core import move_axis, op_kinds
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import stack_of
@@ -154,10 +154,8 @@ def constant(values, dtype):
 # Below this many elements a transpose is cheaper than the two reshapes that would
 # lower its rank (eagerly each is an op call); unknown sizes (a replay) always lower it.
 _COLLAPSE_MIN_ELEMENTS = 1 << 14
-# Whether eager transposes are lowered too: not on issue 20's AVX-512 machine, where the
-# CNN's input transpose took 140 us of process CPU as one 4-D Transpose vs 169 us as
-# Reshape, rank-3 Transpose, Reshape (equal kernels; two more op calls). Replays, where
-# reshapes cost nothing and both forms measured the same, keep the lowered form.
+# Whether eager transposes are lowered too: not on issue 20's AVX-512 machine (the CNN's
+# input: 140 us of process CPU as one 4-D Transpose, 169 us lowered: two more op calls).
 _COLLAPSE_EAGERLY = False
 
 
@@ -166,10 +164,8 @@ def collapsed_transpose(dims, q):
     lower rank: axes that stay adjacent and in order (length-1 axes between them
     ignored) merge into one. Returns ``(shape, perm, out_shape)`` (reshape to `shape`,
     transpose by `perm`, reshape to `out_shape`; -1 for the one unknown length), or None
-    when no axes merge, more than one length is unknown, or the tensor is small.
-    On issue 20's first machine TensorFlow's CPU transpose of NCHW [16, 3, 56, 56] to
-    NHWC took ~1.5x as long as the same data as [16, 3, 3136] -> [16, 3136, 3] (on the
-    AVX-512 machine of its last round they cost the same: _COLLAPSE_EAGERLY)."""
+    when no axes merge, more than one length is unknown, or the tensor is small (issue
+    20's first machine: ~1.5x faster than the 4-D Transpose; equal on its last one)."""
     if sum(d is None for d in dims) > 1:
         return None
     if None not in dims and math.prod(dims) < _COLLAPSE_MIN_ELEMENTS:
@@ -198,10 +194,14 @@ def collapsed_transpose(dims, q):
 
 
 def transpose(nxt, value, q):
-    """``transpose(value, q)`` on the next stack, at the lowest rank that moves the same
-    data (collapsed_transpose) in a replayed function (eagerly if _COLLAPSE_EAGERLY)."""
+    """``transpose(value, q)`` on the next stack: a channels move in a replayed function
+    is one OhMoveAxis (core/move_axis.py), another transpose there (eagerly if
+    _COLLAPSE_EAGERLY) runs at the lowest rank moving the same data (collapsed_transpose)."""
     if not _COLLAPSE_EAGERLY and tf.executing_eagerly():
         return _transpose(nxt, value, q)
+    moved = move_axis.in_replay(nxt, value, q)
+    if moved is not None:
+        return moved
     plan = collapsed_transpose(dims_of(value), q)
     if plan is not None:
         shape, perm, out_shape = plan

@@ -64,6 +64,7 @@ from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, copied_attrs,
+                                                     orphan_segment,
                                                      recompute_gradient)
 
 GRADIENT = SEGMENT_GRADIENT
@@ -241,10 +242,15 @@ class _Rewrite:
             control = [made[id(c)] for c in o.control_inputs if id(c) in made]
             attrs = copied_attrs(o)  # (a tf.custom_gradient's override kept)
             with graph.control_dependencies(control) if control else contextlib.nullcontext():
-                new = graph.create_op(o.type, ins, [t.dtype for t in o.outputs], attrs=attrs,
-                                      name=o.name)
+                if orphan_segment(o):  # one Identity per input (see orphan_segment)
+                    outputs = [tf.identity(t) for t in ins]
+                    new = tf.group(*outputs)  # (for control dependencies on it)
+                else:
+                    new = graph.create_op(o.type, ins, [t.dtype for t in o.outputs],
+                                          attrs=attrs, name=o.name)
+                    outputs = new.outputs
             made[id(o)] = new
-            for t, nt in zip(o.outputs, new.outputs):
+            for t, nt in zip(o.outputs, outputs):
                 if t.shape.is_compatible_with(nt.shape):
                     nt.set_shape(t.shape)
                 env[t.ref()] = nt
@@ -298,6 +304,26 @@ FORWARD_BETWEEN = (
     "memory.")
 
 
+MAP_BETWEEN = (
+    "oh.Recompute: oh.vectorized_map is between this scope and the tape; the tape records "
+    "the map's batched ops, so nothing is saved (gradients are unchanged). Open "
+    "oh.Recompute() outside the map (inside the tape) to save memory.")
+
+
+def map_between(stack):
+    """Whether oh.vectorized_map is between `stack`'s top and the nearest handler that
+    differentiates: then oh.Recompute above runs its ops as they are (the map batches
+    them, the tape records the batched ops). A segment recorded on that tape from inside
+    the map had per-example inputs, which cannot be copied off the map: HandlerError
+    (GradientTape > vectorized_map > Recompute, OH_FUZZ_SEED=81 slow case 38)."""
+    for h in reversed(getattr(stack, "handlers", ())):
+        if getattr(h, "differentiates", None) in ("forward", "reverse"):
+            return False
+        if getattr(h, "TYPE_NAME", None) == "VECTORIZED_MAP":
+            return True
+    return False
+
+
 def forward_between(stack):
     """Whether the handler nearest `stack`'s top that differentiates is a forward one
     (oh.ForwardAccumulator): then oh.Recompute above runs its ops as they are. The
@@ -311,6 +337,13 @@ def forward_between(stack):
         if kind in ("forward", "reverse"):
             return kind == "forward"
     return False
+
+
+def as_is(stack):
+    """Why oh.Recompute above `stack` runs its ops as they are (a warning), or None."""
+    if forward_between(stack):
+        return FORWARD_BETWEEN
+    return MAP_BETWEEN if map_between(stack) else None
 
 
 def run(handler, op, tensors, stack):

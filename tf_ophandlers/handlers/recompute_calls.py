@@ -58,12 +58,11 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
-from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.functions import CompiledCall, call_records, library
 from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, copied_attrs,
+from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, _is_zero, copied_attrs,
                                                      orphan_segment,
                                                      recompute_gradient)
 
@@ -86,10 +85,12 @@ def _register_gradient():
 def _segment_gradient(op, *grads):
     plan = getattr(op, "oh_recompute_segment", None)
     if plan is None:
-        raise HandlerError(
-            "oh.Recompute: the gradient of recompute segment %s is not known here (its "
-            "function was rebuilt from a FunctionDef); differentiate the call where it "
-            "ran" % op.name)
+        # Its graph rebuilt from a FunctionDef (a handler's replay of the rewrite: 79 slow
+        # case 3, 134/13): IdentityN's own gradient, through the segment's ops, which
+        # that graph has too (recompute_graph.orphan_segment). Zeros filled in for an
+        # output nothing reads (an input passed through): None, as without Recompute.
+        return [None if not t.consumers() and _is_zero(g) else g
+                for t, g in zip(op.outputs, grads)]
     n = plan.num_outputs
     got = recompute_gradient(plan.nodes, list(op.inputs[n:]), plan.tracked, plan.refs,
                              grads[:n], plan.plain)

@@ -62,9 +62,8 @@ from tf_ophandlers.core.functions import CompiledCall, call_records, library
 from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, _is_zero, copied_attrs,
-                                                     orphan_segment,
-                                                     recompute_gradient)
+from tf_ophandlers.handlers.recompute_graph import (
+    SEGMENT_GRADIENT, copied_attrs, is_zero, orphan_segment, recompute_gradient)
 
 GRADIENT = SEGMENT_GRADIENT
 _OPAQUE = (tf.resource, tf.variant)
@@ -89,7 +88,7 @@ def _segment_gradient(op, *grads):
         # case 3, 134/13): IdentityN's own gradient, through the segment's ops, which
         # that graph has too (recompute_graph.orphan_segment). Zeros filled in for an
         # output nothing reads (an input passed through): None, as without Recompute.
-        return [None if not t.consumers() and _is_zero(g) else g
+        return [None if not t.consumers() and is_zero(g) else g
                 for t, g in zip(op.outputs, grads)]
     n = plan.num_outputs
     got = recompute_gradient(plan.nodes, list(op.inputs[n:]), plan.tracked, plan.refs,

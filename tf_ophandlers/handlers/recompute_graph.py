@@ -217,7 +217,7 @@ def _recomputable(op, is_stateful, trainable):
     return any(trainable(t) for t in op.outputs)
 
 
-def _is_zero(g):
+def is_zero(g):
     """A gradient TensorFlow's tape filled in for an output without one (zeros)."""
     if g is None:
         return True
@@ -568,7 +568,7 @@ def recompute_gradient(nodes, externals, tracked, refs, grads, plain=()):
     graph from the externals, after (and depending on) the incoming gradients. Externals
     in `plain` (variable reads) enter without the dependency, whose add would make their
     gradient dense (a gather's IndexedSlices)."""
-    real = [None if _is_zero(g) else g for g in grads]
+    real = [None if is_zero(g) else g for g in grads]
     if all(g is None for g in real):
         return [tf.zeros_like(externals[i]) for i in tracked]
     first = next(g for g in real if g is not None)

@@ -269,6 +269,8 @@ def _read_dtypes(tensor, depth):
                     continue
                 shift = 1 if attr != "body" and attr != "f" else 0  # (the predicate)
                 for f in value if isinstance(value, list) else [value]:
+                    if not _context.context().has_function(_as_str(f.name)):
+                        continue
                     inputs = library.body(_as_str(f.name)).inputs
                     for k in positions:
                         if 0 <= k - shift < len(inputs):

@@ -161,6 +161,9 @@ def _known_limitation(stack, program):
       tolerance). Unfixed, still left out.
     - Lazy inside vectorized_map (pfor traces the mapped function): Lazy refuses with a
       clear HandlerError.
+    - two accumulators over the variable gather: TensorFlow's nesting always raises
+      ("variable without handle data") and the failure leaves state that changes its
+      later nested JVPs (OH_FUZZ_SEED=152 slow case 7 was wrong after case 1): not run.
     Run eagerly instead (TensorFlow's reference is wrong in a function):
     - two accumulators: which of the outer's JVPs of the inner's JVPs are None and which
       zeros depends in a function on TensorFlow's per-op JVP graphs (inlined there; each
@@ -206,6 +209,8 @@ def _known_limitation(stack, program):
             return True  # TensorFlow's map traces: its MaxPool JVP is wrong (see above)
         stack.mode, stack.batches = "eager", stack.batches[:1]
     if layers.count("ForwardAccumulator") > 1:
+        if any(name == "gather_var" for name, _, _ in program.steps):
+            return True  # TensorFlow fails, and then differs (see above)
         stack.mode, stack.batches = "eager", stack.batches[:1]
     acc = layers.index("ForwardAccumulator") if "ForwardAccumulator" in layers else None
     if acc is not None and (any(name == "pool_nhwc" for name, _, _ in program.steps) or any(

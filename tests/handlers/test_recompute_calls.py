@@ -275,3 +275,61 @@ def test_two_tapes_over_a_called_function_with_an_unused_variable_gather():
             grads = inner.gradient(y, [x, V])
         got.append(grads[1])
     assert got[0] is None and got[1] is None, got
+
+
+@pytest.mark.parametrize("function", [False, True])
+def test_nested_recompute_leaves_an_unused_input_without_gradient(function):
+    # OH_FUZZ_SEED=133 slow case 5 (GradientTape > Recompute(save) > Recompute(budget),
+    # warm): the outer scope's rewrite reached the inner one as a FunctionDef whose
+    # segment IdentityN passes the segment's inputs through; copied with IdentityN's own
+    # gradient, z and W (read only by an unused matmul) got zeros, not None.
+    r = np.random.default_rng(0)
+    x = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
+    z = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
+    W = tf.Variable(r.standard_normal((4, 4)).astype(np.float32))
+
+    def f(a, b):
+        tf.matmul(tf.sin(b), W)  # computed, never used
+        return tf.reduce_sum(tf.tanh(a) * a)
+    fn = tf.function(f, autograph=False) if function else f
+    got = []
+    for ours in (False, True):
+        with (oh.GradientTape if ours else tf.GradientTape)() as t:
+            t.watch([x, z])
+            with oh.Recompute() if ours else contextlib.nullcontext():
+                with oh.Recompute() if ours else contextlib.nullcontext():
+                    y = fn(x, z)
+        got.append(t.gradient(y, [x, z, W]))
+    assert got[0][1] is None and got[0][2] is None  # TensorFlow's
+    assert got[1][1] is None and got[1][2] is None, got[1]
+    np.testing.assert_allclose(got[1][0].numpy(), got[0][0].numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("between", ["OpHandler", "PassThrough"])
+def test_replayed_nested_recompute_rewrite_has_a_gradient(between):
+    # OH_FUZZ_SEED=79 slow case 3's kind (81/30, 117/19, 134/13): a handler between the
+    # tape and two Recompute scopes replays the outer scope's rewrite from its
+    # FunctionDef, whose segment IdentityN lost its plan: HandlerError "the gradient of
+    # recompute segment ... is not known here". It now takes IdentityN's own gradient,
+    # through the segment's ops the replayed graph has too.
+    from test_differential import _same  # pylint: disable=import-outside-toplevel
+    r = np.random.default_rng(0)
+    x = tf.constant(r.standard_normal((3, 4)).astype(np.float32))
+    W = tf.Variable(r.standard_normal((4, 4)).astype(np.float32))
+
+    @tf.function(autograph=False)
+    def f(a):
+        s = tf.nn.softmax(a)
+        return tf.reduce_sum(tf.where(s > 0.2, tf.matmul(s, W), s) * tf.sin(a))
+    handler = {"OpHandler": oh.OpHandler, "PassThrough": oh.native.PassThrough}[between]
+    got = []
+    for ours in (False, True):
+        with (oh.GradientTape if ours else tf.GradientTape)() as t:
+            t.watch(x)
+            with contextlib.ExitStack() as scopes:
+                if ours:
+                    for scope in (handler(), oh.Recompute(), oh.Recompute()):
+                        scopes.enter_context(scope)
+                y = f(x)
+        got.append([y] + t.gradient(y, [x, W]))
+    _same(got[0], got[1], "GradientTape > %s > Recompute > Recompute" % between)

@@ -266,3 +266,33 @@ def test_gradient_inside_a_scope_in_a_function(inside_tape):
     _same(results[0], results[1], "tape.gradient inside a Recompute scope in a function")
     if not inside_tape:
         assert rc.stats["segments"] >= 2  # recorded while the tape recorded
+
+
+@pytest.mark.parametrize("body", ["sin", "matmul", "gather", "gather_add"])
+def test_eager_scope_in_vectorized_map_under_an_oh_tape(body):
+    # GradientTape > vectorized_map > Recompute (OH_FUZZ_SEED=81 slow case 38, 137/35):
+    # the scope recorded its segments on the tape outside the map, whose inputs are
+    # per-example: HandlerError "a per-example tensor cannot be copied off". The scope
+    # now runs its ops as they are there (the map batches them; said in a warning).
+    r = np.random.default_rng(0)
+    V = tf.Variable(r.standard_normal((6, 4)).astype(np.float32))
+    W = tf.Variable(r.standard_normal((4, 4)).astype(np.float32))
+    x = tf.constant(r.standard_normal((2, 3, 4)).astype(np.float32))
+    ids = tf.constant([[1, 2, 3], [0, 0, 5]])
+    first = {"sin": lambda xe, i: tf.sin(xe), "matmul": lambda xe, i: tf.matmul(xe, W),
+             "gather": lambda xe, i: tf.gather(V, i),
+             "gather_add": lambda xe, i: tf.gather(V, i) + xe}[body]
+
+    def run(ours):
+        def fn(e):
+            with oh.Recompute() if ours else contextlib.nullcontext():
+                a = first(*e)
+                return tf.round(a * 3.0) * 0.25 + tf.sin(a) * a
+        with (oh.GradientTape if ours else tf.GradientTape)() as t:
+            t.watch(x)
+            out = (oh.vectorized_map if ours else tf.vectorized_map)(fn, (x, ids))
+        return [out] + t.gradient(out, [x, V, W])
+    want = run(False)
+    with pytest.warns(RuntimeWarning, match="vectorized_map is between"):
+        got = run(True)
+    _same(want, got, "GradientTape > vectorized_map > Recompute, %s" % body)

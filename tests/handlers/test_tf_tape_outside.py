@@ -110,3 +110,28 @@ def test_a_call_on_a_value_computed_under_the_handler(handler, calls):
     want = _ops_around_a_call(tf.GradientTape, None, calls)
     got = _ops_around_a_call(oh.GradientTape, _ABOVE[handler], calls)
     _same(want, got, "tf.GradientTape > oh.GradientTape > %s, a call on x * 2" % handler)
+
+
+def _map_gather(inner_tape, vmap, handler):
+    r = np.random.default_rng(3)
+    v = tf.Variable(r.standard_normal((6, 4)).astype(np.float32))
+    ids = tf.constant([[1, 2], [3, 3]])
+    f = tf.function(lambda i: tf.reduce_mean(tf.gather(v, i), 1) ** 2, autograph=False)
+    with tf.GradientTape(persistent=True) as outer:
+        with inner_tape(persistent=True) as inner:
+            with (handler() if handler is not None else contextlib.nullcontext()):
+                y = vmap(f, ids)
+        g = inner.gradient(y, v)
+    return [y, g, outer.gradient(y, v), outer.gradient(g, v)]
+
+
+@pytest.mark.parametrize("handler", ["OpHandler", "OpLogHandler"])
+def test_map_of_a_gather_replayed_under_two_tapes(handler):
+    # OH_FUZZ_SEED=94 slow case 40 (tf.GradientTape > GradientTape > OpHandler >
+    # vectorized_map): the handler replays pfor's function, whose variable handle reaches
+    # the ResourceGather only inside pfor's fallback while loop; its placeholder got no
+    # handle data, and TensorFlow's forward function for the outer tape raised
+    # "variable without handle data".
+    want = _map_gather(tf.GradientTape, tf.vectorized_map, None)
+    got = _map_gather(oh.GradientTape, oh.vectorized_map, HANDLERS[handler])
+    _same(want, got, "tf.GradientTape > oh.GradientTape > %s > vectorized_map" % handler)

@@ -107,6 +107,25 @@ def _warn_untracked_inputs(path):
                 return
 
 
+def _variable_zeros(handle):
+    """Zeros of the variable `handle` (a call's resource output without a gradient) when
+    its handle data has no shape, else None. TensorFlow's backward function of the call
+    fills None with zeros of that shape: oh.vectorized_map's pfor functions give their
+    resource placeholders a dtype only (ValueError "Cannot convert a partially known
+    TensorShape", OH_FUZZ_SEED=128 slow case 13)."""
+    data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    if data is None or not data.is_set or len(data.shape_and_type) != 1:
+        return None
+    shape_and_type = data.shape_and_type[0]
+    if tf.TensorShape(shape_and_type.shape).is_fully_defined():
+        return None
+    try:
+        shape = tf.raw_ops.VariableShape(input=handle)
+    except (tf.errors.OpError, TypeError, ValueError):
+        return None
+    return tf.zeros(shape, tf.as_dtype(shape_and_type.dtype))
+
+
 def _zeros_of(spec):
     """Zeros of a dropped output's (dtype enum, dims)."""
     dtype = tf.dtypes.as_dtype(spec[0])
@@ -355,7 +374,8 @@ class BackwardPass:
                 # an output the tape dropped (its gradient function does not read it)
                 out_grads.append(_zeros_of(specs[k]))
             elif o is None or o.dtype in (tf.string, tf.resource):
-                out_grads.append(None)
+                out_grads.append(_variable_zeros(o) if record.backward is not None and
+                                 o is not None and o.dtype == tf.resource else None)
             else:
                 out_grads.append(default_gradient.zeros_like(o))
         return out_grads

@@ -437,14 +437,13 @@ class Recompute(OpHandler):
         return self._run_kept(op, inputs, interior)
 
     def _below_stack(self, below):
-        """Ops run as they are with an accumulator below (recompute_calls.forward_between)."""
+        """Ops run as they are with an accumulator or a map below (recompute_calls.as_is)."""
         self._below = below
-        forward = recompute_calls.forward_between(below)
-        self._as_is = self._tf_tape or forward
-        if forward and not self._warned_forward:
+        reason = recompute_calls.as_is(below)
+        self._as_is = self._tf_tape or reason is not None
+        if reason is not None and not self._warned_forward:
             self._warned_forward = True
-            warnings.warn(recompute_calls.FORWARD_BETWEEN, RuntimeWarning,
-                          stacklevel=_user_stacklevel())
+            warnings.warn(reason, RuntimeWarning, stacklevel=_user_stacklevel())
 
     def _run_kept(self, op, inputs, interior):
         """Runs `op` as it is; the tape records it itself, so the segments computing its

@@ -58,13 +58,12 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import LRUCache
-from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.functions import CompiledCall, call_records, library
 from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute_graph import (SEGMENT_GRADIENT, copied_attrs,
-                                                     recompute_gradient)
+from tf_ophandlers.handlers.recompute_graph import (
+    SEGMENT_GRADIENT, copied_attrs, is_zero, orphan_segment, recompute_gradient)
 
 GRADIENT = SEGMENT_GRADIENT
 _OPAQUE = (tf.resource, tf.variant)
@@ -85,10 +84,12 @@ def _register_gradient():
 def _segment_gradient(op, *grads):
     plan = getattr(op, "oh_recompute_segment", None)
     if plan is None:
-        raise HandlerError(
-            "oh.Recompute: the gradient of recompute segment %s is not known here (its "
-            "function was rebuilt from a FunctionDef); differentiate the call where it "
-            "ran" % op.name)
+        # Its graph rebuilt from a FunctionDef (a handler's replay of the rewrite: 79 slow
+        # case 3, 134/13): IdentityN's own gradient, through the segment's ops, which
+        # that graph has too (recompute_graph.orphan_segment). Zeros filled in for an
+        # output nothing reads (an input passed through): None, as without Recompute.
+        return [None if not t.consumers() and is_zero(g) else g
+                for t, g in zip(op.outputs, grads)]
     n = plan.num_outputs
     got = recompute_gradient(plan.nodes, list(op.inputs[n:]), plan.tracked, plan.refs,
                              grads[:n], plan.plain)
@@ -241,10 +242,15 @@ class _Rewrite:
             control = [made[id(c)] for c in o.control_inputs if id(c) in made]
             attrs = copied_attrs(o)  # (a tf.custom_gradient's override kept)
             with graph.control_dependencies(control) if control else contextlib.nullcontext():
-                new = graph.create_op(o.type, ins, [t.dtype for t in o.outputs], attrs=attrs,
-                                      name=o.name)
+                if orphan_segment(o):  # one Identity per input (see orphan_segment)
+                    outputs = [tf.identity(t) for t in ins]
+                    new = tf.group(*outputs)  # (for control dependencies on it)
+                else:
+                    new = graph.create_op(o.type, ins, [t.dtype for t in o.outputs],
+                                          attrs=attrs, name=o.name)
+                    outputs = new.outputs
             made[id(o)] = new
-            for t, nt in zip(o.outputs, new.outputs):
+            for t, nt in zip(o.outputs, outputs):
                 if t.shape.is_compatible_with(nt.shape):
                     nt.set_shape(t.shape)
                 env[t.ref()] = nt
@@ -298,6 +304,26 @@ FORWARD_BETWEEN = (
     "memory.")
 
 
+MAP_BETWEEN = (
+    "oh.Recompute: oh.vectorized_map is between this scope and the tape; the tape records "
+    "the map's batched ops, so nothing is saved (gradients are unchanged). Open "
+    "oh.Recompute() outside the map (inside the tape) instead.")
+
+
+def map_between(stack):
+    """Whether oh.vectorized_map is between `stack`'s top and the nearest handler that
+    differentiates: then oh.Recompute above runs its ops as they are (the map batches
+    them, the tape records the batched ops). A segment recorded on that tape from inside
+    the map had per-example inputs, which cannot be copied off the map: HandlerError
+    (GradientTape > vectorized_map > Recompute, OH_FUZZ_SEED=81 slow case 38)."""
+    for h in reversed(getattr(stack, "handlers", ())):
+        if getattr(h, "differentiates", None) in ("forward", "reverse"):
+            return False
+        if getattr(h, "TYPE_NAME", None) == "VECTORIZED_MAP":
+            return True
+    return False
+
+
 def forward_between(stack):
     """Whether the handler nearest `stack`'s top that differentiates is a forward one
     (oh.ForwardAccumulator): then oh.Recompute above runs its ops as they are. The
@@ -311,6 +337,13 @@ def forward_between(stack):
         if kind in ("forward", "reverse"):
             return kind == "forward"
     return False
+
+
+def as_is(stack):
+    """Why oh.Recompute above `stack` runs its ops as they are (a warning), or None."""
+    if forward_between(stack):
+        return FORWARD_BETWEEN
+    return MAP_BETWEEN if map_between(stack) else None
 
 
 def run(handler, op, tensors, stack):

@@ -217,7 +217,7 @@ def _recomputable(op, is_stateful, trainable):
     return any(trainable(t) for t in op.outputs)
 
 
-def _is_zero(g):
+def is_zero(g):
     """A gradient TensorFlow's tape filled in for an output without one (zeros)."""
     if g is None:
         return True
@@ -503,21 +503,27 @@ SEGMENT_GRADIENT = "OhRecomputeSegment"  # a segment IdentityN's gradient (recom
 
 
 def copied_attrs(op):
-    """Graph op `op`'s attributes for a copy of it. A segment's IdentityN whose plan (a
-    Python attribute) is gone, its graph rebuilt from a FunctionDef, keeps IdentityN's
-    own gradient instead: its inputs are the segment's outputs, made by the segment's
-    ops, which the copy's graph has too, so the gradient goes through them."""
-    attrs = node_attrs(op.node_def)
-    override = attrs.get(GRADIENT_OP_TYPE_ATTR)
-    if (override is not None and override.s == SEGMENT_GRADIENT.encode()
-            and getattr(op, "oh_recompute_segment", None) is None):
-        del attrs[GRADIENT_OP_TYPE_ATTR]
-    return attrs
+    """Graph op `op`'s attributes for a copy of it (an orphan segment: Identity ops)."""
+    return node_attrs(op.node_def)
+
+
+def orphan_segment(op):
+    """A segment's IdentityN whose plan (a Python attribute) is gone, its graph rebuilt
+    from a FunctionDef. Copied as one Identity per input: its inputs are the segment's
+    outputs, made by the segment's ops, which the copy's graph has too, so the gradient
+    goes through them; with IdentityN's own gradient, the outputs nothing reads (inputs
+    passed through) got zeros where TensorFlow has None (Recompute > Recompute,
+    OH_FUZZ_SEED=133 slow case 5)."""
+    override = node_attrs(op.node_def).get(GRADIENT_OP_TYPE_ATTR)
+    return (op.type == "IdentityN" and override is not None and override.s == SEGMENT_GRADIENT
+            .encode() and getattr(op, "oh_recompute_segment", None) is None)
 
 
 def _copy(graph, op, inputs):
     """A copy of graph op `op` on `inputs`; recorded on the tapes that track an input
     (a tape recording the backward pass: second order), as a gen op wrapper would."""
+    if orphan_segment(op):  # (tf.identity records itself)
+        return [tf.identity(t) for t in inputs]
     new = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs],
                           attrs=copied_attrs(op))
     plan = getattr(op, "oh_recompute_segment", None)
@@ -562,7 +568,7 @@ def recompute_gradient(nodes, externals, tracked, refs, grads, plain=()):
     graph from the externals, after (and depending on) the incoming gradients. Externals
     in `plain` (variable reads) enter without the dependency, whose add would make their
     gradient dense (a gather's IndexedSlices)."""
-    real = [None if _is_zero(g) else g for g in grads]
+    real = [None if is_zero(g) else g for g in grads]
     if all(g is None for g in real):
         return [tf.zeros_like(externals[i]) for i in tracked]
     first = next(g for g in real if g is not None)

@@ -245,6 +245,41 @@ def _variable_dtype(node):
     return None
 
 
+# Ops passing an input on to a function's input (loops, conditionals, calls): a resource
+# argument read only inside one (pfor's fallback loop around a ResourceGather, OH_FUZZ_SEED=94
+# slow case 40) gets its dtype from the reads there.
+_FORWARDING = ("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+               "PartitionedCall", "StatefulPartitionedCall")
+
+
+def _read_dtypes(tensor, depth):
+    """The dtypes of the variable reads of resource `tensor` in its graph, through
+    Identity ops and into the bodies of the functions it is passed to (`depth` levels)."""
+    dtypes = set()
+    for c in tensor.consumers():
+        dtype = _variable_dtype(c)
+        if dtype is not None:
+            dtypes.add(dtype)
+        elif c.type == "Identity":
+            dtypes |= _read_dtypes(c.outputs[0], depth)
+        elif c.type in _FORWARDING and depth > 0:
+            positions = [k for k, t in enumerate(c.inputs) if t.name == tensor.name]
+            for attr in ("body", "f", "then_branch", "else_branch", "branches"):
+                try:
+                    value = c.get_attr(attr)
+                except ValueError:
+                    continue
+                shift = 1 if attr != "body" and attr != "f" else 0  # (the predicate)
+                for f in value if isinstance(value, list) else [value]:
+                    if not _context.context().has_function(_as_str(f.name)):
+                        continue
+                    inputs = library.body(_as_str(f.name)).inputs
+                    for k in positions:
+                        if 0 <= k - shift < len(inputs):
+                            dtypes |= _read_dtypes(inputs[k - shift], depth - 1)
+    return dtypes
+
+
 def set_handle_data(placeholder, exterior, argument):
     """Gives a resource placeholder of a replay its variable's dtype and shape (what shape
     inference of reads needs). The FunctionDef does not record it, and the eager handles
@@ -257,7 +292,7 @@ def set_handle_data(placeholder, exterior, argument):
         return
     if argument.dtype != tf.resource:
         return
-    dtypes = {_variable_dtype(c) for c in argument.consumers()} - {None}
+    dtypes = _read_dtypes(argument, 4)
     if len(dtypes) != 1:
         return
     try:

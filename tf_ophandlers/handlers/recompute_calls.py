@@ -315,12 +315,19 @@ def map_between(stack):
     differentiates: then oh.Recompute above runs its ops as they are (the map batches
     them, the tape records the batched ops). A segment recorded on that tape from inside
     the map had per-example inputs, which cannot be copied off the map: HandlerError
-    (GradientTape > vectorized_map > Recompute, OH_FUZZ_SEED=81 slow case 38)."""
+    (GradientTape > vectorized_map > Recompute, OH_FUZZ_SEED=81 slow case 38). Also with
+    a tape inside the map too: the segment is recorded on every tape, the outer one
+    included (GradientTape > vectorized_map > GradientTape > Recompute)."""
+    differentiated = mapped = False
     for h in reversed(getattr(stack, "handlers", ())):
         if getattr(h, "differentiates", None) in ("forward", "reverse"):
-            return False
-        if getattr(h, "TYPE_NAME", None) == "VECTORIZED_MAP":
-            return True
+            if mapped:
+                return True
+            differentiated = True
+        elif getattr(h, "TYPE_NAME", None) == "VECTORIZED_MAP":
+            if not differentiated:
+                return True
+            mapped = True
     return False
 
 

@@ -254,15 +254,15 @@ class HandlerStack(Stack):
     def _declarations(self, handler, next_stack):
         """The fields the stack derives from `handler`'s declarations (a dict)."""
         # Hooks left at their defaults take fast paths that skip the hook frame (the
-        # base class marks its default hooks with `_oh_default`).
-        cls = type(handler)
+        # base class marks its default hooks with `_oh_default`). Read on the handler, not
+        # its class: a hook set on the instance is not a default (review3: it was skipped).
         f = {}
         f["_records"] = records = getattr(handler, "after_execute", None) is not None
         # A default execute with after_execute still runs (it calls after_execute).
-        f["_default_execute"] = getattr(cls.execute, "_oh_default", False) and not records
-        f["default_copy_on"] = getattr(cls.copy_on, "_oh_default", False)
-        f["default_function_input"] = getattr(cls.function_input, "_oh_default", False)
-        f["default_function_output"] = getattr(cls.function_output, "_oh_default", False)
+        f["_default_execute"] = getattr(handler.execute, "_oh_default", False) and not records
+        f["default_copy_on"] = getattr(handler.copy_on, "_oh_default", False)
+        f["default_function_input"] = getattr(handler.function_input, "_oh_default", False)
+        f["default_function_output"] = getattr(handler.function_output, "_oh_default", False)
         f["_physical_copy_on"] = physical_copy_of(handler)  # (read by cc/fast_hook.cc)
         off = handler.returns_off_stack
         f["_off_stack"] = bool(off)

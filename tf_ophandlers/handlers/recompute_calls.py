@@ -305,7 +305,7 @@ FORWARD_BETWEEN = (
 
 
 MAP_BETWEEN = (
-    "oh.Recompute: oh.vectorized_map is between this scope and the tape; the tape records "
+    "oh.Recompute: oh.vectorized_map is between this scope and any tape; a tape records "
     "the map's batched ops, so nothing is saved (gradients are unchanged). Open "
     "oh.Recompute() outside the map (inside the tape) instead.")
 

@@ -239,20 +239,6 @@ _EagerTensor = _ops.EagerTensor
 _value_of = operator.attrgetter("value")  # Batched.value, in C
 
 
-def _plan_key(op, inputs):
-    """The signature `_plans` is keyed by, or None (not all inputs eager tensors: a
-    function being replayed). (VectorizedMap.execute inlines it: per op.)"""
-    sig = []
-    for b in inputs:
-        v = b.value
-        if type(v) is not _EagerTensor:
-            return None
-        sig.append((b.batched, v._datatype_enum(), len(v._shape_tuple())))  # pylint: disable=protected-access
-    op_type = op.type
-    # Plans depend on attributes only for these (reading them costs a serialization).
-    return (op_type, op.attrs_key() if op_type in ATTRIBUTE_PLANS else None, tuple(sig))
-
-
 def _plan(op, inputs):
     """The plan of `op`'s signature: ops that may update state always take the generic
     path (its per-variable order checks)."""
@@ -387,7 +373,10 @@ class VectorizedMap(OpHandler):
         below = frames[-1].next if frames else next_stack()
         execute = below.execute
         plan = _FALLBACK
-        sig = []  # (_plan_key, inlined: this runs for every op)
+        # The plan's key (see _plans; attributes only for ATTRIBUTE_PLANS, reading them
+        # costs a serialization), built inline: this runs for every op. An input that is
+        # not an eager tensor (a function being replayed) takes _FALLBACK.
+        sig = []
         for b in inputs:
             v = b.value
             if type(v) is not _EagerTensor:

@@ -30,7 +30,9 @@
      PHYSICAL, inputs its own values or physical tensors, signature cached) is recorded
      in C, building the `_Node` and `LazyValue`s its execute hook would (RunLazy); any
      other op runs the hook as above.
-   Anything else (a function call op, copy ops and `_EagerConst`, ops that run Python
+   Copy ops run only on the op's first stack, through its execute hook, when the
+   handler declares `handles_copy = True` (FAST_HOOK). Anything else (a function call
+   op, other copy ops and `_EagerConst`, ops that run Python
    inside their kernel, a function being replayed, `returns_off_stack` handlers, a Python
    hook below a forwarding level, an input no level below owns) returns "not handled"
    before anything was done, and the callback takes the Python path

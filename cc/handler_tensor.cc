@@ -104,12 +104,16 @@ int64_t AskShapeHook(TFOH_Payload* p, const char* hook, Call call, long long min
   PyObject* stack = reinterpret_cast<PyObject*>(p->stack);
   PyObject* r = call(stack);
   if (r != nullptr && PyTuple_Check(r) && std::strcmp(hook, "num_dims") == 0) {
-    // The whole shape (dispatch.num_dims validated it: ints >= -1, rank <= kMaxRank).
+    // The whole shape (dispatch.num_dims validated it: ints >= -1, rank <= kMaxRank;
+    // checked again here, the last line of defence as for an int answer).
     std::vector<int64_t> dims(static_cast<size_t>(PyTuple_GET_SIZE(r)));
-    for (size_t i = 0; i < dims.size(); ++i) {
+    bool valid = dims.size() <= static_cast<size_t>(kMaxRank);
+    for (size_t i = 0; valid && i < dims.size(); ++i) {
       dims[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(r, static_cast<Py_ssize_t>(i)));
+      valid = dims[i] >= -1;
     }
-    if (!PyErr_Occurred()) {
+    if (PyErr_Occurred()) PyErr_Clear();  // (reported below as a bad answer)
+    if (valid) {
       g_shape_payload.store(p);
       g_shape_dims = std::move(dims);
       Py_DECREF(r);

@@ -5,7 +5,9 @@
    payload holds (stack, value). TensorFlow asks it for its rank, dims and summary through
    the payload methods below, which call the handler's `num_dims`, `dim` and
    `tensor_debug_string` hooks (through tf_ophandlers.core.dispatch) unless the value is a
-   tensor whose shape can be read in C.
+   tensor whose shape can be read in C. A handler with `value_shape` answers the whole
+   shape at the rank query; the dims that follow are read from a one-entry cache
+   (handler_tensor.cc: GIL held to write it, cleared when its payload is freed).
 */
 #ifndef TF_OPHANDLERS_HANDLER_TENSOR_H_
 #define TF_OPHANDLERS_HANDLER_TENSOR_H_

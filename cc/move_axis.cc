@@ -41,6 +41,10 @@ REGISTER_OP("OhMoveAxis")
     .SetShapeFn([](si::InferenceContext* c) {
       si::ShapeHandle in;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 3, &in));
+      if (!c->RankKnown(in)) {  // (Rank() is -1 then: no dims to move)
+        c->set_output(0, c->UnknownShape());
+        return ::tensorflow::OkStatus();
+      }
       bool to_last;
       TF_RETURN_IF_ERROR(c->GetAttr("to_last", &to_last));
       const int r = c->Rank(in);

@@ -38,7 +38,8 @@ extern PyObject* g_execute;         // dispatch.execute(op, inputs) -> list
 extern PyObject* g_copy_to;         // dispatch.copy_to_device(tensor) -> tensor
 extern PyObject* g_copy_from;       // dispatch.copy_from_device(tensor, dev) -> tensor
 extern PyObject* g_stash_error;     // errors.stash_error(exc, accessor) -> (code, msg)
-extern PyObject* g_num_dims;        // dispatch.num_dims(stack, value, op_type) -> int
+extern PyObject* g_num_dims;        // dispatch.num_dims(stack, value, op_type) -> int, or
+                                    // the whole shape as a tuple (handler_tensor.cc)
 extern PyObject* g_dim;             // dispatch.dim(stack, value, i, op_type) -> int
 extern PyObject* g_summarize;       // dispatch.summarize(stack, value) -> str
 extern PyObject* g_error_text;      // dispatch.output_error(op, kind, detail, outs) -> str

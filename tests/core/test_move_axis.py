@@ -168,3 +168,17 @@ def test_a_handler_below_sees_tf_transpose():
                                rtol=1e-5, atol=1e-5)
     seen = log.op_types_seen()
     assert "Transpose" in seen and "OhMoveAxis" not in seen
+
+
+def test_unknown_rank_gives_an_unknown_static_shape():
+    # final read: with an unknown input rank the shape function built a rank-2 shape.
+    from tf_ophandlers.core import move_axis as _move_axis
+
+    @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
+    def moved(x):
+        y = _move_axis.move_axis(x, True)
+        assert y.shape.rank is None, y.shape
+        return y
+
+    x = tf.random.stateless_normal([2, 3, 4, 5], seed=[1, 1])
+    np.testing.assert_array_equal(moved(x).numpy(), tf.transpose(x, [0, 2, 3, 1]).numpy())

@@ -80,3 +80,32 @@ def test_instance_physical_copy_on_is_used():
         found, value = representation_of(h, y)
         assert found and not value.batched and calls
         np.testing.assert_allclose(value.value.numpy(), np.sin([10.0, 20.0]), rtol=1e-6)
+
+
+class _CountingCopies(VectorizedMap):
+    """`physical_copy_on` as a method reading the instance (it counts its calls; as the
+    contract says, it runs no ops)."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        self.copies = 0
+
+    def physical_copy_on(self, tensor):
+        self.copies += 1
+        return Batched(tensor, False)
+
+
+def test_a_physical_copy_on_method_is_bound_to_each_stacks_handler():
+    # final read: the stack's shared per-class fields held the first handler's bound
+    # method, so a later handler's physical inputs went to the first handler's method.
+    c = tf.constant([10.0, 20.0])
+    handlers = []
+    for _ in range(3):
+        h = _CountingCopies(2)
+        handlers.append(h)
+        with h:
+            y = tf.sin(c)
+        found, value = representation_of(h, y)
+        assert found and not value.batched
+        np.testing.assert_allclose(value.value.numpy(), np.sin([10.0, 20.0]), rtol=1e-6)
+    assert [h.copies for h in handlers] == [1, 1, 1]

@@ -240,6 +240,14 @@ class OpHandler:
                 % (self.debug_string(), value))
         return dtype
 
+    #: None, or a function ``value_shape(value) -> tuple`` giving a representation's whole
+    #: shape at once (None for an unknown dim; None for an unknown rank), consistent with
+    #: `num_dims`/`dim`: TensorFlow's rank query then answers the following dim queries
+    #: without a hook call each, and oh.GradientTape's static-shape gradients read it
+    #: (oh.vectorized_map: the per-example shape). An answer that is not such a tuple falls
+    #: back to `num_dims`/`dim`.
+    value_shape = None
+
     def num_dims(self, value):
         """Rank of a representation that is not a tensor (-1 if unknown)."""
         rank = value.shape.rank

@@ -244,6 +244,9 @@ class HandlerStack(Stack):
             if key is not None:
                 _templates[key] = fields
         self.__dict__.update(fields)
+        # Per stack, not in the shared fields: a physical_copy_on method is bound to this
+        # handler (read by cc/fast_hook.cc).
+        self._physical_copy_on = physical_copy_of(handler)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
@@ -263,7 +266,6 @@ class HandlerStack(Stack):
         f["default_copy_on"] = getattr(handler.copy_on, "_oh_default", False)
         f["default_function_input"] = getattr(handler.function_input, "_oh_default", False)
         f["default_function_output"] = getattr(handler.function_output, "_oh_default", False)
-        f["_physical_copy_on"] = physical_copy_of(handler)  # (read by cc/fast_hook.cc)
         off = handler.returns_off_stack
         f["_off_stack"] = bool(off)
         # Op types whose outputs may leave the stack (None: any op type).

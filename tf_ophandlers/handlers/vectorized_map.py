@@ -544,9 +544,17 @@ def _batch_of(elems, fallback_to_while_loop, warn):
         raise ValueError("oh.vectorized_map: elems must have a leading (batch) dimension, "
                          "got a scalar")
     sizes = {int(e.shape[0]) for e in flat if e.shape.rank and e.shape[0] is not None}
+    if len(sizes) == 2 and 1 in sizes:
+        # tf.vectorized_map maps over the largest leading dimension and gathers example i
+        # of a unit one as example 0 (pfor's gather): unit leading dimensions broadcast.
+        size = max(sizes)
+        flat = [tf.broadcast_to(e, tf.concat([[size], tf.shape(e)[1:]], 0))
+                if e.shape[0] == 1 else e for e in flat]
+        sizes = {size}
     if len(sizes) != 1:
-        raise ValueError("oh.vectorized_map: elems need one static leading dimension, got "
-                         "shapes %s" % [e.shape for e in flat])
+        raise ValueError("oh.vectorized_map: elems need one static leading dimension (or "
+                         "a leading dimension of 1, which broadcasts), got shapes %s"
+                         % [e.shape for e in flat])
     return flat, VectorizedMap(sizes.pop(), fallback_to_while_loop, warn)
 
 
@@ -555,6 +563,11 @@ def _run(fn, elems, fallback_to_while_loop, warn):
     with _scope.handler(handler) as stack:
         outputs = fn(nest.pack_sequence_as(
             elems, [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]))
+        # A variable `fn` returns (`return v.assign_add(x)`) is read here, inside the
+        # map, as tf.map_fn reads it per example; read after the scope it would give
+        # the final value for every example.
+        outputs = nest.map_structure(
+            lambda t: tf.convert_to_tensor(t) if isinstance(t, tf.Variable) else t, outputs)
 
     def unbatch(t):
         if t is None:

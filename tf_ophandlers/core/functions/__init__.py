@@ -12,9 +12,12 @@ control flow"; DESIGN.md decision 5).
                       control dependencies (what `CompiledCall` runs on devices)
   call_records.py     how tapes outside a replaying handler record a replayed call
   saving.py           refusing to save functions that depend on live handlers
+  eager_control_flow.py  eager tf.cond/switch_case/while_loop on tensors without one
+                      value, run as a tf.function of the call
 
 Importing this package registers the function-call rule with the stacks.
 """
+from tf_ophandlers.core.functions import eager_control_flow  # noqa: F401  (its patch)
 from tf_ophandlers.core.functions import saving  # noqa: F401  (registers its patch)
 from tf_ophandlers.core.functions.call import CompiledCall, cache_info, clear_cache
 from tf_ophandlers.core.functions.library import body_op_types, function_library

@@ -1,0 +1,137 @@
+"""Eager `tf.cond`, `tf.switch_case` and `tf.while_loop` on handler tensors without a value.
+
+Eagerly, TensorFlow decides control flow in Python from the predicate's value: `tf.cond`
+and `tf.switch_case` run one branch, `tf.while_loop` is a Python `while`. A handler
+tensor may have no single value: one per example under `oh.vectorized_map`, one per
+device under `oh.ParallelHandler`. TensorFlow 2.21 then raises `TypeError` for
+`tf.cond` ("must be decorated with `tf.function`", its parallel-device path) and copies
+the value off for the other two. Traced, the same control flow is one If, Case or While
+op, which a handler's function replay runs (pfor's way: selects and masked loops). So a
+call whose predicate is such a tensor runs as a `tf.function` of that call; every other
+call is TensorFlow's, untouched.
+
+A `tf.while_loop` learns this only when its condition returns: the iterations already run
+eagerly stay done, and the loop continues staged from the current loop variables (and
+the iterations left of `maximum_iterations`), so no body runs twice.
+
+>>> import tensorflow as tf, tf_ophandlers as oh
+>>> xs = tf.constant([-1., 2.])
+>>> oh.vectorized_map(lambda x: tf.cond(x > 0, lambda: x * 2., lambda: -x), xs).numpy()
+array([1., 4.], dtype=float32)
+"""
+import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import cond as _cond
+from tensorflow.python.ops import control_flow_switch_case as _switch_case
+from tensorflow.python.ops import while_loop as _while_loop
+
+import tf_ophandlers._C as _C
+from tf_ophandlers.core import tf_patches
+
+_original_cond = _cond._eager_cond_implementation  # pylint: disable=protected-access
+_original_case = _switch_case._indexed_case_helper  # pylint: disable=protected-access
+_original_while = _while_loop.while_loop
+
+
+def _without_value(t):
+    """Whether `t` is a handler tensor with no single value (TensorFlow's eager control
+    flow cannot decide on it)."""
+    return (isinstance(t, _ops.EagerTensor) and _C.stack_of(t) is not None
+            and tensor_util.constant_value(t) is None)
+
+
+def _staged(call):
+    # autograph off: the branches and bodies are the user's eager code, which TensorFlow
+    # traces as written inside tf.cond/tf.while_loop in a function.
+    return tf.function(call, autograph=False)()
+
+
+def _eager_cond(pred, true_fn, false_fn, strict, name):
+    if tf.executing_eagerly():
+        pred = _ops.convert_to_tensor(pred)
+        if _without_value(pred):
+            return _staged(lambda: _cond.cond(pred, true_fn, false_fn, strict=strict,
+                                              name=name))
+    return _original_cond(pred, true_fn, false_fn, strict, name)
+
+
+def _indexed_case(branch_fns, default, branch_index, name="case",
+                  lower_using_switch_merge=None):
+    if (tf.executing_eagerly() and branch_index is not None
+            and _without_value(_ops.convert_to_tensor(branch_index))):
+        return _staged(lambda: _original_case(branch_fns, default, branch_index, name,
+                                              lower_using_switch_merge))
+    return _original_case(branch_fns, default, branch_index, name, lower_using_switch_merge)
+
+
+class _Undecided(Exception):
+    """The condition of an eager while loop returned a tensor without a value."""
+
+    def __init__(self, loop_vars):
+        super().__init__()
+        self.loop_vars = loop_vars
+
+
+def _while(cond, body, loop_vars, shape_invariants=None, parallel_iterations=10,
+           back_prop=True, swap_memory=False, name=None, maximum_iterations=None,
+           return_same_structure=False):
+    if not tf.executing_eagerly() or not callable(cond) or not callable(body):
+        return _original_while(cond, body, loop_vars, shape_invariants, parallel_iterations,
+                               back_prop, swap_memory, name, maximum_iterations,
+                               return_same_structure)
+    done = [0]  # bodies run eagerly
+
+    def checked_cond(*args):
+        pred = cond(*args)
+        if _without_value(_ops.convert_to_tensor(pred)):
+            raise _Undecided(args)
+        return pred
+
+    def counted_body(*args):
+        done[0] += 1
+        return body(*args)
+
+    try:
+        return _original_while(checked_cond, counted_body, loop_vars, shape_invariants,
+                               parallel_iterations, back_prop, swap_memory, name,
+                               maximum_iterations, return_same_structure)
+    except _Undecided as undecided:
+        current = undecided.loop_vars
+    if maximum_iterations is not None:
+        maximum_iterations = tf.cast(maximum_iterations, tf.int64) - done[0]
+    # The loop variables as TensorFlow passed them to `cond`: unpacked the way the loop
+    # was given (one variable, or a list/tuple of them).
+    if hasattr(loop_vars, "_fields"):  # a namedtuple
+        rest = type(loop_vars)(*current)
+    elif isinstance(loop_vars, (list, tuple)):
+        rest = type(loop_vars)(current)
+    else:
+        rest = current
+    return _staged(lambda: _original_while(
+        cond, body, rest, shape_invariants, parallel_iterations, back_prop, swap_memory,
+        name, maximum_iterations, return_same_structure))
+
+
+def _install():
+    _cond._eager_cond_implementation = _eager_cond  # pylint: disable=protected-access
+    _switch_case._indexed_case_helper = _indexed_case  # pylint: disable=protected-access
+    _while_loop.while_loop = _while
+
+
+def _uninstall():
+    _cond._eager_cond_implementation = _original_cond  # pylint: disable=protected-access
+    _switch_case._indexed_case_helper = _original_case  # pylint: disable=protected-access
+    _while_loop.while_loop = _original_while
+
+
+tf_patches.register(
+    "eager control flow",
+    "tensorflow.python.ops.cond._eager_cond_implementation, "
+    "control_flow_switch_case._indexed_case_helper, while_loop.while_loop",
+    "eager tf.cond/tf.switch_case/tf.while_loop decide in Python from the predicate's "
+    "value, which a per-example or per-device handler tensor does not have (TensorFlow "
+    "raises TypeError for cond, or copies the value off); such calls run as a "
+    "tf.function of the call, whose If/Case/While op the handler's replay runs. "
+    "TensorFlow has no hook for eager control flow.",
+    "runtime", _install, _uninstall)

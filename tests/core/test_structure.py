@@ -137,12 +137,6 @@ def test_core_never_imports_handlers():
             assert not any(d.startswith("tf_ophandlers.handlers") for d in deps), (name, deps)
 
 
-def test_no_python_file_over_600_lines():
-    for name, path in _modules():
-        n = sum(1 for _ in open(path))
-        assert n <= 600, "%s has %d lines" % (name, n)
-
-
 def test_handlers_use_no_private_names_of_other_modules():
     modules = dict(_modules())
     for name, path in modules.items():

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework import type_spec as _type_spec
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
 
@@ -194,7 +195,25 @@ def _per_example_loop(handler, execute, op, inputs):
     rows = []
     for i in range(handler.size):
         rows.append(execute(op, [b.value[i] if b.batched else b.value for b in inputs]))
-    return [Batched(tf.stack(list(col)), True) for col in zip(*rows)]
+    return _stack_rows(op.type, rows)
+
+
+def _stack_rows(op_type, rows):
+    """Per-example outputs stacked into batched values, or a clear error where the
+    examples' shapes differ (a ragged element's rows: tf.Stack's error named no op)."""
+    out = []
+    for col in zip(*rows):
+        shapes = {tuple(t.shape) if t.shape.rank is not None else None for t in col}
+        if len(shapes) > 1 and all(shape is not None and None not in shape
+                                   for shape in shapes):
+            raise ValueError(
+                "oh.vectorized_map: op %s gives outputs of different shapes for different "
+                "examples (%s); a mapped value has one shape in every example, as in "
+                "tf.vectorized_map (the rows of a tf.RaggedTensor or tf.SparseTensor can "
+                "differ so). Use tf.map_fn with fn_output_signature=... for such results"
+                % (op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
+        out.append(Batched(tf.stack(list(col)), True))
+    return out
 
 
 _STATE_WRITERS = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
@@ -416,7 +435,7 @@ class VectorizedMap(OpHandler):
             self._check_state_order(op, resources)
             rows = [execute(op, [b.value[i] if b.batched else b.value for b in inputs])
                     for i in range(self.size)]
-            return [Batched(tf.stack(list(col)), True) for col in zip(*rows)]
+            return _stack_rows(op.type, rows)
         if resources:
             if self._written:
                 self._check_state_order(op, resources)
@@ -483,22 +502,44 @@ class VectorizedMap(OpHandler):
         return ("VectorizedMap", self.size, self.fallback_to_while_loop)
 
 
+def _batchable_spec(value, where):
+    """The `BatchableTypeSpec` of a composite tensor (pfor maps a composite through its
+    spec's tensor lists), None for anything else; a clear error for a composite that
+    has none, as tf.vectorized_map gives."""
+    if (not isinstance(value, _composite_tensor.CompositeTensor)
+            or isinstance(value, (tf.Variable, tf.IndexedSlices))):
+        return None  # (IndexedSlices: converted to dense, as before; pfor refuses them)
+    spec = value._type_spec  # pylint: disable=protected-access
+    if not isinstance(spec, _type_spec.BatchableTypeSpec):
+        raise ValueError(
+            "oh.vectorized_map: CompositeTensor instance %r %s must provide a "
+            "`BatchableTypeSpec` (saw: %s)" % (value, where, spec))
+    return spec
+
+
 def _dense_elem(e):
     """`e` (a part of vectorized_map's `elems`) as a dense tensor, or a clear error."""
-    if isinstance(e, (tf.RaggedTensor, tf.SparseTensor)) or (
-            isinstance(e, _composite_tensor.CompositeTensor) and not isinstance(e, tf.Variable)):
-        raise TypeError(
-            "oh.vectorized_map: elems must be dense tensors, got a %s (tf.vectorized_map "
-            "cannot map over one either). Use tf.map_fn(fn, elems, fn_output_signature=...) "
-            "to map over its rows, or map over a dense form (%s)"
-            % (type(e).__name__, "elems.to_tensor()" if isinstance(e, tf.RaggedTensor)
-               else "tf.sparse.to_dense(elems)" if isinstance(e, tf.SparseTensor)
-               else "its components"))
     try:
         return tf.convert_to_tensor(e)
     except (TypeError, ValueError) as error:
         raise TypeError("oh.vectorized_map: elems must be tensors (or nested structures of "
                         "them); cannot convert %r to a tensor: %s" % (e, error)) from None
+
+
+def _leaves(elems):
+    """`elems` flattened: dense tensors, and each composite tensor as its per-example
+    spec and its batched component tensors (as pfor takes them apart)."""
+    leaves, parts = [], []
+    for e in nest.flatten(elems):
+        spec = _batchable_spec(e, "in elems")
+        if spec is None:
+            leaves.append(None)
+            parts.append([_dense_elem(e)])
+        else:
+            leaves.append(spec._unbatch())  # pylint: disable=protected-access
+            tensors = spec._to_batched_tensor_list(e)  # pylint: disable=protected-access
+            parts.append([tf.convert_to_tensor(t) for t in tensors])
+    return leaves, parts
 
 
 def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
@@ -535,9 +576,10 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
 
 
 def _batch_of(elems, fallback_to_while_loop, warn):
-    """`elems` flattened to dense tensors, and the handler for their common batch size
-    (or a clear error)."""
-    flat = [_dense_elem(e) for e in nest.flatten(elems)]
+    """`elems` flattened (see `_leaves`), the dense tensors among them in one list, and
+    the handler for their common batch size (or a clear error)."""
+    leaves, parts = _leaves(elems)
+    flat = [t for ts in parts for t in ts]
     if not flat:
         raise ValueError("oh.vectorized_map: elems must contain at least one tensor")
     if any(e.shape.rank == 0 for e in flat):
@@ -555,23 +597,51 @@ def _batch_of(elems, fallback_to_while_loop, warn):
         raise ValueError("oh.vectorized_map: elems need one static leading dimension (or "
                          "a leading dimension of 1, which broadcasts), got shapes %s"
                          % [e.shape for e in flat])
-    return flat, VectorizedMap(sizes.pop(), fallback_to_while_loop, warn)
+    return leaves, parts, flat, VectorizedMap(sizes.pop(), fallback_to_while_loop, warn)
+
+
+def _output_parts(t):
+    """An output of `fn`, read inside the map: a variable is read there (as tf.map_fn
+    reads it per example; read after the scope it would give the final value for every
+    example), a composite tensor is taken apart into its spec's tensor list (pfor's
+    way), anything else is kept."""
+    if isinstance(t, tf.Variable):
+        return tf.convert_to_tensor(t)
+    spec = _batchable_spec(t, "returned from the function mapped by oh.vectorized_map")
+    if spec is None:
+        return t
+    return _CompositeOutput(spec, spec._to_tensor_list(t))  # pylint: disable=protected-access
+
+
+class _CompositeOutput:
+    """A composite output of `fn`: its per-example spec and component tensors."""
+    __slots__ = ("spec", "tensors")
+
+    def __init__(self, spec, tensors):
+        self.spec, self.tensors = spec, tensors
 
 
 def _run(fn, elems, fallback_to_while_loop, warn):
-    flat, handler = _batch_of(elems, fallback_to_while_loop, warn)
+    leaves, parts, flat, handler = _batch_of(elems, fallback_to_while_loop, warn)
     with _scope.handler(handler) as stack:
-        outputs = fn(nest.pack_sequence_as(
-            elems, [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]))
-        # A variable `fn` returns (`return v.assign_add(x)`) is read here, inside the
-        # map, as tf.map_fn reads it per example; read after the scope it would give
-        # the final value for every example.
-        outputs = nest.map_structure(
-            lambda t: tf.convert_to_tensor(t) if isinstance(t, tf.Variable) else t, outputs)
+        wrapped = [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]
+        if any(spec is not None for spec in leaves):  # composites: rebuilt per example
+            per_example, at = [], 0
+            for spec, ts in zip(leaves, parts):
+                group, at = wrapped[at:at + len(ts)], at + len(ts)
+                # pylint: disable-next=protected-access
+                per_example.append(group[0] if spec is None else
+                                   spec._from_compatible_tensor_list(group))
+            wrapped = per_example
+        outputs = nest.map_structure(_output_parts, fn(nest.pack_sequence_as(elems, wrapped)))
 
     def unbatch(t):
         if t is None:
             return None
+        if isinstance(t, _CompositeOutput):
+            batched_spec = t.spec._batch(handler.size)  # pylint: disable=protected-access
+            return batched_spec._from_compatible_tensor_list(  # pylint: disable=protected-access
+                [unbatch(c) for c in t.tensors])
         t = tf.convert_to_tensor(t)
         found, value = representation_of(handler, t)
         return broadcast_batch(value if found else Batched(t, False), handler.size)

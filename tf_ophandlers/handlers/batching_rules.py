@@ -387,22 +387,30 @@ def _rank_op(handler, execute, op, inputs):
 def _gather(handler, execute, op, inputs):
     params, indices, axis = inputs
     a = _static(axis.value)
-    if axis.batched or a is None or op.attrs.get("batch_dims", 0) != 0:
+    if axis.batched or a is None:
         return None
-    rank = _rank(params)
-    if rank is None:
+    rank, index_rank = _rank(params), _rank(indices)
+    if rank is None or index_rank is None:
         return None
     a = int(a) % max(rank, 1)
-    if params.batched and not indices.batched:
-        new_axis = _constant(a + 1, axis.value.dtype)
+    batch_dims = op.attrs.get("batch_dims", 0)
+    if batch_dims < 0:  # (TensorFlow counts a negative batch_dims from the indices' rank)
+        batch_dims += index_rank
+    new_axis = _constant(a + 1, axis.value.dtype)
+    if batch_dims == 0 and params.batched and not indices.batched:
         return batched(execute(op, [params.value, indices.value, new_axis]))
-    if params.batched and indices.batched:
-        new = _replace(op, batch_dims=1)
-        new_axis = _constant(a + 1, axis.value.dtype)
-        return batched(execute(new, [params.value, indices.value, new_axis]))
-    if a == 0:  # batched indices into unbatched params: the batch axis comes first
-        return batched(execute(op, [params.value, indices.value, axis.value]))
-    return None
+    if batch_dims == 0 and not params.batched:
+        out = execute(op, [params.value, indices.value, axis.value])[0]
+        if a == 0:  # batched indices into unbatched params: the batch axis comes first
+            return batched([out])
+        # gather puts the indices' axes (the batch first) at `a`: move the batch to 0.
+        out_rank = rank + index_rank  # p[:a] + [batch] + q + p[a+1:]
+        perm = [a] + list(range(a)) + list(range(a + 1, out_rank))
+        return batched([tf.transpose(out, perm)])
+    # The batch is one more batch dimension of both (an unbatched side is broadcast).
+    new = _replace(op, batch_dims=batch_dims + 1)
+    return batched(execute(new, [broadcast_batch(params, handler.size),
+                                 broadcast_batch(indices, handler.size), new_axis]))
 
 
 def _last_axis(handler, execute, op, inputs):

@@ -413,6 +413,14 @@ def _gather(handler, execute, op, inputs):
                                  broadcast_batch(indices, handler.size), new_axis]))
 
 
+def _self_adjoint_eig(handler, execute, op, inputs):
+    # The kernel takes stacks of matrices ([..., N, N]): the batch is one more axis.
+    # Without compute_v its `v` is an empty placeholder, the same for every example
+    # (pfor's graph tiles it and fails: "Expected multiples argument ... length 1").
+    e, v = execute(op, [inputs[0].value])
+    return [Batched(e, True), Batched(v, bool(op.attrs.get("compute_v", True)))]
+
+
 def _last_axis(handler, execute, op, inputs):
     (x,) = inputs
     return batched(execute(op, [x.value]))
@@ -510,7 +518,7 @@ RULES.update({
     "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent,
     "MaxPoolGrad": _pool_grad, "MaxPoolGradGrad": _pool_grad,
     "MaxPool3DGrad": _pool_grad, "MaxPool3DGradGrad": _pool_grad,
-    "MaxPoolWithArgmax": _pool_grad,
+    "MaxPoolWithArgmax": _pool_grad, "SelfAdjointEigV2": _self_adjoint_eig,
 })
 
 

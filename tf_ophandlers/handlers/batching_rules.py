@@ -421,6 +421,81 @@ def _self_adjoint_eig(handler, execute, op, inputs):
     return [Batched(e, True), Batched(v, bool(op.attrs.get("compute_v", True)))]
 
 
+def _channels_first(op):
+    return op.attrs.get("data_format", b"NHWC") in (b"NCHW", "NCHW", b"NCDHW", "NCDHW")
+
+
+def _fold_images(x, size, channels_first):
+    """Batched images [B, N, ..., C] (or [B, N, C, ...]) as one image batch whose channels
+    are the examples' channels side by side ([N, ..., B*C]): per-channel batch-norm
+    statistics then stay per example."""
+    rank = len(x.shape)  # with the batch
+    if channels_first:
+        perm = [1, 0] + list(range(2, rank))
+    else:
+        perm = list(range(1, rank - 1)) + [0, rank - 1]
+    t = tf.transpose(x, perm)
+    shape = tf.shape(t)
+    if channels_first:
+        return tf.reshape(t, tf.concat([shape[:1], [size * shape[2]], shape[3:]], 0))
+    return tf.reshape(t, tf.concat([shape[:-2], [size * shape[-1]]], 0))
+
+
+def _unfold_images(y, size, channels_first):
+    """`_fold_images` undone."""
+    shape = tf.shape(y)
+    rank = len(y.shape) + 1
+    if channels_first:
+        t = tf.reshape(y, tf.concat([shape[:1], [size, shape[1] // size], shape[2:]], 0))
+        return tf.transpose(t, [1, 0] + list(range(2, rank)))
+    t = tf.reshape(y, tf.concat([shape[:-1], [size, shape[-1] // size]], 0))
+    return tf.transpose(t, [rank - 2] + list(range(rank - 2)) + [rank - 1])
+
+
+def _fold_channels(b, size):
+    """A per-channel vector ([C] shared, or [B, C] per example) as the folded images'
+    [B*C] (empty vectors, a training batch norm's mean and variance, stay empty)."""
+    if b.batched:
+        return tf.reshape(b.value, [-1])
+    if b.value.shape.rank == 1 and b.value.shape[0] == 0:
+        return b.value
+    return tf.tile(b.value, [size])
+
+
+def _per_example_channels(t, size):
+    return Batched(tf.reshape(t, [size, -1]), True)
+
+
+def _fused_batch_norm(handler, execute, op, inputs):
+    # The batch is folded into the channels, so the kernel computes every example's
+    # statistics at once (pfor's converter fails on the scalar reserve_space_3).
+    x, rest = inputs[0], inputs[1:]
+    if op.attrs.get("is_training") is None or _rank(x) not in (4, 5):
+        return None
+    first = _channels_first(op)
+    size = handler.size
+    y, mean, var, r1, r2, r3 = execute(
+        op, [_fold_images(broadcast_batch(x, size), size, first)]
+        + [_fold_channels(b, size) for b in rest])
+    return [Batched(_unfold_images(y, size, first), True)] + [
+        _per_example_channels(t, size) for t in (mean, var, r1, r2)] + [Batched(r3, False)]
+
+
+def _fused_batch_norm_grad(handler, execute, op, inputs):
+    dy, x, scale, r1, r2, r3 = inputs
+    if r3.batched or _rank(x) not in (4, 5):
+        return None
+    first = _channels_first(op)
+    size = handler.size
+    dx, dscale, doffset, r4, r5 = execute(
+        op, [_fold_images(broadcast_batch(dy, size), size, first),
+             _fold_images(broadcast_batch(x, size), size, first)]
+        + [_fold_channels(b, size) for b in (scale, r1, r2)] + [r3.value])
+    return [Batched(_unfold_images(dx, size, first), True),
+            _per_example_channels(dscale, size), _per_example_channels(doffset, size),
+            Batched(r4, False), Batched(r5, False)]
+
+
 def _last_axis(handler, execute, op, inputs):
     (x,) = inputs
     return batched(execute(op, [x.value]))
@@ -519,6 +594,7 @@ RULES.update({
     "MaxPoolGrad": _pool_grad, "MaxPoolGradGrad": _pool_grad,
     "MaxPool3DGrad": _pool_grad, "MaxPool3DGradGrad": _pool_grad,
     "MaxPoolWithArgmax": _pool_grad, "SelfAdjointEigV2": _self_adjoint_eig,
+    "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNormGradV3": _fused_batch_norm_grad,
 })
 
 

@@ -40,6 +40,7 @@ from tf_ophandlers.core import copies as _copies
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
@@ -167,9 +168,16 @@ class ParallelHandler(OpHandler):
             raise ValueError("oh.ParallelHandler: timeout_seconds must be None or >= 0, "
                              "got %r" % (timeout_seconds,))
         self.timeout_seconds = timeout_seconds
+        ensure_optimizer_check()
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
+
+    def holds_variable(self, variable):
+        """Whether `variable` has one buffer per component here (created in the scope);
+        a host variable is only broadcast for reading (see `check_optimizer_step`)."""
+        stack = _stack_of(getattr(variable, "handle", None))
+        return stack is not None and any(h is self for h in stack.handlers)
 
     # -- variables: one buffer per component, saved per component ------------------------
 
@@ -266,33 +274,49 @@ class ParallelHandler(OpHandler):
 
         return reduce(tensor)
 
-    @property
-    def _collective(self):
-        """A tf.function running one collective all-reduce per component device."""
-        fn = self.__dict__.get("_collective_fn")
+    def _collective(self, *parts):
+        """One collective all-reduce per component device, as one function call (all
+        members run inside it, so that they meet). One concrete function per signature
+        of `parts` (dtypes and shapes; bounded), called directly: a tf.function retraced
+        for each new shape would print TensorFlow's retracing warning for the library's
+        own code."""
+        key = tuple((p.dtype, tuple(p.shape.as_list())) for p in parts)
+        functions = self.__dict__.get("_collective_fns")
+        if functions is None:
+            functions = self.__dict__["_collective_fns"] = BoundedCache(
+                "parallel.collectives.%x" % id(self), 64)
+        fn = functions.get(key)
         if fn is None:
+            fn = functions[key] = self._collective_function(
+                [tf.TensorSpec(p.shape, p.dtype) for p in parts])
+        return fn(*parts)
+
+    def _collective_function(self, specs):
+        """The all-reduce of `_collective` for arguments `specs`."""
+        collective, options = self.__dict__.get("_collective_launcher", (None, None))
+        if collective is None:
             # TensorFlow's launcher manages group/instance keys and the ordering of
-            # collectives; all members run inside one function call so that they meet.
+            # collectives.
             from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
             from tensorflow.python.distribute import cross_device_ops  # pylint: disable=import-outside-toplevel
-            from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
             options = collective_util.Options(timeout_seconds=self.timeout_seconds or None)
             collective = cross_device_ops.CollectiveAllReduce(
                 devices=list(self.components), group_size=len(self.components),
                 options=options, collective_keys=_collective_keys())
-            devices = self.components
+            self.__dict__["_collective_launcher"] = (collective, options)
+        from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
+        devices = self.components
 
-            @tf.function(autograph=False)
-            def fn(*parts):
-                out = []
-                for i, (device, part) in enumerate(zip(devices, parts)):
-                    with tf.device(device):
-                        out.append(collective._all_reduce(  # pylint: disable=protected-access
-                            reduce_util.ReduceOp.SUM, tf.identity(part), i, options))
-                return out
+        @tf.function(autograph=False, input_signature=specs)
+        def fn(*parts):
+            out = []
+            for i, (device, part) in enumerate(zip(devices, parts)):
+                with tf.device(device):
+                    out.append(collective._all_reduce(  # pylint: disable=protected-access
+                        reduce_util.ReduceOp.SUM, tf.identity(part), i, options))
+            return out
 
-            self.__dict__["_collective_fn"] = fn
-        return fn
+        return fn.get_concrete_function()
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -502,6 +526,73 @@ def _sync_executor():
     sync = _executor.new_executor(enable_async=False)
     with _context.executor_scope(sync):
         yield
+
+
+def check_optimizer_step(optimizer, trainable_variables):
+    """Raises `PlacementError` before a Keras optimizer step writes anything if a
+    variable it writes (its `iterations`, its slots, the trained variables) is a host
+    variable of a Parallel or Mesh scope on the current stack (a handler with
+    `holds_variable`). Checked per op, the error would come at the first write to such a
+    variable: after the weights were updated, so a retry would apply the step twice."""
+    handlers = [h for h in current_stack().handlers if hasattr(h, "holds_variable")]
+    if not handlers:
+        return
+    rate = getattr(optimizer, "_learning_rate", None)  # read by the step, not written
+    writes = [optimizer.iterations] + [v for v in optimizer.variables
+                                       if v is not rate and v is not optimizer.iterations]
+    writes += [v for v in (trainable_variables or ()) if v is not None]
+    for h in handlers:
+        for v in writes:
+            if getattr(v, "handle", None) is not None and not h.holds_variable(v):
+                kind = type(h).__name__
+                raise errors.PlacementError(
+                    "oh.%s: %s.apply would write variable %r, created outside %s, once "
+                    "per %s; nothing was written. This optimizer's variables stay outside "
+                    "(building it again does nothing): make a new one inside the scope. "
+                    "For a Keras model, build and compile it inside the scope (`with %s: "
+                    "model = ...; model.compile(...)`); in a custom loop, `with %s: "
+                    "optimizer = keras.optimizers.%s(...); "
+                    "optimizer.build(model.trainable_variables)` before the first "
+                    "tf.function step"
+                    % (kind, type(optimizer).__name__, getattr(v, "path", None) or v.name,
+                       h.debug_string(), "device" if kind == "Mesh" else "component",
+                       "mesh" if kind == "Mesh" else "parallel",
+                       "mesh" if kind == "Mesh" else "parallel", type(optimizer).__name__))
+
+
+def _install_optimizer_check():
+    try:
+        from keras.src.optimizers import base_optimizer  # pylint: disable=import-outside-toplevel
+    except ImportError:  # no Keras 3: nothing to check
+        return
+    cls = base_optimizer.BaseOptimizer
+    original = cls.apply
+    if getattr(original, "_oh_checked", False):
+        return
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        check_optimizer_step(self, trainable_variables if trainable_variables is not None
+                             else getattr(self, "_trainable_variables", None))
+        return original(self, grads, trainable_variables)
+
+    apply._oh_checked = True  # pylint: disable=protected-access
+    apply._oh_original = original  # pylint: disable=protected-access
+    cls.apply = apply
+
+
+_tf_patches.register(
+    "keras optimizer step check", "keras.src.optimizers.base_optimizer.BaseOptimizer.apply",
+    "An optimizer step in a Parallel or Mesh scope writes the weights, then the slots and "
+    "iterations; a host variable among them fails only at its own write, after the "
+    "weights changed (a retry would apply the step twice). Keras has no hook before a "
+    "step's first write.", "first-use", _install_optimizer_check, None)
+
+
+def ensure_optimizer_check():
+    """Installs the Keras optimizer-step check (a ParallelHandler or Mesh exists)."""
+    _tf_patches.ensure("keras optimizer step check")
 
 
 def _writes_resource(op):

@@ -46,7 +46,8 @@ from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
-from tf_ophandlers.handlers.parallel import ParallelHandler, ensure_optimizer_check
+from tf_ophandlers.handlers.parallel import ParallelHandler
+from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _log = logging.getLogger("tf_ophandlers")
 RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}

@@ -21,33 +21,27 @@ Components are device names: logical devices of this process
 or devices of TensorFlow's distributed runtime (`/job:worker/replica:0/task:1/device:CPU:0`
 after `tf.config.experimental_connect_to_cluster`).
 """
-import contextlib
-import queue
 import threading
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context as _context
-from tensorflow.python.eager import executor as _executor
 from tensorflow.python.eager import record as _record
-from tensorflow.python.framework import errors_impl as _error_codes
-from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import device_spec as _device_spec
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 from tf_ophandlers.core import copies as _copies
-from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
-    PHYSICAL as _PHYSICAL, current_stack, next_stack, OffStack, representation_of, stack_of)
+    current_stack, next_stack, OffStack, representation_of, stack_of)
 from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.handlers import parallel_collectives as _collectives
 from tf_ophandlers.handlers.gradient_tape import GradientTape
+from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
 _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
@@ -411,188 +405,15 @@ class ParallelHandler(OpHandler):
                 raise errors.PlacementError(
                     "oh.ParallelHandler: op %s got a tensor with %d components on a handler "
                     "with %d" % (op.type, len(v.components), n))
-        if n > 1 and _meets_across_components(op) and (
+        if n > 1 and _collectives.meets_across_components(op) and (
                 _state.mode is None or not _state.mode.building()):
-            per_device = _run_concurrently(self, below, op, inputs)
+            per_device = _collectives.run_concurrently(self, below, op, inputs)
         else:
             per_device = []
             for i, device in enumerate(self.components):
                 with _scope.on_device(device):
                     per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
-
-
-_COLLECTIVE_PREFIXES = ("Collective", "Nccl")
-# op type -> whether its components must run at the same time; function names are unique
-# in the eager context, so an entry for a function never goes stale.
-_meets = BoundedCache("parallel.meets", 4096)
-
-
-def _meets_across_components(op):
-    """Whether the components of `op` wait for each other: a collective op (all-reduce,
-    broadcast, gather), or a function whose body or callees hold one. Run one after the
-    other, the first component would wait forever for the second."""
-    t = op.type
-    meets = _meets.get(t)
-    if meets is None:
-        if t.startswith(_COLLECTIVE_PREFIXES):
-            meets = True
-        elif _op_def_registry.get(t) is None:  # a function call op
-            meets = any(b.startswith(_COLLECTIVE_PREFIXES)
-                        for b in _functions.body_op_types(t))
-        else:
-            meets = False
-        _meets[t] = meets
-    return meets
-
-
-# After a component failed, how long the others may still take before they are taken to
-# wait for it in a collective.
-_FAILURE_GRACE_SECONDS = 2.0
-
-
-def _run_concurrently(handler, below, op, inputs):
-    """Each component of `op` on its own thread (as TensorFlow's ParallelDevice runs
-    every op), for ops whose components meet in a collective. The threads see the
-    calling hook's dispatch state; each runs on a synchronous executor, so an
-    asynchronous caller (`tf.experimental.async_scope`) does not queue a component
-    behind another that waits for it."""
-    n = len(handler.components)
-    frames, current, mode, device = list(_state.frames), _state.current, _state.mode, \
-        _state.device
-    results, failures = [None] * n, [None] * n
-    finished = queue.Queue()
-
-    def run(i):
-        st = _state  # this worker thread's own
-        st.frames, st.current, st.mode, st.device = list(frames), current, mode, device
-        try:
-            with _sync_executor(), _scope.on_device(handler.components[i]):
-                results[i] = below.execute(op, [v.components[i] for v in inputs])
-        except BaseException as e:  # pylint: disable=broad-except
-            failures[i] = e
-        finally:
-            st.frames, st.current, st.mode, st.device = [], _PHYSICAL, None, ""
-            finished.put(i)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True,
-                                name="oh.ParallelHandler component %d" % i)
-               for i in range(n)]
-    for t in threads:
-        t.start()
-    pending, failed = n, None  # failed: the component that failed first
-    while pending and failed is None:
-        i = finished.get()
-        pending -= 1
-        if failures[i] is not None:
-            failed = i
-    aborted = False
-    while pending:
-        try:
-            finished.get(timeout=_FAILURE_GRACE_SECONDS)
-            pending -= 1
-        except queue.Empty:
-            # The rest wait in a collective for the failed component: abort TensorFlow's
-            # collectives (as tf.distribute does when a peer fails) rather than hang.
-            _context.context().abort_collective_ops(
-                _error_codes.UNAVAILABLE, "oh.ParallelHandler: a component of %s failed"
-                % handler.debug_string())
-            aborted = True
-            for t in threads:
-                t.join()
-            pending = 0
-    if failed is not None:
-        first = failures[failed]
-        if isinstance(first, tf.errors.OpError):
-            raise type(first)(
-                first.node_def, first.op,
-                "oh.ParallelHandler: op %s failed on component %s of %s%s: %s" % (
-                    op.type, handler.components[failed],
-                    handler.debug_string(),
-                    " (the other components waited for it in a collective; TensorFlow's "
-                    "collectives are aborted for this process after this: restart the "
-                    "program)" if aborted else "", first.message)) from first
-        raise first
-    return results
-
-
-@contextlib.contextmanager
-def _sync_executor():
-    """A synchronous executor for this thread if its default one is asynchronous."""
-    ctx = _context.context()
-    if not ctx.is_async():
-        yield
-        return
-    sync = _executor.new_executor(enable_async=False)
-    with _context.executor_scope(sync):
-        yield
-
-
-def check_optimizer_step(optimizer, trainable_variables):
-    """Raises `PlacementError` before a Keras optimizer step writes anything if a
-    variable it writes (its `iterations`, its slots, the trained variables) is a host
-    variable of a Parallel or Mesh scope on the current stack (a handler with
-    `holds_variable`). Checked per op, the error would come at the first write to such a
-    variable: after the weights were updated, so a retry would apply the step twice."""
-    handlers = [h for h in current_stack().handlers if hasattr(h, "holds_variable")]
-    if not handlers:
-        return
-    rate = getattr(optimizer, "_learning_rate", None)  # read by the step, not written
-    writes = [optimizer.iterations] + [v for v in optimizer.variables
-                                       if v is not rate and v is not optimizer.iterations]
-    writes += [v for v in (trainable_variables or ()) if v is not None]
-    for h in handlers:
-        for v in writes:
-            if getattr(v, "handle", None) is not None and not h.holds_variable(v):
-                kind = type(h).__name__
-                raise errors.PlacementError(
-                    "oh.%s: %s.apply would write variable %r, created outside %s, once "
-                    "per %s; nothing was written. This optimizer's variables stay outside "
-                    "(building it again does nothing): make a new one inside the scope. "
-                    "For a Keras model, build and compile it inside the scope (`with %s: "
-                    "model = ...; model.compile(...)`); in a custom loop, `with %s: "
-                    "optimizer = keras.optimizers.%s(...); "
-                    "optimizer.build(model.trainable_variables)` before the first "
-                    "tf.function step"
-                    % (kind, type(optimizer).__name__, getattr(v, "path", None) or v.name,
-                       h.debug_string(), "device" if kind == "Mesh" else "component",
-                       "mesh" if kind == "Mesh" else "parallel",
-                       "mesh" if kind == "Mesh" else "parallel", type(optimizer).__name__))
-
-
-def _install_optimizer_check():
-    try:
-        from keras.src.optimizers import base_optimizer  # pylint: disable=import-outside-toplevel
-    except ImportError:  # no Keras 3: nothing to check
-        return
-    cls = base_optimizer.BaseOptimizer
-    original = cls.apply
-    if getattr(original, "_oh_checked", False):
-        return
-
-    def apply(self, grads, trainable_variables=None):
-        if trainable_variables is not None:
-            trainable_variables = list(trainable_variables)
-        check_optimizer_step(self, trainable_variables if trainable_variables is not None
-                             else getattr(self, "_trainable_variables", None))
-        return original(self, grads, trainable_variables)
-
-    apply._oh_checked = True  # pylint: disable=protected-access
-    apply._oh_original = original  # pylint: disable=protected-access
-    cls.apply = apply
-
-
-_tf_patches.register(
-    "keras optimizer step check", "keras.src.optimizers.base_optimizer.BaseOptimizer.apply",
-    "An optimizer step in a Parallel or Mesh scope writes the weights, then the slots and "
-    "iterations; a host variable among them fails only at its own write, after the "
-    "weights changed (a retry would apply the step twice). Keras has no hook before a "
-    "step's first write.", "first-use", _install_optimizer_check, None)
-
-
-def ensure_optimizer_check():
-    """Installs the Keras optimizer-step check (a ParallelHandler or Mesh exists)."""
-    _tf_patches.ensure("keras optimizer step check")
 
 
 def _writes_resource(op):

@@ -583,3 +583,39 @@ def test_all_reduce_of_many_signatures_prints_no_retracing_warning(parallel):
     finally:
         logging.getLogger("tensorflow").removeHandler(keep)
     assert not [r for r in records if "retracing" in r], records
+
+
+@pytest.mark.parametrize("make", [lambda: oh.ParallelHandler(CPUS),
+                                  lambda: oh.Mesh({"batch": 2}, CPUS)],
+                         ids=["ParallelHandler", "Mesh"])
+def test_tape_opened_outside_the_scope_raises_at_the_first_recorded_op(make):
+    """It would record each component separately: None for variables made in the scope
+    and one component's gradient for host variables, silently. Inside the scope it gives
+    the RFC's answer (the broadcast host variable's gradient summed over components)."""
+    handler = make()
+    name = "Mesh" if isinstance(handler, oh.Mesh) else "ParallelHandler"
+    w_host = tf.Variable(1.)
+    with handler:
+        w_in = tf.Variable(1.)
+    with oh.GradientTape() as tape:
+        with pytest.raises(NotImplementedError, match=(
+                r"oh.%s: op ReadVariableOp runs once per \w+ under an oh.GradientTape opened outside "
+                r"the scope of %s\(.*Open the tape inside the scope" % (name, name))):
+            with handler:
+                w_in * w_host
+        with tape.stop_recording():  # the documented way around it
+            with handler:
+                y = w_in * w_host + 1.
+    assert float(tf.reduce_sum(handler.unpack(y)[0])) == 2.
+    with handler:
+        with oh.GradientTape() as tape:
+            loss = w_in * w_host
+        g_in, g_host = tape.gradient(loss, [w_in, w_host])
+    # TensorFlow's answers: per component for the scope's variable; for the host
+    # variable, the sum over the components (ParallelHandler) or the one global value
+    # (Mesh: a replicated tensor is one value).
+    with tf.GradientTape() as ref:
+        ref_loss = tf.Variable(1.) * w_host
+    want = float(ref.gradient(ref_loss, w_host))
+    assert [float(g) for g in handler.unpack(tf.convert_to_tensor(g_in))] == [want, want]
+    assert float(g_host) == (want if name == "Mesh" else 2 * want)

@@ -46,7 +46,7 @@ from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
-from tf_ophandlers.handlers.parallel import ParallelHandler
+from tf_ophandlers.handlers.parallel import ParallelHandler, refuse_tape_below
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _log = logging.getLogger("tf_ophandlers")
@@ -305,6 +305,7 @@ class Mesh(MeshCommunication, OpHandler):
         return MeshValue(shards, value.layout, value.shape, value.var)
 
     def execute(self, op, inputs):
+        refuse_tape_below(self, op, "device")
         t = op.type
         if t not in _SPECIAL_OPS:
             for v in inputs:

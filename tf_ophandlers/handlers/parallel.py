@@ -40,7 +40,7 @@ from tf_ophandlers.core.stack import (
     current_stack, next_stack, OffStack, representation_of, stack_of)
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import parallel_collectives as _collectives
-from tf_ophandlers.handlers.gradient_tape import GradientTape
+from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
@@ -379,6 +379,7 @@ class ParallelHandler(OpHandler):
             % (len(value.components), ", ".join(self.components)))
 
     def execute(self, op, inputs):
+        refuse_tape_below(self, op, "component")
         below = next_stack()
         n = len(self.components)
         if op.type == "ParallelPack":
@@ -414,6 +415,24 @@ class ParallelHandler(OpHandler):
                 with _scope.on_device(device):
                     per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
+
+
+def refuse_tape_below(handler, op, part):
+    """Raises if an oh.GradientTape opened outside `handler`'s scope records now: it
+    would record each `part` (component, device) separately, and its gradients would
+    silently be None for variables made in the scope and one part's for host variables
+    (the RFC's answer sums the broadcast's parts; not implemented for a tape below).
+    `unpack`, the way out, stays allowed: it re-enters the tensor's stack, which makes a
+    tape paused around the scope record again."""
+    if op.type != "ParallelUnpack" and recording_tapes():
+        raise NotImplementedError(
+            "%s: op %s runs once per %s under an oh.GradientTape opened outside the scope "
+            "of %s; that tape cannot differentiate through it (it would give None or one "
+            "%s's gradient). Open the tape inside the scope (`with handler: with "
+            "oh.GradientTape() as tape: ...`), or pause it around the scope with "
+            "`tape.stop_recording()`" % (
+                "oh.Mesh" if part == "device" else "oh.ParallelHandler", op.type, part,
+                handler.debug_string(), part))
 
 
 def _writes_resource(op):

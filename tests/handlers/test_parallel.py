@@ -588,10 +588,10 @@ def test_all_reduce_of_many_signatures_prints_no_retracing_warning(parallel):
 @pytest.mark.parametrize("make", [lambda: oh.ParallelHandler(CPUS),
                                   lambda: oh.Mesh({"batch": 2}, CPUS)],
                          ids=["ParallelHandler", "Mesh"])
-def test_tape_opened_outside_the_scope_raises_at_the_first_recorded_op(make):
-    """It would record each component separately: None for variables made in the scope
-    and one component's gradient for host variables, silently. Inside the scope it gives
-    the RFC's answer (the broadcast host variable's gradient summed over components)."""
+def test_tape_outside_the_scope_refuses_what_it_cannot_differentiate(make):
+    """A tape opened outside the scope records each component's (device's) ops: it gave
+    None for a variable made in the scope, silently; now the read raises. Inside the
+    scope the tape gives TensorFlow's answers."""
     handler = make()
     name = "Mesh" if isinstance(handler, oh.Mesh) else "ParallelHandler"
     w_host = tf.Variable(1.)
@@ -599,23 +599,41 @@ def test_tape_opened_outside_the_scope_raises_at_the_first_recorded_op(make):
         w_in = tf.Variable(1.)
     with oh.GradientTape() as tape:
         with pytest.raises(NotImplementedError, match=(
-                r"oh.%s: op ReadVariableOp runs once per \w+ under an oh.GradientTape opened outside "
-                r"the scope of %s\(.*Open the tape inside the scope" % (name, name))):
+                r"oh.%s: op ReadVariableOp reads a variable made in the scope of %s\(.*"
+                r"under an oh.GradientTape opened outside that scope.*Open the tape inside"
+                % (name, name))):
             with handler:
                 w_in * w_host
         with tape.stop_recording():  # the documented way around it
             with handler:
                 y = w_in * w_host + 1.
-    assert float(tf.reduce_sum(handler.unpack(y)[0])) == 2.
+    assert float(handler.unpack(y)[0]) == 2.
     with handler:
         with oh.GradientTape() as tape:
             loss = w_in * w_host
         g_in, g_host = tape.gradient(loss, [w_in, w_host])
-    # TensorFlow's answers: per component for the scope's variable; for the host
-    # variable, the sum over the components (ParallelHandler) or the one global value
-    # (Mesh: a replicated tensor is one value).
+    # TensorFlow's answers: per component (device) for the scope's variable; for the
+    # host variable, the sum over the components (ParallelHandler: the broadcast's
+    # CopyOnGrad) or the one global value (Mesh: a replicated tensor is one value).
     with tf.GradientTape() as ref:
         ref_loss = tf.Variable(1.) * w_host
     want = float(ref.gradient(ref_loss, w_host))
     assert [float(g) for g in handler.unpack(tf.convert_to_tensor(g_in))] == [want, want]
     assert float(g_host) == (want if name == "Mesh" else 2 * want)
+
+
+def test_parallel_target_with_equal_components_of_a_tape_outside_is_an_error(parallel):
+    """Its components are equal, so copying it off used to succeed with component 0:
+    the host variable got one replica's gradient (1 instead of 2), silently. The sum of
+    the unpacked components is the RFC's target (CopyOnGrad sums the broadcast)."""
+    w = tf.Variable(3.)
+    with oh.GradientTape(persistent=True) as tape:
+        with parallel:
+            y = w * 2.
+        total = tf.add_n(parallel.unpack(y))
+    with pytest.raises(oh.CopyOffError, match=r"cannot be a target of an oh.GradientTape "
+                                              r"opened outside the scope.*unpack"):
+        tape.gradient(y, w)
+    with tf.GradientTape() as ref:  # TensorFlow: the two replicas' losses summed
+        ref_total = w * 2. + w * 2.
+    assert float(tape.gradient(total, w)) == float(ref.gradient(ref_total, w)) == 4.

@@ -46,7 +46,8 @@ from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
-from tf_ophandlers.handlers.parallel import ParallelHandler, refuse_tape_below
+from tf_ophandlers.handlers.parallel import (
+    VARIABLE_READS, ParallelHandler, refuse_tape_below)
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _log = logging.getLogger("tf_ophandlers")
@@ -305,8 +306,10 @@ class Mesh(MeshCommunication, OpHandler):
         return MeshValue(shards, value.layout, value.shape, value.var)
 
     def execute(self, op, inputs):
-        refuse_tape_below(self, op, "device")
         t = op.type
+        if t in VARIABLE_READS and any(v.var is not None and not v.var.broadcast
+                                       for v in inputs):
+            refuse_tape_below(self, op, "device")
         if t not in _SPECIAL_OPS:
             for v in inputs:
                 if v.var is not None:
@@ -401,8 +404,9 @@ class Mesh(MeshCommunication, OpHandler):
     def _fold(self, op, inputs):
         """In a replay, a stateless op of small known values (BroadcastGradientArgs of
         shapes, a gradient's reduction axes) computed now, so rules see constants."""
-        if tf.executing_eagerly() or op.output_dtypes is None:
-            return None
+        if tf.executing_eagerly() or op.output_dtypes is None or any(
+                d in (tf.variant, tf.resource) for d in op.output_dtypes):
+            return None  # (a TensorList or a handle has no NumPy value to fold into)
         values = [self.static_value(v) for v in inputs]
         if any(v is None or np.size(v) > _SMALL for v in values):
             return None

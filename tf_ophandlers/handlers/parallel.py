@@ -368,6 +368,15 @@ class ParallelHandler(OpHandler):
         # A tensor whose components are all equal has one value (RFC: as static_value);
         # TensorFlow reads some replicated values itself (variable initialization checks).
         first = value.components[0]
+        if recording_tapes():
+            # A tape opened outside the scope taking this tensor as a target: one
+            # component would silently stand for all (one replica's gradient).
+            raise errors.CopyOffError(
+                "oh.ParallelHandler: a tensor with %d components (one per device of %s) "
+                "cannot be a target of an oh.GradientTape opened outside the scope; use "
+                "tf.add_n(parallel.unpack(t)) (the sum over components, as the RFC's "
+                "CopyOnGrad sums a broadcast's gradient), or open the tape inside the scope"
+                % (len(value.components), ", ".join(self.components)))
         if first.shape.num_elements() is not None and first.shape.num_elements() <= 1024:
             values = [np.asarray(c) for c in value.components]
             if all(v.shape == values[0].shape and np.array_equal(v, values[0])
@@ -379,7 +388,9 @@ class ParallelHandler(OpHandler):
             % (len(value.components), ", ".join(self.components)))
 
     def execute(self, op, inputs):
-        refuse_tape_below(self, op, "component")
+        if op.type in VARIABLE_READS and any(
+                not v.broadcast and v.components[0].dtype == tf.resource for v in inputs):
+            refuse_tape_below(self, op, "component")
         below = next_stack()
         n = len(self.components)
         if op.type == "ParallelPack":
@@ -417,21 +428,25 @@ class ParallelHandler(OpHandler):
         return [ParallelValue(outs) for outs in zip(*per_device)]
 
 
+# Ops reading a variable: under a tape opened outside the scope, a variable made in the
+# scope (one buffer per component or device) is watched whole by the tape but read per
+# part, so its gradient would be None.
+VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
+
+
 def refuse_tape_below(handler, op, part):
-    """Raises if an oh.GradientTape opened outside `handler`'s scope records now: it
-    would record each `part` (component, device) separately, and its gradients would
-    silently be None for variables made in the scope and one part's for host variables
-    (the RFC's answer sums the broadcast's parts; not implemented for a tape below).
-    `unpack`, the way out, stays allowed: it re-enters the tensor's stack, which makes a
-    tape paused around the scope record again."""
-    if op.type != "ParallelUnpack" and recording_tapes():
+    """Raises if an oh.GradientTape opened outside `handler`'s scope records now, for
+    `op` reading a variable made in the scope (`part`: component, device): the tape
+    would watch the variable but record each part's read separately, and give None for
+    it, silently. (Tensors packed from outside and unpacked again differentiate.)"""
+    if recording_tapes():
         raise NotImplementedError(
-            "%s: op %s runs once per %s under an oh.GradientTape opened outside the scope "
-            "of %s; that tape cannot differentiate through it (it would give None or one "
-            "%s's gradient). Open the tape inside the scope (`with handler: with "
-            "oh.GradientTape() as tape: ...`), or pause it around the scope with "
-            "`tape.stop_recording()`" % (
-                "oh.Mesh" if part == "device" else "oh.ParallelHandler", op.type, part,
+            "%s: op %s reads a variable made in the scope of %s (one buffer per %s) "
+            "under an oh.GradientTape opened outside that scope, which cannot "
+            "differentiate with respect to it (its gradient would be None). Open the tape "
+            "inside the scope (`with handler: with oh.GradientTape() as tape: ...`), or "
+            "pause it around the scope with `tape.stop_recording()`" % (
+                "oh.Mesh" if part == "device" else "oh.ParallelHandler", op.type,
                 handler.debug_string(), part))
 
 

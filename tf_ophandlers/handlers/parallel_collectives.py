@@ -97,20 +97,20 @@ def run_concurrently(handler, below, op, inputs):
                 _error_codes.UNAVAILABLE, "oh.ParallelHandler: a component of %s failed"
                 % handler.debug_string())
             aborted = True
-            for t in threads:
-                t.join()
+            for t in threads:  # they fail now; a thread stuck elsewhere is left behind
+                t.join(_FAILURE_GRACE_SECONDS * 30)
             pending = 0
     if failed is not None:
         first = failures[failed]
         if isinstance(first, tf.errors.OpError):
-            raise type(first)(
-                first.node_def, first.op,
-                "oh.ParallelHandler: op %s failed on component %s of %s%s: %s" % (
-                    op.type, handler.components[failed],
-                    handler.debug_string(),
-                    " (the other components waited for it in a collective; TensorFlow's "
-                    "collectives are aborted for this process after this: restart the "
-                    "program)" if aborted else "", first.message)) from first
+            message = "oh.ParallelHandler: op %s failed on component %s of %s%s: %s" % (
+                op.type, handler.components[failed], handler.debug_string(),
+                " (the other components waited for it in a collective; TensorFlow's "
+                "collectives are aborted for this process after this: restart the "
+                "program)" if aborted else "", first.message)
+            # The same exception class (its code), with the handler, op and component.
+            raise _error_codes.exception_type_from_error_code(first.error_code)(
+                first.node_def, first.op, message) from first
         raise first
     return results
 

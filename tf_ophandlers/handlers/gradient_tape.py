@@ -83,6 +83,12 @@ def _active_tapes():
                  if isinstance(h, GradientTape) and h._live)  # pylint: disable=protected-access
 
 
+def recording_tapes():
+    """The recording oh.GradientTapes of the current stack, innermost first (inside a
+    hook: the tapes below the running handler)."""
+    return _active_tapes()
+
+
 class GradientTape(BackwardPass, OpHandler):
     """Records operations for automatic differentiation (`tf.GradientTape` as a handler).
 

@@ -46,7 +46,9 @@ from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
-from tf_ophandlers.handlers.parallel import ParallelHandler
+from tf_ophandlers.handlers.parallel import (
+    VARIABLE_READS, ParallelHandler, refuse_tape_below)
+from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _log = logging.getLogger("tf_ophandlers")
 RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
@@ -122,9 +124,16 @@ class Mesh(MeshCommunication, OpHandler):
         self._per_op = PerOpCalls(self.devices, enabled=compile_ops)
         self.uneven = collections.Counter()  # shard/relayout requests kept replicated
         self._local = threading.local()
+        ensure_optimizer_check()
 
     def debug_string(self):
         return "Mesh(%s)" % ", ".join("%s=%d" % kv for kv in self.dims.items())
+
+    def holds_variable(self, variable):
+        """Whether `variable` is one of this mesh's (its shards on the mesh's devices); a
+        host variable is only replicated for reading (parallel.check_optimizer_step)."""
+        value = self._value_of(getattr(variable, "handle", None))
+        return value is not None and value.var is not None and not value.var.broadcast
 
     # -- the public API --------------------------------------------------------------------
 
@@ -298,6 +307,9 @@ class Mesh(MeshCommunication, OpHandler):
 
     def execute(self, op, inputs):
         t = op.type
+        if t in VARIABLE_READS and any(v.var is not None and not v.var.broadcast
+                                       for v in inputs):
+            refuse_tape_below(self, op, "device")
         if t not in _SPECIAL_OPS:
             for v in inputs:
                 if v.var is not None:
@@ -392,8 +404,9 @@ class Mesh(MeshCommunication, OpHandler):
     def _fold(self, op, inputs):
         """In a replay, a stateless op of small known values (BroadcastGradientArgs of
         shapes, a gradient's reduction axes) computed now, so rules see constants."""
-        if tf.executing_eagerly() or op.output_dtypes is None:
-            return None
+        if tf.executing_eagerly() or op.output_dtypes is None or any(
+                d in (tf.variant, tf.resource) for d in op.output_dtypes):
+            return None  # (a TensorList or a handle has no NumPy value to fold into)
         values = [self.static_value(v) for v in inputs]
         if any(v is None or np.size(v) > _SMALL for v in values):
             return None
@@ -419,6 +432,18 @@ class Mesh(MeshCommunication, OpHandler):
         if len(shards) != len(self.devices):
             raise ValueError("oh.Mesh.pack: got %d shards for %d devices"
                              % (len(shards), len(self.devices)))
+        # Every device holds a block of the same shape (layouts shard evenly): checked
+        # here, or the mistake surfaces later as a raw ConcatOp error of a gather.
+        first = shards[0]
+        for i, s in enumerate(shards[1:], 1):
+            if s.dtype != first.dtype or (
+                    s.shape.is_fully_defined() and first.shape.is_fully_defined()
+                    and s.shape.as_list() != first.shape.as_list()):
+                raise ValueError(
+                    "oh.Mesh.pack: shard %d (for %s) is %s %s, shard 0 is %s %s; every "
+                    "device's shard must have the same dtype and shape"
+                    % (i, self.devices[i], s.dtype.name, s.shape, first.dtype.name,
+                       first.shape))
         global_shape = [n * self.dims[m] if m else n for n, m in zip(
             shards[0].shape.as_list(), layout)]
         layout = self._checked_layout(layout, tf.TensorShape(global_shape), "pack")

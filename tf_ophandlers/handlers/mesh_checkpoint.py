@@ -50,6 +50,12 @@ def _block_index(dims, layout, i):
     return tuple(None if m is None else int(coords[names.index(m)]) for m in layout)
 
 
+def _dtype_and_shape(v):
+    """A variable's DType and shape list: a Keras 3 variable gives its dtype as a string
+    and its shape as a tuple."""
+    return tf.as_dtype(v.dtype), tf.TensorShape(v.shape).as_list()
+
+
 def _checked(mesh, variables, what):
     if not isinstance(variables, dict) or not variables:
         raise TypeError("oh.Mesh.%s: variables must be a non-empty dict {name: variable}, "
@@ -75,8 +81,8 @@ def save_shards(mesh, prefix, variables):
         for i in _owners(dims, layout):
             per_device[i][0].append("%s/shard_%d" % (name, i))
             per_device[i][1].append(shards[i])
-        meta["vars"][name] = {"layout": list(layout), "shape": v.shape.as_list(),
-                              "dtype": v.dtype.name}
+        dtype, shape = _dtype_and_shape(v)
+        meta["vars"][name] = {"layout": list(layout), "shape": shape, "dtype": dtype.name}
     per_device[0][0].append(_META)
     with tf.device(mesh.devices[0]):
         per_device[0][1].append(tf.constant(json.dumps(meta)))
@@ -96,7 +102,9 @@ def _read(prefix, i, n, name, dtype, device):
 
 
 def restore_shards(mesh, prefix, variables):
-    """Restores the variables from `save_shards` files (see the module)."""
+    """Restores the variables from `save_shards` files (see the module): every variable
+    is checked and read first, then all are assigned, so a mismatch leaves them all as
+    they were."""
     _checked(mesh, variables, "restore_shards")
     # The saving mesh's device count: device 0's file name says it.
     found = tf.io.gfile.glob(prefix + "-0-of-*.index")
@@ -114,31 +122,38 @@ def restore_shards(mesh, prefix, variables):
         if info is None:
             raise KeyError("oh.Mesh.restore_shards: %r is not in the checkpoint %r (it has "
                            "%s)" % (name, prefix, sorted(meta["vars"])))
-        layout = tuple(info["layout"])
-        if info["shape"] != v.shape.as_list() or info["dtype"] != v.dtype.name:
+        dtype, shape = _dtype_and_shape(v)
+        if info["shape"] != shape or info["dtype"] != dtype.name:
             raise ValueError("oh.Mesh.restore_shards: %r was saved as %s %s; the variable "
-                             "is %s %s" % (name, info["dtype"], info["shape"],
-                                           v.dtype.name, v.shape.as_list()))
-        owners = _owners(dims, layout)
-        blocks = {}  # block index -> the owner that saved it
-        for i in owners:
-            blocks[_block_index(dims, layout, i)] = i
-        if dims == list(mesh.dims.items()) and layout == tuple(mesh.layout_of(v)):
-            # The same mesh and layout: every device reads its own block back.
-            shards = [_read(prefix, blocks[_block_index(dims, layout, j)], n,
-                            "%s/shard_%d" % (name, blocks[_block_index(dims, layout, j)]),
-                            v.dtype, device) for j, device in enumerate(mesh.devices)]
-            value = mesh.pack(shards, layout)
-        else:  # another mesh or layout: unshard, then the assignment reshards
-            full = np.zeros(info["shape"], v.dtype.as_numpy_dtype)
-            sizes = dict(dims)
-            for index, i in blocks.items():
-                block = _read(prefix, i, n, "%s/shard_%d" % (name, i), v.dtype,
-                              "CPU:0").numpy()
-                at = tuple(slice(None) if c is None else slice(
-                    c * (s // sizes[m]), (c + 1) * (s // sizes[m]))
-                    for c, s, m in zip(index, info["shape"], layout))
-                full[at] = block
-            value = full
-        with mesh:
-            v.assign(value)
+                             "is %s %s; no variable was restored"
+                             % (name, info["dtype"], info["shape"], dtype.name, shape))
+    values = {name: _restored_value(mesh, prefix, n, dims, meta["vars"][name], name, v)
+              for name, v in variables.items()}
+    with mesh:
+        for name, v in variables.items():
+            v.assign(values[name])
+
+
+def _restored_value(mesh, prefix, n, dims, info, name, v):
+    """The value to assign to `v` from its saved blocks."""
+    dtype, _ = _dtype_and_shape(v)
+    layout = tuple(info["layout"])
+    blocks = {}  # block index -> the owner that saved it
+    for i in _owners(dims, layout):
+        blocks[_block_index(dims, layout, i)] = i
+    if dims == list(mesh.dims.items()) and layout == tuple(mesh.layout_of(v)):
+        # The same mesh and layout: every device reads its own block back.
+        shards = [_read(prefix, blocks[_block_index(dims, layout, j)], n,
+                        "%s/shard_%d" % (name, blocks[_block_index(dims, layout, j)]),
+                        dtype, device) for j, device in enumerate(mesh.devices)]
+        return mesh.pack(shards, layout)
+    # Another mesh or layout: unshard, then the assignment reshards.
+    full = np.zeros(info["shape"], dtype.as_numpy_dtype)
+    sizes = dict(dims)
+    for index, i in blocks.items():
+        block = _read(prefix, i, n, "%s/shard_%d" % (name, i), dtype, "CPU:0").numpy()
+        at = tuple(slice(None) if c is None else slice(
+            c * (s // sizes[m]), (c + 1) * (s // sizes[m]))
+            for c, s, m in zip(index, info["shape"], layout))
+        full[at] = block
+    return full

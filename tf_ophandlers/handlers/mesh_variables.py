@@ -72,8 +72,10 @@ def variable_op(mesh, op, inputs, var_request):
             raise errors.PlacementError(
                 "oh.Mesh: op %s writes a variable whose initial value was never assigned "
                 "under %s, so its layout is unknown; create it inside the mesh's scope "
-                "eagerly first (for Keras, call optimizer.build(model.trainable_variables) "
-                "in the scope before the first tf.function step)" % (t, mesh.debug_string()))
+                "eagerly first (for Keras, create the optimizer in the scope and call "
+                "optimizer.build(model.trainable_variables) there before the first "
+                "tf.function step; an optimizer already built outside keeps its "
+                "variables there: make a new one)" % (t, mesh.debug_string()))
         value = mesh.relayout_value(value, var.layout)
         mesh.run(op, [handle, value])
         return []

@@ -33,11 +33,15 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 from tf_ophandlers.core import copies as _copies
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, OffStack, representation_of, stack_of)
-from tf_ophandlers.handlers.gradient_tape import GradientTape
+from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.handlers import parallel_collectives as _collectives
+from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
+from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
 _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
@@ -158,9 +162,16 @@ class ParallelHandler(OpHandler):
             raise ValueError("oh.ParallelHandler: timeout_seconds must be None or >= 0, "
                              "got %r" % (timeout_seconds,))
         self.timeout_seconds = timeout_seconds
+        ensure_optimizer_check()
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
+
+    def holds_variable(self, variable):
+        """Whether `variable` has one buffer per component here (created in the scope);
+        a host variable is only broadcast for reading (see `check_optimizer_step`)."""
+        stack = _stack_of(getattr(variable, "handle", None))
+        return stack is not None and any(h is self for h in stack.handlers)
 
     # -- variables: one buffer per component, saved per component ------------------------
 
@@ -257,33 +268,49 @@ class ParallelHandler(OpHandler):
 
         return reduce(tensor)
 
-    @property
-    def _collective(self):
-        """A tf.function running one collective all-reduce per component device."""
-        fn = self.__dict__.get("_collective_fn")
+    def _collective(self, *parts):
+        """One collective all-reduce per component device, as one function call (all
+        members run inside it, so that they meet). One concrete function per signature
+        of `parts` (dtypes and shapes; bounded), called directly: a tf.function retraced
+        for each new shape would print TensorFlow's retracing warning for the library's
+        own code."""
+        key = tuple((p.dtype, tuple(p.shape.as_list())) for p in parts)
+        functions = self.__dict__.get("_collective_fns")
+        if functions is None:
+            functions = self.__dict__["_collective_fns"] = BoundedCache(
+                "parallel.collectives.%x" % id(self), 64)
+        fn = functions.get(key)
         if fn is None:
+            fn = functions[key] = self._collective_function(
+                [tf.TensorSpec(p.shape, p.dtype) for p in parts])
+        return fn(*parts)
+
+    def _collective_function(self, specs):
+        """The all-reduce of `_collective` for arguments `specs`."""
+        collective, options = self.__dict__.get("_collective_launcher", (None, None))
+        if collective is None:
             # TensorFlow's launcher manages group/instance keys and the ordering of
-            # collectives; all members run inside one function call so that they meet.
+            # collectives.
             from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
             from tensorflow.python.distribute import cross_device_ops  # pylint: disable=import-outside-toplevel
-            from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
             options = collective_util.Options(timeout_seconds=self.timeout_seconds or None)
             collective = cross_device_ops.CollectiveAllReduce(
                 devices=list(self.components), group_size=len(self.components),
                 options=options, collective_keys=_collective_keys())
-            devices = self.components
+            self.__dict__["_collective_launcher"] = (collective, options)
+        from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
+        devices = self.components
 
-            @tf.function(autograph=False)
-            def fn(*parts):
-                out = []
-                for i, (device, part) in enumerate(zip(devices, parts)):
-                    with tf.device(device):
-                        out.append(collective._all_reduce(  # pylint: disable=protected-access
-                            reduce_util.ReduceOp.SUM, tf.identity(part), i, options))
-                return out
+        @tf.function(autograph=False, input_signature=specs)
+        def fn(*parts):
+            out = []
+            for i, (device, part) in enumerate(zip(devices, parts)):
+                with tf.device(device):
+                    out.append(collective._all_reduce(  # pylint: disable=protected-access
+                        reduce_util.ReduceOp.SUM, tf.identity(part), i, options))
+            return out
 
-            self.__dict__["_collective_fn"] = fn
-        return fn
+        return fn.get_concrete_function()
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -341,6 +368,15 @@ class ParallelHandler(OpHandler):
         # A tensor whose components are all equal has one value (RFC: as static_value);
         # TensorFlow reads some replicated values itself (variable initialization checks).
         first = value.components[0]
+        if recording_tapes():
+            # A tape opened outside the scope taking this tensor as a target: one
+            # component would silently stand for all (one replica's gradient).
+            raise errors.CopyOffError(
+                "oh.ParallelHandler: a tensor with %d components (one per device of %s) "
+                "cannot be a target of an oh.GradientTape opened outside the scope; use "
+                "tf.add_n(parallel.unpack(t)) (the sum over components, as the RFC's "
+                "CopyOnGrad sums a broadcast's gradient), or open the tape inside the scope"
+                % (len(value.components), ", ".join(self.components)))
         if first.shape.num_elements() is not None and first.shape.num_elements() <= 1024:
             values = [np.asarray(c) for c in value.components]
             if all(v.shape == values[0].shape and np.array_equal(v, values[0])
@@ -352,6 +388,9 @@ class ParallelHandler(OpHandler):
             % (len(value.components), ", ".join(self.components)))
 
     def execute(self, op, inputs):
+        if op.type in VARIABLE_READS and any(
+                not v.broadcast and v.components[0].dtype == tf.resource for v in inputs):
+            refuse_tape_below(self, op, "component")
         below = next_stack()
         n = len(self.components)
         if op.type == "ParallelPack":
@@ -378,11 +417,37 @@ class ParallelHandler(OpHandler):
                 raise errors.PlacementError(
                     "oh.ParallelHandler: op %s got a tensor with %d components on a handler "
                     "with %d" % (op.type, len(v.components), n))
-        per_device = []
-        for i, device in enumerate(self.components):
-            with _scope.on_device(device):
-                per_device.append(below.execute(op, [v.components[i] for v in inputs]))
+        if n > 1 and _collectives.meets_across_components(op) and (
+                _state.mode is None or not _state.mode.building()):
+            per_device = _collectives.run_concurrently(self, below, op, inputs)
+        else:
+            per_device = []
+            for i, device in enumerate(self.components):
+                with _scope.on_device(device):
+                    per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
+
+
+# Ops reading a variable: under a tape opened outside the scope, a variable made in the
+# scope (one buffer per component or device) is watched whole by the tape but read per
+# part, so its gradient would be None.
+VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
+
+
+def refuse_tape_below(handler, op, part):
+    """Raises if an oh.GradientTape opened outside `handler`'s scope records now, for
+    `op` reading a variable made in the scope (`part`: component, device): the tape
+    would watch the variable but record each part's read separately, and give None for
+    it, silently. (Tensors packed from outside and unpacked again differentiate.)"""
+    if recording_tapes():
+        raise NotImplementedError(
+            "%s: op %s reads a variable made in the scope of %s (one buffer per %s) "
+            "under an oh.GradientTape opened outside that scope, which cannot "
+            "differentiate with respect to it (its gradient would be None). Open the tape "
+            "inside the scope (`with handler: with oh.GradientTape() as tape: ...`), or "
+            "pause it around the scope with `tape.stop_recording()`" % (
+                "oh.Mesh" if part == "device" else "oh.ParallelHandler", op.type,
+                handler.debug_string(), part))
 
 
 def _writes_resource(op):

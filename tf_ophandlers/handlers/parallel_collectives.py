@@ -1,0 +1,127 @@
+"""Components of one op that must run at the same time (`oh.ParallelHandler`,
+tf_ophandlers/handlers/parallel.py): a TensorFlow collective (all-reduce, broadcast,
+gather) or a function holding one waits in each component for all the others, so
+dispatched one component after another the first would wait forever. TensorFlow's
+ParallelDevice runs every op with a thread per device; the handler does so for these ops
+only (other ops keep the cheaper one-thread dispatch).
+"""
+import contextlib
+import queue
+import threading
+
+import tensorflow as tf
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import executor as _executor
+from tensorflow.python.framework import errors_impl as _error_codes
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+
+from tf_ophandlers.core import functions as _functions
+from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.stack import PHYSICAL as _PHYSICAL
+from tf_ophandlers.core.state import state as _state
+
+_COLLECTIVE_PREFIXES = ("Collective", "Nccl")
+# op type -> whether its components must run at the same time; function names are unique
+# in the eager context, so an entry for a function never goes stale.
+_meets = BoundedCache("parallel.meets", 4096)
+
+
+def meets_across_components(op):
+    """Whether the components of `op` wait for each other: a collective op (all-reduce,
+    broadcast, gather), or a function whose body or callees hold one. Run one after the
+    other, the first component would wait forever for the second."""
+    t = op.type
+    meets = _meets.get(t)
+    if meets is None:
+        if t.startswith(_COLLECTIVE_PREFIXES):
+            meets = True
+        elif _op_def_registry.get(t) is None:  # a function call op
+            meets = any(b.startswith(_COLLECTIVE_PREFIXES)
+                        for b in _functions.body_op_types(t))
+        else:
+            meets = False
+        _meets[t] = meets
+    return meets
+
+
+# After a component failed, how long the others may still take before they are taken to
+# wait for it in a collective.
+_FAILURE_GRACE_SECONDS = 2.0
+
+
+def run_concurrently(handler, below, op, inputs):
+    """Each component of `op` on its own thread (as TensorFlow's ParallelDevice runs
+    every op), for ops whose components meet in a collective. The threads see the
+    calling hook's dispatch state; each runs on a synchronous executor, so an
+    asynchronous caller (`tf.experimental.async_scope`) does not queue a component
+    behind another that waits for it."""
+    n = len(handler.components)
+    frames, current, mode, device = list(_state.frames), _state.current, _state.mode, \
+        _state.device
+    results, failures = [None] * n, [None] * n
+    finished = queue.Queue()
+
+    def run(i):
+        st = _state  # this worker thread's own
+        st.frames, st.current, st.mode, st.device = list(frames), current, mode, device
+        try:
+            with _sync_executor(), _scope.on_device(handler.components[i]):
+                results[i] = below.execute(op, [v.components[i] for v in inputs])
+        except BaseException as e:  # pylint: disable=broad-except
+            failures[i] = e
+        finally:
+            st.frames, st.current, st.mode, st.device = [], _PHYSICAL, None, ""
+            finished.put(i)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True,
+                                name="oh.ParallelHandler component %d" % i)
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    pending, failed = n, None  # failed: the component that failed first
+    while pending and failed is None:
+        i = finished.get()
+        pending -= 1
+        if failures[i] is not None:
+            failed = i
+    aborted = False
+    while pending:
+        try:
+            finished.get(timeout=_FAILURE_GRACE_SECONDS)
+            pending -= 1
+        except queue.Empty:
+            # The rest wait in a collective for the failed component: abort TensorFlow's
+            # collectives (as tf.distribute does when a peer fails) rather than hang.
+            _context.context().abort_collective_ops(
+                _error_codes.UNAVAILABLE, "oh.ParallelHandler: a component of %s failed"
+                % handler.debug_string())
+            aborted = True
+            for t in threads:  # they fail now; a thread stuck elsewhere is left behind
+                t.join(_FAILURE_GRACE_SECONDS * 30)
+            pending = 0
+    if failed is not None:
+        first = failures[failed]
+        if isinstance(first, tf.errors.OpError):
+            message = "oh.ParallelHandler: op %s failed on component %s of %s%s: %s" % (
+                op.type, handler.components[failed], handler.debug_string(),
+                " (the other components waited for it in a collective; TensorFlow's "
+                "collectives are aborted for this process after this: restart the "
+                "program)" if aborted else "", first.message)
+            # The same exception class (its code), with the handler, op and component.
+            raise _error_codes.exception_type_from_error_code(first.error_code)(
+                first.node_def, first.op, message) from first
+        raise first
+    return results
+
+
+@contextlib.contextmanager
+def _sync_executor():
+    """A synchronous executor for this thread if its default one is asynchronous."""
+    ctx = _context.context()
+    if not ctx.is_async():
+        yield
+        return
+    sync = _executor.new_executor(enable_async=False)
+    with _context.executor_scope(sync):
+        yield

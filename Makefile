@@ -9,7 +9,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench build wheel smoke bazel clean
+.PHONY: demo test test-python-path bench build wheel smoke bazel clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -ra --durations=30 tests
+
+# The differential tests again with every Python handler's op on the Python path (the
+# reference the C paths must agree with; tf_ophandlers/core/fast_decision.py C_PATHS).
+test-python-path: $(STAMP)
+	OH_FAST_PATH=0 $(VPY) -m pytest -q -ra tests/handlers/test_differential.py \
+	    tests/handlers/test_fuzz_stacks.py tests/core/test_python_path_switch.py
 
 bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py

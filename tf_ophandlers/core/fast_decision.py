@@ -7,6 +7,7 @@ the whole Python path (`HandlerStack.execute`). `fast_decision` answers;
 `fast_signature` canonicalizes what the answer depends on, so stacks of equal
 declarations share decisions. Kept apart from core/stack.py, which only calls them.
 """
+import os
 import types
 
 import tf_ophandlers._C as _C
@@ -26,6 +27,12 @@ register_external_cache(
 # keys the decisions it shares between stacks by this object's identity (holding a
 # reference), so equal declarations must map to one object.
 _fast_signatures = BoundedCache("fast_path.signatures", 1024)
+
+#: ``OH_FAST_PATH=0`` in the environment: every op placed on a Python handler's stack
+#: takes the Python path (`HandlerStack.execute`), the reference that the C paths must
+#: agree with (DESIGN.md decision 9); CI runs the differential tests both ways. C/C++
+#: handlers keep their native path (there is no Python one to compare with).
+C_PATHS = os.environ.get("OH_FAST_PATH", "1") != "0"
 
 #: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
 FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD, FAST_LAZY = 0, 1, 2, 3, 4, 5
@@ -155,6 +162,9 @@ def fast_decision(stack, op_type):
     if isinstance(handler, _C.NativeHandlerBase):
         # (C++ decides these stacks itself: fast_decision.cc, the same rule.)
         kind = FAST_NATIVE if stack._runs_execute(op_type) else FAST_FORWARD
+    elif not C_PATHS:
+        return (FAST_PYTHON, stack.next, bool(handler.transient), stack.default_copy_on,
+                handler.needs_copy is None and not stack._defer_copy)
     elif op_type in COPY_OPS:
         # A handler taking every copy op like any op (`handles_copy = True`, in the
         # signature) gets its hook called from C as for other ops; else the copy rules.

@@ -43,8 +43,8 @@ from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_di
 from tf_ophandlers.handlers.gradient_tape_exclusions import (
     drop_unread, track_ref, tracked_entry, used_indices)
 from tf_ophandlers.core.stack import (
-    COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, run_deferred_above,
-    stack_of, tensor_key)
+    COPY_OPS, PHYSICAL, current_stack, next_stack, own_handle, representation_of,
+    run_deferred_above, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
 _EagerTensor = _ops.EagerTensor
@@ -174,6 +174,11 @@ class GradientTape(BackwardPass, OpHandler):
             # variable watchers; the tape watches what its watcher saw.
             self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
 
+    def values_released(self):
+        # Outside its scopes the tape's results are plain tensors (as tf.GradientTape's):
+        # later ops run below it, so results of two tapes combine (OpHandler.values_released).
+        return self._depth == 0
+
     def scope_exited(self):
         self._depth -= 1
         self._update_live()
@@ -226,6 +231,11 @@ class GradientTape(BackwardPass, OpHandler):
         self._used = False
         self._stopped = False
         self._update_live()
+        if self._watcher is not None:
+            # The variables read before the reset are forgotten too (TensorFlow's reset
+            # starts a new tape, which watches the variables read from then on).
+            pywrap_tfe.TFE_Py_VariableWatcherRemove(self._watcher)
+            self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
 
     # -- the handler ----------------------------------------------------------------------
 
@@ -414,7 +424,12 @@ class GradientTape(BackwardPass, OpHandler):
             if hasattr(t, "handle"):
                 self._watch_variable(t)
             else:
-                self._track_watched(self._level_of(t))
+                value = self._level_of(t)
+                if value is t:
+                    # Equal Python scalars share one TensorFlow handle: the watched one
+                    # gets its own, so that its twins are not watched with it.
+                    own_handle(t)
+                self._track_watched(value)
 
     def _watch_variable(self, variable):
         handle = variable.handle
@@ -513,7 +528,7 @@ class GradientTape(BackwardPass, OpHandler):
 
     def _check_usable(self):
         if self._used:
-            raise RuntimeError("oh.GradientTape: a non-persistent GradientTape can only be "
+            raise RuntimeError("oh.GradientTape: A non-persistent GradientTape can only be "
                                "used to compute one set of gradients (or jacobians)")
 
     def _stop_if_non_persistent_in_scope(self):

@@ -330,3 +330,72 @@ def test_jacobian_of_an_empty_target_with_respect_to_a_variable():
             y = tf.zeros([0, 7]) * v
         return (tape.jacobian(y, v), tape.jacobian(y, v, experimental_use_pfor=False))
     compare(program)
+
+
+# -- 3. a tape created eagerly, re-entered in a function being traced -----------------
+
+_BIAS = tf.constant([0.5, -1.0, 2.0])
+_OPS = {
+    "avg_pool": lambda x: tf.nn.avg_pool2d(x[None], 2, 2, "VALID"),
+    "max_pool": lambda x: tf.nn.max_pool2d(x[None], 2, 1, "SAME"),
+    "fused_batch_norm": lambda x: tf.compat.v1.nn.fused_batch_norm(
+        x[None], tf.ones([3]), tf.zeros([3]), is_training=True)[0],
+    "softmax_cross_entropy": lambda x: tf.nn.softmax_cross_entropy_with_logits(
+        tf.nn.softmax(tf.reshape(x, [-1, 3]) * 0.0 + _BIAS), tf.reshape(x, [-1, 3])),
+    "bias_add": lambda x: tf.nn.bias_add(x, _BIAS),
+    "strided_slice": lambda x: x[1:3, ::2],
+    "unary": lambda x: tf.tanh(x) * tf.exp(-x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPS))
+def test_tape_created_eagerly_reentered_in_a_function(name):
+    op = _OPS[name]
+
+    def program(tape_cls):
+        x = tf.random.stateless_uniform([2, 4, 4, 3], seed=[1, 2])
+        with tape_cls(persistent=True) as tape:
+            tape.watch(x)
+
+        @tf.function
+        def step(i):
+            with tape:
+                x1 = tf.gather(x, i)
+                out = op(x1)
+                loss = tf.reduce_sum(out * out)
+            return out, tape.gradient(loss, x1), tape.gradient(loss, x)
+        return step(tf.constant(1))
+    compare(program)
+
+
+def test_tape_created_eagerly_reentered_in_a_pfor_loop():
+    def program(tape_cls):
+        x = tf.random.stateless_uniform([3, 4, 4, 3], seed=[3, 4])
+        with tape_cls(persistent=True) as tape:
+            tape.watch(x)
+
+        def loop_fn(i):
+            with tape:
+                x1 = tf.gather(x, i)
+                loss = tf.reduce_sum(tf.nn.avg_pool2d(x1[None], 2, 2, "VALID") ** 2)
+            return tape.gradient(loss, x1)
+        return tf.vectorized_map(loop_fn, tf.range(3))
+    compare(program)
+
+
+def test_reentering_an_active_tape_in_a_function_raises():
+    def program(tape_cls):
+        x = tf.constant([1.0, 2.0])
+        with tape_cls(persistent=True) as tape:
+            tape.watch(x)
+
+            @tf.function
+            def step(x):
+                with tape:
+                    return x * 2.0
+            step(x)
+    expected, actual = (raised(program, tape) for tape in TAPES)
+    assert type(actual) is type(expected), (expected, actual)
+    # (tf.function adds the traceback of the user's code: compare the error's own line)
+    want = str(expected).strip().splitlines()[-1].split("ValueError: ", 1)[1]
+    assert str(actual).strip().endswith("oh.GradientTape: " + want), str(actual)

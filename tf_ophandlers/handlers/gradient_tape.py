@@ -139,18 +139,31 @@ class GradientTape(BackwardPass, OpHandler):
     # -- scopes ---------------------------------------------------------------------------
 
     def __enter__(self):
+        if self._live:
+            raise ValueError("oh.GradientTape: Tape is still recording, This can happen if "
+                             "you try to re-enter an already-active tape.")
         if not tf.executing_eagerly():
             # Trace time (RFC "During tracing"): opened inside a function being traced,
             # the tape is TensorFlow's own, which adds the gradient ops to the function
             # body; the handler is not involved once the trace is complete.
             self._traced = tf.GradientTape(self._persistent, self._watch_accessed_variables)
             self._traced.__enter__()
+            self._watch_eager_on_traced()
             return self
         self._traced = None
-        if self._live:
-            raise ValueError("oh.GradientTape: the tape is still recording; this happens "
-                             "when re-entering an already-active tape.")
         return super().__enter__()
+
+    def _watch_eager_on_traced(self):
+        """A tape created eagerly and re-entered in a function being traced keeps
+        watching the tensors and variables it watched eagerly, as tf.GradientTape does
+        (its tape is the same object): TensorFlow links an eager tensor to the
+        function's capture of it, so ops on the capture are recorded."""
+        watched = [t for t, uid in self._tracked.values()
+                   if uid < 0 and type(t) is _EagerTensor and t.dtype != tf.resource
+                   and stack_of(t) is None]
+        watched.extend(self._variables.values())
+        if watched:
+            self._traced.watch(watched)
 
     def __exit__(self, *exc_info):
         if self._traced is not None:

@@ -111,6 +111,8 @@ def test_outputs_of_a_tape_and_of_a_nested_tape():
     compare(program)
 
 
+# The next two guard the limits of the rule above (they pass without it too): a tape's
+# values are its own again when it is re-entered, and for tapes nested in it.
 def test_persistent_tape_reentered_differentiates_earlier_values():
     def program(tape_cls):
         x = tf.constant(3.0)
@@ -219,6 +221,24 @@ def test_equal_scalars_watched_by_nested_tapes():
                 y = a * a * b
             g = inner.gradient(y, [a, b])
         return g, outer.gradient(g[0], a)
+    compare(program)
+
+
+def test_equal_scalars_created_in_the_scope_or_under_a_device():
+    # TensorFlow's cache is keyed by the device scope a constant is created under too.
+    def program(tape_cls):
+        with tape_cls(persistent=True) as tape:
+            a = tf.constant(2.0)
+            b = tf.constant(2.0)
+            tape.watch([a, b])
+            y = a ** 3 + b ** 2
+        with tf.device("/cpu:0"):
+            d = tf.constant(5.0)
+            e = tf.constant(5.0)
+        with tape_cls() as other:
+            other.watch(d)
+            w = d * e
+        return tape.gradient(y, [a, b]), other.gradient(w, d)
     compare(program)
 
 

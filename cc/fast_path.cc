@@ -35,6 +35,7 @@ PyObject* s_wrap_eager = nullptr;
 PyObject* s_after_execute = nullptr;
 PyObject* s_sig = nullptr;
 PyObject* s_physical_copy = nullptr;
+PyObject* s_releases = nullptr;
 
 // Runs `type` on PHYSICAL: every input must be physical. GIL: held; released around
 // TFE_Execute.
@@ -142,7 +143,8 @@ PyObject* PyFastSetup(PyObject*, PyObject* args) {
       !InternOnce(&s_not_a_list, "_raise_not_a_list") ||
       !InternOnce(&s_wrap_eager, "_wrap_eager") ||
       !InternOnce(&s_after_execute, "after_execute") || !InternOnce(&s_sig, "_oh_sig") ||
-      !InternOnce(&s_physical_copy, "_physical_copy_on")) {
+      !InternOnce(&s_physical_copy, "_physical_copy_on") ||
+      !InternOnce(&s_releases, "_releases")) {
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -183,6 +185,16 @@ bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int 
       stack = s;
     }
     if (stack == nullptr) return false;
+    // A handler that may release its values (a closed tape, OpHandler.values_released):
+    // Python asks it where the op runs. Only type-based dispatch reads this flag.
+    PyObject* releases = PyObject_GetAttr(stack, s_releases);
+    if (releases == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    const bool may_release = releases == Py_True;
+    Py_DECREF(releases);
+    if (may_release) return false;
   }
   if (!RunOn(stack, op, type, device, n_in, in.data(), num_outputs, outputs, status, 0)) {
     return false;

@@ -5,6 +5,8 @@
 #include <Python.h>
 
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "device.h"
@@ -16,6 +18,20 @@
 #include "op.h"
 #include "runtime.h"
 #include "status.h"
+#include "tensorflow/c/eager/tfe_tensorhandle_internal.h"
+#include "tensorflow/core/framework/types.pb.h"
+
+// TensorFlow's cache of the handles of Python scalars (pywrap_tensor_conversion.h, a
+// private symbol of lib_pywrap_tensorflow_common.so; its header needs headers the wheel
+// lacks). Only the two members called here are declared. Lookup returns a borrowed
+// handle or null. GIL: held.
+namespace tensorflow {
+struct TFE_TensorHandleCache {
+  static TFE_TensorHandleCache* Get();
+  TFE_TensorHandle* Lookup(PyObject* value, tensorflow::DataType dtype, TFE_Context* ctx,
+                           std::string_view device_name) const;
+};
+}  // namespace tensorflow
 
 namespace tf_ophandlers {
 namespace {
@@ -138,6 +154,72 @@ PyObject* PyPayload(PyObject* self, PyObject* t) {
 PyObject* PyTensorKey(PyObject* self, PyObject* t) {
   if (EagerTensor_CheckExact(t)) return PyLong_FromVoidPtr(EagerTensor_Handle(t));
   return PyLong_FromVoidPtr(t);
+}
+
+// The TFE_TensorHandle* slot of EagerTensor `t`, or null. TensorFlow's struct
+// (python/eager/pywrap_tensor.cc) is PyObject_HEAD, 64 bytes for the parent class, then
+// the handle; no header declares it, so the slot is used only after checking that it
+// holds the handle EagerTensor_Handle returns: another layout refuses, never writes.
+// Handler tensors (a payload) are refused too. GIL: held.
+TFE_TensorHandle** PhysicalHandleSlot(PyObject* t) {
+  constexpr size_t kOffset = sizeof(PyObject) + 64;
+  if (!EagerTensor_CheckExact(t) ||
+      static_cast<size_t>(Py_TYPE(t)->tp_basicsize) < kOffset + sizeof(void*)) {
+    return nullptr;
+  }
+  auto** slot = reinterpret_cast<TFE_TensorHandle**>(reinterpret_cast<char*>(t) + kOffset);
+  TFE_TensorHandle* h = EagerTensor_Handle(t);
+  if (*slot != h || h == nullptr || PayloadOf(h) != nullptr) return nullptr;
+  return slot;
+}
+
+// handle_shared(t): whether physical EagerTensor `t`'s TensorHandle is referenced by
+// something else too: another EagerTensor wrapping it, or TensorFlow's cache of Python
+// scalars, which hands equal scalars (two tf.constant(3.0)) one handle. False for
+// anything else. GIL: held; never fails.
+PyObject* PyHandleShared(PyObject* self, PyObject* t) {
+  if (PhysicalHandleSlot(t) == nullptr) Py_RETURN_FALSE;
+  return PyBool_FromLong(!tensorflow::unwrap(EagerTensor_Handle(t))->RefCountIsOne());
+}
+
+// scalar_cached(t, value, dtype_enum, device_name): whether TensorFlow's cache of Python
+// scalars (ConvertToEagerTensor's TFE_TensorHandleCache) maps (`value`, the dtype
+// requested, the eager context, `device_name`) to t's handle, i.e. `t` is a
+// tf.constant(value) created under that device scope and shares its handle with every
+// equal one. The requested dtype is DT_INVALID (0) when none was given. False for
+// anything but a physical EagerTensor. Raises if the runtime is not initialized.
+// GIL: held.
+PyObject* PyScalarCached(PyObject* self, PyObject* args) {
+  PyObject *t, *value;
+  int dtype;
+  const char* device_name;
+  if (!PyArg_ParseTuple(args, "OOis", &t, &value, &dtype, &device_name)) return nullptr;
+  if (!RequireInit()) return nullptr;
+  if (PhysicalHandleSlot(t) == nullptr) Py_RETURN_FALSE;
+  TFE_TensorHandle* h = EagerTensor_Handle(t);
+  TFE_TensorHandle* cached = tensorflow::TFE_TensorHandleCache::Get()->Lookup(
+      value, static_cast<tensorflow::DataType>(dtype), g_ctx, device_name);
+  if (PyErr_Occurred()) return nullptr;  // (the value's comparison raised)
+  return PyBool_FromLong(cached == h);
+}
+
+// swap_handles(a, b): exchanges the TensorHandles of physical EagerTensors `a` and `b`
+// of one dtype; returns whether it did (False: not both physical EagerTensors of a known
+// layout, or dtypes differ; nothing changed). Each Python object keeps its TensorFlow
+// tensor id, shape and dtype. For giving a tensor a handle of its own (a copy sharing its
+// buffer, from an Identity op): tensor_key then tells it from the tensors it shared a
+// handle with, as TensorFlow's tape tells them apart by object. GIL: held; never fails.
+PyObject* PySwapHandles(PyObject* self, PyObject* args) {
+  PyObject *a, *b;
+  if (!PyArg_ParseTuple(args, "OO", &a, &b)) return nullptr;
+  TFE_TensorHandle** sa = PhysicalHandleSlot(a);
+  TFE_TensorHandle** sb = PhysicalHandleSlot(b);
+  if (sa == nullptr || sb == nullptr || a == b ||
+      TFE_TensorHandleDataType(*sa) != TFE_TensorHandleDataType(*sb)) {
+    Py_RETURN_FALSE;
+  }
+  std::swap(*sa, *sb);
+  Py_RETURN_TRUE;
 }
 
 PyObject* PyStackOf(PyObject* self, PyObject* t) {
@@ -382,6 +464,16 @@ PyMethodDef kModuleMethods[] = {
     {"wrap", PyWrap, METH_VARARGS, "wrap(stack, value, dtype_enum) -> handler tensor."},
     {"payload", PyPayload, METH_O, "payload(t) -> (stack, value) or None."},
     {"stack_of", PyStackOf, METH_O, "stack_of(t) -> stack or None."},
+    {"handle_shared", PyHandleShared, METH_O,
+     "handle_shared(t) -> whether physical EagerTensor t's handle is referenced elsewhere "
+     "too (TensorFlow's scalar cache, another wrapper)."},
+    {"scalar_cached", PyScalarCached, METH_VARARGS,
+     "scalar_cached(t, value, dtype_enum, device_name) -> whether t's handle is "
+     "TensorFlow's cached handle of Python scalar `value` converted with dtype "
+     "`dtype_enum` (0: none given) under device scope `device_name`."},
+    {"swap_handles", PySwapHandles, METH_VARARGS,
+     "swap_handles(a, b) -> bool: exchanges the handles of two physical EagerTensors of "
+     "one dtype (False, nothing changed, for anything else)."},
     {"tensor_key", PyTensorKey, METH_O,
      "tensor_key(t) -> int identity of t's TensorFlow handle (stable across wrappers)."},
     {"execute", PyExecute, METH_VARARGS, "execute(op, inputs, device) -> list of tensors."},

@@ -27,14 +27,18 @@ DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
 def _stack_for(op, inputs):
     """Type-based dispatch: the stack of the op's handler inputs."""
     stacks = []
+    released = False
     for t in inputs:
         s = _C.stack_of(t)
-        if s is not None and not any(s is x for x in stacks):
+        if s is not None and s._releases:  # pylint: disable=protected-access
+            s = _unreleased(s)
+            released = released or s is PHYSICAL
+        if s is not None and s is not PHYSICAL and not any(s is x for x in stacks):
             stacks.append(s)
     if len(stacks) == 1:
         return stacks[0]
     if not stacks:
-        return state.current
+        return PHYSICAL if released else state.current
     best = max(stacks, key=lambda s: len(s.handlers))
     if all(best.contains(s) for s in stacks):
         return best
@@ -43,6 +47,14 @@ def _stack_for(op, inputs):
         "tf_ophandlers: op %s has inputs on two unrelated handler stacks, %r and %r; "
         "copy one of them off its stack or run the op inside a scope of one of them "
         "(with oh.handler(...))" % (op.type, best, others[0]))
+
+
+def _unreleased(stack):
+    """`stack` without the handlers on its top that released their values (a closed
+    tape: OpHandler.values_released); PHYSICAL when all did."""
+    while stack is not PHYSICAL and stack._releases and stack.handler.values_released():  # pylint: disable=protected-access
+        stack = stack.next
+    return stack
 
 
 def execute(op, inputs):

@@ -140,6 +140,15 @@ class OpHandler:
     #: is made dense first: its indices and dense shape cannot be summed part by part.
     copy_on_grad_reduces = False
 
+    #: None, or a method ``values_released() -> bool`` of a transparent handler whose
+    #: representation is the next stack's tensor (it changes no values): while it
+    #: returns True (e.g. no scope of the handler is open), an op that reaches one of
+    #: its stacks by type-based dispatch runs on the stack below instead, so its results
+    #: behave as the next stack's tensors (a tape's results are plain tensors once its
+    #: scope closed, as tf.GradientTape's, and results of two tapes combine). Ops placed
+    #: by a scope (re-entering the handler) still see its tensors as its own.
+    values_released = None
+
     #: The kind of automatic differentiation this handler does, for handlers that must
     #: treat differentiation specially without importing its modules (oh.Recompute keeps
     #: a function call whole under one): "reverse" for a tape recording its scope's ops

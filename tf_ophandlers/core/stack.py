@@ -18,6 +18,7 @@ import itertools
 import operator
 import types
 
+from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 from tensorflow.python.framework.tensor import Tensor as _Tensor
@@ -25,6 +26,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.cache import BoundedCache, WeakRegistry
+from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.representation import (  # noqa: F401  (public via the stack)
     move_onto, payload, representation_of, stack_of)
 from tf_ophandlers.core.fast_decision import (  # noqa: F401  (never_copy: public via the stack)
@@ -52,6 +54,44 @@ def register_function_call_rule(rule):
 #: ``tensor_key(tensor)``: a tensor's identity key (its TensorFlow handle), stable while it
 #: lives, for state keyed by tensors (a tape's tracked set); C, as it is on hot paths.
 tensor_key = _C.tensor_key
+
+
+def own_handle(tensor):
+    """Gives `tensor` a TensorHandle of its own (a copy sharing its buffer) when it has
+    TensorFlow's cached handle of a Python scalar; returns whether it did.
+
+    TensorFlow hands equal Python scalars one cached handle (two ``tf.constant(3.0)``),
+    so `tensor_key` cannot tell them apart, while TensorFlow's tape tells tensors apart
+    by object. A handler keying tensors by handle calls this before it starts keying a
+    tensor (a tape's `watch`). No handler keys a cached handle for one tensor (ops never
+    return one), so no key of a tensor already keyed changes. The tensor keeps its
+    value, dtype, shape, device and TensorFlow id."""
+    if type(tensor) is not _EagerTensor or tensor._shape_tuple() != () or (  # pylint: disable=protected-access
+            not _C.handle_shared(tensor)):  # (a cached handle is shared: the cache holds it)
+        return False
+    start_runtime()  # (the C++ side needs its context)
+    if not _scalar_cached(tensor):
+        return False
+    copy = _execute(Op.cached("Identity", T=tensor.dtype), [tensor], tensor.device)[0]
+    return _C.swap_handles(tensor, copy)  # `copy` now holds the shared handle, and drops it
+
+
+def _scalar_cached(tensor):
+    """Whether `tensor` holds TensorFlow's cached handle of a Python scalar: the cache is
+    keyed by the Python value (an int and a float are two keys), the dtype asked for
+    (none, or the tensor's) and the device scope it was created under (none, the
+    tensor's device, or the scope open now)."""
+    value = tensor.numpy().item()
+    values = [value]
+    if isinstance(value, complex) and value.imag == 0:
+        value = value.real
+        values.append(value)
+    if isinstance(value, float) and value.is_integer():
+        values.append(int(value))
+    names = {"", tensor.device, _context.context().device_name or ""}
+    dtypes = (0, tensor.dtype.as_datatype_enum)  # (0: DT_INVALID, no dtype given)
+    return any(_C.scalar_cached(tensor, v, d, name)
+               for v in values for d in dtypes for name in names)
 
 
 def current_stack():
@@ -120,6 +160,7 @@ class Stack:
     handler = None
     next = None
     handlers = ()  # handlers from the outermost (bottom) to this one
+    _releases = False  # the handler declares values_released (read by type-based dispatch)
 
     def contains(self, other):
         """Whether `other`'s handlers appear in this stack in the same order."""
@@ -171,7 +212,7 @@ _C.fast_setup(state, PHYSICAL)
 _DECLARATIONS = frozenset((
     "execute", "copy_on", "function_input", "function_output", "after_execute",
     "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient",
-    "handles_copy", "physical_copy_on"))
+    "handles_copy", "physical_copy_on", "values_released"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
 # class -> (its declarations when decided, bool). A declaration assigned to the class
 # after a stack of it was built (a monkeypatched execute) must not get the old fields:
@@ -268,6 +309,9 @@ class HandlerStack(Stack):
         f["default_function_output"] = getattr(handler.function_output, "_oh_default", False)
         off = handler.returns_off_stack
         f["_off_stack"] = bool(off)
+        # Type-based dispatch asks the handler whether its values are released (the
+        # handler's method, called on the stack's handler: not kept in shared fields).
+        f["_releases"] = handler.values_released is not None
         # Op types whose outputs may leave the stack (None: any op type).
         f["_off_stack_ops"] = None if off is True or not off else frozenset(off)
         # Op types the handler's execute hook is not called for are forwarded to the

@@ -43,8 +43,8 @@ from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_di
 from tf_ophandlers.handlers.gradient_tape_exclusions import (
     drop_unread, track_ref, tracked_entry, used_indices)
 from tf_ophandlers.core.stack import (
-    COPY_OPS, PHYSICAL, current_stack, next_stack, representation_of, run_deferred_above,
-    stack_of, tensor_key)
+    COPY_OPS, PHYSICAL, current_stack, next_stack, own_handle, representation_of,
+    run_deferred_above, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
 _EagerTensor = _ops.EagerTensor
@@ -145,18 +145,31 @@ class GradientTape(BackwardPass, OpHandler):
     # -- scopes ---------------------------------------------------------------------------
 
     def __enter__(self):
+        if self._live:
+            raise ValueError("oh.GradientTape: Tape is still recording, This can happen if "
+                             "you try to re-enter an already-active tape.")
         if not tf.executing_eagerly():
             # Trace time (RFC "During tracing"): opened inside a function being traced,
             # the tape is TensorFlow's own, which adds the gradient ops to the function
             # body; the handler is not involved once the trace is complete.
             self._traced = tf.GradientTape(self._persistent, self._watch_accessed_variables)
             self._traced.__enter__()
+            self._watch_eager_on_traced()
             return self
         self._traced = None
-        if self._live:
-            raise ValueError("oh.GradientTape: the tape is still recording; this happens "
-                             "when re-entering an already-active tape.")
         return super().__enter__()
+
+    def _watch_eager_on_traced(self):
+        """A tape created eagerly and re-entered in a function being traced keeps
+        watching the tensors and variables it watched eagerly, as tf.GradientTape does
+        (its tape is the same object): TensorFlow links an eager tensor to the
+        function's capture of it, so ops on the capture are recorded."""
+        watched = [t for t, uid in self._tracked.values()
+                   if uid < 0 and type(t) is _EagerTensor and t.dtype != tf.resource
+                   and stack_of(t) is None]
+        watched.extend(self._variables.values())
+        if watched:
+            self._traced.watch(watched)
 
     def __exit__(self, *exc_info):
         if self._traced is not None:
@@ -179,6 +192,11 @@ class GradientTape(BackwardPass, OpHandler):
             # the C++ fast path that reads variables passed straight to an op) to its
             # variable watchers; the tape watches what its watcher saw.
             self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
+
+    def values_released(self):
+        # Outside its scopes the tape's results are plain tensors (as tf.GradientTape's):
+        # later ops run below it, so results of two tapes combine (OpHandler.values_released).
+        return self._depth == 0
 
     def scope_exited(self):
         self._depth -= 1
@@ -232,6 +250,11 @@ class GradientTape(BackwardPass, OpHandler):
         self._used = False
         self._stopped = False
         self._update_live()
+        if self._watcher is not None:
+            # The variables read before the reset are forgotten too (TensorFlow's reset
+            # starts a new tape, which watches the variables read from then on).
+            pywrap_tfe.TFE_Py_VariableWatcherRemove(self._watcher)
+            self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
 
     # -- the handler ----------------------------------------------------------------------
 
@@ -420,7 +443,12 @@ class GradientTape(BackwardPass, OpHandler):
             if hasattr(t, "handle"):
                 self._watch_variable(t)
             else:
-                self._track_watched(self._level_of(t))
+                value = self._level_of(t)
+                if value is t:
+                    # Equal Python scalars share one TensorFlow handle: the watched one
+                    # gets its own, so that its twins are not watched with it.
+                    own_handle(t)
+                self._track_watched(value)
 
     def _watch_variable(self, variable):
         handle = variable.handle
@@ -519,7 +547,7 @@ class GradientTape(BackwardPass, OpHandler):
 
     def _check_usable(self):
         if self._used:
-            raise RuntimeError("oh.GradientTape: a non-persistent GradientTape can only be "
+            raise RuntimeError("oh.GradientTape: A non-persistent GradientTape can only be "
                                "used to compute one set of gradients (or jacobians)")
 
     def _stop_if_non_persistent_in_scope(self):

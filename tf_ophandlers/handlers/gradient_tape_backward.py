@@ -53,7 +53,8 @@ def _seed(target):
     tensor copied onto that stack, instead of a Shape and a Fill through TensorFlow's
     wrappers and the handler. None otherwise (the caller runs `ones_like`)."""
     stack = _stack_of(target)
-    if stack is None or not getattr(stack.handler, "constant_seeds", False):
+    if stack is None or not getattr(stack.handler, "constant_seeds", False) or (
+            target.dtype == tf.string):
         return None
     shape = target.shape
     if not shape.is_fully_defined() or not tf.executing_eagerly():
@@ -239,7 +240,11 @@ class BackwardPass:
         # stay at small bytecode offsets: TensorFlow captures the line numbers of up to
         # 30 Python frames per eager op (TFE_Py_FastPathExecute), each by a scan of the
         # frame's line table up to its current instruction.
-        unconnected = UnconnectedGradients(unconnected)
+        try:
+            unconnected = UnconnectedGradients(unconnected)
+        except ValueError:
+            raise ValueError("oh.GradientTape: Unknown value for unconnected_gradients: "
+                             "%r" % (unconnected,)) from None
         path, grads, live, source_list, source_ids = self._backward_path(
             targets, sources, output_gradients)
         if release:
@@ -298,6 +303,8 @@ class BackwardPass:
                 g = _seed(t)
                 if g is None:
                     g = self._ones_like(t)
+                    if g is None:
+                        continue  # a string target has no gradient (TensorFlow: None)
             grads.setdefault(tid, []).append(g)
         return path, grads, live, source_list, source_ids
 
@@ -324,6 +331,8 @@ class BackwardPass:
         return result
 
     def _ones_like(self, t):
+        if t.dtype == tf.string:
+            return None  # as TensorFlow's tape seeds a string target (backprop._ones)
         with self._where(t):
             return default_gradient.ones_like(t)
 
@@ -404,9 +413,12 @@ class BackwardPass:
         if not isinstance(in_grads, (list, tuple)):
             in_grads = [in_grads]
         if len(in_grads) != len(record.inputs):
-            raise ValueError(
-                "oh.GradientTape: the gradient function of op %s returned %d gradients "
-                "for %d inputs" % (record.op_type, len(in_grads), len(record.inputs)))
+            # TensorFlow's tape says "too few" for too many too; same type and text.
+            raise tf.errors.InternalError(
+                None, None,
+                "oh.GradientTape: Recorded operation '%s' returned too few gradients. "
+                "Expected %d but received %d" % (
+                    record.op_type, len(record.inputs), len(in_grads)))
         return in_grads
 
     def _where(self, tensor):
@@ -513,8 +525,8 @@ class BackwardPass:
         target = _ops.convert_to_tensor(target)
         if (t_shape.rank is None or s_shape.rank is None
                 or not t_shape[:1].is_compatible_with(s_shape[:1])):
-            raise ValueError("oh.GradientTape.batch_jacobian: need first dimension of target "
-                             "shape (%s) and source shape (%s) to match." % (t_shape, s_shape))
+            raise ValueError("oh.GradientTape: Need first dimension of target shape (%s) "
+                             "and source shape (%s) to match." % (t_shape, s_shape))
         if not t_shape.is_fully_defined():
             raise ValueError("oh.GradientTape.batch_jacobian: the target needs a static "
                              "shape, got %s" % t_shape)
@@ -527,7 +539,9 @@ class BackwardPass:
                                    experimental_use_pfor)
         self._release_if_non_persistent()
         if g is None:
-            return None
+            # As tf.GradientTape: zeros (of the target's dtype), whatever
+            # unconnected_gradients says.
+            return tf.zeros(t_shape.concatenate(s_shape[1:]), target.dtype)
         out = tf.experimental.numpy.moveaxis(g, 0, 1)  # [b, row, x...]
         return tf.reshape(out, t_shape.concatenate(s_shape[1:]))
 
@@ -547,6 +561,11 @@ class BackwardPass:
             finally:
                 self._vectorizing = False
         rows = [one(seeds[i]) for i in range(int(seeds.shape[0]))]
+        if not rows:
+            # No rows (a target without elements): an empty stack of rows, as
+            # tf.GradientTape's loop gives (of the target's dtype).
+            return [tf.zeros([0] + tf.TensorShape(source.shape).as_list(), target.dtype)
+                    for source in sources]
         out = []
         for j, source in enumerate(sources):
             col = [r[j] for r in rows]

@@ -68,6 +68,27 @@ def _async_executor():
     return ex
 
 
+# Stateful ops (OpDef) that change nothing the program can observe: reading state. Every
+# other stateful op (a variable update, a print, a function call, a stateful random op)
+# first runs the pending ops recorded before it, so that an error among them stops the
+# program before the side effect, as eagerly (_has_effects).
+_READS_STATE = frozenset({
+    "ReadVariableOp", "VarHandleOp", "_VarHandlesOp", "VarIsInitializedOp", "VariableShape",
+    "ResourceGather", "ResourceGatherNd", "ReadVariableXlaSplitND", "IsVariableInitialized",
+    "HashTableV2", "LookupTableFindV2", "LookupTableSizeV2", "MutableHashTableV2",
+    "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2", "AnonymousHashTable",
+    "AnonymousMutableHashTable",
+})
+_effects = BoundedCache("lazy.effect_ops", 4096)  # op type -> whether it has side effects
+
+
+def _has_effects(op_type):
+    e = _effects.get(op_type)
+    if e is None:
+        e = _effects[op_type] = op_type not in _READS_STATE and _is_stateful(op_type)
+    return e
+
+
 def _is_stateful(op_type):
     s = _stateful.get(op_type)
     if s is None:
@@ -237,11 +258,7 @@ class Lazy(OpHandler):
         # tape recording the computation) must see them while they are active.
         self._depth -= 1
         if self._depth == 0:
-            try:
-                self.flush()
-            finally:
-                if self._inflight or self._deferred is not None:
-                    self._wait()
+            self.settle()
 
     def flush(self):
         """Runs every pending op whose result is still referenced."""
@@ -256,6 +273,15 @@ class Lazy(OpHandler):
                 self._run(roots)
         finally:
             self._prune()
+
+    def settle(self):
+        """Runs every pending op whose result is still referenced and waits for launched
+        chunks: an error of any of them is raised here."""
+        try:
+            self.flush()
+        finally:
+            if self._inflight or self._deferred is not None:
+                self._wait()
 
     def run_deferred(self):
         """`flush()`, for a handler below about to change how it treats ops (a tape that
@@ -383,7 +409,11 @@ class Lazy(OpHandler):
                         break
                     node_inputs.append(v)
         if node_inputs is None:
-            # Runs now, in program order, on computed inputs.
+            # Runs now, in program order, on computed inputs. A side effect first runs
+            # what was recorded before it: an error there stops the program before the
+            # effect happens, as eagerly (dropped values stay unrun, as always).
+            if self._pending and _has_effects(op.type):
+                self.settle()
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]

@@ -248,6 +248,14 @@ class OpHandler:
     #: back to `num_dims`/`dim`.
     value_shape = None
 
+    #: None, or a function ``refine_shape(value, shape)`` called when the program gives a
+    #: tensor of this handler whose shape is not fully known a more specific shape
+    #: (``t.set_shape(shape)``, which then has graph semantics: `shape` is the merge of
+    #: the two, already checked compatible): the handler keeps it in the representation
+    #: so that `num_dims`/`dim` and the ops that use the tensor see it (oh.eval_shape).
+    #: None: only that Python tensor object shows the merged shape.
+    refine_shape = None
+
     def num_dims(self, value):
         """Rank of a representation that is not a tensor (-1 if unknown)."""
         rank = value.shape.rank

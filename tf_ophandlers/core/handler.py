@@ -140,6 +140,13 @@ class OpHandler:
     #: is made dense first: its indices and dense shape cannot be summed part by part.
     copy_on_grad_reduces = False
 
+    #: Whether the handler keeps the state of its open scope on the instance (not per
+    #: thread), so that one instance serves one thread at a time: while a scope of it is
+    #: open on one thread, opening one on another thread raises `oh.HandlerError` (use
+    #: one instance per thread). False: its scopes may be open on several threads at once
+    #: (its hooks are then called from those threads concurrently).
+    one_thread_at_a_time = False
+
     #: The kind of automatic differentiation this handler does, for handlers that must
     #: treat differentiation specially without importing its modules (oh.Recompute keeps
     #: a function call whole under one): "reverse" for a tape recording its scope's ops

@@ -210,6 +210,9 @@ class Lazy(OpHandler):
     """
 
     TYPE_NAME = "LAZY"
+    # The pending graph, the chunks in flight and their errors belong to the open scope
+    # and are kept on the instance: a second thread would run, or raise, the other's ops.
+    one_thread_at_a_time = True
     replays_functions = False  # a tf.function call is already one compiled op
     # Inputs from elsewhere (a physical tensor, a Python constant) enter a node as they
     # are: wrapping each would cost more than the op it feeds (C-level, no Python call).

@@ -129,6 +129,9 @@ class Recompute(OpHandler):
     """
 
     TYPE_NAME = "RECOMPUTE"
+    # The open segment, the pending segments and the scope's statistics are kept on the
+    # instance: a second thread's ops would land in the first thread's segments.
+    one_thread_at_a_time = True
     # What may be recomputed (also used by recompute_graph.Window).
     is_stateful_type = staticmethod(_is_stateful)
     is_trainable = staticmethod(_trainable)

@@ -50,6 +50,10 @@ class TraceAndExecute(OpHandler):
     # A tf.function call is recorded as one call of the same function.
     replays_functions = False
     TYPE_NAME = "TRACE"
+    # The recorded ops, the inputs in order of first use and the variable watcher (which
+    # TensorFlow keeps per thread) belong to the open scope and are kept on the instance:
+    # a second thread's ops would be interleaved into the trace, its variables missed.
+    one_thread_at_a_time = True
 
     def __init__(self):
         self.records = []

@@ -68,27 +68,6 @@ def _async_executor():
     return ex
 
 
-# Stateful ops (OpDef) that change nothing the program can observe: reading state. Every
-# other stateful op (a variable update, a print, a function call, a stateful random op)
-# first runs the pending ops recorded before it, so that an error among them stops the
-# program before the side effect, as eagerly (_has_effects).
-_READS_STATE = frozenset({
-    "ReadVariableOp", "VarHandleOp", "_VarHandlesOp", "VarIsInitializedOp", "VariableShape",
-    "ResourceGather", "ResourceGatherNd", "ReadVariableXlaSplitND", "IsVariableInitialized",
-    "HashTableV2", "LookupTableFindV2", "LookupTableSizeV2", "MutableHashTableV2",
-    "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2", "AnonymousHashTable",
-    "AnonymousMutableHashTable",
-})
-_effects = BoundedCache("lazy.effect_ops", 4096)  # op type -> whether it has side effects
-
-
-def _has_effects(op_type):
-    e = _effects.get(op_type)
-    if e is None:
-        e = _effects[op_type] = op_type not in _READS_STATE and _is_stateful(op_type)
-    return e
-
-
 def _is_stateful(op_type):
     s = _stateful.get(op_type)
     if s is None:
@@ -415,7 +394,7 @@ class Lazy(OpHandler):
             # Runs now, in program order, on computed inputs. A side effect first runs
             # what was recorded before it: an error there stops the program before the
             # effect happens, as eagerly (dropped values stay unrun, as always).
-            if self._pending and _has_effects(op.type):
+            if self._pending and lazy_compile.has_effects(op.type):
                 self.settle()
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])

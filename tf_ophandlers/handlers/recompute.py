@@ -129,9 +129,7 @@ class Recompute(OpHandler):
     """
 
     TYPE_NAME = "RECOMPUTE"
-    # The open segment, the pending segments and the scope's statistics are kept on the
-    # instance: a second thread's ops would land in the first thread's segments.
-    one_thread_at_a_time = True
+    one_thread_at_a_time = True  # its open scope's segments and statistics are on self
     # What may be recomputed (also used by recompute_graph.Window).
     is_stateful_type = staticmethod(_is_stateful)
     is_trainable = staticmethod(_trainable)

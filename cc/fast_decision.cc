@@ -142,7 +142,12 @@ const Decision* Decide(PyObject* stack, const char* type) {
     d.next = next;
     d.handler = handler;
     auto* self = reinterpret_cast<native_internal::NativeHandlerObject*>(handler);
-    if (self->state != nullptr && !native_internal::ExecutesOp(self, type)) {
+    std::string threw;
+    bool executes = self->state == nullptr || native_internal::ExecutesOp(self, type, &threw);
+    // An executes_op hook that threw: no decision (the Python path asks it again and
+    // raises the HandlerError there).
+    if (!threw.empty()) return nullptr;
+    if (!executes) {
       // ABI version 4: an op the handler does not execute is forwarded as a Python
       // handler's default execute is (RunForward: no hook call, no TFOH_* object). Its
       // outputs answer shape queries from their handle, so a type with num_dims/dim

@@ -279,6 +279,14 @@ bool IsCopyOrConst(const char* type) {
 
 void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor* const* in,
                     int* num_outputs, TFOH_Tensor** outputs, TF_Status* status) {
+  if (std::this_thread::get_id() != ctx->thread) {  // checked first: no GIL, no Python here
+    TF_SetStatus(status, TF_FAILED_PRECONDITION,
+                 (std::string("tf_ophandlers: execute_next of op ") + op->type +
+                  " was called on another thread than the hook's; a hook must call "
+                  "execute_next on the thread that runs it (tf_ophandlers/handler.h)")
+                     .c_str());
+    return;
+  }
   if (!ctx->gil) {
     // The no-GIL path (NativeNoGilExecute): a physical execution runs as it is; anything
     // else (an input that is not a physical handle, an op running Python in its kernel)
@@ -352,8 +360,10 @@ bool RunExecute(NativeHandlerObject* self, TFOH_Context* ctx, TFOH_Op* op,
   int n = cap;
   auto execute = self->type->hooks.execute;
   if (execute != nullptr) {
-    execute(self->state, ctx, op, static_cast<int>(ins.size()), ins.data(), &n, outs.data(),
-            status);
+    CallVoidHook(self, "execute", op->type, status, [&] {
+      execute(self->state, ctx, op, static_cast<int>(ins.size()), ins.data(), &n, outs.data(),
+              status);
+    });
   } else {
     // ABI version 4: a type without execute forwards every op (the paths that reach here
     // for it: the no-GIL path, a direct `_oh_execute`; the stacks forward it otherwise).

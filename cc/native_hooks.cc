@@ -41,7 +41,15 @@ PyObject* CallStaticValueHook(int (*hook)(void*, const TFOH_Tensor*, TF_Tensor**
                               const std::string& handler) {
   TF_Status* s = TF_NewStatus();
   TF_Tensor* out = nullptr;
-  int known = hook(state, value, &out, s);
+  int known = 0;
+  try {
+    known = hook(state, value, &out, s);
+  } catch (...) {  // handler.h forbids exceptions; one must not end the process
+    std::string m = HookThrewMessage(handler, "static_value", nullptr, ThrownText());
+    TF_DeleteStatus(s);
+    RaiseHandlerError(m);
+    return nullptr;
+  }
   PyObject* result = nullptr;
   if (TF_GetCode(s) != TF_OK) {
     result = RaiseHookStatus(s, handler);

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -56,6 +57,10 @@ struct TFOH_Context {
   // anything but a physical execution.
   bool gil = true;
   const char* device_utf8 = nullptr;
+  // The thread running the hook: execute_next is refused on any other (it reads and sets
+  // that thread's handler state, builds into its graph while a function is replayed, and
+  // relies on the GIL discipline of the hook's call; handler.h).
+  std::thread::id thread = std::this_thread::get_id();
 };
 
 struct TFOH_Library {
@@ -235,8 +240,44 @@ bool WrapNativeOutputs(PyObject* stack, NativeHandlerObject* self, PyObject* nex
 
 // ---- helpers (native_type.cc) ---------------------------------------------------------------
 
-// The handler's debug_string hook's text, or "<type name>()". Never fails. GIL: held.
-std::string DebugString(NativeHandlerObject* self);
+// The handler's debug_string hook's text (invalid UTF-8 replaced), or "<type name>()"
+// without the hook or when it throws (then `*threw`, when given, gets the exception's
+// text). Never fails. GIL: held.
+std::string DebugString(NativeHandlerObject* self, std::string* threw = nullptr);
+
+// ---- C++ exceptions escaping a hook -------------------------------------------------------
+// handler.h forbids them, but one must not unwind through TensorFlow's C API or Python
+// (std::terminate ends the process): every hook call goes through CallHook, which turns
+// an exception into a failed status carrying an oh.HandlerError (status.h).
+
+// Inside a catch block for a hook call of `self`: SetHandlerError with HookThrewMessage
+// naming the handler (DebugString). Never throws.
+void HookThrew(NativeHandlerObject* self, const char* hook, const char* op_type,
+               TF_Status* status) noexcept;
+
+// Runs `call` (one hook call) and returns its result; if the hook throws, sets `status`
+// (HookThrew: names the handler, `hook` and `op_type` when not null) and returns
+// `failed`. `self->type` must be set.
+template <typename R, typename F>
+R CallHook(NativeHandlerObject* self, const char* hook, const char* op_type, TF_Status* status,
+           R failed, F&& call) noexcept {
+  try {
+    return call();
+  } catch (...) {
+    HookThrew(self, hook, op_type, status);
+    return failed;
+  }
+}
+
+// CallHook for a hook returning nothing.
+template <typename F>
+void CallVoidHook(NativeHandlerObject* self, const char* hook, const char* op_type,
+                  TF_Status* status, F&& call) noexcept {
+  CallHook<int>(self, hook, op_type, status, 0, [&] {
+    call();
+    return 0;
+  });
+}
 
 // Prefixes a failed `status` with the handler, hook and op (`op_type` may be null).
 // GIL: held.
@@ -252,7 +293,7 @@ bool CheckState(NativeHandlerObject* self);
 // Whether `self`'s execute hook runs for ops of `type` (ABI version 4: false for every
 // type when the hook is NULL; else the executes_op hook's answer, true without it). `self`
 // must be initialized. Never fails. GIL: held (the executes_op hook runs with it).
-bool ExecutesOp(NativeHandlerObject* self, const char* type);
+bool ExecutesOp(NativeHandlerObject* self, const char* type, std::string* threw = nullptr);
 
 }  // namespace native_internal
 }  // namespace tf_ophandlers

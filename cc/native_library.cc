@@ -145,26 +145,43 @@ void ApiRegisterType(TFOH_Library* library, const TFOH_HandlerType* type, TF_Sta
                  UnknownAbiVersionMessage(type ? type->abi_version : 0).c_str());
     return;
   }
-  if (type->name == nullptr || type->name[0] == '\0' || type->create == nullptr ||
-      type->delete_state == nullptr || (type->execute == nullptr && type->abi_version < 4)) {
+  // Nothing past struct_size is read: a type too small for the fields every version has
+  // would otherwise be registered with a NULL create, called when an instance is made.
+  if (type->struct_size < TFOH_HANDLER_TYPE_MIN_SIZE) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                 ("tf_ophandlers: register_type: type " +
+                  std::to_string(library->types->size() + 1) + " of the library has struct_size " +
+                  std::to_string(type->struct_size) + ", smaller than the " +
+                  std::to_string(TFOH_HANDLER_TYPE_MIN_SIZE) +
+                  " bytes of the fields every ABI version requires (abi_version .. execute, "
+                  "TFOH_HANDLER_TYPE_MIN_SIZE); set it to sizeof(TFOH_HandlerType)")
+                     .c_str());
+    return;
+  }
+  TFOH_HandlerType hooks;
+  std::memset(&hooks, 0, sizeof(hooks));
+  std::memcpy(&hooks, type, HandlerTypeBytes(type));  // later versions' fields: NULL
+  if (hooks.name == nullptr || hooks.name[0] == '\0' || hooks.create == nullptr ||
+      hooks.delete_state == nullptr || (hooks.execute == nullptr && hooks.abi_version < 4)) {
     TF_SetStatus(status, TF_INVALID_ARGUMENT,
                  "tf_ophandlers: register_type: name, create, delete_state and (before ABI "
                  "version 4) execute are required");
     return;
   }
+  // Python class names and error messages are str: a name in another encoding is shown
+  // with U+FFFD for its invalid bytes rather than failing every later message.
+  std::string name = ValidUtf8(hooks.name);
   for (void* r : *library->types) {
-    if (static_cast<TypeRecord*>(r)->name == type->name) {
+    if (static_cast<TypeRecord*>(r)->name == name) {
       TF_SetStatus(status, TF_ALREADY_EXISTS,
-                   (std::string("tf_ophandlers: handler type ") + type->name +
-                    " registered twice").c_str());
+                   ("tf_ophandlers: handler type " + name + " registered twice").c_str());
       return;
     }
   }
   auto* rec = new TypeRecord();
-  std::memset(&rec->hooks, 0, sizeof(rec->hooks));
-  std::memcpy(&rec->hooks, type, HandlerTypeBytes(type));  // later versions' fields: NULL
-  rec->name = type->name;
-  rec->doc = type->doc ? type->doc : "";
+  rec->hooks = hooks;
+  rec->name = name;
+  rec->doc = ValidUtf8(hooks.doc);
   rec->hooks.name = rec->name.c_str();
   rec->hooks.doc = rec->doc.c_str();
   library->types->push_back(rec);

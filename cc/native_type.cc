@@ -14,25 +14,57 @@ namespace native_internal {
 
 // ---- helpers ----------------------------------------------------------------------------
 
-std::string DebugString(NativeHandlerObject* self) {
+std::string DebugString(NativeHandlerObject* self, std::string* threw) {
   if (self->type->hooks.debug_string != nullptr && self->state != nullptr) {
     TF_Buffer* b = TF_NewBuffer();
-    self->type->hooks.debug_string(self->state, b);
-    std::string r(static_cast<const char*>(b->data ? b->data : ""), b->data ? b->length : 0);
+    try {
+      self->type->hooks.debug_string(self->state, b);
+    } catch (...) {  // (the hook has no status: the name stands in for it)
+      if (threw != nullptr) *threw = ThrownText();
+      TF_DeleteBuffer(b);
+      return self->type->name + "()";
+    }
+    std::string r = ValidUtf8(static_cast<const char*>(b->data ? b->data : ""),
+                              b->data ? b->length : 0);
     TF_DeleteBuffer(b);
     return r;
   }
   return self->type->name + "()";
 }
 
+void HookThrew(NativeHandlerObject* self, const char* hook, const char* op_type,
+               TF_Status* status) noexcept {
+  std::string text = ThrownText();
+  PyGILState_STATE g = PyGILState_Ensure();  // (DebugString's hook runs with it)
+  std::string handler = DebugString(self);
+  PyGILState_Release(g);
+  SetHandlerError(status, HookThrewMessage(handler, hook, op_type, text));
+}
+
+// Calls delete_state; an exception it throws cannot be raised to anyone (the state goes
+// away from a deallocator), so it is reported as unraisable. GIL: held.
+static void DeleteState(TypeRecord* type, void* state) {
+  try {
+    type->hooks.delete_state(state);
+  } catch (...) {
+    std::string m = HookThrewMessage(type->name, "delete_state", nullptr, ThrownText());
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    RaiseHandlerError(m);
+    PyErr_WriteUnraisable(nullptr);
+    PyErr_Restore(et, ev, tb);
+  }
+}
+
 // Prefixes a failed `status` with the handler and op. GIL: held.
 void PrefixStatus(NativeHandlerObject* self, const char* hook, const char* op_type,
                   TF_Status* status) {
   std::string m = "tf_ophandlers: " + DebugString(self) + "." + hook;
+  // (a hook's message may be in another encoding: TensorFlow decodes it as UTF-8)
   if (op_type != nullptr) m += std::string(" failed for op ") + op_type;
   else m += " failed";
   m += ": ";
-  m += TF_Message(status);
+  m += ValidUtf8(TF_Message(status));
   TF_SetStatus(status, TF_GetCode(status), m.c_str());
 }
 
@@ -48,10 +80,18 @@ bool CheckState(NativeHandlerObject* self) {
   return true;
 }
 
-bool ExecutesOp(NativeHandlerObject* self, const char* type) {
+bool ExecutesOp(NativeHandlerObject* self, const char* type, std::string* threw) {
   const TFOH_HandlerType& k = self->type->hooks;
   if (k.execute == nullptr) return false;
-  return k.executes_op == nullptr || k.executes_op(self->state, type) != 0;
+  if (k.executes_op == nullptr) return true;
+  try {
+    return k.executes_op(self->state, type) != 0;
+  } catch (...) {
+    if (threw != nullptr) {
+      *threw = HookThrewMessage(DebugString(self), "executes_op", type, ThrownText());
+    }
+    return true;
+  }
 }
 
 namespace {
@@ -59,7 +99,7 @@ namespace {
 // ---- NativeHandlerBase methods ------------------------------------------------------------
 
 void NativeDealloc(NativeHandlerObject* self) {
-  if (self->state != nullptr && self->type != nullptr) self->type->hooks.delete_state(self->state);
+  if (self->state != nullptr && self->type != nullptr) DeleteState(self->type, self->state);
   self->state = nullptr;
   Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
@@ -76,13 +116,22 @@ PyObject* NativeInit(NativeHandlerObject* self, PyObject* args) {
     return nullptr;
   }
   TF_Status* s = TF_NewStatus();
-  void* st = rec->hooks.create(rec->hooks.type_data, config, s);
+  void* st = nullptr;
+  try {
+    st = rec->hooks.create(rec->hooks.type_data, config, s);
+  } catch (...) {
+    std::string m = HookThrewMessage(rec->name + "(" + ValidUtf8(config) + ")", "create",
+                                     nullptr, ThrownText());
+    TF_DeleteStatus(s);
+    RaiseHandlerError(m);
+    return nullptr;
+  }
   if (TF_GetCode(s) != TF_OK || st == nullptr) {
     if (TF_GetCode(s) == TF_OK) TF_SetStatus(s, TF_INTERNAL, "create returned NULL");
     std::string m = "tf_ophandlers: " + rec->name + "(" + config + ") could not be created: " +
                     TF_Message(s);
     TF_SetStatus(s, TF_GetCode(s), m.c_str());
-    if (st != nullptr) rec->hooks.delete_state(st);
+    if (st != nullptr) DeleteState(rec, st);
     RaiseStatus(s);
     TF_DeleteStatus(s);
     return nullptr;
@@ -188,7 +237,10 @@ PyObject* NativeCopy(NativeHandlerObject* self, PyObject* args) {
   TFOH_Context ctx{stack, next, mode == Py_None, dev};
   TFOH_Tensor* in = TensorFromPy(value);
   TF_Status* s = TF_NewStatus();
-  TFOH_Tensor* out = kind == 0 ? on(self->state, &ctx, in, s) : off(self->state, &ctx, in, device, s);
+  TFOH_Tensor* out = CallHook<TFOH_Tensor*>(
+      self, kind == 0 ? "copy_on" : "copy_off", nullptr, s, nullptr, [&] {
+        return kind == 0 ? on(self->state, &ctx, in, s) : off(self->state, &ctx, in, device, s);
+      });
   PyObject* r = TensorResult(self, kind == 0 ? "copy_on" : "copy_off", in, out, s);
   Py_DECREF(mode);
   Py_DECREF(dev);
@@ -207,8 +259,10 @@ PyObject* NativeShape(NativeHandlerObject* self, PyObject* args) {
   }
   TFOH_Tensor* in = TensorFromPy(value);
   TF_Status* s = TF_NewStatus();
-  int64_t r = index < 0 ? self->type->hooks.num_dims(self->state, in, s)
-                        : self->type->hooks.dim(self->state, in, index, s);
+  int64_t r = CallHook<int64_t>(self, index < 0 ? "num_dims" : "dim", nullptr, s, -1, [&] {
+    return index < 0 ? static_cast<int64_t>(self->type->hooks.num_dims(self->state, in, s))
+                     : self->type->hooks.dim(self->state, in, index, s);
+  });
   Unref(in);
   PyObject* result = nullptr;
   if (TF_GetCode(s) != TF_OK) {
@@ -227,7 +281,7 @@ PyObject* BufferCall(NativeHandlerObject* self, bool present, const char* hook, 
   if (!present) Py_RETURN_NONE;
   TF_Buffer* b = TF_NewBuffer();
   TF_Status* s = TF_NewStatus();
-  call(b, s);
+  CallVoidHook(self, hook, nullptr, s, [&] { call(b, s); });
   PyObject* r = nullptr;
   if (TF_GetCode(s) != TF_OK) {
     PrefixStatus(self, hook, nullptr, s);
@@ -256,7 +310,13 @@ PyObject* NativeQuery(NativeHandlerObject* self, PyObject* args) {
 
 PyObject* NativeDebugString(NativeHandlerObject* self, PyObject*) {
   if (!CheckState(self)) return nullptr;
-  return PyUnicode_FromString(DebugString(self).c_str());
+  std::string threw;
+  std::string text = DebugString(self, &threw);
+  if (!threw.empty()) {
+    RaiseHandlerError(HookThrewMessage(text, "debug_string", nullptr, threw));
+    return nullptr;
+  }
+  return PyUnicode_FromString(text.c_str());
 }
 
 // _oh_value_text(kind, value) -> bytes or None: kind 0 tensor_debug_string, 1 function
@@ -291,7 +351,9 @@ PyObject* NativeFunctionOutput(NativeHandlerObject* self, PyObject* args) {
   }
   TFOH_Tensor* in = TensorFromPy(value);
   TF_Status* s = TF_NewStatus();
-  TFOH_Tensor* out = hook(self->state, summary, static_cast<size_t>(length), in, s);
+  TFOH_Tensor* out = CallHook<TFOH_Tensor*>(self, "function_output", nullptr, s, nullptr, [&] {
+    return hook(self->state, summary, static_cast<size_t>(length), in, s);
+  });
   return TensorResult(self, "function_output", in, out, s);
 }
 
@@ -320,7 +382,13 @@ PyObject* NativeExecutesOp(NativeHandlerObject* self, PyObject* op_type) {
   if (!CheckState(self)) return nullptr;
   const char* type = PyUnicode_AsUTF8(op_type);
   if (type == nullptr) return nullptr;
-  return PyBool_FromLong(ExecutesOp(self, type));
+  std::string threw;
+  bool executes = ExecutesOp(self, type, &threw);
+  if (!threw.empty()) {
+    RaiseHandlerError(threw);
+    return nullptr;
+  }
+  return PyBool_FromLong(executes);
 }
 
 PyObject* NativeTypeName(NativeHandlerObject* self, void*) {

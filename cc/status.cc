@@ -2,6 +2,9 @@
 #define PY_SSIZE_T_CLEAN
 #include "status.h"
 
+#include <cstring>
+#include <exception>
+
 #include "runtime.h"
 
 namespace tf_ophandlers {
@@ -62,14 +65,19 @@ void StatusFromPyErr(TF_Status* status, bool accessor) {
 void RaiseFromStatus(TF_Status* status) {
   PyObject* core = PyImport_ImportModule("tf_ophandlers.core.errors");
   if (core != nullptr) {
-    PyObject* r = PyObject_CallMethod(core, "raise_from_code", "is",
-                                      static_cast<int>(TF_GetCode(status)),
-                                      TF_Message(status));
+    // A message that is not UTF-8 (a handler library's own text) must not turn into a
+    // UnicodeDecodeError that hides the error it carries.
+    const char* m = TF_Message(status);
+    PyObject* text = PyUnicode_DecodeUTF8(m, static_cast<Py_ssize_t>(std::strlen(m)), "replace");
+    PyObject* r = text ? PyObject_CallMethod(core, "raise_from_code", "iO",
+                                             static_cast<int>(TF_GetCode(status)), text)
+                       : nullptr;
+    Py_XDECREF(text);
     Py_XDECREF(r);  // always null: it raises
     Py_DECREF(core);
     if (PyErr_Occurred()) return;
   }
-  PyErr_Format(PyExc_RuntimeError, "%s", TF_Message(status));
+  PyErr_Format(PyExc_RuntimeError, "%s", ValidUtf8(TF_Message(status)).c_str());
 }
 
 void SetHookOutputError(PyObject* stack, const char* hook, PyObject* op_type,
@@ -87,6 +95,94 @@ void SetHookOutputError(PyObject* stack, const char* hook, PyObject* op_type,
   }
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
   Py_DECREF(exc);
+}
+
+std::string ValidUtf8(const char* text) {
+  return text == nullptr ? std::string() : ValidUtf8(text, std::strlen(text));
+}
+
+std::string ValidUtf8(const char* text, size_t length) {
+  static const char kReplacement[] = "\xEF\xBF\xBD";
+  const auto* s = reinterpret_cast<const unsigned char*>(text);
+  std::string out;
+  out.reserve(length);
+  size_t i = 0;
+  while (i < length) {
+    unsigned char c = s[i];
+    // The length of a well-formed sequence starting at i (RFC 3629: no overlong forms,
+    // no surrogates, nothing above U+10FFFF), 0 when it is not one.
+    size_t n = 0;
+    if (c < 0x80) {
+      n = 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      n = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 3;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 4;
+    }
+    bool ok = n > 0 && i + n <= length;
+    for (size_t k = 1; ok && k < n; ++k) ok = (s[i + k] & 0xC0) == 0x80;
+    if (ok && n >= 3) {
+      unsigned char d = s[i + 1];
+      ok = !(c == 0xE0 && d < 0xA0) && !(c == 0xED && d > 0x9F) &&
+           !(c == 0xF0 && d < 0x90) && !(c == 0xF4 && d > 0x8F);
+    }
+    if (ok) {
+      out.append(text + i, n);
+      i += n;
+    } else {
+      out += kReplacement;
+      ++i;
+    }
+  }
+  return out;
+}
+
+std::string ThrownText() noexcept {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    return ValidUtf8(e.what());
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+std::string HookThrewMessage(const std::string& handler, const char* hook, const char* op_type,
+                             const std::string& text) noexcept {
+  std::string m = "tf_ophandlers: " + handler + "." + hook + " threw a C++ exception";
+  if (op_type != nullptr) m += std::string(" for op ") + op_type;
+  return m + ": " + text +
+         " (hooks report failures through their TF_Status; tf_ophandlers/handler.h)";
+}
+
+void RaiseHandlerError(const std::string& message) {
+  PyObject* errors = PyImport_ImportModule("tf_ophandlers.core.errors");
+  PyObject* cls = errors ? PyObject_GetAttrString(errors, "HandlerError") : nullptr;
+  Py_XDECREF(errors);
+  PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()),
+                                        "replace");
+  if (cls == nullptr || text == nullptr) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_RuntimeError, ValidUtf8(message.c_str()).c_str());
+  } else {
+    PyErr_SetObject(cls, text);
+  }
+  Py_XDECREF(cls);
+  Py_XDECREF(text);
+}
+
+void SetHandlerError(TF_Status* status, const std::string& message) noexcept {
+  PyGILState_STATE g = PyGILState_Ensure();
+  // Keep an exception already being raised on this thread (this one replaces it in the
+  // status, but Python code that runs next must not see a stale one).
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  RaiseHandlerError(message);
+  StatusFromPyErr(status);
+  PyErr_Restore(et, ev, tb);
+  PyGILState_Release(g);
 }
 
 std::string SafeRepr(PyObject* o) {

@@ -45,6 +45,35 @@ void RaiseFromStatus(TF_Status* status);
 void SetHookOutputError(PyObject* stack, const char* hook, PyObject* op_type,
                         const std::string& detail);
 
+// `text` with every byte sequence that is not valid UTF-8 replaced by U+FFFD (one per
+// byte that does not start a well-formed sequence): text from a handler library (a type name, a
+// debug_string, a status message) may be in another encoding, and TensorFlow's and this
+// project's status-to-exception conversions decode messages as UTF-8. Null gives "".
+// Never fails. GIL: not needed.
+std::string ValidUtf8(const char* text);
+std::string ValidUtf8(const char* text, size_t length);
+
+// ---- C++ exceptions escaping a handler library's hook ----
+// handler.h forbids them, but one must not unwind through TensorFlow's C API or Python
+// (std::terminate would end the process): the boundary catches them and reports these.
+
+// Inside a catch block: the current exception's what() (valid UTF-8), or a description
+// for an exception that is not a std::exception. Never throws.
+std::string ThrownText() noexcept;
+
+// The message of the HandlerError for a hook that threw: "tf_ophandlers: <handler>.<hook>
+// threw a C++ exception[ for op <op>]: <text> (...)". Never throws.
+std::string HookThrewMessage(const std::string& handler, const char* hook, const char* op_type,
+                             const std::string& text) noexcept;
+
+// Sets `status` to an oh.HandlerError with `message` (stashed as above), or to
+// TF_INTERNAL with the message when Python cannot make one. Takes the GIL itself (the
+// no-GIL execute path calls it). Never throws.
+void SetHandlerError(TF_Status* status, const std::string& message) noexcept;
+
+// Sets oh.HandlerError(message) as the current Python exception. GIL: held.
+void RaiseHandlerError(const std::string& message);
+
 // repr(o) as UTF-8 (lone surrogates escaped), or "<unprintable>" if repr fails (the
 // failure is cleared). GIL: must be held. Never leaves an exception set.
 std::string SafeRepr(PyObject* o);

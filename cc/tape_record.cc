@@ -122,10 +122,14 @@ PyObject* g_used_fn = nullptr;   // used_indices(op_type) -> (inputs, outputs), 
 PyObject* g_used = nullptr;      // dict op_type -> used_indices(op_type), filled lazily
 constexpr int kUidShift = 20;    // an output's id: (seq << kUidShift) | index
 
-// used_indices(type) (cached per op type), borrowed; null with an exception set.
+// used_indices(type) (cached per op type), a new reference; null with an exception set.
+// New, not borrowed: the caller runs Python code before it reads the pair, during which
+// another thread may fill or clear the cache (a borrowed pair replaced there was freed
+// under the first thread, which then read garbage).
 PyObject* UsedIndices(PyObject* type) {
   PyObject* r = PyDict_GetItemWithError(g_used, type);
-  if (r != nullptr || PyErr_Occurred()) return r;
+  if (r != nullptr) return Py_NewRef(r);
+  if (PyErr_Occurred()) return nullptr;
   r = PyObject_CallOneArg(g_used_fn, type);
   if (r == nullptr) return nullptr;
   if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
@@ -134,9 +138,8 @@ PyObject* UsedIndices(PyObject* type) {
     return nullptr;
   }
   if (PyDict_GET_SIZE(g_used) >= 4096) PyDict_Clear(g_used);  // bounded (op types)
-  int failed = PyDict_SetItem(g_used, type, r);
-  Py_DECREF(r);  // the dict holds it
-  return failed < 0 ? nullptr : PyDict_GetItemWithError(g_used, type);
+  if (PyDict_SetItem(g_used, type, r) < 0) Py_CLEAR(r);
+  return r;
 }
 
 // Whether index `i` is in `used` (None: every index); -1 with an exception set.
@@ -336,7 +339,7 @@ PyObject* RecordWith(const Frame& f, PyObject* tape, PyObject* state, PyObject* 
   PyObject* out_ids = nullptr;
   PyObject* specs = nullptr;
   PyObject* all_ids = nullptr;
-  PyObject* used = nullptr;  // borrowed
+  PyObject* used = nullptr;  // owned
   int stopped = 0, empty = 0;
   bool any_trainable = false;
   Py_ssize_t n_skip = 0;
@@ -491,6 +494,7 @@ done:
   for (PyObject* k : known) Py_XDECREF(k);
   for (PyObject* k : ids) Py_XDECREF(k);
   Py_XDECREF(all_ids);
+  Py_XDECREF(used);
   Py_XDECREF(specs);
   Py_XDECREF(out_ids);
   Py_XDECREF(rec_out);

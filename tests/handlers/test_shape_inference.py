@@ -173,3 +173,60 @@ def test_a_sparse_spec_of_unknown_dense_shape_is_a_clear_error():
     with pytest.raises(ValueError, match=r"oh.eval_shape: a tf.SparseTensorSpec needs a "
                                          r"fully defined shape .*\(None, 5\)"):
         oh.eval_shape(lambda s: tf.sparse.reduce_sum(s, axis=1), _SPARSE_PARTLY_KNOWN)
+
+
+# ---- set_shape on a tensor with unknown dims (issue 43 item 8) --------------------------
+
+def _concrete_spec(fn, spec):
+    out = tf.function(fn).get_concrete_function(spec).structured_outputs
+    return tf.TensorSpec(out.shape, out.dtype)
+
+
+@pytest.mark.parametrize("shape", [[None, 5, 3], [2, None, 3], [None, None, 3], [2, 5, 3]])
+def test_eval_shape_of_dense_on_3d_input_matches_get_concrete_function(shape):
+    # Keras Dense on a 3-D input (a Transformer feed-forward block) goes through
+    # tf.tensordot, whose set_shape refines the reshaped product.
+    layer = tf.keras.layers.Dense(4)
+    layer(tf.zeros([1, 5, 3]))
+    spec = tf.TensorSpec(shape, tf.float32)
+    assert oh.eval_shape(layer, spec) == _concrete_spec(layer, spec)
+
+
+def test_eval_shape_of_feed_forward_block_matches_get_concrete_function():
+    block = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu"),
+                                 tf.keras.layers.Dense(3),
+                                 tf.keras.layers.LayerNormalization()])
+    block(tf.zeros([1, 5, 3]))
+    spec = tf.TensorSpec([None, 5, 3], tf.float32)
+    assert oh.eval_shape(block, spec) == _concrete_spec(block, spec)
+
+
+def test_set_shape_merges_and_later_ops_see_it():
+    def fn(x):
+        y = tf.reshape(x, tf.reverse(tf.shape(x), [0]))  # shape from values: unknown dims
+        y.set_shape([None, 7])
+        return y * 2.0, tf.shape(y)
+
+    spec = tf.TensorSpec([7, None], tf.float32)
+    got = oh.eval_shape(fn, spec)
+    want = tf.function(fn).get_concrete_function(spec).structured_outputs
+    assert [g.shape.as_list() for g in got] == [w.shape.as_list() for w in want]
+
+
+def test_set_shape_incompatible_raises_like_tensorflow():
+    def fn(x):
+        y = tf.reshape(x, tf.reverse(tf.shape(x), [0]))
+        y.set_shape([None, 7, 1])
+        return y
+
+    spec = tf.TensorSpec([7, None], tf.float32)
+    with pytest.raises(ValueError, match="equal rank"):  # (the graph's wording)
+        tf.function(fn).get_concrete_function(spec)
+    # The same exception type; the message is eager set_shape's, naming both shapes.
+    with pytest.raises(ValueError, match=r"Tensor.s shape \(None, None\) is not compatible with "
+                                         r"supplied shape \(None, 7, 1\)"):
+        oh.eval_shape(fn, spec)
+    # A plain eager tensor keeps TensorFlow's eager rule (equal dims).
+    with pytest.raises(ValueError, match="is not compatible"):
+        tf.ones([2, 3]).set_shape([2, 4])
+    tf.ones([2, 3]).set_shape([None, 3])

@@ -600,3 +600,57 @@ def test_valid_computed_shapes_are_eagers(handler):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+# ---- a SavedModel of a traced model with non-trainable variables (issue 43 item 9) -------
+
+def _bn_model():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    x = tf.random.stateless_normal([4, 8], seed=[1, 2])
+    model(x, training=True)  # moves the moving statistics away from their initial values
+    return model, x
+
+
+def _save_and_load(fn, variables, tmp_path, name):
+    module = tf.Module()
+    module.variables_of_model = variables  # tracked, as examples/tracing_handlers.py does
+    module.f = fn
+    path = str(tmp_path / name)
+    tf.saved_model.save(module, path)
+    return tf.saved_model.load(path)
+
+
+def test_traced_batch_norm_model_saves_as_tf_function_does(tmp_path):
+    model, x = _bn_model()
+    # The same model saved from a tf.function (TensorFlow's own way) works.
+    want = _save_and_load(tf.function(model).get_concrete_function(
+        tf.TensorSpec(x.shape, x.dtype)), model.variables, tmp_path, "function")
+    with oh.TraceAndExecute() as trace:
+        y = model(x)
+    got = _save_and_load(trace.function(y), model.variables, tmp_path, "traced")
+    x2 = tf.random.stateless_normal([4, 8], seed=[5, 6])
+    np.testing.assert_allclose(got.f(x2).numpy(), want.f(x2).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.f(x2).numpy(), model(x2).numpy(), rtol=1e-5, atol=1e-6)
+    # The function captured the variables themselves: a later update shows in a call.
+    model.layers[1].moving_mean.assign(tf.ones([16]))
+    np.testing.assert_allclose(trace.function(y)(x2).numpy(), model(x2).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_non_trainable_variable_read_is_captured_as_the_variable(tmp_path):
+    v = tf.Variable([1.0, 2.0], trainable=False)
+    w = tf.Variable([3.0, 4.0])
+    x = tf.constant([0.5, 0.25])
+    with oh.TraceAndExecute() as trace:
+        # (read in Python, as Keras layers read their weights; a variable used directly as
+        # an op input is read by TensorFlow's C fast path, which tells no one: see the
+        # guide's limits)
+        y = x * v.read_value() + w
+    fn = trace.function(y)
+    loaded = _save_and_load(fn, [v, w], tmp_path, "plain")
+    np.testing.assert_allclose(loaded.f(x).numpy(), (x * v + w).numpy())
+    # Outside a trace scope TensorFlow's own function is back (the patch is scoped).
+    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
+    assert resource_variable_ops.variable_accessed.__module__ == resource_variable_ops.__name__

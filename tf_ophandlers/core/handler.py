@@ -149,6 +149,13 @@ class OpHandler:
     #: by a scope (re-entering the handler) still see its tensors as its own.
     values_released = None
 
+    #: Whether the handler keeps the state of its open scope on the instance (not per
+    #: thread), so that one instance serves one thread at a time: while a scope of it is
+    #: open on one thread, opening one on another thread raises `oh.HandlerError` (use
+    #: one instance per thread). False: its scopes may be open on several threads at once
+    #: (its hooks are then called from those threads concurrently).
+    one_thread_at_a_time = False
+
     #: The kind of automatic differentiation this handler does, for handlers that must
     #: treat differentiation specially without importing its modules (oh.Recompute keeps
     #: a function call whole under one): "reverse" for a tape recording its scope's ops
@@ -256,6 +263,14 @@ class OpHandler:
     #: (oh.vectorized_map: the per-example shape). An answer that is not such a tuple falls
     #: back to `num_dims`/`dim`.
     value_shape = None
+
+    #: None, or a function ``refine_shape(value, shape)`` called when the program gives a
+    #: tensor of this handler whose shape is not fully known a more specific shape
+    #: (``t.set_shape(shape)``, which then has graph semantics: `shape` is the merge of
+    #: the two, already checked compatible): the handler keeps it in the representation
+    #: so that `num_dims`/`dim` and the ops that use the tensor see it (oh.eval_shape).
+    #: None: only that Python tensor object shows the merged shape.
+    refine_shape = None
 
     def num_dims(self, value):
         """Rank of a representation that is not a tensor (-1 if unknown)."""

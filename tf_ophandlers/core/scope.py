@@ -8,6 +8,7 @@ Inside a scope, `tf.device(...)` does not leave the handlers: the physical place
 names accumulates at the bottom of the stack (RFC "Final handlers").
 """
 import contextlib
+import threading
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
@@ -27,6 +28,45 @@ from tf_ophandlers.core.stack import (  # noqa: F401  (current_stack: public her
 from tf_ophandlers.core.state import state
 
 _original_context_device = _context.Context.device
+# Handlers declaring `one_thread_at_a_time` with a scope open: id -> [handler, thread
+# ident, open scopes]. An entry lives only while a scope is open (the handler is held
+# that long anyway, by the thread's stack).
+_owners = {}
+_owners_lock = threading.Lock()
+
+
+def _claim(handlers):
+    """Records this thread's new scope of each handler of `handlers` that serves one
+    thread at a time; raises HandlerError, claiming none, if another thread has one open."""
+    mine = threading.get_ident()
+    claim = [h for h in handlers if h.one_thread_at_a_time]
+    if not claim:
+        return
+    with _owners_lock:
+        for h in claim:
+            owner = _owners.get(id(h))
+            if owner is not None and owner[1] != mine:
+                raise errors.HandlerError(
+                    "tf_ophandlers: %s keeps the state of its open scope on the instance and "
+                    "has a scope open on another thread; open it on one thread at a time, "
+                    "or give each thread its own instance" % _describe(h))
+        for h in claim:
+            owner = _owners.setdefault(id(h), [h, mine, 0])
+            owner[2] += 1
+
+
+def _release(handlers):
+    """Undoes `_claim` for `handlers` (a scope of theirs closed on this thread)."""
+    claim = [h for h in handlers if h.one_thread_at_a_time]
+    if not claim:
+        return
+    with _owners_lock:
+        for h in claim:
+            owner = _owners.get(id(h))
+            if owner is not None and owner[0] is h:
+                owner[2] -= 1
+                if owner[2] <= 0:
+                    del _owners[id(h)]
 _stacks_by_name = _cache.WeakRegistry()
 _merged_devices = _cache.BoundedCache("scope.merged_devices", 1024)
 
@@ -125,6 +165,7 @@ def _open(target):
             stack = HandlerStack.merged(h, stack)
             _stacks_by_name[stack.name] = stack
             opened.append(stack.handler)
+    _claim(opened)  # before anything changes: a refusal leaves the thread as it was
     entry = _Scope(target, len(state.frames))
     entry.previous, entry.stack = previous, stack
     ctx = _context.context()
@@ -141,6 +182,7 @@ def _open(target):
             # A scope whose handler refused to open is not left open: the handlers
             # already told hear of the exit (their errors give way to this one), and
             # the thread's scopes and stack are as before, whatever the hook left open.
+            _release(opened)
             _abandon(entry, opened[:i])
             raise
     entry.opened = opened
@@ -192,6 +234,7 @@ def _close(entry):
         return
     state.current = entry.previous
     _C.nogil_forget()  # the C no-GIL path's hold on a stack ends with its scope
+    _release(entry.opened)
     try:
         error = None
         for h in reversed(entry.opened):

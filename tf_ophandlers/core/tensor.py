@@ -75,6 +75,37 @@ def _install_size():
     array_ops.size_internal = size_internal
 
 
+def _install_set_shape():
+    # An eager tensor's shape is always fully known, so TensorFlow's EagerTensor.set_shape
+    # requires each given dim to equal the tensor's. A handler tensor may have unknown
+    # dims (oh.eval_shape's specs): tf.tensordot (Keras Dense on a 3-D input) then failed
+    # on (None, None, None) vs (None, 5, 4). For such a tensor set_shape has graph
+    # semantics, as in a tf.function: compatible shapes merge, and the handler's
+    # `refine_shape` (if any) keeps the merged shape in the representation, so that the
+    # ops that use the tensor see it too.
+    base = _ops._EagerTensorBase  # pylint: disable=protected-access
+    original = base.set_shape
+    shape_type = tf.TensorShape
+
+    def set_shape(self, shape):
+        p = _C.payload(self)
+        if p is None or self.shape.is_fully_defined():
+            return original(self, shape)
+        shape = tf.TensorShape(shape)
+        if not self.shape.is_compatible_with(shape):
+            raise ValueError(f"Tensor's shape {self.shape} is not compatible "
+                             f"with supplied shape {shape}.")
+        merged = self.shape.merge_with(shape)
+        stack, value = p
+        refine = stack.handler.refine_shape
+        if refine is not None:
+            refine(value, merged)
+        self._tensor_shape = shape_type(merged)  # pylint: disable=protected-access
+
+    set_shape.__doc__ = original.__doc__
+    base.set_shape = set_shape
+
+
 tf_patches.register(
     "EagerTensor.device", "tensorflow.python.framework.ops.EagerTensor.device",
     "tensor.device of a handler tensor is what its handler says (OpHandler.device_string: "
@@ -93,3 +124,9 @@ tf_patches.register(
     "with an unknown dim (oh.ParallelHandler's components of different batch sizes) runs "
     "the Size op instead. Plain tensors pay one shape check.", "runtime",
     _install_size, None)
+tf_patches.register(
+    "EagerTensor.set_shape", "tensorflow.python.framework.ops._EagerTensorBase.set_shape",
+    "TensorFlow's eager set_shape requires equal dims (an eager shape is always known); a "
+    "handler tensor with unknown dims (oh.eval_shape) gets graph semantics: compatible "
+    "shapes merge (OpHandler.refine_shape). Plain tensors pay one payload lookup.",
+    "runtime", _install_set_shape, None)

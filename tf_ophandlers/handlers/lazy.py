@@ -189,6 +189,9 @@ class Lazy(OpHandler):
     """
 
     TYPE_NAME = "LAZY"
+    # The pending graph, the chunks in flight and their errors belong to the open scope
+    # and are kept on the instance: a second thread would run, or raise, the other's ops.
+    one_thread_at_a_time = True
     replays_functions = False  # a tf.function call is already one compiled op
     # Inputs from elsewhere (a physical tensor, a Python constant) enter a node as they
     # are: wrapping each would cost more than the op it feeds (C-level, no Python call).
@@ -237,11 +240,7 @@ class Lazy(OpHandler):
         # tape recording the computation) must see them while they are active.
         self._depth -= 1
         if self._depth == 0:
-            try:
-                self.flush()
-            finally:
-                if self._inflight or self._deferred is not None:
-                    self._wait()
+            self.settle()
 
     def flush(self):
         """Runs every pending op whose result is still referenced."""
@@ -256,6 +255,15 @@ class Lazy(OpHandler):
                 self._run(roots)
         finally:
             self._prune()
+
+    def settle(self):
+        """Runs every pending op whose result is still referenced and waits for launched
+        chunks: an error of any of them is raised here."""
+        try:
+            self.flush()
+        finally:
+            if self._inflight or self._deferred is not None:
+                self._wait()
 
     def run_deferred(self):
         """`flush()`, for a handler below about to change how it treats ops (a tape that
@@ -383,7 +391,11 @@ class Lazy(OpHandler):
                         break
                     node_inputs.append(v)
         if node_inputs is None:
-            # Runs now, in program order, on computed inputs.
+            # Runs now, in program order, on computed inputs. A side effect first runs
+            # what was recorded before it: an error there stops the program before the
+            # effect happens, as eagerly (dropped values stay unrun, as always).
+            if self._pending and lazy_compile.has_effects(op.type):
+                self.settle()
             outputs = self.next.execute(op, [self._force(v) if type(v) is LazyValue else v
                                              for v in inputs])
             return [o if o.dtype is _RESOURCE else _ready(o) for o in outputs]

@@ -36,6 +36,31 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import state as _state
 
+# Stateful ops (OpDef) that change nothing the program can observe: reading state. Every
+# other stateful op (a variable update, a print, a function call, a stateful random op)
+# first runs the pending ops recorded before it, so that an error among them stops the
+# program before the side effect, as eagerly (has_effects).
+_READS_STATE = frozenset({
+    "ReadVariableOp", "VarHandleOp", "_VarHandlesOp", "VarIsInitializedOp", "VariableShape",
+    "ResourceGather", "ResourceGatherNd", "ReadVariableXlaSplitND", "IsVariableInitialized",
+    "HashTableV2", "LookupTableFindV2", "LookupTableSizeV2", "MutableHashTableV2",
+    "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2", "AnonymousHashTable",
+    "AnonymousMutableHashTable",
+})
+_effects = BoundedCache("lazy.effect_ops", 4096)  # op type -> whether it has side effects
+
+
+def has_effects(op_type):
+    """Whether ops of `op_type` run at once for a side effect (Lazy.execute: then the
+    pending ops run first)."""
+    e = _effects.get(op_type)
+    if e is None:
+        op_def = op_def_registry.get(op_type)  # (None: a function call)
+        e = op_type not in _READS_STATE and (op_def is None or op_def.is_stateful)
+        _effects[op_type] = e
+    return e
+
+
 CACHE_SIZE = 256
 functions = LRUCache("lazy.functions", CACHE_SIZE)  # plan key -> CompiledCall
 no_xla_ops = BoundedCache("lazy.no_xla_ops", 1024)  # op type -> True: no XLA kernel

@@ -129,6 +129,7 @@ class Recompute(OpHandler):
     """
 
     TYPE_NAME = "RECOMPUTE"
+    one_thread_at_a_time = True  # its open scope's segments and statistics are on self
     # What may be recomputed (also used by recompute_graph.Window).
     is_stateful_type = staticmethod(_is_stateful)
     is_trainable = staticmethod(_trainable)

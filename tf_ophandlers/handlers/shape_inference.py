@@ -43,6 +43,12 @@ class ShapeInference(OpHandler):
     def static_value(self, value):
         return value.value
 
+    def refine_shape(self, value, shape):
+        # `t.set_shape(...)` in the program (tf.tensordot, Keras): as in a traced
+        # function, the spec becomes the merged shape, which later ops' shape functions
+        # see (Spec is this tensor's own: other tensors are not affected).
+        value.spec = tf.TensorSpec(shape, value.spec.dtype)
+
     def tensor_debug_string(self, value):
         return "ShapeInference: %s" % (value,)
 

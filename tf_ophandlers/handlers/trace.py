@@ -17,6 +17,8 @@ along with them, and shown in TensorBoard's graph view: `trace.write_graph(logdi
 writes it for `tensorboard --logdir logdir`, `trace.graph_def(y)` returns it).
 `tf.function` calls are recorded as calls of the same function.
 """
+import threading
+
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import ops as _ops
@@ -27,10 +29,40 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core import functions as _functions
 from tf_ophandlers.core import graph_builder
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import representation_of, tensor_key
 
 _key = tensor_key  # tensors are keyed by TensorFlow handle
+_open = threading.local()  # .traces: this thread's TraceAndExecute scopes, innermost last
+_previous = {}
+
+
+def _install_variable_reads():
+    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
+    original = _previous["variable_accessed"] = resource_variable_ops.variable_accessed
+
+    def variable_accessed(variable):
+        original(variable)
+        if not variable.trainable:  # (trainable ones reach the scope's variable watcher)
+            for trace in getattr(_open, "traces", ()):
+                trace._variables.setdefault(_key(variable.handle), variable)  # pylint: disable=protected-access
+
+    resource_variable_ops.variable_accessed = variable_accessed
+
+
+def _uninstall_variable_reads():
+    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
+    resource_variable_ops.variable_accessed = _previous.pop("variable_accessed")
+
+
+tf_patches.register(
+    "trace variable reads", "tensorflow.python.ops.resource_variable_ops.variable_accessed",
+    "TensorFlow reports only trainable variables to variable watchers; oh.TraceAndExecute "
+    "must capture every variable its scope reads as the variable (BatchNormalization's "
+    "moving statistics too), so that a SavedModel maps the capture to the tracked object, "
+    "as a FuncGraph's watch_variable does for every variable. Installed while a trace scope "
+    "is open.", "scoped", _install_variable_reads, _uninstall_variable_reads)
 
 
 class _Record:
@@ -50,6 +82,10 @@ class TraceAndExecute(OpHandler):
     # A tf.function call is recorded as one call of the same function.
     replays_functions = False
     TYPE_NAME = "TRACE"
+    # The recorded ops, the inputs in order of first use and the variable watcher (which
+    # TensorFlow keeps per thread) belong to the open scope and are kept on the instance:
+    # a second thread's ops would be interleaved into the trace, its variables missed.
+    one_thread_at_a_time = True
 
     def __init__(self):
         self.records = []
@@ -75,10 +111,16 @@ class TraceAndExecute(OpHandler):
         self._depth += 1
         if self._depth == 1:
             self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
+            tf_patches.acquire("trace variable reads")
+            _open.__dict__.setdefault("traces", []).append(self)
 
     def scope_exited(self):
         self._depth -= 1
         if self._depth == 0 and self._watcher is not None:
+            traces = _open.__dict__.get("traces", [])
+            if any(t is self for t in traces):
+                traces.remove(self)
+                tf_patches.release("trace variable reads")
             self._harvest()
             pywrap_tfe.TFE_Py_VariableWatcherRemove(self._watcher)
             self._watcher = None

@@ -29,7 +29,10 @@
    newer library checks `api->struct_size` before using a field added later. The runtime
    reads a type's fields up to the smaller of its struct_size and the size its
    abi_version defines (TFOH_HANDLER_TYPE_V1_SIZE, _V2_SIZE, _V3_SIZE): a field added in
-   a later version is NULL for a type of an earlier version.
+   a later version is NULL for a type of an earlier version. A type's struct_size must
+   cover the fields every version requires, `abi_version` to `execute`
+   (TFOH_HANDLER_TYPE_MIN_SIZE): register_type refuses a smaller one and reads nothing
+   past it (the library then fails to load with that error).
    - Version 1: the hooks up to `function_input_summary`.
    - Version 2: `static_value` (tf.get_static_value of a handler's tensors).
    - Version 3: building ops (TFOH_RuntimeApi `op_new` .. `op_set_attr_tensor`: a hook
@@ -61,11 +64,25 @@
      hooks call (`execute_next`) release and retake the GIL where they block.
    - Threading: hooks of one handler state may run on several threads at once (two
      Python threads using one handler, with or without the GIL), so handler state must
-     be thread-safe.
+     be thread-safe. The runtime functions that take a TFOH_Context (`execute_next`,
+     `op_new`) must be called on the thread that runs the hook the context was given to,
+     during that call: the context stands for that thread's handler state (and, while a
+     function is replayed, its graph). A hook may use worker threads for its own work,
+     not to call them; `execute_next` from another thread fails with
+     TF_FAILED_PRECONDITION (eagerly and in a replayed function alike).
    - Status: every failure is reported through the TF_Status argument (never by
      exceptions or abort); a hook that fails must leave its out-parameters unset and
      own nothing it was to return. The status code and message reach the Python caller
      as a tf.errors exception (prefixed with the handler and the op).
+   - Exceptions: no C++ exception may leave a hook. The runtime still catches one that
+     does (any type, `catch (...)`) at every hook call, so that it does not end the
+     process: the call raises tf_ophandlers.HandlerError naming the handler, the hook,
+     the op (where there is one) and the exception's what(). What the hook did before it
+     threw (references taken, out-parameters written) is leaked, not released. A
+     `delete_state` that throws is reported as an unraisable exception (stderr), a
+     `debug_string` that throws names the handler "<name>()" in other errors.
+   - Text: names, debug strings and status messages should be UTF-8; bytes that are
+     not are shown as U+FFFD (the error they carry is kept).
    - Ownership: TFOH_Op and TFOH_Context are borrowed, valid only during the call they
      are passed to. TFOH_Tensor is reference counted: inputs are borrowed for the call;
      tensors a runtime function returns are new references the handler owns; tensors a
@@ -166,7 +183,9 @@ typedef struct TFOH_RuntimeApi {
   // stack: a hook's inputs, or results of earlier execute_next calls). `*num_outputs` is
   // in: the capacity of `outputs`, out: the number written (new references). Fails
   // with `status` set (an error of a handler below, or of the TensorFlow kernel). May
-  // block; releases the GIL while TensorFlow executes.
+  // block; releases the GIL while TensorFlow executes. Only on the thread running the
+  // hook that got `ctx`, during that call (see Threading above): from another thread it
+  // fails with TF_FAILED_PRECONDITION and executes nothing.
   void (*execute_next)(TFOH_Context* ctx, const TFOH_Op* op, int num_inputs,
                        TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
                        TF_Status* status);
@@ -174,9 +193,9 @@ typedef struct TFOH_RuntimeApi {
   // ---- registration (only inside TFOH_InitHandlerLibrary) ----
   // Registers a handler type. `type` is copied except for its function pointers and
   // `type_data`, which must stay valid while the library is loaded (libraries are
-  // never unloaded). Fails for an unknown abi_version, a missing name, create or
-  // delete_state, a missing execute in a type of ABI version 1 to 3, or a
-  // name registered twice in the library.
+  // never unloaded). Fails for an unknown abi_version, a struct_size smaller than
+  // TFOH_HANDLER_TYPE_MIN_SIZE, a missing name, create or delete_state, a missing
+  // execute in a type of ABI version 1 to 3, or a name registered twice in the library.
   void (*register_type)(TFOH_Library* library, const struct TFOH_HandlerType* type,
                         TF_Status* status);
 
@@ -353,6 +372,9 @@ typedef struct TFOH_HandlerType {
   int (*executes_op)(void* state, const char* op_type);
 } TFOH_HandlerType;
 
+// The smallest struct_size register_type accepts (any ABI version): the fields every
+// version requires, abi_version .. execute.
+#define TFOH_HANDLER_TYPE_MIN_SIZE offsetof(TFOH_HandlerType, copy_on)
 // sizeof(TFOH_HandlerType) of ABI version 1: what a version 1 type's struct_size is.
 #define TFOH_HANDLER_TYPE_V1_SIZE offsetof(TFOH_HandlerType, static_value)
 // sizeof(TFOH_HandlerType) of ABI version 2.

@@ -17,6 +17,9 @@ import inspect
 import itertools
 import operator
 import types
+import weakref
+
+from tensorflow.python import pywrap_tfe
 
 from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
@@ -39,6 +42,8 @@ _indices = {}  # handler type name -> itertools.count
 
 _merges = WeakRegistry()  # (id(handler), id(next)) -> HandlerStack
 _function_call_rule = [None]  # set by core/functions (register_function_call_rule)
+_substitute_rule = [None]  # set by a handler module (register_substitute_rule)
+_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
 
 def register_function_call_rule(rule):
@@ -47,6 +52,15 @@ def register_function_call_rule(rule):
     replays functions. core/functions/call.py registers the replay; the stacks know
     nothing else of it."""
     _function_call_rule[0] = rule
+
+
+def register_substitute_rule(rule):
+    """Installs ``rule(stack, op, values) -> outputs``, which runs the execute hook of
+    `stack`'s handler for `op` when the handler may change what ops compute
+    (`OpHandler.changes_computation`) and a TensorFlow tape or accumulator is recording:
+    it returns what the hook returns and makes those tapes differentiate what the hook
+    ran, not `op`'s registered gradient. The gradient tape module registers it."""
+    _substitute_rule[0] = rule
 
 
 #: ``tensor_key(tensor)``: a tensor's identity key (its TensorFlow handle), stable while it
@@ -120,6 +134,7 @@ class Stack:
     handler = None
     next = None
     handlers = ()  # handlers from the outermost (bottom) to this one
+    _substituting = False  # a handler of the stack may change what ops compute
 
     def contains(self, other):
         """Whether `other`'s handlers appear in this stack in the same order."""
@@ -171,7 +186,7 @@ _C.fast_setup(state, PHYSICAL)
 _DECLARATIONS = frozenset((
     "execute", "copy_on", "function_input", "function_output", "after_execute",
     "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient",
-    "handles_copy", "physical_copy_on"))
+    "handles_copy", "physical_copy_on", "changes_computation"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
 # class -> (its declarations when decided, bool). A declaration assigned to the class
 # after a stack of it was built (a monkeypatched execute) must not get the old fields:
@@ -250,6 +265,12 @@ class HandlerStack(Stack):
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
+        # While such a stack lives the C++ paths ask, for its ops, whether a TensorFlow
+        # tape records (cc/fast_path.h SubstitutesUnderTape); never otherwise.
+        self._substituting = self._substitutes or next_stack._substituting
+        if self._substituting:
+            _C.substituting_stacks(1)
+            weakref.finalize(self, _C.substituting_stacks, -1)
         # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
         # stack objects, and this one may reuse a dead stack's address).
         _C.stacks_changed(fields["_may_be_fast"])
@@ -263,6 +284,9 @@ class HandlerStack(Stack):
         f["_records"] = records = getattr(handler, "after_execute", None) is not None
         # A default execute with after_execute still runs (it calls after_execute).
         f["_default_execute"] = getattr(handler.execute, "_oh_default", False) and not records
+        # A handler whose execute hook runs may change what an op computes unless it
+        # declares it does not (OpHandler.changes_computation).
+        f["_substitutes"] = bool(handler.changes_computation) and not f["_default_execute"]
         f["default_copy_on"] = getattr(handler.copy_on, "_oh_default", False)
         f["default_function_input"] = getattr(handler.function_input, "_oh_default", False)
         f["default_function_output"] = getattr(handler.function_output, "_oh_default", False)
@@ -390,7 +414,11 @@ class HandlerStack(Stack):
             finally:
                 state.current = saved
         else:
-            outputs = self.call_hook(handler.execute, op, values)
+            if self._substitutes and mode is None and _substitute_rule[0] is not None and (
+                    not _tape_set_is_empty()):
+                outputs = _substitute_rule[0](self, op, values)
+            else:
+                outputs = self.call_hook(handler.execute, op, values)
             if type(outputs) is not list and not isinstance(outputs, (list, tuple)):
                 raise _not_a_list(handler, op, outputs)
         if mode is not None:

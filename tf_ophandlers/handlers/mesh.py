@@ -296,6 +296,8 @@ class Mesh(MeshCommunication, OpHandler):
             shards.append(s)
         return MeshValue(shards, value.layout, value.shape, value.var)
 
+    changes_computation = False  # runs each op as it is, on shards
+
     def execute(self, op, inputs):
         t = op.type
         if t not in _SPECIAL_OPS:

@@ -351,6 +351,8 @@ class ParallelHandler(OpHandler):
             "be copied off as one tensor; use parallel.unpack(t) to get the components"
             % (len(value.components), ", ".join(self.components)))
 
+    changes_computation = False  # runs each op as it is, per component
+
     def execute(self, op, inputs):
         below = next_stack()
         n = len(self.components)

@@ -392,6 +392,8 @@ class Recompute(OpHandler):
 
     # -- the handler ----------------------------------------------------------------------
 
+    changes_computation = False  # runs each op as it is (again in the backward pass)
+
     def execute(self, op, inputs):
         below = self.next
         if below is not self._below:

@@ -1,0 +1,171 @@
+"""Handlers that change what an op computes (OpHandler.changes_computation): Relu run as
+LeakyRelu(alpha), by a Python handler and by a C++ one (tests/native/leaky_relu_handler.cc).
+Under every tape the gradient is that of what ran: each case is compared with the same
+program written by hand with tf.nn.leaky_relu under TensorFlow's own tape.
+"""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from test_differential import _same  # values, dtypes, shapes, IndexedSlices, None
+
+ALPHA = 0.1
+NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
+
+
+class PyLeakyRelu(oh.OpHandler):
+    """Runs every Relu as LeakyRelu(alpha) (declares nothing: substituting by default)."""
+
+    def execute(self, op, inputs):
+        if op.type == "Relu":
+            leaky = oh.Op.create("LeakyRelu", T=op.attrs["T"], alpha=ALPHA)
+            return self.next.execute(leaky, inputs)
+        return self.next.execute(op, inputs)
+
+
+@pytest.fixture(scope="module")
+def CLeakyRelu():  # pylint: disable=invalid-name
+    import sys
+    sys.path.insert(0, NATIVE)
+    try:
+        from test_native_handlers import build_handler_library
+    finally:
+        sys.path.remove(NATIVE)
+    path = build_handler_library(os.path.join(NATIVE, "leaky_relu_handler.cc"))
+    cls = oh.load_handler_library(path).handler_types()["LeakyRelu"]
+    return lambda: cls(str(ALPHA))
+
+
+@pytest.fixture(params=["python", "c"])
+def substitute(request):
+    if request.param == "python":
+        return PyLeakyRelu
+    return request.getfixturevalue("CLeakyRelu")
+
+
+def _relu_program(x, w, relu=tf.nn.relu):
+    h = relu(tf.matmul(x, w) - 0.2)
+    return tf.reduce_sum(relu(tf.sin(h) * 2.0 - 0.5) * h, axis=1)
+
+
+def _leaky(t):
+    return tf.nn.leaky_relu(t, alpha=ALPHA)
+
+
+def _inputs():
+    r = np.random.default_rng(7)
+    return (tf.constant(r.standard_normal((3, 4)).astype(np.float32)),
+            tf.Variable(r.standard_normal((4, 5)).astype(np.float32)))
+
+
+def _tf_tape(program, handler):
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        if handler is None:
+            y = program(x, w)
+        else:
+            with handler():
+                y = program(x, w)
+    return [y] + tape.gradient(y, [x, w])
+
+
+def test_tf_gradient_tape_outside_gives_the_substitute_gradient(substitute):
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    got = _tf_tape(_relu_program, substitute)
+    _same(want, got, "tf.GradientTape > substituting handler")
+
+
+def _oh_tape(program, handler):
+    x, w = _inputs()
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with handler():
+            y = program(x, w)
+    return [y] + tape.gradient(y, [x, w])
+
+
+def test_oh_gradient_tape_outside_gives_the_substitute_gradient(substitute):
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    got = _oh_tape(_relu_program, substitute)
+    _same(want, got, "oh.GradientTape > substituting handler")
+
+
+@pytest.mark.parametrize("around", ["OpLogHandler", "OpHandler"])
+def test_a_substitute_below_or_above_a_transparent_handler(substitute, around):
+    # The record sits on the representation at the substituting handler's level; the
+    # tape's output is a tensor of the handler above it (or below it).
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    other = getattr(oh, around)
+    for outer, inner in ((substitute, other), (other, substitute)):
+        def both(outer=outer, inner=inner):
+            class _Both:
+                def __enter__(self):
+                    self._o, self._i = outer(), inner()
+                    self._o.__enter__()
+                    self._i.__enter__()
+
+                def __exit__(self, *exc):
+                    self._i.__exit__(*exc)
+                    self._o.__exit__(*exc)
+            return _Both()
+        got = _tf_tape(_relu_program, both)
+        _same(want, got, "tf.GradientTape > %s > %s" % (outer, inner))
+
+
+def test_persistent_tf_tape_and_second_gradient(substitute):
+    x, w = _inputs()
+    results = {}
+    for name, (handler, relu) in {"tf": (None, _leaky), "oh": (substitute, tf.nn.relu)}.items():
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            if handler is None:
+                y = _relu_program(x, w, relu)
+            else:
+                with handler():
+                    y = _relu_program(x, w, relu)
+        results[name] = [tape.gradient(y, x), tape.gradient(y, x), tape.gradient(y, w)]
+    _same(results["tf"], results["oh"], "persistent tf.GradientTape, three gradients")
+
+
+def test_an_op_whose_gradient_keeps_no_output_raises_naming_handler_and_op():
+    # MatMul's registered gradient reads only its inputs, so TensorFlow's tape keeps no
+    # output to find what ran by: a clear error at the op, never MatMul's gradient.
+    class Bf16MatMul(oh.OpHandler):
+        def execute(self, op, inputs):
+            if op.type == "MatMul":
+                low = [tf.cast(t, tf.bfloat16) for t in inputs]
+                (out,) = self.next.execute(op.replace(T=tf.bfloat16), low)
+                return [tf.cast(out, tf.float32)]
+            return self.next.execute(op, inputs)
+
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with Bf16MatMul():
+            with pytest.raises(oh.HandlerError, match=r"Bf16MatMul\(\).*MatMul"):
+                tf.matmul(x, w)
+            y = tf.nn.relu(x)  # ops it runs unchanged keep their own gradient
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), (x.numpy() > 0).astype(np.float32))
+
+
+def test_declared_pass_through_keeps_todays_path():
+    # A handler that declares it computes every op unchanged is not recorded.
+    class Logging(oh.OpHandler):
+        changes_computation = False
+        seen = 0
+
+        def execute(self, op, inputs):
+            Logging.seen += 1
+            return self.next.execute(op, inputs)
+
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with Logging():
+            y = _relu_program(x, w)
+    _same(_tf_tape(_relu_program, None), [y] + tape.gradient(y, [x, w]), "declared pass-through")
+    assert oh.handler_of(y) is not None and not oh.handler_of(y)._substituting

@@ -4,6 +4,7 @@ Under every tape the gradient is that of what ran: each case is compared with th
 program written by hand with tf.nn.leaky_relu under TensorFlow's own tape.
 """
 import os
+import re
 
 import numpy as np
 import pytest
@@ -169,3 +170,51 @@ def test_declared_pass_through_keeps_todays_path():
             y = _relu_program(x, w)
     _same(_tf_tape(_relu_program, None), [y] + tape.gradient(y, [x, w]), "declared pass-through")
     assert oh.handler_of(y) is not None and not oh.handler_of(y)._substituting
+
+
+# -- the execute contract in replays (issue 42 item 3) --------------------------------------
+
+class _WrongDtype(oh.OpHandler):
+    def execute(self, op, inputs):
+        out = self.next.execute(op, inputs)
+        return [tf.cast(out[0], tf.float64)] if op.type == "Sin" else out
+
+
+class _TooMany(oh.OpHandler):
+    def execute(self, op, inputs):
+        out = self.next.execute(op, inputs)
+        return list(out) * 2 if op.type == "Sin" else out
+
+
+class _TooFew(oh.OpHandler):
+    def execute(self, op, inputs):
+        out = self.next.execute(op, inputs)
+        return [] if op.type == "Sin" else out
+
+
+def _error_text(handler, fn, x):
+    with pytest.raises(oh.HandlerOutputError) as info:
+        with handler():
+            fn(x)
+    return re.sub(r"device:(\w+):\d+", r"device:\1:N", str(info.value))
+
+
+@pytest.mark.parametrize("handler", [_WrongDtype, _TooMany, _TooFew],
+                         ids=["dtype", "too_many", "too_few"])
+def test_replayed_function_checks_hook_outputs_as_eager(handler):
+    # A wrong dtype gave TensorFlow's "2 errors while building NodeDef 'AddV2'" naming no
+    # handler; a wrong count gave no error at all (or a KeyError).
+    x = tf.constant([1.0, 2.0])
+    program = lambda t: tf.sin(t) + 1.0  # noqa: E731
+    eager = _error_text(handler, program, x)
+    replay = _error_text(handler, tf.function(program, autograph=False), x)
+    assert "invalid outputs for op Sin" in replay and handler.__name__ in replay
+    if handler is not _TooFew:  # (eager cannot name a handler that returned no tensor)
+        assert replay == eager
+    # nothing kept from the failed replay: the same function under a correct handler
+    f = tf.function(program, autograph=False)
+    with pytest.raises(oh.HandlerOutputError):
+        with handler():
+            f(x)
+    with oh.OpLogHandler():
+        np.testing.assert_allclose(f(x).numpy(), program(x).numpy())

@@ -421,6 +421,8 @@ class HandlerStack(Stack):
                 outputs = self.call_hook(handler.execute, op, values)
             if type(outputs) is not list and not isinstance(outputs, (list, tuple)):
                 raise _not_a_list(handler, op, outputs)
+            if mode is not None:
+                self._check_symbolic(op, outputs)
         if mode is not None:
             return self._wrap_symbolic(outputs, mode)
         return self._wrap_eager(outputs)
@@ -469,6 +471,22 @@ class HandlerStack(Stack):
             else:
                 foreign.append(i)
         return values, foreign
+
+    def _check_symbolic(self, op, outputs):
+        """The dispatcher's output check (cc/device.cc: count, then each dtype) for what
+        the execute hook returned while a function is replayed, with the same error."""
+        expected = op.output_dtypes
+        if expected is None:
+            return  # a function call op: its outputs are its callee's
+        if len(outputs) != len(expected):
+            raise errors.invalid_outputs(self, op, "count", "expected %d outputs, got %d" % (
+                len(expected), len(outputs)))
+        for i, (o, want) in enumerate(zip(outputs, expected)):
+            value = o.tensor if type(o) is OffStack else o
+            got = value.dtype if isinstance(value, _Tensor) else self.handler.value_dtype(value)
+            if got != want:
+                raise errors.invalid_outputs(self, op, "dtype", "output %d: expected %s, got %s" % (
+                    i, want.name, getattr(got, "name", got)))
 
     def _wrap_symbolic(self, outputs, mode):
         transient = self.handler.transient

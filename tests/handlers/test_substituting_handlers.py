@@ -218,3 +218,57 @@ def test_replayed_function_checks_hook_outputs_as_eager(handler):
             f(x)
     with oh.OpLogHandler():
         np.testing.assert_allclose(f(x).numpy(), program(x).numpy())
+
+
+# -- functions: gradient ops built at trace time (issue 42 item 2) --------------------------
+
+def _step(program):
+    @tf.function(autograph=False)
+    def step(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = program(x, w)
+        return [y] + tape.gradient(y, [x, w])
+    return step
+
+
+def test_function_with_gradient_ops_refuses_a_substitute(substitute):
+    # The step's ReluGrad ops were built for Relu when it was traced: replayed under the
+    # handler they gave Relu's gradient of the LeakyRelu that ran ([0. 0. 1. 1.]).
+    x, w = _inputs()
+    step = _step(_relu_program)
+    with pytest.raises(oh.HandlerError, match=r"LeakyRelu.*op Relu.*gradient_tape/"):
+        with substitute():
+            step(x, w)
+    # nothing kept: the same step without the handler, and with a declared pass-through
+    want = _step(_relu_program)(x, w)
+    _same(want, step(x, w), "the step after the refusal")
+    with oh.OpLogHandler():
+        _same(want, step(x, w), "the step under OpLogHandler")
+
+
+def test_function_with_gradient_ops_and_no_substitution_runs(substitute):
+    # The handler substitutes nothing in this step (no Relu): its gradients are right.
+    program = lambda x, w: tf.reduce_sum(tf.tanh(tf.matmul(x, w)) * 2.0, axis=1)  # noqa: E731
+    x, w = _inputs()
+    want = _step(program)(x, w)
+    with substitute():
+        got = _step(program)(x, w)
+    _same(want, got, "a step with gradient ops under a handler that substitutes nothing")
+
+
+def test_tf_tape_over_a_function_call_refuses_a_substitute(substitute):
+    # TensorFlow's tape records the call with a backward function built from Relu.
+    x, w = _inputs()
+    f = tf.function(_relu_program, autograph=False)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with substitute():
+            with pytest.raises(oh.HandlerError, match=r"op Relu of function"):
+                f(x, w)
+
+
+def test_oh_tape_over_a_function_call_gives_the_substitute_gradient(substitute):
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    got = _oh_tape(tf.function(_relu_program, autograph=False), substitute)
+    _same(want, got, "oh.GradientTape > substituting handler > tf.function")

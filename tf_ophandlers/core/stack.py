@@ -423,8 +423,12 @@ class HandlerStack(Stack):
                 raise _not_a_list(handler, op, outputs)
             if mode is not None:
                 self._check_symbolic(op, outputs)
+                if self._substitutes:
+                    mode.check_substitute(self, op, values, outputs)
         if mode is not None:
-            return self._wrap_symbolic(outputs, mode)
+            outputs = self._wrap_symbolic(outputs, mode)
+            mode.executed(op, inputs, outputs)
+            return outputs
         return self._wrap_eager(outputs)
 
     def _raise_not_a_list(self, op, outputs):

@@ -272,3 +272,25 @@ def test_oh_tape_over_a_function_call_gives_the_substitute_gradient(substitute):
     want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
     got = _oh_tape(tf.function(_relu_program, autograph=False), substitute)
     _same(want, got, "oh.GradientTape > substituting handler > tf.function")
+
+
+def _jvp(accumulator, program, handler):
+    x, w = _inputs()
+    with accumulator(x, tf.ones_like(x)) as acc:
+        if handler is None:
+            y = program(x, w)
+        else:
+            with handler():
+                y = program(x, w)
+    return [y, acc.jvp(y)]
+
+
+def test_forward_accumulators_outside_a_substitute(substitute):
+    # tf.autodiff.ForwardAccumulator gave Relu's JVP of the LeakyRelu that ran (its JVP
+    # functions are traced per op signature, out of reach of the record): refused;
+    # oh.ForwardAccumulator sees what ran.
+    want = _jvp(tf.autodiff.ForwardAccumulator, lambda x, w: _relu_program(x, w, _leaky), None)
+    _same(want, _jvp(oh.ForwardAccumulator, _relu_program, substitute),
+          "oh.ForwardAccumulator > substituting handler")
+    with pytest.raises(oh.HandlerError, match=r"in place of op Relu.*ForwardAccumulator"):
+        _jvp(tf.autodiff.ForwardAccumulator, _relu_program, substitute)

@@ -20,21 +20,23 @@ import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
+from tensorflow.python.eager import forwardprop as _forwardprop
 from tensorflow.python.eager import imperative_grad as _imperative_grad
 from tensorflow.python.eager import tape as _tape_lib
 from tensorflow.python.framework import constant_op
-from tensorflow.python.framework import dtypes
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 from tensorflow.python.ops import array_ops
 
 from tf_ophandlers.core import errors, tf_patches
 from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.representation import payload, representation_of
 from tf_ophandlers.core.scope import handler as _scope, physical as _physical
-from tf_ophandlers.core.stack import current_stack, register_substitute_rule, stack_of
+from tf_ophandlers.core.stack import (
+    current_stack, payload, register_substitute_rule, representation_of, stack_of)
+from tf_ophandlers.handlers.gradient_tape import GradientTape
 
 _ATTR = "_oh_substitute"  # the record, on an output's representation (an EagerTensor)
 _original_gradient_function = [None]
+_original_jvp_function = [None]
 _probe = threading.local()  # .seen: a list while _kept_outputs probes an op type
 # op type -> tuple of bools: which outputs TensorFlow's tape keeps for the op's gradient
 _kept = BoundedCache("substitutes.kept_outputs", 1024)
@@ -105,18 +107,36 @@ def _gradient_function(op_name, attr_tuple, num_inputs, inputs, outputs, out_gra
         forward_pass_name_scope)
 
 
+def _jvp_function(op_name, attr_tuple, inputs, outputs, tangents, use_batch=False):
+    for o in outputs or ():
+        record = _record_of(o) if o is not None else None
+        if record is not None and record.op_type == op_name:
+            # TensorFlow computes JVPs with functions it traces per op signature, where
+            # the record (on eager representations) cannot be reached.
+            raise errors.HandlerError(
+                "%s ran something else in place of op %s, and a "
+                "tf.autodiff.ForwardAccumulator records it: it would give %s's JVP, not "
+                "that of what ran. Use oh.ForwardAccumulator outside the handler's scope."
+                % (record.handler.debug_string(), op_name, op_name))
+    return _original_jvp_function[0](op_name, attr_tuple, inputs, outputs, tangents,
+                                     use_batch)
+
+
 def _install():
     _original_gradient_function[0] = _tf_backprop._gradient_function  # pylint: disable=protected-access
     pywrap_tfe.TFE_Py_RegisterGradientFunction(_gradient_function)
+    _original_jvp_function[0] = _forwardprop._jvp_dispatch  # pylint: disable=protected-access
+    pywrap_tfe.TFE_Py_RegisterJVPFunction(_jvp_function)
 
 
 tf_patches.register(
-    "substitute gradients", "the gradient function TensorFlow's eager tapes call "
-    "(pywrap_tfe.TFE_Py_RegisterGradientFunction, backprop._gradient_function)",
+    "substitute gradients", "the gradient and JVP functions TensorFlow's eager tapes and "
+    "accumulators call (pywrap_tfe.TFE_Py_RegisterGradientFunction, "
+    "backprop._gradient_function; TFE_Py_RegisterJVPFunction, forwardprop._jvp_dispatch)",
     "a tf.GradientTape outside a handler that substituted an op records the op the user "
     "called; its backward function calls this one, which gives the gradient of what the "
     "handler ran (recorded by handlers/substitutes.py) instead of the op's registered "
-    "gradient. Installed when a substituting handler first runs under a TensorFlow tape.",
+    "gradient; a tf.autodiff.ForwardAccumulator's JVP of such an op raises. Installed when a substituting handler first runs under a TensorFlow tape.",
     "first-use", _install, None)
 
 
@@ -159,7 +179,6 @@ def _differentiable(value):
 def run_recorded(stack, op, values):
     """`stack`'s execute hook on `values` for `op`, recorded for TensorFlow's tapes (the
     rule core/stack.py calls; see the module docstring)."""
-    from tf_ophandlers.handlers.gradient_tape import GradientTape  # (imports this module)
     handler = stack.handler
     tf_patches.ensure("substitute gradients")
     for v in values:

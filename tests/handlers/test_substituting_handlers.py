@@ -3,6 +3,7 @@ LeakyRelu(alpha), by a Python handler and by a C++ one (tests/native/leaky_relu_
 Under every tape the gradient is that of what ran: each case is compared with the same
 program written by hand with tf.nn.leaky_relu under TensorFlow's own tape.
 """
+import contextlib
 import os
 import re
 
@@ -294,3 +295,25 @@ def test_forward_accumulators_outside_a_substitute(substitute):
           "oh.ForwardAccumulator > substituting handler")
     with pytest.raises(oh.HandlerError, match=r"in place of op Relu.*ForwardAccumulator"):
         _jvp(tf.autodiff.ForwardAccumulator, _relu_program, substitute)
+
+
+def _fit(handler, activation, run_eagerly):
+    r = np.random.default_rng(0)
+    x = r.standard_normal((16, 4)).astype(np.float32)
+    y = r.standard_normal((16, 1)).astype(np.float32)
+    tf.keras.utils.set_random_seed(1)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation),
+                                 tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.SGD(0.1), "mse", run_eagerly=run_eagerly)
+    with handler() if handler is not None else contextlib.nullcontext():
+        history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    return [tf.constant(history.history["loss"])] + model.get_weights()
+
+
+def test_keras_fit_under_a_substitute():
+    # The issue's example: fit's compiled step silently trained with Relu's gradient
+    # (losses 0.84200 vs 0.84184); it is refused, and run eagerly it trains as the model
+    # written with leaky_relu does.
+    with pytest.raises(oh.HandlerError, match=r"op Relu.*gradient_tape/"):
+        _fit(PyLeakyRelu, "relu", run_eagerly=False)
+    _same(_fit(None, _leaky, True), _fit(PyLeakyRelu, "relu", True), "fit, run_eagerly")

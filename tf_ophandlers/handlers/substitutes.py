@@ -220,8 +220,8 @@ def run_recorded(stack, op, values):
         else:
             result.append(o)  # left the stacks below (a resource handle): as it is
             targets.append(None)
-    if unchanged:
-        return result  # the op's own gradient is the gradient of what ran
+    if unchanged or not any(_differentiable(o) for o in result):
+        return result  # the op's own gradient is the gradient of what ran (or none is)
     if op.num_outputs and not any(_kept_outputs(op, len(values))):
         raise errors.HandlerError(
             "%s may change what op %s computes (changes_computation), and a TensorFlow "

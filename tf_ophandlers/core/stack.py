@@ -59,7 +59,7 @@ def register_substitute_rule(rule):
     `stack`'s handler for `op` when the handler may change what ops compute
     (`OpHandler.changes_computation`) and a TensorFlow tape or accumulator is recording:
     it returns what the hook returns and makes those tapes differentiate what the hook
-    ran, not `op`'s registered gradient. The gradient tape module registers it."""
+    ran, not `op`'s registered gradient. handlers/substitutes.py registers it."""
     _substitute_rule[0] = rule
 
 

@@ -317,3 +317,23 @@ def test_keras_fit_under_a_substitute():
     with pytest.raises(oh.HandlerError, match=r"op Relu.*gradient_tape/"):
         _fit(PyLeakyRelu, "relu", run_eagerly=False)
     _same(_fit(None, _leaky, True), _fit(PyLeakyRelu, "relu", True), "fit, run_eagerly")
+
+
+def test_the_record_of_what_ran_is_freed_with_the_outputs(substitute):
+    # The record sat on the value its private tape recorded: a cycle through the tape's
+    # C record, which the garbage collector could not free (one tape per op, kept).
+    import gc
+    import weakref
+    from tf_ophandlers.handlers import substitutes
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with substitute():
+            y = tf.nn.relu(tf.matmul(x, w))
+    record = substitutes._record_of(y)  # pylint: disable=protected-access
+    assert record is not None
+    private = weakref.ref(record.tape)
+    tape.gradient(y, x)
+    del tape, y, record
+    gc.collect()
+    assert private() is None

@@ -29,6 +29,7 @@ from tensorflow.python.ops import array_ops
 
 from tf_ophandlers.core import errors, tf_patches
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.scope import handler as _scope, physical as _physical
 from tf_ophandlers.core.stack import (
     current_stack, payload, register_substitute_rule, representation_of, stack_of)
@@ -51,14 +52,14 @@ class _Recorded:
         self.tape = tape
         self.op_type = op_type
         self.sources = sources    # the hook's inputs (None: not differentiable)
-        self.targets = targets    # the hook's outputs on the tape's stack
+        self.targets = targets    # the hook's outputs the tape made (None: another)
         self.handler = handler
 
     def gradients(self, out_grads, num_inputs):
         """The gradient of what ran, for TensorFlow's backward pass."""
         targets, output_gradients = [], []
         for t, g in zip(self.targets, out_grads):
-            if t is None or not t.dtype.is_floating and not t.dtype.is_complex:
+            if t is None or not _differentiable(t):
                 continue
             targets.append(t)
             output_gradients.append(array_ops.zeros_like(t) if g is None else _below(g))
@@ -216,7 +217,7 @@ def run_recorded(stack, op, values):
         if isinstance(o, _EagerTensor) and stack_of(o) is below:
             found, value = representation_of(tape, o)
             result.append(value if found else o)
-            targets.append(o if found else None)
+            targets.append(value if found else None)
         else:
             result.append(o)  # left the stacks below (a resource handle): as it is
             targets.append(None)
@@ -231,10 +232,15 @@ def run_recorded(stack, op, values):
             "changes_computation = False if the handler computes %s unchanged."
             % (handler.debug_string(), op.type, op.type, op.type))
     record = _Recorded(tape, op.type, sources, targets, handler)
-    inputs_by_id = {id(v) for v in values}
-    for value in result:
-        if isinstance(value, _EagerTensor) and id(value) not in inputs_by_id:
+    below_handler = stack.next
+    for i, value in enumerate(result):
+        if targets[i] is not None:
+            # The record goes on a new tensor of the value (an Identity below the
+            # handler): on the value itself it would be a cycle through the private
+            # tape's record of it, which the garbage collector cannot free.
+            (value,) = below_handler.execute(Op.cached("Identity", T=value.dtype), [value])
             setattr(value, _ATTR, record)
+            result[i] = value
     return result
 
 

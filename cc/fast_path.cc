@@ -5,6 +5,7 @@
 #include "fast_path.h"
 #include "fast_internal.h"
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -21,7 +22,40 @@
 #include "tensorflow/c/eager/immediate_execution_operation.h"
 #include "tensorflow/c/eager/tfe_op_internal.h"
 
+// TensorFlow's tape-set query (pywrap_tfe.h; lib_pywrap_tensorflow_common.so).
+PyObject* TFE_Py_TapeSetIsEmpty();
+
 namespace tf_ophandlers {
+
+// Live stacks with a handler that may change what ops compute (substituting_stacks).
+std::atomic<int> g_substituting{0};
+
+bool MaySubstitute(PyObject* stack) {
+  if (g_substituting.load(std::memory_order_relaxed) <= 0) return false;
+  static PyObject* name = PyUnicode_InternFromString("_substituting");
+  PyObject* v = name != nullptr ? PyObject_GetAttr(stack, name) : nullptr;
+  if (v == nullptr) {
+    PyErr_Clear();
+    return true;  // unknown: the Python path decides
+  }
+  int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  if (t < 0) PyErr_Clear();
+  return t != 0;
+}
+
+bool SubstitutesUnderTape(PyObject* stack) {
+  if (!MaySubstitute(stack)) return false;
+  PyObject* empty = TFE_Py_TapeSetIsEmpty();
+  if (empty == nullptr) {
+    PyErr_Clear();
+    return true;
+  }
+  int t = PyObject_IsTrue(empty);
+  Py_DECREF(empty);
+  return t != 1;
+}
+
 namespace fast {
 
 // Set by fast_setup (core/stack.py at import). Interned attribute names of the fast path.
@@ -196,6 +230,9 @@ bool TryFastExecute(const TFE_Op* op, const char* type, const char* device, int 
     Py_DECREF(releases);
     if (may_release) return false;
   }
+  // A substituting handler under a TensorFlow tape: HandlerStack.execute records what it
+  // runs, so the tape gets the gradient of that (the Python path).
+  if (SubstitutesUnderTape(stack)) return false;
   if (!RunOn(stack, op, type, device, n_in, in.data(), num_outputs, outputs, status, 0)) {
     return false;
   }
@@ -207,6 +244,7 @@ bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* 
                int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
                TF_Status* status) {
   if (!g_enabled || g_state == nullptr || Excluded(type)) return false;
+  if (SubstitutesUnderTape(stack)) return false;  // as TryFastExecute
   // Depth 1: a Python execute hook (kHook) is only run from C on the op's first stack.
   return RunOn(stack, op, type, device, n_in, in, num_outputs, outputs, status, 1);
 }
@@ -277,9 +315,19 @@ void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, 
   }
 }
 
+PyObject* PySubstitutingStacks(PyObject*, PyObject* arg) {
+  long delta = PyLong_AsLong(arg);
+  if (delta == -1 && PyErr_Occurred()) return nullptr;
+  g_substituting.fetch_add(static_cast<int>(delta), std::memory_order_relaxed);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kFastModuleMethods[] = {
     {"fast_setup", PyFastSetup, METH_VARARGS,
      "fast_setup(state, PHYSICAL): what the C++ per-op fast path reads."},
+    {"substituting_stacks", PySubstitutingStacks, METH_O,
+     "substituting_stacks(delta): counts live stacks whose `_substituting` is true "
+     "(while none lives, the fast paths never read it)."},
     {"stacks_changed", PyStacksChanged, METH_O,
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
     {"async_setup", PyAsyncSetup, METH_VARARGS,

@@ -95,6 +95,16 @@ void ExecuteOnPhysical(const TFE_Op* src, const char* type, const char* device, 
                        TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
                        TF_Status* status, bool gil_held = true);
 
+// Whether ops on `stack` must take the Python path now: a handler of it may change what
+// ops compute (HandlerStack._substituting, OpHandler.changes_computation) and a TensorFlow
+// tape or accumulator is recording, so HandlerStack.execute records what the handler
+// runs for that tape. False at the cost of one atomic load while no such stack lives.
+// GIL: must be held.
+bool SubstitutesUnderTape(PyObject* stack);
+// Whether `stack` has such a handler (whatever the tapes): the no-GIL path, which cannot
+// ask for the tapes, never adopts it. GIL: must be held.
+bool MaySubstitute(PyObject* stack);
+
 // A counter every stacks_changed advances (a stack was built, so a dead stack's address
 // may now name another stack). Facts remembered about a stack by its address are valid
 // while it is unchanged. GIL: not needed (an atomic load).

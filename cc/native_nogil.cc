@@ -64,6 +64,7 @@ bool Adopt(Plan& plan, PyObject* stack, NativeHandlerObject* handler, bool trans
   }
   // Only the current stack: its scope's close drops the plan (PyNoGilForget).
   if (StateGet(s_current) != stack) return false;
+  if (MaySubstitute(stack)) return false;  // its ops check the tapes: with the GIL
   Forget(plan);
   plan.generation = gen;
   plan.stack = stack;

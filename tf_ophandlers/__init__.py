@@ -38,6 +38,7 @@ from tf_ophandlers.core.tf_patches import patches  # noqa: E402
 from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
 from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
 from tf_ophandlers.handlers.gradient_tape import GradientTape  # noqa: E402
+from tf_ophandlers.handlers import substitutes as _substitutes  # noqa: E402,F401  (the rule)
 from tf_ophandlers.handlers.forward_accumulator import ForwardAccumulator  # noqa: E402
 from tf_ophandlers.handlers.vectorized_map import VectorizedMap, vectorized_map  # noqa: E402
 from tf_ophandlers.handlers.parallel import (  # noqa: E402

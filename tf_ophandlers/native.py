@@ -72,6 +72,7 @@ def __getattr__(name):
         base = library().handler_types()[name]
         cls = _op_counter_class(base) if name == "OpCounter" else base
         cls.__module__ = __name__
+        cls.changes_computation = False  # both run every op as it is
         _classes[name] = cls
     return cls
 

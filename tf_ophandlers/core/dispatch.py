@@ -198,11 +198,7 @@ def output_error(op, kind, detail, outputs):
     """Message for outputs the C++ boundary rejected (count or dtype mismatch)."""
     stack = next((s for s in map(_C.stack_of, outputs or ()) if s is not None), None)
     detail = re.sub(r"dtype enum (\d+)", lambda m: tf.dtypes.as_dtype(int(m.group(1))).name, detail)
-    exc = errors.HandlerOutputError(
-        "tf_ophandlers: %s returned invalid outputs for op %s (%s mismatch: %s; the "
-        "OpDef requires dtypes %s)" % (
-            stack if stack is not None else "a handler", op.type, kind, detail,
-            [d.name for d in (op.output_dtypes or [])]))
+    exc = errors.invalid_outputs(stack, op, kind, detail)
     return errors.stash_error(exc)[1]
 
 

@@ -127,6 +127,17 @@ def hook_output_error(stack, hook, op_type, detail):
     return HandlerOutputError("tf_ophandlers: %s.%s returned %s%s" % (name, hook, detail, where))
 
 
+def invalid_outputs(stack, op, kind, detail):
+    """The HandlerOutputError for outputs of `op` that break the execute contract (`kind`
+    "count", "dtype" or "type"), eager (the dispatcher's check, cc/device.cc) or while a
+    function is replayed (HandlerStack.execute): one text for both."""
+    return HandlerOutputError(
+        "tf_ophandlers: %s returned invalid outputs for op %s (%s mismatch: %s; the "
+        "OpDef requires dtypes %s)" % (
+            stack if stack is not None else "a handler", op.type, kind, detail,
+            [d.name for d in (op.output_dtypes or [])]))
+
+
 def raise_from_code(code, message):
     """Raises the exception for a failed TFE_Execute (used by the C++ boundary)."""
     exc = original_error(message)

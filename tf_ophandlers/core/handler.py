@@ -163,6 +163,18 @@ class OpHandler:
     #: as ops run (oh.ForwardAccumulator), None otherwise. A subclass inherits it.
     differentiates = None
 
+    #: Whether this handler's `execute` may change what an op computes: run another op,
+    #: dtype or layout in its place (a substitute: Relu as LeakyRelu, a MatMul in
+    #: bfloat16, fake quantization). While a TensorFlow tape (`tf.GradientTape`,
+    #: `tf.autodiff.ForwardAccumulator`) records, the execute hook of such a handler is
+    #: run with a recording of what it runs below, and those tapes differentiate that,
+    #: not the registered gradient of the op the user called. True (the safe default)
+    #: costs that recording, under TensorFlow tapes only; a handler whose execute
+    #: computes exactly the op it got (forwards it, logs, checks, records, batches,
+    #: shards or defers it) declares False and keeps the fast paths. A handler keeping
+    #: the default `execute` never substitutes, whatever this says.
+    changes_computation = True
+
     #: The device type in this handler's stack names (default: the class name in upper
     #: case), e.g. ``"PARALLEL"`` gives ``/job:localhost/replica:0/task:0/device:PARALLEL:0``.
     TYPE_NAME = None

@@ -17,6 +17,9 @@ import inspect
 import itertools
 import operator
 import types
+import weakref
+
+from tensorflow.python import pywrap_tfe
 
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import dtypes as _dtypes
@@ -41,6 +44,8 @@ _indices = {}  # handler type name -> itertools.count
 
 _merges = WeakRegistry()  # (id(handler), id(next)) -> HandlerStack
 _function_call_rule = [None]  # set by core/functions (register_function_call_rule)
+_substitute_rule = [None]  # set by a handler module (register_substitute_rule)
+_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
 
 def register_function_call_rule(rule):
@@ -49,6 +54,15 @@ def register_function_call_rule(rule):
     replays functions. core/functions/call.py registers the replay; the stacks know
     nothing else of it."""
     _function_call_rule[0] = rule
+
+
+def register_substitute_rule(rule):
+    """Installs ``rule(stack, op, values) -> outputs``, which runs the execute hook of
+    `stack`'s handler for `op` when the handler may change what ops compute
+    (`OpHandler.changes_computation`) and a TensorFlow tape or accumulator is recording:
+    it returns what the hook returns and makes those tapes differentiate what the hook
+    ran, not `op`'s registered gradient. handlers/substitutes.py registers it."""
+    _substitute_rule[0] = rule
 
 
 #: ``tensor_key(tensor)``: a tensor's identity key (its TensorFlow handle), stable while it
@@ -161,6 +175,7 @@ class Stack:
     next = None
     handlers = ()  # handlers from the outermost (bottom) to this one
     _releases = False  # the handler declares values_released (read by type-based dispatch)
+    _substituting = False  # a handler of the stack may change what ops compute
 
     def contains(self, other):
         """Whether `other`'s handlers appear in this stack in the same order."""
@@ -212,7 +227,7 @@ _C.fast_setup(state, PHYSICAL)
 _DECLARATIONS = frozenset((
     "execute", "copy_on", "function_input", "function_output", "after_execute",
     "returns_off_stack", "handles_ops", "defers_needs_copy", "needs_copy", "transient",
-    "handles_copy", "physical_copy_on", "values_released"))
+    "handles_copy", "physical_copy_on", "values_released", "changes_computation"))
 _templates = BoundedCache("stack.templates", 256)  # (class, on a handler) -> fields
 # class -> (its declarations when decided, bool). A declaration assigned to the class
 # after a stack of it was built (a monkeypatched execute) must not get the old fields:
@@ -291,6 +306,12 @@ class HandlerStack(Stack):
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
+        # While such a stack lives the C++ paths ask, for its ops, whether a TensorFlow
+        # tape records (cc/fast_path.h SubstitutesUnderTape); never otherwise.
+        self._substituting = self._substitutes or next_stack._substituting
+        if self._substituting:
+            _C.substituting_stacks(1)
+            weakref.finalize(self, _C.substituting_stacks, -1)
         # A new stack: the C++ fast path forgets its decisions (its cache is keyed by
         # stack objects, and this one may reuse a dead stack's address).
         _C.stacks_changed(fields["_may_be_fast"])
@@ -304,6 +325,9 @@ class HandlerStack(Stack):
         f["_records"] = records = getattr(handler, "after_execute", None) is not None
         # A default execute with after_execute still runs (it calls after_execute).
         f["_default_execute"] = getattr(handler.execute, "_oh_default", False) and not records
+        # A handler whose execute hook runs may change what an op computes unless it
+        # declares it does not (OpHandler.changes_computation).
+        f["_substitutes"] = bool(handler.changes_computation) and not f["_default_execute"]
         f["default_copy_on"] = getattr(handler.copy_on, "_oh_default", False)
         f["default_function_input"] = getattr(handler.function_input, "_oh_default", False)
         f["default_function_output"] = getattr(handler.function_output, "_oh_default", False)
@@ -434,11 +458,21 @@ class HandlerStack(Stack):
             finally:
                 state.current = saved
         else:
-            outputs = self.call_hook(handler.execute, op, values)
+            if self._substitutes and mode is None and _substitute_rule[0] is not None and (
+                    not _tape_set_is_empty()):
+                outputs = _substitute_rule[0](self, op, values)
+            else:
+                outputs = self.call_hook(handler.execute, op, values)
             if type(outputs) is not list and not isinstance(outputs, (list, tuple)):
                 raise _not_a_list(handler, op, outputs)
+            if mode is not None:
+                self._check_symbolic(op, outputs)
+                if self._substitutes:
+                    mode.check_substitute(self, op, values, outputs)
         if mode is not None:
-            return self._wrap_symbolic(outputs, mode)
+            outputs = self._wrap_symbolic(outputs, mode)
+            mode.executed(op, inputs, outputs)
+            return outputs
         return self._wrap_eager(outputs)
 
     def _raise_not_a_list(self, op, outputs):
@@ -485,6 +519,22 @@ class HandlerStack(Stack):
             else:
                 foreign.append(i)
         return values, foreign
+
+    def _check_symbolic(self, op, outputs):
+        """The dispatcher's output check (cc/device.cc: count, then each dtype) for what
+        the execute hook returned while a function is replayed, with the same error."""
+        expected = op.output_dtypes
+        if expected is None:
+            return  # a function call op: its outputs are its callee's
+        if len(outputs) != len(expected):
+            raise errors.invalid_outputs(self, op, "count", "expected %d outputs, got %d" % (
+                len(expected), len(outputs)))
+        for i, (o, want) in enumerate(zip(outputs, expected)):
+            value = o.tensor if type(o) is OffStack else o
+            got = value.dtype if isinstance(value, _Tensor) else self.handler.value_dtype(value)
+            if got != want:
+                raise errors.invalid_outputs(self, op, "dtype", "output %d: expected %s, got %s" % (
+                    i, want.name, getattr(got, "name", got)))
 
     def _wrap_symbolic(self, outputs, mode):
         transient = self.handler.transient

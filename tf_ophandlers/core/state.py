@@ -70,6 +70,15 @@ class Mode:
         """`tensor` as a tensor of the replay's bottom."""
         raise NotImplementedError
 
+    def executed(self, op, inputs, outputs):
+        """A stack ran `op` on `inputs` (the tensors given to its `execute`) and made
+        `outputs`: the replay notes it for `check_substitute`."""
+
+    def check_substitute(self, stack, op, values, outputs):
+        """The execute hook of `stack`, whose handler may change what ops compute, made
+        `outputs` from `values` for `op`: the replay refuses a substitute it cannot
+        differentiate (core/functions/symbolic.py)."""
+
 
 _bottom = [None]  # PHYSICAL, registered by core/stack.py (which defines it)
 _runtime_start = [None]  # core/dispatch.initialize, registered by core/dispatch.py

@@ -220,6 +220,8 @@ class Async(OpHandler):
     #: `never_copy` the stack answers the C++ path's per-input question in C.
     needs_copy = staticmethod(never_copy)
 
+    changes_computation = False  # runs each op as it is, later
+
     def execute(self, op, inputs):
         # Runs for every op of the scope (the C++ per-op path calls it): one pass over
         # the inputs collects the tensors and their signature parts.

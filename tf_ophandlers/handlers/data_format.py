@@ -271,6 +271,8 @@ class DataFormat(OpHandler):
 
     # -- ops ----------------------------------------------------------------------------
 
+    changes_computation = False  # the same values in another layout; gradient ops take its representations too
+
     def execute(self, op, inputs):
         nxt = next_stack()
         op_type = op.type  # (a new str per read)

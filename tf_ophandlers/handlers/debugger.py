@@ -81,6 +81,8 @@ class DebuggerHandler(OpHandler):
 
     # -- eager ops -----------------------------------------------------------------------
 
+    changes_computation = False  # runs each op as it is and dumps it
+
     def execute(self, op, inputs):
         outputs = self.next.execute(op, inputs)
         if per_call.replaying():

@@ -335,6 +335,8 @@ class ForwardAccumulator(OpHandler):
         # While recording, copies on this stack carry tangents (copies are linear).
         return self._live
 
+    changes_computation = False  # runs each op as it is (and its JVP)
+
     def execute(self, op, inputs):
         below = next_stack()
         primals = [d.primal for d in inputs]

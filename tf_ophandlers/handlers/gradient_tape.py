@@ -258,6 +258,8 @@ class GradientTape(BackwardPass, OpHandler):
 
     # -- the handler ----------------------------------------------------------------------
 
+    changes_computation = False  # runs each op as it is and records it
+
     def execute(self, op, inputs):
         # The Python path. For ordinary ops the C++ fast path runs the op on the next
         # stack itself and calls only after_execute (OpHandler.after_execute).
@@ -425,6 +427,12 @@ class GradientTape(BackwardPass, OpHandler):
     _bridge_to_tf_tapes = staticmethod(record_on_tf_tapes)
 
     # -- tensors at this tape's level -----------------------------------------------------
+
+    def _recorded_ops(self):
+        """The oh.Ops this tape recorded, in order (handlers/substitutes.py asks whether
+        a handler's hook ran just the op it got)."""
+        records = {id(r): r for r in self._producer.values()}
+        return [r.op for r in sorted(records.values(), key=lambda r: r.seq)]
 
     def _level_of(self, tensor):
         """`tensor` as this tape sees it: its representation if it lives on a stack of

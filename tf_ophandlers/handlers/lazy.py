@@ -357,6 +357,8 @@ class Lazy(OpHandler):
 
     # -- the handler ----------------------------------------------------------------------
 
+    changes_computation = False  # runs each op as it is, deferred
+
     def execute(self, op, inputs):
         # The record path runs for every op of the scope: kept to plain loops and
         # C-level lookups (benchmarks/small_ops.py measures it against eager).

@@ -305,6 +305,8 @@ class Mesh(MeshCommunication, OpHandler):
             shards.append(s)
         return MeshValue(shards, value.layout, value.shape, value.var)
 
+    changes_computation = False  # runs each op as it is, on shards
+
     def execute(self, op, inputs):
         t = op.type
         if t in VARIABLE_READS and any(v.var is not None and not v.var.broadcast

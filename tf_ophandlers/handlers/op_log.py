@@ -59,6 +59,8 @@ class OpLogHandler(OpHandler):
         self.op_types = frozenset(op_types) if op_types is not None else None
         self.every_call = bool(every_call)
 
+    changes_computation = False  # runs each op as it is and logs it
+
     def execute(self, op, inputs):
         outputs = self.next.execute(op, inputs)
         if self.op_types is None or op.type in self.op_types:

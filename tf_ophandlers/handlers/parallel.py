@@ -387,6 +387,8 @@ class ParallelHandler(OpHandler):
             "be copied off as one tensor; use parallel.unpack(t) to get the components"
             % (len(value.components), ", ".join(self.components)))
 
+    changes_computation = False  # runs each op as it is, per component
+
     def execute(self, op, inputs):
         if op.type in VARIABLE_READS and any(
                 not v.broadcast and v.components[0].dtype == tf.resource for v in inputs):

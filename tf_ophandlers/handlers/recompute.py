@@ -135,6 +135,7 @@ class Recompute(OpHandler):
     is_trainable = staticmethod(_trainable)
     transparent = True
     replays_functions = False  # calls reach execute whole (recompute_calls.py)
+    changes_computation = False  # runs each op as it is (again in the backward pass)
 
     def __init__(self, policy="sqrt", save=None, memory_budget=None):
         given = [name for name, v in (("save", save), ("memory_budget", memory_budget))

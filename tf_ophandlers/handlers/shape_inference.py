@@ -108,6 +108,8 @@ class ShapeInference(OpHandler):
     def function_cache_key(self):
         return "ShapeInference"
 
+    changes_computation = False  # infers shapes of the ops as they are
+
     def execute(self, op, inputs):
         below = next_stack()
         if any(s.handle is not None for s in inputs):

@@ -387,6 +387,8 @@ class VectorizedMap(OpHandler):
     # not a method: the C++ per-op path runs them through `execute` without frames.)
     handles_copy = True
 
+    changes_computation = False  # runs each op as it is, batched
+
     def execute(self, op, inputs):
         frames = _state.frames  # (next_stack(), inlined: this runs for every op)
         below = frames[-1].next if frames else next_stack()

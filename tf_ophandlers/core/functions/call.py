@@ -25,6 +25,7 @@ import contextlib
 import weakref
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import execute as _tf_execute
@@ -33,6 +34,7 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 
 import tf_ophandlers._C as _C
+from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
@@ -122,14 +124,16 @@ def _as_str(value):
 
 
 class _Entry:
-    __slots__ = ("compiled", "output_trees", "dense", "tangents")
+    __slots__ = ("compiled", "output_trees", "dense", "tangents", "substituted")
 
-    def __init__(self, function, output_trees, dense=False, optimized=True, tangents=()):
+    def __init__(self, function, output_trees, dense=False, optimized=True, tangents=(),
+                 substituted=""):
         self.compiled = CompiledCall(function, optimized=optimized, ungated=True)
         self.output_trees = output_trees
         # Tangents reach the arguments: tapes get dense gradients (call_records.py).
         self.dense = dense
         self.tangents = tangents  # the positions of flat outputs that are tangents
+        self.substituted = substituted  # Replay.substituted
 
 
 def cache_info():
@@ -168,6 +172,19 @@ def call(stack, op, inputs):
 _no_context = contextlib.nullcontext()
 
 
+def _tf_tapes_exist():
+    """Whether TensorFlow has a tape or accumulator on this thread (recording or not:
+    TensorFlow runs a recorded call's forward function with recording stopped)."""
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        return not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
 def _call(stack, op, inputs, segment, bottom, with_dense=False):
     scope_placed = state.scope_placed
     if scope_placed and not all(s.default_copy_on for s in segment):
@@ -196,6 +213,17 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
     if entry is None:
         entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, tuple(trees),
                                      leaves)
+    if with_dense and entry.substituted and _tf_tapes_exist():
+        # TensorFlow's tape records this call with its backward function, built from the
+        # function's original ops: it would differentiate what did not run.
+        raise errors.HandlerError(
+            "tf_ophandlers: %s ran something else in place of op %s of function %s (the "
+            "handler may change what ops compute: changes_computation), and a TensorFlow "
+            "tape records "
+            "the call, whose gradient TensorFlow built from the function's original ops. "
+            "Run the function's body eagerly (not as a tf.function) under the tape, or take "
+            "the gradient with oh.GradientTape outside the handler's scope."
+            % (entry.substituted + (op.type,)))
     dense = entry.dense
     if bottom is PHYSICAL:
         results = entry.compiled.run(bottom, leaves)
@@ -346,7 +374,7 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
     for t in output_trees:
         _tangent_leaves(t, segment, False, flags)
     return _Entry(function, tuple(output_trees), dense, optimized,
-                  frozenset(i for i, f in enumerate(flags) if f))
+                  frozenset(i for i, f in enumerate(flags) if f), replay.substituted)
 
 
 def _tangent_leaves(tree, segment, inside, flags):

@@ -27,6 +27,31 @@ from tf_ophandlers.core.state import Mode, state
 _PAYLOAD_ATTR = "_oh_payload"
 
 
+def _gradient_node(name, seen):
+    """The first gradient node (name scope "gradient_tape/") of function `name` or of a
+    function it calls, or ""."""
+    if name in seen:
+        return ""
+    seen.add(name)
+    try:
+        body = function_body(name)
+    except Exception:  # pylint: disable=broad-except  (not a function of the context)
+        return ""
+    for node in body.get_operations():
+        if node.name.startswith("gradient_tape/"):
+            return node.name
+        for attr in node.node_def.attr.values():
+            callee = attr.func.name if attr.HasField("func") else ""
+            found = _gradient_node(callee, seen) if callee else ""
+            if found:
+                return found
+        if _context.context().has_function(node.type):
+            found = _gradient_node(node.type, seen)
+            if found:
+                return found
+    return ""
+
+
 class Replay(Mode, Interpreter, ControlFlow):
     """State of one replay being traced; `state.mode` while it is active."""
 
@@ -39,6 +64,12 @@ class Replay(Mode, Interpreter, ControlFlow):
         self.name = name
         self.graphs = set()  # ids of the graphs whose ops are routed (body, branches)
         self.scratch = _ops.Graph()  # shadow tensors live here, never in a function
+        self._gradient_node = None  # a gradient node of the function (None: unknown)
+        self._made = {}  # id(output) -> (op type, attrs key, ids of inputs)
+        # What a substituting handler changed, (handler text, op type) ("": nothing); noted
+        # only when the segment has such a handler (HandlerStack._substituting).
+        self.substituted = ""
+        self._noting = any(getattr(s, "_substituting", False) for s in segment)
 
     def building(self):
         """Whether ops are being added to this replay (not eager code inside it)."""
@@ -75,6 +106,7 @@ class Replay(Mode, Interpreter, ControlFlow):
 
     def emit(self, op, inputs):
         """Adds `op` on bottom tensors to the function being built."""
+        given = inputs
         inputs = [self.to_bottom(t) for t in inputs]
         attrs = op.attr_protos()
         if op.gradient_op_type is not None:  # the node's gradient stays its own
@@ -83,7 +115,45 @@ class Replay(Mode, Interpreter, ControlFlow):
         graph = _ops.get_default_graph()
         with _ops.device(state.device) if state.device else contextlib.nullcontext():
             node = _original_create_op(graph, op.type, inputs, attrs=attrs)
-        return list(node.outputs)
+        outputs = list(node.outputs)
+        self.executed(op, given, outputs)
+        return outputs
+
+    # -- substitutes in a function holding gradient ops ------------------------------------
+
+    def gradient_node(self):
+        """The name of a gradient node of the replayed function or a function it calls
+        (TensorFlow's tapes build them under the name scope "gradient_tape/": a
+        tf.GradientTape inside the function, Keras fit's train step), or ""."""
+        if self._gradient_node is None:
+            self._gradient_node = _gradient_node(self.name, set())
+        return self._gradient_node
+
+    def executed(self, op, inputs, outputs):
+        if not self._noting:
+            return
+        made = (op.type, op.attrs_key(), tuple(id(t) for t in inputs))
+        for o in outputs:
+            self._made[id(o)] = made
+
+    def check_substitute(self, stack, op, values, outputs):
+        made = (op.type, op.attrs_key(), tuple(id(v) for v in values))
+        if all(self._made.get(id(o)) == made for o in outputs):
+            return  # the hook ran the op it got on its inputs
+        self.substituted = self.substituted or (stack.handler.debug_string(), op.type)
+        name = getattr(op, "node_name", "") or ""
+        if name.startswith("gradient_tape/") or not self.gradient_node():
+            return  # (a substitute of a gradient op itself is what runs)
+        raise errors.HandlerError(
+            "tf_ophandlers: %s may change what op %s (node %s of function %s) computes "
+            "(changes_computation) and ran something else, but the function holds gradient "
+            "ops built for the original ops when it was traced (%s: a tf.GradientTape "
+            "inside the function, Keras fit's train step): they would give %s's gradient, "
+            "not that of what ran. Compute the gradient eagerly (tf.GradientTape or "
+            "oh.GradientTape outside the handler's scope, Keras run_eagerly=True), or "
+            "declare changes_computation = False if the handler computes every op "
+            "unchanged." % (stack.handler.debug_string(), op.type, name or "?", self.name,
+                            self.gradient_node(), op.type))
 
     # -- ops created by TensorFlow calls in hooks -----------------------------------------
 

@@ -1,0 +1,339 @@
+"""Handlers that change what an op computes (OpHandler.changes_computation): Relu run as
+LeakyRelu(alpha), by a Python handler and by a C++ one (tests/native/leaky_relu_handler.cc).
+Under every tape the gradient is that of what ran: each case is compared with the same
+program written by hand with tf.nn.leaky_relu under TensorFlow's own tape.
+"""
+import contextlib
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from test_differential import _same  # values, dtypes, shapes, IndexedSlices, None
+
+ALPHA = 0.1
+NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "native")
+
+
+class PyLeakyRelu(oh.OpHandler):
+    """Runs every Relu as LeakyRelu(alpha) (declares nothing: substituting by default)."""
+
+    def execute(self, op, inputs):
+        if op.type == "Relu":
+            leaky = oh.Op.create("LeakyRelu", T=op.attrs["T"], alpha=ALPHA)
+            return self.next.execute(leaky, inputs)
+        return self.next.execute(op, inputs)
+
+
+@pytest.fixture(scope="module")
+def CLeakyRelu():  # pylint: disable=invalid-name
+    import sys
+    sys.path.insert(0, NATIVE)
+    try:
+        from test_native_handlers import build_handler_library
+    finally:
+        sys.path.remove(NATIVE)
+    path = build_handler_library(os.path.join(NATIVE, "leaky_relu_handler.cc"))
+    cls = oh.load_handler_library(path).handler_types()["LeakyRelu"]
+    return lambda: cls(str(ALPHA))
+
+
+@pytest.fixture(params=["python", "c"])
+def substitute(request):
+    if request.param == "python":
+        return PyLeakyRelu
+    return request.getfixturevalue("CLeakyRelu")
+
+
+def _relu_program(x, w, relu=tf.nn.relu):
+    h = relu(tf.matmul(x, w) - 0.2)
+    return tf.reduce_sum(relu(tf.sin(h) * 2.0 - 0.5) * h, axis=1)
+
+
+def _leaky(t):
+    return tf.nn.leaky_relu(t, alpha=ALPHA)
+
+
+def _inputs():
+    r = np.random.default_rng(7)
+    return (tf.constant(r.standard_normal((3, 4)).astype(np.float32)),
+            tf.Variable(r.standard_normal((4, 5)).astype(np.float32)))
+
+
+def _tf_tape(program, handler):
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        if handler is None:
+            y = program(x, w)
+        else:
+            with handler():
+                y = program(x, w)
+    return [y] + tape.gradient(y, [x, w])
+
+
+def test_tf_gradient_tape_outside_gives_the_substitute_gradient(substitute):
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    got = _tf_tape(_relu_program, substitute)
+    _same(want, got, "tf.GradientTape > substituting handler")
+
+
+def _oh_tape(program, handler):
+    x, w = _inputs()
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        with handler():
+            y = program(x, w)
+    return [y] + tape.gradient(y, [x, w])
+
+
+def test_oh_gradient_tape_outside_gives_the_substitute_gradient(substitute):
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    got = _oh_tape(_relu_program, substitute)
+    _same(want, got, "oh.GradientTape > substituting handler")
+
+
+@pytest.mark.parametrize("around", ["OpLogHandler", "OpHandler"])
+def test_a_substitute_below_or_above_a_transparent_handler(substitute, around):
+    # The record sits on the representation at the substituting handler's level; the
+    # tape's output is a tensor of the handler above it (or below it).
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    other = getattr(oh, around)
+    for outer, inner in ((substitute, other), (other, substitute)):
+        def both(outer=outer, inner=inner):
+            class _Both:
+                def __enter__(self):
+                    self._o, self._i = outer(), inner()
+                    self._o.__enter__()
+                    self._i.__enter__()
+
+                def __exit__(self, *exc):
+                    self._i.__exit__(*exc)
+                    self._o.__exit__(*exc)
+            return _Both()
+        got = _tf_tape(_relu_program, both)
+        _same(want, got, "tf.GradientTape > %s > %s" % (outer, inner))
+
+
+def test_persistent_tf_tape_and_second_gradient(substitute):
+    x, w = _inputs()
+    results = {}
+    for name, (handler, relu) in {"tf": (None, _leaky), "oh": (substitute, tf.nn.relu)}.items():
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            if handler is None:
+                y = _relu_program(x, w, relu)
+            else:
+                with handler():
+                    y = _relu_program(x, w, relu)
+        results[name] = [tape.gradient(y, x), tape.gradient(y, x), tape.gradient(y, w)]
+    _same(results["tf"], results["oh"], "persistent tf.GradientTape, three gradients")
+
+
+def test_an_op_whose_gradient_keeps_no_output_raises_naming_handler_and_op():
+    # MatMul's registered gradient reads only its inputs, so TensorFlow's tape keeps no
+    # output to find what ran by: a clear error at the op, never MatMul's gradient.
+    class Bf16MatMul(oh.OpHandler):
+        def execute(self, op, inputs):
+            if op.type == "MatMul":
+                low = [tf.cast(t, tf.bfloat16) for t in inputs]
+                (out,) = self.next.execute(op.replace(T=tf.bfloat16), low)
+                return [tf.cast(out, tf.float32)]
+            return self.next.execute(op, inputs)
+
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with Bf16MatMul():
+            with pytest.raises(oh.HandlerError, match=r"Bf16MatMul\(\).*MatMul"):
+                tf.matmul(x, w)
+            y = tf.nn.relu(x)  # ops it runs unchanged keep their own gradient
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), (x.numpy() > 0).astype(np.float32))
+
+
+def test_declared_pass_through_keeps_todays_path():
+    # A handler that declares it computes every op unchanged is not recorded.
+    class Logging(oh.OpHandler):
+        changes_computation = False
+        seen = 0
+
+        def execute(self, op, inputs):
+            Logging.seen += 1
+            return self.next.execute(op, inputs)
+
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with Logging():
+            y = _relu_program(x, w)
+    _same(_tf_tape(_relu_program, None), [y] + tape.gradient(y, [x, w]), "declared pass-through")
+    assert oh.handler_of(y) is not None and not oh.handler_of(y)._substituting
+
+
+# -- the execute contract in replays (issue 42 item 3) --------------------------------------
+
+class _WrongDtype(oh.OpHandler):
+    def execute(self, op, inputs):
+        out = self.next.execute(op, inputs)
+        return [tf.cast(out[0], tf.float64)] if op.type == "Sin" else out
+
+
+class _TooMany(oh.OpHandler):
+    def execute(self, op, inputs):
+        out = self.next.execute(op, inputs)
+        return list(out) * 2 if op.type == "Sin" else out
+
+
+class _TooFew(oh.OpHandler):
+    def execute(self, op, inputs):
+        out = self.next.execute(op, inputs)
+        return [] if op.type == "Sin" else out
+
+
+def _error_text(handler, fn, x):
+    with pytest.raises(oh.HandlerOutputError) as info:
+        with handler():
+            fn(x)
+    return re.sub(r"device:(\w+):\d+", r"device:\1:N", str(info.value))
+
+
+@pytest.mark.parametrize("handler", [_WrongDtype, _TooMany, _TooFew],
+                         ids=["dtype", "too_many", "too_few"])
+def test_replayed_function_checks_hook_outputs_as_eager(handler):
+    # A wrong dtype gave TensorFlow's "2 errors while building NodeDef 'AddV2'" naming no
+    # handler; a wrong count gave no error at all (or a KeyError).
+    x = tf.constant([1.0, 2.0])
+    program = lambda t: tf.sin(t) + 1.0  # noqa: E731
+    eager = _error_text(handler, program, x)
+    replay = _error_text(handler, tf.function(program, autograph=False), x)
+    assert "invalid outputs for op Sin" in replay and handler.__name__ in replay
+    if handler is not _TooFew:  # (eager cannot name a handler that returned no tensor)
+        assert replay == eager
+    # nothing kept from the failed replay: the same function under a correct handler
+    f = tf.function(program, autograph=False)
+    with pytest.raises(oh.HandlerOutputError):
+        with handler():
+            f(x)
+    with oh.OpLogHandler():
+        np.testing.assert_allclose(f(x).numpy(), program(x).numpy())
+
+
+# -- functions: gradient ops built at trace time (issue 42 item 2) --------------------------
+
+def _step(program):
+    @tf.function(autograph=False)
+    def step(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = program(x, w)
+        return [y] + tape.gradient(y, [x, w])
+    return step
+
+
+def test_function_with_gradient_ops_refuses_a_substitute(substitute):
+    # The step's ReluGrad ops were built for Relu when it was traced: replayed under the
+    # handler they gave Relu's gradient of the LeakyRelu that ran ([0. 0. 1. 1.]).
+    x, w = _inputs()
+    step = _step(_relu_program)
+    with pytest.raises(oh.HandlerError, match=r"LeakyRelu.*op Relu.*gradient_tape/"):
+        with substitute():
+            step(x, w)
+    # nothing kept: the same step without the handler, and with a declared pass-through
+    want = _step(_relu_program)(x, w)
+    _same(want, step(x, w), "the step after the refusal")
+    with oh.OpLogHandler():
+        _same(want, step(x, w), "the step under OpLogHandler")
+
+
+def test_function_with_gradient_ops_and_no_substitution_runs(substitute):
+    # The handler substitutes nothing in this step (no Relu): its gradients are right.
+    program = lambda x, w: tf.reduce_sum(tf.tanh(tf.matmul(x, w)) * 2.0, axis=1)  # noqa: E731
+    x, w = _inputs()
+    want = _step(program)(x, w)
+    with substitute():
+        got = _step(program)(x, w)
+    _same(want, got, "a step with gradient ops under a handler that substitutes nothing")
+
+
+def test_tf_tape_over_a_function_call_refuses_a_substitute(substitute):
+    # TensorFlow's tape records the call with a backward function built from Relu.
+    x, w = _inputs()
+    f = tf.function(_relu_program, autograph=False)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with substitute():
+            with pytest.raises(oh.HandlerError, match=r"op Relu of function"):
+                f(x, w)
+
+
+def test_oh_tape_over_a_function_call_gives_the_substitute_gradient(substitute):
+    want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
+    got = _oh_tape(tf.function(_relu_program, autograph=False), substitute)
+    _same(want, got, "oh.GradientTape > substituting handler > tf.function")
+
+
+def _jvp(accumulator, program, handler):
+    x, w = _inputs()
+    with accumulator(x, tf.ones_like(x)) as acc:
+        if handler is None:
+            y = program(x, w)
+        else:
+            with handler():
+                y = program(x, w)
+    return [y, acc.jvp(y)]
+
+
+def test_forward_accumulators_outside_a_substitute(substitute):
+    # tf.autodiff.ForwardAccumulator gave Relu's JVP of the LeakyRelu that ran (its JVP
+    # functions are traced per op signature, out of reach of the record): refused;
+    # oh.ForwardAccumulator sees what ran.
+    want = _jvp(tf.autodiff.ForwardAccumulator, lambda x, w: _relu_program(x, w, _leaky), None)
+    _same(want, _jvp(oh.ForwardAccumulator, _relu_program, substitute),
+          "oh.ForwardAccumulator > substituting handler")
+    with pytest.raises(oh.HandlerError, match=r"in place of op Relu.*ForwardAccumulator"):
+        _jvp(tf.autodiff.ForwardAccumulator, _relu_program, substitute)
+
+
+def _fit(handler, activation, run_eagerly):
+    r = np.random.default_rng(0)
+    x = r.standard_normal((16, 4)).astype(np.float32)
+    y = r.standard_normal((16, 1)).astype(np.float32)
+    tf.keras.utils.set_random_seed(1)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation),
+                                 tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.SGD(0.1), "mse", run_eagerly=run_eagerly)
+    with handler() if handler is not None else contextlib.nullcontext():
+        history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    return [tf.constant(history.history["loss"])] + model.get_weights()
+
+
+def test_keras_fit_under_a_substitute():
+    # The issue's example: fit's compiled step silently trained with Relu's gradient
+    # (losses 0.84200 vs 0.84184); it is refused, and run eagerly it trains as the model
+    # written with leaky_relu does.
+    with pytest.raises(oh.HandlerError, match=r"op Relu.*gradient_tape/"):
+        _fit(PyLeakyRelu, "relu", run_eagerly=False)
+    _same(_fit(None, _leaky, True), _fit(PyLeakyRelu, "relu", True), "fit, run_eagerly")
+
+
+def test_the_record_of_what_ran_is_freed_with_the_outputs(substitute):
+    # The record sat on the value its private tape recorded: a cycle through the tape's
+    # C record, which the garbage collector could not free (one tape per op, kept).
+    import gc
+    import weakref
+    from tf_ophandlers.handlers import substitutes
+    x, w = _inputs()
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with substitute():
+            y = tf.nn.relu(tf.matmul(x, w))
+    record = substitutes._record_of(y)  # pylint: disable=protected-access
+    assert record is not None
+    private = weakref.ref(record.tape)
+    tape.gradient(y, x)
+    del tape, y, record
+    gc.collect()
+    assert private() is None

@@ -21,6 +21,7 @@ Every other op with a registered gradient uses TensorFlow's own construction
 signature into a function cached here).
 """
 import logging
+import threading
 import warnings
 
 import tensorflow as tf
@@ -32,11 +33,12 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.recording import record_on_tf_tapes
+from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
 from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
@@ -180,6 +182,57 @@ def _recording(execute):
     return run
 
 
+# Set while an accumulator transposes a recorded operation's backward function: the
+# tf.GradientTape doing it is no user's (no warning about tensors it cannot see).
+_transposing = threading.local()
+
+# The module of tf.custom_gradient's (and tf.recompute_grad's) eager backward function.
+_CUSTOM_GRADIENT_MODULE = "tensorflow.python.ops.custom_gradient"
+
+
+def _python_record(op_type, output_tensors, input_tensors, backward_function,
+                   forward_function):
+    """A gradient recorded from Python (`record.record_operation`): a tf.custom_gradient
+    call reaches no handler hook as one op, only its inner ops do. TensorFlow's
+    accumulators compute its JVP when it is recorded, with the forward function if one
+    is given, else by transposing the backward function (the custom gradient function:
+    an exception it raises reaches the caller); an output that already has a tangent
+    (from the inner ops) keeps it. So does each recording accumulator of the scope."""
+    if forward_function is None and getattr(
+            backward_function, "__module__", None) != _CUSTOM_GRADIENT_MODULE:
+        return  # (tf.function calls and copies: their ops reached the accumulator)
+    if not tf.executing_eagerly():
+        return  # (in a replayed function the node's gradient override is the op's)
+    stack = current_stack()
+    while stack.handler is not None:
+        handler = stack.handler
+        if isinstance(handler, ForwardAccumulator) and handler._live:  # pylint: disable=protected-access
+            handler._record_python(stack.next, output_tensors, input_tensors,  # pylint: disable=protected-access
+                                   backward_function, forward_function)
+        stack = stack.next
+
+
+subscribe_records(_python_record)
+
+
+def _transposed(backward_function, outputs, tangents):
+    """The output tangents of an op given only its backward function: the gradient of the
+    backward function (linear in the output gradients) with respect to those, weighted by
+    the input tangents (TensorFlow's construction for recorded operations)."""
+    with tf.GradientTape(watch_accessed_variables=False) as transpose_tape:
+        aids = [tf.ones_like(o) if _enum(o) in _FLOAT_ENUMS else None for o in outputs]
+        transpose_tape.watch([a for a in aids if a is not None])
+        grads = backward_function(*aids)
+    grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+    pairs = [(g, t) for g, t in zip(grads, tangents) if g is not None and t is not None]
+    sources = [a for a in aids if a is not None]
+    if not pairs or not sources:
+        return [None] * len(outputs)
+    found = iter(transpose_tape.gradient(
+        [g for g, _ in pairs], sources, output_gradients=[t for _, t in pairs]))
+    return [None if a is None else next(found) for a in aids]
+
+
 class ForwardAccumulator(OpHandler):
     """Computes Jacobian-vector products of the ops run in its scope (forward mode).
 
@@ -318,8 +371,9 @@ class ForwardAccumulator(OpHandler):
         if _tape_set_is_empty():
             return Dual(below.copy_on(tensor), tangent)
         known = self._canonical(tensor)  # reverse over forward: see _canonical
-        if known is tensor and _enum(tensor) in _FLOAT_ENUMS and not (
-                pywrap_tfe.TFE_Py_TapeSetIsStopped()):
+        if known is tensor and self._live and _enum(tensor) in _FLOAT_ENUMS and not (
+                pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not getattr(
+                    _transposing, "active", False):
             warnings.warn(_UNSEEN_INPUT_WARNING % (tensor.shape,), RuntimeWarning,
                           stacklevel=2)
         tensor = known
@@ -385,6 +439,44 @@ class ForwardAccumulator(OpHandler):
                 if _enum(o) == _RESOURCE and inputs[i].tangent is not None:
                     results[i] = Dual(below.copy_on(o), inputs[i].tangent)
         return results
+
+    def _tangent_of(self, tensor):
+        """The tangent of `tensor` (a tensor of this stack or above, or a watched one)."""
+        found, value = representation_of(self, tensor)
+        if found:
+            return getattr(value, "tangent", None)
+        watched = self._watched.get(_key(tensor))
+        return None if watched is None else watched[1]
+
+    def _record_python(self, below, outputs, inputs, backward_function, forward_function):
+        """The JVP of an operation recorded from Python (see _python_record), computed on
+        `below`, the stack this accumulator executes on."""
+        tangents = [self._tangent_of(t) for t in inputs]
+        if all(t is None for t in tangents):
+            return
+        duals = []
+        for o in outputs:
+            found, value = representation_of(self, o)
+            duals.append(value if found and isinstance(value, Dual) else None)
+        placed = [d.primal if d is not None else o for d, o in zip(duals, outputs)]
+        # Paused meanwhile, as TensorFlow's accumulator is while it runs the function:
+        # the function's ops on this stack's tensors (the custom gradient's closure) run
+        # on their primals, with no JVPs of their own (accumulators below see them).
+        self._live = False
+        saved, _transposing.active = getattr(_transposing, "active", False), True
+        try:
+            with _scope.handler(below), _tapes_recording():
+                if forward_function is not None:
+                    out_tangents = forward_function(*[
+                        t if t is not None else _zeros(p) for t, p in zip(tangents, inputs)])
+                else:
+                    out_tangents = _transposed(backward_function, placed, tangents)
+        finally:
+            self._live = self._depth > 0
+            _transposing.active = saved
+        for dual, tangent in zip(duals, out_tangents):
+            if dual is not None and dual.tangent is None and tangent is not None:
+                dual.tangent = tangent
 
     # -- functions (core/functions) ---------------------------------------------------------
 

@@ -23,6 +23,7 @@ signature into a function cached here).
 import logging
 import threading
 import warnings
+import weakref
 
 import tensorflow as tf
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
@@ -233,6 +234,21 @@ def _transposed(backward_function, outputs, tangents):
     return [None if a is None else next(found) for a in aids]
 
 
+def _forget(accumulator_ref, key):
+    """The callback dropping `key`'s entries when its watched tensor dies (it holds the
+    accumulator weakly: no reference cycle through the accumulator's dicts)."""
+    def forget(dead):
+        acc = accumulator_ref()
+        if acc is None:
+            return
+        for entries in (acc._watched, acc._objects):  # pylint: disable=protected-access
+            entry = entries.get(key)
+            ref = entry[0] if isinstance(entry, tuple) else entry
+            if ref is dead:
+                del entries[key]
+    return forget
+
+
 class ForwardAccumulator(OpHandler):
     """Computes Jacobian-vector products of the ops run in its scope (forward mode).
 
@@ -253,12 +269,12 @@ class ForwardAccumulator(OpHandler):
 
     def __init__(self, primals, tangents):
         nest.assert_same_structure(primals, tangents)
-        self._watched = {}  # tensor key -> (primal, tangent)
+        self._watched = {}  # tensor key -> (weak reference to the primal, tangent)
         self._depth = 0
         self._live = False
         self._traced = None
         self._watcher = None  # TensorFlow's variable watcher, while a tf tape is active
-        self._objects = {}  # tensor key -> the user's object (see _canonical)
+        self._objects = {}  # tensor key -> weak reference to the user's object (_canonical)
         if not tf.executing_eagerly():
             # Trace time (RFC "During tracing"): inside a function being traced the
             # accumulator is TensorFlow's own, which adds the JVP ops to the body.
@@ -293,9 +309,15 @@ class ForwardAccumulator(OpHandler):
             return
         key = _key(primal)
         old = self._watched.get(key)
-        # The primal is kept with its tangent: the key (its handle) must not be reused.
-        self._watched[key] = (primal, tangent if old is None else old[1] + tangent)
-        self._objects[key] = primal
+        # Held weakly, as TensorFlow's accumulator does: a primal the program drops
+        # takes its entry (and tangent) with it, so its key cannot be reused meanwhile.
+        ref = self._weak(primal, key)
+        self._watched[key] = (ref, tangent if old is None else old[1] + tangent)
+        self._objects[key] = ref
+
+    def _weak(self, tensor, key):
+        """A weak reference to `tensor` whose death drops its entries here."""
+        return weakref.ref(tensor, _forget(weakref.ref(self), key))
 
     # -- scopes ---------------------------------------------------------------------------
 
@@ -342,8 +364,11 @@ class ForwardAccumulator(OpHandler):
         known = self._objects.get(key)
         if known is None and self._watcher is not None and _enum(tensor) == _RESOURCE:
             for v in pywrap_tfe.TFE_Py_VariableWatcherWatchedVariables(self._watcher):
-                self._objects.setdefault(_key(v.handle), v.handle)
+                handle_key = _key(v.handle)
+                if handle_key not in self._objects:
+                    self._objects[handle_key] = self._weak(v.handle, handle_key)
             known = self._objects.get(key)
+        known = None if known is None else known()
         return tensor if known is None else known
 
     # -- the handler ----------------------------------------------------------------------

@@ -4,7 +4,7 @@ function. TensorFlow computes their JVP when the operation is recorded."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.eager import record
+from tensorflow.python.eager import forwardprop_util, record
 
 import tf_ophandlers as oh
 from conftest import assert_close
@@ -190,3 +190,27 @@ def test_record_operation_forward_function():
         results.append(acc.jvp(out))
     assert results[1] is not None
     assert_close(results[1], results[0])
+
+
+def test_push_forwardprop_state_inside_the_custom_gradient_function():
+    # TensorFlow's accumulator ignores the ops of its own JVP computation until
+    # push_forwardprop_state, inside which it records again (TensorFlow's
+    # testPushPopAccumulatorState): here a JVP computed in the gradient function.
+    c, d = tf.constant(1.), tf.constant(2.)
+    results = []
+    for acc_type in ACCUMULATORS:
+        with acc_type(c, d) as acc:
+            @tf.custom_gradient
+            def f(x):
+                def grad(dy):
+                    with forwardprop_util.push_forwardprop_state():
+                        x_copy = tf.constant(x.numpy())
+                        acc._watch(x_copy, dy)  # pylint: disable=protected-access,cell-var-from-loop
+                        y_copy = tf.sin(x_copy)
+                    return dy * acc.jvp(y_copy)  # pylint: disable=cell-var-from-loop
+                return np.sin(x.numpy()), grad
+            out = f(c)
+        results.append(acc.jvp(out))
+    assert results[1] is not None
+    assert_close(results[1], results[0])
+    assert_close(results[1], d * tf.cos(c))

@@ -20,6 +20,7 @@ Every other op with a registered gradient uses TensorFlow's own construction
 (`forwardprop._jvp_helper`: the transpose of the gradient function, traced once per op
 signature into a function cached here).
 """
+import contextlib
 import logging
 import threading
 import warnings
@@ -29,17 +30,21 @@ import tensorflow as tf
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
+from tensorflow.python.eager import forwardprop_util as _forwardprop_util
+from tensorflow.python.eager import record as _record
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing_compilation
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
+from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
+from tf_ophandlers.core.state import state
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
 from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
@@ -183,9 +188,55 @@ def _recording(execute):
     return run
 
 
-# Set while an accumulator transposes a recorded operation's backward function: the
-# tf.GradientTape doing it is no user's (no warning about tensors it cannot see).
+# The accumulators transposing a recorded operation's backward function on this thread,
+# innermost last, as (accumulator, the stack the operation was recorded on, the stack
+# the transposition runs in, hook depth): the tf.GradientTape doing it is no user's (no
+# warning about tensors it cannot see), and push_forwardprop_state resumes them.
 _transposing = threading.local()
+
+
+def _transposing_runs():
+    runs = getattr(_transposing, "runs", None)
+    if runs is None:
+        runs = _transposing.runs = []
+    return runs
+
+
+_original_push_state = [None]
+
+
+@contextlib.contextmanager
+def _push_forwardprop_state():
+    """TensorFlow's push_forwardprop_state, which lets an accumulator that is computing a
+    JVP record again for a while (TensorFlow's accumulators ignore the ops of their own
+    JVP computations until then): called by the custom gradient function an accumulator
+    transposes (not from a hook below it), it resumes that accumulator."""
+    with _original_push_state[0]():
+        runs = _transposing_runs()
+        run = runs[-1] if runs else None
+        if run is None or current_stack() is not run[2] or len(state.frames) != run[3]:
+            yield
+            return
+        accumulator = run[0]
+        runs.pop()
+        accumulator._live = accumulator._resumed = True  # pylint: disable=protected-access
+        try:
+            yield
+        finally:
+            accumulator._live = accumulator._resumed = False  # pylint: disable=protected-access
+            runs.append(run)
+
+
+def _install_push_state():
+    _original_push_state[0] = _forwardprop_util.push_forwardprop_state
+    _forwardprop_util.push_forwardprop_state = _push_forwardprop_state
+
+
+tf_patches.register(
+    "forwardprop state", "tensorflow.python.eager.forwardprop_util.push_forwardprop_state",
+    "TensorFlow's accumulators resume recording inside it while they compute a JVP; an "
+    "oh.ForwardAccumulator transposing a custom gradient function must too. Installed "
+    "when an accumulator first transposes one.", "first-use", _install_push_state, None)
 
 # The module of tf.custom_gradient's (and tf.recompute_grad's) eager backward function.
 _CUSTOM_GRADIENT_MODULE = "tensorflow.python.ops.custom_gradient"
@@ -204,11 +255,11 @@ def _python_record(op_type, output_tensors, input_tensors, backward_function,
         return  # (tf.function calls and copies: their ops reached the accumulator)
     if not tf.executing_eagerly():
         return  # (in a replayed function the node's gradient override is the op's)
-    stack = current_stack()
+    stack = recorded_on = current_stack()
     while stack.handler is not None:
         handler = stack.handler
         if isinstance(handler, ForwardAccumulator) and handler._live:  # pylint: disable=protected-access
-            handler._record_python(stack.next, output_tensors, input_tensors,  # pylint: disable=protected-access
+            handler._record_python(recorded_on, stack.next, output_tensors, input_tensors,  # pylint: disable=protected-access
                                    backward_function, forward_function)
         stack = stack.next
 
@@ -272,6 +323,7 @@ class ForwardAccumulator(OpHandler):
         self._watched = {}  # tensor key -> (weak reference to the primal, tangent)
         self._depth = 0
         self._live = False
+        self._resumed = False  # recording again inside its own JVP computation
         self._traced = None
         self._watcher = None  # TensorFlow's variable watcher, while a tf tape is active
         self._objects = {}  # tensor key -> weak reference to the user's object (_canonical)
@@ -397,8 +449,7 @@ class ForwardAccumulator(OpHandler):
             return Dual(below.copy_on(tensor), tangent)
         known = self._canonical(tensor)  # reverse over forward: see _canonical
         if known is tensor and self._live and _enum(tensor) in _FLOAT_ENUMS and not (
-                pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not getattr(
-                    _transposing, "active", False):
+                pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not _transposing_runs():
             warnings.warn(_UNSEEN_INPUT_WARNING % (tensor.shape,), RuntimeWarning,
                           stacklevel=2)
         tensor = known
@@ -438,7 +489,14 @@ class ForwardAccumulator(OpHandler):
             rule = (_RULES.get(op.type) if not op.gradient_op_type else None) or _tensorflow_jvp
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
-            out_tangents = rule(run, op, primals, tangents, outputs)
+            if self._resumed:
+                # Resumed inside its own JVP computation (push_forwardprop_state): as
+                # TensorFlow's, its JVPs there reach no tape created after it (the
+                # transposing one).
+                with _record.stop_recording():
+                    out_tangents = rule(run, op, primals, tangents, outputs)
+            else:
+                out_tangents = rule(run, op, primals, tangents, outputs)
             if out_tangents is None:
                 out_tangents = [None] * len(outputs)
             if len(out_tangents) != len(outputs):
@@ -473,9 +531,10 @@ class ForwardAccumulator(OpHandler):
         watched = self._watched.get(_key(tensor))
         return None if watched is None else watched[1]
 
-    def _record_python(self, below, outputs, inputs, backward_function, forward_function):
-        """The JVP of an operation recorded from Python (see _python_record), computed on
-        `below`, the stack this accumulator executes on."""
+    def _record_python(self, recorded_on, below, outputs, inputs, backward_function,
+                       forward_function):
+        """The JVP of an operation recorded from Python (see _python_record) on stack
+        `recorded_on`, computed on `below`, the stack this accumulator executes on."""
         tangents = [self._tangent_of(t) for t in inputs]
         if all(t is None for t in tangents):
             return
@@ -483,25 +542,34 @@ class ForwardAccumulator(OpHandler):
         for o in outputs:
             found, value = representation_of(self, o)
             duals.append(value if found and isinstance(value, Dual) else None)
-        placed = [d.primal if d is not None else o for d, o in zip(duals, outputs)]
-        # Paused meanwhile, as TensorFlow's accumulator is while it runs the function:
-        # the function's ops on this stack's tensors (the custom gradient's closure) run
-        # on their primals, with no JVPs of their own (accumulators below see them).
+        # Run in the scope of the record with the accumulator paused, as TensorFlow's
+        # accumulator is while it runs the function: the function's ops (on the custom
+        # gradient's closure, tensors of this stack) run on their primals, with no JVPs
+        # of their own (accumulators below see them); a result is its primal.
+        tf_patches.ensure("forwardprop state")
         self._live = False
-        saved, _transposing.active = getattr(_transposing, "active", False), True
+        runs = _transposing_runs()
+        runs.append((self, recorded_on, current_stack(), len(state.frames)))
         try:
-            with _scope.handler(below), _tapes_recording():
+            with _tapes_recording():
                 if forward_function is not None:
                     out_tangents = forward_function(*[
                         t if t is not None else _zeros(p) for t, p in zip(tangents, inputs)])
                 else:
-                    out_tangents = _transposed(backward_function, placed, tangents)
+                    out_tangents = _transposed(backward_function, outputs, tangents)
         finally:
             self._live = self._depth > 0
-            _transposing.active = saved
+            runs.pop()
         for dual, tangent in zip(duals, out_tangents):
             if dual is not None and dual.tangent is None and tangent is not None:
-                dual.tangent = tangent
+                dual.tangent = self._below(tangent, below)
+
+    def _below(self, tensor, below):
+        """`tensor` (a result computed in the scope of a record) as a tensor of `below`."""
+        found, value = representation_of(self, tensor)
+        if found and isinstance(value, Dual):
+            return value.primal
+        return below.copy_on(tensor)
 
     # -- functions (core/functions) ---------------------------------------------------------
 

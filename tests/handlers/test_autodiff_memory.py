@@ -30,9 +30,10 @@ def _second_order(tape_type):
                 y = tf.reduce_sum(3. * x ** 3 + tf.sin(x) * 2.)
             g = inner.gradient(y, x)
         h = outer.gradient(g, x)
+        values = g.numpy(), h.numpy()
         tapes = [weakref.ref(outer), weakref.ref(inner)]
-        del outer, inner
-        return g, h, [t() is not None for t in tapes]
+        del outer, inner, g, h, y  # (a tensor of a handler's stack holds the handler)
+        return values + ([t() is not None for t in tapes],)
     finally:
         gc.enable()
 

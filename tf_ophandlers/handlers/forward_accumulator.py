@@ -37,7 +37,6 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
-from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.functions.call_records import recording_restarted
@@ -189,9 +188,9 @@ def _recording(execute):
 
 
 # The accumulators transposing a recorded operation's backward function on this thread,
-# innermost last, as (accumulator, the stack the operation was recorded on, the stack
-# the transposition runs in, hook depth): the tf.GradientTape doing it is no user's (no
-# warning about tensors it cannot see), and push_forwardprop_state resumes them.
+# innermost last, as (accumulator, the stack the transposition runs in, hook depth): the
+# tf.GradientTape doing it is no user's (no warning about tensors it cannot see), and
+# push_forwardprop_state resumes them.
 _transposing = threading.local()
 
 
@@ -214,7 +213,7 @@ def _push_forwardprop_state():
     with _original_push_state[0]():
         runs = _transposing_runs()
         run = runs[-1] if runs else None
-        if run is None or current_stack() is not run[2] or len(state.frames) != run[3]:
+        if run is None or current_stack() is not run[1] or len(state.frames) != run[2]:
             yield
             return
         accumulator = run[0]
@@ -255,11 +254,11 @@ def _python_record(op_type, output_tensors, input_tensors, backward_function,
         return  # (tf.function calls and copies: their ops reached the accumulator)
     if not tf.executing_eagerly():
         return  # (in a replayed function the node's gradient override is the op's)
-    stack = recorded_on = current_stack()
+    stack = current_stack()
     while stack.handler is not None:
         handler = stack.handler
         if isinstance(handler, ForwardAccumulator) and handler._live:  # pylint: disable=protected-access
-            handler._record_python(recorded_on, stack.next, output_tensors, input_tensors,  # pylint: disable=protected-access
+            handler._record_python(stack.next, output_tensors, input_tensors,  # pylint: disable=protected-access
                                    backward_function, forward_function)
         stack = stack.next
 
@@ -531,10 +530,9 @@ class ForwardAccumulator(OpHandler):
         watched = self._watched.get(_key(tensor))
         return None if watched is None else watched[1]
 
-    def _record_python(self, recorded_on, below, outputs, inputs, backward_function,
-                       forward_function):
-        """The JVP of an operation recorded from Python (see _python_record) on stack
-        `recorded_on`, computed on `below`, the stack this accumulator executes on."""
+    def _record_python(self, below, outputs, inputs, backward_function, forward_function):
+        """The JVP of an operation recorded from Python (see _python_record): tangents
+        of its outputs, tensors of `below` (the stack this accumulator executes on)."""
         tangents = [self._tangent_of(t) for t in inputs]
         if all(t is None for t in tangents):
             return
@@ -549,7 +547,7 @@ class ForwardAccumulator(OpHandler):
         tf_patches.ensure("forwardprop state")
         self._live = False
         runs = _transposing_runs()
-        runs.append((self, recorded_on, current_stack(), len(state.frames)))
+        runs.append((self, current_stack(), len(state.frames)))
         try:
             with _tapes_recording():
                 if forward_function is not None:

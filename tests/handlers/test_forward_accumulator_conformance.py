@@ -159,26 +159,6 @@ def test_custom_gradient_under_nested_accumulators():
             assert_close(got, want)
 
 
-def test_forward_over_reverse_through_custom_gradient():
-    x, t = tf.constant([0.3, -1.2]), tf.constant([1., 2.])
-
-    @tf.custom_gradient
-    def f(v):
-        def grad(dy):
-            return dy * tf.cos(v)
-        return tf.sin(v), grad
-    results = []
-    for acc_type in ACCUMULATORS:
-        with acc_type(x, t) as acc:
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = tf.reduce_sum(f(x))
-            g = tape.gradient(y, x)
-        results.append(acc.jvp(g))
-    assert results[1] is not None
-    assert_close(results[1], results[0])
-
-
 def test_record_operation_forward_function():
     c, d = tf.constant(1.), tf.constant(2.)
     results = []

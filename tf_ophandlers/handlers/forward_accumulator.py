@@ -20,9 +20,7 @@ Every other op with a registered gradient uses TensorFlow's own construction
 (`forwardprop._jvp_helper`: the transpose of the gradient function, traced once per op
 signature into a function cached here).
 """
-import contextlib
 import logging
-import threading
 import warnings
 import weakref
 
@@ -30,14 +28,12 @@ import tensorflow as tf
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
-from tensorflow.python.eager import forwardprop_util as _forwardprop_util
 from tensorflow.python.eager import record as _record
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing_compilation
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from tf_ophandlers.core import errors
-from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
@@ -46,6 +42,7 @@ from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
 from tf_ophandlers.core.state import state
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
+from tf_ophandlers.handlers import forward_accumulator_custom as _custom
 from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
 from tf_ophandlers.handlers.forward_accumulator_jvp import (
     COMPLEX_ENUMS as _COMPLEX_ENUMS, DIFFERENTIABLE_ENUMS as _DIFFERENTIABLE_ENUMS,
@@ -187,60 +184,6 @@ def _recording(execute):
     return run
 
 
-# The accumulators transposing a recorded operation's backward function on this thread,
-# innermost last, as (accumulator, the stack the transposition runs in, hook depth): the
-# tf.GradientTape doing it is no user's (no warning about tensors it cannot see), and
-# push_forwardprop_state resumes them.
-_transposing = threading.local()
-
-
-def _transposing_runs():
-    runs = getattr(_transposing, "runs", None)
-    if runs is None:
-        runs = _transposing.runs = []
-    return runs
-
-
-_original_push_state = [None]
-
-
-@contextlib.contextmanager
-def _push_forwardprop_state():
-    """TensorFlow's push_forwardprop_state, which lets an accumulator that is computing a
-    JVP record again for a while (TensorFlow's accumulators ignore the ops of their own
-    JVP computations until then): called by the custom gradient function an accumulator
-    transposes (not from a hook below it), it resumes that accumulator."""
-    with _original_push_state[0]():
-        runs = _transposing_runs()
-        run = runs[-1] if runs else None
-        if run is None or current_stack() is not run[1] or len(state.frames) != run[2]:
-            yield
-            return
-        accumulator = run[0]
-        runs.pop()
-        accumulator._live = accumulator._resumed = True  # pylint: disable=protected-access
-        try:
-            yield
-        finally:
-            accumulator._live = accumulator._resumed = False  # pylint: disable=protected-access
-            runs.append(run)
-
-
-def _install_push_state():
-    _original_push_state[0] = _forwardprop_util.push_forwardprop_state
-    _forwardprop_util.push_forwardprop_state = _push_forwardprop_state
-
-
-tf_patches.register(
-    "forwardprop state", "tensorflow.python.eager.forwardprop_util.push_forwardprop_state",
-    "TensorFlow's accumulators resume recording inside it while they compute a JVP; an "
-    "oh.ForwardAccumulator transposing a custom gradient function must too. Installed "
-    "when an accumulator first transposes one.", "first-use", _install_push_state, None)
-
-# The module of tf.custom_gradient's (and tf.recompute_grad's) eager backward function.
-_CUSTOM_GRADIENT_MODULE = "tensorflow.python.ops.custom_gradient"
-
-
 def _python_record(op_type, output_tensors, input_tensors, backward_function,
                    forward_function):
     """A gradient recorded from Python (`record.record_operation`): a tf.custom_gradient
@@ -249,8 +192,7 @@ def _python_record(op_type, output_tensors, input_tensors, backward_function,
     is given, else by transposing the backward function (the custom gradient function:
     an exception it raises reaches the caller); an output that already has a tangent
     (from the inner ops) keeps it. So does each recording accumulator of the scope."""
-    if forward_function is None and getattr(
-            backward_function, "__module__", None) != _CUSTOM_GRADIENT_MODULE:
+    if not _custom.has_jvp_to_compute(backward_function, forward_function):
         return  # (tf.function calls and copies: their ops reached the accumulator)
     if not tf.executing_eagerly():
         return  # (in a replayed function the node's gradient override is the op's)
@@ -264,24 +206,6 @@ def _python_record(op_type, output_tensors, input_tensors, backward_function,
 
 
 subscribe_records(_python_record)
-
-
-def _transposed(backward_function, outputs, tangents):
-    """The output tangents of an op given only its backward function: the gradient of the
-    backward function (linear in the output gradients) with respect to those, weighted by
-    the input tangents (TensorFlow's construction for recorded operations)."""
-    with tf.GradientTape(watch_accessed_variables=False) as transpose_tape:
-        aids = [tf.ones_like(o) if _enum(o) in _FLOAT_ENUMS else None for o in outputs]
-        transpose_tape.watch([a for a in aids if a is not None])
-        grads = backward_function(*aids)
-    grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
-    pairs = [(g, t) for g, t in zip(grads, tangents) if g is not None and t is not None]
-    sources = [a for a in aids if a is not None]
-    if not pairs or not sources:
-        return [None] * len(outputs)
-    found = iter(transpose_tape.gradient(
-        [g for g, _ in pairs], sources, output_gradients=[t for _, t in pairs]))
-    return [None if a is None else next(found) for a in aids]
 
 
 def _forget(accumulator_ref, key):
@@ -448,7 +372,7 @@ class ForwardAccumulator(OpHandler):
             return Dual(below.copy_on(tensor), tangent)
         known = self._canonical(tensor)  # reverse over forward: see _canonical
         if known is tensor and self._live and _enum(tensor) in _FLOAT_ENUMS and not (
-                pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not _transposing_runs():
+                pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not _custom.transposition_runs():
             warnings.warn(_UNSEEN_INPUT_WARNING % (tensor.shape,), RuntimeWarning,
                           stacklevel=2)
         tensor = known
@@ -544,9 +468,9 @@ class ForwardAccumulator(OpHandler):
         # accumulator is while it runs the function: the function's ops (on the custom
         # gradient's closure, tensors of this stack) run on their primals, with no JVPs
         # of their own (accumulators below see them); a result is its primal.
-        tf_patches.ensure("forwardprop state")
+        _custom.ensure_push_state_patch()
         self._live = False
-        runs = _transposing_runs()
+        runs = _custom.transposition_runs()
         runs.append((self, current_stack(), len(state.frames)))
         try:
             with _tapes_recording():
@@ -554,13 +478,17 @@ class ForwardAccumulator(OpHandler):
                     out_tangents = forward_function(*[
                         t if t is not None else _zeros(p) for t, p in zip(tangents, inputs)])
                 else:
-                    out_tangents = _transposed(backward_function, outputs, tangents)
+                    out_tangents = _custom.transposed(backward_function, outputs, tangents)
         finally:
             self._live = self._depth > 0
             runs.pop()
         for dual, tangent in zip(duals, out_tangents):
             if dual is not None and dual.tangent is None and tangent is not None:
                 dual.tangent = self._below(tangent, below)
+
+    def _resume_recording(self, resumed):
+        """Records again (or stops) while transposing (forward_accumulator_custom.py)."""
+        self._live = self._resumed = resumed
 
     def _below(self, tensor, below):
         """`tensor` (a result computed in the scope of a record) as a tensor of `below`."""

@@ -123,3 +123,36 @@ def pytest_collection_finish(session):
         sys.path.insert(0, os.path.dirname(__file__))
         import benchmark_runs  # noqa: E402  pylint: disable=import-outside-toplevel
         benchmark_runs.start(names)
+
+
+def tf_leak_checked(test=None, *, warmup=0):
+    """Runs a pytest test function under TensorFlow's own leak checks,
+    `test_util.assert_no_new_tensors` (no tensor the test created is alive after it, with
+    TensorFlow's caches cleared and the garbage collected) and
+    `test_util.assert_no_garbage_created` (no uncollectable garbage). Both are written
+    for test methods: they get a plain unittest.TestCase as `self`. With `warmup`, the
+    test first runs that many times unchecked, as TensorFlow's
+    assert_no_new_pyobjects_executing_eagerly does, so that module-level caches filled
+    by a first call (traced functions) are not counted; a cache that grows per call
+    still fails."""
+    if test is None:
+        return lambda t: tf_leak_checked(t, warmup=warmup)
+    import functools  # pylint: disable=import-outside-toplevel
+    import gc  # pylint: disable=import-outside-toplevel
+    import unittest  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import test_util  # pylint: disable=import-outside-toplevel
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        for _ in range(warmup):
+            test(*args, **kwargs)
+        checked = test_util.assert_no_new_tensors(test_util.assert_no_garbage_created(
+            lambda self: test(*args, **kwargs)))
+        enabled, flags = gc.isenabled(), gc.get_debug()
+        try:
+            checked(unittest.TestCase())
+        finally:  # (the garbage check leaves gc disabled when it fails)
+            gc.set_debug(flags)
+            if enabled:
+                gc.enable()
+    return run

@@ -3,6 +3,8 @@ replay depends on (the called function, the arguments' dtypes and shapes, the ha
 declarations and cache keys), and a fresh handler of a shared declaration per call still
 hits the one replay. Every result is compared with plain TensorFlow on the same inputs.
 """
+import gc
+
 import numpy as np
 import tensorflow as tf
 
@@ -85,6 +87,7 @@ def test_one_concrete_function_for_several_shapes_replays_per_shape():
             got = g(x)
         assert_close(got, g(x) + n)
     x = tf.range(4, dtype=tf.float32)
+    gc.collect()  # (earlier tests' dropped functions release their replays now)
     before = replay.cache_info()
     with _Shared():
         f(x)  # seen before: no new replay
@@ -149,6 +152,7 @@ def test_fresh_handlers_per_call_share_one_replay_and_the_cache_is_bounded():
         f(x)
     with oh.DataFormat():
         f(x)
+    gc.collect()  # (earlier tests' dropped functions release their replays now)
     before = replay.cache_info()
     for _ in range(3):
         with _Shared():

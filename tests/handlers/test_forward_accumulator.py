@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from tf_ophandlers.handlers import forward_accumulator as fa
-from conftest import assert_close, assert_same_tensors
+from conftest import assert_close, assert_same_tensors, tf_leak_checked
 
 RNG = np.random.default_rng(0)
 
@@ -72,6 +72,7 @@ PROGRAMS = {
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
+@tf_leak_checked(warmup=1)
 def test_jvps_equal_tf_forward_accumulator(name):
     fn, shapes = PROGRAMS[name]
     primals = [_rand(*s[:-1], positive=True) if s[-1] == "+" else _rand(*s) for s in shapes]
@@ -81,6 +82,7 @@ def test_jvps_equal_tf_forward_accumulator(name):
     assert_same_tensors(ref_j, j)
 
 
+@tf_leak_checked(warmup=1)
 def test_closed_form_rules_do_not_trace():
     a, t = _rand(3, 4), _rand(3, 4)
     w = _rand(4, 2)
@@ -101,6 +103,7 @@ def test_fallback_traces_once_per_signature():
     assert fa._tf_forwardprop._TRACE_COUNT["Erf"] == before + 1  # pylint: disable=protected-access
 
 
+@tf_leak_checked(warmup=1)
 def test_nested_structures_variables_and_unconnected():
     v = tf.Variable(_rand(2, 3))
     a, b = _rand(3), _rand(3)
@@ -142,6 +145,7 @@ def _f(a):
     return tf.reduce_sum(tf.sin(a) * a ** 2 + tf.tanh(a) * a[0])
 
 
+@tf_leak_checked(warmup=1)
 def test_forward_over_reverse_hessian_vector_product():
     x, vec = _rand(4), _rand(4)
     results = []
@@ -156,6 +160,7 @@ def test_forward_over_reverse_hessian_vector_product():
     assert_same_tensors(*results)
 
 
+@tf_leak_checked(warmup=1)
 def test_reverse_over_forward():
     x, vec = _rand(4), _rand(4)
     results = []
@@ -190,6 +195,7 @@ def test_mixed_with_tensorflow_tape_and_keras_hvp():
     assert_same_tensors(results[0], results[2])
 
 
+@tf_leak_checked(warmup=1)
 def test_nested_accumulators_give_second_directional_derivative():
     x, vec = _rand(3), _rand(3)
     results = []
@@ -202,6 +208,7 @@ def test_nested_accumulators_give_second_directional_derivative():
     assert_same_tensors(*results)
 
 
+@tf_leak_checked(warmup=1)
 def test_composes_with_other_handlers():
     x, t = _rand(3), _rand(3)
     log = oh.OpLogHandler()
@@ -216,6 +223,7 @@ def test_composes_with_other_handlers():
     assert_close(acc.jvp(y), np.cos(x.numpy()) * t.numpy(), 1e-5)
 
 
+@tf_leak_checked(warmup=1)
 def test_errors():
     a = _rand(2)
     with pytest.raises(ValueError, match="multiple"):
@@ -263,6 +271,7 @@ def test_variable_created_inside_does_not_keep_the_accumulator_alive():
 
 # -- regressions found in review ---------------------------------------------------------------
 
+@tf_leak_checked(warmup=1)
 def test_list_input_and_string_ops():
     x = _rand(2)
     (_, ref), (_, got) = _both(lambda a: tf.add_n([a, a * 2.]) + tf.concat([a, a], 0)[:2]
@@ -272,6 +281,7 @@ def test_list_input_and_string_ops():
         tf.print(x, output_stream="file:///dev/null")  # a string op: no tangent, no error
 
 
+@tf_leak_checked(warmup=1)
 def test_a_freed_primal_does_not_give_its_tangent_to_new_tensors():
     acc = oh.ForwardAccumulator(tf.constant([1., 2.]) * 3., tf.constant([100., 100.]))
     with acc:
@@ -280,6 +290,7 @@ def test_a_freed_primal_does_not_give_its_tangent_to_new_tensors():
             assert acc.jvp(y) is None
 
 
+@tf_leak_checked(warmup=1)
 def test_complex_closed_forms_match_tensorflow():
     c = tf.constant([1 + 2j, -0.5 + 1j], tf.complex64)
     t = tf.constant([0.3 - 1j, 1 + 1j], tf.complex64)
@@ -304,6 +315,7 @@ def _controlled(a, b):
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
+@tf_leak_checked(warmup=1)
 def test_jvp_through_tf_function_with_control_flow_matches_tensorflow(sign):
     a, b = tf.constant(1.5), tf.constant(2.0 * sign)
     with tf.autodiff.ForwardAccumulator(a, tf.constant(1.0)) as ref:
@@ -330,6 +342,7 @@ def test_jvp_through_keras_model_in_tf_function_matches_tensorflow():
     assert_close(acc.jvp(y), ref.jvp(expected))
 
 
+@tf_leak_checked(warmup=1)
 def test_forward_over_reverse_hvp_through_tf_function():
     f = tf.function(lambda a: tf.reduce_sum(a * a * a))
     x = _rand(3)
@@ -348,6 +361,7 @@ def test_forward_over_reverse_hvp_through_tf_function():
     assert_close(hvp, expected)
 
 
+@tf_leak_checked(warmup=1)
 def test_cond_branch_without_tangent_gets_zeros():
     @tf.function
     def f(a, b):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from conftest import assert_close, assert_same_tensors
+from conftest import assert_close, assert_same_tensors, tf_leak_checked
 
 RNG = np.random.default_rng(0)
 
@@ -85,6 +85,7 @@ def test_gradients_equal_tf_gradient_tape(name):
     assert_same_tensors(ref_g, g)
 
 
+@tf_leak_checked(warmup=1)
 def test_complex_dtype():
     z = tf.complex(_rand(3), _rand(3))
     (_, ref), (_, got) = _both(lambda a: tf.abs(a * tf.math.conj(a) + a), z)
@@ -93,6 +94,7 @@ def test_complex_dtype():
 
 # -- the tf.GradientTape API ---------------------------------------------------------------
 
+@tf_leak_checked(warmup=1)
 def test_watch_nested_targets_sources_and_output_gradients():
     a, b = _rand(3), _rand(3)
     results = []
@@ -107,6 +109,7 @@ def test_watch_nested_targets_sources_and_output_gradients():
     assert_same_tensors([ref["a"], ref["b"][0]], [got["a"], got["b"][0]])
 
 
+@tf_leak_checked(warmup=1)
 def test_unconnected_gradients():
     a, b = _rand(2), _rand(2)
     with oh.GradientTape(persistent=True) as tape:
@@ -118,6 +121,7 @@ def test_unconnected_gradients():
                  [0., 0.])
 
 
+@tf_leak_checked(warmup=1)
 def test_non_persistent_tape_is_single_use_and_persistent_is_not():
     a = _rand(2)
     with oh.GradientTape() as tape:
@@ -134,6 +138,7 @@ def test_non_persistent_tape_is_single_use_and_persistent_is_not():
     assert_close(tape.gradient(y, a), 2 * a.numpy())
 
 
+@tf_leak_checked(warmup=1)
 def test_variables_are_watched_when_read_and_trainable():
     v, frozen = tf.Variable(2.0), tf.Variable(3.0, trainable=False)
     with oh.GradientTape() as tape:
@@ -208,6 +213,7 @@ def test_watching_integers_warns_and_is_ignored(caplog):
     assert tape.gradient(y, i) is None
 
 
+@tf_leak_checked(warmup=1)
 def test_gradient_inside_scope():
     a = _rand(2)
     # Non-persistent: stops recording, as tf.GradientTape does.
@@ -264,6 +270,7 @@ def test_gradient_function_error_reaches_user_and_tape_survives():
 
 # -- custom gradients, recompute_grad, tf.function -----------------------------------------
 
+@tf_leak_checked(warmup=1)
 def test_custom_gradient():
     @tf.custom_gradient
     def clip_grad(x):
@@ -275,6 +282,7 @@ def test_custom_gradient():
     assert_close(got[0], [0.1, 0.1, 0.1])
 
 
+@tf_leak_checked(warmup=1)
 def test_custom_gradient_with_variables():
     v = tf.Variable([1., 2.])
 
@@ -294,6 +302,7 @@ def test_custom_gradient_with_variables():
     assert_same_tensors(*results)
 
 
+@tf_leak_checked(warmup=1)
 def test_recompute_grad_matches_tf():
     dense = keras.layers.Dense(3)
     dense.build((None, 2))
@@ -308,6 +317,7 @@ def test_recompute_grad_matches_tf():
     assert_same_tensors(*results)
 
 
+@tf_leak_checked(warmup=1)
 def test_tf_function_call_under_the_tape():
     v = tf.Variable([0.5, -1.])
 
@@ -341,6 +351,7 @@ def _second_derivative(outer_type, inner_type, fn, a):
 @pytest.mark.parametrize("outer_type,inner_type", [
     (oh.GradientTape, oh.GradientTape), (tf.GradientTape, oh.GradientTape),
     (oh.GradientTape, tf.GradientTape)], ids=["oh-oh", "tf-oh", "oh-tf"])
+@tf_leak_checked(warmup=1)
 def test_second_order(outer_type, inner_type):
     def fn(a):
         return tf.exp(a) * tf.tanh(a) + tf.reduce_sum(a * a) * tf.sigmoid(a)
@@ -350,6 +361,7 @@ def test_second_order(outer_type, inner_type):
     assert_same_tensors(ref, got)
 
 
+@tf_leak_checked(warmup=1)
 def test_third_order_nested_oh_tapes():
     a = tf.constant(0.7)
     with oh.GradientTape() as t3:

@@ -1,4 +1,5 @@
 """oh.vectorized_map against tf.vectorized_map and a Python loop."""
+import gc
 import logging
 
 import keras
@@ -300,6 +301,7 @@ def test_map_over_a_tf_function_is_replayed_once_and_cached():
 
     x = _rand(6, 4)
     first = oh.vectorized_map(per_example, x)
+    gc.collect()  # (earlier tests' dropped functions release their replays now)
     cached = replay.cache_info()
     again = oh.vectorized_map(per_example, x)
     assert replay.cache_info() == cached  # the vectorized replay is reused

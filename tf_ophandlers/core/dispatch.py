@@ -8,6 +8,7 @@ unrelated stacks are an error naming both stacks and the op.
 import operator
 import re
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
@@ -66,7 +67,7 @@ def execute(op, inputs):
         t = inputs[0]
         # (Scalars: bounded for a loop converting ever new Python floats.)
         store = _python_scalars if t._shape_tuple() == () else _python_constants  # pylint: disable=protected-access
-        store[_C.tensor_key(t)] = t
+        store[_C.tensor_key(t)] = _weakref(t)
         return inputs
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):
@@ -85,15 +86,21 @@ def execute(op, inputs):
 # trace, not inputs). Scalars are converted once and kept in TensorFlow's C++ scalar
 # cache, so later uses never reach the dispatcher again: many are remembered (they are
 # small). Other constants are converted at each use: the latest ones are enough. The
-# tensors are held, so that their keys cannot be reused by other tensors while listed.
+# tensors are held weakly (the program decides their lifetime): an entry counts while
+# its tensor lives, whose key no other tensor can have meanwhile.
 _python_scalars = _cache.BoundedCache("dispatch.python_scalars", 16384)
 _python_constants = _cache.BoundedCache("dispatch.python_constants", 4096)
+_weakref = weakref.ref
 
 
 def is_python_constant(tensor):
     """Whether `tensor` is a Python constant TensorFlow converted under a handler scope."""
     key = _C.tensor_key(tensor)
-    return key in _python_scalars or key in _python_constants
+    for store in (_python_scalars, _python_constants):
+        ref = store.get(key)
+        if ref is not None and ref() is not None:
+            return True
+    return False
 
 
 def copy_to_device(tensor):

@@ -51,3 +51,24 @@ def record_on_tf_tapes(op, inputs, outputs):
     if not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
         pywrap_tfe.TFE_Py_RecordGradient(op.type, list(inputs), op.attr_tuple(),
                                          list(outputs), "")
+
+
+# Handlers that act on gradients recorded from Python (`record.record_operation`:
+# tf.custom_gradient, tf.recompute_grad), which reach no handler hook. Each is called as
+# ``fn(op_type, output_tensors, input_tensors, backward_function, forward_function)``
+# after TensorFlow recorded the operation (core/functions/call_records.py owns the patch).
+_record_subscribers = []
+
+
+def subscribe_records(fn):
+    """Adds `fn` to the subscribers of Python-recorded gradients (idempotent)."""
+    if fn not in _record_subscribers:
+        _record_subscribers.append(fn)
+
+
+def notify_record(op_type, output_tensors, input_tensors, backward_function,
+                  forward_function):
+    """Calls the subscribers (an exception, e.g. raised by a custom gradient function
+    a subscriber runs, reaches the caller of record_operation, as in TensorFlow)."""
+    for fn in _record_subscribers:
+        fn(op_type, output_tensors, input_tensors, backward_function, forward_function)

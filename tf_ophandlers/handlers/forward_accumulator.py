@@ -22,11 +22,13 @@ signature into a function cached here).
 """
 import logging
 import warnings
+import weakref
 
 import tensorflow as tf
 from tensorflow.core.function.polymorphism import function_cache as _function_cache
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import forwardprop as _tf_forwardprop
+from tensorflow.python.eager import record as _record
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing_compilation
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
@@ -36,9 +38,11 @@ from tf_ophandlers.core.cache import register_external_cache
 from tf_ophandlers.core.functions.call_records import recording_restarted
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.recording import record_on_tf_tapes
+from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
+from tf_ophandlers.core.state import state
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, representation_of, stack_of, tensor_key)
+from tf_ophandlers.handlers import forward_accumulator_custom as _custom
 from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
 from tf_ophandlers.handlers.forward_accumulator_jvp import (
     COMPLEX_ENUMS as _COMPLEX_ENUMS, DIFFERENTIABLE_ENUMS as _DIFFERENTIABLE_ENUMS,
@@ -180,6 +184,45 @@ def _recording(execute):
     return run
 
 
+def _python_record(op_type, output_tensors, input_tensors, backward_function,
+                   forward_function):
+    """A gradient recorded from Python (`record.record_operation`): a tf.custom_gradient
+    call reaches no handler hook as one op, only its inner ops do. TensorFlow's
+    accumulators compute its JVP when it is recorded, with the forward function if one
+    is given, else by transposing the backward function (the custom gradient function:
+    an exception it raises reaches the caller); an output that already has a tangent
+    (from the inner ops) keeps it. So does each recording accumulator of the scope."""
+    if not _custom.has_jvp_to_compute(backward_function, forward_function):
+        return  # (tf.function calls and copies: their ops reached the accumulator)
+    if not tf.executing_eagerly():
+        return  # (in a replayed function the node's gradient override is the op's)
+    stack = current_stack()
+    while stack.handler is not None:
+        handler = stack.handler
+        if isinstance(handler, ForwardAccumulator) and handler._live:  # pylint: disable=protected-access
+            handler._record_python(stack.next, output_tensors, input_tensors,  # pylint: disable=protected-access
+                                   backward_function, forward_function)
+        stack = stack.next
+
+
+subscribe_records(_python_record)
+
+
+def _forget(accumulator_ref, key):
+    """The callback dropping `key`'s entries when its watched tensor dies (it holds the
+    accumulator weakly: no reference cycle through the accumulator's dicts)."""
+    def forget(dead):
+        acc = accumulator_ref()
+        if acc is None:
+            return
+        for entries in (acc._watched, acc._objects):  # pylint: disable=protected-access
+            entry = entries.get(key)
+            ref = entry[0] if isinstance(entry, tuple) else entry
+            if ref is dead:
+                del entries[key]
+    return forget
+
+
 class ForwardAccumulator(OpHandler):
     """Computes Jacobian-vector products of the ops run in its scope (forward mode).
 
@@ -200,12 +243,13 @@ class ForwardAccumulator(OpHandler):
 
     def __init__(self, primals, tangents):
         nest.assert_same_structure(primals, tangents)
-        self._watched = {}  # tensor key -> (primal, tangent)
+        self._watched = {}  # tensor key -> (weak reference to the primal, tangent)
         self._depth = 0
         self._live = False
+        self._resumed = False  # recording again inside its own JVP computation
         self._traced = None
         self._watcher = None  # TensorFlow's variable watcher, while a tf tape is active
-        self._objects = {}  # tensor key -> the user's object (see _canonical)
+        self._objects = {}  # tensor key -> weak reference to the user's object (_canonical)
         if not tf.executing_eagerly():
             # Trace time (RFC "During tracing"): inside a function being traced the
             # accumulator is TensorFlow's own, which adds the JVP ops to the body.
@@ -240,9 +284,15 @@ class ForwardAccumulator(OpHandler):
             return
         key = _key(primal)
         old = self._watched.get(key)
-        # The primal is kept with its tangent: the key (its handle) must not be reused.
-        self._watched[key] = (primal, tangent if old is None else old[1] + tangent)
-        self._objects[key] = primal
+        # Held weakly, as TensorFlow's accumulator does: a primal the program drops
+        # takes its entry (and tangent) with it, so its key cannot be reused meanwhile.
+        ref = self._weak(primal, key)
+        self._watched[key] = (ref, tangent if old is None else old[1] + tangent)
+        self._objects[key] = ref
+
+    def _weak(self, tensor, key):
+        """A weak reference to `tensor` whose death drops its entries here."""
+        return weakref.ref(tensor, _forget(weakref.ref(self), key))
 
     # -- scopes ---------------------------------------------------------------------------
 
@@ -289,8 +339,11 @@ class ForwardAccumulator(OpHandler):
         known = self._objects.get(key)
         if known is None and self._watcher is not None and _enum(tensor) == _RESOURCE:
             for v in pywrap_tfe.TFE_Py_VariableWatcherWatchedVariables(self._watcher):
-                self._objects.setdefault(_key(v.handle), v.handle)
+                handle_key = _key(v.handle)
+                if handle_key not in self._objects:
+                    self._objects[handle_key] = self._weak(v.handle, handle_key)
             known = self._objects.get(key)
+        known = None if known is None else known()
         return tensor if known is None else known
 
     # -- the handler ----------------------------------------------------------------------
@@ -318,8 +371,8 @@ class ForwardAccumulator(OpHandler):
         if _tape_set_is_empty():
             return Dual(below.copy_on(tensor), tangent)
         known = self._canonical(tensor)  # reverse over forward: see _canonical
-        if known is tensor and _enum(tensor) in _FLOAT_ENUMS and not (
-                pywrap_tfe.TFE_Py_TapeSetIsStopped()):
+        if known is tensor and self._live and _enum(tensor) in _FLOAT_ENUMS and not (
+                pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not _custom.transposition_runs():
             warnings.warn(_UNSEEN_INPUT_WARNING % (tensor.shape,), RuntimeWarning,
                           stacklevel=2)
         tensor = known
@@ -361,7 +414,14 @@ class ForwardAccumulator(OpHandler):
             rule = (_RULES.get(op.type) if not op.gradient_op_type else None) or _tensorflow_jvp
             if rule in _REAL_ONLY and any(_enum(p) in _COMPLEX_ENUMS for p in primals):
                 rule = _tensorflow_jvp  # the *Grad kernels conjugate complex values
-            out_tangents = rule(run, op, primals, tangents, outputs)
+            if self._resumed:
+                # Resumed inside its own JVP computation (push_forwardprop_state): as
+                # TensorFlow's, its JVPs there reach no tape created after it (the
+                # transposing one).
+                with _record.stop_recording():
+                    out_tangents = rule(run, op, primals, tangents, outputs)
+            else:
+                out_tangents = rule(run, op, primals, tangents, outputs)
             if out_tangents is None:
                 out_tangents = [None] * len(outputs)
             if len(out_tangents) != len(outputs):
@@ -387,6 +447,57 @@ class ForwardAccumulator(OpHandler):
                 if _enum(o) == _RESOURCE and inputs[i].tangent is not None:
                     results[i] = Dual(below.copy_on(o), inputs[i].tangent)
         return results
+
+    def _tangent_of(self, tensor):
+        """The tangent of `tensor` (a tensor of this stack or above, or a watched one)."""
+        found, value = representation_of(self, tensor)
+        if found:
+            return getattr(value, "tangent", None)
+        watched = self._watched.get(_key(tensor))
+        return None if watched is None else watched[1]
+
+    def _record_python(self, below, outputs, inputs, backward_function, forward_function):
+        """The JVP of an operation recorded from Python (see _python_record): tangents
+        of its outputs, tensors of `below` (the stack this accumulator executes on)."""
+        tangents = [self._tangent_of(t) for t in inputs]
+        if all(t is None for t in tangents):
+            return
+        duals = []
+        for o in outputs:
+            found, value = representation_of(self, o)
+            duals.append(value if found and isinstance(value, Dual) else None)
+        # Run in the scope of the record with the accumulator paused, as TensorFlow's
+        # accumulator is while it runs the function: the function's ops (on the custom
+        # gradient's closure, tensors of this stack) run on their primals, with no JVPs
+        # of their own (accumulators below see them); a result is its primal.
+        _custom.ensure_push_state_patch()
+        self._live = False
+        runs = _custom.transposition_runs()
+        runs.append((self, current_stack(), len(state.frames)))
+        try:
+            with _tapes_recording():
+                if forward_function is not None:
+                    out_tangents = forward_function(*[
+                        t if t is not None else _zeros(p) for t, p in zip(tangents, inputs)])
+                else:
+                    out_tangents = _custom.transposed(backward_function, outputs, tangents)
+        finally:
+            self._live = self._depth > 0
+            runs.pop()
+        for dual, tangent in zip(duals, out_tangents):
+            if dual is not None and dual.tangent is None and tangent is not None:
+                dual.tangent = self._below(tangent, below)
+
+    def _resume_recording(self, resumed):
+        """Records again (or stops) while transposing (forward_accumulator_custom.py)."""
+        self._live = self._resumed = resumed
+
+    def _below(self, tensor, below):
+        """`tensor` (a result computed in the scope of a record) as a tensor of `below`."""
+        found, value = representation_of(self, tensor)
+        if found and isinstance(value, Dual):
+            return value.primal
+        return below.copy_on(tensor)
 
     # -- functions (core/functions) ---------------------------------------------------------
 

@@ -146,6 +146,16 @@ def clear_cache():
     library.clear()
 
 
+def _drop_replays_of(name):
+    """Drops the replays of function `name`, which TensorFlow removed (library.py)."""
+    for cache in (_cache, _call_ops):
+        for key in [k for k in list(cache.keys()) if _as_str(k[0]) == name]:
+            cache.pop(key, None)
+
+
+library.on_release(_drop_replays_of)
+
+
 def _segment(stack, op):
     """The stacks replaying `op` from `stack` down (top first), and the stack below."""
     segment = []

@@ -45,6 +45,7 @@ from tensorflow.python.framework import ops as _ops
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.recording import notify_record
 from tf_ophandlers.core.stack import PHYSICAL, current_stack
 
 _FORWARD_PREFIX = "__forward_"  # TensorFlow's forward functions (ConcreteFunction)
@@ -241,6 +242,16 @@ _previous = [None]
 
 def _record_operation(op_type, output_tensors, input_tensors, backward_function,
                       forward_function=None):
+    _record_on_tapes(op_type, output_tensors, input_tensors, backward_function,
+                     forward_function)
+    # Then the handlers that act on such records (an oh.ForwardAccumulator's JVP of a
+    # tf.custom_gradient), as TensorFlow's accumulators do when the op is recorded.
+    notify_record(op_type, output_tensors, input_tensors, backward_function,
+                  forward_function)
+
+
+def _record_on_tapes(op_type, output_tensors, input_tensors, backward_function,
+                     forward_function):
     backward_function = densified(op_type, backward_function)
     noted = _local.noted
     if noted is not None and noted.op_type == op_type:
@@ -268,4 +279,6 @@ tf_patches.register(
     "TensorFlow records a tf.function call with the original function's backward "
     "function; for a call replayed by handlers it must run on the stack the call ran on "
     "(replayed through the same handlers), and tapes under the handlers must not get "
-    "that record (they recorded the replayed function).", "runtime", _install, None)
+    "that record (they recorded the replayed function); handlers subscribed in "
+    "core/recording.py (subscribe_records) see each record after TensorFlow's tapes.",
+    "runtime", _install, None)

@@ -9,6 +9,7 @@ from tensorflow.python.framework import function_def_to_graph as _fdef_to_graph
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache
 
 # Function names are unique in the eager context (a retrace makes a new name), so a
@@ -71,3 +72,49 @@ def body_op_types(name):
 def clear():
     _bodies.clear()
     _op_types.clear()
+
+
+# -- functions TensorFlow releases -------------------------------------------------------
+# A tf.function the program drops removes its functions from the eager context
+# (AtomicFunction.__del__). What is cached here and in the replay cache (call.py) for
+# such a name can never be used again, and holds graphs and registered functions: it is
+# dropped then, as TensorFlow drops its own (not only when the bounded caches evict it).
+_release_listeners = []  # fn(name), e.g. call.py's replay cache
+
+
+def on_release(fn):
+    """Calls ``fn(name)`` whenever TensorFlow removes function `name` from the context."""
+    _release_listeners.append(fn)
+
+
+def released(name):
+    """Drops what is cached for function `name`, which TensorFlow just removed."""
+    name = name.decode() if isinstance(name, bytes) else name
+    _bodies.pop(name, None)
+    _op_types.pop(name, None)
+    for fn in _release_listeners:
+        fn(name)
+
+
+_original_remove_function = [None]
+
+
+def _remove_function(self, name):
+    _original_remove_function[0](self, name)
+    try:
+        released(name)
+    except Exception:  # pylint: disable=broad-except
+        pass  # (called from finalizers: never fail TensorFlow's removal)
+
+
+def _install():
+    _original_remove_function[0] = _context.Context.remove_function
+    _context.Context.remove_function = _remove_function
+
+
+tf_patches.register(
+    "released functions", "tensorflow.python.eager.context.Context.remove_function",
+    "TensorFlow has no callback for a function leaving the eager context (a dropped "
+    "tf.function); the replays and bodies cached for it must go with it, or they keep "
+    "its graphs and the replayed functions registered until evicted.",
+    "runtime", _install, None)

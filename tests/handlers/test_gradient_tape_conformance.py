@@ -419,3 +419,21 @@ def test_reentering_an_active_tape_in_a_function_raises():
     # (tf.function adds the traceback of the user's code: compare the error's own line)
     want = str(expected).strip().splitlines()[-1].split("ValueError: ", 1)[1]
     assert str(actual).strip().endswith("oh.GradientTape: " + want), str(actual)
+
+
+def test_equal_scalars_under_an_accumulator_and_a_tape_match_tensorflow():
+    """An accumulator's primal keyed by TensorFlow's shared scalar handle must not move
+    to its twin when a tape inside watches the primal (or with no tape at all)."""
+    def run(accumulator, tape_type):
+        x, y = tf.constant(3.0), tf.constant(3.0)
+        with accumulator(x, tf.constant(1.0)) as acc:
+            with tape_type() as tape:
+                tape.watch(x)
+                z, w = x * x, y * y
+            v = y * 2.
+        return [acc.jvp(z), acc.jvp(w), acc.jvp(v), tape.gradient(z, x)]
+
+    want = run(tf.autodiff.ForwardAccumulator, tf.GradientTape)
+    got = run(oh.ForwardAccumulator, oh.GradientTape)
+    assert [None if t is None else float(t) for t in got] == \
+        [None if t is None else float(t) for t in want]

@@ -337,3 +337,35 @@ def test_the_record_of_what_ran_is_freed_with_the_outputs(substitute):
     del tape, y, record
     gc.collect()
     assert private() is None
+
+
+class _MatMulThroughTf(oh.OpHandler):
+    """Computes MatMul unchanged, with a TensorFlow call instead of execute_next."""
+
+    def execute(self, op, inputs):
+        if op.type == "MatMul":
+            return [tf.matmul(inputs[0], inputs[1], transpose_a=op.attrs["transpose_a"],
+                              transpose_b=op.attrs["transpose_b"])]
+        return self.next.execute(op, inputs)
+
+
+def test_a_hook_computing_the_op_with_a_tensorflow_call_is_no_substitute_in_a_function():
+    """In a replayed tf.function under a tf.GradientTape the op such a hook builds is a
+    node of the function: it was taken for a substitute (HandlerError) though eagerly the
+    same handler gave TensorFlow's gradient."""
+    a = tf.constant([[1., -2.], [3., 4.]])
+    b = tf.constant([[0.5, -1.], [2., 1.]])
+
+    def body(a, b):
+        return tf.reduce_sum(tf.nn.relu(tf.matmul(a, b)) * a)
+
+    def grads(fn, handler=None):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            with oh.handler(handler) if handler else contextlib.nullcontext():
+                y = fn(a, b)
+        return tape.gradient(y, [a, b])
+
+    want = grads(body)
+    _same(want, grads(body, _MatMulThroughTf()), "eager")
+    _same(want, grads(tf.function(body), _MatMulThroughTf()), "tf.function")

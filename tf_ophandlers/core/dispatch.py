@@ -8,7 +8,6 @@ unrelated stacks are an error naming both stacks and the op.
 import operator
 import re
 import threading
-import weakref
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
@@ -65,9 +64,15 @@ def execute(op, inputs):
         # physical (as in copy_to_device below) and are copied on where they are used.
         # Tracing handlers ask `is_python_constant` (constants of a trace, not inputs).
         t = inputs[0]
-        # (Scalars: bounded for a loop converting ever new Python floats.)
-        store = _python_scalars if t._shape_tuple() == () else _python_constants  # pylint: disable=protected-access
-        store[_C.tensor_key(t)] = _weakref(t)
+        if t._shape_tuple() == ():  # pylint: disable=protected-access
+            # TensorFlow's scalar cache holds this handle (later uses of the same Python
+            # scalar never reach the dispatcher again), so the key, kept with the value,
+            # is enough: no tensor is held. (Bounded for a loop converting ever new floats.)
+            _python_scalars[_C.tensor_key(t)] = _scalar_identity(t)
+        elif _collectors[0]:
+            # Converted at each use and read at once by the op that uses it; held only
+            # while a scope that asks is open (`collect_python_constants`).
+            _python_constants[_C.tensor_key(t)] = t
         return inputs
     if op.requested_device == DISPATCHER_DEVICE and (state.current is not PHYSICAL
                                                      or state.frames):
@@ -83,24 +88,40 @@ def execute(op, inputs):
 
 
 # Python constants created under handler scopes, for tracing handlers (constants of a
-# trace, not inputs). Scalars are converted once and kept in TensorFlow's C++ scalar
-# cache, so later uses never reach the dispatcher again: many are remembered (they are
-# small). Other constants are converted at each use: the latest ones are enough. The
-# tensors are held weakly (the program decides their lifetime): an entry counts while
-# its tensor lives, whose key no other tensor can have meanwhile.
+# trace, not inputs). Scalars: key -> (dtype, value), for every scalar (TensorFlow's
+# scalar cache keeps their handles alive, so a key stays that constant's while listed;
+# the value is checked again on lookup). Other constants: key -> tensor, only while a
+# scope that asks for them is open, and forgotten when the last one closes, so user
+# tensors are not kept alive after it.
 _python_scalars = _cache.BoundedCache("dispatch.python_scalars", 16384)
 _python_constants = _cache.BoundedCache("dispatch.python_constants", 4096)
-_weakref = weakref.ref
+_collectors = [0]  # open scopes asking for non-scalar constants (collect_python_constants)
+
+
+def _scalar_identity(t):
+    return (t._datatype_enum(), t.numpy().item())  # pylint: disable=protected-access
+
+
+def collect_python_constants(delta):
+    """A tracing handler's scope that asks `is_python_constant` about non-scalar
+    constants opens (+1) or closes (-1); the last close forgets them."""
+    _collectors[0] += delta
+    if _collectors[0] <= 0:
+        _collectors[0] = 0
+        _python_constants.clear()
 
 
 def is_python_constant(tensor):
-    """Whether `tensor` is a Python constant TensorFlow converted under a handler scope."""
+    """Whether `tensor` is a Python constant TensorFlow converted under a handler scope
+    (non-scalars: while a `collect_python_constants` scope is open)."""
     key = _C.tensor_key(tensor)
-    for store in (_python_scalars, _python_constants):
-        ref = store.get(key)
-        if ref is not None and ref() is not None:
-            return True
-    return False
+    known = _python_scalars.get(key)
+    if known is not None:
+        try:
+            return tensor._shape_tuple() == () and _scalar_identity(tensor) == known  # pylint: disable=protected-access
+        except Exception:  # pylint: disable=broad-except  (a value that cannot be read)
+            return False
+    return key in _python_constants
 
 
 def copy_to_device(tensor):

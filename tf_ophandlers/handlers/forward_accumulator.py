@@ -41,7 +41,7 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
 from tf_ophandlers.core.state import state
 from tf_ophandlers.core.stack import (
-    current_stack, next_stack, representation_of, stack_of, tensor_key)
+    current_stack, next_stack, own_handle, representation_of, stack_of, tensor_key)
 from tf_ophandlers.handlers import forward_accumulator_custom as _custom
 from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
 from tf_ophandlers.handlers.forward_accumulator_jvp import (
@@ -282,6 +282,10 @@ class ForwardAccumulator(OpHandler):
         if found:
             value.tangent = tangent if value.tangent is None else value.tangent + tangent
             return
+        # A primal holding TensorFlow's cached handle of a Python scalar gets its own
+        # first: that handle is shared by every equal scalar (two tf.constant(3.0)), and
+        # a tape watching the tensor later would swap it away from under this key.
+        own_handle(primal)
         key = _key(primal)
         old = self._watched.get(key)
         # Held weakly, as TensorFlow's accumulator does: a primal the program drops

@@ -112,6 +112,7 @@ class TraceAndExecute(OpHandler):
         if self._depth == 1:
             self._watcher = pywrap_tfe.TFE_Py_VariableWatcherNew()
             tf_patches.acquire("trace variable reads")
+            _dispatch.collect_python_constants(+1)  # (`_ref` asks about constants)
             _open.__dict__.setdefault("traces", []).append(self)
 
     def scope_exited(self):
@@ -121,6 +122,7 @@ class TraceAndExecute(OpHandler):
             if any(t is self for t in traces):
                 traces.remove(self)
                 tf_patches.release("trace variable reads")
+                _dispatch.collect_python_constants(-1)
             self._harvest()
             pywrap_tfe.TFE_Py_VariableWatcherRemove(self._watcher)
             self._watcher = None

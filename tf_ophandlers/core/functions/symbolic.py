@@ -161,13 +161,20 @@ class Replay(Mode, Interpreter, ControlFlow):
                   compute_device):
         target = state.current
         if op_type in PHYSICAL_OPS or id(target) not in self.members:
+            given = inputs
             if any(payload(t) is not None for t in inputs):
                 inputs = [self.to_bottom(t) for t in inputs]
             # A node of the function: placed on the hook's physical device (scope.on_device,
             # tf.device in a hook), as `emit` places nodes and as the op runs eagerly.
             with _ops.device(state.device) if state.device else contextlib.nullcontext():
-                return _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
+                node = _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
                                            attrs, op_def, compute_device)
+            if self._noting and op_type not in PHYSICAL_OPS:
+                # A hook that computes the op it got with a TensorFlow call (tf.matmul in
+                # place of execute_next) ran that op: noted for `check_substitute`.
+                self.executed(Op.create(op_type, **(attrs or {})), list(given),
+                              list(node.outputs))
+            return node
         if op_type in CALL_OPS:
             # A tf.function a hook calls: replayed on the hook's next stack, as eagerly.
             # As for the replay's own body, the interpreter's stack is the bottom: ops

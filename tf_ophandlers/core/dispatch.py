@@ -99,7 +99,8 @@ _collectors = [0]  # open scopes asking for non-scalar constants (collect_python
 
 
 def _scalar_identity(t):
-    return (t._datatype_enum(), t.numpy().item())  # pylint: disable=protected-access
+    value = t.numpy()  # (a string scalar's is bytes, a number's a numpy scalar)
+    return (t._datatype_enum(), value.item() if hasattr(value, "item") else value)  # pylint: disable=protected-access
 
 
 def collect_python_constants(delta):

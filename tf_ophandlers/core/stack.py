@@ -70,6 +70,10 @@ def register_substitute_rule(rule):
 tensor_key = _C.tensor_key
 
 
+# Dtypes no Python scalar converts to (a variable's handle is a resource scalar).
+_NO_PYTHON_SCALAR = frozenset((_dtypes.resource.as_datatype_enum, _dtypes.variant.as_datatype_enum))
+
+
 def own_handle(tensor):
     """Gives `tensor` a TensorHandle of its own (a copy sharing its buffer) when it has
     TensorFlow's cached handle of a Python scalar; returns whether it did.
@@ -81,6 +85,7 @@ def own_handle(tensor):
     return one), so no key of a tensor already keyed changes. The tensor keeps its
     value, dtype, shape, device and TensorFlow id."""
     if type(tensor) is not _EagerTensor or tensor._shape_tuple() != () or (  # pylint: disable=protected-access
+            tensor._datatype_enum() in _NO_PYTHON_SCALAR) or (  # pylint: disable=protected-access
             not _C.handle_shared(tensor)):  # (a cached handle is shared: the cache holds it)
         return False
     start_runtime()  # (the C++ side needs its context)

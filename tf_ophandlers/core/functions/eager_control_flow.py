@@ -24,7 +24,9 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import cond as _cond
 from tensorflow.python.ops import control_flow_switch_case as _switch_case
+from tensorflow.python.ops import tensor_array_ops
 from tensorflow.python.ops import while_loop as _while_loop
+from tensorflow.python.util import nest
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import tf_patches
@@ -76,7 +78,11 @@ class _Undecided(Exception):
 def _while(cond, body, loop_vars, shape_invariants=None, parallel_iterations=10,
            back_prop=True, swap_memory=False, name=None, maximum_iterations=None,
            return_same_structure=False):
-    if not tf.executing_eagerly() or not callable(cond) or not callable(body):
+    if (not tf.executing_eagerly() or not callable(cond) or not callable(body)
+            or any(isinstance(v, tensor_array_ops.TensorArray)
+                   for v in nest.flatten(loop_vars))):
+        # (An eager TensorArray cannot be captured by a staged loop: TensorFlow's own
+        # eager loop runs it, as before; Keras' RNN loops carry them.)
         return _original_while(cond, body, loop_vars, shape_invariants, parallel_iterations,
                                back_prop, swap_memory, name, maximum_iterations,
                                return_same_structure)

@@ -13,6 +13,7 @@ from tensorflow.python.eager import record
 
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
+from tf_ophandlers.handlers.gradient_tape import _SWEEP_MIN
 from conftest import assert_close, assert_same_tensors, package_frames
 
 
@@ -288,9 +289,15 @@ def test_a_long_persistent_tape_drops_tracking_of_outputs_gone(cls):
 
     with cls(persistent=True) as tape:
         y, kept = program(tape)
-    dead = [e for e in tape._tracked.values()  # pylint: disable=protected-access
-            if type(e[0]) is weakref.ref and e[0]() is None]  # pylint: disable=unidiomatic-typecheck
-    assert len(dead) < 1000, len(dead)  # most of the burst's 3000 without the sweep
+    tracked = tape._tracked  # pylint: disable=protected-access
+    live = [e for e in tracked.values()
+            if type(e[0]) is not weakref.ref or e[0]() is not None]  # pylint: disable=unidiomatic-typecheck
+    # The contract is a bound, not a count of dead entries: `_tracked` is keyed by
+    # TensorFlow handle, and a new tensor whose handle reuses a dead one's address takes
+    # its entry, so how many dead entries remain depends on the allocator (the full suite
+    # left 2048 where a lone run leaves a few hundred). Without the sweep the 3000 burst
+    # entries plus 2000 dropped Reshape outputs are kept (≈7000 against ≈2000 live).
+    assert len(tracked) <= max(2 * len(live), _SWEEP_MIN), (len(tracked), len(live))
     with tf.GradientTape(persistent=True) as ref:
         want, want_kept = program(ref)
     assert_close(y, want)

@@ -12,11 +12,17 @@ import tf_ophandlers as oh
 from tf_ophandlers.handlers import forward_accumulator as fa
 from conftest import assert_close, assert_same_tensors, tf_leak_checked
 
-# Tests that also run tf.autodiff.ForwardAccumulator as the reference are not leak-checked:
+# Tests that also run tf.autodiff.ForwardAccumulator as the reference compute the
+# reference first and leak-check only oh.ForwardAccumulator's part (`_leak_checked`):
 # after many distinct ops (test_differential first), TensorFlow's own JVP function cache
 # (forwardprop's relaxed-shape tracing) keeps new TensorShapes at every call, which
-# assert_no_new_tensors counts. The accumulator's own memory is checked in
-# test_autodiff_memory.py and by the decorated tests here.
+# assert_no_new_tensors would count against us.
+
+
+def _leak_checked(check):
+    """Runs `check()` (which computes with the handlers and asserts against references
+    made before) under TensorFlow's two leak checks, after one unchecked warm-up run."""
+    tf_leak_checked(check, warmup=1)()
 
 RNG = np.random.default_rng(0)
 
@@ -34,13 +40,15 @@ def _rand(*shape, positive=False):
     return tf.constant(np.abs(v) + 0.5 if positive else v)
 
 
+def _jvp(acc_type, fn, primals, tangents):
+    with acc_type(primals, tangents) as acc:
+        y = fn(*primals)
+    return y, acc.jvp(y)
+
+
 def _both(fn, primals, tangents):
-    out = []
-    for acc_type in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
-        with acc_type(primals, tangents) as acc:
-            y = fn(*primals)
-        out.append((y, acc.jvp(y)))
-    return out
+    return [_jvp(acc_type, fn, primals, tangents)
+            for acc_type in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator)]
 
 
 PROGRAMS = {
@@ -82,9 +90,13 @@ def test_jvps_equal_tf_forward_accumulator(name):
     fn, shapes = PROGRAMS[name]
     primals = [_rand(*s[:-1], positive=True) if s[-1] == "+" else _rand(*s) for s in shapes]
     tangents = [_rand(*p.shape) for p in primals]
-    (ref_y, ref_j), (y, j) = _both(fn, primals, tangents)
-    assert_close(y, ref_y, 1e-5)
-    assert_same_tensors(ref_j, j)
+    ref_y, ref_j = _jvp(tf.autodiff.ForwardAccumulator, fn, primals, tangents)
+
+    def check():
+        y, j = _jvp(oh.ForwardAccumulator, fn, primals, tangents)
+        assert_close(y, ref_y, 1e-5)
+        assert_same_tensors(ref_j, j)
+    _leak_checked(check)
 
 
 @tf_leak_checked(warmup=1)
@@ -152,30 +164,32 @@ def _f(a):
 
 def test_forward_over_reverse_hessian_vector_product():
     x, vec = _rand(4), _rand(4)
-    results = []
-    for acc_type, tape_type in ((tf.autodiff.ForwardAccumulator, tf.GradientTape),
-                                (oh.ForwardAccumulator, oh.GradientTape)):
+
+    def hvp(acc_type, tape_type):
         with acc_type(x, vec) as acc:
             with tape_type() as tape:
                 tape.watch(x)
                 y = _f(x)
             g = tape.gradient(y, x)
-        results.append(acc.jvp(g))
-    assert_same_tensors(*results)
+        return acc.jvp(g)
+    want = hvp(tf.autodiff.ForwardAccumulator, tf.GradientTape)
+    _leak_checked(lambda: assert_same_tensors(
+        want, hvp(oh.ForwardAccumulator, oh.GradientTape)))
 
 
 def test_reverse_over_forward():
     x, vec = _rand(4), _rand(4)
-    results = []
-    for acc_type, tape_type in ((tf.autodiff.ForwardAccumulator, tf.GradientTape),
-                                (oh.ForwardAccumulator, oh.GradientTape)):
+
+    def grad_of_jvp(acc_type, tape_type):
         with tape_type() as tape:
             tape.watch(x)
             with acc_type(x, vec) as acc:
                 y = _f(x)
             jvp = acc.jvp(y)
-        results.append(tape.gradient(jvp, x))
-    assert_same_tensors(*results)
+        return tape.gradient(jvp, x)
+    want = grad_of_jvp(tf.autodiff.ForwardAccumulator, tf.GradientTape)
+    _leak_checked(lambda: assert_same_tensors(
+        want, grad_of_jvp(oh.ForwardAccumulator, oh.GradientTape)))
 
 
 def test_mixed_with_tensorflow_tape_and_keras_hvp():
@@ -200,14 +214,15 @@ def test_mixed_with_tensorflow_tape_and_keras_hvp():
 
 def test_nested_accumulators_give_second_directional_derivative():
     x, vec = _rand(3), _rand(3)
-    results = []
-    for acc_type in (tf.autodiff.ForwardAccumulator, oh.ForwardAccumulator):
+
+    def second(acc_type):
         with acc_type(x, vec) as outer:
             with acc_type(x, vec) as inner:
                 y = _f(x)
             first = inner.jvp(y)
-        results.append((first, outer.jvp(first)))
-    assert_same_tensors(*results)
+        return first, outer.jvp(first)
+    want = second(tf.autodiff.ForwardAccumulator)
+    _leak_checked(lambda: assert_same_tensors(want, second(oh.ForwardAccumulator)))
 
 
 @tf_leak_checked(warmup=1)
@@ -275,11 +290,17 @@ def test_variable_created_inside_does_not_keep_the_accumulator_alive():
 
 def test_list_input_and_string_ops():
     x = _rand(2)
-    (_, ref), (_, got) = _both(lambda a: tf.add_n([a, a * 2.]) + tf.concat([a, a], 0)[:2]
-                               + tf.stack([a, a])[0], [x], [tf.ones_like(x)])
-    assert_same_tensors(ref, got)
-    with oh.ForwardAccumulator(x, tf.ones_like(x)):
-        tf.print(x, output_stream="file:///dev/null")  # a string op: no tangent, no error
+    ones = tf.ones_like(x)
+
+    def fn(a):
+        return tf.add_n([a, a * 2.]) + tf.concat([a, a], 0)[:2] + tf.stack([a, a])[0]
+    _, ref = _jvp(tf.autodiff.ForwardAccumulator, fn, [x], [ones])
+
+    def check():
+        assert_same_tensors(ref, _jvp(oh.ForwardAccumulator, fn, [x], [ones])[1])
+        with oh.ForwardAccumulator(x, ones):
+            tf.print(x, output_stream="file:///dev/null")  # a string op: no tangent, no error
+    _leak_checked(check)
 
 
 @tf_leak_checked(warmup=1)

@@ -13,12 +13,13 @@ parallel device runs each device's ops on one thread of its own).
 
 One process-wide reentrant lock rather than one per device: a launch may run a handler
 below that launches on other devices (a mesh under a parallel handler), and two threads
-taking per-device locks in different orders could deadlock. Uncontended, it costs one
-acquire and release per launch. Not held around ops whose per-device parts wait for each
-other on threads of their own (collectives): those threads could not take it.
+taking per-device locks in different orders could deadlock. A handler holds it once
+around all the per-device launches of one op (one acquire and release per op when
+uncontended). Not held around ops whose per-device parts wait for each other on threads
+of their own (collectives): those threads could not take it.
 """
 import threading
 
-#: Held around each per-device eager launch of a multi-device handler (reentrant: a
+#: Held around the per-device eager launches of a multi-device handler (reentrant: a
 #: launch may run nested ops, a py_function's body or a copy-off hook).
 LAUNCHES = threading.RLock()

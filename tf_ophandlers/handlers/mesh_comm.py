@@ -173,32 +173,28 @@ class MeshCommunication:
         if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
             # Eager, straight on TensorFlow's devices: one eager op per device.
             op = eager_op or op
-            # Each launch takes turns with other threads' (core/launch_lock.py:
+            # The launches take turns with other threads' (core/launch_lock.py:
             # TensorFlow mixes up the inputs of concurrent ops on a device otherwise).
-            outs = []
-            if args:
-                for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
-                    with LAUNCHES:
-                        outs.append(execute_physical(op, shards, device))
-            else:
-                for device in self.devices:
-                    with LAUNCHES:
-                        outs.append(execute_physical(op, [], device))
+            with LAUNCHES:
+                if args:
+                    outs = [execute_physical(op, shards, device) for device, shards in
+                            zip(self.devices, zip(*[v.shards for v in args]))]
+                else:
+                    outs = [execute_physical(op, [], device) for device in self.devices]
             return list(zip(*outs)) if outs[0] else []
         saved = st.device
         outs = []
         placing = st.mode is not None
         try:
-            if args:
-                for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
-                    st.device = device
-                    shards = placed_constants(shards, device) if placing else list(shards)
-                    with LAUNCHES:
+            with LAUNCHES:
+                if args:
+                    for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
+                        st.device = device
+                        shards = placed_constants(shards, device) if placing else list(shards)
                         outs.append(below.execute(op, shards))
-            else:
-                for device in self.devices:
-                    st.device = device
-                    with LAUNCHES:
+                else:
+                    for device in self.devices:
+                        st.device = device
                         outs.append(below.execute(op, []))
         finally:
             st.device = saved

@@ -424,12 +424,13 @@ class ParallelHandler(OpHandler):
                 _state.mode is None or not _state.mode.building()):
             per_device = _collectives.run_concurrently(self, below, op, inputs)
         else:
-            # Each launch takes turns with other threads' (core/launch_lock.py:
+            # The launches take turns with other threads' (core/launch_lock.py:
             # TensorFlow mixes up the inputs of concurrent ops on a device otherwise).
             per_device = []
-            for i, device in enumerate(self.components):
-                with _scope.on_device(device), LAUNCHES:
-                    per_device.append(below.execute(op, [v.components[i] for v in inputs]))
+            with LAUNCHES:
+                for i, device in enumerate(self.components):
+                    with _scope.on_device(device):
+                        per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
 
 

@@ -36,6 +36,7 @@ from tensorflow.python.framework import op_def_registry
 from tf_ophandlers.core import copies
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope
+from tf_ophandlers.core.launch_lock import LAUNCHES
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
@@ -377,7 +378,7 @@ class Mesh(MeshCommunication, OpHandler):
                              "gathered to full tensors and its outputs replicated (reported "
                              "once per op type)", op.type, [v.layout for v in inputs])
         full = [v.shards[0] if v.replicated else self.gather_full(v) for v in inputs]
-        with scope.on_device(self.devices[0]):
+        with scope.on_device(self.devices[0]), LAUNCHES:
             outs = below.execute(op, full)
         result = []
         for o in outs:

@@ -29,6 +29,7 @@ from tensorflow.python.framework import device_spec, op_def_registry
 
 from tf_ophandlers.core import scope
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
+from tf_ophandlers.core.launch_lock import LAUNCHES
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical, next_stack, stack_of)
@@ -112,6 +113,31 @@ def host_memory_devices(devices):
         specs[0].job, specs[0].replica, specs[0].task) for s in specs)
 
 
+class _OnDevice:
+    """`scope.on_device(device)` holding `LAUNCHES` (core/launch_lock.py): the
+    TensorFlow calls of a rule on one mesh device take turns with other threads'."""
+
+    __slots__ = ("_placement",)
+
+    def __init__(self, device):
+        self._placement = scope.on_device(device)
+
+    def __enter__(self):
+        LAUNCHES.acquire()
+        try:
+            self._placement.__enter__()
+        except BaseException:
+            LAUNCHES.release()
+            raise
+        return self
+
+    def __exit__(self, *exc_info):
+        try:
+            return self._placement.__exit__(*exc_info)
+        finally:
+            LAUNCHES.release()
+
+
 class MeshCommunication:
     """Launches and communication for `Mesh` (needs `devices`, `dims`, `_index`,
     `_coords`, `_groups`, `shares_host_memory` and `_per_op`)."""
@@ -120,7 +146,7 @@ class MeshCommunication:
         """A scope placing the TensorFlow calls of a rule on one mesh device (in a
         replayed function too: core/functions/symbolic.py places the nodes a hook
         creates on the hook's device)."""
-        return scope.on_device(self.devices[device_index])
+        return _OnDevice(self.devices[device_index])
 
     def run(self, op, args, eager_op=None, distinct=False):
         """Runs `op` on every device's shards of `args` (MeshValues); a list per output
@@ -147,25 +173,29 @@ class MeshCommunication:
         if below is PHYSICAL and st.mode is None and op.type not in COPY_OPS:
             # Eager, straight on TensorFlow's devices: one eager op per device.
             op = eager_op or op
-            if args:
-                outs = [execute_physical(op, shards, device) for device, shards in
-                        zip(self.devices, zip(*[v.shards for v in args]))]
-            else:
-                outs = [execute_physical(op, [], device) for device in self.devices]
+            # The launches take turns with other threads' (core/launch_lock.py:
+            # TensorFlow mixes up the inputs of concurrent ops on a device otherwise).
+            with LAUNCHES:
+                if args:
+                    outs = [execute_physical(op, shards, device) for device, shards in
+                            zip(self.devices, zip(*[v.shards for v in args]))]
+                else:
+                    outs = [execute_physical(op, [], device) for device in self.devices]
             return list(zip(*outs)) if outs[0] else []
         saved = st.device
         outs = []
         placing = st.mode is not None
         try:
-            if args:
-                for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
-                    st.device = device
-                    shards = placed_constants(shards, device) if placing else list(shards)
-                    outs.append(below.execute(op, shards))
-            else:
-                for device in self.devices:
-                    st.device = device
-                    outs.append(below.execute(op, []))
+            with LAUNCHES:
+                if args:
+                    for device, shards in zip(self.devices, zip(*[v.shards for v in args])):
+                        st.device = device
+                        shards = placed_constants(shards, device) if placing else list(shards)
+                        outs.append(below.execute(op, shards))
+                else:
+                    for device in self.devices:
+                        st.device = device
+                        outs.append(below.execute(op, []))
         finally:
             st.device = saved
         return list(zip(*outs)) if outs and outs[0] else []
@@ -189,13 +219,15 @@ class MeshCommunication:
         st = state
         below = next_stack()
         if below is PHYSICAL and st.mode is None:
-            return execute_physical(eager_op or op, inputs, self.devices[device_index])
+            with LAUNCHES:
+                return execute_physical(eager_op or op, inputs, self.devices[device_index])
         saved = st.device
         st.device = device = self.devices[device_index]
         try:
             if st.mode is not None:
                 inputs = placed_constants(inputs, device)
-            return below.execute(op, inputs)
+            with LAUNCHES:
+                return below.execute(op, inputs)
         finally:
             st.device = saved
 
@@ -320,12 +352,14 @@ class MeshCommunication:
     def _copy_to(below, tensor, device):
         st = state
         if below is PHYSICAL and st.mode is None:
-            (copy,) = execute_physical(raw_op("Identity", tensor.dtype), [tensor], device)
+            with LAUNCHES:
+                (copy,) = execute_physical(raw_op("Identity", tensor.dtype), [tensor], device)
             return copy
         saved = st.device
         st.device = device
         try:
-            (copy,) = below.execute(raw_op("Identity", tensor.dtype), [tensor])
+            with LAUNCHES:
+                (copy,) = below.execute(raw_op("Identity", tensor.dtype), [tensor])
         finally:
             st.device = saved
         return copy

@@ -20,6 +20,7 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import functions, scope
 from tf_ophandlers.core.cache import LRUCache
+from tf_ophandlers.core.launch_lock import LAUNCHES
 from tf_ophandlers.core.op import Op  # noqa: F401  (the docstring's example)
 from tf_ophandlers.core.stack import PHYSICAL
 
@@ -76,7 +77,7 @@ class PerOpCalls:
             _calls[key] = call
         if call is False:
             return None
-        with scope.on_device(self.devices[0]):
+        with scope.on_device(self.devices[0]), LAUNCHES:
             flat = call.run(PHYSICAL, [t for args in per_device_args for t in args])
         k = len(flat) // len(self.devices)
         return [tuple(flat[i * k + j] for i in range(len(self.devices))) for j in range(k)]

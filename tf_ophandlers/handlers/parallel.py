@@ -34,6 +34,7 @@ from tf_ophandlers.core import copies as _copies
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.launch_lock import LAUNCHES
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
@@ -125,7 +126,7 @@ def _checked_components(components):
 
 def _copy_to(next_stack, tensor, device):
     """`tensor` as a tensor of `next_stack` on physical `device` (an Identity there)."""
-    with _scope.on_device(device):
+    with _scope.on_device(device), LAUNCHES:
         (copy,) = next_stack.execute(Op.cached("Identity", T=tensor.dtype), [tensor])
     return copy
 
@@ -360,7 +361,7 @@ class ParallelHandler(OpHandler):
         # The gradient of a broadcast sums the components, on the original device.
         below = next_stack()
         op = Op.cached("AddN", N=len(value.components), T=value.components[0].dtype)
-        with _scope.on_device(original_device or self.components[0]):
+        with _scope.on_device(original_device or self.components[0]), LAUNCHES:
             (total,) = below.execute(op, list(value.components))
         return total
 
@@ -423,10 +424,13 @@ class ParallelHandler(OpHandler):
                 _state.mode is None or not _state.mode.building()):
             per_device = _collectives.run_concurrently(self, below, op, inputs)
         else:
+            # The launches take turns with other threads' (core/launch_lock.py:
+            # TensorFlow mixes up the inputs of concurrent ops on a device otherwise).
             per_device = []
-            for i, device in enumerate(self.components):
-                with _scope.on_device(device):
-                    per_device.append(below.execute(op, [v.components[i] for v in inputs]))
+            with LAUNCHES:
+                for i, device in enumerate(self.components):
+                    with _scope.on_device(device):
+                        per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
 
 

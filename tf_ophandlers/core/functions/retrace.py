@@ -169,9 +169,10 @@ class SymbolicRecord:
     """What a substituting hook ran for one op while a body is re-traced: its inputs and
     outputs as nodes of the function (the bottom), for the tape's backward pass."""
 
-    __slots__ = ("op_type", "sources", "targets")
+    __slots__ = ("stack", "op_type", "sources", "targets")
 
-    def __init__(self, op_type, sources, targets):
+    def __init__(self, stack, op_type, sources, targets):
+        self.stack = stack  # the stack of the substituting handler
         self.op_type = op_type
         self.sources = sources  # per op input: a bottom tensor, or None
         self.targets = targets  # per op output: a bottom tensor, or None
@@ -194,9 +195,13 @@ class SymbolicRecord:
                        for t, g in zip(targets, grad_ys)]
             got = iter(_gradients_util._GradientsHelper(  # pylint: disable=protected-access
                 targets, sources, grad_ys))
-            return [None if s is None else next(got) for s in self.sources]
+            grads = [None if s is None else next(got) for s in self.sources]
         finally:
             state.current = saved
+        # As tensors of the handler's stack, like the gradients of the ops it ran as they
+        # were (code that checks that its gradients share one graph: tf.custom_gradient
+        # in Keras's gradient all-reduce).
+        return [None if g is None else self.stack.copy_on(g) for g in grads]
 
 
 def bottom_value(tensor):

@@ -180,7 +180,7 @@ class Replay(Mode, Interpreter, ControlFlow):
             return  # the hook ran the op it got on its inputs
         self.substituted = self.substituted or (stack.handler.debug_string(), op.type)
         if self.retracing:
-            self._record(op, values, outputs)
+            self._record(stack, op, values, outputs)
             return
         name = getattr(op, "node_name", "") or ""
         if name.startswith("gradient_tape/") or not self.gradient_node():
@@ -201,14 +201,14 @@ class Replay(Mode, Interpreter, ControlFlow):
         reason = _retrace.why_not(self.name, self.scope_placed)
         return " (It could not be re-traced: %s.)" % reason if reason else ""
 
-    def _record(self, op, values, outputs):
+    def _record(self, stack, op, values, outputs):
         """Keeps what a substituting hook ran for `op` while the body is re-traced, for
         the tape inside it (only while a TensorFlow tape records)."""
         if _tape_set_is_empty():
             return
         sources = [_retrace.bottom_value(v) for v in values]
         targets = [_retrace.bottom_value(o) for o in outputs]
-        record = _retrace.SymbolicRecord(op.type, sources, targets)
+        record = _retrace.SymbolicRecord(stack, op.type, sources, targets)
         self._kept.append((values, outputs))
         for o in outputs:
             self._records[id(o)] = record

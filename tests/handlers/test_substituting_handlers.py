@@ -308,6 +308,23 @@ def test_a_retraced_function_is_not_kept_alive():
     assert ref() is None and fn() is None
 
 
+def test_control_flow_in_a_retraced_body_is_refused_clearly(substitute):
+    # Re-tracing builds the body's ops on the handlers' tensors; tf.cond's branches would
+    # capture them (the message blamed a handler hook and suggested tf.where).
+    def program(x, w):
+        h = tf.nn.relu(tf.matmul(x, w))
+        h = tf.cond(tf.reduce_sum(h) > 0, lambda: h * 2.0, lambda: h)
+        return tf.reduce_sum(h, axis=1)
+
+    x, w = _inputs()
+    step = _step(program)
+    with pytest.raises(oh.HandlerError, match=r"function __inference_step_\d+ holds gradient "
+                       r"ops and runs under .*LeakyRelu.*control flow"):
+        with substitute():
+            step(x, w)
+    _same(_step(program)(x, w), step(x, w), "the step after the refusal")
+
+
 def test_function_with_gradient_ops_and_no_substitution_runs(substitute):
     # The handler substitutes nothing in this step (no Relu): its gradients are right.
     program = lambda x, w: tf.reduce_sum(tf.tanh(tf.matmul(x, w)) * 2.0, axis=1)  # noqa: E731

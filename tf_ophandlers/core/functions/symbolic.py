@@ -341,6 +341,16 @@ def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, na
     replay = mode if isinstance(mode, Replay) else None
     if replay is None or id(self) not in replay.graphs:
         if replay is not None and any(replay.payload(t) is not None for t in inputs):
+            if replay.retracing and not state.frames:
+                raise errors.HandlerError(
+                    "tf_ophandlers: function %s holds gradient ops and runs under %s, which "
+                    "may change what ops compute, so its Python body is traced again under "
+                    "the handlers; there it builds control flow (tf.cond, tf.while_loop, "
+                    "autograph's if/while on tensors) on their tensors, which a re-trace "
+                    "does not support. Compute the gradient eagerly (Keras run_eagerly=True, "
+                    "a tape outside the handler's scope), or declare changes_computation = "
+                    "False if the handler computes every op unchanged." % (
+                        replay.name, replay.segment[0].handler.debug_string()))
             raise errors.HandlerError(
                 "tf_ophandlers: while replaying %s, a handler hook built a nested graph "
                 "(tf.cond, tf.while_loop, tf.function tracing) on tensors of handler stack "

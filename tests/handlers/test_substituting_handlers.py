@@ -253,6 +253,19 @@ def test_function_with_gradient_ops_is_retraced_under_a_substitute(substitute):
         _same(relu_want, step(x, w), "the step under OpLogHandler")
 
 
+def test_a_function_traced_before_the_runtime_noted_traces_is_retraced():
+    # A step traced before the first handler scope opened (no note of its Python
+    # function) was refused; it is found among the live tf.function objects.
+    from tf_ophandlers.core.functions import retrace
+    x, w = _inputs()
+    step = _step(_relu_program)
+    step(x, w)
+    retrace._sources.clear()  # pylint: disable=protected-access  (as before any scope)
+    with PyLeakyRelu():
+        got = step(x, w)
+    _same(_step(lambda x, w: _relu_program(x, w, _leaky))(x, w), got, "found by a scan")
+
+
 def _counted_step(program):
     traces = []
 
@@ -297,15 +310,22 @@ def test_pass_through_handlers_replay_without_retracing(substitute):
 def test_a_retraced_function_is_not_kept_alive():
     import gc
     import weakref
+    from tf_ophandlers.core import functions
     x, w = _inputs()
     step = _step(_relu_program)
+    step(x, w)
+    gc.collect()
+    before = functions.cache_info()
     with PyLeakyRelu():
         step(x, w)
+    assert functions.cache_info() == before + 1  # the re-traced replay
     ref = weakref.ref(step)
     fn = weakref.ref(step.python_function)
     del step
     gc.collect()
     assert ref() is None and fn() is None
+    # its replay (holding what the body captured) goes with the function
+    assert functions.cache_info() == before
 
 
 def test_control_flow_in_a_retraced_body_is_refused_clearly(substitute):

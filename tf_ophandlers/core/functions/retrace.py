@@ -15,14 +15,17 @@ and TensorFlow's gradient function (handlers/substitutes.py) takes the symbolic
 gradient of those nodes (`tf.gradients`) in place of the called op's.
 
 The Python function behind a traced function's name is noted when TensorFlow traces it
-(one patch, from the first handler scope on): a weak reference, so a dropped
+(one patch, from the first handler scope on; a function traced before is looked for
+once among the live `tf.function` objects): a weak reference, so a dropped
 `tf.function` is not kept alive. Handlers that declare `changes_computation = False`
 never re-trace. The re-traced function is cached like any replay (call.py's key: the
 function's name, argument summaries and specs, the handlers' cache keys and types).
 """
+import gc
 import weakref
 
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework.tensor import Tensor as _Tensor
@@ -39,6 +42,7 @@ from tf_ophandlers.core.state import state
 # Inference function name -> (weak reference to the Python function TensorFlow traced,
 # the ConcreteFunction's FunctionType). Names are unique in the eager context.
 _sources = BoundedCache("functions.retrace_sources", 2048)
+_scanned = BoundedCache("functions.retrace_scanned", 256)  # names looked for by `_scan`
 _on_retrace = []  # callbacks run before a re-trace (handlers/substitutes.py's patch)
 
 
@@ -82,10 +86,42 @@ tf_patches.register(
     "runtime", _install, None)
 
 
+def _scan(name):
+    """Notes the Python functions of the `tf.function` that traced `name` before the
+    patch above was installed (a step called once before the first handler scope
+    opened), found among the live `tf.function` objects: a walk of the garbage
+    collector's objects, once per such function (what it finds is noted)."""
+    if name in _scanned:
+        return
+    _scanned[name] = True
+    for obj in gc.get_objects():
+        if not isinstance(obj, _polymorphic.Function):
+            continue
+        configs = [c for c in (getattr(obj, "_no_variable_creation_config", None),
+                               getattr(obj, "_variable_creation_config", None))
+                   if c is not None]
+        if not configs:
+            continue
+        names = {}
+        try:
+            for concrete in configs[0].function_cache.values():
+                names[_as_str(concrete._inference_function.name)] = concrete  # pylint: disable=protected-access
+        except (AttributeError, TypeError):
+            continue
+        if name in names:
+            fn = configs[0].python_function  # (autograph's conversion, as traced)
+            for other, concrete in names.items():
+                _sources[other] = (weakref.ref(fn), concrete.function_type)
+            return
+
+
 def source(name):
-    """(python_function, function_type) of traced function `name`, or None (traced
-    before the first handler scope opened, or its tf.function is gone)."""
+    """(python_function, function_type) of traced function `name`, or None (its
+    tf.function is gone)."""
     entry = _sources.get(name)
+    if entry is None:
+        _scan(name)
+        entry = _sources.get(name)
     if entry is None:
         return None
     fn = entry[0]()

@@ -137,8 +137,7 @@ def why_not(name, scope_placed):
                 "the scope's handlers)")
     found = source(name)
     if found is None:
-        return ("its Python function is unknown (traced before the first handler scope "
-                "opened, or its tf.function is gone)")
+        return "its Python function is unknown (its tf.function is gone)"
     for p in found[1].parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             return "its signature has variable-length parameters"

@@ -366,6 +366,19 @@ def test_tf_tape_over_a_function_call_refuses_a_substitute(substitute):
                 f(x, w)
 
 
+def test_tf_tape_over_a_step_holding_gradient_ops_refuses_a_substitute(substitute):
+    # Re-tracing cannot help: TensorFlow's tape outside builds the call's backward
+    # function from the traced body. The refusal says so.
+    x, w = _inputs()
+    step = _step(_relu_program)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with substitute():
+            with pytest.raises(oh.HandlerError, match=r"op Relu.*TensorFlow tape outside "
+                               r"records the call"):
+                step(x, w)
+
+
 def test_oh_tape_over_a_function_call_gives_the_substitute_gradient(substitute):
     want = _tf_tape(lambda x, w: _relu_program(x, w, _leaky), None)
     got = _oh_tape(tf.function(_relu_program, autograph=False), substitute)

@@ -36,11 +36,14 @@ from tensorflow.python.util import nest as _nest
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.functions import call_records as _call_records
+from tf_ophandlers.core.functions import library
 from tf_ophandlers.core.stack import payload
 from tf_ophandlers.core.state import state
 
-# Inference function name -> (weak reference to the Python function TensorFlow traced,
-# the ConcreteFunction's FunctionType). Names are unique in the eager context.
+# Inference function name -> weak references to the Python function TensorFlow traced
+# and to its ConcreteFunction (whose FunctionType, kept, would keep TensorShapes and specs
+# of every function ever traced). Names are unique in the eager context.
 _sources = BoundedCache("functions.retrace_sources", 2048)
 _scanned = BoundedCache("functions.retrace_scanned", 256)  # names looked for by `_scan`
 _on_retrace = []  # callbacks run before a re-trace (handlers/substitutes.py's patch)
@@ -64,7 +67,7 @@ def _create_concrete_function(function_type, type_context, func_graph, tracing_o
     try:
         python_function = tracing_options.python_function
         name = _as_str(concrete._inference_function.name)  # pylint: disable=protected-access
-        _sources[name] = (weakref.ref(python_function), concrete.function_type)
+        _sources[name] = (weakref.ref(python_function), weakref.ref(concrete))
     except (AttributeError, TypeError):
         pass  # (not weakly referenceable, or no inference function: no re-trace)
     return concrete
@@ -111,7 +114,7 @@ def _scan(name):
         if name in names:
             fn = configs[0].python_function  # (autograph's conversion, as traced)
             for other, concrete in names.items():
-                _sources[other] = (weakref.ref(fn), concrete.function_type)
+                _sources[other] = (weakref.ref(fn), weakref.ref(concrete))
             return
 
 
@@ -124,10 +127,18 @@ def source(name):
         entry = _sources.get(name)
     if entry is None:
         return None
-    fn = entry[0]()
-    if fn is None:
+    fn, concrete = entry[0](), entry[1]()
+    if fn is None or concrete is None:
         return None
-    return fn, entry[1]
+    return fn, concrete.function_type
+
+
+def _released(name):
+    _sources.pop(name, None)
+    _scanned.pop(name, None)
+
+
+library.on_release(_released)  # (the names of a dropped tf.function)
 
 
 def why_not(name, scope_placed):
@@ -135,6 +146,10 @@ def why_not(name, scope_placed):
     if not scope_placed:
         return ("its call was not placed by a handler scope (re-tracing runs the body in "
                 "the scope's handlers)")
+    if _call_records.is_forward_call(name):
+        # TensorFlow's tape outside builds the call's backward function from the traced
+        # body, whatever the replay runs (call.py refuses that call anyway).
+        return "a TensorFlow tape outside records the call"
     found = source(name)
     if found is None:
         return "its Python function is unknown (its tf.function is gone)"

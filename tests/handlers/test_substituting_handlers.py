@@ -253,6 +253,21 @@ def test_function_with_gradient_ops_is_retraced_under_a_substitute(substitute):
         _same(relu_want, step(x, w), "the step under OpLogHandler")
 
 
+@pytest.mark.parametrize("order", ["substitute_outside", "substitute_inside"])
+def test_a_retraced_step_with_a_transparent_handler_on_the_stack(substitute, order):
+    # The record of what ran is found through the representations of the handler above
+    # (or the substitute's outputs are below a logging handler).
+    x, w = _inputs()
+    want = _step(lambda x, w: _relu_program(x, w, _leaky))(x, w)
+    step = _step(_relu_program)
+    outer, inner = ((substitute, oh.OpLogHandler) if order == "substitute_outside"
+                    else (oh.OpLogHandler, substitute))
+    with outer():
+        with inner():
+            got = step(x, w)
+    _same(want, got, "step under %s" % order)
+
+
 def test_a_function_traced_before_the_runtime_noted_traces_is_retraced():
     # A step traced before the first handler scope opened (no note of its Python
     # function) was refused; it is found among the live tf.function objects.

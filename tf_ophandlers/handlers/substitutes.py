@@ -29,8 +29,10 @@ from tensorflow.python.ops import array_ops
 
 from tf_ophandlers.core import errors, tf_patches
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.scope import handler as _scope, physical as _physical
+from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.core.stack import (
     current_stack, payload, register_substitute_rule, representation_of, stack_of)
 from tf_ophandlers.handlers.gradient_tape import GradientTape
@@ -98,6 +100,13 @@ def _gradient_function(op_name, attr_tuple, num_inputs, inputs, outputs, out_gra
     if seen is not None and op_name == seen[0]:
         seen.append(tuple(o is not None for o in outputs or ()))
         return [None] * num_inputs
+    mode = _state.mode
+    if mode is not None and getattr(mode, "retracing", False):
+        # The tape inside a function body re-traced under the handler (core/functions/
+        # retrace.py): the record of what ran is kept by the replay.
+        got = mode.substitute_gradients(op_name, num_inputs, inputs, outputs, out_grads)
+        if got is not None:
+            return got
     for o in outputs or ():
         if o is not None:
             record = _record_of(o)
@@ -245,3 +254,4 @@ def run_recorded(stack, op, values):
 
 
 register_substitute_rule(run_recorded)
+_retrace.on_retrace(lambda: tf_patches.ensure("substitute gradients"))

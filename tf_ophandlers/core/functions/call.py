@@ -40,6 +40,7 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.functions import call_records, library
+from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions import ungated as _ungated
 from tf_ophandlers.core.functions.control_flow import as_list
 from tf_ophandlers.core.functions.representations import (
@@ -350,6 +351,11 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
     replay = Replay(segment, bottom, scope_placed, name)
     output_trees = []
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in leaves]
+    # A substituting handler over a function holding gradient ops: its Python body is
+    # traced again under the handlers, so the tape inside records what they run. Other
+    # replays (pass-through handlers) interpret the traced body.
+    retrace = bool(replay.substituting and replay.gradient_node()
+                   and not _retrace.why_not(name, scope_placed))
 
     def replayed(*placeholders):
         graph = _ops.get_default_graph()
@@ -369,7 +375,11 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
         # (an accumulator: zero tangents, as TensorFlow's JVP of a call)
         joins = None if name in _op_by_op else call_joins(trees, segment)
         args = [rebuild(t, segment, it, joins) for t in trees]
-        outs = [replay.lower(o) for o in replay.interpret(body, args)]
+        if retrace:  # the Python body, under the segment's handlers (retrace.py)
+            outs = _retrace.run_body(replay, name, args, len(body.outputs))
+        else:
+            outs = replay.interpret(body, args)
+        outs = [replay.lower(o) for o in outs]
         flat = []
         output_trees.extend(split(o, segment, graph_leaf, flat) for o in outs)
         return flat

@@ -9,14 +9,17 @@ traces (tf_patches "FuncGraph._create_op_internal").
 """
 import contextlib
 
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework.tensor import Tensor as _Tensor
 from tensorflow.python.ops import array_ops as _array_ops
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions.control_flow import ControlFlow
 from tf_ophandlers.core.functions.interpreter import CALL_OPS, PHYSICAL_OPS, Interpreter
 from tf_ophandlers.core.functions.library import body as function_body
@@ -25,6 +28,21 @@ from tf_ophandlers.core.stack import payload
 from tf_ophandlers.core.state import Mode, state
 
 _PAYLOAD_ATTR = "_oh_payload"
+_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
+
+
+def _chain(tensor):
+    """`tensor` and its representations down the stacks (while they are tensors)."""
+    chain = [tensor]
+    p = payload(tensor)
+    while p is not None and isinstance(p[1], _Tensor):
+        chain.append(p[1])
+        p = payload(p[1])
+    return chain
+
+
+def _as_str(value):
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _gradient_node(name, seen):
@@ -52,6 +70,18 @@ def _gradient_node(name, seen):
     return ""
 
 
+def _folded(inputs, constants):
+    """Whether an op created while a body is re-traced computes on constants only (the
+    shape arithmetic TensorFlow's Python code evaluates while tracing, as gradient
+    functions do with `tensor_util.try_evaluate_constant`): it becomes a node, which
+    TensorFlow can fold, not an op of the handlers (whose shadow tensors it cannot).
+    `constants`: ids of the nodes made so (constant too)."""
+    return bool(inputs) and all(
+        isinstance(t, _Tensor) and payload(t) is None and (
+            id(t) in constants or getattr(t.op, "type", "") == "Const")
+        for t in inputs)
+
+
 class Replay(Mode, Interpreter, ControlFlow):
     """State of one replay being traced; `state.mode` while it is active."""
 
@@ -69,7 +99,15 @@ class Replay(Mode, Interpreter, ControlFlow):
         # What a substituting handler changed, (handler text, op type) ("": nothing); noted
         # only when the segment has such a handler (HandlerStack._substituting).
         self.substituted = ""
-        self._noting = any(getattr(s, "_substituting", False) for s in segment)
+        self._noting = self.substituting = any(
+            getattr(s, "_substituting", False) for s in segment)
+        # While the function's Python body is re-traced (retrace.py): what substituting
+        # hooks ran, for the backward pass of the tape inside the body.
+        self.retracing = False
+        self._records = {}  # id(hook output) -> SymbolicRecord
+        self._records_by_inputs = {}  # (op type, ids of hook inputs) -> SymbolicRecord
+        self._kept = []  # the keys' objects, alive while the replay is traced
+        self._constants = set()  # ids of nodes computed from constants only (`_folded`)
 
     def building(self):
         """Whether ops are being added to this replay (not eager code inside it)."""
@@ -141,6 +179,9 @@ class Replay(Mode, Interpreter, ControlFlow):
         if all(self._made.get(id(o)) == made for o in outputs):
             return  # the hook ran the op it got on its inputs
         self.substituted = self.substituted or (stack.handler.debug_string(), op.type)
+        if self.retracing:
+            self._record(stack, op, values, outputs)
+            return
         name = getattr(op, "node_name", "") or ""
         if name.startswith("gradient_tape/") or not self.gradient_node():
             return  # (a substitute of a gradient op itself is what runs)
@@ -152,15 +193,63 @@ class Replay(Mode, Interpreter, ControlFlow):
             "not that of what ran. Compute the gradient eagerly (tf.GradientTape or "
             "oh.GradientTape outside the handler's scope, Keras run_eagerly=True), or "
             "declare changes_computation = False if the handler computes every op "
-            "unchanged." % (stack.handler.debug_string(), op.type, name or "?", self.name,
-                            self.gradient_node(), op.type))
+            "unchanged.%s" % (stack.handler.debug_string(), op.type, name or "?", self.name,
+                              self.gradient_node(), op.type, self.why_not_retraced()))
+
+    def why_not_retraced(self):
+        """Why this function was not re-traced (appended to the refusal above)."""
+        reason = _retrace.why_not(self.name, self.scope_placed)
+        return " (It could not be re-traced: %s.)" % reason if reason else ""
+
+    def _record(self, stack, op, values, outputs):
+        """Keeps what a substituting hook ran for `op` while the body is re-traced, for
+        the tape inside it (only while a TensorFlow tape records)."""
+        if _tape_set_is_empty():
+            return
+        sources = [_retrace.bottom_value(v) for v in values]
+        targets = [_retrace.bottom_value(o) for o in outputs]
+        record = _retrace.SymbolicRecord(stack, op.type, sources, targets)
+        self._kept.append((values, outputs))
+        for o in outputs:
+            self._records[id(o)] = record
+        self._records_by_inputs[(op.type, tuple(id(v) for v in values))] = record
+
+    def substitute_gradients(self, op_name, num_inputs, inputs, outputs, out_grads):
+        """The gradient of what a substituting hook ran for a recorded op (the tape inside
+        a re-traced body, through TensorFlow's gradient function), or None."""
+        if not self._records:
+            return None
+        record = None
+        for o in outputs or ():
+            for t in _chain(o):
+                record = self._records.get(id(t))
+                if record is not None:
+                    break
+            if record is not None:
+                break
+        if record is None and inputs and all(t is not None for t in inputs):
+            chains = [_chain(t) for t in inputs]
+            for level in range(min(len(c) for c in chains)):
+                record = self._records_by_inputs.get(
+                    (op_name, tuple(id(c[level]) for c in chains)))
+                if record is not None:
+                    break
+        if record is None or record.op_type != op_name:
+            return None
+        return record.gradients(self, out_grads, num_inputs)
 
     # -- ops created by TensorFlow calls in hooks -----------------------------------------
 
     def create_op(self, graph, op_type, inputs, dtypes, input_types, name, attrs, op_def,
                   compute_device):
         target = state.current
-        if op_type in PHYSICAL_OPS or id(target) not in self.members:
+        if self.retracing:
+            # The Python body's own tensors from outside (a variable's handle, a closed-over
+            # constant) are captured as TensorFlow's graph-op creation does.
+            inputs = [graph.capture(t) if isinstance(t, _ops.EagerTensor)
+                      and payload(t) is None else t for t in inputs]
+        folded = self.retracing and _folded(inputs, self._constants)
+        if op_type in PHYSICAL_OPS or id(target) not in self.members or folded:
             given = inputs
             if any(payload(t) is not None for t in inputs):
                 inputs = [self.to_bottom(t) for t in inputs]
@@ -169,6 +258,9 @@ class Replay(Mode, Interpreter, ControlFlow):
             with _ops.device(state.device) if state.device else contextlib.nullcontext():
                 node = _original_create_op(graph, op_type, inputs, dtypes, input_types, name,
                                            attrs, op_def, compute_device)
+            if folded:
+                self._kept.append(node)
+                self._constants.update(id(o) for o in node.outputs)
             if self._noting and op_type not in PHYSICAL_OPS:
                 # A hook that computes the op it got with a TensorFlow call (tf.matmul in
                 # place of execute_next) ran that op: noted for `check_substitute`.
@@ -186,14 +278,23 @@ class Replay(Mode, Interpreter, ControlFlow):
             # is active: a hook calling a tf.function while the body is interpreted
             # (oh.vectorized_map's pfor conversion of a JVP's op) failed. There is no
             # call op here: its override is lifted while the body runs.
+            callee = _as_str(attrs["f"].func.name)
+            if self.retracing and _gradient_node(callee, set()) and not _retrace.why_not(
+                    callee, True):
+                # A tf.function the re-traced body calls (Keras fit's step inside its
+                # loop function), holding gradient ops: its Python body too, inline.
+                outputs = _retrace.run_body(self, callee, list(inputs), len(dtypes or ()),
+                                            target)
+                return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
             state.current = self.bottom
             override = getattr(graph, "_gradient_function_map", None)
             if override:
                 graph._gradient_function_map = {}  # pylint: disable=protected-access
+            retracing, self.retracing = self.retracing, False  # (its traced body)
             try:
-                outputs = self.interpret(function_body(attrs["f"].func.name), list(inputs),
-                                         target)
+                outputs = self.interpret(function_body(callee), list(inputs), target)
             finally:
+                self.retracing = retracing
                 state.current = target
                 if override:
                     graph._gradient_function_map = override  # pylint: disable=protected-access
@@ -240,6 +341,16 @@ def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, na
     replay = mode if isinstance(mode, Replay) else None
     if replay is None or id(self) not in replay.graphs:
         if replay is not None and any(replay.payload(t) is not None for t in inputs):
+            if replay.retracing and not state.frames:
+                raise errors.HandlerError(
+                    "tf_ophandlers: function %s holds gradient ops and runs under %s, which "
+                    "may change what ops compute, so its Python body is traced again under "
+                    "the handlers; there it builds control flow (tf.cond, tf.while_loop, "
+                    "autograph's if/while on tensors) on their tensors, which a re-trace "
+                    "does not support. Compute the gradient eagerly (Keras run_eagerly=True, "
+                    "a tape outside the handler's scope), or declare changes_computation = "
+                    "False if the handler computes every op unchanged." % (
+                        replay.name, replay.segment[0].handler.debug_string()))
             raise errors.HandlerError(
                 "tf_ophandlers: while replaying %s, a handler hook built a nested graph "
                 "(tf.cond, tf.while_loop, tf.function tracing) on tensors of handler stack "

@@ -41,6 +41,7 @@ from tf_ophandlers.core.stack import (
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import parallel_collectives as _collectives
 from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
+from tf_ophandlers.handlers.parallel_fit import ensure_data_parallel_fit
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
@@ -163,6 +164,7 @@ class ParallelHandler(OpHandler):
                              "got %r" % (timeout_seconds,))
         self.timeout_seconds = timeout_seconds
         ensure_optimizer_check()
+        ensure_data_parallel_fit()
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
@@ -460,13 +462,17 @@ def _writes_resource(op):
 
 
 _keys = []
+_GROUP_KEY_START = 1 << 20
 
 
 def _collective_keys():
-    """One key allocator per process: collective instance keys must never repeat."""
+    """One key allocator per process: collective instance keys must never repeat. Its
+    group keys start far above 1, where tf.distribute's own allocators start (a
+    MirroredStrategy's collectives in the same process would otherwise share group and
+    instance keys with ours, and TensorFlow refuses or mismatches the second use)."""
     if not _keys:
         from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
-        _keys.append(cross_device_utils.CollectiveKeys())
+        _keys.append(cross_device_utils.CollectiveKeys(group_key_start=_GROUP_KEY_START))
     return _keys[0]
 
 

@@ -311,7 +311,7 @@ class ParallelHandler(OpHandler):
             options = collective_util.Options(timeout_seconds=self.timeout_seconds or None)
             collective = cross_device_ops.CollectiveAllReduce(
                 devices=list(self.components), group_size=len(self.components),
-                options=options, collective_keys=_collective_keys())
+                options=options, collective_keys=_collectives.collective_keys())
             self.__dict__["_collective_launcher"] = (collective, options)
         from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
         devices = self.components
@@ -472,21 +472,6 @@ def _writes_resource(op):
     return (t.startswith(("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
                           "ResourceStridedSliceAssign"))
             or t in ("DestroyResourceOp",))
-
-
-_keys = []
-_GROUP_KEY_START = 1 << 20
-
-
-def _collective_keys():
-    """One key allocator per process: collective instance keys must never repeat. Its
-    group keys start far above 1, where tf.distribute's own allocators start (a
-    MirroredStrategy's collectives in the same process would otherwise share group and
-    instance keys with ours, and TensorFlow refuses or mismatches the second use)."""
-    if not _keys:
-        from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
-        _keys.append(cross_device_utils.CollectiveKeys(group_key_start=_GROUP_KEY_START))
-    return _keys[0]
 
 
 class _PerComponentSaving:

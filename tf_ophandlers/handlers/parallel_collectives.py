@@ -27,6 +27,21 @@ _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 _meets = BoundedCache("parallel.meets", 4096)
 
 
+_keys = []
+_GROUP_KEY_START = 1 << 20
+
+
+def collective_keys():
+    """One key allocator per process: collective instance keys must never repeat. Its
+    group keys start far above 1, where tf.distribute's own allocators start (a
+    MirroredStrategy's collectives in the same process would otherwise share group and
+    instance keys with ours, and TensorFlow refuses or mismatches the second use)."""
+    if not _keys:
+        from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
+        _keys.append(cross_device_utils.CollectiveKeys(group_key_start=_GROUP_KEY_START))
+    return _keys[0]
+
+
 def meets_across_components(op):
     """Whether the components of `op` wait for each other: a collective op (all-reduce,
     broadcast, gather), or a function whose body or callees hold one. Run one after the

@@ -19,6 +19,7 @@ from tensorflow.python.ops import collective_ops as _collective_ops
 
 from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.stack import current_stack
+from tf_ophandlers.handlers import parallel_collectives as _collectives
 
 _thread = threading.local()  # .replicas: the ParallelHandler whose fit step is traced/run
 
@@ -32,9 +33,9 @@ def data_parallel_handler(model):
     """The innermost multi-component ParallelHandler on the current stack that holds
     `model`'s weights (or will: an unbuilt model is built in the scope), else None (a
     model built outside keeps the optimizer check's PlacementError)."""
-    from tf_ophandlers.handlers.parallel import ParallelHandler  # pylint: disable=import-outside-toplevel
     for h in reversed(current_stack().handlers):
-        if isinstance(h, ParallelHandler) and len(h.components) > 1:
+        # By type name: parallel.py imports this module (an import back would be a cycle).
+        if getattr(h, "TYPE_NAME", None) == "PARALLEL" and len(h.components) > 1:
             weights = [v for v in model.trainable_variables
                        if getattr(v, "handle", None) is not None]
             return h if all(h.holds_variable(v) for v in weights) else None
@@ -85,8 +86,7 @@ def _collective(handler, t):
     """A TensorFlow all-reduce (sum) in a function that runs once per component: each
     component's call holds one member of the collective (the handler runs such calls at
     the same time). Keys from the process's allocator, as `all_reduce` uses."""
-    from tf_ophandlers.handlers.parallel import _collective_keys  # pylint: disable=import-outside-toplevel
-    keys = _collective_keys()
+    keys = _collectives.collective_keys()
     devices = list(handler.components)
     group = keys.get_group_key(devices)
     instance = {keys.get_instance_key(group, d) for d in devices}

@@ -93,3 +93,26 @@ def test_eager_fit_with_an_uneven_split_is_a_clear_error():
             r"run_eagerly=True\) got a batch of 3 examples, which splits unevenly over the "
             r"2 components.*run_eagerly=False")):
         _train(_dense, 11, True, oh.ParallelHandler(DEVICES))
+
+
+def test_steps_per_execution_validation_and_evaluate_match_mirrored_strategy(strategy):
+    """Two steps per compiled call (the split step in Keras's while loop), validation
+    data and `evaluate` (replicated: every component on the whole batch), against
+    MirroredStrategy with one step per call (with two, MirroredStrategy's own fit fails
+    in TensorFlow 2.21 / Keras 3: 'You must feed a value for placeholder tensor')."""
+    def run(scope, steps):
+        keras.utils.set_random_seed(0)
+        with scope:
+            model = _dense()
+            model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"],
+                          steps_per_execution=steps)
+            x, y = _data(11, model)
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False,
+                                validation_data=(x[:5], y[:5])).history
+            return history, model.evaluate(x, y, batch_size=4, verbose=0)
+
+    want, want_eval = run(strategy.scope(), 1)
+    got, got_eval = run(oh.ParallelHandler(DEVICES), 2)
+    for key in ("loss", "mae", "val_loss", "val_mae"):
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+    np.testing.assert_allclose(got_eval, want_eval, rtol=2e-6)

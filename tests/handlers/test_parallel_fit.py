@@ -48,7 +48,8 @@ def strategy():
 
 
 @pytest.mark.parametrize("make,n,run_eagerly", [
-    (_dense, 11, False), (_dense, 9, False), (_conv, 11, False), (_dense, 10, True)])
+    (_dense, 11, False), (_dense, 9, False), (_conv, 11, False), (_dense, 10, True),
+    (_conv, 10, True)])
 def test_fit_matches_mirrored_strategy(strategy, make, n, run_eagerly):
     want, want_w, _ = _train(make, n, run_eagerly, strategy.scope())
     parallel = oh.ParallelHandler(DEVICES)

@@ -14,6 +14,12 @@ Times, in one process, on two logical CPUs (configured before TensorFlow initial
             components), eager `MirroredStrategy.run`, and (information)
             `tf.function`-wrapped `MirroredStrategy.run` and a single-device eager
             `tf.GradientTape` step on the whole batch
+  fit-step  one step of `model.fit` (Keras's compiled train function on the next batch
+            of a repeated dataset, batch 64) of the same MLP compiled with MSE and SGD:
+            built and run in an `oh.ParallelHandler` scope (the batch split over the
+            components, as MirroredStrategy splits it) against the same under
+            `MirroredStrategy.scope()` with its distributed dataset; one device for
+            reference
 
 Before timing, the script checks (untimed) that every method computes what it should:
 per component sums for the adds, data-parallel gradients equal to single-device
@@ -72,9 +78,15 @@ METHODS = {
         ("tff", "tf.function(MirroredStrategy.run) (information)"),
         ("single", "single device, eager tf.GradientTape, full batch (reference)"),
     ),
+    "fit-step": (
+        ("oh", "model.fit step in oh.ParallelHandler (batch split)"),
+        ("ms", "model.fit step under MirroredStrategy"),
+        ("single", "model.fit step, one device, full batch (reference)"),
+    ),
 }
-BASELINE = {"per-op": "pd", "mlp-step": "ms"}  # the TensorFlow counterpart of oh
-BASE_NAME = {"per-op": "ParallelDevice", "mlp-step": "eager MirroredStrategy"}
+BASELINE = {"per-op": "pd", "mlp-step": "ms", "fit-step": "ms"}  # oh's TF counterpart
+BASE_NAME = {"per-op": "ParallelDevice", "mlp-step": "eager MirroredStrategy",
+             "fit-step": "MirroredStrategy's fit step"}
 CASES = (
     # key, title, per-op?, description
     ("per-op", "Per-op cost: tf.add of two parallel 2x2 float32 tensors", True,
@@ -109,7 +121,20 @@ CASES = (
      "*tf.function(MirroredStrategy.run)* is the same call wrapped in a `tf.function`, "
      "traced once before timing (information, no target). *single device* is the same "
      "step with `tf.GradientTape` on the whole batch on one device, for reference."),
+    ("fit-step", "One step of model.fit: the same MLP, batch 64 on 2 devices", False,
+     "The MLP above compiled with `loss=\"mse\"` and `keras.optimizers.SGD(0.01)`, the "
+     "same x, y as a `tf.data` dataset batched by 64 and repeated. One call is one "
+     "step of `model.fit`: Keras's compiled train function (`model.train_function(iterator)`, "
+     "what fit calls per step, traced once before timing) on the next batch. *oh*: model, "
+     "dataset and iterator made in `with parallel:` and every call in it; the step "
+     "splits the batch over the two components (32 + 32), scales the loss by 1/2 and "
+     "all-reduces the gradients and the metric state with TensorFlow's collectives (the "
+     "components run the step function concurrently). *MirroredStrategy*: model "
+     "compiled under `strategy.scope()`, iterator over "
+     "`strategy.experimental_distribute_dataset(dataset)` (as fit makes it). *one "
+     "device*: the same step without either, on the whole batch, for reference."),
 )
+FIT_TARGET_RATIO = 1.0  # fit-step: oh at most MirroredStrategy's time
 TARGET_RATIO = 1.2   # per-op: oh.ParallelHandler at most 1.2x TensorFlow's ParallelDevice
 WARMUP_OPS = 20      # per-op: per (round, configuration), inside the scope, untimed
 WARMUP_CALLS = 3     # mlp-step: per (round, configuration), untimed
@@ -316,9 +341,39 @@ class MlpStep:
         return out
 
 
+class FitStep:
+    """fit-step for one method: its own compiled model and iterator."""
+
+    case = "fit-step"
+
+    def __init__(self, w, key):
+        self.w, self.key = w, key
+        self.times = []
+        self.scope = (lambda: w.parallel) if key == "oh" else contextlib.nullcontext
+        outer = w.strategy.scope() if key == "ms" else self.scope()
+        with outer:
+            self.model, _ = make_mlp()
+            self.model.compile(keras.optimizers.SGD(LR), "mse")
+            data = tf.data.Dataset.from_tensor_slices((w.x, w.y)).batch(B).repeat()
+            if key == "ms":
+                data = w.strategy.experimental_distribute_dataset(data)
+            self.iterator = iter(data)
+            self.model.make_train_function()
+
+    def call(self):
+        with self.scope():
+            return self.model.train_function(self.iterator)
+
+    def run(self, n):
+        return _common.warm_time(self.call, WARMUP_CALLS, n)
+
+    weights = MlpStep.weights
+
+
 def make_configs(w):
     return ([AddPerOp(w, key) for key, _ in METHODS["per-op"]] +
-            [MlpStep(w, key) for key, _ in METHODS["mlp-step"]])
+            [MlpStep(w, key) for key, _ in METHODS["mlp-step"]] +
+            [FitStep(w, key) for key, _ in METHODS["fit-step"]])
 
 
 def _compare(what, got, want):
@@ -386,13 +441,27 @@ def check_results(w, configs):
         worst = max(worst, _compare("mlp-step %s weights after one step" % key,
                                     cfg.weights(), w1))
     report["step"] = worst
+    fits = {c.key: c for c in configs if c.case == "fit-step"}
+    for key in ("oh", "ms", "single"):  # each traces its step here
+        fits[key].call()
+    want = [np.asarray(v) for v in fits["single"].model.trainable_variables]
+    worst = 0.0
+    oh_weights = []
+    for v in fits["oh"].model.trainable_variables:  # one buffer per component
+        parts = w.parallel.unpack(tf.convert_to_tensor(v))
+        if len(parts) != 2 or not np.array_equal(parts[0], parts[1]):
+            raise SanityError("fit-step: oh components of %s differ" % v.path)
+        oh_weights.append(np.asarray(parts[0]))
+    for key, got in (("oh", oh_weights), ("ms", fits["ms"].weights())):
+        worst = max(worst, _compare("fit-step %s weights after one step" % key, got, want))
+    report["fit"] = worst
     return report
 
 
 # -- measurement ------------------------------------------------------------------------
 
 def measure(configs, rounds, n_add, n_step, seed=0):
-    n_of = {"per-op": n_add, "mlp-step": n_step}
+    n_of = {"per-op": n_add, "mlp-step": n_step, "fit-step": n_step}
     _common.run_rounds(configs, rounds, lambda cfg: n_of[cfg.case], seed=seed)
     # µs per op (per-op) or ms per call (mlp-step), one entry per round
     return {(cfg.case, cfg.key): [t * (1e6 if cfg.case == "per-op" else 1e3)
@@ -434,27 +503,30 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks):
         "step once and traces the `tf.function`) and a warm-up pass over all "
         "configurations with N/5 calls, each of %d rounds runs every configuration once, "
         "in a freshly shuffled order: for `per-op` the scope is entered once and %d "
-        "untimed + N timed `tf.add`s run in it (N = %d), for `mlp-step` %d untimed + N "
-        "timed back-to-back steps (N = %d); all timed with `time.perf_counter` with the "
+        "untimed + N timed `tf.add`s run in it (N = %d), for `mlp-step` and `fit-step` %d "
+        "untimed + N timed back-to-back steps (N = %d); all timed with `time.perf_counter` with the "
         "garbage collector off (after a `gc.collect()`; the objects alive after setup are "
         "frozen with `gc.freeze()` so that collection stays short). The tables give the "
         "median over rounds of the mean time per op / call, the interquartile range (IQR) "
         "of the per-round means and the best (lowest) round, which is the least disturbed "
         "by other processes; the target uses the median. *Ratio* is this method's median "
         "over TensorFlow's counterpart's (ParallelDevice for `per-op`, eager "
-        "`MirroredStrategy` for `mlp-step`; < 1: faster than TensorFlow), its IQR that of "
+        "`MirroredStrategy` for `mlp-step`, MirroredStrategy's fit step for `fit-step`; "
+        "< 1: faster than TensorFlow), its IQR that of "
         "the same-round ratios. The sanity check requires (`np.allclose`, rtol = atol = "
         "%g, else the script exits non-zero) each parallel add to give a_i + b_i on "
         "component device i (max abs difference oh %.1e, ParallelDevice %.1e), the oh "
         "gradients and the all-reduced `MirroredStrategy` gradients of the first step to "
         "equal single-device `tf.GradientTape` gradients on the full batch (%.1e and "
         "%.1e), and one training step of every method to give the weights of the "
-        "reference SGD step, identical on both replicas for `MirroredStrategy` (%.1e). "
+        "reference SGD step, identical on both replicas for `MirroredStrategy` (%.1e), "
+        "and the first `fit-step` of oh and of `MirroredStrategy` to give the weights of "
+        "the one-device fit step (%.1e; oh's two components identical). "
         "TensorFlow's warning that eager `MirroredStrategy` is slow is filtered from the "
         "log output (the eager cost is what that row measures)."
         % (COMPONENTS[0], COMPONENTS[1], args.rounds, WARMUP_OPS, args.n_add,
            WARMUP_CALLS, args.n_step, TOLERANCE, checks["per-op oh"], checks["per-op pd"],
-           checks["grads oh"], checks["grads ms"], checks["step"]))
+           checks["grads oh"], checks["grads ms"], checks["step"], checks["fit"]))
     L = _common.intro_md(
         "`oh.ParallelHandler` vs. TensorFlow's ParallelDevice and `MirroredStrategy` "
         "(`benchmarks/parallel.py`)", args.quick, method,
@@ -511,8 +583,16 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks):
              "eager step on the whole batch."
              % (st["oh"]["ratio"], st["oh"]["ratio_q"][0], st["oh"]["ratio_q"][1],
                 st["oh"]["best_ratio"], st["tff"]["oh_ratio"], st["single"]["oh_ratio"]))
+    fit = summary["fit-step"]
+    fit_ok = fit["oh"]["ratio"] <= FIT_TARGET_RATIO
+    T.append("- `model.fit` step (`fit-step`) at most %.1fx that of `MirroredStrategy`: "
+             "%.3fx (%.3f vs %.3f ms per step; IQR of same-round ratios %.2f – %.2f; best "
+             "rounds %.2fx) — %s (the one-device step on the whole batch: %.3f ms)"
+             % (FIT_TARGET_RATIO, fit["oh"]["ratio"], fit["oh"]["t"], fit["ms"]["t"],
+                fit["oh"]["ratio_q"][0], fit["oh"]["ratio_q"][1], fit["oh"]["best_ratio"],
+                _common.verdict(fit_ok), fit["single"]["t"]))
     L += _common.targets_md(T, "parallel", args.quick, png_name)
-    return "\n".join(L), ok
+    return "\n".join(L), ok and fit_ok
 
 
 COLORS = {"oh": "tab:orange", "pd": "tab:blue", "ms": "tab:blue", "tff": "tab:cyan",
@@ -522,12 +602,14 @@ LABELS = {
                "plain": "plain eager\n1 device (ref.)"},
     "mlp-step": {"oh": "oh.Parallel-\nHandler", "ms": "Mirrored-\nStrategy\n(eager)",
                  "tff": "tf.function(\nMirrored-\nStrategy)", "single": "1 device\n(ref.)"},
+    "fit-step": {"oh": "oh.Parallel-\nHandler\nfit step", "ms": "Mirrored-\nStrategy\nfit step",
+                 "single": "1 device\n(ref.)"},
 }
 
 
 def plot(summary, plt):
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6),
-                             gridspec_kw={"width_ratios": [1, 1.3, 1.1]})
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.6),
+                             gridspec_kw={"width_ratios": [1, 1.3, 1, 1.2]})
     for ax, (case, _, per_op, _) in zip(axes, CASES):
         keys = [k for k, _ in METHODS[case]]
         ss = [summary[case][k] for k in keys]
@@ -553,14 +635,17 @@ def plot(summary, plt):
     bars = [("per-op", "pd", "per-op\nvs ParallelDevice"),
             ("mlp-step", "ms", "mlp-step\nvs eager Mirrored"),
             ("mlp-step", "tff", "mlp-step\nvs tf.function\nMirrored"),
-            ("mlp-step", "single", "mlp-step\nvs 1 device")]
+            ("mlp-step", "single", "mlp-step\nvs 1 device"),
+            ("fit-step", "ms", "fit-step\nvs Mirrored")]
     xs = np.arange(len(bars))
     vals = [summary[c][k]["oh_ratio"] for c, k, _ in bars]
     lo, hi = _common.spread(vals, [summary[c][k]["oh_ratio_q"] for c, k, _ in bars])
     ax_r.bar(xs, vals, 0.6, yerr=[lo, hi], capsize=3,
-             color=["tab:orange", "tab:orange", "tab:gray", "tab:gray"])
+             color=["tab:orange", "tab:orange", "tab:gray", "tab:gray", "tab:orange"])
     ax_r.hlines(TARGET_RATIO, -0.4, 0.4, colors="tab:red", linestyles=":", lw=1.5,
                 label="target (per-op): <= %.1fx" % TARGET_RATIO)
+    ax_r.hlines(FIT_TARGET_RATIO, 3.6, 4.4, colors="tab:red", linestyles="--", lw=1.5,
+                label="target (fit-step): <= %.1fx" % FIT_TARGET_RATIO)
     ax_r.axhline(1.0, color="black", lw=0.8, label="parity")
     _common.label_bars(ax_r, xs, [v + h for v, h in zip(vals, hi)],
                        ["%.2fx" % v for v in vals], boxed=True)
@@ -575,7 +660,7 @@ def plot(summary, plt):
     ax_r.grid(axis="y", alpha=0.3, which="both")
     ax_r.legend(fontsize=7, loc="upper left")
     fig.suptitle("tf-ophandlers: oh.ParallelHandler vs. TF ParallelDevice and "
-                 "MirroredStrategy (2 logical CPUs, eager, same run)", fontsize=10)
+                 "MirroredStrategy (2 logical CPUs, same run)", fontsize=10)
     return fig
 
 
@@ -614,8 +699,12 @@ def main(argv=None):
             print("%-8s %-62s %9.3f %-5s  ratio to %s %6.3fx"
                   % (case, name, s["t"], unit, BASELINE[case], s["ratio"]))
     add = summary["per-op"]["oh"]
+    fit = summary["fit-step"]["oh"]
     print("target: per-op oh / ParallelDevice %.3fx <= %.1fx %s"
-          % (add["ratio"], TARGET_RATIO, "PASS" if ok else "MISS"))
+          % (add["ratio"], TARGET_RATIO, "PASS" if add["ratio"] <= TARGET_RATIO else "MISS"))
+    print("target: fit-step oh / MirroredStrategy %.3fx <= %.1fx %s"
+          % (fit["ratio"], FIT_TARGET_RATIO, "PASS" if fit["ratio"] <= FIT_TARGET_RATIO
+             else "MISS"))
     _common.print_wrote(args.out, png_path, elapsed)
     return 0
 

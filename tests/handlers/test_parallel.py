@@ -517,7 +517,7 @@ def test_model_fit_built_inside_the_scope_trains_as_on_one_device():
         got = model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
         weights = model.get_weights()  # copies off: every component holds the same weights
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
-    for w in model.weights:  # one buffer per device, equal after replicated steps
+    for w in model.weights:  # one buffer per device, equal after all-reduced steps
         parts = parallel.unpack(tf.convert_to_tensor(w))
         assert len(parts) == 2 and parts[0].device != parts[1].device
         np.testing.assert_allclose(parts[0].numpy(), parts[1].numpy())

@@ -41,7 +41,9 @@ from tf_ophandlers.core.stack import (
     current_stack, next_stack, OffStack, representation_of, stack_of)
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers import parallel_collectives as _collectives
+from tf_ophandlers.handlers import parallel_nest as _nest
 from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
+from tf_ophandlers.handlers.parallel_fit import ensure_data_parallel_fit
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
@@ -164,6 +166,7 @@ class ParallelHandler(OpHandler):
                              "got %r" % (timeout_seconds,))
         self.timeout_seconds = timeout_seconds
         ensure_optimizer_check()
+        ensure_data_parallel_fit()
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
@@ -195,6 +198,10 @@ class ParallelHandler(OpHandler):
 
     def _variable_creator(self, next_creator, **kwargs):
         del next_creator  # as TensorFlow's parallel device: the variable type is ours
+        if _ops.inside_function():
+            # A tf.function's first call: its own variable creator (which would lift the
+            # initial value out) runs after ours, so ours does what it does.
+            return _function_variable_class()(oh_parallel=self, **kwargs)
         return ParallelVariable(oh_parallel=self, **kwargs)
 
     @property
@@ -211,11 +218,16 @@ class ParallelHandler(OpHandler):
         return _scope.handler(self)
 
     def pack(self, tensors):
-        """One tensor of this handler whose component i is `tensors[i]` (differentiable)."""
-        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        """One tensor of this handler whose component i is `tensors[i]` (differentiable).
+        Structures (dicts, tuples, lists of tensors, nested) pack leaf by leaf:
+        `pack([{"x": x0}, {"x": x1}])` is `{"x": pack([x0, x1])}`."""
+        tensors = list(tensors)
         if len(tensors) != len(self.components):
             raise ValueError("oh.ParallelHandler.pack: got %d tensors for %d components"
                              % (len(tensors), len(self.components)))
+        if _nest.is_structure(tensors):
+            return _nest.pack(tensors, self.pack)
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
         if len({t.dtype for t in tensors}) != 1:
             raise ValueError("oh.ParallelHandler.pack: components must have one dtype, got %s"
                              % [t.dtype.name for t in tensors])
@@ -223,7 +235,10 @@ class ParallelHandler(OpHandler):
             return _copies.parallel_pack(tensors)
 
     def unpack(self, tensor):
-        """The components of a tensor of this handler, as ordinary tensors."""
+        """The components of a tensor of this handler, as ordinary tensors; of a
+        structure of such tensors, one structure per component."""
+        if not tf.is_tensor(tensor) and not isinstance(tensor, tf.Variable):
+            return _nest.unpack(tensor, len(self.components), self.unpack)
         stack = _stack_of(tensor)
         if stack is not None and any(isinstance(h, ParallelHandler) for h in stack.handlers) \
                 and not any(h is self for h in stack.handlers):
@@ -297,7 +312,7 @@ class ParallelHandler(OpHandler):
             options = collective_util.Options(timeout_seconds=self.timeout_seconds or None)
             collective = cross_device_ops.CollectiveAllReduce(
                 devices=list(self.components), group_size=len(self.components),
-                options=options, collective_keys=_collective_keys())
+                options=options, collective_keys=_collectives.collective_keys())
             self.__dict__["_collective_launcher"] = (collective, options)
         from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
         devices = self.components
@@ -463,27 +478,10 @@ def _writes_resource(op):
             or t in ("DestroyResourceOp",))
 
 
-_keys = []
+class _PerComponentSaving:
+    """Saves and restores a variable of an oh.ParallelHandler scope per component."""
 
-
-def _collective_keys():
-    """One key allocator per process: collective instance keys must never repeat."""
-    if not _keys:
-        from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
-        _keys.append(cross_device_utils.CollectiveKeys())
-    return _keys[0]
-
-
-class ParallelVariable(_resource_variable_ops.ResourceVariable):
-    """A variable created in an oh.ParallelHandler scope: one buffer per component device,
-    saved and restored per component.
-
-    The handler's variable creator constructs it directly, as TensorFlow's own parallel
-    device does (parallel_device/saving.py), instead of changing a live variable's class.
-    """
-
-    def __init__(self, oh_parallel, **kwargs):
-        super().__init__(**kwargs)
+    def _oh_bind(self, oh_parallel):
         stack = _stack_of(self.handle)
         # Created under tf.init_scope (or by a hook below the handler): an ordinary one.
         self._oh_parallel = oh_parallel if stack is not None and any(
@@ -501,6 +499,43 @@ class ParallelVariable(_resource_variable_ops.ResourceVariable):
             return super()._restore_from_tensors(restored_tensors)
         parts = [restored_tensors["component_%d" % i] for i in range(len(parallel.components))]
         return self.assign(parallel.pack(parts))
+
+
+class ParallelVariable(_PerComponentSaving, _resource_variable_ops.ResourceVariable):
+    """A variable created in an oh.ParallelHandler scope: one buffer per component device,
+    saved and restored per component.
+
+    The handler's variable creator constructs it directly, as TensorFlow's own parallel
+    device does (parallel_device/saving.py), instead of changing a live variable's class.
+    """
+
+    def __init__(self, oh_parallel, **kwargs):
+        super().__init__(**kwargs)
+        self._oh_bind(oh_parallel)
+
+
+def _function_variable_class():
+    """`ParallelFunctionVariable`, made on first use (TensorFlow's tf.function variable
+    class lives in a module the handler otherwise does not need)."""
+    cls = globals().get("ParallelFunctionVariable")
+    if cls is None:
+        from tensorflow.python.eager.polymorphic_function import polymorphic_function  # pylint: disable=import-outside-toplevel
+
+        class ParallelFunctionVariable(_PerComponentSaving,
+                                       polymorphic_function.UnliftedInitializerVariable):
+            """A variable a tf.function creates on its first call in an oh.ParallelHandler
+            scope: as tf.function's own variables, its buffers are made outside the
+            function (one per component) and initialized in it, under
+            `tf.cond(is_initialized)`, so an initial value computed in the function
+            (`tf.Variable(tf.zeros(...))`, from the function's inputs' components) needs
+            no lifting out of it."""
+
+            def __init__(self, oh_parallel, **kwargs):
+                super().__init__(**kwargs)
+                self._oh_bind(oh_parallel)
+
+        cls = globals()["ParallelFunctionVariable"] = ParallelFunctionVariable
+    return cls
 
 
 class _NullScope:

@@ -27,6 +27,21 @@ _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 _meets = BoundedCache("parallel.meets", 4096)
 
 
+_keys = []
+_GROUP_KEY_START = 1 << 20
+
+
+def collective_keys():
+    """One key allocator per process: collective instance keys must never repeat. Its
+    group keys start far above 1, where tf.distribute's own allocators start (a
+    MirroredStrategy's collectives in the same process would otherwise share group and
+    instance keys with ours, and TensorFlow refuses or mismatches the second use)."""
+    if not _keys:
+        from tensorflow.python.distribute import cross_device_utils  # pylint: disable=import-outside-toplevel
+        _keys.append(cross_device_utils.CollectiveKeys(group_key_start=_GROUP_KEY_START))
+    return _keys[0]
+
+
 def meets_across_components(op):
     """Whether the components of `op` wait for each other: a collective op (all-reduce,
     broadcast, gather), or a function whose body or callees hold one. Run one after the
@@ -60,7 +75,16 @@ def run_concurrently(handler, below, op, inputs):
     frames, current, mode, device = list(_state.frames), _state.current, _state.mode, \
         _state.device
     results, failures = [None] * n, [None] * n
-    finished = queue.Queue()
+    finished = queue.SimpleQueue()
+    first_done = threading.Event()  # component 0, run on the calling thread, returned
+    aborted = []
+
+    def abort_if_first_waits():
+        # A component failed while component 0 may wait for it in a collective on the
+        # calling thread, which cannot watch: abort (as the watch below does).
+        if not first_done.wait(_FAILURE_GRACE_SECONDS):
+            _abort(handler)
+            aborted.append(True)
 
     def run(i):
         st = _state  # this worker thread's own
@@ -70,22 +94,27 @@ def run_concurrently(handler, below, op, inputs):
                 results[i] = below.execute(op, [v.components[i] for v in inputs])
         except BaseException as e:  # pylint: disable=broad-except
             failures[i] = e
+            abort_if_first_waits()
         finally:
             st.frames, st.current, st.mode, st.device = [], _PHYSICAL, None, ""
             finished.put(i)
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True,
-                                name="oh.ParallelHandler component %d" % i)
-               for i in range(n)]
-    for t in threads:
-        t.start()
+    for i in range(1, n):
+        _submit(run, i)
+    # Component 0 on the calling thread (one thread hand-off less per op).
+    try:
+        with _sync_executor(), _scope.on_device(handler.components[0]):
+            results[0] = below.execute(op, [v.components[0] for v in inputs])
+    except BaseException as e:  # pylint: disable=broad-except
+        failures[0] = e
+    first_done.set()
+    finished.put(0)
     pending, failed = n, None  # failed: the component that failed first
     while pending and failed is None:
         i = finished.get()
         pending -= 1
         if failures[i] is not None:
             failed = i
-    aborted = False
     while pending:
         try:
             finished.get(timeout=_FAILURE_GRACE_SECONDS)
@@ -93,13 +122,15 @@ def run_concurrently(handler, below, op, inputs):
         except queue.Empty:
             # The rest wait in a collective for the failed component: abort TensorFlow's
             # collectives (as tf.distribute does when a peer fails) rather than hang.
-            _context.context().abort_collective_ops(
-                _error_codes.UNAVAILABLE, "oh.ParallelHandler: a component of %s failed"
-                % handler.debug_string())
-            aborted = True
-            for t in threads:  # they fail now; a thread stuck elsewhere is left behind
-                t.join(_FAILURE_GRACE_SECONDS * 30)
-            pending = 0
+            _abort(handler)
+            aborted.append(True)
+            deadline = _FAILURE_GRACE_SECONDS * 30  # they fail now; a thread stuck
+            while pending:                          # elsewhere is left behind
+                try:
+                    finished.get(timeout=deadline)
+                    pending -= 1
+                except queue.Empty:
+                    pending = 0
     if failed is not None:
         first = failures[failed]
         if isinstance(first, tf.errors.OpError):
@@ -113,6 +144,47 @@ def run_concurrently(handler, below, op, inputs):
                 first.node_def, first.op, message) from first
         raise first
     return results
+
+
+def _abort(handler):
+    _context.context().abort_collective_ops(
+        _error_codes.UNAVAILABLE, "oh.ParallelHandler: a component of %s failed"
+        % handler.debug_string())
+
+
+class _Worker:
+    """A daemon thread that runs the components handed to it, one at a time. Workers are
+    kept between ops (starting a thread per component cost more than a small training
+    step's whole function call) and a component always gets an idle worker (a new one
+    if none is idle), so a component never queues behind another that may wait for it
+    in a collective (two threads using handlers at once)."""
+
+    def __init__(self):
+        self.tasks = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True,
+                         name="oh.ParallelHandler component").start()
+
+    def _loop(self):
+        while True:
+            fn, arg = self.tasks.get()
+            try:
+                fn(arg)
+            finally:
+                with _idle_lock:
+                    _idle.append(self)
+
+
+_idle = []  # workers waiting for a component
+_idle_lock = threading.Lock()
+
+
+def _submit(fn, arg):
+    """Runs `fn(arg)` on an idle worker thread."""
+    with _idle_lock:
+        worker = _idle.pop() if _idle else None
+    if worker is None:
+        worker = _Worker()
+    worker.tasks.put((fn, arg))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,251 @@
+"""`model.fit` in an `oh.ParallelHandler` scope trains data-parallel, as Keras does under
+`tf.distribute.MirroredStrategy` on the same devices.
+
+Keras builds `fit`'s dataset and iterator in the scope, so every component reads the
+whole global batch. The training step (`train_step`, compiled or eager) gets each
+component's slice of it, split as MirroredStrategy's distributed dataset splits a batch
+(`split_batch`). While the step runs, Keras sees the component count where it asks
+`tf.distribute` for the number of replicas (the loss of each component is its mean
+over its slice divided by that count), and the optimizer's gradient all-reduce (which
+Keras does in the replica context of a strategy) sums the components' gradients with
+TensorFlow's collectives. Metric state (the variables Keras declares
+`aggregation="sum"`) is summed over the components after the step, as a mirrored
+variable sums its replicas' updates, so every component reports the global metrics.
+"""
+import threading
+
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops as _collective_ops
+
+from tf_ophandlers.core import tf_patches as _tf_patches
+from tf_ophandlers.core.stack import current_stack
+from tf_ophandlers.handlers import parallel_collectives as _collectives
+
+_thread = threading.local()  # .replicas: the ParallelHandler whose fit step is traced/run
+
+
+def replica_handler():
+    """The ParallelHandler whose data-parallel `fit` step this thread runs (or traces)."""
+    return getattr(_thread, "replicas", None)
+
+
+def data_parallel_handler(model):
+    """The innermost multi-component ParallelHandler on the current stack that holds
+    `model`'s weights (or will: an unbuilt model is built in the scope), else None (a
+    model built outside keeps the optimizer check's PlacementError)."""
+    for h in reversed(current_stack().handlers):
+        # By type name: parallel.py imports this module (an import back would be a cycle).
+        if getattr(h, "TYPE_NAME", None) == "PARALLEL" and len(h.components) > 1:
+            weights = [v for v in model.trainable_variables
+                       if getattr(v, "handle", None) is not None]
+            return h if all(h.holds_variable(v) for v in weights) else None
+    return None
+
+
+def split_batch(t, replica_id, n):
+    """Component `replica_id`'s part of batch `t` (axis 0) over `n` components, as
+    MirroredStrategy's distributed dataset splits a batch of b examples: consecutive
+    slices of ceil(b / n), the last ones shorter or empty (b = 3 on 2: 2 + 1; b = 1:
+    1 + 0)."""
+    if isinstance(t, tf.Tensor) and t.shape.rank == 0:
+        return t
+    if not isinstance(t, tf.Tensor):
+        raise NotImplementedError(
+            "oh.ParallelHandler: model.fit splits each batch over the components along "
+            "axis 0; it cannot split a %s (dense tensors only)" % type(t).__name__)
+    b = tf.shape(t, out_type=tf.int32)[0]
+    size = (b + (n - 1)) // n
+    start = tf.minimum(replica_id * size, b)
+    stop = tf.minimum(start + size, b)
+    return t[start:stop]
+
+
+def all_reduce_sum(handler, tensors):
+    """The sums over the components of `tensors` (dense, of this handler), one collective
+    per dtype (the tensors flattened and concatenated)."""
+    out = list(tensors)
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        parts = [tf.reshape(tensors[i], [-1]) for i in indices]
+        flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+        if tf.executing_eagerly():
+            total = handler.all_reduce(flat)
+        else:
+            total = _collective(handler, flat)
+        sizes = [tf.size(p) for p in parts]
+        pieces = [total] if len(parts) == 1 else tf.split(total, tf.stack(sizes), 0)
+        for i, piece in zip(indices, pieces):
+            out[i] = tf.reshape(piece, tf.shape(tensors[i]))
+        del dtype
+    return out
+
+
+def _collective(handler, t):
+    """A TensorFlow all-reduce (sum) in a function that runs once per component: each
+    component's call holds one member of the collective (the handler runs such calls at
+    the same time). Keys from the process's allocator, as `all_reduce` uses."""
+    keys = _collectives.collective_keys()
+    devices = list(handler.components)
+    group = keys.get_group_key(devices)
+    instance = {keys.get_instance_key(group, d) for d in devices}
+    if len(instance) != 1:  # the allocator keeps one counter per device
+        raise RuntimeError("oh.ParallelHandler: collective instance keys out of step: %s"
+                           % sorted(instance))
+    return _collective_ops.all_reduce_v2(
+        t, group_size=len(devices), group_key=group, instance_key=instance.pop(),
+        merge_op="Add", final_op="Id", timeout=handler.timeout_seconds or 0)
+
+
+def _data_parallel_step(model, handler, step_function):
+    """`step_function` (Keras's train_step) on each component's slice of the batch, with
+    the metric state summed over the components afterwards."""
+    n = len(handler.components)
+    replica_ids = handler.device_ids  # component i: i (a capture of a compiled step)
+
+    def step(data):
+        if tf.executing_eagerly():
+            _check_even_split(handler, data)
+        data = tf.nest.map_structure(
+            lambda t: t if t is None else split_batch(t, replica_ids, n), data)
+        # Metrics built in the step would escape the sums below (Keras builds them
+        # before a strategy's step too).
+        model._symbolic_build(data_batch=data)  # pylint: disable=protected-access
+        metric_vars = [v for v in model.metrics_variables if v.aggregation == "sum"]
+        # Each component accumulates its own contributions from zero; the sum over the
+        # components is added to the state from before the step (as a mirrored
+        # variable adds its replicas' summed updates).
+        before = [tf.identity(v.value) for v in metric_vars]
+        for v in metric_vars:
+            v.assign(tf.zeros_like(v.value))
+        outer = replica_handler()
+        _thread.replicas = handler
+        try:
+            logs = step_function(data)
+        finally:
+            _thread.replicas = outer
+        if metric_vars:
+            sums = all_reduce_sum(handler, [v.value for v in metric_vars])
+            for v, b, s in zip(metric_vars, before, sums):
+                v.assign(b + s)
+        return _synced_logs(model, handler, logs)
+
+    return step
+
+
+def _check_even_split(handler, data):
+    """Raises before an eager step whose batch would give components of different
+    lengths: TensorFlow's tf.GradientTape (Keras's train_step) cannot record a tensor
+    whose shape differs between components (its C++ tape needs one shape and aborts the
+    process on an unknown dim). A compiled step runs whole per component, where each
+    component has its own static shape."""
+    n = len(handler.components)
+    for t in tf.nest.flatten(data):
+        b = t.shape[0] if isinstance(t, tf.Tensor) and t.shape.rank else None
+        if b is not None and b % n:
+            raise NotImplementedError(
+                "oh.ParallelHandler: model.fit(run_eagerly=True) got a batch of %d examples, "
+                "which splits unevenly over the %d components of %s (as MirroredStrategy "
+                "splits it); tf.GradientTape cannot record eagerly a tensor whose components "
+                "differ in shape. Compile the step (run_eagerly=False), or choose a batch "
+                "size and dataset size that are multiples of %d"
+                % (b, n, handler.debug_string(), n))
+
+
+def _synced_logs(model, handler, logs):
+    """The step's outputs as MirroredStrategy's `fit` reports them: a metric's result
+    read again from the summed state; any other float output averaged over the
+    components (Keras's reduce_per_replica "mean")."""
+    metrics = model.get_metrics_result() if isinstance(logs, dict) else {}
+    if isinstance(logs, dict):
+        logs = {k: metrics[k] if k in metrics else v for k, v in logs.items()}
+    flat = tf.nest.flatten(logs)
+    synced = {id(t) for t in metrics.values()}
+    floats = [i for i, t in enumerate(flat) if isinstance(t, tf.Tensor)
+              and t.dtype.is_floating and id(t) not in synced]
+    if floats:
+        n = len(handler.components)
+        sums = all_reduce_sum(handler, [flat[i] for i in floats])
+        for i, s in zip(floats, sums):
+            flat[i] = s / tf.cast(n, s.dtype)
+    return tf.nest.pack_sequence_as(logs, flat)
+
+
+def _install():
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
+    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+    from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
+
+    cls = trainer.TensorFlowTrainer
+    make_train_function = cls.make_train_function
+
+    def make(self, force=False):
+        handler = data_parallel_handler(self)
+        if self.__dict__.get("_oh_train_parallel") is not handler:
+            force = True  # built for another scope (or none)
+            object.__setattr__(self, "_oh_train_parallel", handler)
+        if handler is None:
+            return make_train_function(self, force)
+        if self.train_function is not None and not force:
+            return self.train_function
+        self.train_function = self._make_function(  # pylint: disable=protected-access
+            _data_parallel_step(self, handler, self.train_step))
+        return self.train_function
+
+    cls.make_train_function = make
+
+    scale, unscale = loss_module.scale_loss_for_distribution, \
+        loss_module.unscale_loss_for_distribution
+
+    def scale_loss_for_distribution(value):
+        handler = replica_handler()
+        if handler is None:
+            return scale(value)
+        return value * tf.cast(1.0 / len(handler.components), value.dtype)
+
+    def unscale_loss_for_distribution(value):
+        handler = replica_handler()
+        if handler is None:
+            return unscale(value)
+        return value * tf.cast(len(handler.components), value.dtype)
+
+    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
+
+    optimizer_cls = tf_optimizer.TFOptimizer
+    reduce_gradients = optimizer_cls._all_reduce_sum_gradients  # pylint: disable=protected-access
+
+    def all_reduce_gradients(self, grads_and_vars):
+        handler = replica_handler()
+        if handler is None:
+            return reduce_gradients(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        sums = all_reduce_sum(handler, [tf.convert_to_tensor(grads_and_vars[i][0])
+                                        for i in present])
+        for i, s in zip(present, sums):
+            grads_and_vars[i] = (s, grads_and_vars[i][1])
+        return grads_and_vars
+
+    optimizer_cls._all_reduce_sum_gradients = all_reduce_gradients  # pylint: disable=protected-access
+
+
+_tf_patches.register(
+    "keras data-parallel fit",
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_train_function, "
+    "keras.src.losses.loss.(un)scale_loss_for_distribution, "
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+    "Keras splits fit's batches, scales the loss by the replica count and all-reduces "
+    "the gradients only for a tf.distribute strategy; in an oh.ParallelHandler scope "
+    "fit's step would otherwise train every component on the whole batch. Keras has no "
+    "hook for a replica group that is not a strategy.", "first-use", _install, None)
+
+
+def ensure_data_parallel_fit():
+    """Installs the data-parallel `fit` (a ParallelHandler exists; Keras 3 imported)."""
+    try:
+        import keras.src.backend.tensorflow.trainer  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+        return
+    _tf_patches.ensure("keras data-parallel fit")

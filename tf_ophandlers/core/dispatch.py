@@ -10,6 +10,7 @@ import re
 import threading
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe as _pywrap_tfe
 from tensorflow.python.eager import context as _context
 
 import tf_ophandlers._C as _C
@@ -165,6 +166,8 @@ def num_dims(stack, value, op_type=None):
         # per-axis hooks, which report it.
         shape = _whole_shape(value_shape(value))
         if shape is not None:
+            if -1 in shape and not _tape_set_is_empty():
+                raise _unknown_axis_under_tf_tape(stack, shape.index(-1), op_type)
             return shape
     rank = _hook_int(stack, "num_dims", op_type, handler.num_dims(value),
                      "a rank is an int from 0 to %d" % _MAX_RANK)
@@ -204,7 +207,27 @@ def dim(stack, value, index, op_type=None):
             stack, "dim", op_type,
             "%d for axis %d (an axis length is an int >= 0, or -1 when unknown)"
             % (length, index))
+    if length == -1 and not _tape_set_is_empty():
+        raise _unknown_axis_under_tf_tape(stack, index, op_type)
     return length
+
+
+_tape_set_is_empty = _pywrap_tfe.TFE_Py_TapeSetIsEmpty
+
+
+def _unknown_axis_under_tf_tape(stack, index, op_type):
+    """The error for an unknown axis length asked while TensorFlow's own tape or
+    accumulator records: its C++ tape keeps every recorded output's full shape and
+    aborts the process on an unknown length (tensor_shape.cc "Check failed: size >= 0").
+    An error here reaches the user from the op (or the `.shape` query) instead."""
+    return ValueError(
+        "%s: axis %d of a tensor%s has no single length (e.g. the components of an "
+        "oh.ParallelHandler tensor have different shapes), and a tf.GradientTape or "
+        "tf.autodiff.ForwardAccumulator is recording: TensorFlow's tape needs every "
+        "axis length of what it records. Use oh.GradientTape / oh.ForwardAccumulator "
+        "(they keep per-handler shapes), or make the shapes equal (e.g. a batch that "
+        "splits evenly)" % (stack.handler.debug_string(), index,
+                            " (output of op %s)" % op_type if op_type else ""))
 
 
 def summarize(stack, value):

@@ -108,6 +108,38 @@ def test_values_under_two_threads(name, sharing):
     _check(results, want)
 
 
+def _executed_op_types(root):
+    from tensorflow.python.debug.lib import debug_events_reader  # pylint: disable=import-outside-toplevel
+    with debug_events_reader.DebugDataReader(root) as reader:
+        reader.update()
+        return sorted(e.op_type for e in reader.executions())
+
+
+@pytest.mark.parametrize("sharing", ["shared", "each"])
+def test_debugger_handler_under_two_threads(sharing, tmp_path):
+    # Values as on one thread, and the dump holds every op of every run once (a
+    # TensorFlow DebugDataReader reads it back): what one run on one thread dumps,
+    # times the runs.
+    single = str(tmp_path / "single")
+    _values(oh.DebuggerHandler(single, circular_buffer_size=-1), 10)
+    one_run = _executed_op_types(single)
+    assert one_run, "nothing was dumped"
+    roots = [str(tmp_path / ("thread%d" % i)) for i in range(2)]
+    one = oh.DebuggerHandler(roots[0], circular_buffer_size=-1)
+    handlers = {}
+
+    def make(i):
+        if sharing == "shared":
+            return one
+        return handlers.setdefault(i, oh.DebuggerHandler(roots[i], circular_buffer_size=-1))
+    results, errors = _run_two_threads(make, _values)
+    assert not errors, errors
+    _check(results, {s: plain(s) for s in (10, 11)})
+    runs = 2 * ROUNDS + 1  # (and _run_two_threads' first run, on this thread)
+    dumped = sum((_executed_op_types(r) for r in roots[:1 if sharing == "shared" else 2]), [])
+    assert sorted(dumped) == sorted(one_run * runs)
+
+
 @pytest.mark.parametrize("sharing", ["shared", "each"])
 def test_shape_inference_under_two_threads(sharing):
     # Values are not computed: shapes and dtypes are TensorFlow's.

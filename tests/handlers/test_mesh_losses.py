@@ -41,7 +41,8 @@ LAYOUTS = [(("batch", None), ("batch",), ("batch",)),
            ((None, "model"), (None,), (None,)),
            (("model", "batch"), ("model",), ("model",)),
            ((None, None), ("batch",), ("batch",)),
-           (("batch", None), (None,), ("batch",))]
+           (("batch", None), (None,), ("batch",)),
+           ((None, "model"), ("model",), (None,))]  # labels sharded like the classes
 
 
 @pytest.mark.parametrize("tape_type", [oh.GradientTape, tf.GradientTape])

@@ -269,6 +269,35 @@ def test_gradient_tape_gradients_match_and_have_variable_layouts(mesh):
         assert_close(g, r, 1e-6)
 
 
+@pytest.mark.parametrize("tape_type", [oh.GradientTape, tf.GradientTape])
+def test_gradients_of_watched_sharded_tensors_keep_their_layouts(mesh, tape_type):
+    """Backward computations that lose the layout (a sum's gradient broadcasts the seed;
+    an op without a rule gathers): the gradient still gets its source's layout, as a
+    sharded variable's does, with TensorFlow's values."""
+    rng = np.random.default_rng(3)
+    y0, z0, w0 = _rng_tensor(rng, [4, 6]), _rng_tensor(rng, [4, 6]), _rng_tensor(rng, [6, 8])
+    c0 = _rng_tensor(rng, [4, 6])
+
+    def grads(tape_type, y, z, w):
+        with tape_type() as tape:
+            tape.watch([y, z])
+            loss = (tf.reduce_sum(y) + tf.reduce_mean(w * 2.)
+                    + tf.reduce_sum(tf.cumsum(z, axis=1) * c0))
+        return tape.gradient(loss, [y, z, w])
+
+    rw = tf.Variable(w0)
+    ref = grads(tf.GradientTape, y0, z0, rw)
+    with mesh:
+        y, z = mesh.shard(y0, ("batch", "model")), mesh.shard(z0, ("batch", None))
+        w = tf.Variable(mesh.shard(w0, (None, "model")))
+        got = grads(tape_type, y, z, w)
+        assert [mesh.layout_of(g) for g in got] == [
+            ("batch", "model"), ("batch", None), (None, "model")]
+        assert [s.shape.as_list() for s in mesh.unpack(got[0])] == [[2, 3]] * 4
+    for g, r in zip(got, ref):
+        assert_close(g, r, 1e-6)
+
+
 def _train(mesh, model, ref, x, y, steps, lr=0.1):
     losses = []
     for _ in range(steps):

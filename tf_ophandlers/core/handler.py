@@ -91,6 +91,14 @@ class OpHandler:
     #: such a tensor unchanged (the default does). Other cases take `execute`.
     after_execute = None
 
+    #: Set to a method ``source_gradient(source, gradient) -> tensor`` to choose how the
+    #: gradient an `oh.GradientTape` returns for a source on this handler's stack is
+    #: represented: `source` is the source (a variable's resource handle for a variable),
+    #: `gradient` the dense gradient computed for it (a tensor of the same stack); the
+    #: result must have the same value. oh.Mesh gives the gradient the source's layout,
+    #: which the computation may have lost (a sum's gradient is a broadcast, replicated).
+    source_gradient = None
+
     #: Set to a function ``handles_copy(op) -> bool`` to receive copy ops (CopyOn,
     #: CopyOnGrad, CopyOff, CopyOffGrad) placed on this handler's stack in `execute`,
     #: like any op, instead of the stack running them through `copy_on`/`copy_off`.

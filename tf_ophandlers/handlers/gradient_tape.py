@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import imperative_grad as _tf_imperative_grad
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -513,6 +514,7 @@ class GradientTape(BackwardPass, OpHandler):
         # retried, so the records stay until it succeeds).
         flat_grads = self._backprop(*args, unconnected_gradients,
                                     release=not self._persistent and self._depth == 0)
+        flat_grads = _like_sources(args[1], flat_grads)
         return self._gradient_result(sources, args[3], flat_grads)
 
     def _gradient_arguments(self, target, sources, output_gradients):
@@ -583,3 +585,42 @@ copy_through(GradientTape.copy_on)  # its untracked inputs skip it in C (recordi
 # Gradients recorded from Python (custom gradients, tf.function calls) reach the
 # oh.GradientTapes of the current scope through gradient_tape_hooks' patches.
 gradient_tape_hooks.register(_active_tapes)
+
+
+def _like_sources(sources, grads):
+    """Each dense gradient (of oh.GradientTape, and of tf.GradientTape through the
+    "source gradients" patch) as the handlers of its source's stack represent it
+    (`OpHandler.source_gradient`: oh.Mesh gives it the source's layout)."""
+    out = list(grads)
+    for i, (source, g) in enumerate(zip(sources, grads)):
+        if g is None or not isinstance(g, _EagerTensor):
+            continue  # IndexedSlices, unconnected sources, symbolic tensors
+        stack = stack_of(source)
+        if stack is None:
+            continue
+        for h in stack.handlers:
+            if h.source_gradient is not None:
+                out[i] = h.source_gradient(source, out[i])
+    return out
+
+
+_original_imperative_grad = [None]
+
+
+def _install_source_gradients():
+    _original_imperative_grad[0] = original = _tf_imperative_grad.imperative_grad
+
+    def imperative_grad(tape, target, sources, *args, **kwargs):
+        return _like_sources(sources, original(tape, target, sources, *args, **kwargs))
+
+    imperative_grad.__doc__ = original.__doc__
+    _tf_imperative_grad.imperative_grad = imperative_grad
+
+
+tf_patches.register(
+    "source gradients", "tensorflow.python.eager.imperative_grad.imperative_grad",
+    "tf.GradientTape's gradients of sources on a handler's stack are represented as that "
+    "handler chooses (OpHandler.source_gradient: oh.Mesh gives a sharded source's "
+    "gradient the source's layout), as oh.GradientTape's are; TensorFlow's tape has no "
+    "hook on its results. Plain tensors pay one payload lookup per source.", "runtime",
+    _install_source_gradients, None)

@@ -198,6 +198,22 @@ class Mesh(MeshCommunication, OpHandler):
                 self._local.var_request = None
         return variable
 
+    def source_gradient(self, source, gradient):
+        """A tape's gradient of a sharded tensor or variable gets the source's layout
+        (`OpHandler.source_gradient`): the backward computation may leave it replicated
+        (a sum's gradient is a broadcast of the seed), a full copy on every device."""
+        value = self._value_of(source)
+        if value is None:
+            return gradient
+        var = value.var
+        layout, shape = (var.layout, var.shape) if var is not None else (value.layout,
+                                                                        value.shape)
+        if (layout is None or not any(layout) or shape is None
+                or tuple(gradient.shape.as_list()) != tuple(shape)
+                or self.layout_of(gradient) in (None, layout)):
+            return gradient  # replicated sources, or not a gradient of this mesh
+        return self.relayout(gradient, layout)
+
     def save_shards(self, prefix, variables):
         """Writes each device's blocks of `variables` ({name: variable}) to its own
         checkpoint file (`prefix-<i>-of-<n>`), with their layouts (`mesh_checkpoint.py`)."""

@@ -1,5 +1,6 @@
-"""SPMD rules of `oh.Mesh` for neural-network ops: biases, softmax, gathers (embeddings
-sharded on the vocabulary), segment sums, convolutions and pooling on the batch axis.
+"""SPMD rules of `oh.Mesh` for neural-network ops: biases, softmax, the sparse softmax
+cross-entropy (rows or classes sharded), gathers (embeddings sharded on the vocabulary),
+segment sums, convolutions and pooling on the batch axis.
 Same contract as `mesh_rules.py`, whose table `RULES` this module's table extends.
 
 >>> sorted(RULES)[:3]
@@ -195,8 +196,77 @@ def _unique(mesh, op, inputs):
     return [MeshValue(o, (None,), tuple(o[0].shape.as_list())) for o in mesh.run(op, [x])]
 
 
+def _sparse_xent(mesh, op, inputs):
+    """SparseSoftmaxCrossEntropyWithLogits (Keras's sparse categorical crossentropy from
+    logits). Rows sharded (batch): the op runs on each device's rows, its outputs (loss
+    [batch], backprop [batch, classes]) keep the rows' sharding. Classes sharded too
+    (a vocabulary-parallel output layer): `_sparse_xent_class_sharded`."""
+    logits, labels = inputs
+    if len(logits.shape) != 2 or len(labels.shape) != 1 or None in logits.shape:
+        return None
+    rows, classes = logits.layout
+    if rows is None and labels.layout[0] != classes:
+        rows = labels.layout[0]  # labels sharded, logits not: slice the logits' rows
+    logits = mesh.relayout_value(logits, (rows, classes))
+    labels = mesh.relayout_value(labels, (rows,))
+    if classes is None:
+        loss, backprop = mesh.run(op, [logits, labels])
+        return [MeshValue(loss, (rows,), logits.shape[:1]),
+                MeshValue(backprop, (rows, None), logits.shape)]
+    return _sparse_xent_class_sharded(mesh, op, logits, labels)
+
+
+def _sparse_xent_class_sharded(mesh, op, logits, labels):
+    """Each device holds a block of classes: the row maxima and the sums of exponentials
+    are combined over the classes' mesh dimension (a max, then a sum: the log-sum-exp of
+    the whole row), the label's logit is picked by the device holding that class (zero
+    elsewhere, then summed). The same arithmetic as TensorFlow's kernel: loss =
+    log(sum(exp(x - max))) - (x[label] - max), backprop = softmax - one_hot."""
+    rows, c = logits.layout
+    n = logits.shape[1]
+    k = n // mesh.dim_size(c)
+    dtype = logits.dtype
+
+    def on_each(fn, *columns):
+        out = []
+        for i, args in enumerate(zip(*columns)):
+            with mesh.on_device(i):
+                out.append(fn(i, *args))
+        return out
+
+    def local_max(i, x, y):
+        tf.debugging.assert_less(y, tf.cast(n, y.dtype), message=(
+            "oh.Mesh: %s label out of range [0, %d)" % (op.type, n)))
+        tf.debugging.assert_non_negative(y, message="oh.Mesh: %s negative label" % op.type)
+        return tf.reduce_max(x, axis=1)
+
+    maxima = mesh.all_reduce(on_each(local_max, logits.shards, labels.shards), [c], "max")
+    shifted = on_each(lambda i, x, m: x - m[:, None], logits.shards, maxima)
+    exps = on_each(lambda i, z: tf.exp(z), shifted)
+    sums = mesh.all_reduce(on_each(lambda i, e: tf.reduce_sum(e, axis=1), exps), [c], "sum")
+
+    def local_label(i, y):
+        return y - tf.cast(mesh.coord(i, c) * k, y.dtype)
+
+    local = on_each(local_label, labels.shards)
+
+    def picked(i, z, y):
+        inside = tf.logical_and(y >= 0, y < k)
+        got = tf.gather(z, tf.where(inside, y, tf.zeros_like(y)), axis=1, batch_dims=1)
+        return tf.where(inside, got, tf.zeros_like(got))
+
+    label_logits = mesh.all_reduce(on_each(picked, shifted, local), [c], "sum")
+    loss = on_each(lambda i, s, z: tf.math.log(s) - z, sums, label_logits)
+    # one_hot gives a row of zeros for a label another device holds (index outside [0, k)).
+    backprop = on_each(lambda i, e, s, y: e / s[:, None] - tf.one_hot(y, k, dtype=dtype),
+                       exps, sums, local)
+    return [MeshValue(loss, (rows,), logits.shape[:1]),
+            MeshValue(backprop, (rows, c), logits.shape)]
+
+
 RULES = {"BiasAdd": _bias_add, "BiasAddGrad": _bias_add_grad, "Softmax": _softmax,
          "LogSoftmax": _softmax, "GatherV2": _gather, "ResourceGather": _resource_gather,
-         "UnsortedSegmentSum": _unsorted_segment_sum, "Unique": _unique, "Conv2DBackpropFilter": _conv_filter_grad}
+         "UnsortedSegmentSum": _unsorted_segment_sum, "Unique": _unique, "Conv2DBackpropFilter": _conv_filter_grad,
+         "SparseSoftmaxCrossEntropyWithLogits": _sparse_xent}
 RULES.update({t: _conv_or_pool for t in ("Conv2D", "Conv2DBackpropInput", "MaxPool",
                                          "MaxPoolGrad", "AvgPool", "AvgPoolGrad")})

@@ -3,6 +3,8 @@ without side effects, an acyclic import graph with no import back up, no private
 across handler modules, files small enough to read, bounded caches, listed patches."""
 import ast
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -177,6 +179,13 @@ def test_patches_name_their_reason():
     assert len(names) == len(set(names))
     for p in oh.patches():
         assert p.reason and p.target and p.when in ("runtime", "scoped", "first-use")
+
+
+def test_the_guides_patch_table_lists_every_patch():
+    guide = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text()
+    rows = set(re.findall(r"^\| `([^`]+)` \|", guide, re.M))
+    missing = [p.name for p in oh.patches() if p.name not in rows]
+    assert not missing, "docs/guide.md's patch table lacks %s" % missing
 
 
 def test_ops_and_stacks_start_the_runtime_without_a_scope():

@@ -378,6 +378,65 @@ def _sparse_xent(handler, execute, op, inputs):
             Batched(_reshaped(execute, grad, shape), True)]
 
 
+def _shape_n(handler, execute, op, inputs):
+    """Per-example shapes, unbatched (as `_shape`, pfor's ShapeN converter): the graph
+    gradients of convolutions take their `input_sizes` from ShapeN, and pfor's
+    converters of those ops need them loop invariant."""
+    out_type = op.attrs["out_type"]
+    statics = [static_shape(b.value) for b in inputs]
+    if all(s is not None and None not in s for s in statics):
+        return [Batched(_constant(s[1:] if b.batched else s, out_type), False)
+                for b, s in zip(inputs, statics)]
+    outs = execute(op, [b.value for b in inputs])
+    return [Batched(tf.raw_ops.Slice(input=o, begin=[1], size=[-1]) if b.batched else o,
+                    False) for b, o in zip(inputs, outs)]
+
+
+def _conv2d_backprop_input(handler, execute, op, inputs):
+    """pfor's converter: the batch folded into the images' batch dim of `out_backprop`,
+    `input_sizes`' batch dim scaled by it. A per-example filter or `input_sizes` has no
+    rule (pfor's converter refuses them too)."""
+    sizes, kernel, dy = inputs
+    if sizes.batched or kernel.batched or _rank(dy) != 4:
+        return None
+    shape = static_shape(dy.value)
+    folded = _reshaped(execute, dy.value, (-1,) + shape[2:]) if None not in shape[2:] \
+        else tf.reshape(dy.value, tf.concat([[-1], tf.shape(dy.value)[2:]], 0))
+    known = _static(sizes.value)
+    if known is not None:
+        scaled = _constant([int(known[0]) * handler.size] + known[1:].tolist(), known.dtype)
+    else:
+        scaled = sizes.value * _constant([handler.size, 1, 1, 1], sizes.value.dtype)
+    (out,) = execute(op, [scaled, kernel.value, folded])
+    out_shape = static_shape(out)
+    if out_shape is not None and None not in out_shape[1:]:
+        return [Batched(_reshaped(execute, out, (handler.size, -1) + out_shape[1:]), True)]
+    return [Batched(tf.reshape(out, tf.concat([[handler.size, -1], tf.shape(out)[1:]], 0)),
+                    True)]
+
+
+def _optional_get_value(handler, execute, op, inputs):
+    """A batched Optional is pfor's: one scalar variant holding the batched components
+    (OptionalFromValue's converter stacks its inputs), so its value is read with the
+    batch prepended to the declared shapes, as pfor's converter reads it."""
+    (handle,) = inputs
+    if _ndim(handle.value) != 0:
+        return None  # a vector of Optionals (stacked by the per-example loop): pfor
+    shapes = tuple(tf.TensorShape([handler.size]).concatenate(s)
+                   for s in op.attrs["output_shapes"])
+    return batched(execute(_replace(op, output_shapes=shapes), [handle.value]))
+
+
+def _optional_has_value(handler, execute, op, inputs):
+    """One presence for the whole batch (the Optional holds every example's values), as
+    tf.map_fn gives it per example: unbatched, so Python control flow on it runs in the
+    map (pfor has no converter for OptionalHasValue)."""
+    (handle,) = inputs
+    if _ndim(handle.value) != 0:
+        return None
+    return [Batched(o, False) for o in execute(op, [handle.value])]
+
+
 def _rank_op(handler, execute, op, inputs):
     (x,) = inputs
     (out,) = execute(op, [x.value])
@@ -595,6 +654,8 @@ RULES.update({
     "MaxPool3DGrad": _pool_grad, "MaxPool3DGradGrad": _pool_grad,
     "MaxPoolWithArgmax": _pool_grad, "SelfAdjointEigV2": _self_adjoint_eig,
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNormGradV3": _fused_batch_norm_grad,
+    "ShapeN": _shape_n, "Conv2DBackpropInput": _conv2d_backprop_input,
+    "OptionalGetValue": _optional_get_value, "OptionalHasValue": _optional_has_value,
 })
 
 

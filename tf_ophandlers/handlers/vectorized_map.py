@@ -190,6 +190,13 @@ def _converted_by_pfor(handler, execute, op, inputs):
 
 
 def _per_example_loop(handler, execute, op, inputs):
+    if any(b.batched and b.value.shape.rank == 0 for b in inputs):
+        # pfor's batched Optionals (and TensorLists) are one scalar variant holding the
+        # batched components: there is no example to take apart.
+        raise ValueError(
+            "oh.vectorized_map: op %s has no batching rule for a per-example Optional or "
+            "TensorList (one variant holding every example's values), and it cannot run "
+            "once per example on it; tf.vectorized_map cannot convert it either" % op.type)
     _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
                      "(a loop)", op.type)
     rows = []

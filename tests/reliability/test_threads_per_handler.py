@@ -67,15 +67,15 @@ def _check(results, want):
         np.testing.assert_allclose(got, want[seed], rtol=1e-5, atol=1e-6)
 
 
-def _run_two_threads(make_for_thread, run):
-    """Two threads, each running `run(handler, seed)` ROUNDS times on its own seed with
+def _run_two_threads(make_for_thread, run, rounds=ROUNDS, warm_both=False):
+    """Two threads, each running `run(handler, seed)` `rounds` times on its own seed with
     the handler `make_for_thread(i)` gives it; returns [(seed, result)] and errors."""
     results, errors = [], []
     lock = threading.Lock()
 
     def worker(i):
         h = make_for_thread(i)
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             try:
                 r = run(h, 10 + i)
             except Exception as e:  # pylint: disable=broad-except
@@ -90,6 +90,8 @@ def _run_two_threads(make_for_thread, run):
     # thread-safe (SystemError "AST constructor recursion depth mismatch", seen once in
     # 12 runs of this file). The threads then test the handlers, not CPython.
     run(make_for_thread(0), 10)
+    if warm_both:  # (programs whose shapes differ per seed trace per seed)
+        run(make_for_thread(1), 11)
     run_threads([lambda i=i: worker(i) for i in range(2)])
     return results, errors
 
@@ -193,28 +195,6 @@ def _rows_inputs(seed):
     return x, w
 
 
-def _run_rounds(make_for_thread, run, rounds):
-    results, errors = [], []
-    lock = threading.Lock()
-
-    def worker(i):
-        h = make_for_thread(i)
-        for _ in range(rounds):
-            try:
-                r = run(h, 10 + i)
-            except Exception as e:  # pylint: disable=broad-except
-                with lock:
-                    errors.append(e)
-                return
-            with lock:
-                results.append((10 + i, r))
-
-    run(make_for_thread(0), 10)  # (traced once on this thread: see _run_two_threads)
-    run(make_for_thread(1), 11)
-    run_threads([lambda i=i: worker(i) for i in range(2)])
-    return results, errors
-
-
 @pytest.mark.parametrize("sharing", ["shared", "each"])
 def test_parallel_handler_under_two_threads(sharing):
     devices = ["CPU:0", "CPU:1"]
@@ -233,9 +213,9 @@ def test_parallel_handler_under_two_threads(sharing):
         w = _rows_inputs(s)[1]
         want[s] = np.stack([program(_rows_inputs(s)[0], w).numpy(),
                             program(_rows_inputs(s + 2)[0], w).numpy()])
-    results, errors = _run_rounds(
+    results, errors = _run_two_threads(
         lambda i: one if sharing == "shared" else oh.ParallelHandler(devices), run,
-        MULTI_DEVICE_ROUNDS)
+        MULTI_DEVICE_ROUNDS, warm_both=True)
     assert not errors, errors
     assert len(results) == 2 * MULTI_DEVICE_ROUNDS
     for seed, got in results:
@@ -262,8 +242,8 @@ def test_mesh_under_two_threads_distinct_shapes(sharing):
         return y.numpy()
 
     want = {s: mesh_program(*_rows_inputs(s)).numpy() for s in (10, 11)}
-    results, errors = _run_rounds(lambda i: one if sharing == "shared" else make(), run,
-                                  MULTI_DEVICE_ROUNDS)
+    results, errors = _run_two_threads(lambda i: one if sharing == "shared" else make(), run,
+                                       MULTI_DEVICE_ROUNDS, warm_both=True)
     assert not errors, errors
     assert len(results) == 2 * MULTI_DEVICE_ROUNDS
     for seed, got in results:

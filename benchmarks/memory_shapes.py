@@ -129,21 +129,19 @@ def child(name, checkpoints):
     print(json.dumps({"rss": rss, "seconds": time.perf_counter() - start}))
 
 
-def conclusions(results):
-    """What the table says, as lines under it."""
-    del results
-    return [
-        "Plain eager TensorFlow keeps almost nothing per new shape; a `tf.function` keeps a "
-        "concrete function per traced shape. `oh.Lazy()` compiles per structure and shape "
-        "too, into a bounded LRU cache of compiled calls (`lazy.functions`), and keeps far "
-        "less than the `tf.function` doing the same. `oh.Async()` keeps its shape-inference "
-        "results per op signature (`async.inferred`, 16,384 entries, and the shared "
-        "`shapes.inferred`): its growth per shape falls as those caches fill and stops when "
-        "they are full. `oh.GradientTape` keeps nothing per shape; `oh.DataFormat()` keeps "
-        "what the NHWC program it runs keeps."]
+# What the table says, as a paragraph under it (the figures themselves vary by machine).
+CONCLUSIONS = [
+    "Plain eager TensorFlow keeps almost nothing per new shape; a `tf.function` keeps a "
+    "concrete function per traced shape. `oh.Lazy()` compiles per structure and shape "
+    "too, into a bounded LRU cache of compiled calls (`lazy.functions`), and keeps far "
+    "less than the `tf.function` doing the same. `oh.Async()` keeps its shape-inference "
+    "results per op signature (`async.inferred`, 16,384 entries, and the shared "
+    "`shapes.inferred`): its growth per shape falls as those caches fill and stops when "
+    "they are full. `oh.GradientTape` keeps nothing per shape; `oh.DataFormat()` keeps "
+    "what the NHWC program it runs keeps."]
 
 
-# Configurations that compile per shape (≈0.1 s each) stop at this many shapes.
+# Configurations that compile per shape (≈0.1 s each): run to the first two checkpoints only.
 COMPILING = ("tf.function", "oh.Lazy()")
 
 
@@ -196,7 +194,7 @@ def render(results, checkpoints, quick, machine, elapsed):
         "",
         _common.md_table(header, rows),
         "",
-    ] + conclusions(results) + [""]
+    ] + CONCLUSIONS + [""]
     return "\n".join(lines)
 
 

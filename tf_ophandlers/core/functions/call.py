@@ -120,8 +120,7 @@ def _as_bytes(value):
     return value if isinstance(value, bytes) else value.encode()
 
 
-def _as_str(value):
-    return value.decode() if isinstance(value, bytes) else value
+_as_str = library.as_str
 
 
 class _Entry:

@@ -14,6 +14,11 @@ from tf_ophandlers.core.cache import BoundedCache
 
 # Function names are unique in the eager context (a retrace makes a new name), so a
 # body or op-type set keyed by name cannot go stale.
+def as_str(name):
+    """A function name as str (TensorFlow gives them as bytes or str)."""
+    return name.decode() if isinstance(name, bytes) else name
+
+
 _bodies = BoundedCache("functions.bodies", 1024)  # name -> FuncGraph of its FunctionDef
 _op_types = BoundedCache("functions.op_types", 4096)  # name -> op types of it and callees
 

@@ -54,10 +54,6 @@ def on_retrace(fn):
     _on_retrace.append(fn)
 
 
-def _as_str(value):
-    return value.decode() if isinstance(value, bytes) else value
-
-
 _original_create_concrete_function = [None]
 
 
@@ -66,7 +62,7 @@ def _create_concrete_function(function_type, type_context, func_graph, tracing_o
         function_type, type_context, func_graph, tracing_options)
     try:
         python_function = tracing_options.python_function
-        name = _as_str(concrete._inference_function.name)  # pylint: disable=protected-access
+        name = library.as_str(concrete._inference_function.name)  # pylint: disable=protected-access
         _sources[name] = (weakref.ref(python_function), weakref.ref(concrete))
     except (AttributeError, TypeError):
         pass  # (not weakly referenceable, or no inference function: no re-trace)
@@ -108,7 +104,7 @@ def _scan(name):
         names = {}
         try:
             for concrete in configs[0].function_cache.values():
-                names[_as_str(concrete._inference_function.name)] = concrete  # pylint: disable=protected-access
+                names[library.as_str(concrete._inference_function.name)] = concrete  # pylint: disable=protected-access
         except (AttributeError, TypeError):
             continue
         if name in names:

@@ -22,7 +22,7 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions.control_flow import ControlFlow
 from tf_ophandlers.core.functions.interpreter import CALL_OPS, PHYSICAL_OPS, Interpreter
-from tf_ophandlers.core.functions.library import body as function_body
+from tf_ophandlers.core.functions.library import as_str, body as function_body
 from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op, decode_attr
 from tf_ophandlers.core.stack import payload
 from tf_ophandlers.core.state import Mode, state
@@ -39,10 +39,6 @@ def _chain(tensor):
         chain.append(p[1])
         p = payload(p[1])
     return chain
-
-
-def _as_str(value):
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _gradient_node(name, seen):
@@ -278,7 +274,7 @@ class Replay(Mode, Interpreter, ControlFlow):
             # is active: a hook calling a tf.function while the body is interpreted
             # (oh.vectorized_map's pfor conversion of a JVP's op) failed. There is no
             # call op here: its override is lifted while the body runs.
-            callee = _as_str(attrs["f"].func.name)
+            callee = as_str(attrs["f"].func.name)
             if self.retracing and _gradient_node(callee, set()) and not _retrace.why_not(
                     callee, True):
                 # A tf.function the re-traced body calls (Keras fit's step inside its

@@ -272,7 +272,13 @@ def test_record_type_is_read_only_and_named():
 def test_a_long_persistent_tape_drops_tracking_of_outputs_gone(cls):
     """`_tracked` forgets recorded outputs nobody holds any more (it kept an entry for
     each until the tape was cleared, or a new tensor happened to take its key), and
-    keeps the ones still held: their gradients stay TensorFlow's."""
+    keeps the ones still held: their gradients stay TensorFlow's.
+
+    The contract is amortized: whenever `_tracked` reaches `_sweep_at` it is swept of every
+    dead entry, and `_sweep_at` becomes twice what remains. The test checks each sweep
+    rather than the map's final size: `_tracked` is keyed by TensorFlow handle, and a new
+    tensor whose handle reuses a dead one's address takes over its entry, so the size at
+    any moment depends on the allocator (CI's full suite and a lone run differ)."""
     x = tf.random.stateless_uniform([3], seed=[5, 6])
     c = tf.constant(1.01)
 
@@ -281,23 +287,41 @@ def test_a_long_persistent_tape_drops_tracking_of_outputs_gone(cls):
         burst = [x * c for _ in range(3000)]  # held only by this list (Mul reads inputs)
         del burst
         kept = []
-        for i in range(2000):  # each Mul output stays, held by the Reshape's record
+        for i in range(5000):  # each Mul output stays, held by the Reshape's record
             h = tf.reshape(x * c, [1, 3])
-            if i % 500 == 0:
+            if i % 1000 == 0:
                 kept.append(h)
         return tf.add_n(kept), kept
 
+    sweeps = []
+
+    def dead_entries(tracked):
+        return sum(1 for ref, _ in tracked.values()
+                   if type(ref) is weakref.ref and ref() is None)  # pylint: disable=unidiomatic-typecheck
+
     with cls(persistent=True) as tape:
+        sweep = tape._sweep_tracked  # pylint: disable=protected-access
+
+        def observed_sweep():
+            tracked = tape._tracked  # pylint: disable=protected-access
+            before = (len(tracked), tape._sweep_at)  # pylint: disable=protected-access
+            sweep()
+            sweeps.append(before + (len(tracked), dead_entries(tracked),
+                                    tape._sweep_at))  # pylint: disable=protected-access
+
+        # Both the C++ recorder and the Python one look the method up on the instance.
+        tape._sweep_tracked = observed_sweep  # pylint: disable=protected-access
         y, kept = program(tape)
     tracked = tape._tracked  # pylint: disable=protected-access
-    live = [e for e in tracked.values()
-            if type(e[0]) is not weakref.ref or e[0]() is not None]  # pylint: disable=unidiomatic-typecheck
-    # The contract is a bound, not a count of dead entries: `_tracked` is keyed by
-    # TensorFlow handle, and a new tensor whose handle reuses a dead one's address takes
-    # its entry, so how many dead entries remain depends on the allocator (the full suite
-    # left 2048 where a lone run leaves a few hundred). Without the sweep the 3000 burst
-    # entries plus 2000 dropped Reshape outputs are kept (≈7000 against ≈2000 live).
-    assert len(tracked) <= max(2 * len(live), _SWEEP_MIN), (len(tracked), len(live))
+    # Sweeps at 1024 and 2048 entries while the burst lives; the 5000 Mul outputs held
+    # later need 5000 distinct keys, so the map reaches 4096 again after the burst died
+    # (however many of its keys they took over). Without the sweep none would run.
+    assert len(sweeps) >= 3, sweeps
+    for size, at, after, dead_left, next_at in sweeps:
+        assert size >= max(at, _SWEEP_MIN)  # a sweep runs only when the map has doubled
+        assert dead_left == 0  # and drops every dead entry
+        assert next_at == max(_SWEEP_MIN, 2 * after)
+    assert len(tracked) < max(tape._sweep_at, _SWEEP_MIN)  # pylint: disable=protected-access
     with tf.GradientTape(persistent=True) as ref:
         want, want_kept = program(ref)
     assert_close(y, want)

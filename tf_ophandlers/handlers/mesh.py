@@ -83,11 +83,15 @@ class Mesh(MeshCommunication, OpHandler):
     optimize_replays = False
     TYPE_NAME = "MESH"
 
-    def __init__(self, dims, devices, compile_ops=False):
+    def __init__(self, dims, devices, compile_ops=False, batch_dim=None):
         """`compile_ops`: run an op's per-device shards as one compiled multi-device
         function call (cached per op signature; `mesh_compiled.py`) instead of one eager
         op per device; off by default: slower on the loaded 2-core machine it was
-        measured on (`benchmarks/mesh.py`)."""
+        measured on (`benchmarks/mesh.py`).
+
+        `batch_dim`: the mesh dimension that dataset elements a replayed function reads
+        (a compiled `model.fit`'s batches) are sharded on along their first axis
+        (`iterator_element`); None: replicated."""
         dims = list(dims.items()) if isinstance(dims, dict) else list(dims)
         names = [n for n, _ in dims]
         sizes = [s for _, s in dims]
@@ -105,6 +109,10 @@ class Mesh(MeshCommunication, OpHandler):
         except (ValueError, TypeError) as e:
             raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
         self.dims = dict(zip(names, [int(s) for s in sizes]))
+        if batch_dim is not None and batch_dim not in self.dims:
+            raise ValueError("oh.Mesh: batch_dim %r is not a dimension of the mesh %r"
+                             % (batch_dim, dims))
+        self.batch_dim = batch_dim
         self.dims_key = tuple(self.dims.items())  # for plan caches keyed by dimension sizes
         self._index = {n: i for i, n in enumerate(names)}
         #: CPUs of one process: a shard of another device is read in place, not copied.
@@ -213,6 +221,19 @@ class Mesh(MeshCommunication, OpHandler):
                 or self.layout_of(gradient) in (None, layout)):
             return gradient  # replicated sources, or not a gradient of this mesh
         return self.relayout(gradient, layout)
+
+    def iterator_element(self, value):
+        """A dataset element's component read by a replayed function (a compiled
+        `model.fit`'s batch), fetched just before the call (`OpHandler.iterator_element`):
+        its first axis sharded along `batch_dim` (kept replicated where it does not
+        divide: a partial last batch), replicated without one. Fetching it outside the
+        replay gives the SPMD rules its shape, which the traced read leaves unknown in
+        the batch dimension; rules taking an unknown dimension would have to defer every
+        layout and collective that depends on it to run time."""
+        if self.batch_dim is None or not value.shape or value.var is not None:
+            return value
+        layout = (self.batch_dim,) + (None,) * (len(value.shape) - 1)
+        return self.relayout_value(value, self._checked_layout(layout, value.shape, "shard"))
 
     def save_shards(self, prefix, variables):
         """Writes each device's blocks of `variables` ({name: variable}) to its own

@@ -379,13 +379,18 @@ class Mesh(MeshCommunication, OpHandler):
                 layout = self._checked_layout(layout, inputs[0].shape, "shard")
                 return [self.relayout_value(inputs[0], layout)]
         if t in _ITERATOR_OPS and not tf.executing_eagerly():
+            # Reads at the top level of the replayed body were fetched before the call
+            # (`iterator_element`); this one is in a loop or branch (Keras's
+            # steps_per_execution > 1: get_next_as_optional in a while loop), which may
+            # run it any number of times, so it cannot be fetched ahead.
             raise NotImplementedError(
-                "oh.Mesh: op %s iterates a dataset inside a function replayed on %s; batches "
-                "read there have unknown shapes, which the SPMD rules need. Keras: compile "
-                "with run_eagerly=True (model.fit then runs in the mesh's scope, weights "
-                "sharded), or write the loop: iterate the dataset outside, shard each batch "
-                "with mesh.shard and call a tf.function step in the mesh's scope"
-                % (t, self.debug_string()))
+                "oh.Mesh: op %s iterates a dataset inside a loop or branch of a function "
+                "replayed on %s; batches read there have unknown shapes, which the SPMD "
+                "rules need (a read at the function's top level is fetched before the "
+                "call). Keras: compile with steps_per_execution=1 (compiled model.fit, "
+                "evaluate and predict then work), or run_eagerly=True, or write the loop: "
+                "iterate the dataset outside, shard each batch with mesh.shard and call a "
+                "tf.function step in the mesh's scope" % (t, self.debug_string()))
         if any(v.var is not None for v in inputs) or t == "VarHandleOp":
             out = mesh_variables.variable_op(
                 self, op, inputs, getattr(self._local, "var_request", None))

@@ -47,6 +47,7 @@ from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
+from tf_ophandlers.handlers.gradient_tape import SOURCE_GRADIENT_NODE
 from tf_ophandlers.handlers.parallel import (
     VARIABLE_READS, ParallelHandler, refuse_tape_below)
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
@@ -213,14 +214,34 @@ class Mesh(MeshCommunication, OpHandler):
         value = self._value_of(source)
         if value is None:
             return gradient
+        layout = self._source_layout(value, gradient.shape.as_list())
+        if layout is None or self.layout_of(gradient) in (None, layout):
+            return gradient  # replicated sources, or not a gradient of this mesh
+        return self.relayout(gradient, layout)
+
+    @staticmethod
+    def _source_layout(value, gradient_shape):
+        """The layout a gradient of shape `gradient_shape` of source `value` (a MeshValue)
+        takes, or None (a replicated source, or a gradient of another shape)."""
         var = value.var
         layout, shape = (var.layout, var.shape) if var is not None else (value.layout,
                                                                         value.shape)
         if (layout is None or not any(layout) or shape is None
-                or tuple(gradient.shape.as_list()) != tuple(shape)
-                or self.layout_of(gradient) in (None, layout)):
-            return gradient  # replicated sources, or not a gradient of this mesh
-        return self.relayout(gradient, layout)
+                or tuple(gradient_shape) != tuple(shape)):
+            return None
+        return layout
+
+    def _traced_source_gradient(self, inputs):
+        """A replayed function's gradient of a source of a tape inside it, marked when it
+        was traced in a scope of a handler with `source_gradient` (`tf.GradientTape`'s
+        "source gradients" patch: IdentityN(gradient, source)): relayouted to the
+        source's layout, as the eager hook does."""
+        gradient, source = inputs
+        if gradient.var is None:
+            layout = self._source_layout(source, gradient.shape)
+            if layout is not None and gradient.layout != layout:
+                gradient = self.relayout_value(gradient, layout)
+        return [gradient, source]
 
     def iterator_element(self, value):
         """A dataset element's component read by a replayed function (a compiled
@@ -347,6 +368,9 @@ class Mesh(MeshCommunication, OpHandler):
 
     def execute(self, op, inputs):
         t = op.type
+        if (t == "IdentityN" and len(inputs) == 2 and op.node_name is not None
+                and SOURCE_GRADIENT_NODE in op.node_name):
+            return self._traced_source_gradient(inputs)
         if t in VARIABLE_READS and any(v.var is not None and not v.var.broadcast
                                        for v in inputs):
             refuse_tape_below(self, op, "device")

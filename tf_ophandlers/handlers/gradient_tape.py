@@ -648,5 +648,7 @@ tf_patches.register(
     "tf.GradientTape's gradients of sources on a handler's stack are represented as that "
     "handler chooses (OpHandler.source_gradient: oh.Mesh gives a sharded source's "
     "gradient the source's layout), as oh.GradientTape's are; TensorFlow's tape has no "
-    "hook on its results. Plain tensors pay one payload lookup per source.", "runtime",
+    "hook on its results. Plain tensors pay one payload lookup per source. Traced in the "
+    "scope of a handler with that hook, each dense gradient is marked as "
+    "IdentityN(gradient, source) for the handler's replay.", "runtime",
     _install_source_gradients, None)

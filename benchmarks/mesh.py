@@ -211,7 +211,8 @@ def make_step_configs(args, dmesh, omesh, rng):
             Config(same, "dtensor", step_dtensor, args.steps), captured]
 
 
-FIT = "Keras MLP, one model.fit step (%dx%d, hidden %d), weights and batch sharded" % (N, D, F)
+FIT = ("Keras MLP, one model.fit step (%dx%d, hidden %d), weights and batch sharded"
+       % (N, D, F))
 
 
 def make_fit_configs(args, rng):

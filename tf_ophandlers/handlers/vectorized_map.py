@@ -27,9 +27,13 @@ import functools
 import logging
 import operator
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager.polymorphic_function import eager_function_run as _eager_run
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
 from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import type_spec as _type_spec
@@ -42,6 +46,9 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.state import own_trace
 from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.functions import call as _function_call
+from tf_ophandlers.core.functions.library import as_str as _as_str
+from tf_ophandlers.core.functions.representations import eager_leaf
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
     stack_of)
@@ -575,6 +582,8 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
         # offset while fn's ops run: TensorFlow captures the line numbers of up to 30
         # Python frames for every eager op (TFE_Py_FastPathExecute's stack trace), each
         # by a scan of the frame's line table up to its current instruction.
+        if isinstance(fn, _Function):
+            return _run_function(fn, elems, fallback_to_while_loop, warn)
         return _run(fn, elems, fallback_to_while_loop, warn)
     # Traced: pfor on the graph. Under a tf.GradientTape (or TensorFlow's forward
     # accumulator): TensorFlow's tapes record by Python object and would see none of
@@ -630,7 +639,8 @@ class _CompositeOutput:
         self.spec, self.tensors = spec, tensors
 
 
-def _run(fn, elems, fallback_to_while_loop, warn):
+def _run(fn, elems, fallback_to_while_loop, warn, raw=None):
+    """`raw`: a list `fn`'s result (as `fn` returned it, in the map) is appended to."""
     leaves, parts, flat, handler = _batch_of(elems, fallback_to_while_loop, warn)
     with _scope.handler(handler) as stack:
         wrapped = [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]
@@ -642,7 +652,10 @@ def _run(fn, elems, fallback_to_while_loop, warn):
                 per_example.append(group[0] if spec is None else
                                    spec._from_compatible_tensor_list(group))
             wrapped = per_example
-        outputs = nest.map_structure(_output_parts, fn(nest.pack_sequence_as(elems, wrapped)))
+        result = fn(nest.pack_sequence_as(elems, wrapped))
+        if raw is not None:
+            raw.append(result)
+        outputs = nest.map_structure(_output_parts, result)
 
     def unbatch(t):
         if t is None:
@@ -656,3 +669,151 @@ def _run(fn, elems, fallback_to_while_loop, warn):
         return broadcast_batch(value if found else Batched(t, False), handler.size)
 
     return nest.map_structure(unbatch, outputs)
+
+
+# -- fn a tf.function: its replayed call, run without the scope ----------------------------
+#
+# `_run` over a tf.function is one call op, replayed once into a cached function
+# (core/functions): a later call with the same arguments runs that entry, but first pays
+# the handler scope, TensorFlow's dispatch of the call on handler tensors (binding them
+# and building their trace types), the custom device's round trip, the splits and
+# rebuilds of the representations and the unbatching, about as much again as a small
+# model's replayed function itself. A *call plan* records, from a first call through
+# `_run`, which replay-cache entry the call came to and how its outputs form `fn`'s
+# result; later calls with the same function, argument specs and context run that
+# entry directly. The plan is checked at every call against what would make `_run` do
+# something else (`_plan_applies`); `_run` takes over whenever it does not apply.
+
+_Function = _polymorphic.Function
+_EagerTensor = _ops.EagerTensor
+# (id(fn), type(elems), per tensor (dtype enum, shape), fallback_to_while_loop, device)
+# -> _CallPlan, or None where `_run` cannot be skipped (reconsidered when fn retraces)
+_call_plans = BoundedCache("vectorized_map.function_calls", 256)
+
+
+class _CallPlan:
+    """What `oh.vectorized_map(fn, elems)` came to for one key of `_call_plans`."""
+
+    __slots__ = ("fn", "tracing_count", "function", "captured", "key", "entry", "size",
+                 "batched", "order", "structure")
+
+
+def _call_plan_key(fn, elems, fallback_to_while_loop):
+    """The `_call_plans` key of a call and its flat tensors, or (None, None) where the
+    call must take `_run` (functions run eagerly, an open handler scope or replay, op
+    callbacks that see every op, `elems` other than eager tensors in a flat tuple or
+    list)."""
+    if (_eager_run.RUN_FUNCTIONS_EAGERLY or _state.current is not PHYSICAL
+            or _state.mode is not None or _state.frames
+            or _context.context().op_callbacks):
+        return None, None
+    kind = type(elems)
+    if kind is _EagerTensor:
+        flat = (elems,)
+    elif (kind is tuple or kind is list) and elems and all(
+            type(e) is _EagerTensor for e in elems):
+        flat = elems
+    else:
+        return None, None
+    sig = tuple((e._datatype_enum(), e._shape_tuple()) for e in flat)  # pylint: disable=protected-access
+    return (id(fn), kind, sig, fallback_to_while_loop, _state.device), flat
+
+
+def _run_function(fn, elems, fallback_to_while_loop, warn):
+    key, flat = _call_plan_key(fn, elems, fallback_to_while_loop)
+    if key is None:
+        return _run(fn, elems, fallback_to_while_loop, warn)
+    plan = _call_plans.get(key, False)
+    if plan is not False and (plan is None or plan.fn() is fn) and (
+            plan is None or plan.tracing_count == fn.experimental_get_tracing_count()):
+        if plan is None:  # (not a call plan can replace; until fn traces again)
+            return _run(fn, elems, fallback_to_while_loop, warn)
+        outputs = _run_plan(plan, flat)
+        if outputs is not None:
+            return outputs
+    raw = []
+    with _function_call.observe_calls() as calls:
+        result = _run(fn, elems, fallback_to_while_loop, warn, raw)
+    _call_plans[key] = _make_plan(fn, elems, flat, calls, raw[0]) if raw else None
+    return result
+
+
+def _run_plan(plan, flat):
+    """`fn`'s result from the plan's replayed function, or None where the plan no longer
+    applies (the function's captures changed, its replay left the replay cache)."""
+    captured = plan.function.captured_inputs
+    if len(captured) != len(plan.captured) or any(
+            a is not b for a, b in zip(captured, plan.captured)):
+        return None
+    entry = _function_call.cached_entry(plan.key)
+    if entry is not plan.entry:
+        return None
+    results = entry.compiled.run(PHYSICAL, list(flat) + captured)
+    size = plan.size
+    values = [None if k < 0 else results[k] if plan.batched[k]
+              else broadcast_batch(Batched(results[k], False), size) for k in plan.order]
+    return nest.pack_sequence_as(plan.structure, values)
+
+
+def _make_plan(fn, elems, flat, calls, raw):
+    """The call plan `_run`'s call of `fn` on `elems` shows (see `observe_calls`), or None
+    when the call was anything but `fn`'s one replayed call on the map's stack alone,
+    on `elems` and the function's captures, whose outputs are `fn`'s result `raw` (as
+    `fn` returned it, in the map)."""
+    if len(calls) != 1:
+        return None
+    call = calls[0]
+    if (call.bottom is not PHYSICAL or len(call.segment) != 1
+            or not isinstance(call.segment[0].handler, VectorizedMap)):
+        return None
+    size = call.segment[0].handler.size
+    try:
+        specs = [tf.TensorSpec(e.shape[1:], e.dtype) for e in flat]
+        function = fn.get_concrete_function(
+            specs[0] if type(elems) is _EagerTensor else type(elems)(specs))
+    except Exception:  # pylint: disable=broad-except
+        return None  # (what _run did stands; only the shortcut is given up)
+    if _as_str(function.function_def.signature.name) != _as_str(call.name):
+        return None
+    captured = function.captured_inputs
+    leaves = call.leaves
+    if (len(leaves) != len(flat) + len(captured)
+            or any(a is not b for a, b in zip(leaves, flat))):
+        return None
+    if any(eager_leaf(a) != eager_leaf(b) for a, b in zip(leaves[len(flat):], captured)):
+        return None
+    batched_out = []
+    for tree in call.entry.output_trees:
+        if tree[0] == "leaf":
+            batched_out.append(False)
+        elif tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf":
+            batched_out.append(bool(tree[1]))
+        else:
+            return None
+    # fn's result: its tensors are the call's outputs, in order (each the same
+    # representation; None stays None)
+    handler = call.segment[0].handler
+    outputs = [representation_of(handler, t) for t in call.outputs]
+    order = []
+    for leaf in nest.flatten(raw):
+        if leaf is None:
+            order.append(-1)
+            continue
+        k = len(order) - order.count(-1)
+        if k >= len(outputs) or not isinstance(leaf, tf.Tensor):
+            return None
+        found, value = representation_of(handler, leaf)
+        if not (found and outputs[k][0] and value is outputs[k][1]):
+            return None
+        order.append(k)
+    if len(order) - order.count(-1) != len(outputs):
+        return None
+    plan = _CallPlan()
+    plan.fn = weakref.ref(fn)
+    plan.tracing_count = fn.experimental_get_tracing_count()
+    plan.function, plan.captured = function, list(captured)
+    plan.key, plan.entry, plan.size = call.key, call.entry, size
+    plan.batched = batched_out
+    plan.order = order
+    plan.structure = nest.map_structure(lambda _: 0, raw)
+    return plan

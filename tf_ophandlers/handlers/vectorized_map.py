@@ -692,10 +692,21 @@ _call_plans = BoundedCache("vectorized_map.function_calls", 256)
 
 
 class _CallPlan:
-    """What `oh.vectorized_map(fn, elems)` came to for one key of `_call_plans`."""
+    """What `oh.vectorized_map(fn, elems)` came to for one key of `_call_plans`: `fn`
+    and its tracing count then (weakly: the plan must not keep a dropped function's
+    captures alive), and unless `entry` is None (`_run` cannot be skipped: checked again
+    when `fn` traces again), the concrete function called, its captures' cache-key
+    parts, the replay-cache key and entry it ran, the batch size, whether each output
+    is batched, and `fn`'s result as the positions of those outputs (-1: None) in its
+    structure."""
 
-    __slots__ = ("fn", "tracing_count", "function", "captured", "key", "entry", "size",
+    __slots__ = ("fn", "tracing_count", "function", "captures", "key", "entry", "size",
                  "batched", "order", "structure")
+
+    def __init__(self, fn):
+        self.fn = weakref.ref(fn)
+        self.tracing_count = fn.experimental_get_tracing_count()
+        self.entry = None
 
 
 def _call_plan_key(fn, elems, fallback_to_while_loop):
@@ -723,10 +734,10 @@ def _run_function(fn, elems, fallback_to_while_loop, warn):
     key, flat = _call_plan_key(fn, elems, fallback_to_while_loop)
     if key is None:
         return _run(fn, elems, fallback_to_while_loop, warn)
-    plan = _call_plans.get(key, False)
-    if plan is not False and (plan is None or plan.fn() is fn) and (
-            plan is None or plan.tracing_count == fn.experimental_get_tracing_count()):
-        if plan is None:  # (not a call plan can replace; until fn traces again)
+    plan = _call_plans.get(key)
+    if (plan is not None and plan.fn() is fn
+            and plan.tracing_count == fn.experimental_get_tracing_count()):
+        if plan.entry is None:
             return _run(fn, elems, fallback_to_while_loop, warn)
         outputs = _run_plan(plan, flat)
         if outputs is not None:
@@ -734,86 +745,89 @@ def _run_function(fn, elems, fallback_to_while_loop, warn):
     raw = []
     with _function_call.observe_calls() as calls:
         result = _run(fn, elems, fallback_to_while_loop, warn, raw)
-    _call_plans[key] = _make_plan(fn, elems, flat, calls, raw[0]) if raw else None
+    _call_plans[key] = _make_plan(fn, elems, flat, calls, raw)
     return result
 
 
 def _run_plan(plan, flat):
     """`fn`'s result from the plan's replayed function, or None where the plan no longer
-    applies (the function's captures changed, its replay left the replay cache)."""
-    captured = plan.function.captured_inputs
-    if len(captured) != len(plan.captured) or any(
-            a is not b for a, b in zip(captured, plan.captured)):
+    applies (the concrete function was dropped, its captures changed, its replay left the
+    replay cache)."""
+    function = plan.function()
+    if function is None:
+        return None
+    captured = function.captured_inputs
+    if tuple(map(eager_leaf, captured)) != plan.captures:
         return None
     entry = _function_call.cached_entry(plan.key)
     if entry is not plan.entry:
         return None
     results = entry.compiled.run(PHYSICAL, list(flat) + captured)
     size = plan.size
-    values = [None if k < 0 else results[k] if plan.batched[k]
+    batched = plan.batched
+    values = [None if k < 0 else results[k] if batched[k]
               else broadcast_batch(Batched(results[k], False), size) for k in plan.order]
     return nest.pack_sequence_as(plan.structure, values)
 
 
 def _make_plan(fn, elems, flat, calls, raw):
-    """The call plan `_run`'s call of `fn` on `elems` shows (see `observe_calls`), or None
-    when the call was anything but `fn`'s one replayed call on the map's stack alone,
-    on `elems` and the function's captures, whose outputs are `fn`'s result `raw` (as
-    `fn` returned it, in the map)."""
-    if len(calls) != 1:
-        return None
+    """The call plan `_run`'s call of `fn` on `elems` shows (`calls`: the replayed calls
+    observed, `raw`: `fn`'s result as `fn` returned it, in the map); one with no entry
+    when the call was anything but `fn`'s one replayed call on the map's stack alone, on
+    `elems` and the function's captures, whose outputs are `fn`'s result."""
+    plan = _CallPlan(fn)
+    if len(calls) != 1 or len(raw) != 1:
+        return plan
     call = calls[0]
     if (call.bottom is not PHYSICAL or len(call.segment) != 1
             or not isinstance(call.segment[0].handler, VectorizedMap)):
-        return None
-    size = call.segment[0].handler.size
+        return plan
+    handler = call.segment[0].handler
     try:
+        # (TensorFlow's dispatch of the call: the same specs, the same function)
         specs = [tf.TensorSpec(e.shape[1:], e.dtype) for e in flat]
         function = fn.get_concrete_function(
             specs[0] if type(elems) is _EagerTensor else type(elems)(specs))
     except Exception:  # pylint: disable=broad-except
-        return None  # (what _run did stands; only the shortcut is given up)
-    if _as_str(function.function_def.signature.name) != _as_str(call.name):
-        return None
+        return plan  # (what _run did stands; only the shortcut is given up)
+    if (_as_str(function.function_def.signature.name) != _as_str(call.name)
+            or fn.experimental_get_tracing_count() != plan.tracing_count):
+        return plan
     captured = function.captured_inputs
     leaves = call.leaves
     if (len(leaves) != len(flat) + len(captured)
-            or any(a is not b for a, b in zip(leaves, flat))):
-        return None
-    if any(eager_leaf(a) != eager_leaf(b) for a, b in zip(leaves[len(flat):], captured)):
-        return None
-    batched_out = []
+            or any(a is not b for a, b in zip(leaves, flat))
+            or any(eager_leaf(a) != eager_leaf(b)
+                   for a, b in zip(leaves[len(flat):], captured))):
+        return plan
+    batched = []
     for tree in call.entry.output_trees:
-        if tree[0] == "leaf":
-            batched_out.append(False)
+        if tree[0] == "leaf":  # a tensor below the map: unbatched
+            batched.append(False)
         elif tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf":
-            batched_out.append(bool(tree[1]))
+            batched.append(bool(tree[1]))
         else:
-            return None
-    # fn's result: its tensors are the call's outputs, in order (each the same
-    # representation; None stays None)
-    handler = call.segment[0].handler
+            return plan
+    # fn's result: its tensors are the call's outputs (the same representations), in
+    # order; None stays None
     outputs = [representation_of(handler, t) for t in call.outputs]
     order = []
-    for leaf in nest.flatten(raw):
+    for leaf in nest.flatten(raw[0]):
         if leaf is None:
             order.append(-1)
             continue
         k = len(order) - order.count(-1)
         if k >= len(outputs) or not isinstance(leaf, tf.Tensor):
-            return None
+            return plan
         found, value = representation_of(handler, leaf)
         if not (found and outputs[k][0] and value is outputs[k][1]):
-            return None
+            return plan
         order.append(k)
     if len(order) - order.count(-1) != len(outputs):
-        return None
-    plan = _CallPlan()
-    plan.fn = weakref.ref(fn)
-    plan.tracing_count = fn.experimental_get_tracing_count()
-    plan.function, plan.captured = function, list(captured)
-    plan.key, plan.entry, plan.size = call.key, call.entry, size
-    plan.batched = batched_out
-    plan.order = order
-    plan.structure = nest.map_structure(lambda _: 0, raw)
+        return plan
+    plan.function = weakref.ref(function)
+    plan.captures = tuple(map(eager_leaf, captured))
+    plan.key, plan.size, plan.batched, plan.order = call.key, handler.size, batched, order
+    plan.structure = nest.map_structure(lambda _: 0, raw[0])
+    plan.entry = call.entry
     return plan

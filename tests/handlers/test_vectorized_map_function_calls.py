@@ -192,3 +192,21 @@ def test_functions_the_map_runs_as_one_op_stay_correct_when_called_again(caplog)
 def test_plans_are_listed_and_bounded():
     entries, maxsize = oh.caches()["vectorized_map.function_calls"]
     assert 0 <= entries <= maxsize
+
+
+def test_captures_taken_at_call_time_are_read_at_every_call(scopes):
+    from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+    scale = [tf.constant([1., 2.])]
+
+    @tf.function
+    def f(r):
+        s = ops.get_default_graph().capture_call_time_value(
+            lambda: scale[0], tf.TensorSpec([2], tf.float32))
+        return r * s
+
+    x = _rand(3, 2)
+    for k in range(3):
+        scale[0] = tf.constant([1., 2.]) * (k + 1)
+        del scopes[:]
+        assert_close(oh.vectorized_map(f, x), x * scale[0])
+        assert len(scopes) == (1 if k == 0 else 0)

@@ -681,13 +681,14 @@ def _run(fn, elems, fallback_to_while_loop, warn, raw=None):
 # model's replayed function itself. A *call plan* records, from a first call through
 # `_run`, which replay-cache entry the call came to and how its outputs form `fn`'s
 # result; later calls with the same function, argument specs and context run that
-# entry directly. The plan is checked at every call against what would make `_run` do
-# something else (`_plan_applies`); `_run` takes over whenever it does not apply.
+# entry directly. Every call checks what would make `_run` do something else
+# (`_call_plan_key`, `_run_function`, `_run_plan`); `_run` takes over where it would.
 
 _Function = _polymorphic.Function
 _EagerTensor = _ops.EagerTensor
 # (id(fn), type(elems), per tensor (dtype enum, shape), fallback_to_while_loop, device)
-# -> _CallPlan, or None where `_run` cannot be skipped (reconsidered when fn retraces)
+# -> _CallPlan (its entry None where `_run` cannot be skipped; reconsidered when fn
+# traces again)
 _call_plans = BoundedCache("vectorized_map.function_calls", 256)
 
 

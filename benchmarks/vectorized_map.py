@@ -227,7 +227,7 @@ def _compare(case, name, got, want):
 
 def _planned(function):
     """Whether oh.vectorized_map has a call plan running `function`'s replay directly."""
-    return any(plan.entry is not None and plan.fn() is function
+    return any(plan.key is not None and plan.fn() is function
                for plan in list(vm._call_plans.values()))  # pylint: disable=protected-access
 
 

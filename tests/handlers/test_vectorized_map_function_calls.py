@@ -210,3 +210,26 @@ def test_captures_taken_at_call_time_are_read_at_every_call(scopes):
         del scopes[:]
         assert_close(oh.vectorized_map(f, x), x * scale[0])
         assert len(scopes) == (1 if k == 0 else 0)
+
+
+def test_a_dropped_function_releases_its_replay():
+    """A plan keeps neither the function, its concrete function nor the replayed
+    function: dropping `fn` removes its replay (and that function from TensorFlow's
+    context) as without plans."""
+    import gc  # pylint: disable=import-outside-toplevel
+    import weakref  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.core.functions import call as call_module  # pylint: disable=import-outside-toplevel
+    W = tf.Variable(_rand(3, 2))
+    f = tf.function(lambda r: tf.reduce_sum(tf.matmul(r[None], W)))
+    x = _rand(4, 3)
+    seen_before = {id(e) for e in call_module._cache.values()}  # pylint: disable=protected-access
+    oh.vectorized_map(f, x)
+    oh.vectorized_map(f, x)
+    new = [e for e in call_module._cache.values() if id(e) not in seen_before]  # pylint: disable=protected-access
+    assert len(new) == 1
+    replayed = weakref.ref(new[0].compiled)
+    function = weakref.ref(f)
+    del new, f
+    gc.collect()
+    assert function() is None
+    assert replayed() is None

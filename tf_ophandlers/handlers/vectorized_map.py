@@ -695,19 +695,20 @@ _call_plans = BoundedCache("vectorized_map.function_calls", 256)
 class _CallPlan:
     """What `oh.vectorized_map(fn, elems)` came to for one key of `_call_plans`: `fn`
     and its tracing count then (weakly: the plan must not keep a dropped function's
-    captures alive), and unless `entry` is None (`_run` cannot be skipped: checked again
-    when `fn` traces again), the concrete function called, its captures' cache-key
-    parts, the replay-cache key and entry it ran, the batch size, whether each output
-    is batched, and `fn`'s result as the positions of those outputs (-1: None) in its
-    structure."""
+    captures alive), and unless `key` is None (`_run` cannot be skipped: checked again
+    when `fn` traces again), the concrete function called (weakly), its captures'
+    cache-key parts, the replay-cache key it ran and its entry's output trees (not the
+    entry: a replay the replay cache drops, with its function in TensorFlow's context,
+    must not stay alive here), the batch size, whether each output is batched, and
+    `fn`'s result as the positions of those outputs (-1: None) in its structure."""
 
-    __slots__ = ("fn", "tracing_count", "function", "captures", "key", "entry", "size",
-                 "batched", "order", "structure")
+    __slots__ = ("fn", "tracing_count", "function", "captures", "key", "output_trees",
+                 "size", "batched", "order", "structure")
 
     def __init__(self, fn):
         self.fn = weakref.ref(fn)
         self.tracing_count = fn.experimental_get_tracing_count()
-        self.entry = None
+        self.key = None
 
 
 def _call_plan_key(fn, elems, fallback_to_while_loop):
@@ -738,7 +739,7 @@ def _run_function(fn, elems, fallback_to_while_loop, warn):
     plan = _call_plans.get(key)
     if (plan is not None and plan.fn() is fn
             and plan.tracing_count == fn.experimental_get_tracing_count()):
-        if plan.entry is None:
+        if plan.key is None:
             return _run(fn, elems, fallback_to_while_loop, warn)
         outputs = _run_plan(plan, flat)
         if outputs is not None:
@@ -761,7 +762,7 @@ def _run_plan(plan, flat):
     if tuple(map(eager_leaf, captured)) != plan.captures:
         return None
     entry = _function_call.cached_entry(plan.key)
-    if entry is not plan.entry:
+    if entry is None or entry.output_trees != plan.output_trees:
         return None
     results = entry.compiled.run(PHYSICAL, list(flat) + captured)
     size = plan.size
@@ -828,7 +829,8 @@ def _make_plan(fn, elems, flat, calls, raw):
         return plan
     plan.function = weakref.ref(function)
     plan.captures = tuple(map(eager_leaf, captured))
-    plan.key, plan.size, plan.batched, plan.order = call.key, handler.size, batched, order
+    plan.size, plan.batched, plan.order = handler.size, batched, order
     plan.structure = nest.map_structure(lambda _: 0, raw[0])
-    plan.entry = call.entry
+    plan.output_trees = call.entry.output_trees
+    plan.key = call.key
     return plan

@@ -22,6 +22,7 @@ A `tf.function` call reaches a stack as one op named after the function
 A cache hit costs the splits, one dictionary lookup and one function call.
 """
 import contextlib
+import threading
 import weakref
 
 import tensorflow as tf
@@ -251,7 +252,42 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
         dense = dense or run.nested_dense  # tangents from further down
     it = iter(results)
     outputs = [rebuild(t, segment, it) for t in entry.output_trees]
+    seen = getattr(_observed, "calls", None)
+    if seen is not None:
+        seen.append(ObservedCall(op.type, key, entry, segment, bottom, leaves, outputs))
     return (outputs, dense) if with_dense else outputs
+
+
+class ObservedCall:
+    """A replayed call seen by `observe_calls`: the function's name, its replay-cache key
+    and entry, the stacks it replayed on, the bottom tensors it ran on and its outputs."""
+
+    __slots__ = ("name", "key", "entry", "segment", "bottom", "leaves", "outputs")
+
+    def __init__(self, name, key, entry, segment, bottom, leaves, outputs):
+        self.name, self.key, self.entry, self.segment = name, key, entry, segment
+        self.bottom, self.leaves, self.outputs = bottom, leaves, outputs
+
+
+_observed = threading.local()  # .calls: the list `observe_calls` fills, on this thread
+
+
+@contextlib.contextmanager
+def observe_calls():
+    """Collects the replayed calls of this thread (`ObservedCall`s) while open: for a
+    caller that learns once what a call replays to and then runs the cached entry
+    itself (`cached_entry`), such as `oh.vectorized_map` over a `tf.function`."""
+    saved = getattr(_observed, "calls", None)
+    _observed.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _observed.calls = saved
+
+
+def cached_entry(key):
+    """The replay-cache entry of `key` (an `ObservedCall.key`), None if it was dropped."""
+    return _cache.get(key)
 
 
 def call_on(bottom, function, args):

@@ -1,6 +1,7 @@
 """Training over two TensorFlow server processes on this machine (loopback ports):
-data-parallel `model.fit` with `oh.ParallelHandler` and a Megatron-style sharded step
-with `oh.Mesh`, each with the losses of the same training on one device.
+data-parallel `model.fit` with `oh.ParallelHandler` (and a checkpoint of its per-process
+weights) and a Megatron-style sharded step with `oh.Mesh`, each with the losses of the
+same training on one device.
 
 The script starts two `tf.distribute.Server` worker processes (itself, with `--serve`),
 connects to them with `tf.config.experimental_connect_to_cluster`, and uses their CPUs
@@ -13,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 
 def serve(addresses, index):
@@ -83,6 +85,17 @@ def main():
     for got in kernel:
         np.testing.assert_allclose(got, one.trainable_variables[0].numpy(), rtol=1e-4,
                                    atol=1e-6)
+
+    # A checkpoint holds each process's weights and optimizer state (component_0, _1).
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    path = checkpoint.write(os.path.join(tempfile.mkdtemp(), "ckpt"))
+    saved = [[t.numpy() for t in parallel.unpack(v.value)] for v in model.weights]
+    with parallel:
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # moves them
+    checkpoint.read(path).assert_consumed()
+    restored = [[t.numpy() for t in parallel.unpack(v.value)] for v in model.weights]
+    print("checkpoint restored:", all(np.array_equal(a, b) for s, r in zip(saved, restored)
+                                      for a, b in zip(s, r)))
 
     # -- (b) a mesh over the two processes: the hidden layer split between them ---------
     mesh = oh.Mesh({"model": 2}, devices)

@@ -1,7 +1,8 @@
 """oh.ParallelHandler's data-parallel `model.fit` and an oh.Mesh training step over two
 tf.distribute.Server worker processes on loopback ports (examples/two_process_training.py:
 the client connects with tf.config.experimental_connect_to_cluster), each against the
-same training on one device in the same run."""
+same training on one device in the same run, and a checkpoint of the fit model's
+per-process weights written and restored."""
 import ast
 import os
 import pathlib
@@ -31,6 +32,7 @@ def test_fit_and_mesh_step_over_two_server_processes_match_one_device():
     workers = ["/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)]
     assert _numbers(out, "fit weights on:") == workers
     assert _numbers(out, "mesh shards on:") == workers
+    assert "checkpoint restored: True" in out  # written and read on both processes
     for what in ("fit", "mesh"):
         one = _numbers(out, what + ", one device:")
         two = _numbers(out, what + ", two processes:")

@@ -1,7 +1,7 @@
 """Training over two TensorFlow server processes on this machine (loopback ports):
 data-parallel `model.fit` with `oh.ParallelHandler` (and a checkpoint of its per-process
-weights) and a Megatron-style sharded step with `oh.Mesh`, each with the losses of the
-same training on one device.
+weights), a Megatron-style sharded step with `oh.Mesh` and Keras's `fit` on that mesh,
+each with the losses of the same training on one device.
 
 The script starts two `tf.distribute.Server` worker processes (itself, with `--serve`),
 connects to them with `tf.config.experimental_connect_to_cluster`, and uses their CPUs
@@ -129,6 +129,27 @@ def main():
     np.testing.assert_allclose(mesh_losses, one_losses, rtol=1e-5)
     np.testing.assert_allclose(w1.numpy(), r1.numpy(), rtol=1e-4, atol=1e-6)
     assert not mesh.fallbacks, mesh.fallbacks
+
+    # -- (c) Keras's fit on the mesh (eager steps), the hidden layer split between them --
+    def make_eager_model():
+        model = make_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
+        return model
+
+    one_losses = make_eager_model().fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                                        verbose=0).history["loss"]
+    with mesh:  # the dataset stays on the first process; each batch is copied to both
+        model = make_eager_model()
+        hidden, out = model.layers
+        mesh.shard_variable(hidden.kernel, (None, "model"))
+        mesh.shard_variable(hidden.bias, ("model",))
+        mesh.shard_variable(out.kernel, ("model", None))
+        losses = model.fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                           verbose=0).history["loss"]
+    print("mesh fit, one device:   ", np.round(one_losses, 6).tolist())
+    print("mesh fit, two processes:", np.round(losses, 6).tolist())
+    print("mesh fit layout:", mesh.layout_of(hidden.kernel))
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
 
 
 if __name__ == "__main__":

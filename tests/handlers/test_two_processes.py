@@ -33,7 +33,8 @@ def test_fit_and_mesh_step_over_two_server_processes_match_one_device():
     assert _numbers(out, "fit weights on:") == workers
     assert _numbers(out, "mesh shards on:") == workers
     assert "checkpoint restored: True" in out  # written and read on both processes
-    for what in ("fit", "mesh"):
+    assert "mesh fit layout: (None, 'model')" in out
+    for what in ("fit", "mesh", "mesh fit"):
         one = _numbers(out, what + ", one device:")
         two = _numbers(out, what + ", two processes:")
         assert len(one) == len(two) >= 3 and one[-1] < one[0]

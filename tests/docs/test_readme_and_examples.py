@@ -45,14 +45,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-# Examples that start worker processes take half a minute: with the slow tests (and their
-# outputs are checked by their own tests).
-_SLOW_EXAMPLES = {"two_process_training.py"}
+# Run (half a minute: it starts worker processes) and checked by its own test,
+# tests/handlers/test_two_processes.py.
+_OWN_TEST = {"two_process_training.py"}
 
 
-@pytest.mark.parametrize("script", [
-    pytest.param(p, marks=[pytest.mark.slow] if p.name in _SLOW_EXAMPLES else [])
-    for p in sorted((ROOT / "examples").glob("*.py"))], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [p for p in sorted((ROOT / "examples").glob("*.py"))
+                                    if p.name not in _OWN_TEST], ids=lambda p: p.name)
 def test_example_runs(script):
     """Each example, run after the imports and a device configuration as users write
     them (the examples themselves open a handler per step, feed partial last batches and

@@ -130,27 +130,29 @@ def main():
     np.testing.assert_allclose(w1.numpy(), r1.numpy(), rtol=1e-4, atol=1e-6)
     assert not mesh.fallbacks, mesh.fallbacks
 
-    # -- (c) Keras's fit on the mesh (eager steps), the hidden layer split between them --
-    def make_eager_model():
-        model = make_model()
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
-        return model
+    # -- (c) Keras's fit on the mesh, the hidden layer split between the processes -----
+    for run_eagerly in (True, False):
+        def make_mesh_model():
+            model = make_model()
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                          run_eagerly=run_eagerly)
+            return model
 
-    one_losses = make_eager_model().fit(x, y, batch_size=16, epochs=3, shuffle=False,
-                                        verbose=0).history["loss"]
-    with mesh:  # the dataset stays on the first process; each batch is copied to both
-        model = make_eager_model()
-        hidden, out = model.layers
-        mesh.shard_variable(hidden.kernel, (None, "model"))
-        mesh.shard_variable(hidden.bias, ("model",))
-        mesh.shard_variable(out.kernel, ("model", None))
-        losses = model.fit(x, y, batch_size=16, epochs=3, shuffle=False,
-                           verbose=0).history["loss"]
-    print("mesh fit, one device:   ", np.round(one_losses, 6).tolist())
-    print("mesh fit, two processes:", np.round(losses, 6).tolist())
-    print("mesh fit layout:", mesh.layout_of(hidden.kernel))
-    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
-
+        one_losses = make_mesh_model().fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                                           verbose=0).history["loss"]
+        with mesh:  # the dataset stays on the first process; batches are copied to both
+            model = make_mesh_model()
+            hidden, out = model.layers
+            mesh.shard_variable(hidden.kernel, (None, "model"))
+            mesh.shard_variable(hidden.bias, ("model",))
+            mesh.shard_variable(out.kernel, ("model", None))
+            losses = model.fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                               verbose=0).history["loss"]
+        what = "mesh fit (%s)" % ("eager" if run_eagerly else "compiled")
+        print(what + ", one device:   ", np.round(one_losses, 6).tolist())
+        print(what + ", two processes:", np.round(losses, 6).tolist())
+        print(what + " layout:", mesh.layout_of(hidden.kernel))
+        np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:

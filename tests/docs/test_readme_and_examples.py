@@ -45,7 +45,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+# Run (half a minute: it starts worker processes) and checked by its own test,
+# tests/handlers/test_two_processes.py.
+_OWN_TEST = {"two_process_training.py"}
+
+
+@pytest.mark.parametrize("script", [p for p in sorted((ROOT / "examples").glob("*.py"))
+                                    if p.name not in _OWN_TEST], ids=lambda p: p.name)
 def test_example_runs(script):
     """Each example, run after the imports and a device configuration as users write
     them (the examples themselves open a handler per step, feed partial last batches and

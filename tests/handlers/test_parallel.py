@@ -214,6 +214,16 @@ with parallel:
     grad = tape.gradient(loss, w)
 print("devices", [t.device for t in parallel.unpack(loss)])
 print("grad", grad.numpy().tolist())
+# A checkpoint of a variable with a component on each task: TensorFlow restores it in a
+# tf.function (tensors on several tasks), called outside the scope.
+import os, tempfile
+with parallel:
+    v = tf.Variable(parallel.pack(x))
+path = tf.train.Checkpoint(v=v).write(os.path.join(tempfile.mkdtemp(), "ckpt"))
+with parallel:
+    v.assign(parallel.pack([tf.zeros([2]), tf.zeros([2])]))
+tf.train.Checkpoint(v=v).read(path).assert_consumed()
+print("restored", [t.numpy().tolist() for t in parallel.unpack(v.value())])
 '''
 
 
@@ -226,6 +236,7 @@ def test_data_parallel_step_across_two_tensorflow_servers():
     assert "task:0/device:CPU:0" in out and "task:1/device:CPU:0" in out
     # loss_i = (w . x_i)^2 with w.x = -1 and -1: grad = sum_i 2 (w.x_i) x_i
     assert "grad [-8.0, -12.0]" in out
+    assert "restored [[1.0, 2.0], [3.0, 4.0]]" in out
 
 
 # -- regressions found in review ---------------------------------------------------------------

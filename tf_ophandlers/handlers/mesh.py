@@ -430,7 +430,8 @@ class Mesh(MeshCommunication, OpHandler):
         below = next_stack()
         sharded = [v for v in inputs if not v.replicated]
         op_def = op_def_registry.get(op.type)
-        if inputs and not sharded and op_def is not None and not op_def.is_stateful:
+        if inputs and not sharded and op_def is not None and not op_def.is_stateful \
+                and not self._variant_stays_on_first(op, inputs):
             # Replicated inputs of a stateless op: the same result on every device.
             folded = self._fold(op, inputs)
             if folded is not None:
@@ -455,6 +456,18 @@ class Mesh(MeshCommunication, OpHandler):
             shape = o.shape.as_list() if o.shape.rank is not None else []
             result.append(MeshValue(shards, (None,) * len(shape), shape))
         return result
+
+    def _variant_stays_on_first(self, op, inputs):
+        """Whether `op` takes or makes a variant (a tf.data dataset) on devices that do not
+        share host memory: it then runs once, on the first device, where the dataset
+        stays (its batches are copied as any replicated output). TensorFlow cannot copy
+        a dataset variant between the tasks of a cluster ("could not parse rpc response"),
+        so one per device would need copies of the first device's."""
+        if self.shares_host_memory:
+            return False
+        dtypes = op.output_dtypes or ()
+        return any(d is tf.variant for d in dtypes) or any(
+            v.shards[0].dtype is tf.variant for v in inputs)
 
     def _fold_shape_arithmetic(self, op, inputs):
         """In a replay, a stateless op with integer outputs of small known replicated

@@ -498,6 +498,14 @@ class _PerComponentSaving:
         if parallel is None:
             return super()._restore_from_tensors(restored_tensors)
         parts = [restored_tensors["component_%d" % i] for i in range(len(parallel.components))]
+        if _ops.inside_function():
+            # TensorFlow restores in a tf.function when the saved tensors live on several
+            # tasks (components on the workers of a cluster), called outside the scope:
+            # that function assigns each component's buffer through its own handle.
+            with tf.init_scope():
+                handles = parallel.unpack(self.handle)
+            return tf.group(*[_resource_variable_ops.assign_variable_op(h, p)
+                              for h, p in zip(handles, parts)])
         return self.assign(parallel.pack(parts))
 
 

@@ -10,6 +10,7 @@ import queue
 import threading
 
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import errors_impl as _error_codes
@@ -189,11 +190,27 @@ def _submit(fn, arg):
 
 @contextlib.contextmanager
 def _sync_executor():
-    """A synchronous executor for this thread if its default one is asynchronous."""
+    """A synchronous executor for this thread if its executor is asynchronous.
+
+    Through raw executor handles, not `context().is_async()` / `executor_scope`: those
+    make an `Executor` wrapper whose `__del__` waits for every op pending on the
+    executor, which the threads share. Ops on a remote device (a task of a connected
+    cluster) stay pending there while they run, so one component's thread would wait
+    for another's function call, and that call waits in its collective for this one.
+    """
     ctx = _context.context()
-    if not ctx.is_async():
-        yield
-        return
-    sync = _executor.new_executor(enable_async=False)
-    with _context.executor_scope(sync):
-        yield
+    ctx.ensure_initialized()
+    handle = ctx._handle  # pylint: disable=protected-access
+    current = pywrap_tfe.TFE_ContextGetExecutorForThread(handle)
+    try:
+        if not pywrap_tfe.TFE_ExecutorIsAsync(current):
+            yield
+            return
+        sync = _executor.new_executor(enable_async=False)
+        pywrap_tfe.TFE_ContextSetExecutorForThread(handle, sync.handle())
+        try:
+            yield
+        finally:
+            pywrap_tfe.TFE_ContextSetExecutorForThread(handle, current)
+    finally:
+        pywrap_tfe.TFE_DeleteExecutor(current)  # the wrapper only: the executor stays

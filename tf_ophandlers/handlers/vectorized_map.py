@@ -114,6 +114,77 @@ def _set_resource_dtype(placeholder, op):
     handle_data_util.set_handle_data(placeholder, data)
 
 
+def _set_list_handle_data(placeholder, op):
+    """Marks a variant placeholder as a TensorList (TensorFlow's handle data of one, as
+    list_ops gives eager lists): pfor's converters keep a batched list as one scalar
+    variant only when they see this (`_is_variant_with_internal_stacking`), and stack
+    an unbatched one element by element with its element dtype."""
+    from tensorflow.core.framework import cpp_shape_inference_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.core.framework import full_type_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    dtype = op.attrs.get("element_dtype")
+    data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
+    data.shape_and_type.add(
+        shape=tf.TensorShape(None).as_proto(),
+        dtype=dtype.as_datatype_enum if isinstance(dtype, tf.DType) else 0,
+        type=full_type_pb2.FullTypeDef(type_id=full_type_pb2.TFT_ARRAY))
+    handle_data_util.set_handle_data(placeholder, data)
+
+
+def is_list_op(op_type):
+    """TensorList ops (tf.TensorArray in graphs, raw list ops): their batched lists are
+    pfor's, one scalar variant whose elements carry the batch dimension."""
+    return op_type.startswith("TensorList") or op_type == "EmptyTensorList"
+
+
+def _list_pfor_function(op, inputs, size, while_loop=False):
+    """`_pfor_function` for a TensorList op, with pfor's own representation of lists: a
+    batched list input (one scalar variant, its elements batched) is handed to pfor's
+    converters as the conversion of a per-example stand-in (there is no example to
+    gather), as pfor's while-loop converter hands it its loop variables. Returns the
+    function and, filled at its trace, which outputs pfor keeps stacked (a list's length
+    or element shape is one for all examples)."""
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    mask = [b.batched for b in inputs]
+    specs = [tf.TensorSpec(b.value.shape, b.value.dtype) for b in inputs]
+    stacked = []
+
+    def run(*values):
+        graph = _ops.get_default_graph()
+        for v in values:
+            if v.dtype == tf.variant:
+                _set_list_handle_data(v, op)
+        existing = set(graph.get_operations())
+        loop_var = tf.compat.v1.placeholder_with_default(0, shape=[])
+        args, stand_ins = [], []
+        for v, m in zip(values, mask):
+            if not m:
+                args.append(v)
+            elif v.dtype == tf.variant:
+                a = tf.identity(v)
+                _set_list_handle_data(a, op)
+                stand_ins.append((a, v))
+                args.append(a)
+            else:
+                args.append(tf.gather(v, loop_var))
+        outs = graph_builder.create(graph, op, args)
+        new_ops = set(graph.get_operations()) - existing
+        converter = _pfor.PFor(loop_var, size, new_ops, fallback_to_while_loop=while_loop)
+        for a, v in stand_ins:
+            converter._add_conversion(a, _pfor.wrap(v, True))  # pylint: disable=protected-access
+        wrapped = [converter._convert_helper(o) for o in outs]  # pylint: disable=protected-access
+        stacked[:] = [w.is_stacked for w in wrapped]
+        return [w.t for w in wrapped]
+
+    fn = tf.function(run, input_signature=specs, autograph=False)
+    _quiet.local.active = getattr(_quiet.local, "active", 0) + 1
+    try:
+        fn.get_concrete_function()  # convert now: a failure means "use the loop"
+    finally:
+        _quiet.local.active -= 1
+    return fn, stacked
+
+
 def _pfor_function(op, inputs, while_loop=False):
     """A tf.function running `op` vectorized by TensorFlow's pfor converters (with
     `while_loop`: pfor's while-loop fallback where it has no converter, as
@@ -146,6 +217,34 @@ def _pfor_function(op, inputs, while_loop=False):
     finally:
         _quiet.local.active -= 1
     return fn
+
+
+def _converted_list_op(handler, op, inputs):
+    """A TensorList op by pfor's converters (`_list_pfor_function`), with pfor's
+    while-loop fallback inside the conversion where allowed. A list op never runs once
+    per example: a batched list has no examples to take apart, so what pfor cannot
+    convert raises, naming the op and pfor's reason (tf.vectorized_map fails there too)."""
+    key = (_signature(op, inputs) + (handler.size, handler.fallback_to_while_loop,
+                                     tf.executing_eagerly()))
+    hit = _converted.get(key)
+    if hit is None:
+        errors_seen = []
+        for while_loop in ((False, True) if handler.fallback_to_while_loop else (False,)):
+            try:
+                hit = _list_pfor_function(op, inputs, handler.size, while_loop)
+                break
+            except Exception as e:  # pylint: disable=broad-except
+                errors_seen.append("%s: %s" % (type(e).__name__, str(e).splitlines()[0][:300]
+                                               if str(e) else ""))
+        if hit is None:
+            raise ValueError(
+                "oh.vectorized_map: TensorList op %s cannot be vectorized by pfor's "
+                "converters (%s)%s" % (op.type, errors_seen[-1], "" if handler.fallback_to_while_loop
+                                       else "; fallback_to_while_loop=False"))
+        _converted[key] = hit
+    fn, stacked = hit
+    outs = fn(*[b.value for b in inputs])
+    return [Batched(o, s) for o, s in zip(nest.flatten(outs), stacked)]
 
 
 def _converted_by_pfor(handler, execute, op, inputs):
@@ -473,6 +572,8 @@ class VectorizedMap(OpHandler):
         rule = RULES.get(op.type)
         if rule is not None:
             result = rule(self, execute, op, inputs)
+        if result is None and is_list_op(op.type):
+            return _converted_list_op(self, op, inputs)
         if (result is None and op.output_dtype_enums is not None
                 and op.type not in _CONTROL_FLOW):
             result = _converted_by_pfor(self, execute, op, inputs)

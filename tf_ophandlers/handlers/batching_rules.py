@@ -639,6 +639,11 @@ RULES.update({name: _same_shape for name in op_kinds.SAME_SHAPE_BINARY | {"AddN"
 RANDOM = frozenset(("RandomUniform", "RandomStandardNormal", "TruncatedNormal",
                      "RandomUniformInt"))
 RULES.update({name: _random for name in RANDOM})
+# Ops batched even without a batched input: the random ops, and TensorListReserve, whose
+# list pfor always makes batched (its force_stateful_ops): a later write of a per-example
+# item into an unbatched reserved list would have to stack its elements, and reserved
+# elements of unknown shape cannot be read (InvalidArgumentError in pfor's stacking).
+ALWAYS_BATCHED = RANDOM | {"TensorListReserve"}
 RULES.update({name: _reduction for name in (
     "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin")})
 RULES.update({
@@ -682,7 +687,7 @@ def plan_of(op, inputs):
     ops, function calls, unknown ranks). Every plan gives the values its rule gives:
     FORWARD only where the rule would run the op on the values unchanged (never an op
     with a resource output: those take no batched input)."""
-    if op.output_dtype_enums is None or op.type in RANDOM:
+    if op.output_dtype_enums is None or op.type in ALWAYS_BATCHED:
         return None
     if any(b.value._datatype_enum() == _RESOURCE_ENUM for b in inputs):  # pylint: disable=protected-access
         return None

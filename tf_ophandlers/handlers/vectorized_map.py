@@ -46,8 +46,8 @@ from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
     stack_of)
 from tf_ophandlers.handlers.batching_rules import (
-    DTYPES, FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
-    ATTRIBUTE_PLANS, plan_of, static_shape)
+    ALWAYS_BATCHED, DTYPES, FORWARD, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
+    ATTRIBUTE_PLANS, plan_of, static_shape, _static)
 
 _log = logging.getLogger("tf_ophandlers")
 _tf_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
@@ -131,13 +131,40 @@ def _set_list_handle_data(placeholder, op):
     handle_data_util.set_handle_data(placeholder, data)
 
 
+def _has_handle_data(t):
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    data = handle_data_util.get_resource_handle_data(t)
+    return bool(data is not None and data.is_set and data.shape_and_type)
+
+
 def is_list_op(op_type):
     """TensorList ops (tf.TensorArray in graphs, raw list ops): their batched lists are
     pfor's, one scalar variant whose elements carry the batch dimension."""
     return op_type.startswith("TensorList") or op_type == "EmptyTensorList"
 
 
-def _list_pfor_function(op, inputs, size, while_loop=False):
+# Inputs of list ops that pfor's converters read statically (a reserved list's element
+# shape must be known, or -1, when it is built): constants of the converted graph.
+_STATIC_LIST_ARGS = frozenset(("element_shape", "leading_dims"))
+
+
+def _static_list_args(op, inputs):
+    """{input index: value} of `op`'s unbatched element-shape inputs with known values
+    (part of the converted function's cache key)."""
+    from tensorflow.python.framework import op_def_registry  # pylint: disable=import-outside-toplevel
+    op_def = op_def_registry.get(op.type)
+    if op_def is None or len(op_def.input_arg) != len(inputs):
+        return {}
+    out = {}
+    for k, (arg, b) in enumerate(zip(op_def.input_arg, inputs)):
+        if arg.name in _STATIC_LIST_ARGS and not b.batched:
+            value = _static(b.value)
+            if value is not None:
+                out[k] = value
+    return out
+
+
+def _list_pfor_function(op, inputs, size, static, while_loop=False):
     """`_pfor_function` for a TensorList op, with pfor's own representation of lists: a
     batched list input (one scalar variant, its elements batched) is handed to pfor's
     converters as the conversion of a per-example stand-in (there is no example to
@@ -152,17 +179,24 @@ def _list_pfor_function(op, inputs, size, while_loop=False):
     def run(*values):
         graph = _ops.get_default_graph()
         for v in values:
-            if v.dtype == tf.variant:
+            if v.dtype == tf.variant and not _has_handle_data(v):
                 _set_list_handle_data(v, op)
         existing = set(graph.get_operations())
         loop_var = tf.compat.v1.placeholder_with_default(0, shape=[])
         args, stand_ins = [], []
-        for v, m in zip(values, mask):
-            if not m:
+        for k, (v, m) in enumerate(zip(values, mask)):
+            if k in static:
+                args.append(tf.constant(static[k], dtype=v.dtype))
+            elif not m:
                 args.append(v)
             elif v.dtype == tf.variant:
-                a = tf.identity(v)
-                _set_list_handle_data(a, op)
+                # A new empty list, not derived from `v`: `v`'s handle data (when the
+                # call is traced in a graph) has the batched element shape, which the
+                # op's own shape inference would reject against its per-example one.
+                dtype = op.attrs.get("element_dtype")
+                a = tf.raw_ops.EmptyTensorList(
+                    element_shape=tf.constant(-1), max_num_elements=tf.constant(-1),
+                    element_dtype=dtype if isinstance(dtype, tf.DType) else tf.float32)
                 stand_ins.append((a, v))
                 args.append(a)
             else:
@@ -224,14 +258,16 @@ def _converted_list_op(handler, op, inputs):
     while-loop fallback inside the conversion where allowed. A list op never runs once
     per example: a batched list has no examples to take apart, so what pfor cannot
     convert raises, naming the op and pfor's reason (tf.vectorized_map fails there too)."""
+    static = _static_list_args(op, inputs)
     key = (_signature(op, inputs) + (handler.size, handler.fallback_to_while_loop,
-                                     tf.executing_eagerly()))
+                                     tf.executing_eagerly())
+           + tuple((k, v.tobytes(), v.shape) for k, v in sorted(static.items())))
     hit = _converted.get(key)
     if hit is None:
         errors_seen = []
         for while_loop in ((False, True) if handler.fallback_to_while_loop else (False,)):
             try:
-                hit = _list_pfor_function(op, inputs, handler.size, while_loop)
+                hit = _list_pfor_function(op, inputs, handler.size, static, while_loop)
                 break
             except Exception as e:  # pylint: disable=broad-except
                 errors_seen.append("%s: %s" % (type(e).__name__, str(e).splitlines()[0][:300]
@@ -548,7 +584,7 @@ class VectorizedMap(OpHandler):
             if self._written:
                 self._check_state_order(op, resources)
             self._used.append((op.type, resources))
-        if any(b.batched for b in inputs) or op.type in RANDOM:
+        if any(b.batched for b in inputs) or op.type in ALWAYS_BATCHED:
             return self._batched(execute, op, inputs)
         return self._unbatched(execute(op, [b.value for b in inputs]))
 
@@ -589,12 +625,9 @@ class VectorizedMap(OpHandler):
     # -- functions (core/functions): a tf.function called in the map is replayed with
     # its arguments batched or not; cond branches and loops that disagree broadcast.
 
-    def replays_functions(self, op):
-        # TensorLists (tf.TensorArray, tf.map_fn, tf.scan) are batched by pfor only as a
-        # whole program (its "stacked" lists): a function using them runs once per
-        # example as one op instead.
-        from tf_ophandlers.core import functions  # pylint: disable=import-outside-toplevel
-        return not any(t.startswith("TensorList") for t in functions.body_op_types(op.type))
+    # A tf.function using TensorLists (tf.TensorArray, tf.map_fn, tf.scan) is replayed
+    # too: its list ops take pfor's converters one by one (_converted_list_op).
+    replays_functions = True
 
     def function_input(self, value):
         return value.batched, [value.value]

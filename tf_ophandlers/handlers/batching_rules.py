@@ -437,6 +437,23 @@ def _optional_has_value(handler, execute, op, inputs):
     return [Batched(o, False) for o in execute(op, [handle.value])]
 
 
+def _tensor_list_element_shape(handler, execute, op, inputs):
+    """The per-example element shape of a batched list (its elements' shape without the
+    batch dimension), and -1 where the list's element shape is unknown. (pfor's
+    converter takes [1:] of the -1 too: a scalar element shape, with which the gradient
+    of a TensorListGetItem reserves a list that cannot hold the gradient;
+    tf.vectorized_map fails there with "Tried to set a tensor with incompatible
+    shape".)"""
+    (handle,) = inputs
+    if not handle.batched or _ndim(handle.value) != 0:
+        return None
+    (shape,) = execute(op, [handle.value])
+    if type(shape) is _EagerTensor:
+        return [Batched(shape if _ndim(shape) == 0 else shape[1:], False)]
+    return [Batched(tf.cond(tf.rank(shape) > 0, lambda: tf.reshape(shape, [-1])[1:],
+                            lambda: shape), False)]
+
+
 def _rank_op(handler, execute, op, inputs):
     (x,) = inputs
     (out,) = execute(op, [x.value])
@@ -660,6 +677,7 @@ RULES.update({
     "MaxPoolWithArgmax": _pool_grad, "SelfAdjointEigV2": _self_adjoint_eig,
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNormGradV3": _fused_batch_norm_grad,
     "ShapeN": _shape_n, "Conv2DBackpropInput": _conv2d_backprop_input,
+    "TensorListElementShape": _tensor_list_element_shape,
     "OptionalGetValue": _optional_get_value, "OptionalHasValue": _optional_has_value,
 })
 

@@ -454,6 +454,53 @@ def _tensor_list_element_shape(handler, execute, op, inputs):
                             lambda: shape), False)]
 
 
+def _stacked_element_shape(shape, size):
+    """The element shape of a batched list from the per-example one (a numpy value), as
+    pfor's `_stack_tensor_list_shape`: unknown stays unknown (-1)."""
+    if -1 in shape.reshape([-1]).tolist():
+        return _constant(-1, shape.dtype)
+    return _prepended(size, shape.reshape([-1]))
+
+
+def _tensor_list_get_item(handler, execute, op, inputs):
+    """A per-example index into a batched list: example b's element is row b of element
+    index[b]. (pfor's converter maps over the examples with a tf.map_fn whose output
+    dtype is left to default to the indices' int32: AssertionError in tf.vectorized_map.)"""
+    handle, index, element_shape = inputs
+    if not (handle.batched and index.batched) or element_shape.batched:
+        return None
+    shape = _static(element_shape.value)
+    if shape is None:
+        return None
+    items = tf.raw_ops.TensorListStack(
+        input_handle=handle.value, element_shape=_stacked_element_shape(shape, handler.size),
+        element_dtype=op.attrs["element_dtype"])  # [length, batch, ...]
+    where = tf.stack([index.value, tf.range(handler.size, dtype=index.value.dtype)], axis=1)
+    return [Batched(tf.gather_nd(items, where), True)]
+
+
+def _tensor_list_gather(handler, execute, op, inputs):
+    """Elements of a batched list at shared indices, the batch first. (pfor's converter
+    returns the gathered elements as they come, [indices..., batch, ...], and calls that
+    batched: tf.vectorized_map of `tf.TensorArray.gather` gives the batch second.)"""
+    handle, indices, element_shape = inputs
+    if not handle.batched or indices.batched or element_shape.batched:
+        return None
+    shape = _static(element_shape.value)
+    index_rank = _rank(indices)
+    if shape is None or index_rank is None:
+        return None
+    (out,) = execute(op, [handle.value, indices.value,
+                          _stacked_element_shape(shape, handler.size)])
+    rank = _ndim(out)
+    if rank is None:
+        rank = tf.rank(out)
+        perm = tf.concat([[index_rank], tf.range(index_rank), tf.range(index_rank + 1, rank)], 0)
+    else:
+        perm = [index_rank] + list(range(index_rank)) + list(range(index_rank + 1, rank))
+    return [Batched(tf.transpose(out, perm), True)]
+
+
 def _rank_op(handler, execute, op, inputs):
     (x,) = inputs
     (out,) = execute(op, [x.value])
@@ -678,6 +725,7 @@ RULES.update({
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNormGradV3": _fused_batch_norm_grad,
     "ShapeN": _shape_n, "Conv2DBackpropInput": _conv2d_backprop_input,
     "TensorListElementShape": _tensor_list_element_shape,
+    "TensorListGather": _tensor_list_gather, "TensorListGetItem": _tensor_list_get_item,
     "OptionalGetValue": _optional_get_value, "OptionalHasValue": _optional_has_value,
 })
 

@@ -150,7 +150,22 @@ def broadcast_batch(b, size):
     if b.batched:
         return b.value
     v = b.value
+    if dtype_of(v) == tf.variant and _ndim(v) == 0:
+        return _batched_list(v, size)
     return tf.broadcast_to(v[None], tf.concat([[size], tf.shape(v)], 0))
+
+
+def _batched_list(handle, size):
+    """An unbatched TensorList as a batched one (pfor's: one list whose elements are the
+    examples' elements stacked), by pfor's own stacking; e.g. a while loop's gradient
+    accumulator that starts empty and receives per-example values."""
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    if not _pfor._is_variant_with_internal_stacking(handle):  # pylint: disable=protected-access
+        raise ValueError(
+            "oh.vectorized_map: a variant tensor that is not a TensorList (or whose element "
+            "type is unknown: an eager list made by a raw op) cannot be broadcast over the "
+            "batch (%r)" % (handle,))
+    return _pfor._stack(handle, tf.constant([size])).t  # pylint: disable=protected-access
 
 
 def _align(inputs, rank):

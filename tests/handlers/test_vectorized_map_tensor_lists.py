@@ -224,8 +224,22 @@ def raw_list_loss(e):
     return tf.reduce_sum(stack(lst) ** 2) + tf.reduce_sum(get(lst, 1))
 
 
+def loop_list_loss(e):
+    ta = tf.TensorArray(F32, size=3, element_shape=[4])
+    _, ta = tf.while_loop(lambda i, ta: i < 3, lambda i, ta: (
+        i + 1, ta.write(i, tf.sin(e * W * tf.cast(i + 1, F32)))), (0, ta))
+    return tf.reduce_sum(ta.stack() ** 2)
+
+
+def loop_accumulator_loss(e):
+    # A loop's gradient keeps its iterations' values in TensorList accumulators.
+    _, y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.sin(y) * e * W), (0, e))
+    return tf.reduce_sum(y)
+
+
 LOSSES = {"tensor_array": list_loss, "tensor_array_tf_function": tf.function(list_loss),
-          "raw": raw_list_loss}
+          "raw": raw_list_loss, "while_tensor_array_tf_function": tf.function(loop_list_loss),
+          "while_accumulators_tf_function": tf.function(loop_accumulator_loss)}
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))

@@ -331,7 +331,10 @@ def _per_example_loop(handler, execute, op, inputs):
         raise ValueError(
             "oh.vectorized_map: op %s has no batching rule for a per-example Optional or "
             "TensorList (one variant holding every example's values), and it cannot run "
-            "once per example on it; tf.vectorized_map cannot convert it either" % op.type)
+            "once per example on it; %s" % (op.type, (
+                "a loop with per-example trip counts cannot keep TensorLists (e.g. its "
+                "gradient accumulators), whose lengths would differ per example"
+                if op.type in _CONTROL_FLOW else "tf.vectorized_map cannot convert it either")))
     _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
                      "(a loop)", op.type)
     rows = []

@@ -199,6 +199,22 @@ def test_tensor_arrays_match_tf_vectorized_map(fn, staged, no_loop_fallback):
     check(fn)
 
 
+@tf.function
+def per_example_trip_count_with_tensor_array(e):
+    ta = tf.TensorArray(F32, size=4, element_shape=[4])
+    _, y, ta = tf.while_loop(lambda i, y, ta: tf.reduce_sum(y) < 20., lambda i, y, ta: (
+        i + 1, y * 2., ta.write(i, y)), (0, e + 1., ta))
+    return y, ta.stack()
+
+
+@pytest.mark.xfail(strict=True, reason="a While with per-example trip counts runs once per "
+                   "example and cannot take a batched TensorArray list apart")
+def test_a_per_example_trip_count_loop_over_a_tensor_array_in_a_called_function():
+    # Known limitation: before such functions were replayed, the whole call ran once
+    # per example and this worked.
+    check(lambda e: per_example_trip_count_with_tensor_array(e))
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["eager", "tf_function"])
 def test_tensor_array_gather_puts_the_batch_first(staged, no_loop_fallback):
     fn = tf.function(tensor_array_gather) if staged else tensor_array_gather

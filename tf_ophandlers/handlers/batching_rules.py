@@ -477,6 +477,21 @@ def _stacked_element_shape(shape, size):
     return _prepended(size, shape.reshape([-1]))
 
 
+def _tensor_list_reserve(handler, execute, op, inputs):
+    """A reserved list, batched (see ALWAYS_BATCHED), its element shape the batch and the
+    per-example one. (pfor's converter gives a known element shape up: its
+    `_stack_tensor_list_shape` returns None for one, so reserved elements had an unknown
+    shape, and a list of them could not be stacked or taken apart.)"""
+    element_shape, num_elements = inputs
+    if element_shape.batched or num_elements.batched:
+        return None
+    shape = _static(element_shape.value)
+    if shape is None:
+        return None
+    (out,) = execute(op, [_stacked_element_shape(shape, handler.size), num_elements.value])
+    return [Batched(out, True)]
+
+
 def _tensor_list_get_item(handler, execute, op, inputs):
     """A per-example index into a batched list: example b's element is row b of element
     index[b]. (pfor's converter maps over the examples with a tf.map_fn whose output
@@ -741,6 +756,7 @@ RULES.update({
     "ShapeN": _shape_n, "Conv2DBackpropInput": _conv2d_backprop_input,
     "TensorListElementShape": _tensor_list_element_shape,
     "TensorListGather": _tensor_list_gather, "TensorListGetItem": _tensor_list_get_item,
+    "TensorListReserve": _tensor_list_reserve,
     "OptionalGetValue": _optional_get_value, "OptionalHasValue": _optional_has_value,
 })
 

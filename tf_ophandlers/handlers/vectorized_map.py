@@ -324,30 +324,69 @@ def _converted_by_pfor(handler, execute, op, inputs):
     return batched(nest.flatten(outs))
 
 
+def _list_dtype(t):
+    """The element dtype of TensorList `t` from its handle data (a graph's lists have it:
+    a replayed function's), or None (not a list, or an eager list made by a raw op)."""
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    if isinstance(t, _ops.EagerTensor) or t.dtype != tf.variant:
+        return None
+    if not _pfor._is_variant_with_internal_stacking(t):  # pylint: disable=protected-access
+        return None
+    return tf.as_dtype(_pfor._variant_handle_data(t)[0].dtype)  # pylint: disable=protected-access
+
+
+def _list_example(handle, i, dtype):
+    """Example `i` of a batched list (its elements' row i), as a list of its own."""
+    items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
+        input_handle=handle, element_dtype=dtype,
+        element_shape=tf.raw_ops.TensorListElementShape(input_handle=handle,
+                                                        shape_type=tf.int32))
+    return tf.raw_ops.TensorListFromTensor(tensor=items[:, i],
+                                           element_shape=tf.shape(items)[2:])
+
+
+def _batched_lists(rows, dtype):
+    """Per-example lists as one batched list (their elements stacked; they must have one
+    length and element shape)."""
+    items = [tf.raw_ops.TensorListStack(
+        input_handle=r, element_dtype=dtype,
+        element_shape=tf.raw_ops.TensorListElementShape(input_handle=r, shape_type=tf.int32))
+        for r in rows]
+    stacked = tf.stack(items, axis=1)  # [length, batch, ...]
+    return tf.raw_ops.TensorListFromTensor(tensor=stacked, element_shape=tf.shape(stacked)[1:])
+
+
 def _per_example_loop(handler, execute, op, inputs):
-    if any(b.batched and b.value.shape.rank == 0 for b in inputs):
-        # pfor's batched Optionals (and TensorLists) are one scalar variant holding the
-        # batched components: there is no example to take apart.
-        raise ValueError(
-            "oh.vectorized_map: op %s has no batching rule for a per-example Optional or "
-            "TensorList (one variant holding every example's values), and it cannot run "
-            "once per example on it; %s" % (op.type, (
-                "a loop with per-example trip counts cannot keep TensorLists (e.g. its "
-                "gradient accumulators), whose lengths would differ per example"
-                if op.type in _CONTROL_FLOW else "tf.vectorized_map cannot convert it either")))
+    lists = {}
+    for k, b in enumerate(inputs):
+        if b.batched and b.value.shape.rank == 0:
+            dtype = _list_dtype(b.value)
+            if dtype is None:
+                # pfor's batched Optionals (and eager TensorLists) are one scalar variant
+                # holding the batched components: no example can be taken apart.
+                raise ValueError(
+                    "oh.vectorized_map: op %s has no batching rule for a per-example "
+                    "Optional or TensorList (one variant holding every example's values), "
+                    "and it cannot run once per example on it; tf.vectorized_map cannot "
+                    "convert it either" % op.type)
+            lists[k] = dtype
     _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
                      "(a loop)", op.type)
     rows = []
     for i in range(handler.size):
-        rows.append(execute(op, [b.value[i] if b.batched else b.value for b in inputs]))
-    return _stack_rows(op.type, rows)
+        rows.append(execute(op, [
+            _list_example(b.value, i, lists[k]) if k in lists
+            else b.value[i] if b.batched else b.value for k, b in enumerate(inputs)]))
+    # A loop's outputs are its loop variables: an output list has its input's dtype.
+    hints = lists if op.type in _CONTROL_FLOW and "While" in op.type else {}
+    return _stack_rows(op.type, rows, hints)
 
 
-def _stack_rows(op_type, rows):
+def _stack_rows(op_type, rows, list_dtypes=None):
     """Per-example outputs stacked into batched values, or a clear error where the
     examples' shapes differ (a ragged element's rows: tf.Stack's error named no op)."""
     out = []
-    for col in zip(*rows):
+    for k, col in enumerate(zip(*rows)):
         shapes = {tuple(t.shape) if t.shape.rank is not None else None for t in col}
         if len(shapes) > 1 and all(shape is not None and None not in shape
                                    for shape in shapes):
@@ -357,7 +396,13 @@ def _stack_rows(op_type, rows):
                 "tf.vectorized_map (the rows of a tf.RaggedTensor or tf.SparseTensor can "
                 "differ so). Use tf.map_fn with fn_output_signature=... for such results"
                 % (op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
-        out.append(Batched(tf.stack(list(col)), True))
+        dtype = None
+        if col[0].shape.rank == 0 and col[0].dtype == tf.variant:
+            dtype = _list_dtype(col[0]) or (list_dtypes or {}).get(k)
+        if dtype is not None:  # lists (a loop's TensorArray): a batched list, pfor's
+            out.append(Batched(_batched_lists(col, dtype), True))
+        else:
+            out.append(Batched(tf.stack(list(col)), True))
     return out
 
 

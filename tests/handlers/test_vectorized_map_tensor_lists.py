@@ -7,7 +7,9 @@ whose elements carry the batch dimension.
 Where `tf.vectorized_map` 2.21 is wrong or fails, the reference is `tf.map_fn` (the
 function run once per example): `TensorArray.gather` (pfor gives the batch second) and
 per-example gradients through list reads (pfor's element shape of a list of unknown
-element shape is a scalar one: "Tried to set a tensor with incompatible shape").
+element shape is a scalar one: "Tried to set a tensor with incompatible shape"), a
+per-example index into a per-example list, and a loop with per-example trip counts over
+a TensorArray.
 """
 import logging
 
@@ -32,7 +34,8 @@ def no_loop_fallback(caplog):
     caplog.set_level(logging.WARNING, logger="tf_ophandlers")
     vectorized_map._warned.clear()  # pylint: disable=protected-access (reported once per op type)
     yield
-    loops = [r.getMessage() for r in caplog.records if "once per example" in r.getMessage()]
+    loops = [r.getMessage() for r in caplog.get_records("call")
+             if "once per example" in r.getMessage()]
     assert not loops, loops
 
 

@@ -9,7 +9,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-python-path bench build wheel smoke bazel clean
+.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,12 @@ build: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 
+# The suite without the stress tests marked slow (CI runs those too: make test-slow).
 test: $(STAMP)
-	$(VPY) -m pytest -q -ra --durations=30 tests
+	$(VPY) -m pytest -q -ra --durations=30 -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(VPY) -m pytest -q -ra --durations=10 -m slow tests
 
 # The differential tests again with every Python handler's op on the Python path (the
 # reference the C paths must agree with; tf_ophandlers/core/fast_decision.py C_PATHS).

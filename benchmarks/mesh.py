@@ -8,12 +8,16 @@ round (`_common.run_rounds`); the ratios oh.Mesh / DTensor are the result. The t
 step is the same raw-TensorFlow function for both (x @ W1 -> gelu -> @ W2, mean squared
 error, gradients, SGD update): W1 (None, "model"), W2 ("model", None), the batch on
 "batch"; DTensor's under tf.GradientTape with DVariables, oh.Mesh's under
-oh.GradientTape with variables created from sharded values.
+oh.GradientTape with variables created from sharded values. Last, oh.Mesh alone: the
+same MLP as a Keras model, one `model.fit` step (`model.train_function` on the dataset
+iterator, what fit calls per batch) compiled (its tf.function replayed SPMD, the batch
+read before the call and sharded on "batch") vs. `run_eagerly=True`, on one mesh.
 """
 import os
 import sys
 import time
 
+import keras
 import tensorflow as tf
 
 _CPU = tf.config.list_physical_devices("CPU")[0]
@@ -207,7 +211,73 @@ def make_step_configs(args, dmesh, omesh, rng):
             Config(same, "dtensor", step_dtensor, args.steps), captured]
 
 
+FIT = ("Keras MLP, one model.fit step (%dx%d, hidden %d), weights and batch sharded"
+       % (N, D, F))
+
+
+def make_fit_configs(args, rng):
+    """One Keras fit step of the Megatron MLP on one mesh, compiled vs run_eagerly."""
+    x = rng.normal(size=[N, D]).astype("float32")
+    y = rng.normal(size=[N, D]).astype("float32")
+    fmesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, batch_dim="batch")
+    weights, configs, models = None, [], []
+    for impl, run_eagerly in (("fit_compiled", False), ("fit_eager", True)):
+        with fmesh:
+            model = keras.Sequential([keras.Input((D,)),
+                                      keras.layers.Dense(F, activation="gelu"),
+                                      keras.layers.Dense(D)])
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        for v, layout in zip(model.trainable_variables, [(None, "model"), ("model",),
+                                                         ("model", None), (None,)]):
+            fmesh.shard_variable(v, layout)
+        with fmesh:
+            model.compile(keras.optimizers.SGD(0.01), "mse", run_eagerly=run_eagerly)
+            model.optimizer.build(model.trainable_variables)
+            model.fit(x, y, batch_size=N, epochs=1, verbose=0)  # builds train_function
+            # Created in the scope, as fit creates its iterator.
+            it = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(N).repeat())
+
+        def step(model=model, it=it):
+            with fmesh:
+                model.train_function(it)
+        for _ in range(3):
+            step()
+        models.append(model)
+        configs.append(Config(FIT, impl, step, args.steps))
+    for a, b in zip(*(m.trainable_variables for m in models)):  # same steps, same values
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    assert fmesh.layout_of(models[0].layers[0].kernel) == (None, "model")
+    assert not fmesh.fallbacks, fmesh.fallbacks
+    return configs
+
+
+def render_fit(by):
+    c, e = by[FIT, "fit_compiled"], by[FIT, "fit_eager"]
+    ratio = _common.median([a / b for a, b in zip(c.times, e.times)])
+    q1, q3 = _common.round_ratio_quartiles(c.times, e.times)
+    cpu = _common.median([a / b for a, b in zip(c.cpu_times[1:], e.cpu_times[1:])])
+    c1, c3 = _common.round_ratio_quartiles(c.cpu_times[1:], e.cpu_times[1:])
+    return [
+        "Keras `model.fit` on the same mesh (oh.Mesh only, same rounds): one step "
+        "(`model.train_function` on the dataset iterator, what fit calls per batch; "
+        "W1 (None, \"model\"), W2 (\"model\", None), SGD, mse) compiled (Keras's "
+        "tf.function step replayed SPMD once and cached; the batch is read before the "
+        "call and sharded on \"batch\", `oh.Mesh(..., batch_dim=\"batch\")`) vs. "
+        "`run_eagerly=True` (every op through the mesh's Python rules; the batch "
+        "replicated).", "",
+        _common.md_table(["case", "run_eagerly µs", "compiled µs", "compiled / run_eagerly",
+                          "CPU time compiled / run_eagerly"],
+                         [[FIT, "%.0f" % (_common.median(e.times) * 1e6),
+                           "%.0f" % (_common.median(c.times) * 1e6),
+                           "**%.2f×** (%.2f–%.2f)" % (ratio, q1, q3),
+                           "%.2f× (%.2f–%.2f)" % (cpu, c1, c3)]])]
+
+
 def render(configs, info, args, elapsed):
+    fit = [c for c in configs if c.case == FIT]
+    configs = [c for c in configs if c.case != FIT]
     cases = list(dict.fromkeys(c.case for c in configs))
     by = {(c.case, c.impl): c for c in configs}
     rows, ratios, compiled, cpu_ratios, spreads = [], {}, {}, {}, {}
@@ -313,6 +383,8 @@ def render(configs, info, args, elapsed):
          "`benchmarks/mesh_communication.py` measures against TensorFlow's collectives. "
          "DTensor runs each op as an SPMD-expanded function on its custom device with "
          "collectives." % ", ".join("%.2f" % r for r in compiled.values())]
+    if fit:
+        L += [""] + render_fit({(c.case, c.impl): c for c in fit})
     return "\n".join(L)
 
 
@@ -325,7 +397,7 @@ def main(argv=None):
     dmesh = _dtensor_mesh()
     omesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES)
     configs = make_op_configs(args, dmesh, omesh, rng) + make_step_configs(
-        args, dmesh, omesh, rng)
+        args, dmesh, omesh, rng) + make_fit_configs(args, rng)
     _common.run_rounds(configs, args.rounds, lambda cfg: cfg.n)
     info = _common.machine_info()
     body = render(configs, info, args, time.time() - start)

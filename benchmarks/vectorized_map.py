@@ -5,7 +5,8 @@ computing eager per-example gradients, in one process, on two cases (CASES below
                      softmax cross-entropy, batch 256), five ways: `oh.vectorized_map`
                      over an eager function using `oh.GradientTape` (op by op); the same
                      over a `tf.function` of it (replayed once into a cached function,
-                     tf_ophandlers/core/functions/); a Python loop of `tf.GradientTape`s;
+                     tf_ophandlers/core/functions/, which later calls run directly);
+                     a Python loop of `tf.GradientTape`s;
                      eager `tf.vectorized_map` (which converts the function on every
                      call); `tf.function(tf.vectorized_map)` traced once in the warm-up
   forward-batch      a forward-only per-example function, the same ways but the loop
@@ -35,6 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core import functions as replay  # noqa: E402
+from tf_ophandlers.handlers import vectorized_map as vm  # noqa: E402
 
 D, H, C, B = 64, 128, 10, 256  # inputs, hidden units, classes, batch size
 METHODS = (
@@ -61,7 +63,9 @@ CASES = (
      "W2, b2])`. *oh.vectorized_map over a tf.function*: `oh.vectorized_map(pe_fn, (X, "
      "Y))` with `pe_fn = tf.function(pe)` created once (inside the trace, "
      "`oh.GradientTape` acts as TensorFlow's tape); its first call is replayed through "
-     "the vectorizing handler into a cached function, which the timed calls run. "
+     "the vectorizing handler into a cached function, which the timed calls run "
+     "directly (the call's plan: no handler scope, no dispatch of the call on handler "
+     "tensors). "
      "*eager loop*: the same function with `tf.GradientTape` called on "
      "`(X[i], Y[i])` for the 256 examples in a Python loop, then `tf.stack` per variable. "
      "*eager tf.vectorized_map*: `tf.vectorized_map(pe, (X, Y))` with the "
@@ -221,10 +225,16 @@ def _compare(case, name, got, want):
     return worst
 
 
-def _replayed(case, fn):
-    """Calls `fn` (oh.vectorized_map over a tf.function) twice; the first call must add
-    its replayed function to the replay cache, the second must hit it. Returns the
-    first call's result."""
+def _planned(function):
+    """Whether oh.vectorized_map has a call plan running `function`'s replay directly."""
+    return any(plan.key is not None and plan.fn() is function
+               for plan in list(vm._call_plans.values()))  # pylint: disable=protected-access
+
+
+def _replayed(case, fn, function):
+    """Calls `fn` (oh.vectorized_map over the tf.function `function`) twice; the first
+    call must add its replayed function to the replay cache and a call plan running it,
+    the second must hit the cache. Returns the first call's result."""
     before = replay.cache_info()
     got = fn()
     first = replay.cache_info()
@@ -232,6 +242,9 @@ def _replayed(case, fn):
         raise SanityError("%s: %s did not add a replayed function to the replay cache "
                           "(cache_info %d before its first call, %d after)"
                           % (case, NAME["ohf"], before, first))
+    if not _planned(function):
+        raise SanityError("%s: %s has no call plan after its first call (later calls "
+                          "would take the handler scope again)" % (case, NAME["ohf"]))
     fn()
     if replay.cache_info() != first:
         raise SanityError("%s: %s missed the replay cache on its second call "
@@ -267,13 +280,13 @@ def check_results(w):
                                                                           expected))
     report = {"per-example-grads": {}, "forward-batch": {}}
     for key, fn in (("oh", w.grads_oh),
-                    ("ohf", lambda: _replayed("per-example-grads", w.grads_ohf)),
+                    ("ohf", lambda: _replayed("per-example-grads", w.grads_ohf, w.pe_oh_fn)),
                     ("eager", w.grads_eager), ("tff", w.grads_tff)):
         report["per-example-grads"][key] = _compare("per-example-grads", NAME[key],
                                                     list(fn()), want)
     ref = [w.forward_reference()]
     for key, fn in (("oh", w.forward_oh),
-                    ("ohf", lambda: _replayed("forward-batch", w.forward_ohf)),
+                    ("ohf", lambda: _replayed("forward-batch", w.forward_ohf, w.fwd_fn)),
                     ("eager", w.forward_eager), ("tff", w.forward_tff)):
         report["forward-batch"][key] = _compare("forward-batch", NAME[key], [fn()], ref)
     return report
@@ -378,8 +391,11 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, cache, cp
         "the function runs once, eagerly, each op on the whole batch) and TensorFlow's "
         "ways of batching the same eager function on each case below. When `fn` is a "
         "`tf.function`, its call is replayed once through the vectorizing handler into a "
-        "cached handler-free function (`tf_ophandlers/core/functions/`) and then runs at "
-        "graph speed; the op-by-op configuration (*oh.vectorized_map*) is the eager `fn` "
+        "cached handler-free function (`tf_ophandlers/core/functions/`); later calls with the "
+        "same function and argument specs run that function directly (a call plan "
+        "recorded from the first call: no handler scope, no TensorFlow dispatch of the "
+        "call on handler tensors, no splitting and rebuilding of representations; the "
+        "script checks that the plan exists); the op-by-op configuration (*oh.vectorized_map*) is the eager `fn` "
         "(Python code that need not be traceable). All configurations "
         "share the variables and the batch for the whole run; after a warm-up pass over "
         "all configurations (which also traces the `tf.function`s), each of %d rounds runs "

@@ -39,6 +39,14 @@ def x():
 
 
 @pytest.fixture(autouse=True)
+def _fresh_warn_once():
+    """Handlers warn once per cause per process (core.errors.warn_once); each test sees
+    its own first occurrence, whatever ran before it."""
+    from tf_ophandlers.core import errors  # pylint: disable=import-outside-toplevel
+    errors._warned_causes.clear()  # pylint: disable=protected-access
+
+
+@pytest.fixture(autouse=True)
 def _no_scope_leaks():
     """Every test must leave the thread outside all handler scopes."""
     yield

@@ -492,3 +492,30 @@ def test_jvps_do_not_depend_on_what_ran_before(name, fresh_jvp_cache):
     with tf.autodiff.ForwardAccumulator(primals, tangents) as ref:
         again = fn(*primals)
     assert_same_tensors(expected_jvp, ref.jvp(again))
+
+
+def test_a_possibly_lost_dependence_warns_once_per_process_not_per_step():
+    """The accumulator sees the dispatcher's new wrapper of an input, not the user's
+    object, so it cannot ask whether a tf.GradientTape tracks it (a constant batch warns
+    too); a training loop gets the warning once, not once per step and tensor."""
+    import warnings  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    x = _rand(5, 3)
+    weights = [w.value for w in model.trainable_variables]
+    vecs = [_rand(*w.shape) for w in weights]
+
+    def hvp(acc_type):
+        with acc_type(weights, vecs) as acc:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            grads = tape.gradient(loss, weights)
+        return acc.jvp(grads)
+    want = hvp(tf.autodiff.ForwardAccumulator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert_same_tensors(want, hvp(oh.ForwardAccumulator))
+    assert len([w for w in caught if "oh.ForwardAccumulator: a tf.GradientTape is "
+                "recording" in str(w.message)]) == 1

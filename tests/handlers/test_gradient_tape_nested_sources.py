@@ -156,3 +156,12 @@ def test_oh_tape_over_oh_tape_needs_no_watch():
     got = outer.gradient(g, [x, w])
     for g, w in zip(got, _tf_over_tf()):
         np.testing.assert_allclose(_value(g), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_lost_dependence_warning_comes_once_per_process_not_per_step():
+    import warnings  # pylint: disable=import-outside-toplevel
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _tf_over_oh(watch_w=False, below=None)
+    assert len([w for w in caught if "oh.GradientTape: a tf.GradientTape" in str(w.message)]) == 1

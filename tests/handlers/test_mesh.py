@@ -298,6 +298,39 @@ def test_gradients_of_watched_sharded_tensors_keep_their_layouts(mesh, tape_type
         assert_close(g, r, 1e-6)
 
 
+def test_gradients_of_sources_of_a_tape_in_a_replayed_function_keep_their_layouts(mesh):
+    """As above with the tape inside a tf.function traced and called in the mesh's
+    scope: the replay gives each gradient its source's layout (a sum's gradient is a
+    broadcast). Called outside the scope, the same traced function gives TensorFlow's
+    values."""
+    rng = np.random.default_rng(4)
+    y0, z0, w0 = _rng_tensor(rng, [4, 6]), _rng_tensor(rng, [4, 6]), _rng_tensor(rng, [6, 8])
+
+    @tf.function
+    def grads(y, z, w):
+        with tf.GradientTape() as tape:
+            tape.watch([y, z])
+            loss = tf.reduce_sum(y) + tf.reduce_mean(w * 2.) + tf.reduce_sum(z * z)
+        return tape.gradient(loss, [y, z, w])
+
+    rw = tf.Variable(w0)
+    ref = grads.python_function(y0, z0, rw)
+    with mesh:
+        y, z = mesh.shard(y0, ("batch", "model")), mesh.shard(z0, ("batch", None))
+        w = tf.Variable(mesh.shard(w0, (None, "model")))
+        for _ in range(2):
+            got = grads(y, z, w)
+            assert [mesh.layout_of(g) for g in got] == [
+                ("batch", "model"), ("batch", None), (None, "model")]
+            assert [s.shape.as_list() for s in mesh.unpack(got[0])] == [[2, 3]] * 4
+            for g, r in zip(got, ref):
+                assert_close(g, r, 1e-6)
+    for g, r in zip(grads(y0, z0, rw), ref):  # (the same concrete function, unreplayed)
+        assert_close(g, r, 1e-6)
+    assert grads.experimental_get_tracing_count() == 1
+    assert not mesh.fallbacks, mesh.fallbacks
+
+
 def _train(mesh, model, ref, x, y, steps, lr=0.1):
     losses = []
     for _ in range(steps):

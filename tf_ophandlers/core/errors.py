@@ -279,3 +279,18 @@ tf_patches.register(
     "debug-string hooks (and their __init__ leaves a returned tf.errors exception as it "
     "is). TensorFlow has no hook for status-to-exception conversion.",
     "runtime", install, None)
+
+
+_warned_causes = set()  # bounded by the handlers' warning kinds times the op registry
+
+
+def warn_once(cause, message, category=RuntimeWarning, stacklevel=2):
+    """Warns `message` the first time `cause` (a hashable naming the kind of problem and
+    the op, not the shapes) occurs in this process. A diagnostic that fires on every step
+    of a training loop, once per tensor, buries the one line users need; Python's own
+    "default" filter repeats it for every distinct message text."""
+    if cause in _warned_causes:
+        return
+    _warned_causes.add(cause)
+    import warnings  # pylint: disable=import-outside-toplevel
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -121,6 +121,16 @@ class OpHandler:
     #: measure slower optimized sets False (oh.Mesh).
     optimize_replays = True
 
+    #: None, or a method ``iterator_element(value) -> representation``: a function
+    #: replayed from this handler's stack that reads the next element of a dataset
+    #: iterator it takes as an argument (at the body's top level: Keras's compiled train
+    #: step) then has that read run eagerly on the stack just before the call, and each
+    #: output component, `value` (this handler's representation), enters the replay as an
+    #: argument represented by what this returns (same value; core/functions/
+    #: iterator_reads.py): its shape is then known, as an eager argument's. oh.Mesh shards
+    #: it along its `batch_dim`. None: the read runs inside the replay, its shape as traced.
+    iterator_element = None
+
     #: Whether `execute` may return `oh.OffStack(tensor)` outputs that leave the stack
     #: as they are (a parallel handler's unpack gives ordinary component tensors): True
     #: for any op, or the op types that may (the others then take the C++ per-op path

@@ -21,7 +21,6 @@ Every other op with a registered gradient uses TensorFlow's own construction
 signature into a function cached here).
 """
 import logging
-import warnings
 import weakref
 
 import tensorflow as tf
@@ -375,10 +374,13 @@ class ForwardAccumulator(OpHandler):
         if _tape_set_is_empty():
             return Dual(below.copy_on(tensor), tangent)
         known = self._canonical(tensor)  # reverse over forward: see _canonical
+        # `tensor` is the dispatcher's new wrapper, not the user's object, so whether a
+        # tf.GradientTape tracks the user's tensor cannot be asked here: a constant batch
+        # warns too (once per process, see warn_once).
         if known is tensor and self._live and _enum(tensor) in _FLOAT_ENUMS and not (
                 pywrap_tfe.TFE_Py_TapeSetIsStopped()) and not _custom.transposition_runs():
-            warnings.warn(_UNSEEN_INPUT_WARNING % (tensor.shape,), RuntimeWarning,
-                          stacklevel=2)
+            errors.warn_once(("oh.ForwardAccumulator unseen input", tensor.dtype),
+                             _UNSEEN_INPUT_WARNING % (tensor.shape,), stacklevel=2)
         tensor = known
         value = below.copy_on(tensor)
         if value is not tensor:

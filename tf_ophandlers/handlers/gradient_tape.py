@@ -39,6 +39,7 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import copy_through, record_on_tf_tapes, recording
+from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers import gradient_tape_hooks
 from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
 from tf_ophandlers.handlers.gradient_tape_exclusions import (
@@ -587,10 +588,35 @@ copy_through(GradientTape.copy_on)  # its untracked inputs skip it in C (recordi
 gradient_tape_hooks.register(_active_tapes)
 
 
+# The name of the IdentityN(gradient, source) that marks a traced tape's dense gradient
+# of a source, for a handler with `source_gradient` replaying the function (oh.Mesh).
+SOURCE_GRADIENT_NODE = "oh_source_gradient"
+
+
+def _marked_in_function(sources, grads):
+    """While a function is traced in the scope of a handler with `source_gradient`, each
+    dense gradient as the first output of IdentityN(gradient, source) named
+    `SOURCE_GRADIENT_NODE`: the sources are placeholders now, so the handler can only
+    give the gradient its source's representation when it replays the function and
+    meets the node (other handlers, and TensorFlow, run it as the identity it is)."""
+    if state.mode is not None or not any(
+            h.source_gradient is not None for h in getattr(current_stack(), "handlers", ())):
+        return grads
+    out = list(grads)
+    for i, (source, g) in enumerate(zip(sources, grads)):
+        # (A variable's source is its eager handle, captured by the node as by its reads.)
+        if (isinstance(g, tf.Tensor) and not isinstance(g, _EagerTensor)
+                and isinstance(source, tf.Tensor)):
+            out[i] = tf.raw_ops.IdentityN(input=[g, source], name=SOURCE_GRADIENT_NODE)[0]
+    return out
+
+
 def _like_sources(sources, grads):
     """Each dense gradient (of oh.GradientTape, and of tf.GradientTape through the
     "source gradients" patch) as the handlers of its source's stack represent it
     (`OpHandler.source_gradient`: oh.Mesh gives it the source's layout)."""
+    if grads and not any(isinstance(g, _EagerTensor) for g in grads):
+        return _marked_in_function(sources, grads)
     out = list(grads)
     for i, (source, g) in enumerate(zip(sources, grads)):
         if g is None or not isinstance(g, _EagerTensor):
@@ -622,5 +648,7 @@ tf_patches.register(
     "tf.GradientTape's gradients of sources on a handler's stack are represented as that "
     "handler chooses (OpHandler.source_gradient: oh.Mesh gives a sharded source's "
     "gradient the source's layout), as oh.GradientTape's are; TensorFlow's tape has no "
-    "hook on its results. Plain tensors pay one payload lookup per source.", "runtime",
+    "hook on its results. Plain tensors pay one payload lookup per source. Traced in the "
+    "scope of a handler with that hook, each dense gradient is marked as "
+    "IdentityN(gradient, source) for the handler's replay.", "runtime",
     _install_source_gradients, None)

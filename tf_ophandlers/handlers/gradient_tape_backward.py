@@ -7,7 +7,6 @@ backward pass per seed. A mixin of `GradientTape` (recording lives in gradient_t
 so that each module reads in one sitting; argument checks shared by both are here too.
 """
 import contextlib
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -23,6 +22,7 @@ from tensorflow.python.util import nest
 
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.errors import warn_once
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers.gradient_tape_static import STATIC_GRADIENTS
@@ -102,9 +102,10 @@ def _warn_untracked_inputs(path):
             x = record.inputs[i]
             if x is not None and getattr(x, "dtype", None) is not None and (
                     x.dtype.is_floating or x.dtype.is_complex):
-                warnings.warn(UNTRACKED_INPUT_WARNING % (
-                    record.op_type, "input %d, shape %s" % (i, x.shape)), RuntimeWarning,
-                    stacklevel=4)
+                warn_once(("oh.GradientTape untracked input", record.op_type, i),
+                          UNTRACKED_INPUT_WARNING % (
+                              record.op_type, "input %d, shape %s" % (i, x.shape)),
+                          stacklevel=4)
                 return
 
 

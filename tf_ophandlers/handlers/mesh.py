@@ -47,6 +47,7 @@ from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
+from tf_ophandlers.handlers.gradient_tape import SOURCE_GRADIENT_NODE
 from tf_ophandlers.handlers.parallel import (
     VARIABLE_READS, ParallelHandler, refuse_tape_below)
 from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
@@ -83,11 +84,15 @@ class Mesh(MeshCommunication, OpHandler):
     optimize_replays = False
     TYPE_NAME = "MESH"
 
-    def __init__(self, dims, devices, compile_ops=False):
+    def __init__(self, dims, devices, compile_ops=False, batch_dim=None):
         """`compile_ops`: run an op's per-device shards as one compiled multi-device
         function call (cached per op signature; `mesh_compiled.py`) instead of one eager
         op per device; off by default: slower on the loaded 2-core machine it was
-        measured on (`benchmarks/mesh.py`)."""
+        measured on (`benchmarks/mesh.py`).
+
+        `batch_dim`: the mesh dimension that dataset elements a replayed function reads
+        (a compiled `model.fit`'s batches) are sharded on along their first axis
+        (`iterator_element`); None: replicated."""
         dims = list(dims.items()) if isinstance(dims, dict) else list(dims)
         names = [n for n, _ in dims]
         sizes = [s for _, s in dims]
@@ -105,6 +110,10 @@ class Mesh(MeshCommunication, OpHandler):
         except (ValueError, TypeError) as e:
             raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
         self.dims = dict(zip(names, [int(s) for s in sizes]))
+        if batch_dim is not None and batch_dim not in self.dims:
+            raise ValueError("oh.Mesh: batch_dim %r is not a dimension of the mesh %r"
+                             % (batch_dim, dims))
+        self.batch_dim = batch_dim
         self.dims_key = tuple(self.dims.items())  # for plan caches keyed by dimension sizes
         self._index = {n: i for i, n in enumerate(names)}
         #: CPUs of one process: a shard of another device is read in place, not copied.
@@ -205,14 +214,47 @@ class Mesh(MeshCommunication, OpHandler):
         value = self._value_of(source)
         if value is None:
             return gradient
+        layout = self._source_layout(value, gradient.shape.as_list())
+        if layout is None or self.layout_of(gradient) in (None, layout):
+            return gradient  # replicated sources, or not a gradient of this mesh
+        return self.relayout(gradient, layout)
+
+    @staticmethod
+    def _source_layout(value, gradient_shape):
+        """The layout a gradient of shape `gradient_shape` of source `value` (a MeshValue)
+        takes, or None (a replicated source, or a gradient of another shape)."""
         var = value.var
         layout, shape = (var.layout, var.shape) if var is not None else (value.layout,
                                                                         value.shape)
         if (layout is None or not any(layout) or shape is None
-                or tuple(gradient.shape.as_list()) != tuple(shape)
-                or self.layout_of(gradient) in (None, layout)):
-            return gradient  # replicated sources, or not a gradient of this mesh
-        return self.relayout(gradient, layout)
+                or tuple(gradient_shape) != tuple(shape)):
+            return None
+        return layout
+
+    def _traced_source_gradient(self, inputs):
+        """A replayed function's gradient of a source of a tape inside it, marked when it
+        was traced in a scope of a handler with `source_gradient` (`tf.GradientTape`'s
+        "source gradients" patch: IdentityN(gradient, source)): relayouted to the
+        source's layout, as the eager hook does."""
+        gradient, source = inputs
+        if gradient.var is None:
+            layout = self._source_layout(source, gradient.shape)
+            if layout is not None and gradient.layout != layout:
+                gradient = self.relayout_value(gradient, layout)
+        return [gradient, source]
+
+    def iterator_element(self, value):
+        """A dataset element's component read by a replayed function (a compiled
+        `model.fit`'s batch), fetched just before the call (`OpHandler.iterator_element`):
+        its first axis sharded along `batch_dim` (kept replicated where it does not
+        divide: a partial last batch), replicated without one. Fetching it outside the
+        replay gives the SPMD rules its shape, which the traced read leaves unknown in
+        the batch dimension; rules taking an unknown dimension would have to defer every
+        layout and collective that depends on it to run time."""
+        if self.batch_dim is None or not value.shape or value.var is not None:
+            return value
+        layout = (self.batch_dim,) + (None,) * (len(value.shape) - 1)
+        return self.relayout_value(value, self._checked_layout(layout, value.shape, "shard"))
 
     def save_shards(self, prefix, variables):
         """Writes each device's blocks of `variables` ({name: variable}) to its own
@@ -326,6 +368,9 @@ class Mesh(MeshCommunication, OpHandler):
 
     def execute(self, op, inputs):
         t = op.type
+        if (t == "IdentityN" and len(inputs) == 2 and op.node_name is not None
+                and SOURCE_GRADIENT_NODE in op.node_name):
+            return self._traced_source_gradient(inputs)
         if t in VARIABLE_READS and any(v.var is not None and not v.var.broadcast
                                        for v in inputs):
             refuse_tape_below(self, op, "device")
@@ -358,13 +403,18 @@ class Mesh(MeshCommunication, OpHandler):
                 layout = self._checked_layout(layout, inputs[0].shape, "shard")
                 return [self.relayout_value(inputs[0], layout)]
         if t in _ITERATOR_OPS and not tf.executing_eagerly():
+            # Reads at the top level of the replayed body were fetched before the call
+            # (`iterator_element`); this one is in a loop or branch (Keras's
+            # steps_per_execution > 1: get_next_as_optional in a while loop), which may
+            # run it any number of times, so it cannot be fetched ahead.
             raise NotImplementedError(
-                "oh.Mesh: op %s iterates a dataset inside a function replayed on %s; batches "
-                "read there have unknown shapes, which the SPMD rules need. Keras: compile "
-                "with run_eagerly=True (model.fit then runs in the mesh's scope, weights "
-                "sharded), or write the loop: iterate the dataset outside, shard each batch "
-                "with mesh.shard and call a tf.function step in the mesh's scope"
-                % (t, self.debug_string()))
+                "oh.Mesh: op %s iterates a dataset inside a loop or branch of a function "
+                "replayed on %s; batches read there have unknown shapes, which the SPMD "
+                "rules need (a read at the function's top level is fetched before the "
+                "call). Keras: compile with steps_per_execution=1 (compiled model.fit, "
+                "evaluate and predict then work), or run_eagerly=True, or write the loop: "
+                "iterate the dataset outside, shard each batch with mesh.shard and call a "
+                "tf.function step in the mesh's scope" % (t, self.debug_string()))
         if any(v.var is not None for v in inputs) or t == "VarHandleOp":
             out = mesh_variables.variable_op(
                 self, op, inputs, getattr(self._local, "var_request", None))

@@ -27,9 +27,13 @@ import functools
 import logging
 import operator
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager.polymorphic_function import eager_function_run as _eager_run
+from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
 from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import type_spec as _type_spec
@@ -42,6 +46,9 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.state import own_trace
 from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.core.functions import call as _function_call
+from tf_ophandlers.core.functions.library import as_str as _as_str
+from tf_ophandlers.core.functions.representations import eager_leaf
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
     stack_of)
@@ -757,6 +764,8 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
         # offset while fn's ops run: TensorFlow captures the line numbers of up to 30
         # Python frames for every eager op (TFE_Py_FastPathExecute's stack trace), each
         # by a scan of the frame's line table up to its current instruction.
+        if isinstance(fn, _Function):
+            return _run_function(fn, elems, fallback_to_while_loop, warn)
         return _run(fn, elems, fallback_to_while_loop, warn)
     # Traced: pfor on the graph. Under a tf.GradientTape (or TensorFlow's forward
     # accumulator): TensorFlow's tapes record by Python object and would see none of
@@ -812,7 +821,8 @@ class _CompositeOutput:
         self.spec, self.tensors = spec, tensors
 
 
-def _run(fn, elems, fallback_to_while_loop, warn):
+def _run(fn, elems, fallback_to_while_loop, warn, raw=None):
+    """`raw`: a list `fn`'s result (as `fn` returned it, in the map) is appended to."""
     leaves, parts, flat, handler = _batch_of(elems, fallback_to_while_loop, warn)
     with _scope.handler(handler) as stack:
         wrapped = [stack.wrap(Batched(stack.next.copy_on(e), True)) for e in flat]
@@ -824,7 +834,10 @@ def _run(fn, elems, fallback_to_while_loop, warn):
                 per_example.append(group[0] if spec is None else
                                    spec._from_compatible_tensor_list(group))
             wrapped = per_example
-        outputs = nest.map_structure(_output_parts, fn(nest.pack_sequence_as(elems, wrapped)))
+        result = fn(nest.pack_sequence_as(elems, wrapped))
+        if raw is not None:
+            raw.append(result)
+        outputs = nest.map_structure(_output_parts, result)
 
     def unbatch(t):
         if t is None:
@@ -838,3 +851,168 @@ def _run(fn, elems, fallback_to_while_loop, warn):
         return broadcast_batch(value if found else Batched(t, False), handler.size)
 
     return nest.map_structure(unbatch, outputs)
+
+
+# -- fn a tf.function: its replayed call, run without the scope ----------------------------
+#
+# `_run` over a tf.function is one call op, replayed once into a cached function
+# (core/functions): a later call with the same arguments runs that entry, but first pays
+# the handler scope, TensorFlow's dispatch of the call on handler tensors (binding them
+# and building their trace types), the custom device's round trip, the splits and
+# rebuilds of the representations and the unbatching, about as much again as a small
+# model's replayed function itself. A *call plan* records, from a first call through
+# `_run`, which replay-cache entry the call came to and how its outputs form `fn`'s
+# result; later calls with the same function, argument specs and context run that
+# entry directly. Every call checks what would make `_run` do something else
+# (`_call_plan_key`, `_run_function`, `_run_plan`); `_run` takes over where it would.
+
+_Function = _polymorphic.Function
+_EagerTensor = _ops.EagerTensor
+# (id(fn), type(elems), per tensor (dtype enum, shape), fallback_to_while_loop, device)
+# -> _CallPlan (its entry None where `_run` cannot be skipped; reconsidered when fn
+# traces again)
+_call_plans = BoundedCache("vectorized_map.function_calls", 256)
+
+
+class _CallPlan:
+    """What `oh.vectorized_map(fn, elems)` came to for one key of `_call_plans`: `fn`
+    and its tracing count then (weakly: the plan must not keep a dropped function's
+    captures alive), and unless `key` is None (`_run` cannot be skipped: checked again
+    when `fn` traces again), the concrete function called (weakly), its captures'
+    cache-key parts, the replay-cache key it ran and its entry's output trees (not the
+    entry: a replay the replay cache drops, with its function in TensorFlow's context,
+    must not stay alive here), the batch size, whether each output is batched, and
+    `fn`'s result as the positions of those outputs (-1: None) in its structure."""
+
+    __slots__ = ("fn", "tracing_count", "function", "captures", "key", "output_trees",
+                 "size", "batched", "order", "structure")
+
+    def __init__(self, fn):
+        self.fn = weakref.ref(fn)
+        self.tracing_count = fn.experimental_get_tracing_count()
+        self.key = None
+
+
+def _call_plan_key(fn, elems, fallback_to_while_loop):
+    """The `_call_plans` key of a call and its flat tensors, or (None, None) where the
+    call must take `_run` (functions run eagerly, an open handler scope or replay, op
+    callbacks that see every op, `elems` other than eager tensors in a flat tuple or
+    list)."""
+    if (_eager_run.RUN_FUNCTIONS_EAGERLY or _state.current is not PHYSICAL
+            or _state.mode is not None or _state.frames
+            or _context.context().op_callbacks):
+        return None, None
+    kind = type(elems)
+    if kind is _EagerTensor:
+        flat = (elems,)
+    elif (kind is tuple or kind is list) and elems and all(
+            type(e) is _EagerTensor for e in elems):
+        flat = elems
+    else:
+        return None, None
+    sig = tuple((e._datatype_enum(), e._shape_tuple()) for e in flat)  # pylint: disable=protected-access
+    return (id(fn), kind, sig, fallback_to_while_loop, _state.device), flat
+
+
+def _run_function(fn, elems, fallback_to_while_loop, warn):
+    key, flat = _call_plan_key(fn, elems, fallback_to_while_loop)
+    if key is None:
+        return _run(fn, elems, fallback_to_while_loop, warn)
+    plan = _call_plans.get(key)
+    if (plan is not None and plan.fn() is fn
+            and plan.tracing_count == fn.experimental_get_tracing_count()):
+        if plan.key is None:
+            return _run(fn, elems, fallback_to_while_loop, warn)
+        outputs = _run_plan(plan, flat)
+        if outputs is not None:
+            return outputs
+    raw = []
+    with _function_call.observe_calls() as calls:
+        result = _run(fn, elems, fallback_to_while_loop, warn, raw)
+    _call_plans[key] = _make_plan(fn, elems, flat, calls, raw)
+    return result
+
+
+def _run_plan(plan, flat):
+    """`fn`'s result from the plan's replayed function, or None where the plan no longer
+    applies (the concrete function was dropped, its captures changed, its replay left the
+    replay cache)."""
+    function = plan.function()
+    if function is None:
+        return None
+    captured = function.captured_inputs
+    if tuple(map(eager_leaf, captured)) != plan.captures:
+        return None
+    entry = _function_call.cached_entry(plan.key)
+    if entry is None or entry.output_trees != plan.output_trees:
+        return None
+    results = entry.compiled.run(PHYSICAL, list(flat) + captured)
+    size = plan.size
+    batched = plan.batched
+    values = [None if k < 0 else results[k] if batched[k]
+              else broadcast_batch(Batched(results[k], False), size) for k in plan.order]
+    return nest.pack_sequence_as(plan.structure, values)
+
+
+def _make_plan(fn, elems, flat, calls, raw):
+    """The call plan `_run`'s call of `fn` on `elems` shows (`calls`: the replayed calls
+    observed, `raw`: `fn`'s result as `fn` returned it, in the map); one with no entry
+    when the call was anything but `fn`'s one replayed call on the map's stack alone, on
+    `elems` and the function's captures, whose outputs are `fn`'s result."""
+    plan = _CallPlan(fn)
+    if len(calls) != 1 or len(raw) != 1:
+        return plan
+    call = calls[0]
+    if (call.bottom is not PHYSICAL or len(call.segment) != 1
+            or not isinstance(call.segment[0].handler, VectorizedMap)):
+        return plan
+    handler = call.segment[0].handler
+    try:
+        # (TensorFlow's dispatch of the call: the same specs, the same function)
+        specs = [tf.TensorSpec(e.shape[1:], e.dtype) for e in flat]
+        function = fn.get_concrete_function(
+            specs[0] if type(elems) is _EagerTensor else type(elems)(specs))
+    except Exception:  # pylint: disable=broad-except
+        return plan  # (what _run did stands; only the shortcut is given up)
+    if (_as_str(function.function_def.signature.name) != _as_str(call.name)
+            or fn.experimental_get_tracing_count() != plan.tracing_count):
+        return plan
+    captured = function.captured_inputs
+    leaves = call.leaves
+    if (len(leaves) != len(flat) + len(captured)
+            or any(a is not b for a, b in zip(leaves, flat))
+            or any(eager_leaf(a) != eager_leaf(b)
+                   for a, b in zip(leaves[len(flat):], captured))):
+        return plan
+    batched = []
+    for tree in call.entry.output_trees:
+        if tree[0] == "leaf":  # a tensor below the map: unbatched
+            batched.append(False)
+        elif tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf":
+            batched.append(bool(tree[1]))
+        else:
+            return plan
+    # fn's result: its tensors are the call's outputs (the same representations), in
+    # order; None stays None
+    outputs = [representation_of(handler, t) for t in call.outputs]
+    order = []
+    for leaf in nest.flatten(raw[0]):
+        if leaf is None:
+            order.append(-1)
+            continue
+        k = len(order) - order.count(-1)
+        if k >= len(outputs) or not isinstance(leaf, tf.Tensor):
+            return plan
+        found, value = representation_of(handler, leaf)
+        if not (found and outputs[k][0] and value is outputs[k][1]):
+            return plan
+        order.append(k)
+    if len(order) - order.count(-1) != len(outputs):
+        return plan
+    plan.function = weakref.ref(function)
+    plan.captures = tuple(map(eager_leaf, captured))
+    plan.size, plan.batched, plan.order = handler.size, batched, order
+    plan.structure = nest.map_structure(lambda _: 0, raw[0])
+    plan.output_trees = call.entry.output_trees
+    plan.key = call.key
+    return plan

@@ -22,6 +22,7 @@ A `tf.function` call reaches a stack as one op named after the function
 A cache hit costs the splits, one dictionary lookup and one function call.
 """
 import contextlib
+import threading
 import weakref
 
 import tensorflow as tf
@@ -40,6 +41,7 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.functions import call_records, library
+from tf_ophandlers.core.functions import iterator_reads as _iterator_reads
 from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions import ungated as _ungated
 from tf_ophandlers.core.functions.control_flow import as_list
@@ -211,6 +213,13 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
         # typically a variable's handle or the model's input, is a leaf without a frame.)
         trees.append(split(t, segment, eager_leaf, leaves) if _C.payload(t) is not None
                      else eager_leaf(t, leaves))
+    fed = None
+    if _iterator_reads.wanted(stack) is not None and not any(
+            getattr(s, "_substituting", False) for s in segment):
+        found = _iterator_reads.reads(_as_str(op.type))
+        if found:  # fetched now, passed as arguments (iterator_reads.py)
+            fed, elements = _iterator_reads.fetch(stack, _as_str(op.type), inputs, found)
+            trees.extend(split(t, segment, eager_leaf, leaves) for t in elements)
     if len(segment) == 1:
         handler = segment[0].handler
         handlers = (handler.function_cache_key(), type(handler))
@@ -222,7 +231,7 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
     entry = _cache.get(key)
     if entry is None:
         entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, tuple(trees),
-                                     leaves)
+                                     leaves, fed)
     if with_dense and entry.substituted and _tf_tapes_exist():
         # TensorFlow's tape records this call with its backward function, built from the
         # function's original ops: it would differentiate what did not run.
@@ -243,7 +252,42 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
         dense = dense or run.nested_dense  # tangents from further down
     it = iter(results)
     outputs = [rebuild(t, segment, it) for t in entry.output_trees]
+    seen = getattr(_observed, "calls", None)
+    if seen is not None:
+        seen.append(ObservedCall(op.type, key, entry, segment, bottom, leaves, outputs))
     return (outputs, dense) if with_dense else outputs
+
+
+class ObservedCall:
+    """A replayed call seen by `observe_calls`: the function's name, its replay-cache key
+    and entry, the stacks it replayed on, the bottom tensors it ran on and its outputs."""
+
+    __slots__ = ("name", "key", "entry", "segment", "bottom", "leaves", "outputs")
+
+    def __init__(self, name, key, entry, segment, bottom, leaves, outputs):
+        self.name, self.key, self.entry, self.segment = name, key, entry, segment
+        self.bottom, self.leaves, self.outputs = bottom, leaves, outputs
+
+
+_observed = threading.local()  # .calls: the list `observe_calls` fills, on this thread
+
+
+@contextlib.contextmanager
+def observe_calls():
+    """Collects the replayed calls of this thread (`ObservedCall`s) while open: for a
+    caller that learns once what a call replays to and then runs the cached entry
+    itself (`cached_entry`), such as `oh.vectorized_map` over a `tf.function`."""
+    saved = getattr(_observed, "calls", None)
+    _observed.calls = calls = []
+    try:
+        yield calls
+    finally:
+        _observed.calls = saved
+
+
+def cached_entry(key):
+    """The replay-cache entry of `key` (an `ObservedCall.key`), None if it was dropped."""
+    return _cache.get(key)
 
 
 def call_on(bottom, function, args):
@@ -345,7 +389,9 @@ def set_handle_data(placeholder, exterior, argument):
     _handle_data_util.set_handle_data(placeholder, data)
 
 
-def _trace(segment, bottom, scope_placed, name, trees, leaves):
+def _trace(segment, bottom, scope_placed, name, trees, leaves, fed=None):
+    """`fed`: {node name: number of outputs} of the iterator reads fetched before the
+    call, whose outputs are the arguments after the body's own (iterator_reads.py)."""
     body = library.body(name)
     replay = Replay(segment, bottom, scope_placed, name)
     output_trees = []
@@ -367,13 +413,18 @@ def _trace(segment, bottom, scope_placed, name, trees, leaves):
         for i, tree in enumerate(trees):
             for _ in range(count_leaves(tree)):
                 p = placeholders[position]
-                if p.dtype == tf.resource or p.dtype == tf.variant:
+                if (p.dtype == tf.resource or p.dtype == tf.variant) and i < len(body.inputs):
                     set_handle_data(p, leaves[position], body.inputs[i])
                 position += 1
         it = iter(placeholders)
         # (an accumulator: zero tangents, as TensorFlow's JVP of a call)
         joins = None if name in _op_by_op else call_joins(trees, segment)
         args = [rebuild(t, segment, it, joins) for t in trees]
+        if fed:
+            elements = iter(args[len(body.inputs):])
+            replay.fed = {n: [next(elements) for _ in range(k)] for n, k in fed.items()}
+            replay.fed_graph = id(body)
+            args = args[:len(body.inputs)]
         if retrace:  # the Python body, under the segment's handlers (retrace.py)
             outs = _retrace.run_body(replay, name, args, len(body.outputs))
         else:

@@ -104,6 +104,10 @@ class Replay(Mode, Interpreter, ControlFlow):
         self._records_by_inputs = {}  # (op type, ids of hook inputs) -> SymbolicRecord
         self._kept = []  # the keys' objects, alive while the replay is traced
         self._constants = set()  # ids of nodes computed from constants only (`_folded`)
+        # {node name: outputs} of the body's iterator reads fetched before the call, and
+        # the id of that body (iterator_reads.py); None: none.
+        self.fed = None
+        self.fed_graph = None
 
     def building(self):
         """Whether ops are being added to this replay (not eager code inside it)."""

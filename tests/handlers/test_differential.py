@@ -5,7 +5,7 @@ tf.autodiff.ForwardAccumulator and tf.vectorized_map.
 Each program is a random composition of common ops (elementwise unary and binary ops with
 broadcasting, matmul, reductions, reshapes, transposes, concatenations, gathers from
 variables — sparse gradients —, where, softmax, small convolutions and pools, erf, top-k,
-cumsum, ...). It runs eagerly or inside a fresh `tf.function`, the handler's run and
+cumsum, tf.TensorArray writes and reads, ...). It runs eagerly or inside a fresh `tf.function`, the handler's run and
 TensorFlow's in a random order, and all cases of the three handlers are interleaved in one
 random order in the process, so a cache filled by one case and reused by another shows.
 Values are compared with a tolerance; gradient types (dense or tf.IndexedSlices, or
@@ -118,7 +118,7 @@ class Program:
                 "reshape", "transpose", "concat", "gather_var", "gather_var", "gather_var",
                 "gather", "softmax",
                 "log_softmax", "conv2d", "max_pool", "avg_pool", "top_k", "cumsum", "slice",
-                "tile", "pad", "expand_squeeze", "matmul_var"])
+                "tile", "pad", "expand_squeeze", "matmul_var", "tensor_array"])
             found = getattr(self, "_draw_" + kind)(rng, shapes)
             if found is not None:
                 step, shape = found
@@ -304,6 +304,15 @@ class Program:
             return None
         return ("pad", [a], {}), tuple(shapes[a][:-1]) + (shapes[a][-1] + 2,)
 
+    def _draw_tensor_array(self, rng, shapes):
+        # Two values of one shape written into a tf.TensorArray (TensorList ops in a
+        # function; a Python list eagerly), stacked and one read back.
+        a = self._pick(rng, shapes, lambda s: 1 <= _rank(s) <= 3 and _size(s) <= 64)
+        if a is None:
+            return None
+        b = self._pick(rng, shapes, lambda s: s == shapes[a])
+        return ("tensor_array", [a, b], {"read": rng.randrange(2)}), (2,) + tuple(shapes[a])
+
     def _draw_expand_squeeze(self, rng, shapes):
         a = self._pick(rng, shapes)
         return ("expand_squeeze", [a], {}), shapes[a]
@@ -361,6 +370,11 @@ class Program:
                 out = tf.tile(a[0], [2] + [1] * (len(a[0].shape) - 1))
             elif name == "pad":
                 out = tf.pad(a[0], [[0, 0]] * (len(a[0].shape) - 1) + [[1, 1]])
+            elif name == "tensor_array":
+                ta = tf.TensorArray(tf.float32, size=2, element_shape=a[0].shape)
+                ta = ta.write(0, a[0]).write(1, tf.tanh(a[1]))
+                stacked = ta.stack()  # (before the read: an eager TensorArray clears it)
+                out = stacked * 0.5 + ta.read(p["read"])[None]
             elif name == "expand_squeeze":
                 out = tf.squeeze(tf.expand_dims(a[0], 0) * 1.5, [0])
             else:

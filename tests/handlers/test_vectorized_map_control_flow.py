@@ -52,14 +52,15 @@ def test_values_match_tf_vectorized_map(fn):
     assert_same_tensors(want, tf.function(lambda xs: oh.vectorized_map(fn, xs))(XS))
 
 
-# Gradients through a mapped Case or While fail as they do for a mapped tf.function
-# holding one (the loop fallback's forward function has variant outputs, ZerosLike
-# refuses them; a Case branch's rewritten gradient function is looked up in the wrong
-# graph): known limitations, strict so that a fix shows.
+# Gradients through a mapped Case, or a While with per-example trip counts, fail: the
+# branch's or loop condition's rewritten gradient function is looked up in the wrong
+# graph ("..._rewritten cannot be found in the graph"). A While whose trip count is
+# shared differentiates (test_vectorized_map_tensor_lists.py). Known limitations, strict
+# so that a fix shows.
 _GRADIENT_LIMITS = {
     "switch_fn": "Case gradient: rewritten branch not found in the graph",
-    "while_fn": "While gradient: ZerosLike of a variant accumulator",
-    "nested_fn": "While gradient: ZerosLike of a variant accumulator",
+    "while_fn": "While gradient: rewritten cond not found in the graph",
+    "nested_fn": "While gradient: rewritten cond not found in the graph",
 }
 
 

@@ -150,7 +150,22 @@ def broadcast_batch(b, size):
     if b.batched:
         return b.value
     v = b.value
+    if dtype_of(v) == tf.variant and _ndim(v) == 0:
+        return _batched_list(v, size)
     return tf.broadcast_to(v[None], tf.concat([[size], tf.shape(v)], 0))
+
+
+def _batched_list(handle, size):
+    """An unbatched TensorList as a batched one (pfor's: one list whose elements are the
+    examples' elements stacked), by pfor's own stacking; e.g. a while loop's gradient
+    accumulator that starts empty and receives per-example values."""
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    if not _pfor._is_variant_with_internal_stacking(handle):  # pylint: disable=protected-access
+        raise ValueError(
+            "oh.vectorized_map: a variant tensor that is not a TensorList (or whose element "
+            "type is unknown: an eager list made by a raw op) cannot be broadcast over the "
+            "batch (%r)" % (handle,))
+    return _pfor._stack(handle, tf.constant([size])).t  # pylint: disable=protected-access
 
 
 def _align(inputs, rank):
@@ -437,6 +452,85 @@ def _optional_has_value(handler, execute, op, inputs):
     return [Batched(o, False) for o in execute(op, [handle.value])]
 
 
+def _tensor_list_element_shape(handler, execute, op, inputs):
+    """The per-example element shape of a batched list (its elements' shape without the
+    batch dimension), and -1 where the list's element shape is unknown. (pfor's
+    converter takes [1:] of the -1 too: a scalar element shape, with which the gradient
+    of a TensorListGetItem reserves a list that cannot hold the gradient;
+    tf.vectorized_map fails there with "Tried to set a tensor with incompatible
+    shape".)"""
+    (handle,) = inputs
+    if not handle.batched or _ndim(handle.value) != 0:
+        return None
+    (shape,) = execute(op, [handle.value])
+    if type(shape) is _EagerTensor:
+        return [Batched(shape if _ndim(shape) == 0 else shape[1:], False)]
+    return [Batched(tf.cond(tf.rank(shape) > 0, lambda: tf.reshape(shape, [-1])[1:],
+                            lambda: shape), False)]
+
+
+def _stacked_element_shape(shape, size):
+    """The element shape of a batched list from the per-example one (a numpy value), as
+    pfor's `_stack_tensor_list_shape`: unknown stays unknown (-1)."""
+    if -1 in shape.reshape([-1]).tolist():
+        return _constant(-1, shape.dtype)
+    return _prepended(size, shape.reshape([-1]))
+
+
+def _tensor_list_reserve(handler, execute, op, inputs):
+    """A reserved list, batched (see ALWAYS_BATCHED), its element shape the batch and the
+    per-example one. (pfor's converter gives a known element shape up: its
+    `_stack_tensor_list_shape` returns None for one, so reserved elements had an unknown
+    shape, and a list of them could not be stacked or taken apart.)"""
+    element_shape, num_elements = inputs
+    if element_shape.batched or num_elements.batched:
+        return None
+    shape = _static(element_shape.value)
+    if shape is None:
+        return None
+    (out,) = execute(op, [_stacked_element_shape(shape, handler.size), num_elements.value])
+    return [Batched(out, True)]
+
+
+def _tensor_list_get_item(handler, execute, op, inputs):
+    """A per-example index into a batched list: example b's element is row b of element
+    index[b]. (pfor's converter maps over the examples with a tf.map_fn whose output
+    dtype is left to default to the indices' int32: AssertionError in tf.vectorized_map.)"""
+    handle, index, element_shape = inputs
+    if not (handle.batched and index.batched) or element_shape.batched:
+        return None
+    shape = _static(element_shape.value)
+    if shape is None:
+        return None
+    items = tf.raw_ops.TensorListStack(
+        input_handle=handle.value, element_shape=_stacked_element_shape(shape, handler.size),
+        element_dtype=op.attrs["element_dtype"])  # [length, batch, ...]
+    where = tf.stack([index.value, tf.range(handler.size, dtype=index.value.dtype)], axis=1)
+    return [Batched(tf.gather_nd(items, where), True)]
+
+
+def _tensor_list_gather(handler, execute, op, inputs):
+    """Elements of a batched list at shared indices, the batch first. (pfor's converter
+    returns the gathered elements as they come, [indices..., batch, ...], and calls that
+    batched: tf.vectorized_map of `tf.TensorArray.gather` gives the batch second.)"""
+    handle, indices, element_shape = inputs
+    if not handle.batched or indices.batched or element_shape.batched:
+        return None
+    shape = _static(element_shape.value)
+    index_rank = _rank(indices)
+    if shape is None or index_rank is None:
+        return None
+    (out,) = execute(op, [handle.value, indices.value,
+                          _stacked_element_shape(shape, handler.size)])
+    rank = _ndim(out)
+    if rank is None:
+        rank = tf.rank(out)
+        perm = tf.concat([[index_rank], tf.range(index_rank), tf.range(index_rank + 1, rank)], 0)
+    else:
+        perm = [index_rank] + list(range(index_rank)) + list(range(index_rank + 1, rank))
+    return [Batched(tf.transpose(out, perm), True)]
+
+
 def _rank_op(handler, execute, op, inputs):
     (x,) = inputs
     (out,) = execute(op, [x.value])
@@ -639,6 +733,11 @@ RULES.update({name: _same_shape for name in op_kinds.SAME_SHAPE_BINARY | {"AddN"
 RANDOM = frozenset(("RandomUniform", "RandomStandardNormal", "TruncatedNormal",
                      "RandomUniformInt"))
 RULES.update({name: _random for name in RANDOM})
+# Ops batched even without a batched input: the random ops, and TensorListReserve, whose
+# list pfor always makes batched (its force_stateful_ops): a later write of a per-example
+# item into an unbatched reserved list would have to stack its elements, and reserved
+# elements of unknown shape cannot be read (InvalidArgumentError in pfor's stacking).
+ALWAYS_BATCHED = RANDOM | {"TensorListReserve"}
 RULES.update({name: _reduction for name in (
     "Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "ArgMax", "ArgMin")})
 RULES.update({
@@ -655,6 +754,9 @@ RULES.update({
     "MaxPoolWithArgmax": _pool_grad, "SelfAdjointEigV2": _self_adjoint_eig,
     "FusedBatchNormV3": _fused_batch_norm, "FusedBatchNormGradV3": _fused_batch_norm_grad,
     "ShapeN": _shape_n, "Conv2DBackpropInput": _conv2d_backprop_input,
+    "TensorListElementShape": _tensor_list_element_shape,
+    "TensorListGather": _tensor_list_gather, "TensorListGetItem": _tensor_list_get_item,
+    "TensorListReserve": _tensor_list_reserve,
     "OptionalGetValue": _optional_get_value, "OptionalHasValue": _optional_has_value,
 })
 
@@ -682,7 +784,7 @@ def plan_of(op, inputs):
     ops, function calls, unknown ranks). Every plan gives the values its rule gives:
     FORWARD only where the rule would run the op on the values unchanged (never an op
     with a resource output: those take no batched input)."""
-    if op.output_dtype_enums is None or op.type in RANDOM:
+    if op.output_dtype_enums is None or op.type in ALWAYS_BATCHED:
         return None
     if any(b.value._datatype_enum() == _RESOURCE_ENUM for b in inputs):  # pylint: disable=protected-access
         return None

@@ -53,8 +53,8 @@ from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
     stack_of)
 from tf_ophandlers.handlers.batching_rules import (
-    DTYPES, FORWARD, RANDOM, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
-    ATTRIBUTE_PLANS, plan_of, static_shape)
+    ALWAYS_BATCHED, DTYPES, FORWARD, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
+    ATTRIBUTE_PLANS, plan_of, static_shape, _static)
 
 _log = logging.getLogger("tf_ophandlers")
 _tf_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
@@ -121,6 +121,111 @@ def _set_resource_dtype(placeholder, op):
     handle_data_util.set_handle_data(placeholder, data)
 
 
+def _set_list_handle_data(placeholder, op):
+    """Marks a variant placeholder as a TensorList (TensorFlow's handle data of one, as
+    list_ops gives eager lists): pfor's converters keep a batched list as one scalar
+    variant only when they see this (`_is_variant_with_internal_stacking`), and stack
+    an unbatched one element by element with its element dtype."""
+    from tensorflow.core.framework import cpp_shape_inference_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.core.framework import full_type_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    dtype = op.attrs.get("element_dtype")
+    data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
+    data.shape_and_type.add(
+        shape=tf.TensorShape(None).as_proto(),
+        dtype=dtype.as_datatype_enum if isinstance(dtype, tf.DType) else 0,
+        type=full_type_pb2.FullTypeDef(type_id=full_type_pb2.TFT_ARRAY))
+    handle_data_util.set_handle_data(placeholder, data)
+
+
+def _has_handle_data(t):
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    data = handle_data_util.get_resource_handle_data(t)
+    return bool(data is not None and data.is_set and data.shape_and_type)
+
+
+def is_list_op(op_type):
+    """TensorList ops (tf.TensorArray in graphs, raw list ops): their batched lists are
+    pfor's, one scalar variant whose elements carry the batch dimension."""
+    return op_type.startswith("TensorList") or op_type == "EmptyTensorList"
+
+
+# Inputs of list ops that pfor's converters read statically (a reserved list's element
+# shape must be known, or -1, when it is built): constants of the converted graph.
+_STATIC_LIST_ARGS = frozenset(("element_shape", "leading_dims"))
+
+
+def _static_list_args(op, inputs):
+    """{input index: value} of `op`'s unbatched element-shape inputs with known values
+    (part of the converted function's cache key)."""
+    from tensorflow.python.framework import op_def_registry  # pylint: disable=import-outside-toplevel
+    op_def = op_def_registry.get(op.type)
+    if op_def is None or len(op_def.input_arg) != len(inputs):
+        return {}
+    out = {}
+    for k, (arg, b) in enumerate(zip(op_def.input_arg, inputs)):
+        if arg.name in _STATIC_LIST_ARGS and not b.batched:
+            value = _static(b.value)
+            if value is not None:
+                out[k] = value
+    return out
+
+
+def _list_pfor_function(op, inputs, size, static, while_loop=False):
+    """`_pfor_function` for a TensorList op, with pfor's own representation of lists: a
+    batched list input (one scalar variant, its elements batched) is handed to pfor's
+    converters as the conversion of a per-example stand-in (there is no example to
+    gather), as pfor's while-loop converter hands it its loop variables. Returns the
+    function and, filled at its trace, which outputs pfor keeps stacked (a list's length
+    or element shape is one for all examples)."""
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    mask = [b.batched for b in inputs]
+    specs = [tf.TensorSpec(b.value.shape, b.value.dtype) for b in inputs]
+    stacked = []
+
+    def run(*values):
+        graph = _ops.get_default_graph()
+        for v in values:
+            if v.dtype == tf.variant and not _has_handle_data(v):
+                _set_list_handle_data(v, op)
+        existing = set(graph.get_operations())
+        loop_var = tf.compat.v1.placeholder_with_default(0, shape=[])
+        args, stand_ins = [], []
+        for k, (v, m) in enumerate(zip(values, mask)):
+            if k in static:
+                args.append(tf.constant(static[k], dtype=v.dtype))
+            elif not m:
+                args.append(v)
+            elif v.dtype == tf.variant:
+                # A new empty list, not derived from `v`: `v`'s handle data (when the
+                # call is traced in a graph) has the batched element shape, which the
+                # op's own shape inference would reject against its per-example one.
+                dtype = op.attrs.get("element_dtype")
+                a = tf.raw_ops.EmptyTensorList(
+                    element_shape=tf.constant(-1), max_num_elements=tf.constant(-1),
+                    element_dtype=dtype if isinstance(dtype, tf.DType) else tf.float32)
+                stand_ins.append((a, v))
+                args.append(a)
+            else:
+                args.append(tf.gather(v, loop_var))
+        outs = graph_builder.create(graph, op, args)
+        new_ops = set(graph.get_operations()) - existing
+        converter = _pfor.PFor(loop_var, size, new_ops, fallback_to_while_loop=while_loop)
+        for a, v in stand_ins:
+            converter._add_conversion(a, _pfor.wrap(v, True))  # pylint: disable=protected-access
+        wrapped = [converter._convert_helper(o) for o in outs]  # pylint: disable=protected-access
+        stacked[:] = [w.is_stacked for w in wrapped]
+        return [w.t for w in wrapped]
+
+    fn = tf.function(run, input_signature=specs, autograph=False)
+    _quiet.local.active = getattr(_quiet.local, "active", 0) + 1
+    try:
+        fn.get_concrete_function()  # convert now: a failure means "use the loop"
+    finally:
+        _quiet.local.active -= 1
+    return fn, stacked
+
+
 def _pfor_function(op, inputs, while_loop=False):
     """A tf.function running `op` vectorized by TensorFlow's pfor converters (with
     `while_loop`: pfor's while-loop fallback where it has no converter, as
@@ -153,6 +258,36 @@ def _pfor_function(op, inputs, while_loop=False):
     finally:
         _quiet.local.active -= 1
     return fn
+
+
+def _converted_list_op(handler, op, inputs):
+    """A TensorList op by pfor's converters (`_list_pfor_function`), with pfor's
+    while-loop fallback inside the conversion where allowed. A list op never runs once
+    per example: a batched list has no examples to take apart, so what pfor cannot
+    convert raises, naming the op and pfor's reason (tf.vectorized_map fails there too)."""
+    static = _static_list_args(op, inputs)
+    key = (_signature(op, inputs) + (handler.size, handler.fallback_to_while_loop,
+                                     tf.executing_eagerly())
+           + tuple((k, v.tobytes(), v.shape) for k, v in sorted(static.items())))
+    hit = _converted.get(key)
+    if hit is None:
+        errors_seen = []
+        for while_loop in ((False, True) if handler.fallback_to_while_loop else (False,)):
+            try:
+                hit = _list_pfor_function(op, inputs, handler.size, static, while_loop)
+                break
+            except Exception as e:  # pylint: disable=broad-except
+                errors_seen.append("%s: %s" % (type(e).__name__, str(e).splitlines()[0][:300]
+                                               if str(e) else ""))
+        if hit is None:
+            raise ValueError(
+                "oh.vectorized_map: TensorList op %s cannot be vectorized by pfor's "
+                "converters (%s)%s" % (op.type, errors_seen[-1], "" if handler.fallback_to_while_loop
+                                       else "; fallback_to_while_loop=False"))
+        _converted[key] = hit
+    fn, stacked = hit
+    outs = fn(*[b.value for b in inputs])
+    return [Batched(o, s) for o, s in zip(nest.flatten(outs), stacked)]
 
 
 def _converted_by_pfor(handler, execute, op, inputs):
@@ -196,27 +331,69 @@ def _converted_by_pfor(handler, execute, op, inputs):
     return batched(nest.flatten(outs))
 
 
+def _list_dtype(t):
+    """The element dtype of TensorList `t` from its handle data (a graph's lists have it:
+    a replayed function's), or None (not a list, or an eager list made by a raw op)."""
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    if isinstance(t, _ops.EagerTensor) or t.dtype != tf.variant:
+        return None
+    if not _pfor._is_variant_with_internal_stacking(t):  # pylint: disable=protected-access
+        return None
+    return tf.as_dtype(_pfor._variant_handle_data(t)[0].dtype)  # pylint: disable=protected-access
+
+
+def _list_example(handle, i, dtype):
+    """Example `i` of a batched list (its elements' row i), as a list of its own."""
+    items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
+        input_handle=handle, element_dtype=dtype,
+        element_shape=tf.raw_ops.TensorListElementShape(input_handle=handle,
+                                                        shape_type=tf.int32))
+    return tf.raw_ops.TensorListFromTensor(tensor=items[:, i],
+                                           element_shape=tf.shape(items)[2:])
+
+
+def _batched_lists(rows, dtype):
+    """Per-example lists as one batched list (their elements stacked; they must have one
+    length and element shape)."""
+    items = [tf.raw_ops.TensorListStack(
+        input_handle=r, element_dtype=dtype,
+        element_shape=tf.raw_ops.TensorListElementShape(input_handle=r, shape_type=tf.int32))
+        for r in rows]
+    stacked = tf.stack(items, axis=1)  # [length, batch, ...]
+    return tf.raw_ops.TensorListFromTensor(tensor=stacked, element_shape=tf.shape(stacked)[1:])
+
+
 def _per_example_loop(handler, execute, op, inputs):
-    if any(b.batched and b.value.shape.rank == 0 for b in inputs):
-        # pfor's batched Optionals (and TensorLists) are one scalar variant holding the
-        # batched components: there is no example to take apart.
-        raise ValueError(
-            "oh.vectorized_map: op %s has no batching rule for a per-example Optional or "
-            "TensorList (one variant holding every example's values), and it cannot run "
-            "once per example on it; tf.vectorized_map cannot convert it either" % op.type)
+    lists = {}
+    for k, b in enumerate(inputs):
+        if b.batched and b.value.shape.rank == 0:
+            dtype = _list_dtype(b.value)
+            if dtype is None:
+                # pfor's batched Optionals (and eager TensorLists) are one scalar variant
+                # holding the batched components: no example can be taken apart.
+                raise ValueError(
+                    "oh.vectorized_map: op %s has no batching rule for a per-example "
+                    "Optional or TensorList (one variant holding every example's values), "
+                    "and it cannot run once per example on it; tf.vectorized_map cannot "
+                    "convert it either" % op.type)
+            lists[k] = dtype
     _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
                      "(a loop)", op.type)
     rows = []
     for i in range(handler.size):
-        rows.append(execute(op, [b.value[i] if b.batched else b.value for b in inputs]))
-    return _stack_rows(op.type, rows)
+        rows.append(execute(op, [
+            _list_example(b.value, i, lists[k]) if k in lists
+            else b.value[i] if b.batched else b.value for k, b in enumerate(inputs)]))
+    # A loop's outputs are its loop variables: an output list has its input's dtype.
+    hints = lists if op.type in _CONTROL_FLOW and "While" in op.type else {}
+    return _stack_rows(op.type, rows, hints)
 
 
-def _stack_rows(op_type, rows):
+def _stack_rows(op_type, rows, list_dtypes=None):
     """Per-example outputs stacked into batched values, or a clear error where the
     examples' shapes differ (a ragged element's rows: tf.Stack's error named no op)."""
     out = []
-    for col in zip(*rows):
+    for k, col in enumerate(zip(*rows)):
         shapes = {tuple(t.shape) if t.shape.rank is not None else None for t in col}
         if len(shapes) > 1 and all(shape is not None and None not in shape
                                    for shape in shapes):
@@ -226,7 +403,13 @@ def _stack_rows(op_type, rows):
                 "tf.vectorized_map (the rows of a tf.RaggedTensor or tf.SparseTensor can "
                 "differ so). Use tf.map_fn with fn_output_signature=... for such results"
                 % (op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
-        out.append(Batched(tf.stack(list(col)), True))
+        dtype = None
+        if col[0].shape.rank == 0 and col[0].dtype == tf.variant:
+            dtype = _list_dtype(col[0]) or (list_dtypes or {}).get(k)
+        if dtype is not None:  # lists (a loop's TensorArray): a batched list, pfor's
+            out.append(Batched(_batched_lists(col, dtype), True))
+        else:
+            out.append(Batched(tf.stack(list(col)), True))
     return out
 
 
@@ -456,7 +639,7 @@ class VectorizedMap(OpHandler):
             if self._written:
                 self._check_state_order(op, resources)
             self._used.append((op.type, resources))
-        if any(b.batched for b in inputs) or op.type in RANDOM:
+        if any(b.batched for b in inputs) or op.type in ALWAYS_BATCHED:
             return self._batched(execute, op, inputs)
         return self._unbatched(execute(op, [b.value for b in inputs]))
 
@@ -480,6 +663,8 @@ class VectorizedMap(OpHandler):
         rule = RULES.get(op.type)
         if rule is not None:
             result = rule(self, execute, op, inputs)
+        if result is None and is_list_op(op.type):
+            return _converted_list_op(self, op, inputs)
         if (result is None and op.output_dtype_enums is not None
                 and op.type not in _CONTROL_FLOW):
             result = _converted_by_pfor(self, execute, op, inputs)
@@ -495,12 +680,9 @@ class VectorizedMap(OpHandler):
     # -- functions (core/functions): a tf.function called in the map is replayed with
     # its arguments batched or not; cond branches and loops that disagree broadcast.
 
-    def replays_functions(self, op):
-        # TensorLists (tf.TensorArray, tf.map_fn, tf.scan) are batched by pfor only as a
-        # whole program (its "stacked" lists): a function using them runs once per
-        # example as one op instead.
-        from tf_ophandlers.core import functions  # pylint: disable=import-outside-toplevel
-        return not any(t.startswith("TensorList") for t in functions.body_op_types(op.type))
+    # A tf.function using TensorLists (tf.TensorArray, tf.map_fn, tf.scan) is replayed
+    # too: its list ops take pfor's converters one by one (_converted_list_op).
+    replays_functions = True
 
     def function_input(self, value):
         return value.batched, [value.value]

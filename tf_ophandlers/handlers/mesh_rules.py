@@ -65,7 +65,7 @@ class VarInfo:
     the first sharded value written, as an optimizer's slot variables do); a replicated
     layout not chosen follows the first sharded write."""
 
-    __slots__ = ("layout", "shape", "broadcast", "chosen")
+    __slots__ = ("layout", "shape", "broadcast", "chosen", "__weakref__")
 
     def __init__(self, layout=None, shape=None, broadcast=False, chosen=False):
         self.layout, self.shape, self.broadcast = layout, shape, broadcast

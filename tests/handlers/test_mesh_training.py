@@ -132,6 +132,17 @@ def _slot_layouts(mesh, optimizer, model):
     return out
 
 
+def _assert_slots_sharded_like_their_variables(mesh, optimizer, model, per_variable):
+    slots = _slot_layouts(mesh, optimizer, model)
+    assert len(slots) == per_variable * len(model.trainable_variables)
+    for path, (layout, var_layout) in slots.items():
+        assert layout == var_layout, path
+    kernel_slot = next(s for s in optimizer.variables
+                       if s.path.endswith("dense_kernel_momentum"))
+    shards = mesh.unpack(kernel_slot.value)  # each device holds half of it
+    assert [s.shape.as_list() for s in shards] == [[8, 8]] * 4
+
+
 def test_keras_adam_eager_steps_shard_slot_variables_like_their_variables(mesh):
     x, y = _data(8)
     model, ref = _sharded_mlp(mesh)
@@ -192,6 +203,10 @@ def test_keras_adam_in_a_replayed_tf_function_step(mesh):
         # order on near-zero gradients (one element off by 1e-5 after three steps)
         assert_close(v, r, 1e-4)
         assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
+    # the slots, built replicated, take their variables' layouts after the first call
+    _assert_slots_sharded_like_their_variables(mesh, opt, model, 2)
+    for s, r in zip(opt.variables, ref_opt.variables):
+        assert_close(s, r, 1e-4)
     assert not mesh.fallbacks
 
 
@@ -227,6 +242,7 @@ def test_optimizer_variables_created_while_a_replayed_step_is_traced(mesh):
         assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
     for s, r in zip(opt.variables, ref_opt.variables):
         assert_close(s, r, 1e-4)
+    _assert_slots_sharded_like_their_variables(mesh, opt, model, 2)
     assert not mesh.fallbacks
 
 
@@ -280,7 +296,8 @@ def test_compiled_model_fit_without_optimizer_build_adam_and_sgd_momentum():
     """`model.compile(optimizer)` then `model.fit` in the mesh's scope, no
     `optimizer.build`: Keras creates the optimizer's variables while tracing the train
     step; losses per batch, weights and the optimizer's variables equal single-device
-    Keras, for Adam (by name) and SGD with momentum."""
+    Keras, for Adam (by name) and SGD with momentum, and the slots end sharded like
+    their variables (after the first call)."""
     for name, optimizer in (("adam", lambda: "adam"),
                             ("sgd", lambda: keras.optimizers.SGD(0.05, momentum=0.9))):
         mesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, batch_dim="batch")
@@ -296,6 +313,8 @@ def test_compiled_model_fit_without_optimizer_build_adam_and_sgd_momentum():
         for s, r in zip(model.optimizer.variables, ref.optimizer.variables):
             assert_close(s, r, 1e-4)
         assert int(model.optimizer.iterations.numpy()) == 6
+        _assert_slots_sharded_like_their_variables(mesh, model.optimizer, model,
+                                                   2 if name == "adam" else 1)
         assert not mesh.fallbacks, (name, mesh.fallbacks)
 
 
@@ -317,8 +336,10 @@ def test_compiled_model_fit_replays_the_train_step_with_single_device_losses(bat
     for v, r in zip(model.trainable_variables, ref.trainable_variables):
         assert_close(v, r, 1e-5)
         assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
-    # one replay per batch shape (4 and 3), reused by the second epoch
-    assert functions.cache_info() - before == 2
+    # the first batch's replay (slots replicated, as built), then one per batch shape (4
+    # and 3) with the slots sharded like their variables, reused by the second epoch
+    assert functions.cache_info() - before == 3
+    _assert_slots_sharded_like_their_variables(mesh, model.optimizer, model, 2)
     # the partial batch's x and y, once per epoch: sharded on "batch" where 4 divides
     assert mesh.uneven == ({"batch": 4} if batch_dim else {})
     with mesh:

@@ -348,6 +348,8 @@ class Mesh(MeshCommunication, OpHandler):
         sees the sharing and runs ops once per distinct inputs) and, in the summary,
         which of them each device holds."""
         var = value.var
+        if var is not None and var.adopt is not None and tf.executing_eagerly():
+            mesh_variables.apply_adoption(self, value)  # (before the call's replay key)
         parts, index, holds = [], {}, []
         for s in value.shards:
             j = index.get(id(s))

@@ -108,10 +108,9 @@ def variable_op(mesh, op, inputs, var_request):
 def adopt_layout(mesh, op, handle, values):
     """A variable whose replicated layout was never chosen (an optimizer's slot
     variable, created from zeros) takes the layout of the first sharded value of its
-    shape written to it: its stored value is sliced in place, eagerly (in a replayed
-    function the layout stays; the function's variable summary is a copy)."""
+    shape written to it (`adopt_var_layout`)."""
     var = handle.var
-    if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+    if var.chosen or var.layout is None or any(var.layout):
         return
     source = next((v for v in values if v.shape == var.shape and not v.replicated), None)
     if source is None:
@@ -121,16 +120,39 @@ def adopt_layout(mesh, op, handle, values):
 
 def adopt_var_layout(mesh, op, handle, layout):
     """The replicated, never chosen variable of `handle` resliced in place to `layout`,
-    eagerly (see `adopt_layout`); nothing otherwise."""
+    eagerly; nothing otherwise. While a function is replayed (traced) the reslice is
+    only noted (`VarInfo.adopt`) and done eagerly before the next call
+    (`apply_adoption`, from `Mesh.function_input`): a replay's trace may be a probe
+    whose ops never run (control_flow.py) or fail, and the stored value must not
+    change layout on a trace's word. That call is then replayed again with the new
+    layout (the layout is part of the replay's key)."""
     var = handle.var
-    if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+    if var.chosen or var.layout is None or any(var.layout):
         return
     dtype = op.attrs.get("dtype", op.attrs.get("T"))
+    if not tf.executing_eagerly():
+        if var.adopt is None:
+            var.adopt = (tuple(layout), dtype)
+        return
     (reads,) = mesh.run(Op.cached("ReadVariableOp", dtype=dtype), [handle])
     value = mesh.relayout_value(MeshValue(reads, var.layout, var.shape), layout)
     mesh.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
              [handle, value])
-    var.layout, var.chosen = tuple(layout), True
+    var.layout, var.chosen, var.adopt = tuple(layout), True, None
+
+
+def apply_adoption(mesh, handle):
+    """The layout noted by `adopt_var_layout` in a replay, applied to the variable of
+    `handle` (eagerly)."""
+    var = handle.var
+    layout, dtype = var.adopt
+    if var.chosen or var.layout is None or any(var.layout):
+        var.adopt = None
+        return
+    (initialized,) = mesh.run(Op.cached("VarIsInitializedOp"), [handle])
+    if not all(bool(s) for s in initialized):  # (the replay's call never ran its writes)
+        return
+    adopt_var_layout(mesh, Op.cached("ReadVariableOp", dtype=dtype), handle, layout)
 
 
 def scatter(mesh, op, handle, indices, updates):

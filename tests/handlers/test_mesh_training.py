@@ -318,6 +318,33 @@ def test_compiled_model_fit_without_optimizer_build_adam_and_sgd_momentum():
         assert not mesh.fallbacks, (name, mesh.fallbacks)
 
 
+def test_compiled_model_fit_with_an_optimizer_made_outside_fails_before_any_write():
+    """An optimizer created outside the mesh: compiled fit raises before any weight or
+    optimizer variable is written; its advice (compile with a new optimizer made in the
+    scope, nothing else) then trains like single-device Keras."""
+    mesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, batch_dim="batch")
+    x, y = _data()
+    model, ref = _sharded_mlp(mesh)
+    before = [v.numpy() for v in model.trainable_variables]
+    outside = keras.optimizers.Adam(0.01)
+    with mesh:
+        model.compile(outside, "mse")
+        with pytest.raises(oh.PlacementError, match=(
+                r"oh.Mesh: Adam.apply would write variable .*iteration.*created outside "
+                r".*nothing was written.*make a new one inside the scope")) as info:
+            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert "optimizer.build" not in str(info.value)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert int(outside.iterations.numpy()) == 0
+    got, want = _fit_both(mesh, model, ref, "mse", x, y)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for v, r in zip(model.trainable_variables, ref.trainable_variables):
+        assert_close(v, r, 1e-4)
+    _assert_slots_sharded_like_their_variables(mesh, model.optimizer, model, 2)
+    assert not mesh.fallbacks, mesh.fallbacks
+
+
 @pytest.mark.parametrize("batch_dim", ["batch", None])
 def test_compiled_model_fit_replays_the_train_step_with_single_device_losses(batch_dim):
     """model.fit of a model compiled normally, in the mesh's scope: Keras's train step

@@ -1,8 +1,9 @@
 """Variable ops of `oh.Mesh` (tf_ophandlers/handlers/mesh.py): creation, reads, writes
 relayouted to the variable's layout, `ResourceGather`, dense `ResourceApply*` and sparse
 `ResourceSparseApply*` kernels, sparse `ResourceScatter*` updates, and the layout
-adoption that gives an optimizer's slot variables their variables' layouts. Other ops on a mesh variable raise (never gathered: one device would see only
-its shard).
+adoption that gives an optimizer's slot variables their variables' layouts (eagerly, or
+before the next call of a replayed step). Other ops on a mesh variable raise (never
+gathered: one device would see only its shard).
 
 >>> "AssignVariableOp" in VAR_WRITES
 True
@@ -66,16 +67,16 @@ def variable_op(mesh, op, inputs, var_request):
             var.chosen = var.chosen or not value.replicated
             op = op.replace(validate_shape=False)
         if var.layout is None:
-            # E.g. Keras creates an optimizer's variables while a tf.function is first
-            # traced: their initial values are assigned outside the mesh, so this
-            # handler never saw a value and knows no layout to write with.
+            # A variable whose handle was made in the scope but whose initial value this
+            # handler never saw (assigned off the mesh's stack): no layout to write with.
+            # (A Keras optimizer's variables created while its step is traced get theirs
+            # from the assignment in the step's cond: the replay shares their records.)
             raise errors.PlacementError(
                 "oh.Mesh: op %s writes a variable whose initial value was never assigned "
-                "under %s, so its layout is unknown; create it inside the mesh's scope "
-                "eagerly first (for Keras, create the optimizer in the scope and call "
-                "optimizer.build(model.trainable_variables) there before the first "
-                "tf.function step; an optimizer already built outside keeps its "
-                "variables there: make a new one)" % (t, mesh.debug_string()))
+                "under %s, so its layout is unknown; create the variable, with its "
+                "initial value, inside the mesh's scope (a Keras optimizer: create it in "
+                "the scope; one created outside keeps its variables there: make a new "
+                "one)" % (t, mesh.debug_string()))
         value = mesh.relayout_value(value, var.layout)
         mesh.run(op, [handle, value])
         return []

@@ -1,6 +1,7 @@
 """oh.Mesh in the training loops users write: partial last batches (an axis that does not
 divide stays replicated), Keras optimizers (slot variables take their variables'
 layouts), `model.fit`; against single-device TensorFlow on the same inputs."""
+import gc
 import logging
 
 import keras
@@ -131,6 +132,17 @@ def _slot_layouts(mesh, optimizer, model):
     return out
 
 
+def _assert_slots_sharded_like_their_variables(mesh, optimizer, model, per_variable):
+    slots = _slot_layouts(mesh, optimizer, model)
+    assert len(slots) == per_variable * len(model.trainable_variables)
+    for path, (layout, var_layout) in slots.items():
+        assert layout == var_layout, path
+    kernel_slot = next(s for s in optimizer.variables
+                       if s.path.endswith("dense_kernel_momentum"))
+    shards = mesh.unpack(kernel_slot.value)  # each device holds half of it
+    assert [s.shape.as_list() for s in shards] == [[8, 8]] * 4
+
+
 def test_keras_adam_eager_steps_shard_slot_variables_like_their_variables(mesh):
     x, y = _data(8)
     model, ref = _sharded_mlp(mesh)
@@ -191,32 +203,47 @@ def test_keras_adam_in_a_replayed_tf_function_step(mesh):
         # order on near-zero gradients (one element off by 1e-5 after three steps)
         assert_close(v, r, 1e-4)
         assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
+    # the slots, built replicated, take their variables' layouts after the first call
+    _assert_slots_sharded_like_their_variables(mesh, opt, model, 2)
+    for s, r in zip(opt.variables, ref_opt.variables):
+        assert_close(s, r, 1e-4)
     assert not mesh.fallbacks
 
 
-def test_optimizer_variables_created_while_tracing_give_a_clear_error(mesh):
-    """Without `optimizer.build` in the scope, Keras creates Adam's iteration counter and
-    slots while the step is first traced, with initial values assigned outside the mesh:
-    the first write names Mesh, the op and the fix (it was a bare TypeError)."""
-    x, _ = _data(8)
-    model, _ = _sharded_mlp(mesh)
-    before = [v.numpy() for v in model.trainable_variables]
-    with mesh:
-        opt = keras.optimizers.Adam(0.01)
+def test_optimizer_variables_created_while_a_replayed_step_is_traced(mesh):
+    """Without `optimizer.build`, Keras creates Adam's iteration counter and slots while
+    the step is first traced and assigns their initial values in a cond of the step
+    function: the layout the replay gives them there is the variables' own (the ops after
+    the cond and the next calls see it), so the step trains like single-device Adam."""
+    x, y = _data(8)
+    model, ref = _sharded_mlp(mesh)
 
+    def make_step(model, opt):
         @tf.function
-        def step(x):
+        def step(x, y):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x)))
+                loss = tf.reduce_mean(tf.square(model(x) - y))
             opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                     model.trainable_variables))
             return loss
+        return step
 
-        with pytest.raises(oh.PlacementError,
-                           match=r"oh.Mesh: op Assign\w*VariableOp .*optimizer.build"):
-            step(mesh.shard(x, ("batch", None)))
-    for v, b in zip(model.trainable_variables, before):  # no weight was half-updated
-        np.testing.assert_array_equal(v.numpy(), b)
+    with mesh:
+        opt = keras.optimizers.Adam(0.01)
+    ref_opt = keras.optimizers.Adam(0.01)
+    step, ref_step = make_step(model, opt), make_step(ref, ref_opt)
+    for _ in range(3):
+        with mesh:
+            loss = step(mesh.shard(x, ("batch", None)), mesh.shard(y, ("batch", None)))
+        assert_close(loss, ref_step(x, y), 1e-5)
+    assert int(opt.iterations.numpy()) == 3
+    for v, r in zip(model.trainable_variables, ref.trainable_variables):
+        assert_close(v, r, 1e-4)  # (see the test above)
+        assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
+    for s, r in zip(opt.variables, ref_opt.variables):
+        assert_close(s, r, 1e-4)
+    _assert_slots_sharded_like_their_variables(mesh, opt, model, 2)
+    assert not mesh.fallbacks
 
 
 def test_model_fit_run_eagerly_with_a_partial_batch(mesh):
@@ -241,14 +268,18 @@ class _BatchLosses(keras.callbacks.Callback):
         self.losses = getattr(self, "losses", []) + [logs["loss"]]
 
 
-def _fit_both(mesh, model, ref, loss, x, y, epochs=2, **compile_args):
+def _fit_both(mesh, model, ref, loss, x, y, epochs=2, optimizer=None, build=False,
+              **compile_args):
     """Compiled fit (no run_eagerly) of `model` in the mesh's scope and of `ref` on one
-    device, batches of 4 (a partial last one), Adam; the per-batch losses of both."""
+    device, batches of 4 (a partial last one), `optimizer()` (Adam by default; built in
+    the scope before fit with `build`, else Keras builds it while tracing the step); the
+    per-batch losses of both."""
+    optimizer = optimizer or (lambda: keras.optimizers.Adam(0.01))
     with mesh:
-        model.compile(keras.optimizers.Adam(0.01), loss, **compile_args)
-        # (Keras builds an unbuilt optimizer while tracing the step, outside the mesh)
-        model.optimizer.build(model.trainable_variables)
-    ref.compile(keras.optimizers.Adam(0.01), loss, **compile_args)
+        model.compile(optimizer(), loss, **compile_args)
+        if build:
+            model.optimizer.build(model.trainable_variables)
+    ref.compile(optimizer(), loss, **compile_args)
     got, want = _BatchLosses(), _BatchLosses()
     with mesh:
         history = model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0,
@@ -261,6 +292,59 @@ def _fit_both(mesh, model, ref, loss, x, y, epochs=2, **compile_args):
     return got.losses, want.losses
 
 
+def test_compiled_model_fit_without_optimizer_build_adam_and_sgd_momentum():
+    """`model.compile(optimizer)` then `model.fit` in the mesh's scope, no
+    `optimizer.build`: Keras creates the optimizer's variables while tracing the train
+    step; losses per batch, weights and the optimizer's variables equal single-device
+    Keras, for Adam (by name) and SGD with momentum, and the slots end sharded like
+    their variables (after the first call)."""
+    for name, optimizer in (("adam", lambda: "adam"),
+                            ("sgd", lambda: keras.optimizers.SGD(0.05, momentum=0.9))):
+        mesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, batch_dim="batch")
+        x, y = _data()
+        model, ref = _sharded_mlp(mesh)
+        got, want = _fit_both(mesh, model, ref, "mse", x, y, optimizer=optimizer)
+        assert len(got) == 6, name
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)
+        for v, r in zip(model.trainable_variables, ref.trainable_variables):
+            assert_close(v, r, 1e-4)
+            assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
+        assert len(model.optimizer.variables) == len(ref.optimizer.variables) > 2
+        for s, r in zip(model.optimizer.variables, ref.optimizer.variables):
+            assert_close(s, r, 1e-4)
+        assert int(model.optimizer.iterations.numpy()) == 6
+        _assert_slots_sharded_like_their_variables(mesh, model.optimizer, model,
+                                                   2 if name == "adam" else 1)
+        assert not mesh.fallbacks, (name, mesh.fallbacks)
+
+
+def test_compiled_model_fit_with_an_optimizer_made_outside_fails_before_any_write():
+    """An optimizer created outside the mesh: compiled fit raises before any weight or
+    optimizer variable is written; its advice (compile with a new optimizer made in the
+    scope, nothing else) then trains like single-device Keras."""
+    mesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, batch_dim="batch")
+    x, y = _data()
+    model, ref = _sharded_mlp(mesh)
+    before = [v.numpy() for v in model.trainable_variables]
+    outside = keras.optimizers.Adam(0.01)
+    with mesh:
+        model.compile(outside, "mse")
+        with pytest.raises(oh.PlacementError, match=(
+                r"oh.Mesh: Adam.apply would write variable .*iteration.*created outside "
+                r".*nothing was written.*make a new one inside the scope")) as info:
+            model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert "optimizer.build" not in str(info.value)
+    for v, b in zip(model.trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    assert int(outside.iterations.numpy()) == 0
+    got, want = _fit_both(mesh, model, ref, "mse", x, y)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for v, r in zip(model.trainable_variables, ref.trainable_variables):
+        assert_close(v, r, 1e-4)
+    _assert_slots_sharded_like_their_variables(mesh, model.optimizer, model, 2)
+    assert not mesh.fallbacks, mesh.fallbacks
+
+
 @pytest.mark.parametrize("batch_dim", ["batch", None])
 def test_compiled_model_fit_replays_the_train_step_with_single_device_losses(batch_dim):
     """model.fit of a model compiled normally, in the mesh's scope: Keras's train step
@@ -271,15 +355,18 @@ def test_compiled_model_fit_replays_the_train_step_with_single_device_losses(bat
     mesh = oh.Mesh({"batch": 2, "model": 2}, DEVICES, batch_dim=batch_dim)
     x, y = _data()
     model, ref = _sharded_mlp(mesh)
+    gc.collect()  # (an earlier test's functions, once collected, drop their replays)
     before = functions.cache_info()
-    got, want = _fit_both(mesh, model, ref, "mse", x, y)
+    got, want = _fit_both(mesh, model, ref, "mse", x, y, build=True)
     assert len(got) == 6
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for v, r in zip(model.trainable_variables, ref.trainable_variables):
         assert_close(v, r, 1e-5)
         assert mesh.layout_of(v) == LAYOUTS[v.path.split("/", 1)[1]]
-    # one replay per batch shape (4 and 3), reused by the second epoch
-    assert functions.cache_info() - before == 2
+    # the first batch's replay (slots replicated, as built), then one per batch shape (4
+    # and 3) with the slots sharded like their variables, reused by the second epoch
+    assert functions.cache_info() - before == 3
+    _assert_slots_sharded_like_their_variables(mesh, model.optimizer, model, 2)
     # the partial batch's x and y, once per epoch: sharded on "batch" where 4 divides
     assert mesh.uneven == ({"batch": 4} if batch_dim else {})
     with mesh:

@@ -27,6 +27,7 @@ import collections
 import logging
 import re
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -62,6 +63,27 @@ _ITERATOR_OPS = ("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOpt
 # Op types `execute` looks at before the rules.
 _SPECIAL_OPS = frozenset(("ParallelPack", "ParallelUnpack", "Identity", "VarHandleOp")
                          + _ITERATOR_OPS)
+
+
+class _VarSummary(tuple):
+    """A variable handle's part of a function summary: (layout, shape, broadcast) as
+    the cache key, plus the handle's own `VarInfo`, which the replay's handle shares
+    (not a copy). A layout chosen inside the replay (Keras assigns the first value of
+    a variable created while its step is traced inside a cond branch: an optimizer's
+    slots and iteration counter) must reach the ops after that branch and the next
+    calls: with a copy, they saw no layout. The record is held weakly (cached
+    summaries must not keep variables' records alive)."""
+
+    def __new__(cls, var):
+        self = super().__new__(cls, (var.layout, tuple(var.shape or ()), var.broadcast))
+        self._ref = weakref.ref(var)
+        return self
+
+    def record(self):
+        var = self._ref()
+        if var is None:  # (the variable is gone: a record of the summary's state)
+            var = VarInfo(self[0], self[1], self[2])
+        return var
 
 
 class Mesh(MeshCommunication, OpHandler):
@@ -326,6 +348,8 @@ class Mesh(MeshCommunication, OpHandler):
         sees the sharing and runs ops once per distinct inputs) and, in the summary,
         which of them each device holds."""
         var = value.var
+        if var is not None and var.adopt is not None and tf.executing_eagerly():
+            mesh_variables.apply_adoption(self, value)  # (before the call's replay key)
         parts, index, holds = [], {}, []
         for s in value.shards:
             j = index.get(id(s))
@@ -334,14 +358,13 @@ class Mesh(MeshCommunication, OpHandler):
                 parts.append(s)
             holds.append(j)
         summary = (value.layout, value.shape,
-                   None if var is None else (var.layout, tuple(var.shape or ()), var.broadcast),
-                   tuple(holds))
+                   None if var is None else _VarSummary(var), tuple(holds))
         return summary, parts
 
     def function_output(self, summary, tensors):
         layout, shape, var, holds = summary
         if var is not None:
-            var = VarInfo(var[0], var[1], var[2])
+            var = var.record()
         return MeshValue([tensors[j] for j in holds], layout, shape, var)
 
     def function_join(self, summaries):

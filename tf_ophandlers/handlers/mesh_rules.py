@@ -63,13 +63,15 @@ class VarInfo:
     """What a mesh resource handle knows about its variable's value (mutable). `chosen`:
     the layout was chosen (a sharded initial value, `shard_variable`, or adopted from
     the first sharded value written, as an optimizer's slot variables do); a replicated
-    layout not chosen follows the first sharded write."""
+    layout not chosen follows the first sharded write. `adopt`: (layout, dtype) of such a
+    write seen while a function was replayed, applied eagerly before the next call
+    (`mesh_variables.adopt_var_layout`)."""
 
-    __slots__ = ("layout", "shape", "broadcast", "chosen")
+    __slots__ = ("layout", "shape", "broadcast", "chosen", "adopt", "__weakref__")
 
     def __init__(self, layout=None, shape=None, broadcast=False, chosen=False):
         self.layout, self.shape, self.broadcast = layout, shape, broadcast
-        self.chosen = chosen
+        self.chosen, self.adopt = chosen, None
 
 
 def static_input(mesh, value, what, op):

@@ -1,8 +1,9 @@
 """Variable ops of `oh.Mesh` (tf_ophandlers/handlers/mesh.py): creation, reads, writes
 relayouted to the variable's layout, `ResourceGather`, dense `ResourceApply*` and sparse
 `ResourceSparseApply*` kernels, sparse `ResourceScatter*` updates, and the layout
-adoption that gives an optimizer's slot variables their variables' layouts. Other ops on a mesh variable raise (never gathered: one device would see only
-its shard).
+adoption that gives an optimizer's slot variables their variables' layouts (eagerly, or
+before the next call of a replayed step). Other ops on a mesh variable raise (never
+gathered: one device would see only its shard).
 
 >>> "AssignVariableOp" in VAR_WRITES
 True
@@ -66,16 +67,16 @@ def variable_op(mesh, op, inputs, var_request):
             var.chosen = var.chosen or not value.replicated
             op = op.replace(validate_shape=False)
         if var.layout is None:
-            # E.g. Keras creates an optimizer's variables while a tf.function is first
-            # traced: their initial values are assigned outside the mesh, so this
-            # handler never saw a value and knows no layout to write with.
+            # A variable whose handle was made in the scope but whose initial value this
+            # handler never saw (assigned off the mesh's stack): no layout to write with.
+            # (A Keras optimizer's variables created while its step is traced get theirs
+            # from the assignment in the step's cond: the replay shares their records.)
             raise errors.PlacementError(
                 "oh.Mesh: op %s writes a variable whose initial value was never assigned "
-                "under %s, so its layout is unknown; create it inside the mesh's scope "
-                "eagerly first (for Keras, create the optimizer in the scope and call "
-                "optimizer.build(model.trainable_variables) there before the first "
-                "tf.function step; an optimizer already built outside keeps its "
-                "variables there: make a new one)" % (t, mesh.debug_string()))
+                "under %s, so its layout is unknown; create the variable, with its "
+                "initial value, inside the mesh's scope (a Keras optimizer: create it in "
+                "the scope; one created outside keeps its variables there: make a new "
+                "one)" % (t, mesh.debug_string()))
         value = mesh.relayout_value(value, var.layout)
         mesh.run(op, [handle, value])
         return []
@@ -108,10 +109,9 @@ def variable_op(mesh, op, inputs, var_request):
 def adopt_layout(mesh, op, handle, values):
     """A variable whose replicated layout was never chosen (an optimizer's slot
     variable, created from zeros) takes the layout of the first sharded value of its
-    shape written to it: its stored value is sliced in place, eagerly (in a replayed
-    function the layout stays; the function's variable summary is a copy)."""
+    shape written to it (`adopt_var_layout`)."""
     var = handle.var
-    if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+    if var.chosen or var.layout is None or any(var.layout):
         return
     source = next((v for v in values if v.shape == var.shape and not v.replicated), None)
     if source is None:
@@ -121,16 +121,39 @@ def adopt_layout(mesh, op, handle, values):
 
 def adopt_var_layout(mesh, op, handle, layout):
     """The replicated, never chosen variable of `handle` resliced in place to `layout`,
-    eagerly (see `adopt_layout`); nothing otherwise."""
+    eagerly; nothing otherwise. While a function is replayed (traced) the reslice is
+    only noted (`VarInfo.adopt`) and done eagerly before the next call
+    (`apply_adoption`, from `Mesh.function_input`): a replay's trace may be a probe
+    whose ops never run (control_flow.py) or fail, and the stored value must not
+    change layout on a trace's word. That call is then replayed again with the new
+    layout (the layout is part of the replay's key)."""
     var = handle.var
-    if var.chosen or var.layout is None or any(var.layout) or not tf.executing_eagerly():
+    if var.chosen or var.layout is None or any(var.layout):
         return
     dtype = op.attrs.get("dtype", op.attrs.get("T"))
+    if not tf.executing_eagerly():
+        if var.adopt is None:
+            var.adopt = (tuple(layout), dtype)
+        return
     (reads,) = mesh.run(Op.cached("ReadVariableOp", dtype=dtype), [handle])
     value = mesh.relayout_value(MeshValue(reads, var.layout, var.shape), layout)
     mesh.run(Op.cached("AssignVariableOp", dtype=dtype, validate_shape=False),
              [handle, value])
-    var.layout, var.chosen = tuple(layout), True
+    var.layout, var.chosen, var.adopt = tuple(layout), True, None
+
+
+def apply_adoption(mesh, handle):
+    """The layout noted by `adopt_var_layout` in a replay, applied to the variable of
+    `handle` (eagerly)."""
+    var = handle.var
+    layout, dtype = var.adopt
+    if var.chosen or var.layout is None or any(var.layout):
+        var.adopt = None
+        return
+    (initialized,) = mesh.run(Op.cached("VarIsInitializedOp"), [handle])
+    if not all(bool(s) for s in initialized):  # (the replay's call never ran its writes)
+        return
+    adopt_var_layout(mesh, Op.cached("ReadVariableOp", dtype=dtype), handle, layout)
 
 
 def scatter(mesh, op, handle, indices, updates):

@@ -32,13 +32,15 @@ def check_optimizer_step(optimizer, trainable_variables):
                     "(building it again does nothing): make a new one inside the scope. "
                     "For a Keras model, build and compile it inside the scope (`with %s: "
                     "model = ...; model.compile(...)`); in a custom loop, `with %s: "
-                    "optimizer = keras.optimizers.%s(...); "
-                    "optimizer.build(model.trainable_variables)` before the first "
-                    "tf.function step"
+                    "optimizer = keras.optimizers.%s(...)%s"
                     % (kind, type(optimizer).__name__, getattr(v, "path", None) or v.name,
                        h.debug_string(), "device" if kind == "Mesh" else "component",
                        "mesh" if kind == "Mesh" else "parallel",
-                       "mesh" if kind == "Mesh" else "parallel", type(optimizer).__name__))
+                       "mesh" if kind == "Mesh" else "parallel", type(optimizer).__name__,
+                       # (a Mesh replay creates the variables of an unbuilt optimizer)
+                       "`" if kind == "Mesh" else
+                       "; optimizer.build(model.trainable_variables)` before the first "
+                       "tf.function step"))
 
 
 def _install_optimizer_check():

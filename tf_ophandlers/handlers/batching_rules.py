@@ -135,7 +135,8 @@ def batched(outputs):
     return [Batched(o, True) for o in outputs]
 
 
-def _static(t):
+def known_value(t):
+    """`t`'s value as a NumPy array where it is known (eager, or constant in a graph), else None."""
     if type(t) is _EagerTensor:  # its value, as tf.get_static_value gives it
         try:
             return np.asarray(t.numpy())
@@ -247,7 +248,7 @@ def _reduction(handler, execute, op, inputs):
     rank = _rank(x)
     if not x.batched or axis.batched or rank is None:
         return None
-    axes = _static(axis.value)
+    axes = known_value(axis.value)
     if axes is None:
         return None
     key = (axes.tobytes(), axes.shape, axes.dtype.str, rank)
@@ -267,7 +268,7 @@ def _reshape(handler, execute, op, inputs):
     x, shape = inputs
     if not x.batched or shape.batched:
         return None
-    target = _static(shape.value)
+    target = known_value(shape.value)
     if target is None:
         return None
     return batched(execute(op, [x.value, _prepended(handler.size, target)]))
@@ -275,7 +276,7 @@ def _reshape(handler, execute, op, inputs):
 
 def _transpose(handler, execute, op, inputs):
     x, perm = inputs
-    p = _static(perm.value)
+    p = known_value(perm.value)
     if not x.batched or perm.batched or p is None:
         return None
     rank = len(p)  # the permutation's length is the per-example rank, known or not
@@ -285,7 +286,7 @@ def _transpose(handler, execute, op, inputs):
 
 def _expand_dims(handler, execute, op, inputs):
     x, axis = inputs
-    a = _static(axis.value)
+    a = known_value(axis.value)
     if not x.batched or axis.batched or a is None:
         return None
     a = int(a)
@@ -317,7 +318,7 @@ def _squeeze(handler, execute, op, inputs):
 
 def _concat(handler, execute, op, inputs):
     *values, axis = inputs
-    a = _static(axis.value)
+    a = known_value(axis.value)
     if axis.batched or a is None:
         return None
     rank = _rank(next(b for b in values if b.batched))
@@ -357,7 +358,7 @@ def _strided_slice(handler, execute, op, inputs):
     if not x.batched or begin.batched or end.batched or strides.batched:
         return None
     # A leading full slice over the batch axis; every mask moves up one bit.
-    values = [_static(t.value) for t in (begin, end, strides)]
+    values = [known_value(t.value) for t in (begin, end, strides)]
     if any(v is None for v in values):
         return None
     eager = _executing_eagerly()
@@ -417,7 +418,7 @@ def _conv2d_backprop_input(handler, execute, op, inputs):
     shape = static_shape(dy.value)
     folded = _reshaped(execute, dy.value, (-1,) + shape[2:]) if None not in shape[2:] \
         else tf.reshape(dy.value, tf.concat([[-1], tf.shape(dy.value)[2:]], 0))
-    known = _static(sizes.value)
+    known = known_value(sizes.value)
     if known is not None:
         scaled = _constant([int(known[0]) * handler.size] + known[1:].tolist(), known.dtype)
     else:
@@ -485,7 +486,7 @@ def _tensor_list_reserve(handler, execute, op, inputs):
     element_shape, num_elements = inputs
     if element_shape.batched or num_elements.batched:
         return None
-    shape = _static(element_shape.value)
+    shape = known_value(element_shape.value)
     if shape is None:
         return None
     (out,) = execute(op, [_stacked_element_shape(shape, handler.size), num_elements.value])
@@ -499,7 +500,7 @@ def _tensor_list_get_item(handler, execute, op, inputs):
     handle, index, element_shape = inputs
     if not (handle.batched and index.batched) or element_shape.batched:
         return None
-    shape = _static(element_shape.value)
+    shape = known_value(element_shape.value)
     if shape is None:
         return None
     items = tf.raw_ops.TensorListStack(
@@ -516,7 +517,7 @@ def _tensor_list_gather(handler, execute, op, inputs):
     handle, indices, element_shape = inputs
     if not handle.batched or indices.batched or element_shape.batched:
         return None
-    shape = _static(element_shape.value)
+    shape = known_value(element_shape.value)
     index_rank = _rank(indices)
     if shape is None or index_rank is None:
         return None
@@ -539,7 +540,7 @@ def _rank_op(handler, execute, op, inputs):
 
 def _gather(handler, execute, op, inputs):
     params, indices, axis = inputs
-    a = _static(axis.value)
+    a = known_value(axis.value)
     if axis.batched or a is None:
         return None
     rank, index_rank = _rank(params), _rank(indices)
@@ -663,7 +664,7 @@ def _bias_add(handler, execute, op, inputs):
 
 def _random(handler, execute, op, inputs):
     """A stateful random op inside the map draws independently for every example."""
-    shape = _static(inputs[0].value)
+    shape = known_value(inputs[0].value)
     if inputs[0].batched or shape is None:
         return None
     return batched(execute(op, [_prepended(handler.size, shape)]

@@ -54,7 +54,7 @@ from tf_ophandlers.core.stack import (
     stack_of)
 from tf_ophandlers.handlers.batching_rules import (
     ALWAYS_BATCHED, DTYPES, FORWARD, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
-    ATTRIBUTE_PLANS, plan_of, static_shape, _static)
+    ATTRIBUTE_PLANS, plan_of, static_shape, known_value)
 
 _log = logging.getLogger("tf_ophandlers")
 _tf_tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
@@ -165,7 +165,7 @@ def _static_list_args(op, inputs):
     out = {}
     for k, (arg, b) in enumerate(zip(op_def.input_arg, inputs)):
         if arg.name in _STATIC_LIST_ARGS and not b.batched:
-            value = _static(b.value)
+            value = known_value(b.value)
             if value is not None:
                 out[k] = value
     return out

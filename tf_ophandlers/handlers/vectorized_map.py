@@ -217,13 +217,19 @@ def _list_pfor_function(op, inputs, size, static, while_loop=False):
         stacked[:] = [w.is_stacked for w in wrapped]
         return [w.t for w in wrapped]
 
+    return _converted_now(run, specs), stacked
+
+
+def _converted_now(run, specs):
+    """`run` as a tf.function traced at once, with pfor's conversion logs quieted: a
+    conversion failure must surface here, where it means "use the loop"."""
     fn = tf.function(run, input_signature=specs, autograph=False)
     _quiet.local.active = getattr(_quiet.local, "active", 0) + 1
     try:
-        fn.get_concrete_function()  # convert now: a failure means "use the loop"
+        fn.get_concrete_function()
     finally:
         _quiet.local.active -= 1
-    return fn, stacked
+    return fn
 
 
 def _pfor_function(op, inputs, while_loop=False):
@@ -251,13 +257,7 @@ def _pfor_function(op, inputs, while_loop=False):
 
         return _pfor_ops.pfor(loop_fn, size, fallback_to_while_loop=while_loop)
 
-    fn = tf.function(run, input_signature=specs, autograph=False)
-    _quiet.local.active = getattr(_quiet.local, "active", 0) + 1
-    try:
-        fn.get_concrete_function()  # convert now: a failure means "use the loop"
-    finally:
-        _quiet.local.active -= 1
-    return fn
+    return _converted_now(run, specs)
 
 
 def _converted_list_op(handler, op, inputs):

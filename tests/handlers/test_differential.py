@@ -499,9 +499,29 @@ def _run_case(handler, program, mode, ours_first, around=None):
     for kind, label in order:
         if label == "oh" and around is not None:
             results[label] = _run_with(around, lambda: run(program, kind, mode), kind)
+        elif label == "tf":
+            try:
+                results[label] = run(program, kind, mode)
+            except TypeError as e:
+                if not _tensorflow_cannot(handler, program, mode, e):
+                    raise
+                results[label] = None
         else:
             results[label] = run(program, kind, mode)
+    if results["tf"] is None:  # nothing to compare with: ours must at least run
+        return "TensorFlow fails"
     _same(results["tf"], results["oh"], "%s %s" % (handler, mode))
+    return None
+
+
+def _tensorflow_cannot(handler, program, mode, error):
+    """TensorFlow's own tf.autodiff.ForwardAccumulator fails to trace some tf.functions
+    writing a TensorArray (`TypeError: dtype <dtype: 'variant'> is not compatible with 1
+    of dtype int64`, e.g. OH_DIFFERENTIAL_SEED=16, program seed 16050092, in the slow
+    test); oh.ForwardAccumulator runs them. Only that known failure is excused."""
+    return (handler == "ForwardAccumulator" and mode == "function"
+            and any(step[0] == "tensor_array" for step in program.steps)
+            and "variant" in str(error))
 
 
 AROUND = {"OpHandler": oh.OpHandler, "OpLogHandler": oh.OpLogHandler,
@@ -544,10 +564,12 @@ def _cases(count, first_seed, rng, function_share):
 
 def _run_all(cases, lengths):
     failures = []
+    excused = 0
     for handler, seed, mode, ours_first, around in cases:
         program = Program(seed, lengths)
         try:
-            _run_case(handler, program, mode, ours_first, around)
+            if _run_case(handler, program, mode, ours_first, around) is not None:
+                excused += 1
         except Exception as e:  # pylint: disable=broad-except
             failures.append(
                 "%s, %s, %s first%s (OH_DIFFERENTIAL_SEED=%d):\n%s\n%s: %s" % (
@@ -556,6 +578,9 @@ def _run_all(cases, lengths):
                     program.describe(), type(e).__name__, str(e)[:2000]))
     assert not failures, "%d of %d cases differ from TensorFlow:\n\n%s" % (
         len(failures), len(cases), "\n\n".join(failures[:10]))
+    # The excuse must stay rare: a change that made TensorFlow's reference fail often
+    # would otherwise pass unnoticed.
+    assert excused <= max(1, len(cases) // 50), (excused, len(cases))
 
 
 def test_random_programs_match_tensorflow():

@@ -52,22 +52,39 @@ def test_values_match_tf_vectorized_map(fn):
     assert_same_tensors(want, tf.function(lambda xs: oh.vectorized_map(fn, xs))(XS))
 
 
-# Gradients through a mapped Case, or a While with per-example trip counts, fail: the
-# branch's or loop condition's rewritten gradient function is looked up in the wrong
-# graph ("..._rewritten cannot be found in the graph"). A While whose trip count is
-# shared differentiates (test_vectorized_map_tensor_lists.py). Known limitations, strict
-# so that a fix shows.
+def switch_linear_fn(x):
+    # Branches whose gradients need no forward values: the Case keeps its outputs.
+    index = tf.cast(tf.clip_by_value(tf.round(x), 0., 2.), tf.int32)
+    return tf.switch_case(index, [lambda: x * 3., lambda: -x, lambda: x + 1.])
+
+
+def while_linear_fn(x):
+    # A per-example trip count, a body whose gradient needs no accumulated values.
+    _, y = tf.while_loop(lambda i, y: tf.abs(y) < 10., lambda i, y: (i + 1, y + y),
+                         (tf.constant(0), x))
+    return y
+
+
+# A Case or While with a per-example branch index or condition runs once per example in
+# the replay of TensorFlow's forward function. Its gradient finds the branches and loop
+# bodies in the replay's graph (switch_linear_fn, while_linear_fn), but where they keep
+# forward values for the gradient, the op has extra outputs that cannot be batched:
+# per-example Optionals (a [B] variant, which TensorFlow's function gradient cannot make
+# zeros for) or While accumulators whose lengths are the per-example trip counts. For
+# nested_fn, tf.vectorized_map's own gradient fails (its DynamicStitch gradient in the
+# While's gradient). Known limitations, strict so that a fix shows.
 _GRADIENT_LIMITS = {
-    "switch_fn": "Case gradient: rewritten branch not found in the graph",
-    "while_fn": "While gradient: rewritten cond not found in the graph",
-    "nested_fn": "While gradient: rewritten cond not found in the graph",
+    "switch_fn": "Case gradient: per-example Optionals of the branches' intermediates",
+    "while_fn": "While gradient: accumulators of per-example lengths",
+    "nested_fn": "tf.vectorized_map's gradient fails too (the reference)",
 }
 
 
 @pytest.mark.parametrize("fn", [
     pytest.param(f, marks=[pytest.mark.xfail(strict=True, reason=_GRADIENT_LIMITS[f.__name__])]
                  if f.__name__ in _GRADIENT_LIMITS else [])
-    for f in [cond_fn, switch_fn, while_fn, nested_fn]], ids=lambda f: f.__name__)
+    for f in [cond_fn, switch_fn, while_fn, nested_fn, switch_linear_fn, while_linear_fn]],
+    ids=lambda f: f.__name__)
 def test_gradients_under_oh_gradient_tape_match_tensorflow(fn):
     def run(vmap, tape_type):
         with tape_type() as tape:

@@ -5,6 +5,8 @@ per name: a function name identifies one FunctionDef for the life of the context
 walk a function's callees.
 """
 from tensorflow.python.eager import context as _context
+from tensorflow.python.eager.polymorphic_function import atomic_function as _atomic
+from tensorflow.python.eager.polymorphic_function import function_type_utils as _ftype
 from tensorflow.python.framework import function_def_to_graph as _fdef_to_graph
 from tensorflow.python.framework import ops as _ops
 
@@ -62,6 +64,64 @@ def function_library(names):
     for name in names:
         visit(name)
     return order
+
+
+def _callee_names(attrs):
+    """The function names an op's attributes (AttrValue protos) hold."""
+    names = []
+    for value in attrs.values():
+        if value.HasField("func"):
+            names.append(as_str(value.func.name))
+        names.extend(as_str(f.name) for f in value.list.func)
+    return [n for n in names if n]
+
+
+def _in_graph(graph, name):
+    """Whether `graph` or a graph it is nested in has function `name` in its library
+    (where TensorFlow's control-flow gradients look a branch or loop body up)."""
+    while graph is not None:
+        if graph._is_function(name):  # pylint: disable=protected-access
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+# AtomicFunctions standing for context functions that no AtomicFunction owned (added as
+# bare FunctionDefs): dropping one would remove its function from the context, which
+# its owner never does, so they are kept.
+_unowned = {}  # (function scope id, name) -> AtomicFunction
+
+
+def _context_function(name):
+    """An AtomicFunction for function `name` of the eager context, for a graph's library.
+
+    It holds a reference to the context's function, as TensorFlow's own AtomicFunctions
+    do: the function stays registered while a graph using it is alive."""
+    ctx = _context.context()
+    key = (ctx.function_scope_id, name.encode())
+    owned = key in _atomic.RUNTIME_FUNCTION_REFS
+    function = _atomic.AtomicFunction(name, ctx, _ftype.derive_from_graph(body(name)))
+    if not owned:
+        _unowned.setdefault(key, function)
+    return function
+
+
+def register_callees(graph, attrs):
+    """Adds to `graph`'s function library the functions an op being added to it names
+    in its attributes `attrs` (branches, loop condition and body), and the functions
+    they call, where neither `graph` nor a graph it is nested in has them.
+
+    The op runs without this (the runtime finds them in the eager context), but
+    TensorFlow's If/Case/While gradients look a branch or loop body up by name in the
+    op's graph and the graphs it is nested in: without it, differentiating a function
+    holding such an op fails ("... cannot be found in the graph")."""
+    names = _callee_names(attrs)
+    if not names:
+        return
+    for fdef in function_library(names):  # callees first
+        name = fdef.signature.name
+        if not _in_graph(graph, name):
+            graph._add_function(_context_function(name))  # pylint: disable=protected-access
 
 
 def body_op_types(name):

@@ -22,7 +22,8 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions.control_flow import ControlFlow
 from tf_ophandlers.core.functions.interpreter import CALL_OPS, PHYSICAL_OPS, Interpreter
-from tf_ophandlers.core.functions.library import as_str, body as function_body
+from tf_ophandlers.core.functions.library import (
+    as_str, body as function_body, register_callees)
 from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op, decode_attr
 from tf_ophandlers.core.stack import payload
 from tf_ophandlers.core.state import Mode, state
@@ -151,6 +152,7 @@ class Replay(Mode, Interpreter, ControlFlow):
             attrs[GRADIENT_OP_TYPE_ATTR] = attr_value_pb2.AttrValue(
                 s=op.gradient_op_type.encode())
         graph = _ops.get_default_graph()
+        register_callees(graph, attrs)  # (a control-flow op given whole to a handler)
         with _ops.device(state.device) if state.device else contextlib.nullcontext():
             node = _original_create_op(graph, op.type, inputs, attrs=attrs)
         outputs = list(node.outputs)

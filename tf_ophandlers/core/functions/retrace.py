@@ -239,8 +239,11 @@ class SymbolicRecord:
         try:
             grad_ys = [_array_ops.zeros_like(t) if g is None else replay.to_bottom(g)
                        for t, g in zip(targets, grad_ys)]
+            # Partial derivatives, as a gradient function gives: where one input is
+            # computed from another (tf.cond's branches capturing a loss and the
+            # activation it came from), the tape carries the path between them itself.
             got = iter(_gradients_util._GradientsHelper(  # pylint: disable=protected-access
-                targets, sources, grad_ys))
+                targets, sources, grad_ys, stop_gradients=sources))
             grads = [None if s is None else next(got) for s in self.sources]
         finally:
             state.current = saved

@@ -426,6 +426,31 @@ def test_a_retraced_training_step_with_tf_while_loop(substitute):
     _check_trains_as_the_substitute(_loop_step, substitute, "a step with tf.while_loop")
 
 
+def _autograph_step(relu, w1, w2):
+    @tf.function  # autograph's if and for on tensors, and tf.switch_case
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            h = x
+            for _ in tf.range(2):
+                h = relu(h * 0.9 + 0.1)
+            loss = _loss(h, y, w1, w2, relu)
+            if tf.reduce_mean(h) > 0.3:
+                loss = loss + 0.1 * tf.reduce_mean(relu(h - 0.5))
+            loss = tf.switch_case(tf.cast(loss > 1.0, tf.int32),
+                                  [lambda: loss, lambda: tf.reduce_mean(relu(loss - 1.0)) + 1.0])
+        g1, g2 = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.1 * g1)
+        w2.assign_sub(0.1 * g2)
+        return loss
+    return step
+
+
+def test_a_retraced_training_step_with_autograph_control_flow(substitute):
+    # The re-traced body ran with autograph disabled (the replay's own trace): a Python
+    # `if` on a tensor raised OperatorNotAllowedInGraphError.
+    _check_trains_as_the_substitute(_autograph_step, substitute, "autograph if/for, switch_case")
+
+
 def _inner_sgd_step(relu, w1, w2):
     @tf.function(autograph=False)
     def inner(x, y, a, b):

@@ -505,6 +505,31 @@ def test_a_tape_inside_a_loop_body_of_a_retraced_step_is_refused_clearly(substit
     _same(_train(make_step, tf.nn.relu, None), _train(make_step, tf.nn.relu, None), "after")
 
 
+def test_a_step_differentiating_a_nested_function_call_refuses_a_substitute(substitute):
+    # The step's only gradient ops are in the backward function TensorFlow's tape built
+    # for the call (named "gradients/" there): taken for a step without gradient ops,
+    # it was replayed with Relu's gradient of the LeakyRelu that ran, silently.
+    def make(relu):
+        forward = tf.function(lambda x, w: tf.reduce_sum(relu(tf.matmul(x, w))),
+                              autograph=False)
+
+        @tf.function(autograph=False)
+        def step(x, w):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = forward(x, w)
+            return [y] + tape.gradient(y, [x, w])
+        return step
+
+    x, w = _inputs()
+    step = make(tf.nn.relu)
+    with pytest.raises(oh.HandlerError, match=r"LeakyRelu.*op Relu .*"
+                       r"__inference___backward_"):
+        with substitute():
+            step(x, w)
+    _same(make(tf.nn.relu)(x, w), step(x, w), "the step after the refusal")
+
+
 def test_function_with_gradient_ops_and_no_substitution_runs(substitute):
     # The handler substitutes nothing in this step (no Relu): its gradients are right.
     program = lambda x, w: tf.reduce_sum(tf.tanh(tf.matmul(x, w)) * 2.0, axis=1)  # noqa: E731

@@ -49,6 +49,11 @@ def _gradient_node(name, seen):
     function it calls, or ""."""
     if name in seen:
         return ""
+    if seen and name.startswith(("__backward_", "__inference___backward_")):
+        # The backward function TensorFlow's tape built for a tf.function called under it
+        # (its gradient ops are named "gradients/" there). A backward function replayed
+        # itself (a tape outside a call) is what runs: its substitutes are allowed.
+        return name
     seen.add(name)
     try:
         body = function_body(name)

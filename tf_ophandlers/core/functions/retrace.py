@@ -12,7 +12,10 @@ its tape builds) runs through the handlers, as eagerly in their scope. The tape 
 records the ops the user's code called; where a handler substituted one, the record of
 what ran below (its inputs and outputs as nodes of the function) is kept on the replay,
 and TensorFlow's gradient function (handlers/substitutes.py) takes the symbolic
-gradient of those nodes (`tf.gradients`) in place of the called op's.
+gradient of those nodes (`tf.gradients`) in place of the called op's. Control flow the
+body builds (cond_v2/while_v2 trace branches and loop bodies as functions of their own)
+is interpreted on the handlers as a replay's is, and recorded the same way as a whole
+(symbolic.py, `Replay._retraced_control_flow`).
 
 The Python function behind a traced function's name is noted when TensorFlow traces it
 (one patch, from the first handler scope on; a function traced before is looked for

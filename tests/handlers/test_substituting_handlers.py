@@ -343,21 +343,191 @@ def test_a_retraced_function_is_not_kept_alive():
     assert functions.cache_info() == before
 
 
-def test_control_flow_in_a_retraced_body_is_refused_clearly(substitute):
-    # Re-tracing builds the body's ops on the handlers' tensors; tf.cond's branches would
-    # capture them (the message blamed a handler hook and suggested tf.where).
-    def program(x, w):
-        h = tf.nn.relu(tf.matmul(x, w))
-        h = tf.cond(tf.reduce_sum(h) > 0, lambda: h * 2.0, lambda: h)
-        return tf.reduce_sum(h, axis=1)
+# -- control flow in a re-traced step ------------------------------------------------------
+
+def _two_layers():
+    r = np.random.default_rng(3)
+    return (tf.Variable(r.standard_normal((4, 6)).astype(np.float32)),
+            tf.Variable(r.standard_normal((6, 1)).astype(np.float32)))
+
+
+def _loss(x, y, a, b, relu, conditional=False):
+    h = relu(tf.matmul(x, a))
+    loss = tf.reduce_mean((tf.matmul(h, b) - y) ** 2)
+    if conditional:
+        # A conditional loss term whose branches capture both the loss and the
+        # activation it is computed from (the branch's gradient is a partial one).
+        loss = tf.cond(tf.reduce_mean(h) > 0.3,
+                       lambda: loss + 0.1 * tf.reduce_mean(relu(h - 0.5)),
+                       lambda: loss * 1.5)
+    return loss
+
+
+def _train(make_step, relu, handler):
+    """Three SGD steps of the step `make_step(relu, w1, w2)` builds: losses, weights."""
+    w1, w2 = _two_layers()
+    step = make_step(relu, w1, w2)
+    r = np.random.default_rng(0)
+    x = tf.constant(r.standard_normal((8, 4)).astype(np.float32))
+    y = tf.constant(r.standard_normal((8, 1)).astype(np.float32))
+    h = handler() if handler is not None else None
+    losses = []
+    for _ in range(3):
+        with h if h is not None else contextlib.nullcontext():
+            losses.append(step(x, y))
+    return [tf.stack(losses), w1.read_value(), w2.read_value()]
+
+
+def _check_trains_as_the_substitute(make_step, substitute, what):
+    want = _train(make_step, _leaky, None)
+    relu = _train(make_step, tf.nn.relu, None)
+    assert not np.allclose(want[0].numpy(), relu[0].numpy())  # the substitute matters
+    _same(want, _train(make_step, tf.nn.relu, substitute), what)
+
+
+def _cond_step(relu, w1, w2):
+    @tf.function(autograph=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(x, y, w1, w2, relu, conditional=True)
+        g1, g2 = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.1 * g1)
+        w2.assign_sub(0.1 * g2)
+        return loss
+    return step
+
+
+def test_a_retraced_training_step_with_tf_cond(substitute):
+    # Its branches were traced as functions on the handlers' tensors, which the re-trace
+    # refused. They are interpreted on the handlers as a traced function's are, and the
+    # tape inside gets the gradient of the If that ran.
+    _check_trains_as_the_substitute(_cond_step, substitute, "a step with tf.cond")
+
+
+def _loop_step(relu, w1, w2):
+    @tf.function(autograph=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            _, h = tf.while_loop(
+                lambda i, h: i < 3,
+                lambda i, h: (i + 1, relu(tf.matmul(h, tf.ones((4, 4)) * 0.3) - 0.1)),
+                [tf.constant(0), x])
+            loss = _loss(h, y, w1, w2, relu)
+        g1, g2 = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.1 * g1)
+        w2.assign_sub(0.1 * g2)
+        return loss
+    return step
+
+
+def test_a_retraced_training_step_with_tf_while_loop(substitute):
+    # The loop's body ran Relu below the handler (its While went whole to the bottom):
+    # Relu's losses and weights, silently.
+    _check_trains_as_the_substitute(_loop_step, substitute, "a step with tf.while_loop")
+
+
+def _autograph_step(relu, w1, w2):
+    @tf.function  # autograph's if and for on tensors, and tf.switch_case
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            h = x
+            for _ in tf.range(2):
+                h = relu(h * 0.9 + 0.1)
+            loss = _loss(h, y, w1, w2, relu)
+            if tf.reduce_mean(h) > 0.3:
+                loss = loss + 0.1 * tf.reduce_mean(relu(h - 0.5))
+            loss = tf.switch_case(tf.cast(loss > 1.0, tf.int32),
+                                  [lambda: loss, lambda: tf.reduce_mean(relu(loss - 1.0)) + 1.0])
+        g1, g2 = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.1 * g1)
+        w2.assign_sub(0.1 * g2)
+        return loss
+    return step
+
+
+def test_a_retraced_training_step_with_autograph_control_flow(substitute):
+    # The re-traced body ran with autograph disabled (the replay's own trace): a Python
+    # `if` on a tensor raised OperatorNotAllowedInGraphError.
+    _check_trains_as_the_substitute(_autograph_step, substitute, "autograph if/for, switch_case")
+
+
+def _inner_sgd_step(relu, w1, w2):
+    @tf.function(autograph=False)
+    def inner(x, y, a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            loss = _loss(x, y, a, b, relu)
+        ga, gb = tape.gradient(loss, [a, b])
+        return loss, a - 0.1 * ga, b - 0.1 * gb
+
+    @tf.function(autograph=False)
+    def step(x, y):
+        _, loss, a, b = tf.while_loop(
+            lambda i, *_: i < 3, lambda i, _, a, b: (i + 1,) + inner(x, y, a, b),
+            [tf.constant(0), tf.constant(0.0), w1.read_value(), w2.read_value()])
+        w1.assign(a)
+        w2.assign(b)
+        return loss
+    return step
+
+
+def test_a_retraced_step_with_an_inner_loop_of_sgd_steps(substitute):
+    # A tf.function holding gradient ops, called in the loop body: its Python body is
+    # traced again under the handler too.
+    _check_trains_as_the_substitute(_inner_sgd_step, substitute, "an inner loop of SGD steps")
+
+
+def test_a_tape_inside_a_loop_body_of_a_retraced_step_is_refused_clearly(substitute):
+    # Gradient ops built in the loop body's own trace are those of the original ops;
+    # they would be interpreted as they are.
+    def make_step(relu, w1, w2):
+        @tf.function(autograph=False)
+        def step(x, y):
+            def body(i, _, a, b):
+                with tf.GradientTape() as tape:
+                    tape.watch([a, b])
+                    loss = _loss(x, y, a, b, relu)
+                ga, gb = tape.gradient(loss, [a, b])
+                return i + 1, loss, a - 0.1 * ga, b - 0.1 * gb
+            _, loss, a, b = tf.while_loop(
+                lambda i, *_: i < 3, body,
+                [tf.constant(0), tf.constant(0.0), w1.read_value(), w2.read_value()])
+            w1.assign(a)
+            w2.assign(b)
+            return loss
+        return step
+
+    with pytest.raises(oh.HandlerError, match=r"function __inference_step_\d+ holds gradient "
+                       r"ops and runs under .*LeakyRelu.*control flow \(StatelessWhile .*"
+                       r"gradient ops built in a branch or loop body \(gradient_tape/"):
+        _train(make_step, tf.nn.relu, substitute)
+    # nothing kept: the same program without the handler
+    _same(_train(make_step, tf.nn.relu, None), _train(make_step, tf.nn.relu, None), "after")
+
+
+def test_a_step_differentiating_a_nested_function_call_refuses_a_substitute(substitute):
+    # The step's only gradient ops are in the backward function TensorFlow's tape built
+    # for the call (named "gradients/" there): taken for a step without gradient ops,
+    # it was replayed with Relu's gradient of the LeakyRelu that ran, silently.
+    def make(relu):
+        forward = tf.function(lambda x, w: tf.reduce_sum(relu(tf.matmul(x, w))),
+                              autograph=False)
+
+        @tf.function(autograph=False)
+        def step(x, w):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = forward(x, w)
+            return [y] + tape.gradient(y, [x, w])
+        return step
 
     x, w = _inputs()
-    step = _step(program)
-    with pytest.raises(oh.HandlerError, match=r"function __inference_step_\d+ holds gradient "
-                       r"ops and runs under .*LeakyRelu.*control flow"):
+    step = make(tf.nn.relu)
+    with pytest.raises(oh.HandlerError, match=r"LeakyRelu.*op Relu .*"
+                       r"__inference___backward_"):
         with substitute():
             step(x, w)
-    _same(_step(program)(x, w), step(x, w), "the step after the refusal")
+    _same(make(tf.nn.relu)(x, w), step(x, w), "the step after the refusal")
 
 
 def test_function_with_gradient_ops_and_no_substitution_runs(substitute):
@@ -422,14 +592,15 @@ def test_forward_accumulators_outside_a_substitute(substitute):
         _jvp(tf.autodiff.ForwardAccumulator, _relu_program, substitute)
 
 
-def _fit(handler, activation, run_eagerly):
+def _fit(handler, activation, run_eagerly, steps_per_execution=1):
     r = np.random.default_rng(0)
     x = r.standard_normal((16, 4)).astype(np.float32)
     y = r.standard_normal((16, 1)).astype(np.float32)
     tf.keras.utils.set_random_seed(1)
     model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation),
                                  tf.keras.layers.Dense(1)])
-    model.compile(tf.keras.optimizers.SGD(0.1), "mse", run_eagerly=run_eagerly)
+    model.compile(tf.keras.optimizers.SGD(0.1), "mse", run_eagerly=run_eagerly,
+                  steps_per_execution=steps_per_execution)
     with handler() if handler is not None else contextlib.nullcontext():
         history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
     return [tf.constant(history.history["loss"])] + model.get_weights()
@@ -442,6 +613,14 @@ def test_keras_fit_under_a_substitute(substitute):
     want = _fit(None, _leaky, False)
     _same(want, _fit(substitute, "relu", False), "fit, compiled")
     _same(_fit(None, _leaky, True), _fit(substitute, "relu", True), "fit, run_eagerly")
+
+
+def test_keras_fit_with_steps_per_execution_under_a_substitute(substitute):
+    # Keras loops over its train step with a tf.while_loop: the step, called in the loop
+    # body, is re-traced under the handler (it trained with Relu's gradient, silently).
+    want = _fit(None, _leaky, False, 2)
+    assert not np.allclose(want[0].numpy(), _fit(None, "relu", False, 2)[0].numpy())
+    _same(want, _fit(substitute, "relu", False, 2), "fit, steps_per_execution=2")
 
 
 def test_the_record_of_what_ran_is_freed_with_the_outputs(substitute):

@@ -35,6 +35,13 @@ def as_list(x):
 class ControlFlow:
     """If/Case/While of a function body (mixed into `Replay`)."""
 
+    def body_of(self, name):
+        """The FuncGraph of branch or loop function `name`: one traced by cond_v2 or
+        while_v2 in a re-traced Python body (in the function being built, not yet in the
+        eager context), else the eager context's."""
+        traced = self.traced_bodies.get(name)
+        return traced if traced is not None else function_body(name)
+
     def _join(self, trees):
         """The tree values of `trees` (one per branch) are coerced to."""
         first = trees[0]
@@ -151,7 +158,7 @@ class ControlFlow:
         stack = stack_of(pred)
         args = [self.lift(t, stack) for t in ins[1:]]
         outs = [[self.lift(o, stack) for o in self.interpret(
-            function_body(node.get_attr(b).name), args, within)] for b in ("then_branch", "else_branch")]
+            self.body_of(node.get_attr(b).name), args, within)] for b in ("then_branch", "else_branch")]
         return [stack.execute(Op.cached("SelectV2", T=a.dtype), [pred, a, b])[0]
                 for a, b in zip(*outs)]
 
@@ -182,15 +189,15 @@ class ControlFlow:
             return self._whole_op(node, ins, stack)
         args = [self.lift(t, stack) for t in ins[1:]]
         trees, comps = self._split_args(args)
-        bodies = [function_body(name) for name in branch_names]
+        bodies = [self.body_of(name) for name in branch_names]
         return self._run_branches(node, bodies, trees, comps, stack, within,
                                   lambda fns: build(control, fns))
 
     def run_while(self, node, ins, within):
         stack = within if within is not None else self.placement(ins)
         args = [self.lift(t, stack) for t in ins]
-        cond_body = function_body(node.get_attr("cond").name)
-        loop_body = function_body(node.get_attr("body").name)
+        cond_body = self.body_of(node.get_attr("cond").name)
+        loop_body = self.body_of(node.get_attr("body").name)
         # Loop variables whose representation the body changes (a tangent appearing, a
         # value becoming per-example) are joined with the body's results until stable.
         for _ in range(4):

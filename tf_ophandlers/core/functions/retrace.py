@@ -12,7 +12,10 @@ its tape builds) runs through the handlers, as eagerly in their scope. The tape 
 records the ops the user's code called; where a handler substituted one, the record of
 what ran below (its inputs and outputs as nodes of the function) is kept on the replay,
 and TensorFlow's gradient function (handlers/substitutes.py) takes the symbolic
-gradient of those nodes (`tf.gradients`) in place of the called op's.
+gradient of those nodes (`tf.gradients`) in place of the called op's. Control flow the
+body builds (cond_v2/while_v2 trace branches and loop bodies as functions of their own)
+is interpreted on the handlers as a replay's is, and recorded the same way as a whole
+(symbolic.py, `Replay._retraced_control_flow`).
 
 The Python function behind a traced function's name is noted when TensorFlow traces it
 (one patch, from the first handler scope on; a function traced before is looked for
@@ -25,6 +28,7 @@ import gc
 import weakref
 
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.autograph.core import ag_ctx as _ag_ctx
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
 from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing
 from tensorflow.python.framework import ops as _ops
@@ -43,7 +47,9 @@ from tf_ophandlers.core.state import state
 
 # Inference function name -> weak references to the Python function TensorFlow traced
 # and to its ConcreteFunction (whose FunctionType, kept, would keep TensorShapes and specs
-# of every function ever traced). Names are unique in the eager context.
+# of every function ever traced), and its autograph setting (enabled, options): the
+# function is autograph's handler, which converts only while autograph is enabled, as
+# TensorFlow enables it around the trace. Names are unique in the eager context.
 _sources = BoundedCache("functions.retrace_sources", 2048)
 _scanned = BoundedCache("functions.retrace_scanned", 256)  # names looked for by `_scan`
 _on_retrace = []  # callbacks run before a re-trace (handlers/substitutes.py's patch)
@@ -63,7 +69,8 @@ def _create_concrete_function(function_type, type_context, func_graph, tracing_o
     try:
         python_function = tracing_options.python_function
         name = library.as_str(concrete._inference_function.name)  # pylint: disable=protected-access
-        _sources[name] = (weakref.ref(python_function), weakref.ref(concrete))
+        _sources[name] = (weakref.ref(python_function), weakref.ref(concrete),
+                          (tracing_options.autograph, tracing_options.autograph_options))
     except (AttributeError, TypeError):
         pass  # (not weakly referenceable, or no inference function: no re-trace)
     return concrete
@@ -109,14 +116,16 @@ def _scan(name):
             continue
         if name in names:
             fn = configs[0].python_function  # (autograph's conversion, as traced)
+            autograph = (getattr(obj, "_autograph", True),
+                         getattr(obj, "_experimental_autograph_options", None))
             for other, concrete in names.items():
-                _sources[other] = (weakref.ref(fn), weakref.ref(concrete))
+                _sources[other] = (weakref.ref(fn), weakref.ref(concrete), autograph)
             return
 
 
 def source(name):
-    """(python_function, function_type) of traced function `name`, or None (its
-    tf.function is gone)."""
+    """(python_function, function_type, (autograph, autograph options)) of traced
+    function `name`, or None (its tf.function is gone)."""
     entry = _sources.get(name)
     if entry is None:
         _scan(name)
@@ -126,7 +135,7 @@ def source(name):
     fn, concrete = entry[0](), entry[1]()
     if fn is None or concrete is None:
         return None
-    return fn, concrete.function_type
+    return fn, concrete.function_type, entry[2]
 
 
 def _released(name):
@@ -178,7 +187,7 @@ def run_body(replay, name, args, num_outputs, stack=None):
     """Runs the Python body of function `name` on `args` (the call's flat inputs as
     tensors of the segment) inside the replayed function being traced, with `stack`
     (default: the segment's top) as the current stack; returns its flat outputs."""
-    python_function, function_type = source(name)
+    python_function, function_type, (autograph, autograph_options) = source(name)
     for fn in _on_retrace:
         fn()
     n = len(function_type.flat_inputs)
@@ -190,7 +199,10 @@ def run_body(replay, name, args, num_outputs, stack=None):
     if stopped:  # the tape inside the body must record (replays run with recording off)
         pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
     try:
-        structured = python_function(*py_args, **py_kwargs)
+        with _ag_ctx.ControlStatusCtx(
+                status=_ag_ctx.Status.ENABLED if autograph else _ag_ctx.Status.DISABLED,
+                options=autograph_options):
+            structured = python_function(*py_args, **py_kwargs)
         flat = []
         for o in _nest.flatten(structured, expand_composites=True):
             if o is None:
@@ -239,8 +251,11 @@ class SymbolicRecord:
         try:
             grad_ys = [_array_ops.zeros_like(t) if g is None else replay.to_bottom(g)
                        for t, g in zip(targets, grad_ys)]
+            # Partial derivatives, as a gradient function gives: where one input is
+            # computed from another (tf.cond's branches capturing a loss and the
+            # activation it came from), the tape carries the path between them itself.
             got = iter(_gradients_util._GradientsHelper(  # pylint: disable=protected-access
-                targets, sources, grad_ys))
+                targets, sources, grad_ys, stop_gradients=sources))
             grads = [None if s is None else next(got) for s in self.sources]
         finally:
             state.current = saved

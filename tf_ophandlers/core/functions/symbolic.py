@@ -13,7 +13,9 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework import ops as _ops
+from tensorflow.core.framework import node_def_pb2
 from tensorflow.python.framework.tensor import Tensor as _Tensor
 from tensorflow.python.ops import array_ops as _array_ops
 
@@ -21,7 +23,8 @@ from tf_ophandlers.core import errors
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions.control_flow import ControlFlow
-from tf_ophandlers.core.functions.interpreter import CALL_OPS, PHYSICAL_OPS, Interpreter
+from tf_ophandlers.core.functions.interpreter import (
+    CALL_OPS, CASE_OPS, IF_OPS, PHYSICAL_OPS, WHILE_OPS, Interpreter)
 from tf_ophandlers.core.functions.library import (
     as_str, body as function_body, register_callees)
 from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op, decode_attr
@@ -47,6 +50,11 @@ def _gradient_node(name, seen):
     function it calls, or ""."""
     if name in seen:
         return ""
+    if seen and name.startswith(("__backward_", "__inference___backward_")):
+        # The backward function TensorFlow's tape built for a tf.function called under it
+        # (its gradient ops are named "gradients/" there). A backward function replayed
+        # itself (a tape outside a call) is what runs: its substitutes are allowed.
+        return name
     seen.add(name)
     try:
         body = function_body(name)
@@ -105,6 +113,10 @@ class Replay(Mode, Interpreter, ControlFlow):
         self._records_by_inputs = {}  # (op type, ids of hook inputs) -> SymbolicRecord
         self._kept = []  # the keys' objects, alive while the replay is traced
         self._constants = set()  # ids of nodes computed from constants only (`_folded`)
+        # Branch and loop functions cond_v2/while_v2 traced in the re-traced body (name ->
+        # FuncGraph), and how deep their interpretation is (`_retraced_control_flow`).
+        self.traced_bodies = {}
+        self._control_flow_depth = 0
         # {node name: outputs} of the body's iterator reads fetched before the call, and
         # the id of that body (iterator_reads.py); None: none.
         self.fed = None
@@ -184,6 +196,11 @@ class Replay(Mode, Interpreter, ControlFlow):
         if self.retracing:
             self._record(stack, op, values, outputs)
             return
+        if self._control_flow_depth:
+            # In a branch or loop body of a re-traced body, which holds no gradient ops
+            # (checked): the tape records the whole If/While, whose gradient is taken
+            # from what ran (`_retraced_control_flow`).
+            return
         name = getattr(op, "node_name", "") or ""
         if name.startswith("gradient_tape/") or not self.gradient_node():
             return  # (a substitute of a gradient op itself is what runs)
@@ -250,6 +267,8 @@ class Replay(Mode, Interpreter, ControlFlow):
             # constant) are captured as TensorFlow's graph-op creation does.
             inputs = [graph.capture(t) if isinstance(t, _ops.EagerTensor)
                       and payload(t) is None else t for t in inputs]
+        if self.retracing and op_type in _CONTROL_FLOW_OPS and id(target) in self.members:
+            return self._retraced_control_flow(graph, op_type, name, attrs, inputs, target)
         folded = self.retracing and _folded(inputs, self._constants)
         if op_type in PHYSICAL_OPS or id(target) not in self.members or folded:
             given = inputs
@@ -306,6 +325,161 @@ class Replay(Mode, Interpreter, ControlFlow):
         return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
 
 
+    # -- control flow in a re-traced body -------------------------------------------------
+
+    def _note_traced_bodies(self, graph):
+        """Notes the branch and loop functions traced into `graph` (and their own)."""
+        for fname, function in list(getattr(graph, "_functions", {}).items()):
+            body = getattr(function, "graph", None)
+            if body is not None and fname not in self.traced_bodies:
+                self.traced_bodies[as_str(fname)] = body
+                self._note_traced_bodies(body)
+
+    def _direct_gradient_node(self, name, seen):
+        """A gradient node built directly in traced body `name` or in the branches and
+        loop bodies it holds (a tape's gradient taken inside a branch or loop body), or
+        "". Calls to tf.functions holding gradient ops are re-traced (`run_node`)."""
+        body = self.traced_bodies.get(name)
+        if body is None or name in seen:
+            return ""
+        seen.add(name)
+        for node in body.get_operations():
+            if node.name.startswith("gradient_tape/"):
+                return node.name
+            if node.type not in _CONTROL_FLOW_OPS:
+                continue
+            for attr in node.node_def.attr.values():
+                for f in ([attr.func] if attr.HasField("func") else []) + list(attr.list.func):
+                    found = self._direct_gradient_node(as_str(f.name), seen)
+                    if found:
+                        return found
+        return ""
+
+    def _retraced_control_flow(self, graph, op_type, name, attrs, inputs, target):
+        """An If, Case or While that cond_v2/while_v2 built in the re-traced body: its
+        branches or loop body, traced as plain functions on the handlers' tensors (captured
+        as TensorFlow captures outer tensors), are interpreted on the handlers as a traced
+        function's control flow is. For the tape inside the body the op is recorded as a
+        substitute: its gradient is that of the control flow rebuilt below the handlers
+        (cond_v2/while_v2's own gradient of what ran)."""
+        self._note_traced_bodies(graph)
+        node = _TracedControlFlow(op_type, name, attrs, graph)
+        names = [as_str(f.name) for a in attrs.values() for f in (
+            [a.func] if a.HasField("func") else list(a.list.func))]
+        for fname in names:
+            found = self._direct_gradient_node(fname, set())
+            if found:
+                raise errors.HandlerError(
+                    "tf_ophandlers: function %s holds gradient ops and runs under %s, which "
+                    "may change what ops compute, so its Python body is traced again under "
+                    "the handlers; there its control flow (%s %s) holds gradient ops built "
+                    "in a branch or loop body (%s: a tape's gradient taken inside tf.cond or "
+                    "tf.while_loop), which a re-trace does not rebuild for what the handlers "
+                    "run. Take that gradient in a tf.function called from the branch or loop "
+                    "body (it is re-traced), compute the gradient eagerly (Keras "
+                    "run_eagerly=True, a tape outside the handler's scope), or declare "
+                    "changes_computation = False if the handler computes every op "
+                    "unchanged." % (self.name, self.segment[0].handler.debug_string(),
+                                    op_type, name, found))
+        saved, self.retracing = state.current, False
+        state.current = self.bottom  # (as for a traced body: the interpreter places ops)
+        self._control_flow_depth += 1
+        try:
+            if op_type in IF_OPS:
+                outputs = self.run_if(node, list(inputs), target)
+            elif op_type in CASE_OPS:
+                outputs = self.run_case(node, list(inputs), target)
+            else:
+                outputs = self.run_while(node, list(inputs), target)
+        finally:
+            self._control_flow_depth -= 1
+            self.retracing = True
+            state.current = saved
+        outputs = self._as_outputs_of(op_type, attrs, inputs, outputs)
+        self._record_control_flow(target, op_type, inputs, outputs)
+        return _RoutedOp(op_type, name, attrs, outputs, inputs, graph)
+
+    def _as_outputs_of(self, op_type, attrs, inputs, outputs):
+        """`outputs` (shadow tensors) as outputs of a scratch op of the control-flow op's
+        type, on as many inputs: cond_v2/while_v2 read the op they built from its first
+        output (`.op.inputs`, attributes they set), as they find it in TensorFlow."""
+        with self.scratch.as_default():
+            ins = [_array_ops.placeholder(t.dtype, name="oh_shadow_in") for t in inputs]
+            node = self.scratch._create_op_internal(  # pylint: disable=protected-access
+                op_type, ins, [o.dtype for o in outputs], name="oh_shadow_op",
+                attrs={k: v for k, v in attrs.items() if k != "output_shapes"})
+        fresh = []
+        for shadow, o in zip(node.outputs, outputs):
+            p = payload(o)
+            if p is None:
+                fresh.append(o)
+                continue
+            setattr(shadow, _PAYLOAD_ATTR, p)
+            shadow.set_shape(o.shape)
+            fresh.append(shadow)
+        self._kept.append(node)
+        return fresh
+
+    def _record_control_flow(self, stack, op_type, inputs, outputs):
+        if _tape_set_is_empty():
+            return
+        sources = [_retrace.bottom_value(v) for v in inputs]
+        sources = [s if s is not None and (s.dtype.is_floating or s.dtype.is_complex
+                                           or s.dtype == _dtypes.resource) else None
+                   for s in sources]
+        targets = [_retrace.bottom_value(o) for o in outputs]
+        record = _retrace.SymbolicRecord(stack, op_type, sources, targets)
+        self._kept.append((list(inputs), list(outputs)))
+        for o in outputs:
+            self._records[id(o)] = record
+        self._records_by_inputs[(op_type, tuple(id(v) for v in inputs))] = record
+
+    def run_node(self, node, ins, within=None):
+        if self._control_flow_depth:
+            callee = (as_str(node.get_attr("f").name) if node.type in CALL_OPS else
+                      node.type if _context.context().has_function(node.type) else "")
+            if callee and _gradient_node(callee, set()):
+                # A tf.function holding gradient ops called in a branch or loop body of the
+                # re-traced body (Keras's train step in its steps_per_execution loop): its
+                # Python body too is traced again under the handlers.
+                reason = _retrace.why_not(callee, True)
+                if reason:
+                    raise errors.HandlerError(
+                        "tf_ophandlers: function %s, called in control flow of function %s "
+                        "re-traced under %s, holds gradient ops and cannot be re-traced: "
+                        "%s. Compute the gradient eagerly (Keras run_eagerly=True, a tape "
+                        "outside the handler's scope)." % (
+                            callee, self.name, self.segment[0].handler.debug_string(),
+                            reason))
+                stack = within if within is not None else self.segment[0]
+                return _retrace.run_body(self, callee, list(ins), len(node.outputs), stack)
+        return Interpreter.run_node(self, node, ins, within)
+
+
+_CONTROL_FLOW_OPS = IF_OPS | CASE_OPS | WHILE_OPS
+
+
+class _TracedControlFlow:
+    """An If/Case/While op being created in a re-traced body, as the control-flow
+    interpreter reads a node (type, name, function attributes)."""
+
+    def __init__(self, op_type, name, attrs, graph):
+        self.type = op_type
+        self.name = name or op_type
+        self.graph = graph
+        self.node_def = node_def_pb2.NodeDef(name=self.name, op=op_type)
+        for k, v in (attrs or {}).items():
+            self.node_def.attr[k].CopyFrom(v)
+
+    def get_attr(self, name):
+        value = self.node_def.attr[name]
+        if value.HasField("func"):
+            return value.func
+        if value.list.func:
+            return list(value.list.func)
+        return decode_attr(value)
+
+
 class _RoutedOp:
     """What a TensorFlow call gets back for an op a handler ran while replaying: the
     outputs are shadow tensors of the stack it ran on (the op is not a graph node)."""
@@ -343,6 +517,12 @@ def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, na
     replay = mode if isinstance(mode, Replay) else None
     if replay is None or id(self) not in replay.graphs:
         if replay is not None and any(replay.payload(t) is not None for t in inputs):
+            if replay.retracing and not state.frames and _nested_in(self, replay.graphs):
+                # A branch or loop body cond_v2/while_v2 traces in the re-traced body: its
+                # ops are plain nodes on captures of the handlers' tensors; the If/While
+                # built on them is interpreted on the handlers (`_retraced_control_flow`).
+                return _original_create_op(self, op_type, inputs, dtypes, input_types, name,
+                                           attrs, op_def, compute_device)
             if replay.retracing and not state.frames:
                 raise errors.HandlerError(
                     "tf_ophandlers: function %s holds gradient ops and runs under %s, which "
@@ -364,6 +544,16 @@ def _create_op_internal(self, op_type, inputs, dtypes=None, input_types=None, na
                                    op_def, compute_device)
     return replay.create_op(self, op_type, inputs, dtypes, input_types, name, attrs, op_def,
                             compute_device)
+
+
+def _nested_in(graph, ids):
+    """Whether FuncGraph `graph` is traced inside one of the graphs `ids`."""
+    outer = getattr(graph, "outer_graph", None)
+    while outer is not None:
+        if id(outer) in ids:
+            return True
+        outer = getattr(outer, "outer_graph", None)
+    return False
 
 
 tf_patches.register(

@@ -192,13 +192,18 @@ def test_reverse_over_forward():
         want, grad_of_jvp(oh.ForwardAccumulator, oh.GradientTape)))
 
 
-def test_mixed_with_tensorflow_tape_and_keras_hvp():
-    keras.utils.set_random_seed(1)
+def _small_keras_hvp_inputs(seed):
+    """A small seeded Keras MLP, a batch, its weights' values and tangents for them."""
+    keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
                               keras.layers.Dense(1)])
     x = _rand(5, 3)
     weights = [w.value for w in model.trainable_variables]
-    vecs = [_rand(*w.shape) for w in weights]
+    return model, x, weights, [_rand(*w.shape) for w in weights]
+
+
+def test_mixed_with_tensorflow_tape_and_keras_hvp():
+    model, x, weights, vecs = _small_keras_hvp_inputs(seed=1)
     results = []
     for acc_type, tape_type in ((tf.autodiff.ForwardAccumulator, tf.GradientTape),
                                 (oh.ForwardAccumulator, oh.GradientTape),
@@ -499,12 +504,7 @@ def test_a_possibly_lost_dependence_warns_once_per_process_not_per_step():
     object, so it cannot ask whether a tf.GradientTape tracks it (a constant batch warns
     too); a training loop gets the warning once, not once per step and tensor."""
     import warnings  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(2)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
-                              keras.layers.Dense(1)])
-    x = _rand(5, 3)
-    weights = [w.value for w in model.trainable_variables]
-    vecs = [_rand(*w.shape) for w in weights]
+    model, x, weights, vecs = _small_keras_hvp_inputs(seed=2)
 
     def hvp(acc_type):
         with acc_type(weights, vecs) as acc:

@@ -385,14 +385,18 @@ def _check_trains_as_the_substitute(make_step, substitute, what):
     _same(want, _train(make_step, tf.nn.relu, substitute), what)
 
 
+def _sgd_update(tape, loss, w1, w2):
+    g1, g2 = tape.gradient(loss, [w1, w2])
+    w1.assign_sub(0.1 * g1)
+    w2.assign_sub(0.1 * g2)
+
+
 def _cond_step(relu, w1, w2):
     @tf.function(autograph=False)
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = _loss(x, y, w1, w2, relu, conditional=True)
-        g1, g2 = tape.gradient(loss, [w1, w2])
-        w1.assign_sub(0.1 * g1)
-        w2.assign_sub(0.1 * g2)
+        _sgd_update(tape, loss, w1, w2)
         return loss
     return step
 
@@ -413,9 +417,7 @@ def _loop_step(relu, w1, w2):
                 lambda i, h: (i + 1, relu(tf.matmul(h, tf.ones((4, 4)) * 0.3) - 0.1)),
                 [tf.constant(0), x])
             loss = _loss(h, y, w1, w2, relu)
-        g1, g2 = tape.gradient(loss, [w1, w2])
-        w1.assign_sub(0.1 * g1)
-        w2.assign_sub(0.1 * g2)
+        _sgd_update(tape, loss, w1, w2)
         return loss
     return step
 
@@ -438,9 +440,7 @@ def _autograph_step(relu, w1, w2):
                 loss = loss + 0.1 * tf.reduce_mean(relu(h - 0.5))
             loss = tf.switch_case(tf.cast(loss > 1.0, tf.int32),
                                   [lambda: loss, lambda: tf.reduce_mean(relu(loss - 1.0)) + 1.0])
-        g1, g2 = tape.gradient(loss, [w1, w2])
-        w1.assign_sub(0.1 * g1)
-        w2.assign_sub(0.1 * g2)
+        _sgd_update(tape, loss, w1, w2)
         return loss
     return step
 

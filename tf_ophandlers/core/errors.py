@@ -24,6 +24,7 @@ has lone surrogates or whose `__str__` fails is still stashed and found again).
 import collections
 import re
 import threading
+import warnings
 
 from tensorflow.python.eager import core as _tf_core
 from tensorflow.python.framework import errors as _tf_errors
@@ -292,5 +293,4 @@ def warn_once(cause, message, category=RuntimeWarning, stacklevel=2):
     if cause in _warned_causes:
         return
     _warned_causes.add(cause)
-    import warnings  # pylint: disable=import-outside-toplevel
     warnings.warn(message, category, stacklevel=stacklevel + 1)

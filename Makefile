@@ -2,6 +2,9 @@
 # TensorFlow 2.21 (CPU wheel) and this package with its compiled extension.
 # make wheel: a wheel per available Python 3.10-3.13 in dist/ (build venvs in .venvs/).
 # make smoke: each wheel in a fresh venv without a compiler: quickstart + a test subset.
+# make c-api: tf_ophandlers/libtf_ophandlers_c.so, the C API (cc/include/tf_ophandlers/c_api.h)
+#   for programs using TensorFlow's C API with no Python; make c-api-example builds and runs
+#   examples/c_api/ against it (docs/guide.md, "Using handlers from C").
 # make bazel: the Bazel build (BUILD, WORKSPACE; Debian's bazel-bootstrap, installed when
 #   missing) of the four libraries and examples/cc_handler, then tests/native/test_bazel.py.
 PY ?= python3
@@ -9,7 +12,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel clean
+.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel clean c-api c-api-programs c-api-example
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -62,6 +65,58 @@ wheel:
 
 smoke: wheel
 	bash scripts/smoke_matrix.sh
+
+# The C API library and its example. Flags come from the installed TensorFlow (tf.sysconfig;
+# Python runs only here, at build time): the library links libtensorflow_cc.so.2 (TFE_*) and
+# libtensorflow_framework.so.2, never libpython.
+C_API_LIB := tf_ophandlers/libtf_ophandlers_c.so
+C_API_OUT := build/c_api
+C_API_SRCS := cc/c_api.cc cc/c_runtime.cc cc/c_native_handlers.cc
+C_API_DEPS := $(C_API_SRCS) cc/c_runtime.h cc/native_handlers.cc cc/include/tf_ophandlers/*.h
+TF_FLAGS = $(C_API_OUT)/tf_flags.mk
+
+$(TF_FLAGS): $(STAMP)
+	mkdir -p $(C_API_OUT)
+	$(VPY) -c "import tensorflow as tf; \
+	  print('TF_CFLAGS := ' + ' '.join(tf.sysconfig.get_compile_flags())); \
+	  print('TF_LIB := ' + tf.sysconfig.get_lib())" > $@.tmp 2>/dev/null
+	mv $@.tmp $@
+
+-include $(TF_FLAGS)
+TF_C_CFLAGS = $(filter-out --std=c++17,$(TF_CFLAGS))
+TF_LDFLAGS = -L$(TF_LIB) -l:libtensorflow_framework.so.2 -l:libtensorflow_cc.so.2 -Wl,-rpath,$(TF_LIB)
+
+$(C_API_LIB): $(C_API_DEPS) $(TF_FLAGS)
+	g++ -shared -fPIC -O2 -fvisibility=hidden -Wno-deprecated-declarations $(TF_CFLAGS) \
+	    -Icc -Icc/include $(C_API_SRCS) -o $@ $(TF_LDFLAGS) -Wl,--no-undefined
+
+c-api: $(C_API_LIB)
+
+$(C_API_OUT)/op_timer.so: examples/cc_handler/op_timer.cc cc/include/tf_ophandlers/handler.h $(TF_FLAGS)
+	g++ -shared -fPIC -O2 $(TF_CFLAGS) -Icc/include $< -o $@ \
+	    -L$(TF_LIB) -l:libtensorflow_framework.so.2 -Wl,-rpath,$(TF_LIB)
+
+# A handler library of an ABI version from the future (the error program loads it).
+$(C_API_OUT)/bad_abi_handler.so: tests/native/bad_abi_handler.cc cc/include/tf_ophandlers/handler.h $(TF_FLAGS)
+	g++ -shared -fPIC -O1 $(TF_CFLAGS) -Icc/include $< -o $@ \
+	    -L$(TF_LIB) -l:libtensorflow_framework.so.2 -Wl,-rpath,$(TF_LIB)
+
+C_PROGRAM = gcc -std=c11 -Wall -Wextra -Werror -O1 $(TF_C_CFLAGS) -Icc/include $< -o $@ \
+	    -L$(CURDIR)/tf_ophandlers -ltf_ophandlers_c -Wl,-rpath,$(CURDIR)/tf_ophandlers $(TF_LDFLAGS)
+
+$(C_API_OUT)/c_api_example: examples/c_api/c_api_example.c $(C_API_LIB) $(TF_FLAGS)
+	$(C_PROGRAM)
+
+# Bad input through the C API (tests/native/test_c_api.py runs it too).
+$(C_API_OUT)/c_api_errors: tests/native/c_api_errors.c $(C_API_LIB) $(TF_FLAGS)
+	$(C_PROGRAM)
+
+c-api-programs: $(C_API_OUT)/c_api_example $(C_API_OUT)/c_api_errors \
+    $(C_API_OUT)/op_timer.so $(C_API_OUT)/bad_abi_handler.so
+
+c-api-example: c-api-programs
+	$(C_API_OUT)/c_api_example $(C_API_OUT)/op_timer.so
+	$(C_API_OUT)/c_api_errors $(C_API_OUT)/bad_abi_handler.so
 
 # Bazel from Debian (bazel-bootstrap 4.2): apt-get as root, else through sudo. The build
 # itself is offline (WORKSPACE). TFOH_BAZEL_BIN makes the test fail, not skip, when a

@@ -82,7 +82,11 @@ $(TF_FLAGS): $(STAMP)
 	  print('TF_LIB := ' + tf.sysconfig.get_lib())" > $@.tmp 2>/dev/null
 	mv $@.tmp $@
 
+# Read only for the C API's targets: remaking it needs the venv, which `make clean` or
+# `make wheel` must not build.
+ifneq ($(filter c-api% $(C_API_LIB) $(C_API_OUT)/%,$(MAKECMDGOALS)),)
 -include $(TF_FLAGS)
+endif
 TF_C_CFLAGS = $(filter-out --std=c++17,$(TF_CFLAGS))
 TF_LDFLAGS = -L$(TF_LIB) -l:libtensorflow_framework.so.2 -l:libtensorflow_cc.so.2 -Wl,-rpath,$(TF_LIB)
 

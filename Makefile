@@ -71,8 +71,8 @@ smoke: wheel
 # libtensorflow_framework.so.2, never libpython.
 C_API_LIB := tf_ophandlers/libtf_ophandlers_c.so
 C_API_OUT := build/c_api
-C_API_SRCS := cc/c_api.cc cc/c_runtime.cc cc/c_native_handlers.cc
-C_API_DEPS := $(C_API_SRCS) cc/c_runtime.h cc/native_handlers.cc cc/include/tf_ophandlers/*.h
+C_API_SRCS := cc/c_api.cc cc/c_runtime.cc cc/c_native_handlers.cc cc/op_outputs.cc
+C_API_DEPS := $(C_API_SRCS) cc/c_runtime.h cc/op_outputs.h cc/native_handlers.cc cc/include/tf_ophandlers/*.h
 TF_FLAGS = $(C_API_OUT)/tf_flags.mk
 
 $(TF_FLAGS): $(STAMP)
@@ -100,8 +100,11 @@ $(C_API_OUT)/op_timer.so: examples/cc_handler/op_timer.cc cc/include/tf_ophandle
 	g++ -shared -fPIC -O2 $(TF_CFLAGS) -Icc/include $< -o $@ \
 	    -L$(TF_LIB) -l:libtensorflow_framework.so.2 -Wl,-rpath,$(TF_LIB)
 
-# A handler library of an ABI version from the future (the error program loads it).
-$(C_API_OUT)/bad_abi_handler.so: tests/native/bad_abi_handler.cc cc/include/tf_ophandlers/handler.h $(TF_FLAGS)
+# Handler libraries the bad-input program loads: one of an ABI version from the future,
+# handlers that fail or refuse copies, handlers that break the contract.
+C_API_TEST_LIBS := $(C_API_OUT)/bad_abi_handler.so $(C_API_OUT)/failing_handler.so \
+    $(C_API_OUT)/c_api_bad_handler.so
+$(C_API_OUT)/%.so: tests/native/%.cc cc/include/tf_ophandlers/handler.h $(TF_FLAGS)
 	g++ -shared -fPIC -O1 $(TF_CFLAGS) -Icc/include $< -o $@ \
 	    -L$(TF_LIB) -l:libtensorflow_framework.so.2 -Wl,-rpath,$(TF_LIB)
 
@@ -116,11 +119,11 @@ $(C_API_OUT)/c_api_errors: tests/native/c_api_errors.c $(C_API_LIB) $(TF_FLAGS)
 	$(C_PROGRAM)
 
 c-api-programs: $(C_API_OUT)/c_api_example $(C_API_OUT)/c_api_errors \
-    $(C_API_OUT)/op_timer.so $(C_API_OUT)/bad_abi_handler.so
+    $(C_API_OUT)/op_timer.so $(C_API_TEST_LIBS)
 
 c-api-example: c-api-programs
 	$(C_API_OUT)/c_api_example $(C_API_OUT)/op_timer.so
-	$(C_API_OUT)/c_api_errors $(C_API_OUT)/bad_abi_handler.so
+	$(C_API_OUT)/c_api_errors $(C_API_TEST_LIBS)
 
 # Bazel from Debian (bazel-bootstrap 4.2): apt-get as root, else through sudo. The build
 # itself is offline (WORKSPACE). TFOH_BAZEL_BIN makes the test fail, not skip, when a

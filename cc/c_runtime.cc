@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "absl/container/inlined_vector.h"
+#include "op_outputs.h"
 
 namespace tf_ophandlers {
 namespace c_runtime {
@@ -50,6 +51,7 @@ int PayloadNumDims(void* data, TF_Status* status) {
   if (h->type->hooks.num_dims != nullptr) {
     int r = -1;
     GuardHook(h, "num_dims", status, [&] { r = h->type->hooks.num_dims(h->state, p->rep, status); });
+    if (TF_GetCode(status) != TF_OK) Prefix(h, "num_dims", nullptr, status);
     return r;
   }
   return TFE_TensorHandleNumDims(p->rep->h, status);
@@ -61,6 +63,7 @@ int64_t PayloadDim(void* data, int index, TF_Status* status) {
   if (h->type->hooks.dim != nullptr) {
     int64_t r = -1;
     GuardHook(h, "dim", status, [&] { r = h->type->hooks.dim(h->state, p->rep, index, status); });
+    if (TF_GetCode(status) != TF_OK) Prefix(h, "dim", nullptr, status);
     return r;
   }
   return TFE_TensorHandleDim(p->rep->h, index, status);
@@ -89,6 +92,7 @@ TF_Buffer* PayloadSummarize(void* data, TF_Status* status) {
     out->data_deallocator = [](void* b, size_t) { std::free(b); };
   }
   if (TF_GetCode(status) != TF_OK) {
+    Prefix(h, "tensor_debug_string", nullptr, status);
     TF_DeleteBuffer(out);
     return nullptr;
   }
@@ -253,14 +257,27 @@ void ExecuteOnHandler(DispatcherState* d, Stack* s, const TFOH_Op* op, int n_in,
       hooks.execute(h->state, &ctx, op, n_in, reps.data(), &n, outs.data(), status);
     });
     if (TF_GetCode(status) == TF_OK) {
-      const int want = op->num_outputs >= 0 ? op->num_outputs : n;
-      bool ok = n == want && n <= capacity;
-      for (int i = 0; ok && i < n; ++i) ok = outs[i] != nullptr && outs[i]->h != nullptr;
-      if (!ok) {
-        TF_SetStatus(status, TF_INVALID_ARGUMENT,
-                     ("the execute hook returned " + std::to_string(n) + " outputs (or a null "
-                      "one); the op has " + std::to_string(want))
-                         .c_str());
+      // TensorFlow does not check what a custom device returns (too few outputs or a wrong
+      // dtype corrupt memory): the OpDef's dtypes where they are known, else the count.
+      absl::InlinedVector<TF_DataType, 4> want;
+      const bool known = ExpectedOutputs(op->tfe, &want);
+      const int count = known ? static_cast<int>(want.size())
+                              : op->num_outputs >= 0 ? op->num_outputs : n;
+      std::string wrong;
+      if (n != count || n > capacity || n < 0) {
+        wrong = "returned " + std::to_string(n) + " outputs; the op has " + std::to_string(count);
+      }
+      for (int i = 0; wrong.empty() && i < n; ++i) {
+        if (outs[i] == nullptr || outs[i]->h == nullptr) {
+          wrong = "returned no tensor for output " + std::to_string(i);
+        } else if (known && TFE_TensorHandleDataType(outs[i]->h) != want[i]) {
+          wrong = "returned output " + std::to_string(i) + " of dtype enum " +
+                  std::to_string(TFE_TensorHandleDataType(outs[i]->h)) + "; the op's is " +
+                  std::to_string(want[i]);
+        }
+      }
+      if (!wrong.empty()) {
+        TF_SetStatus(status, TF_INVALID_ARGUMENT, ("the execute hook " + wrong).c_str());
         for (int i = 0; i < n && i < capacity; ++i) {
           if (outs[i] != nullptr) Unref(outs[i]);
         }
@@ -472,7 +489,31 @@ void ApiExecuteNext(TFOH_Context* ctx, const TFOH_Op* op, int n_in, TFOH_Tensor*
                      .c_str());
     return;
   }
-  ExecuteOn(ctx->dispatcher, ctx->stack->next, op, n_in, in, num_outputs, outputs, status);
+  if (op->built == nullptr) {
+    ExecuteOn(ctx->dispatcher, ctx->stack->next, op, n_in, in, num_outputs, outputs, status);
+    return;
+  }
+  // An op the handler built: its outputs follow from the attributes it set (handler.h).
+  absl::InlinedVector<TF_DataType, 4> want;
+  if (!ExpectedOutputs(op->built, &want)) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                 (std::string("tf_ophandlers: execute_next: the outputs of op ") + op->type +
+                  " (built with op_new) are not known from its attributes: set every "
+                  "attribute its OpDef has without a default, type attributes too")
+                     .c_str());
+    return;
+  }
+  if (static_cast<int>(want.size()) > *num_outputs) {
+    TF_SetStatus(status, TF_INVALID_ARGUMENT,
+                 (std::string("tf_ophandlers: execute_next: op ") + op->type + " has " +
+                  std::to_string(want.size()) + " outputs, more than the " +
+                  std::to_string(*num_outputs) + " the caller has room for")
+                     .c_str());
+    return;
+  }
+  TFOH_Op resolved{op->tfe, op->type, op->device, static_cast<int>(want.size())};
+  *num_outputs = resolved.num_outputs;
+  ExecuteOn(ctx->dispatcher, ctx->stack->next, &resolved, n_in, in, num_outputs, outputs, status);
 }
 
 bool KnownAbiVersion(int v) { return v >= 1 && v <= TFOH_ABI_VERSION; }
@@ -589,7 +630,10 @@ void HandlerUnref(Handler* h) {
   if (h == nullptr || h->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   TF_Status* ignored = TF_NewStatus();
   GuardHook(h, "delete_state", ignored, [&] { h->type->hooks.delete_state(h->state); });
-  if (TF_GetCode(ignored) != TF_OK) std::fprintf(stderr, "%s\n", TF_Message(ignored));
+  if (TF_GetCode(ignored) != TF_OK) {
+    std::fprintf(stderr, "tf_ophandlers: handler %s: %s\n", h->type->name.c_str(),
+                 TF_Message(ignored));
+  }
   TF_DeleteStatus(ignored);
   delete h;
 }

@@ -19,6 +19,7 @@
 #define TF_OPHANDLERS_C_RUNTIME_H_
 
 #include <atomic>
+#include <exception>
 #include <memory>
 #include <string>
 #include <thread>
@@ -137,20 +138,18 @@ void RegisterDevice(std::shared_ptr<DispatcherState> d, TF_Status* status);
 std::vector<Stack*>& ThreadScopes(uint64_t id);
 
 // Runs `call` (a hook call of `h`); a C++ exception leaving it becomes a failed `status`
-// naming the handler and the hook.
+// naming the hook and the exception (callers prefix the handler, as for a failed hook).
 template <typename F>
 void GuardHook(const Handler* h, const char* hook, TF_Status* status, F&& call) noexcept {
+  (void)h;
   try {
     call();
   } catch (const std::exception& e) {
     TF_SetStatus(status, TF_INTERNAL,
-                 ("tf_ophandlers: handler " + DebugString(h) + ": hook " + hook +
-                  " threw a C++ exception: " + e.what())
-                     .c_str());
+                 (std::string("hook ") + hook + " threw a C++ exception: " + e.what()).c_str());
   } catch (...) {
     TF_SetStatus(status, TF_INTERNAL,
-                 ("tf_ophandlers: handler " + DebugString(h) + ": hook " + hook +
-                  " threw a C++ exception").c_str());
+                 (std::string("hook ") + hook + " threw a C++ exception").c_str());
   }
 }
 

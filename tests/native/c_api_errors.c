@@ -1,7 +1,8 @@
 /* Bad input through tf_ophandlers/c_api.h: each case must fail with a TF_Status error of
    the stated code whose message names what went wrong, and never crash. Prints one line
    per case ("ok <case>: <message>" or "FAIL <case>: ..."); exit status 1 on any failure.
-   Usage: c_api_errors path/to/bad_abi_handler.so (tests/native/test_c_api.py). */
+   Usage: c_api_errors bad_abi_handler.so failing_handler.so c_api_bad_handler.so
+   (the Makefile's c-api-example; tests/native/test_c_api.py). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,11 +47,12 @@ static TFE_TensorHandle* Scalar(float v, TF_Status* s) {
   return h;
 }
 
-/* Neg(x) placed on `device` (NULL: not placed); NULL with `s` set on failure. */
-static TFE_TensorHandle* Neg(TFE_Context* ctx, TFE_TensorHandle* x, const char* device,
-                             TF_Status* s) {
-  TFE_Op* op = TFE_NewOp(ctx, "Neg", s);
-  MustBeOk("Neg", s);
+/* `type`(x) (a float op of one input and output) placed on `device` (NULL: not placed);
+   NULL with `s` set on failure. */
+static TFE_TensorHandle* Unary(TFE_Context* ctx, const char* type, TFE_TensorHandle* x,
+                               const char* device, TF_Status* s) {
+  TFE_Op* op = TFE_NewOp(ctx, type, s);
+  MustBeOk(type, s);
   TFE_OpAddInput(op, x, s);
   TFE_OpSetAttrType(op, "T", TF_FLOAT);
   if (device != NULL) TFE_OpSetDevice(op, device, s);
@@ -61,9 +63,41 @@ static TFE_TensorHandle* Neg(TFE_Context* ctx, TFE_TensorHandle* x, const char* 
   return TF_GetCode(s) == TF_OK ? out : NULL;
 }
 
+static TFE_TensorHandle* Neg(TFE_Context* ctx, TFE_TensorHandle* x, const char* device,
+                             TF_Status* s) {
+  return Unary(ctx, "Neg", x, device, s);
+}
+
+/* Runs `type`(x) on the dispatcher under a scope of a new `handler_type` of `lib`; expects
+   the op to fail with `code` and a message containing `needle`. */
+static void ExpectOpFails(const char* name, TFOH_C_Dispatcher* d, TFE_Context* ctx,
+                          const TFOH_C_Library* lib, const char* handler_type,
+                          const char* config, const char* type, TFE_TensorHandle* x,
+                          TF_Code code, const char* needle, TF_Status* s) {
+  TFOH_C_Handler* h = TFOH_C_NewHandler(d, lib, handler_type, config, s);
+  MustBeOk(handler_type, s);
+  TFOH_C_PushHandler(h, s);
+  MustBeOk("push", s);
+  TFE_TensorHandle* y = Unary(ctx, type, x, TFOH_C_DispatcherDeviceName(d), s);
+  if (y != NULL) {
+    TFE_DeleteTensorHandle(y);
+    TF_SetStatus(s, TF_OK, "the op ran");
+  }
+  TF_Code got = TF_GetCode(s);
+  char message[2048];
+  snprintf(message, sizeof message, "%s", TF_Message(s));
+  TF_SetStatus(s, TF_OK, "");
+  TFOH_C_PopHandler(h, s);
+  MustBeOk("pop", s);
+  TFOH_C_DeleteHandler(h);
+  TF_SetStatus(s, got, message);
+  Expect(name, s, code, needle);
+}
+
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    fprintf(stderr, "usage: %s path/to/bad_abi_handler.so\n", argv[0]);
+  if (argc != 4) {
+    fprintf(stderr, "usage: %s bad_abi_handler.so failing_handler.so c_api_bad_handler.so\n",
+            argv[0]);
     return 2;
   }
   TF_Status* s = TF_NewStatus();
@@ -169,7 +203,38 @@ int main(int argc, char** argv) {
   TFOH_C_PopHandler(a, s);
   MustBeOk("pop", s);
   TFE_DeleteTensorHandle(y);
-  TFE_DeleteTensorHandle(x);
+
+  /* Handlers that fail, or break handler.h's contract. */
+  const TFOH_C_Library* failing = TFOH_C_LoadHandlerLibrary(argv[2], s);
+  const TFOH_C_Library* broken = TFOH_C_LoadHandlerLibrary(argv[3], s);
+  MustBeOk("test handler libraries", s);
+  ExpectOpFails("execute hook fails", d, ctx, failing, "FailOn", "Neg", "Neg", x,
+                TF_INVALID_ARGUMENT, "handler FailOn(): execute (op Neg): FailOn refuses op Neg", s);
+  ExpectOpFails("wrong output dtype", d, ctx, broken, "WrongDtype", "", "IsFinite", x,
+                TF_INVALID_ARGUMENT,
+                "handler WrongDtype(): execute (op IsFinite): the execute hook returned output 0 "
+                "of dtype enum 1; the op's is 10", s);
+  ExpectOpFails("too few outputs", d, ctx, broken, "TooFew", "", "Neg", x, TF_INVALID_ARGUMENT,
+                "the execute hook returned 0 outputs; the op has 1", s);
+  ExpectOpFails("hook throws", d, ctx, broken, "Throws", "", "Neg", x, TF_INTERNAL,
+                "handler Throws(): execute (op Neg): hook execute threw a C++ exception: Throws() "
+                "always throws", s);
+  {
+    TFOH_C_Handler* keeper = TFOH_C_NewHandler(d, failing, "NoCopyOff", "", s);
+    MustBeOk("NoCopyOff", s);
+    TFOH_C_PushHandler(keeper, s);
+    TFE_TensorHandle* kept = Neg(ctx, x, TFOH_C_DispatcherDeviceName(d), s);
+    TFOH_C_PopHandler(keeper, s);
+    MustBeOk("Neg under NoCopyOff", s);
+    if (!TFOH_C_IsHandlerTensor(d, kept)) ++failures;
+    TFE_TensorHandle* off = TFE_TensorHandleCopyToDevice(
+        kept, ctx, "/job:localhost/replica:0/task:0/device:CPU:0", s);
+    if (off != NULL) TFE_DeleteTensorHandle(off);
+    Expect("copy_off refused", s, TF_FAILED_PRECONDITION,
+           "handler NoCopyOff(strict): copy_off: NoCopyOff keeps its tensors");
+    TFE_DeleteTensorHandle(kept);
+    TFOH_C_DeleteHandler(keeper);
+  }
 
   /* Handlers whose context is gone. */
   TFE_Context* ctx2 = NewContext(s);
@@ -189,6 +254,7 @@ int main(int argc, char** argv) {
   TFOH_C_DeleteHandler(late);
   TFOH_C_DeleteDispatcher(d2);
 
+  TFE_DeleteTensorHandle(x);
   TF_DeleteBuffer(buf);
   TFOH_C_DeleteHandler(c);
   TFOH_C_DeleteHandler(b);

@@ -106,7 +106,9 @@ def test_libpython_check_can_fail(programs):
 
 
 def test_bad_input_fails_with_a_status(programs):
-    r = run(programs, os.path.join(OUT, "c_api_errors"), os.path.join(OUT, "bad_abi_handler.so"))
+    r = run(programs, os.path.join(OUT, "c_api_errors"),
+            *[os.path.join(OUT, name) for name in
+              ("bad_abi_handler.so", "failing_handler.so", "c_api_bad_handler.so")])
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert not [l for l in lines if l.startswith("FAIL")]
@@ -116,6 +118,7 @@ def test_bad_input_fails_with_a_status(programs):
                  "push after the context is gone", "pop after the context is gone",
                  "new handler after the context is gone", "input of an unrelated stack",
                  "kernel error under a handler", "unknown type", "create hook fails",
-                 "unknown query key"):
+                 "unknown query key", "execute hook fails", "wrong output dtype",
+                 "too few outputs", "hook throws", "copy_off refused"):
         assert case in cases, r.stdout
     assert lines[-1] == "OK: every bad input failed with a status"

@@ -122,3 +122,20 @@ def test_bad_input_fails_with_a_status(programs):
                  "too few outputs", "hook throws", "copy_off refused"):
         assert case in cases, r.stdout
     assert lines[-1] == "OK: every bad input failed with a status"
+
+
+def test_example_builds_with_oh_sysconfig_flags(programs, tmp_path):
+    """The documented one-liner: oh.sysconfig's C compile flags and C API link flags build
+    the example outside the Makefile; it runs as the Makefile's build does."""
+    import tf_ophandlers as oh
+    assert oh.sysconfig.get_c_api_library() == LIB
+    assert not [f for f in oh.sysconfig.get_c_api_link_flags() if "python" in f.lower()
+                and not f.startswith(("-L", "-Wl,-rpath"))]
+    exe = str(tmp_path / "c_api_example")
+    subprocess.run(["gcc", "-std=c11", "-Wall", "-Werror"] + oh.sysconfig.get_c_compile_flags()
+                   + [os.path.join(ROOT, "examples", "c_api", "c_api_example.c"), "-o", exe]
+                   + oh.sysconfig.get_c_api_link_flags(), check=True, timeout=300)
+    r = run(programs, exe, os.path.join(OUT, "op_timer.so"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "libpython loaded: no" in r.stdout
+    assert "OK: values equal plain execution" in r.stdout

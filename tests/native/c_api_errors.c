@@ -3,6 +3,7 @@
    per case ("ok <case>: <message>" or "FAIL <case>: ..."); exit status 1 on any failure.
    Usage: c_api_errors bad_abi_handler.so failing_handler.so c_api_bad_handler.so
    (the Makefile's c-api-example; tests/native/test_c_api.py). */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +95,30 @@ static void ExpectOpFails(const char* name, TFOH_C_Dispatcher* d, TFE_Context* c
   Expect(name, s, code, needle);
 }
 
+/* Scopes are per thread: an op another thread places on the dispatcher while this thread
+   has a scope open runs physically (and is not counted). */
+typedef struct {
+  TFE_Context* ctx;
+  TFE_TensorHandle* x;
+  const char* device;
+  int handler_tensor; /* out: whether the output was a handler tensor */
+  TFOH_C_Dispatcher* d;
+  TF_Code code;
+} OtherThread;
+
+static void* RunOnOtherThread(void* arg) {
+  OtherThread* o = (OtherThread*)arg;
+  TF_Status* s = TF_NewStatus();
+  TFE_TensorHandle* y = Unary(o->ctx, "Neg", o->x, o->device, s);
+  o->code = TF_GetCode(s);
+  if (y != NULL) {
+    o->handler_tensor = TFOH_C_IsHandlerTensor(o->d, y);
+    TFE_DeleteTensorHandle(y);
+  }
+  TF_DeleteStatus(s);
+  return NULL;
+}
+
 int main(int argc, char** argv) {
   if (argc != 4) {
     fprintf(stderr, "usage: %s bad_abi_handler.so failing_handler.so c_api_bad_handler.so\n",
@@ -170,6 +195,32 @@ int main(int argc, char** argv) {
     ++failures;
   } else {
     printf("ok scopes intact after a refused pop\n");
+  }
+
+  /* Another thread does not see this thread's scope. */
+  {
+    TF_Buffer* before = TF_NewBuffer();
+    TFOH_C_PushHandler(a, s);
+    TFOH_C_HandlerQuery(a, "total", before, s);
+    MustBeOk("scope for the thread check", s);
+    OtherThread o = {ctx, x, TFOH_C_DispatcherDeviceName(d), -1, d, TF_OK};
+    pthread_t thread;
+    pthread_create(&thread, NULL, RunOnOtherThread, &o);
+    pthread_join(thread, NULL);
+    TFOH_C_HandlerQuery(a, "total", buf, s);
+    MustBeOk("total after the other thread", s);
+    TFOH_C_PopHandler(a, s);
+    MustBeOk("pop after the thread check", s);
+    if (o.code != TF_OK || o.handler_tensor != 0 || buf->length != before->length ||
+        memcmp(buf->data, before->data, buf->length) != 0) {
+      printf("FAIL scopes are per thread: status %d, handler tensor %d, counts %.*s -> %.*s\n",
+             (int)o.code, o.handler_tensor, (int)before->length, (const char*)before->data,
+             (int)buf->length, (const char*)buf->data);
+      ++failures;
+    } else {
+      printf("ok scopes are per thread\n");
+    }
+    TF_DeleteBuffer(before);
   }
 
   /* A tensor of one stack used under an unrelated one. */

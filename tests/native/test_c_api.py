@@ -114,7 +114,7 @@ def test_bad_input_fails_with_a_status(programs):
     assert not [l for l in lines if l.startswith("FAIL")]
     cases = {l[3:].split(":")[0] for l in lines if l.startswith("ok ")}
     for case in ("missing library", "wrong handler ABI version", "future C API version",
-                 "pop not on top", "pop with no scope open", "scopes intact after a refused pop",
+                 "pop not on top", "pop with no scope open", "scopes are per thread", "scopes intact after a refused pop",
                  "push after the context is gone", "pop after the context is gone",
                  "new handler after the context is gone", "input of an unrelated stack",
                  "kernel error under a handler", "unknown type", "create hook fails",

@@ -2,21 +2,25 @@
 # TensorFlow 2.21 (CPU wheel) and this package with its compiled extension.
 # make wheel: a wheel per available Python 3.10-3.13 in dist/ (build venvs in .venvs/).
 # make smoke: each wheel in a fresh venv without a compiler: quickstart + a test subset.
+# make docs: the documentation site (MkDocs + mkdocstrings, pinned in docs/requirements.txt)
+#   built with --strict into site/ (git-ignored).
 # make bazel: the Bazel build (BUILD, WORKSPACE; Debian's bazel-bootstrap, installed when
 #   missing) of the four libraries and examples/cc_handler, then tests/native/test_bazel.py.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel clean
+.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel docs clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
-	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib tensorboard setuptools wheel
+	# sybil: tests/docs/test_snippets.py runs the Python blocks of README.md and docs/.
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" "sybil==10.1.0" matplotlib tensorboard setuptools wheel
 	# --no-deps: the package requires `tensorflow`, which would go in over tensorflow-cpu.
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
@@ -57,6 +61,14 @@ bench: $(STAMP)
 	$(VPY) benchmarks/mesh.py
 	$(VPY) benchmarks/mesh_communication.py
 
+# The site needs no TensorFlow: mkdocstrings reads the docstrings from the source.
+$(DOCS_STAMP): $(VPY) docs/requirements.txt
+	$(VPY) -m pip install -q -r docs/requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VPY) -m mkdocs build --strict --site-dir site
+
 wheel:
 	bash scripts/build_wheels.sh
 
@@ -78,5 +90,5 @@ bazel: $(STAMP)
 	TFOH_BAZEL_BIN="$$($(BAZEL) info bazel-bin)" $(VPY) -m pytest -q -ra tests/native/test_bazel.py
 
 clean:
-	rm -rf build dist *.egg-info tf_ophandlers/*.so tf_ophandlers/include
+	rm -rf build dist site *.egg-info tf_ophandlers/*.so tf_ophandlers/include
 	if [ -L bazel-bin ] && command -v $(BAZEL) >/dev/null; then $(BAZEL) clean; fi

@@ -66,7 +66,15 @@ _atexit.register(_C.shutdown)
 
 
 def install():
-    """Also exposes the scope as `tf.handler` (the RFC's spelling)."""
+    """Also exposes the scope as `tf.handler` (the RFC's spelling).
+
+    Examples:
+        >>> oh.install()
+        >>> with tf.handler(oh.OpHandler()):
+        ...     y = tf.constant(1.0) + 1.0
+        >>> float(y)
+        2.0
+    """
     _tf.handler = handler
 
 

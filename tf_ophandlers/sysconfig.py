@@ -13,6 +13,11 @@ A handler written in C uses `get_c_compile_flags()` (the same without C++-only f
 
 The library includes ``tf_ophandlers/handler.h`` (valid C and C++) and exports
 ``TFOH_InitHandlerLibrary`` (docs/guide.md, "Writing a handler in C++").
+
+Examples:
+    >>> import os
+    >>> os.path.exists(os.path.join(oh.sysconfig.get_include(), "tf_ophandlers", "handler.h"))
+    True
 """
 import os
 

@@ -21,8 +21,13 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import register_runtime_start, state
 
-#: The one custom device every handler tensor lives on (DESIGN.md decision 1).
 DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
+"""The one custom device every handler tensor lives on (DESIGN.md decision 1).
+
+Examples:
+    >>> oh.DISPATCHER_DEVICE
+    '/job:localhost/replica:0/task:0/device:OPHANDLER:0'
+"""
 
 
 def _stack_for(op, inputs):

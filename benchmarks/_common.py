@@ -198,7 +198,7 @@ def write_section(path, name, body):
     page lists the current run of each benchmark, one page each, and keeps no history.
     """
     if os.path.abspath(path) == os.path.abspath(DEFAULT_MD):
-        write_page(name, body)
+        write_page(name, body, path)
         return
     _replace_marked(path, name, body)
 
@@ -221,26 +221,24 @@ def _replace_marked(path, name, body):
         f.write(text)
 
 
-PAGES_DIR = os.path.join(REPO, "docs", "benchmarks")
-
-
-def write_page(name, body):
-    """Writes one benchmark's current results as docs/benchmarks/<name>.md (replaced
-    wholesale: the page holds this run only; what changed goes to CHANGELOG.md) and its
-    line in docs/benchmarks.md's list: title, link and run date."""
+def write_page(name, body, index=DEFAULT_MD):
+    """Writes one benchmark's current results as the page `<index without .md>/<name>.md`
+    (docs/benchmarks/<name>.md; replaced wholesale: the page holds this run only, what
+    changed goes to CHANGELOG.md) and its line in `index`'s list: title, link, run date."""
+    pages = os.path.splitext(index)[0]
     lines = body.strip("\n").split("\n")
     title = lines[0][3:] if lines[0].startswith("## ") else name
     # The plot stays next to docs/benchmarks.md; the page is one directory down.
     text = "\n".join(["# " + title] + lines[1:] if lines[0].startswith("## ") else lines)
     text = re.sub(r"!\[([^\]]*)\]\(([^/()]+\.png)\)", r"![\1](../\2)", text)
-    os.makedirs(PAGES_DIR, exist_ok=True)
-    with open(os.path.join(PAGES_DIR, name + ".md"), "w") as f:
+    os.makedirs(pages, exist_ok=True)
+    with open(os.path.join(pages, name + ".md"), "w") as f:
         f.write(text + "\n")
     date = re.search(r"(\d{4}-\d{2}-\d{2})", body)  # the Machine paragraph's run date
-    entry = "- [%s](benchmarks/%s.md)%s" % (
-        title.replace("[", "(").replace("]", ")"), name,
+    entry = "- [%s](%s/%s.md)%s" % (
+        title.replace("[", "(").replace("]", ")"), os.path.basename(pages), name,
         " — run on %s" % date.group(1) if date else "")
-    _replace_marked(DEFAULT_MD, name, entry)
+    _replace_marked(index, name, entry)
 
 
 def md_table(header, rows):

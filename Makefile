@@ -4,22 +4,26 @@
 # make smoke: each wheel in a fresh venv without a compiler: quickstart + a test subset.
 # make c-api: tf_ophandlers/libtf_ophandlers_c.so, the C API (cc/include/tf_ophandlers/c_api.h)
 #   for programs using TensorFlow's C API with no Python; make c-api-example builds and runs
-#   examples/c_api/ against it (docs/guide.md, "Using handlers from C").
+#   examples/c_api/ against it (docs/using-handlers-from-c.md).
+# make docs: the documentation site (MkDocs + mkdocstrings, pinned in docs/requirements.txt)
+#   built with --strict into site/ (git-ignored).
 # make bazel: the Bazel build (BUILD, WORKSPACE; Debian's bazel-bootstrap, installed when
 #   missing) of the four libraries and examples/cc_handler, then tests/native/test_bazel.py.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel clean c-api c-api-programs c-api-example
+.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel docs clean c-api c-api-programs c-api-example
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
-	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib tensorboard setuptools wheel
+	# sybil: tests/docs/test_snippets.py runs the Python blocks of README.md and docs/.
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" "sybil==10.1.0" matplotlib tensorboard setuptools wheel
 	# --no-deps: the package requires `tensorflow`, which would go in over tensorflow-cpu.
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
@@ -59,6 +63,14 @@ bench: $(STAMP)
 	$(VPY) benchmarks/native_handlers.py
 	$(VPY) benchmarks/mesh.py
 	$(VPY) benchmarks/mesh_communication.py
+
+# The site needs no TensorFlow: mkdocstrings reads the docstrings from the source.
+$(DOCS_STAMP): $(VPY) docs/requirements.txt
+	$(VPY) -m pip install -q -r docs/requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VPY) -m mkdocs build --strict --site-dir site
 
 wheel:
 	bash scripts/build_wheels.sh
@@ -140,5 +152,5 @@ bazel: $(STAMP)
 	TFOH_BAZEL_BIN="$$($(BAZEL) info bazel-bin)" $(VPY) -m pytest -q -ra tests/native/test_bazel.py
 
 clean:
-	rm -rf build dist *.egg-info tf_ophandlers/*.so tf_ophandlers/include
+	rm -rf build dist site *.egg-info tf_ophandlers/*.so tf_ophandlers/include
 	if [ -L bazel-bin ] && command -v $(BAZEL) >/dev/null; then $(BAZEL) clean; fi

@@ -15,12 +15,17 @@ The library includes ``tf_ophandlers/handler.h`` (valid C and C++) and exports
 ``TFOH_InitHandlerLibrary`` (docs/guide.md, "Writing a handler in C++").
 
 A program with no Python that uses handlers through TensorFlow's C API includes
-``tf_ophandlers/c_api.h`` and links with `get_c_api_link_flags()` (docs/guide.md, "Using
-handlers from C"):
+``tf_ophandlers/c_api.h`` and links with `get_c_api_link_flags()`
+(docs/using-handlers-from-c.md):
 
     gcc -std=c11 $(python -c "import tf_ophandlers as oh; \\
         print(' '.join(oh.sysconfig.get_c_compile_flags()))") my_program.c -o my_program \\
         $(python -c "import tf_ophandlers as oh; print(' '.join(oh.sysconfig.get_c_api_link_flags()))")
+
+Examples:
+    >>> import os
+    >>> os.path.exists(os.path.join(oh.sysconfig.get_include(), "tf_ophandlers", "handler.h"))
+    True
 """
 import os
 
@@ -73,7 +78,7 @@ def get_c_api_library():
     path = os.path.join(_HERE, "libtf_ophandlers_c.so")
     if not os.path.exists(path):
         raise OSError("tf_ophandlers: %s is not built: run `make c-api` in the source tree "
-                      "(docs/guide.md, \"Using handlers from C\")" % path)
+                      "(docs/using-handlers-from-c.md)" % path)
     return path
 
 

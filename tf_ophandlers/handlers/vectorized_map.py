@@ -468,6 +468,11 @@ class VectorizedMap(OpHandler):
 
     Use it through `oh.vectorized_map(fn, elems)`, which brings `elems` on as batched
     tensors.
+
+    Examples:
+        >>> vm = oh.vectorized_map(lambda x: x * 2.0, tf.constant([1.0, 2.0, 3.0]))
+        >>> vm.numpy().tolist()
+        [2.0, 4.0, 6.0]
     """
 
     transparent = False
@@ -758,6 +763,15 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     `fn` is a `tf.function`, its call is replayed once through the vectorizing handler into
     a cached, handler-free function (core/functions): later calls with the same specs run
     at graph speed, with `fn` traced once, not at every call.
+
+    Examples:
+        >>> w = tf.Variable([1.0, 2.0])
+        >>> def grad(x):
+        ...     with oh.GradientTape() as tape:
+        ...         loss = tf.reduce_sum(w * x)
+        ...     return tape.gradient(loss, w)
+        >>> oh.vectorized_map(grad, tf.constant([[1.0, 0.0], [0.0, 3.0]])).numpy().tolist()
+        [[1.0, 0.0], [0.0, 3.0]]
     """
     if tf.executing_eagerly() and _tf_tape_set_is_empty():
         # First and in a helper, so that this frame (and _run's) stay at a small bytecode

@@ -12,7 +12,7 @@
    libtensorflow_framework.so.2 and nothing of Python: a process using it never loads an
    interpreter. Compile with the include directories of oh.sysconfig (this header,
    TensorFlow's headers) and link with -ltf_ophandlers_c plus TensorFlow's libraries
-   (see examples/c_api/ and docs/guide.md, "Using handlers from C").
+   (see examples/c_api/ and docs/using-handlers-from-c.md).
 
    Usage, in the style of a Python `with` scope:
 

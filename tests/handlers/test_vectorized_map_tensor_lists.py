@@ -17,7 +17,6 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import vectorized_map
 from conftest import assert_same_tensors
 
 R = tf.raw_ops
@@ -32,7 +31,6 @@ def no_loop_fallback(caplog):
     """Fails a test in which some op ran once per example (the handler's warning): list
     ops must be vectorized, and a tf.function using lists replayed."""
     caplog.set_level(logging.WARNING, logger="tf_ophandlers")
-    vectorized_map._warned.clear()  # pylint: disable=protected-access (reported once per op type)
     yield
     loops = [r.getMessage() for r in caplog.get_records("call")
              if "once per example" in r.getMessage()]

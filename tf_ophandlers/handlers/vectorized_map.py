@@ -72,13 +72,13 @@ _CONTROL_FLOW = frozenset(("If", "StatelessIf", "While", "StatelessWhile", "Case
 # Op signature (type, attributes, input dtypes, shapes and batched flags: everything the
 # converted graph depends on) -> tf.function, or None when pfor cannot convert the op.
 _converted = BoundedCache("vectorized_map.pfor_converted", 4096)
-_warned = set()  # op types whose fallback was reported (bounded by the op registry)
 
 
 def _report_fallback(handler, op_type, message, *args):
-    """Reports once per op type (unless `warn=False`) that `op_type` runs as a loop."""
-    if handler.warn and op_type not in _warned:
-        _warned.add(op_type)
+    """Reports once per op type and process (unless `warn=False`; core.errors.warn_once's
+    record of causes) that `op_type` runs as a loop, as a warning of the `tf_ophandlers`
+    logger."""
+    if handler.warn and errors.first_time(("oh.vectorized_map fallback", op_type)):
         _log.warning(message, *args)
 
 

@@ -389,28 +389,84 @@ def _per_example_loop(handler, execute, op, inputs):
     return _stack_rows(op.type, rows, hints)
 
 
+_DIFFERENT_SHAPES = (
+    "oh.vectorized_map: op %s gives outputs of different shapes for different examples "
+    "(%s); a mapped value has one shape in every example, as in tf.vectorized_map (the "
+    "rows of a tf.RaggedTensor or tf.SparseTensor can differ so). Use tf.map_fn with "
+    "fn_output_signature=... for such results")
+
+
 def _stack_rows(op_type, rows, list_dtypes=None):
     """Per-example outputs stacked into batched values, or a clear error where the
-    examples' shapes differ (a ragged element's rows: tf.Stack's error named no op)."""
+    examples' shapes differ (a ragged element's rows: tf.Stack's error named no op).
+
+    Per-example variants that are not one list of one length in every example (an
+    Optional, present in some examples only; a loop's list whose length is the example's
+    trip count, such as a While gradient's accumulators) stay one variant per example:
+    *rows*, a [batch] variant (`is_rows`) that ops run once per example take apart."""
     out = []
     for k, col in enumerate(zip(*rows)):
         shapes = {tuple(t.shape) if t.shape.rank is not None else None for t in col}
         if len(shapes) > 1 and all(shape is not None and None not in shape
                                    for shape in shapes):
-            raise ValueError(
-                "oh.vectorized_map: op %s gives outputs of different shapes for different "
-                "examples (%s); a mapped value has one shape in every example, as in "
-                "tf.vectorized_map (the rows of a tf.RaggedTensor or tf.SparseTensor can "
-                "differ so). Use tf.map_fn with fn_output_signature=... for such results"
-                % (op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
+            raise ValueError(_DIFFERENT_SHAPES % (
+                op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
         dtype = None
         if col[0].shape.rank == 0 and col[0].dtype == tf.variant:
             dtype = _list_dtype(col[0]) or (list_dtypes or {}).get(k)
-        if dtype is not None:  # lists (a loop's TensorArray): a batched list, pfor's
+        if dtype is not None and _one_length(col):
+            # lists of one length (a TensorArray of a fixed size): a batched list, pfor's
             out.append(Batched(_batched_lists(col, dtype), True))
-        else:
+        elif col[0].dtype == tf.variant or len(shapes) == 1 and None not in shapes:
             out.append(Batched(tf.stack(list(col)), True))
+        else:  # shapes known only when it runs: checked then, naming the op
+            out.append(Batched(_checked_stack(op_type, col), True))
     return out
+
+
+def _one_length(lists):
+    """Whether per-example lists are known to have one length (eager lists, now)."""
+    if not all(isinstance(t, _ops.EagerTensor) for t in lists):
+        return False  # (a replay: per-example trip counts are known only when it runs)
+    lengths = {int(tf.raw_ops.TensorListLength(input_handle=t)) for t in lists}
+    return len(lengths) == 1
+
+
+def _checked_stack(op_type, col):
+    """tf.stack of per-example tensors whose shapes are known only when the graph runs,
+    with a clear error (naming the op) where they differ."""
+    shapes = [tf.shape(t, out_type=tf.int64) for t in col]
+    ranks = tf.stack([tf.size(s) for s in shapes])
+    same = tf.reduce_all(tf.equal(ranks, ranks[0]))
+    same = tf.cond(same, lambda: tf.reduce_all(tf.equal(tf.stack(shapes), shapes[0])),
+                   lambda: tf.constant(False))
+    message = _DIFFERENT_SHAPES % (op_type, "known when the function runs")
+    with tf.control_dependencies([tf.debugging.Assert(same, [message] + shapes[:4])]):
+        return tf.stack([tf.identity(t) for t in col])
+
+
+def is_rows(b):
+    """Whether a batched value is per-example variants, one row each (`_stack_rows`):
+    a variant of rank >= 1 (pfor's batched lists and Optionals are scalars)."""
+    v = b.value
+    return (b.batched and v.dtype == tf.variant and v.shape.rank is not None
+            and v.shape.rank >= 1)
+
+
+def _as_rows(b, size):
+    """A value as rows: an unbatched variant repeated, a batched list (pfor's) taken apart
+    per example."""
+    if is_rows(b):
+        return b.value
+    if not b.batched:
+        return tf.stack([b.value] * size)
+    dtype = _list_dtype(b.value)
+    if dtype is None:
+        raise ValueError(
+            "oh.vectorized_map: a per-example Optional (one variant holding every example's "
+            "values) meets per-example variants of its own in control flow; they cannot be "
+            "joined")
+    return tf.stack([_list_example(b.value, i, dtype) for i in range(size)])
 
 
 _STATE_WRITERS = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
@@ -458,7 +514,7 @@ _value_of = operator.attrgetter("value")  # Batched.value, in C
 def _plan(op, inputs):
     """The plan of `op`'s signature: ops that may update state always take the generic
     path (its per-variable order checks)."""
-    if _writes_state(op.type):
+    if _writes_state(op.type) or any(is_rows(b) for b in inputs):
         return _FALLBACK
     return plan_of(op, inputs) or _FALLBACK
 
@@ -640,6 +696,9 @@ class VectorizedMap(OpHandler):
                 self._check_state_order(op, resources)
             self._used.append((op.type, resources))
         if any(b.batched for b in inputs) or op.type in ALWAYS_BATCHED:
+            if op.type not in _CONTROL_FLOW and any(is_rows(b) for b in inputs):
+                # Per-example variants (rows): no rule or pfor converter takes them.
+                return _per_example_loop(self, execute, op, inputs)
             return self._batched(execute, op, inputs)
         return self._unbatched(execute(op, [b.value for b in inputs]))
 
@@ -684,16 +743,38 @@ class VectorizedMap(OpHandler):
     # too: its list ops take pfor's converters one by one (_converted_list_op).
     replays_functions = True
 
+    # Rows (per-example variants, `is_rows`) cross function and control-flow boundaries
+    # as one list of them, summary ("rows", per-example shape): a [batch] variant
+    # function output has no zeros TensorFlow's function gradient could give it, a list
+    # of variants does.
+
     def function_input(self, value):
+        if value.batched and is_rows(value):
+            v = value.value
+            shape = tuple(v.shape[1:].as_list()) if v.shape[1:].is_fully_defined() else None
+            return ("rows", shape), [tf.raw_ops.TensorListFromTensor(
+                tensor=v, element_shape=tf.constant(-1 if shape is None else shape, tf.int32))]
         return value.batched, [value.value]
 
     def function_output(self, summary, tensors):
+        if type(summary) is tuple:
+            shape = summary[1]
+            rows = tf.raw_ops.TensorListStack(
+                input_handle=tensors[0], element_dtype=tf.variant,
+                element_shape=tf.constant(-1 if shape is None else shape, tf.int32),
+                num_elements=self.size)
+            return Batched(rows, True)
         return Batched(tensors[0], summary)
 
     def function_join(self, summaries):
+        rows = [s for s in summaries if type(s) is tuple]
+        if rows:
+            return rows[0] if all(s == rows[0] for s in rows) else ("rows", None)
         return any(summaries)
 
     def function_coerce(self, value, summary):
+        if type(summary) is tuple:
+            return Batched(_as_rows(value, self.size), True)
         return Batched(broadcast_batch(value, self.size), True) if summary else value
 
     def function_cache_key(self):
@@ -988,8 +1069,9 @@ def _make_plan(fn, elems, flat, calls, raw):
     for tree in call.entry.output_trees:
         if tree[0] == "leaf":  # a tensor below the map: unbatched
             batched.append(False)
-        elif tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf":
-            batched.append(bool(tree[1]))
+        elif (tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf"
+              and type(tree[1]) is bool):  # (not rows: their part is a list of them)
+            batched.append(tree[1])
         else:
             return plan
     # fn's result: its tensors are the call's outputs (the same representations), in

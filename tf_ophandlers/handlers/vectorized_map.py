@@ -363,7 +363,9 @@ def _batched_lists(rows, dtype):
     return tf.raw_ops.TensorListFromTensor(tensor=stacked, element_shape=tf.shape(stacked)[1:])
 
 
-def _per_example_loop(handler, execute, op, inputs):
+def _per_example_loop(handler, execute, op, inputs, report=True):
+    """`op` run once per example. `report=False`: on rows (`is_rows`), values only a loop
+    that was reported made (a Case's Optionals, TensorFlow's zeros for them)."""
     lists = {}
     for k, b in enumerate(inputs):
         if b.batched and b.value.shape.rank == 0:
@@ -377,8 +379,9 @@ def _per_example_loop(handler, execute, op, inputs):
                     "and it cannot run once per example on it; tf.vectorized_map cannot "
                     "convert it either" % op.type)
             lists[k] = dtype
-    _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
-                     "(a loop)", op.type)
+    if report:
+        _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
+                         "(a loop)", op.type)
     rows = []
     for i in range(handler.size):
         rows.append(execute(op, [
@@ -698,7 +701,7 @@ class VectorizedMap(OpHandler):
         if any(b.batched for b in inputs) or op.type in ALWAYS_BATCHED:
             if op.type not in _CONTROL_FLOW and any(is_rows(b) for b in inputs):
                 # Per-example variants (rows): no rule or pfor converter takes them.
-                return _per_example_loop(self, execute, op, inputs)
+                return _per_example_loop(self, execute, op, inputs, report=False)
             return self._batched(execute, op, inputs)
         return self._unbatched(execute(op, [b.value for b in inputs]))
 

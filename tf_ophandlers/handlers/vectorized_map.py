@@ -265,6 +265,17 @@ def _converted_list_op(handler, op, inputs):
     while-loop fallback inside the conversion where allowed. A list op never runs once
     per example: a batched list has no examples to take apart, so what pfor cannot
     convert raises, naming the op and pfor's reason (tf.vectorized_map fails there too)."""
+    if (op.type == "TensorListSetItem" and op.attrs.get("resize_if_index_out_of_bounds")
+            and not inputs[1].batched):
+        # A write past the end of a dynamic_size TensorArray grows it; pfor's converter
+        # writes without resizing ("Trying to modify element 0 in a list with 0
+        # elements", tf.vectorized_map's error): the list grows first, one length for all
+        # examples since the index is.
+        handle, index = inputs[0].value, inputs[1].value
+        length = tf.raw_ops.TensorListLength(input_handle=handle)
+        grown = tf.raw_ops.TensorListResize(
+            input_handle=handle, size=tf.maximum(length, tf.cast(index, tf.int32) + 1))
+        inputs = [Batched(grown, inputs[0].batched)] + list(inputs[1:])
     static = _static_list_args(op, inputs)
     key = (_signature(op, inputs) + (handler.size, handler.fallback_to_while_loop,
                                      tf.executing_eagerly())
@@ -343,13 +354,25 @@ def _list_dtype(t):
 
 
 def _list_example(handle, i, dtype):
-    """Example `i` of a batched list (its elements' row i), as a list of its own."""
-    items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
-        input_handle=handle, element_dtype=dtype,
-        element_shape=tf.raw_ops.TensorListElementShape(input_handle=handle,
-                                                        shape_type=tf.int32))
-    return tf.raw_ops.TensorListFromTensor(tensor=items[:, i],
-                                           element_shape=tf.shape(items)[2:])
+    """Example `i` of a batched list (its elements' row i), as a list of its own (an
+    empty one for an empty list: its element shape may be unknown, which stacking it
+    refuses)."""
+    def example():
+        items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
+            input_handle=handle, element_dtype=dtype,
+            element_shape=tf.raw_ops.TensorListElementShape(input_handle=handle,
+                                                            shape_type=tf.int32))
+        return tf.raw_ops.TensorListFromTensor(tensor=items[:, i],
+                                               element_shape=tf.shape(items)[2:])
+
+    def empty():
+        return tf.raw_ops.EmptyTensorList(
+            element_shape=tf.constant(-1), max_num_elements=tf.constant(-1),
+            element_dtype=dtype)
+
+    if isinstance(handle, _ops.EagerTensor):
+        return example() if int(tf.raw_ops.TensorListLength(input_handle=handle)) else empty()
+    return tf.cond(tf.raw_ops.TensorListLength(input_handle=handle) > 0, example, empty)
 
 
 def _batched_lists(rows, dtype):
@@ -420,7 +443,8 @@ def _stack_rows(op_type, rows, list_dtypes=None):
         if dtype is not None and _one_length(col):
             # lists of one length (a TensorArray of a fixed size): a batched list, pfor's
             out.append(Batched(_batched_lists(col, dtype), True))
-        elif col[0].dtype == tf.variant or len(shapes) == 1 and None not in shapes:
+        elif col[0].dtype == tf.variant or len(shapes) == 1 and all(
+                shape is not None and None not in shape for shape in shapes):
             out.append(Batched(tf.stack(list(col)), True))
         else:  # shapes known only when it runs: checked then, naming the op
             out.append(Batched(_checked_stack(op_type, col), True))

@@ -24,6 +24,7 @@ next stack whose leading axis is the batch when `batched` is true; unbatched val
   pfor error dumps for the op are suppressed.
 """
 import functools
+import itertools
 import logging
 import operator
 import threading
@@ -409,7 +410,10 @@ def _per_example_loop(handler, execute, op, inputs, report=True):
     for i in range(handler.size):
         rows.append(execute(op, [
             _list_example(b.value, i, lists[k]) if k in lists
-            else b.value[i] if b.batched else b.value for k, b in enumerate(inputs)]))
+            else _example(b.value, i) if b.batched else b.value
+            for k, b in enumerate(inputs)]))
+        if op.type in _CONTROL_FLOW and rows[-1] and not isinstance(rows[-1][0], _ops.EagerTensor):
+            _own_bodies(rows[-1][0].op)
     # A loop's outputs are its loop variables: an output list has its input's dtype.
     hints = lists if op.type in _CONTROL_FLOW and "While" in op.type else {}
     return _stack_rows(op.type, rows, hints)
@@ -420,6 +424,34 @@ _DIFFERENT_SHAPES = (
     "(%s); a mapped value has one shape in every example, as in tf.vectorized_map (the "
     "rows of a tf.RaggedTensor or tf.SparseTensor can differ so). Use tf.map_fn with "
     "fn_output_signature=... for such results")
+
+
+_body_copies = itertools.count()
+
+
+def _own_bodies(node):
+    """Gives control-flow op `node` (one example's copy, in a graph) branch and loop
+    FuncGraphs of its own names, cached where cond_v2's and while_v2's gradients look
+    first: the gradient of each copy rewrites them (with its accumulators, named after
+    them + "_rewritten"), and copies sharing the function names would register different
+    functions under one name."""
+    from tensorflow.python.ops import control_flow_util_v2 as _cf_util  # pylint: disable=import-outside-toplevel
+    if node.type in ("While", "StatelessWhile"):
+        shapes = [tf.TensorShape(s) for s in node.get_attr("output_shapes")]
+        bodies = [(node.get_attr("cond").name, "_cond_graph"),
+                  (node.get_attr("body").name, "_body_graph")]
+    else:
+        shapes = [t.shape for t in node.inputs[1:]]
+        if node.type in ("If", "StatelessIf"):
+            bodies = [(node.get_attr("then_branch").name, "_true_graph"),
+                      (node.get_attr("else_branch").name, "_false_graph")]
+        else:
+            bodies = [(f.name, "_branch_graph_%d" % k)
+                      for k, f in enumerate(node.get_attr("branches"))]
+    for name, cached in bodies:
+        graph = _cf_util.get_func_graph(node, shapes, name)
+        graph.name = "%s_oh_example_%d" % (_as_str(name), next(_body_copies))
+        setattr(node, cached, graph)
 
 
 def _stack_rows(op_type, rows, list_dtypes=None):
@@ -443,7 +475,9 @@ def _stack_rows(op_type, rows, list_dtypes=None):
         if dtype is not None and _one_length(col):
             # lists of one length (a TensorArray of a fixed size): a batched list, pfor's
             out.append(Batched(_batched_lists(col, dtype), True))
-        elif col[0].dtype == tf.variant or len(shapes) == 1 and all(
+        elif col[0].dtype == tf.variant:
+            out.append(Batched(_rows_of(col), True))
+        elif len(shapes) == 1 and all(
                 shape is not None and None not in shape for shape in shapes):
             out.append(Batched(tf.stack(list(col)), True))
         else:  # shapes known only when it runs: checked then, naming the op
@@ -470,6 +504,23 @@ def _checked_stack(op_type, col):
     message = _DIFFERENT_SHAPES % (op_type, "known when the function runs")
     with tf.control_dependencies([tf.debugging.Assert(same, [message] + shapes[:4])]):
         return tf.stack([tf.identity(t) for t in col])
+
+
+def _rows_of(col):
+    """Per-example variants stacked as rows. In a graph, the rows remember the tensors
+    they stack (`_example`): ops on one example use that tensor, not a slice of the rows,
+    so that gradients (a list's, of a loop's accumulators) reach it without adding
+    [batch] variants, which TensorFlow cannot (AddN of non-scalar variants)."""
+    rows = tf.stack(list(col))
+    if not isinstance(rows, _ops.EagerTensor):
+        rows._oh_examples = tuple(col)  # pylint: disable=protected-access
+    return rows
+
+
+def _example(value, i):
+    """Example `i` of a batched value (rows: the tensor it stacks, `_rows_of`)."""
+    parts = getattr(value, "_oh_examples", None)
+    return value[i] if parts is None else parts[i]
 
 
 def is_rows(b):

@@ -345,18 +345,31 @@ def test_a_growing_tensor_array_is_vectorized(no_loop_fallback):
     check_map_fn(lambda x: grown_uniformly(x), YS)
 
 
-@pytest.mark.parametrize("fn", [grown_per_example, grown_uniformly], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [grown_per_example, pushed_per_example, grown_uniformly],
+                         ids=lambda f: f.__name__)
 def test_gradients_through_lists_of_per_example_lengths_match_map_fn(fn):
     def loss(x):
         return tf.reduce_sum([tf.reduce_sum(tf.cast(t, F32)) for t in fn(x)])
 
-    def run(vmap, tape_type):
+    def around(vmap, tape_type):
         with tape_type() as tape:
             tape.watch(YS)
             y = tf.reduce_sum(vmap(loss, YS) ** 2)
         return tape.gradient(y, YS)
 
-    assert_same_tensors(run(tf.map_fn, tf.GradientTape), run(oh.vectorized_map, oh.GradientTape))
+    assert_same_tensors(around(tf.map_fn, tf.GradientTape),
+                        around(oh.vectorized_map, oh.GradientTape))
+
+    def inside(tape_type):  # per-example gradients (TensorListResize in a growing write's)
+        def grad(x):
+            with tape_type() as tape:
+                tape.watch(x)
+                y = loss(x) ** 2
+            return tape.gradient(y, x)
+        return grad
+
+    assert_same_tensors(tf.map_fn(inside(tf.GradientTape), YS),
+                        oh.vectorized_map(inside(oh.GradientTape), YS))
 
 
 def test_stacking_lists_of_per_example_lengths_raises_naming_the_op():

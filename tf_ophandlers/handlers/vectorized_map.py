@@ -277,6 +277,11 @@ def _converted_list_op(handler, op, inputs):
         grown = tf.raw_ops.TensorListResize(
             input_handle=handle, size=tf.maximum(length, tf.cast(index, tf.int32) + 1))
         inputs = [Batched(grown, inputs[0].batched)] + list(inputs[1:])
+    if op.type == "TensorListResize" and not inputs[1].batched:
+        # (no pfor converter) one length for all examples: the batched list's, whose
+        # elements carry the batch, resized as it is (the gradient of a growing write)
+        return [Batched(tf.raw_ops.TensorListResize(
+            input_handle=inputs[0].value, size=inputs[1].value), inputs[0].batched)]
     static = _static_list_args(op, inputs)
     key = (_signature(op, inputs) + (handler.size, handler.fallback_to_while_loop,
                                      tf.executing_eagerly())
@@ -506,6 +511,9 @@ def _checked_stack(op_type, col):
         return tf.stack([tf.identity(t) for t in col])
 
 
+_VARIANT_ENUM = tf.variant.as_datatype_enum
+
+
 def _rows_of(col):
     """Per-example variants stacked as rows. In a graph, the rows remember the tensors
     they stack (`_example`): ops on one example use that tensor, not a slice of the rows,
@@ -526,9 +534,12 @@ def _example(value, i):
 def is_rows(b):
     """Whether a batched value is per-example variants, one row each (`_stack_rows`):
     a variant of rank >= 1 (pfor's batched lists and Optionals are scalars)."""
+    if not b.batched:
+        return False
     v = b.value
-    return (b.batched and v.dtype == tf.variant and v.shape.rank is not None
-            and v.shape.rank >= 1)
+    if type(v) is _EagerTensor:  # (cheaply: this runs for every function argument)
+        return v._datatype_enum() == _VARIANT_ENUM and len(v._shape_tuple()) >= 1  # pylint: disable=protected-access
+    return v.dtype == tf.variant and v.shape.rank is not None and v.shape.rank >= 1
 
 
 def _as_rows(b, size):

@@ -470,10 +470,11 @@ def _stack_rows(op_type, rows, list_dtypes=None):
     out = []
     for k, col in enumerate(zip(*rows)):
         shapes = {tuple(t.shape) if t.shape.rank is not None else None for t in col}
-        if len(shapes) > 1 and all(shape is not None and None not in shape
-                                   for shape in shapes):
+        ranks = {len(shape) for shape in shapes if shape is not None}
+        if len(shapes) > 1 and (len(ranks) > 1 or all(
+                shape is not None and None not in shape for shape in shapes)):
             raise ValueError(_DIFFERENT_SHAPES % (
-                op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
+                op_type, ", ".join(str(t.shape) for t in col[:4])))
         dtype = None
         if col[0].shape.rank == 0 and col[0].dtype == tf.variant:
             dtype = _list_dtype(col[0]) or (list_dtypes or {}).get(k)

@@ -8,8 +8,9 @@ Where `tf.vectorized_map` 2.21 is wrong or fails, the reference is `tf.map_fn` (
 function run once per example): `TensorArray.gather` (pfor gives the batch second) and
 per-example gradients through list reads (pfor's element shape of a list of unknown
 element shape is a scalar one: "Tried to set a tensor with incompatible shape"), a
-per-example index into a per-example list, and a loop with per-example trip counts over
-a TensorArray.
+per-example index into a per-example list, a loop with per-example trip counts over
+a TensorArray, lists that end with per-example lengths and a `dynamic_size` TensorArray
+growing in a loop.
 """
 import logging
 

@@ -330,7 +330,14 @@ def warn_once(cause, message, category=RuntimeWarning, stacklevel=2):
     the op, not the shapes) occurs in this process. A diagnostic that fires on every step
     of a training loop, once per tensor, buries the one line users need; Python's own
     "default" filter repeats it for every distinct message text."""
+    if first_time(cause):
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def first_time(cause):
+    """Whether `cause` occurs for the first time in this process (`warn_once`'s test, for
+    diagnostics reported otherwise than by `warnings`, e.g. a logger's warning)."""
     if cause in _warned_causes:
-        return
+        return False
     _warned_causes.add(cause)
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    return True

@@ -126,7 +126,10 @@ def _while(cond, body, loop_vars, shape_invariants=None, parallel_iterations=10,
     except _Undecided as undecided:
         current = undecided.loop_vars
     if maximum_iterations is not None:
-        maximum_iterations = tf.cast(maximum_iterations, tf.int64) - done[0]
+        # In the dtype given (int32 for a Python int): the loop's gradient makes its
+        # accumulators with it, and TensorList ops take an int32 maximum only.
+        maximum_iterations = _ops.convert_to_tensor(maximum_iterations)
+        maximum_iterations -= tf.cast(done[0], maximum_iterations.dtype)
     # The loop variables as TensorFlow passed them to `cond`: unpacked the way the loop
     # was given (one variable, or a list/tuple of them).
     if hasattr(loop_vars, "_fields"):  # a namedtuple

@@ -176,3 +176,31 @@ def test_errors_in_a_branch_reach_the_caller():
         return tf.cond(x > 0, lambda: tf.reshape(x, [2]), lambda: x)
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
         oh.vectorized_map(fn, XS)
+
+
+W_LOOP = tf.Variable(np.eye(2, dtype=np.float32) * 0.5 + 0.25)
+
+
+def while_variable_fn(x):
+    # A per-example condition from the start, maximum_iterations, a body reading a
+    # captured variable: the loop's gradient accumulators take maximum_iterations (an
+    # int32 TensorList maximum), and the variable is a loop variable of each example's
+    # While.
+    body = lambda i, y: (i + 1, tf.tanh(tf.linalg.matvec(W_LOOP, y)) + 0.3)  # noqa: E731
+    return tf.while_loop(lambda i, y: tf.reduce_sum(y) < 1., body, (tf.constant(0), x),
+                         maximum_iterations=3)[1]
+
+
+@pytest.mark.parametrize("as_function", [False, True], ids=["eager_fn", "tf_function_fn"])
+def test_gradients_of_a_loop_reading_a_variable_match_tf_vectorized_map(as_function):
+    xs = tf.constant([[-1., 0.5], [2., 1.], [-0.2, -0.3]])
+    fn = tf.function(while_variable_fn) if as_function else while_variable_fn
+
+    def run(vmap, tape_type, f):
+        with tape_type() as tape:
+            tape.watch(xs)
+            loss = tf.reduce_sum(vmap(f, xs) ** 2)
+        return tape.gradient(loss, [xs, W_LOOP])
+
+    assert_same_tensors(run(tf.vectorized_map, tf.GradientTape, while_variable_fn),
+                        run(oh.vectorized_map, oh.GradientTape, fn))

@@ -53,6 +53,16 @@ def _broadcasts_into(small, big):
         return False
 
 
+def _no_gradient(values):
+    """The values of a ragged or sparse element, without a gradient through the map.
+    oh.GradientTape around oh.vectorized_map cannot differentiate them yet: a ragged
+    element's raises InvalidArgumentError "AddN of non-scalar Tensor with
+    dtype=DT_VARIANT" (the gradients of the element's batched variant are summed), a
+    sparse element's LookupError "op DeserializeSparse has no registered gradient".
+    Their values are still compared, and every other gradient."""
+    return tf.stop_gradient(values)
+
+
 # -- per-example control flow: expressions of one value, drawn recursively ----------------
 # A node maps a dense value v to a value of v's shape; `captures` are the program's slots.
 
@@ -386,11 +396,12 @@ class Program:
                 elems.append(v)
             elif name == "r":
                 lengths = [n for pair in self.row_lengths for n in pair]
-                inner = tf.RaggedTensor.from_row_lengths(src["r"], tf.constant(lengths, tf.int64))
+                inner = tf.RaggedTensor.from_row_lengths(_no_gradient(src["r"]),
+                                                         tf.constant(lengths, tf.int64))
                 elems.append(tf.RaggedTensor.from_uniform_row_length(inner, 2))
             elif name == "s":
                 elems.append(tf.SparseTensor(tf.constant(self.sparse_indices, tf.int64),
-                                             src["s"], [BATCH, 3, 4]))
+                                             _no_gradient(src["s"]), [BATCH, 3, 4]))
             else:
                 elems.append(Masked(src["k"], tf.constant(self.mask)))
         return tuple(elems)
@@ -489,11 +500,11 @@ def _example(program, src, b):
             elems.append(src[name][0 if name in program.unit else b])
         elif name == "r":
             elems.append(tf.RaggedTensor.from_row_lengths(
-                src["r"][5 * b:5 * b + 5], tf.constant(program.row_lengths[b], tf.int64)))
+                _no_gradient(src["r"])[5 * b:5 * b + 5], tf.constant(program.row_lengths[b], tf.int64)))
         elif name == "s":
             indices = [i[1:] for i in program.sparse_indices[4 * b:4 * b + 4]]
             elems.append(tf.SparseTensor(tf.constant(indices, tf.int64),
-                                         src["s"][4 * b:4 * b + 4], [3, 4]))
+                                         _no_gradient(src["s"])[4 * b:4 * b + 4], [3, 4]))
         else:
             elems.append(Masked(src["k"][b], tf.constant(program.mask[b])))
     return tuple(elems)

@@ -421,7 +421,15 @@ def _per_example_loop(handler, execute, op, inputs, report=True):
             _own_bodies(rows[-1][0].op)
     # A loop's outputs are its loop variables: an output list has its input's dtype.
     hints = lists if op.type in _CONTROL_FLOW and "While" in op.type else {}
-    return _stack_rows(op.type, rows, hints)
+    outputs = _stack_rows(op.type, rows, hints)
+    if op.type in ("While", "StatelessWhile"):
+        # A resource loop variable (a variable the body reads) leaves the loop unchanged:
+        # the shared handle, not a [batch] stack of its copies, which has no handle data
+        # for the gradient of the variable.
+        outputs = [inputs[k] if (k < len(inputs) and not inputs[k].batched
+                                 and _is_resource(inputs[k].value)) else b
+                   for k, b in enumerate(outputs)]
+    return outputs
 
 
 _DIFFERENT_SHAPES = (

@@ -191,10 +191,23 @@ def while_variable_fn(x):
                          maximum_iterations=3)[1]
 
 
+def nested_variable_fn(x):
+    # The variable read in a tf.cond inside the loop body.
+    def body(i, y):
+        return i + 1, tf.cond(tf.reduce_sum(y) > 0., lambda: tf.tanh(tf.linalg.matvec(W_LOOP, y)),
+                              lambda: y * 0.5 + 0.4)
+    return tf.while_loop(lambda i, y: tf.reduce_sum(y) < 1., body, (tf.constant(0), x),
+                         maximum_iterations=3)[1]
+
+
 @pytest.mark.parametrize("as_function", [False, True], ids=["eager_fn", "tf_function_fn"])
-def test_gradients_of_a_loop_reading_a_variable_match_tf_vectorized_map(as_function):
+@pytest.mark.parametrize("fn", [while_variable_fn, nested_variable_fn],
+                         ids=lambda f: f.__name__)
+def test_gradients_of_a_loop_reading_a_variable_match_tensorflow(fn, as_function):
+    """Reference: tf.vectorized_map, or tf.map_fn for the nested cond (the gradient of
+    pfor's converted nested control flow fails, see nested_fn)."""
     xs = tf.constant([[-1., 0.5], [2., 1.], [-0.2, -0.3]])
-    fn = tf.function(while_variable_fn) if as_function else while_variable_fn
+    mapped = tf.function(fn) if as_function else fn
 
     def run(vmap, tape_type, f):
         with tape_type() as tape:
@@ -202,5 +215,6 @@ def test_gradients_of_a_loop_reading_a_variable_match_tf_vectorized_map(as_funct
             loss = tf.reduce_sum(vmap(f, xs) ** 2)
         return tape.gradient(loss, [xs, W_LOOP])
 
-    assert_same_tensors(run(tf.vectorized_map, tf.GradientTape, while_variable_fn),
-                        run(oh.vectorized_map, oh.GradientTape, fn))
+    reference = _map_fn if fn is nested_variable_fn else tf.vectorized_map
+    assert_same_tensors(run(reference, tf.GradientTape, fn),
+                        run(oh.vectorized_map, oh.GradientTape, mapped))

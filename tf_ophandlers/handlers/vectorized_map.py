@@ -461,9 +461,18 @@ def _own_bodies(node):
         else:
             bodies = [(f.name, "_branch_graph_%d" % k)
                       for k, f in enumerate(node.get_attr("branches"))]
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    inputs = list(node.inputs) if node.type in ("While", "StatelessWhile") else list(
+        node.inputs[1:])
     for name, cached in bodies:
         graph = _cf_util.get_func_graph(node, shapes, name)
         graph.name = "%s_oh_example_%d" % (_as_str(name), next(_body_copies))
+        # A graph made from its FunctionDef has resource placeholders without handle
+        # data (the traced one had it): a variable read in the body, or in control flow
+        # nested in it, would have no gradient ("variable without handle data").
+        for external, internal in zip(inputs, graph.inputs):
+            if external.dtype == tf.resource:
+                handle_data_util.copy_handle_data(external, internal)
         setattr(node, cached, graph)
 
 

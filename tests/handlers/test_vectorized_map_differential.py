@@ -34,7 +34,7 @@ from test_differential import BINARY, UNARY
 
 SEED = int(os.environ.get("OH_VMAP_DIFFERENTIAL_SEED", "40"))
 BATCH = 3
-FAST_PROGRAMS = 24  # 2 to 5 steps
+FAST_PROGRAMS = 20  # 2 to 4 steps
 SLOW_PROGRAMS = 60  # 3 to 8 steps, deeper nesting (marked slow)
 # Unary ops whose values stay bounded and whose gradients stay finite when a loop body
 # repeats them (a loop's body is followed by tanh too).
@@ -68,11 +68,11 @@ def _no_gradient(values):
 
 def _draw_node(rng, shape, slots, depth):
     """A random node for a value of `shape`; control flow only while depth > 0."""
-    kinds = ["unary", "unary", "binary", "seq"]
+    kinds = ["unary", "unary", "binary", "binary", "seq"]
     if shape and shape[-1] == 4:
         kinds.append("matvec_var")
     if depth > 0:
-        kinds += ["cond", "cond", "switch", "while", "while"]
+        kinds += ["cond", "switch", "while"]
     kind = rng.choice(kinds)
     if kind == "unary":
         return ("unary", rng.choice(LOOP_UNARY))
@@ -181,7 +181,7 @@ class Program:
         self.depth = depth
         # Elements. Dense ones may have a unit leading dimension (at least one keeps the
         # batch when no composite element is there).
-        self.composites = [c for c in ("r", "s", "k") if rng.random() < 0.35]
+        self.composites = [c for c in ("r", "s", "k") if rng.random() < 0.2]
         self.unit = [name for name in ("x", "m") if rng.random() < 0.3]
         if len(self.unit) == 2 and not self.composites:
             self.unit = [rng.choice(self.unit)]
@@ -202,9 +202,11 @@ class Program:
         self.mask = nrng.random((BATCH, 4)) < 0.6
         self.W = (nrng.standard_normal((4, 4)) * 0.5).astype(np.float32)
 
-        # Slots: ("dense", shape), ("ragged", rows, values), ("sparse", shape), ("masked",).
+        # Slots: ("dense", shape), ("ragged", rows, values, uniform), ("sparse", shape),
+        # ("masked",).
         self.inputs = ["x", "m"] + self.composites
-        kinds = {"x": ("dense", (4,)), "m": ("dense", (3, 4)), "r": ("ragged", 2, 5),
+        # (A ragged slot: rows, values, whether its rows have one length in every example.)
+        kinds = {"x": ("dense", (4,)), "m": ("dense", (3, 4)), "r": ("ragged", 2, 5, False),
                  "s": ("sparse", (3, 4)), "k": ("masked",)}
         slots = [kinds[name] for name in self.inputs]
         self.steps = []
@@ -304,10 +306,13 @@ class Program:
             if a is None:
                 return None
             rows, cols = slots[a][1]
-            return ("ragged_from_tensor", [a], {}), ("ragged", rows, rows * cols)
-        _, rows, nvals = slots[r]
+            return ("ragged_from_tensor", [a], {}), ("ragged", rows, rows * cols, True)
+        _, rows, nvals, uniform = slots[r]
         op = rng.choice(["reduce", "reduce", "flat_values", "map", "scale"])
-        if op == "reduce":
+        if op == "reduce" and uniform:
+            # (A reduction over rows whose lengths differ between examples has results
+            # of different shapes inside (Range): the map raises its ValueError naming the
+            # op, as tf.vectorized_map fails.)
             return ("ragged_reduce", [r], {"kind": rng.choice(["sum", "mean", "max"])}), (
                 "dense", (rows,))
         if op == "flat_values":
@@ -367,6 +372,10 @@ class Program:
         if any(self.slots[i][0] == "ragged" for i in self.outputs):
             # ValueError "No pfor vectorization defined for RaggedTensorToVariant".
             return "ragged output"
+        if gradients and any(self.slots[i][0] == "sparse" for i in self.outputs):
+            # LookupError "No gradient defined for operation 'pfor/DeserializeSparse'"
+            # (the gradient of the converted function, even of its dense outputs).
+            return "sparse output gradient"
         if gradients and any(
                 s[0] == "control" and _nesting(s[2]["node"]) >= 2 for s in self.steps):
             # The gradient of pfor's converted nested control flow fails
@@ -689,7 +698,7 @@ def _run_all(cases, lengths, depth):
 
 
 def test_random_mapped_programs_match_tensorflow():
-    _run_all(_cases(FAST_PROGRAMS, SEED * 1000003, random.Random(SEED)), (2, 5), 2)
+    _run_all(_cases(FAST_PROGRAMS, SEED * 1000003, random.Random(SEED)), (2, 4), 2)
 
 
 @pytest.mark.slow

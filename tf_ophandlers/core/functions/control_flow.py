@@ -159,8 +159,13 @@ class ControlFlow:
         args = [self.lift(t, stack) for t in ins[1:]]
         outs = [[self.lift(o, stack) for o in self.interpret(
             self.body_of(node.get_attr(b).name), args, within)] for b in ("then_branch", "else_branch")]
-        return [stack.execute(Op.cached("SelectV2", T=a.dtype), [pred, a, b])[0]
-                for a, b in zip(*outs)]
+        selected = [stack.execute(Op.cached("SelectV2", T=a.dtype), [pred, a, b])[0]
+                    for a, b in zip(*outs)]
+        # Variant outputs (the If's intermediates for its gradient, Optionals) carry no
+        # gradient of their own; TensorFlow's SelectV2 gradient cannot make the zeros of
+        # a variant (TypeError "`dtype` <dtype: 'variant'> is not compatible with 0").
+        return [stack.execute(Op.cached("StopGradient", T=tf.variant), [t])[0]
+                if t.dtype == tf.variant else t for t in selected]
 
     def _whole_op(self, node, ins, stack):
         """The control-flow op itself, given to the handler that keeps its predicate

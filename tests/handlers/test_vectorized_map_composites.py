@@ -106,3 +106,25 @@ def test_a_composite_without_batchable_spec_raises_tensorflows_error():
         oh.vectorized_map(lambda e: e.values, u)
     with pytest.raises(ValueError, match="must provide a `BatchableTypeSpec`"):
         oh.vectorized_map(lambda x: Unbatchable(x), tf.ones([3, 2]))
+
+
+@pytest.mark.parametrize("composite", ["sparse", "ragged"])
+def test_gradient_of_a_per_example_cond_next_to_a_composite_element(composite):
+    """A per-example tf.cond in a map with a composite element: the replayed select of the
+    cond's variant outputs had a SelectV2 gradient that cannot make variant zeros
+    (TypeError "`dtype` <dtype: 'variant'> is not compatible with 0 of dtype int64")."""
+    x = tf.constant([[1., -2.], [-3., 0.5], [2., 2.]])
+    other = (tf.sparse.from_dense(tf.constant([[1., 0.], [0., 2.], [3., 0.]]))
+             if composite == "sparse" else tf.ragged.constant([[1., 2.], [3., 4.], [5., 6.]]))
+
+    def fn(v):
+        return tf.cond(tf.reduce_sum(v) > 0., lambda: tf.tanh(v) * v, lambda: tf.sin(v))
+
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(tf.vectorized_map(fn, x) ** 2)
+    want = tape.gradient(loss, x)
+    with oh.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(oh.vectorized_map(lambda e: fn(e[0]), (x, other)) ** 2)
+    assert_same_tensors(want, tape.gradient(loss, x))

@@ -372,6 +372,11 @@ class Program:
         if any(self.slots[i][0] == "ragged" for i in self.outputs):
             # ValueError "No pfor vectorization defined for RaggedTensorToVariant".
             return "ragged output"
+        if "ragged_cond" in steps:
+            # Under tf.GradientTape, InvalidArgumentError "ZerosLike non-scalar Tensor
+            # with dtype=DT_VARIANT is not supported" (recording the converted function's
+            # call: its gradient needs zeros for the tf.cond's variant outputs).
+            return "tf.cond of a ragged value"
         if gradients and any(self.slots[i][0] == "sparse" for i in self.outputs):
             # LookupError "No gradient defined for operation 'pfor/DeserializeSparse'"
             # (the gradient of the converted function, even of its dense outputs).
@@ -382,7 +387,6 @@ class Program:
             # (InvalidArgumentError "data.shape = [0] does not start with
             # segment_ids.shape" in the DynamicStitch gradient of a While's gradient).
             return "nested control flow gradient"
-        del steps
         return None
 
     # -- running -----------------------------------------------------------------------------
@@ -642,32 +646,17 @@ def _same_gradients(ref, got, what, loop):
         _close(tf.convert_to_tensor(r), tf.convert_to_tensor(g), w)
 
 
-def _gradients_excluded(program):
-    """Whether the program's gradients are not compared (its values are, with no tape):
-    under oh.GradientTape around oh.vectorized_map, per-example control flow (a tf.cond,
-    tf.switch_case or tf.while_loop with a per-example predicate) in a map with a ragged
-    or sparse element raises TypeError "`dtype` <dtype: 'variant'> is not compatible
-    with 0 of dtype int64" in the call of the staged or replayed function (ConcreteFunction
-    _call_flat under the tape), even where the composite is not used."""
-    return bool({"r", "s"} & set(program.composites)) and any(
-        step[0] in ("control", "ragged_cond") for step in program.steps)
-
-
 def _run_case(program, mode):
-    gradients = not _gradients_excluded(program)
+    gradients = True
     ref_outs, ref_grads = _reference(program, gradients)
     if mode != "in_function":  # the map's own path with no tape too
         _same_outputs(ref_outs, _ours(program, mode, False)[0], "outputs (%s, no tape)" % mode)
-    if not gradients:
-        if mode == "in_function":
-            _same_outputs(ref_outs, _ours(program, mode, False)[0], "outputs (%s)" % mode)
-        return
     outs, grads = _ours(program, mode, gradients)
     _same_outputs(ref_outs, outs, "outputs (%s, oh.GradientTape)" % mode)
     _same_gradients(ref_grads, grads, mode, program.loop_reason(gradients) is not None)
 
 
-MODES = ("eager", "eager", "fn_function", "in_function")
+MODES = ("eager", "fn_function", "in_function")
 
 
 def _cases(count, first_seed, rng):
@@ -677,7 +666,7 @@ def _cases(count, first_seed, rng):
 def _mode(program, mode):
     """Inside a function being traced oh.vectorized_map is tf.vectorized_map: a program
     that tf.vectorized_map cannot run runs eagerly instead."""
-    if mode == "in_function" and program.loop_reason(not _gradients_excluded(program)):
+    if mode == "in_function" and program.loop_reason(True):
         return "eager"
     return mode
 
@@ -691,7 +680,7 @@ def _run_all(cases, lengths, depth):
             _run_case(program, mode)
         except Exception as e:  # pylint: disable=broad-except
             failures.append("%s, reference %s (OH_VMAP_DIFFERENTIAL_SEED=%d):\n%s\n%s: %s" % (
-                mode, program.loop_reason(not _gradients_excluded(program)) or "tf.vectorized_map", SEED,
+                mode, program.loop_reason(True) or "tf.vectorized_map", SEED,
                 program.describe(), type(e).__name__, str(e)[:2000]))
     assert not failures, "%d of %d cases differ from TensorFlow:\n\n%s" % (
         len(failures), len(cases), "\n\n".join(failures[:10]))

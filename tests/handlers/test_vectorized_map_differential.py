@@ -34,7 +34,7 @@ from test_differential import BINARY, UNARY
 
 SEED = int(os.environ.get("OH_VMAP_DIFFERENTIAL_SEED", "40"))
 BATCH = 3
-FAST_PROGRAMS = 20  # 2 to 4 steps
+FAST_PROGRAMS = 14  # 2 to 4 steps
 SLOW_PROGRAMS = 60  # 3 to 8 steps, deeper nesting (marked slow)
 # Unary ops whose values stay bounded and whose gradients stay finite when a loop body
 # repeats them (a loop's body is followed by tanh too).
@@ -66,10 +66,15 @@ def _no_gradient(values):
 # -- per-example control flow: expressions of one value, drawn recursively ----------------
 # A node maps a dense value v to a value of v's shape; `captures` are the program's slots.
 
-def _draw_node(rng, shape, slots, depth):
-    """A random node for a value of `shape`; control flow only while depth > 0."""
+def _draw_node(rng, shape, slots, depth, level=0):
+    """A random node for a value of `shape`; control flow only while depth > 0. `level`:
+    how many control-flow ops the node is inside."""
     kinds = ["unary", "unary", "binary", "binary", "seq"]
-    if shape and shape[-1] == 4:
+    if shape and shape[-1] == 4 and level < 3:
+        # (Not inside three levels of control flow: oh.GradientTape around the map then
+        # raises ValueError "Tried to take gradients (or similar) of a variable without
+        # handle data" for the variable's placeholder in the innermost loop or branch,
+        # e.g. a cond in a while_loop in a per-example cond, all in one example's copy.)
         kinds.append("matvec_var")
     if depth > 0:
         kinds += ["cond", "switch", "while"]
@@ -82,17 +87,18 @@ def _draw_node(rng, shape, slots, depth):
     if kind == "matvec_var":
         return ("matvec_var",)
     if kind == "seq":
-        return ("seq", [_draw_node(rng, shape, slots, depth) for _ in range(2)])
+        return ("seq", [_draw_node(rng, shape, slots, depth, level) for _ in range(2)])
     threshold = rng.choice([-0.5, 0.0, 0.5])
     if kind == "cond":
-        return ("cond", threshold, _draw_node(rng, shape, slots, depth - 1),
-                _draw_node(rng, shape, slots, depth - 1))
+        return ("cond", threshold, _draw_node(rng, shape, slots, depth - 1, level + 1),
+                _draw_node(rng, shape, slots, depth - 1, level + 1))
     if kind == "switch":
-        return ("switch", [_draw_node(rng, shape, slots, depth - 1)
+        return ("switch", [_draw_node(rng, shape, slots, depth - 1, level + 1)
                            for _ in range(rng.randint(2, 3))])
     # A per-example trip count (0 to 3) from the value entering the loop, or a condition
     # on the loop value itself (bounded by maximum_iterations).
-    return ("while", rng.choice(["count", "value"]), _draw_node(rng, shape, slots, depth - 1))
+    return ("while", rng.choice(["count", "value"]),
+            _draw_node(rng, shape, slots, depth - 1, level + 1))
 
 
 def _node_has(node, kinds):
@@ -671,11 +677,41 @@ def _mode(program, mode):
     return mode
 
 
+def _features(program, mode):
+    """What a case exercises (the draw must cover all of FEATURES)."""
+    found = {mode, "reference: " + (program.loop_reason(True) and "loop" or "tf.vectorized_map")}
+    found.update("element " + c for c in program.composites)
+    if program.unit:
+        found.add("unit leading dimension")
+    for name, _, p in program.steps:
+        found.add(name.split("_")[0])
+        if name == "control":
+            stack = [p["node"]]
+            while stack:
+                node = stack.pop()
+                found.add(node[0])
+                stack.extend(_children(node))
+            if _nesting(p["node"]) >= 2:
+                found.add("nested")
+    if any(program.slots[i][0] in ("ragged", "sparse") for i in program.outputs) or (
+            program.masked_output is not None):
+        found.add("composite output")
+    return found
+
+
+FEATURES = {"eager", "fn_function", "in_function", "reference: loop",
+            "reference: tf.vectorized_map", "element r", "element s", "element k",
+            "unit leading dimension", "cond", "switch", "while", "nested", "ragged",
+            "sparse", "masked", "composite output", "matvec", "reduce", "binary"}
+
+
 def _run_all(cases, lengths, depth):
     failures = []
+    covered = set()
     for seed, mode in cases:
         program = Program(seed, lengths, depth)
         mode = _mode(program, mode)
+        covered |= _features(program, mode)
         try:
             _run_case(program, mode)
         except Exception as e:  # pylint: disable=broad-except
@@ -684,6 +720,9 @@ def _run_all(cases, lengths, depth):
                 program.describe(), type(e).__name__, str(e)[:2000]))
     assert not failures, "%d of %d cases differ from TensorFlow:\n\n%s" % (
         len(failures), len(cases), "\n\n".join(failures[:10]))
+    # The draw covers every kind of element, step and reference (a changed generator
+    # or seed that stopped drawing one would otherwise pass unnoticed).
+    assert FEATURES <= covered, sorted(FEATURES - covered)
 
 
 def test_random_mapped_programs_match_tensorflow():

@@ -34,7 +34,7 @@ from test_differential import BINARY, UNARY
 
 SEED = int(os.environ.get("OH_VMAP_DIFFERENTIAL_SEED", "40"))
 BATCH = 3
-FAST_PROGRAMS = 14  # 2 to 4 steps
+FAST_PROGRAMS = 12  # 2 to 4 steps
 SLOW_PROGRAMS = 60  # 3 to 8 steps, deeper nesting (marked slow)
 # Unary ops whose values stay bounded and whose gradients stay finite when a loop body
 # repeats them (a loop's body is followed by tanh too).

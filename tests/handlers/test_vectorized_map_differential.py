@@ -12,12 +12,18 @@ captured variable W [4, 4]. It runs as a plain Python function (eager control fl
 a tf.function `fn` (replayed by the map) or with the whole map inside a fresh
 tf.function. Compared with TensorFlow: the outputs (values, dtypes, shapes; composite
 outputs by their components) of oh.vectorized_map with no tape, and the outputs and
-gradients (None pattern, dtype, shape, values) with respect to every float element
-component and W of oh.GradientTape around oh.vectorized_map.
+gradients (None pattern, dtype, shape, values) with respect to x, m, k's values and W
+of oh.GradientTape around oh.vectorized_map (ragged and sparse element values are held
+constant, see `_no_gradient`; a sparse output is not differentiated, see `_loss`).
 
 The reference is tf.vectorized_map under tf.GradientTape, except where TensorFlow 2.21's
-own vectorized_map cannot run the program (see `_loop_reason`); there it is tf.map_fn,
-on elements broadcast to the batch (tf.map_fn does not broadcast unit dimensions).
+own vectorized_map cannot run the program (`Program.loop_reason` names each failure it
+sidesteps); there it is the map as a Python loop of per-example calls, stacked (what
+tf.map_fn computes; tf.map_fn itself fails on some of them, see `_reference`). Against
+the loop, a gradient TensorFlow leaves None (a source used only in branches no example
+takes) may be zeros, as tf.vectorized_map gives it. A program tf.vectorized_map cannot run
+is not run inside a fresh tf.function (there oh.vectorized_map is tf.vectorized_map).
+The draw must cover every kind of element, step, mode and reference (`FEATURES`).
 
 Reproduce a failure with the seed it prints:
     OH_VMAP_DIFFERENTIAL_SEED=<seed> pytest tests/handlers/test_vectorized_map_differential.py
@@ -90,8 +96,17 @@ def _draw_node(rng, shape, slots, depth, level=0):
         return ("seq", [_draw_node(rng, shape, slots, depth, level) for _ in range(2)])
     threshold = rng.choice([-0.5, 0.0, 0.5])
     if kind == "cond":
-        return ("cond", threshold, _draw_node(rng, shape, slots, depth - 1, level + 1),
-                _draw_node(rng, shape, slots, depth - 1, level + 1))
+        branches = [_draw_node(rng, shape, slots, depth - 1, level + 1) for _ in range(2)]
+        if (_node_has(branches[0], ("while",)) and _node_has(branches[1], ("cond", "switch"))
+                or _node_has(branches[1], ("while",))
+                and _node_has(branches[0], ("cond", "switch"))):
+            # Not a while_loop in one branch and a cond or switch in the other: under
+            # oh.GradientTape the replayed per-example cond selects between the branches'
+            # variant intermediates of different kinds and raises ValueError "Trying to
+            # merge handles pointing to different dtypes" (SelectV2[T=DT_VARIANT] of an
+            # OptionalFromValue and the other branch's value).
+            branches[1] = ("unary", rng.choice(LOOP_UNARY))
+        return ("cond", threshold, branches[0], branches[1])
     if kind == "switch":
         return ("switch", [_draw_node(rng, shape, slots, depth - 1, level + 1)
                            for _ in range(rng.randint(2, 3))])
@@ -402,17 +417,13 @@ class Program:
         src = {k: tf.constant(v) for k, v in self.values.items()}
         return src, tf.Variable(self.W, name="W")
 
-    def make_elems(self, src, broadcast=False):
+    def make_elems(self, src):
         """The elements, a tuple in `self.inputs` order, built from the sources (so a tape
-        watching the sources sees through them); `broadcast`: unit dimensions made the
-        batch (for tf.map_fn)."""
+        watching the sources sees through them)."""
         elems = []
         for name in self.inputs:
             if name in ("x", "m"):
-                v = src[name]
-                if broadcast and name in self.unit:
-                    v = tf.broadcast_to(v, (BATCH,) + tuple(v.shape[1:]))
-                elems.append(v)
+                elems.append(src[name])
             elif name == "r":
                 lengths = [n for pair in self.row_lengths for n in pair]
                 inner = tf.RaggedTensor.from_row_lengths(_no_gradient(src["r"]),
@@ -671,8 +682,13 @@ def _cases(count, first_seed, rng):
 
 def _mode(program, mode):
     """Inside a function being traced oh.vectorized_map is tf.vectorized_map: a program
-    that tf.vectorized_map cannot run runs eagerly instead."""
-    if mode == "in_function" and program.loop_reason(True):
+    that tf.vectorized_map cannot run runs eagerly instead, and so does one with a
+    per-example tf.while_loop (in a tf.function the gradient of pfor's converted loop
+    can fail, InvalidArgumentError in the ParallelDynamicStitch of a DynamicPartition
+    gradient of the loop's gradient, where the eager tf.vectorized_map runs)."""
+    has_while = any(step[0] == "control" and _node_has(step[2]["node"], ("while",))
+                    for step in program.steps)
+    if mode == "in_function" and (program.loop_reason(True) or has_while):
         return "eager"
     return mode
 

@@ -38,7 +38,8 @@ import tensorflow as tf
 import tf_ophandlers as oh
 from test_differential import BINARY, UNARY
 
-SEED = int(os.environ.get("OH_VMAP_DIFFERENTIAL_SEED", "40"))
+DEFAULT_SEED = 40
+SEED = int(os.environ.get("OH_VMAP_DIFFERENTIAL_SEED", DEFAULT_SEED))
 BATCH = 3
 FAST_PROGRAMS = 12  # 2 to 4 steps
 SLOW_PROGRAMS = 60  # 3 to 8 steps, deeper nesting (marked slow)
@@ -736,9 +737,10 @@ def _run_all(cases, lengths, depth):
                 program.describe(), type(e).__name__, str(e)[:2000]))
     assert not failures, "%d of %d cases differ from TensorFlow:\n\n%s" % (
         len(failures), len(cases), "\n\n".join(failures[:10]))
-    # The draw covers every kind of element, step and reference (a changed generator
-    # or seed that stopped drawing one would otherwise pass unnoticed).
-    assert FEATURES <= covered, sorted(FEATURES - covered)
+    # The default draw covers every kind of element, step, mode and reference (a changed
+    # generator that stopped drawing one would otherwise pass unnoticed).
+    if SEED == DEFAULT_SEED:
+        assert FEATURES <= covered, sorted(FEATURES - covered)
 
 
 def test_random_mapped_programs_match_tensorflow():

@@ -98,15 +98,16 @@ def _draw_node(rng, shape, slots, depth, level=0):
     threshold = rng.choice([-0.5, 0.0, 0.5])
     if kind == "cond":
         branches = [_draw_node(rng, shape, slots, depth - 1, level + 1) for _ in range(2)]
-        if (_node_has(branches[0], ("while",)) and _node_has(branches[1], ("cond", "switch"))
-                or _node_has(branches[1], ("while",))
-                and _node_has(branches[0], ("cond", "switch"))):
-            # Not a while_loop in one branch and a cond or switch in the other: under
-            # oh.GradientTape the replayed per-example cond selects between the branches'
-            # variant intermediates of different kinds and raises ValueError "Trying to
-            # merge handles pointing to different dtypes" (SelectV2[T=DT_VARIANT] of an
-            # OptionalFromValue and the other branch's value).
-            branches[1] = ("unary", rng.choice(LOOP_UNARY))
+        for k, branch in enumerate(branches):
+            if _node_has(branch, ("while",)):
+                # No while_loop in a cond's branch: under oh.GradientTape the replayed
+                # per-example cond selects between the branches' variant intermediates
+                # (the loop's accumulators, the other branch's Optionals) and raises
+                # ValueError "Trying to merge handles pointing to different dtypes"
+                # (SelectV2[T=DT_VARIANT] of an OptionalFromValue and the other branch's
+                # value), e.g. cond(sum > 0.5, [while_count([sin] |> tanh)],
+                # [add(., m) |> stop_gradient_mix]).
+                branches[k] = ("unary", rng.choice(LOOP_UNARY))
         return ("cond", threshold, branches[0], branches[1])
     if kind == "switch":
         return ("switch", [_draw_node(rng, shape, slots, depth - 1, level + 1)
@@ -531,7 +532,8 @@ def _example(program, src, b):
             elems.append(src[name][0 if name in program.unit else b])
         elif name == "r":
             elems.append(tf.RaggedTensor.from_row_lengths(
-                _no_gradient(src["r"])[5 * b:5 * b + 5], tf.constant(program.row_lengths[b], tf.int64)))
+                _no_gradient(src["r"])[5 * b:5 * b + 5],
+                tf.constant(program.row_lengths[b], tf.int64)))
         elif name == "s":
             indices = [i[1:] for i in program.sparse_indices[4 * b:4 * b + 4]]
             elems.append(tf.SparseTensor(tf.constant(indices, tf.int64),

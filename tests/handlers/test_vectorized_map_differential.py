@@ -89,7 +89,8 @@ def _draw_node(rng, shape, slots, depth, level=0):
     if kind == "unary":
         return ("unary", rng.choice(LOOP_UNARY))
     if kind == "binary":
-        cands = [i for i, s in enumerate(slots) if s[0] == "dense" and _broadcasts_into(s[1], shape)]
+        cands = [i for i, s in enumerate(slots)
+                 if s[0] == "dense" and _broadcasts_into(s[1], shape)]
         return ("binary", rng.choice(sorted(BINARY)), rng.choice(cands) if cands else None)
     if kind == "matvec_var":
         return ("matvec_var",)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core.functions import call as function_calls  # noqa: E402
-from tf_ophandlers.handlers import mesh_comm  # noqa: E402
+from tf_ophandlers.handlers.mesh import comm as mesh_comm  # noqa: E402
 
 SECTION = "mesh"
 DEVICES = ["CPU:%d" % i for i in range(4)]

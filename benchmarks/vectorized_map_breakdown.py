@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core import stack as _stack  # noqa: E402
-from tf_ophandlers.handlers import vectorized_map as _vmap  # noqa: E402
+from tf_ophandlers.handlers.vectorized_map import handler as _vmap  # noqa: E402
 
 import vectorized_map as _vm  # noqa: E402
 

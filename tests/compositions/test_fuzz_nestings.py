@@ -273,7 +273,8 @@ def test_recompute_inside_accumulator_traces_jvp_functions_without_a_window():
     # function the first time it meets an op signature; traced inside the eager
     # Recompute scope, the function's own tapes got a Recompute window and their
     # tape.gradient raised HandlerError. Empty JVP function cache: it traces here.
-    from tf_ophandlers.handlers import forward_accumulator as fa  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.handlers.forward_accumulator import (  # pylint: disable=import-outside-toplevel
+        handler as fa)
     fa._jvp_function_cache.clear()  # pylint: disable=protected-access
     nesting = ("tf.GradientTape", "ForwardAccumulator", "Recompute")
     ref = _run(nesting, Case("eager", 871), False)

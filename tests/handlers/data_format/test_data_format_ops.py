@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from layout_probe import refused_on_cpu
-from tf_ophandlers.handlers.data_format_rules import Permuted
+from tf_ophandlers.handlers.data_format.rules import Permuted
 
 TOL = 1e-4
 
@@ -325,7 +325,7 @@ def test_layout_cache_is_keyed_by_type_attributes_and_rank():
     is 1 at any rank (BiasAdd), per rank: the same attributes on 4-D and 5-D data, other
     strides, and other shapes each get their own conversion, equal to TensorFlow's
     channels-last result."""
-    from tf_ophandlers.handlers import data_format as df_module
+    from tf_ophandlers.handlers.data_format import handler as df_module
     b = tf.constant([0.5, -1.0, 2.0])
     w = tf.random.stateless_normal([3, 3, 3, 2], seed=[1, 3])
     for step, shape in enumerate(([2, 3, 6, 5], [1, 3, 4, 4, 2], [3, 3, 9, 7], [2, 3, 6, 5])):
@@ -357,7 +357,8 @@ def _python_frames(fn):
 
     def profile(frame, event, arg):
         if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
-            seen.append((frame.f_code.co_filename.rsplit("/", 1)[-1], frame.f_code.co_name))
+            path = "/".join(frame.f_code.co_filename.rsplit("/", 2)[-2:])
+            seen.append((path, frame.f_code.co_name))
 
     sys.setprofile(profile)
     try:
@@ -378,8 +379,8 @@ def test_plain_ops_with_outside_inputs_run_without_python():
         for _ in range(2):  # the first op of a type asks the stack once (_oh_fast)
             frames = _python_frames(lambda: (v.read_value(), tf.raw_ops.Reshape(
                 tensor=x, shape=shape), tf.raw_ops.Relu(features=x)))
-    assert [f for f in frames if f[0] in ("data_format.py", "data_format_rules.py",
-                                          "stack.py")] == []
+    assert [f for f in frames if f[0] in ("data_format/handler.py", "data_format/rules.py",
+                                          "core/stack.py")] == []
 
 
 def test_a_layout_survives_re_entering_the_handler_on_another_stack():
@@ -405,7 +406,7 @@ def test_transposes_run_at_the_lowest_rank(monkeypatch):
     is [N, C, H*W] -> [N, H*W, C], which TensorFlow's CPU kernel runs faster): equal to
     tf.transpose for every perm of ranks 2-5 (length-1 axes included), eagerly (with
     eager lowering switched on) and in a replayed function."""
-    from tf_ophandlers.handlers import data_format_rules as rules
+    from tf_ophandlers.handlers.data_format import rules
     monkeypatch.setattr(rules, "_COLLAPSE_MIN_ELEMENTS", 0)
     monkeypatch.setattr(rules, "_COLLAPSE_EAGERLY", True)
     assert rules.collapsed_transpose([16, 3, 56, 56], (0, 2, 3, 1)) == (

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import forward_accumulator as fa
+from tf_ophandlers.handlers.forward_accumulator import handler as fa
 from conftest import assert_close, assert_same_tensors, tf_leak_checked
 
 # Tests that also run tf.autodiff.ForwardAccumulator as the reference compute the

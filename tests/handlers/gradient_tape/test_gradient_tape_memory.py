@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_ophandlers as oh
 from recompute_helpers import run_bfc
 from conftest import assert_same_tensors
-from tf_ophandlers.handlers.gradient_tape_exclusions import ALL, used_indices
+from tf_ophandlers.handlers.gradient_tape.exclusions import ALL, used_indices
 
 
 class PythonRecordingTape(oh.GradientTape):

@@ -13,7 +13,7 @@ from tensorflow.python.eager import record
 
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
-from tf_ophandlers.handlers.gradient_tape import _SWEEP_MIN
+from tf_ophandlers.handlers.gradient_tape.handler import _SWEEP_MIN
 from conftest import assert_close, assert_same_tensors, package_frames
 
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import lazy_compile
+from tf_ophandlers.handlers.lazy import compiler as lazy_compile
 
 from conftest import assert_close
 

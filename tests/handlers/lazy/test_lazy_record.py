@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 import tf_ophandlers._C as _C
-from tf_ophandlers.handlers import lazy_compile
+from tf_ophandlers.handlers.lazy import compiler as lazy_compile
 
 from conftest import assert_same_tensors
 
@@ -132,7 +132,8 @@ def test_recording_runs_no_python_frame_per_op(chunk_ops):
 
     def profile(frame, event, arg):
         if event == "call" and "tf_ophandlers" in frame.f_code.co_filename:
-            seen.append((frame.f_code.co_filename.rpartition("/")[2], frame.f_code.co_name))
+            path = "/".join(frame.f_code.co_filename.rsplit("/", 2)[-2:])
+            seen.append((path, frame.f_code.co_name))
 
     with oh.Lazy(chunk_ops=chunk_ops):
         h = tf.tanh(x) * 1.01  # (first ops of each type: the hook fills the caches)
@@ -145,8 +146,8 @@ def test_recording_runs_no_python_frame_per_op(chunk_ops):
             sys.setprofile(None)
         assert _C.fast_stats()["fast_ops"] - before == 20
         value = h.numpy()
-    hooks = seen.count(("lazy.py", "execute"))
-    assert hooks == seen.count(("lazy.py", "_launch_chunk"))
+    hooks = seen.count(("lazy/handler.py", "execute"))
+    assert hooks == seen.count(("lazy/handler.py", "_launch_chunk"))
     if chunk_ops is None:
         assert seen == [], sorted(set(seen))
     else:  # a chunk is due every 6 recorded ops: its hook launches it, C records the rest
@@ -194,7 +195,8 @@ def test_value_request_errors_name_oh_lazy_and_the_ops_and_the_handler_recovers(
 def test_error_naming_keeps_a_bare_op_error():
     # tf.errors.OpError itself takes an error code its subclasses fill in: renaming it
     # must not replace the error with a TypeError from its constructor.
-    from tf_ophandlers.handlers import lazy  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.handlers.lazy import (  # pylint: disable=import-outside-toplevel
+        handler as lazy)
     error = tf.errors.OpError(None, None, "boom", tf.errors.UNKNOWN)
     got = lazy._named(error, {"Reshape"})  # pylint: disable=protected-access
     assert type(got) is tf.errors.OpError and got.error_code == tf.errors.UNKNOWN

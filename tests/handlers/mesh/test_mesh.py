@@ -589,7 +589,7 @@ def test_training_on_a_mesh_over_two_server_processes(tmp_path):
     import pathlib  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     (tmp_path / "server.py").write_text(_SERVER)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, "-c", _CLIENT, str(tmp_path / "server.py")],

@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_ophandlers as oh
 from conftest import assert_close
 from tf_ophandlers.core.functions import call as function_calls
-from tf_ophandlers.handlers import mesh_comm
+from tf_ophandlers.handlers.mesh import comm as mesh_comm
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 
@@ -275,7 +275,8 @@ def test_shared_shards_cross_a_replay_once_and_join_unshared_in_control_flow(mes
 def test_broadcasting_plans_are_cached_per_layouts_and_shapes(mesh, monkeypatch):
     """An elementwise op with broadcasting (a bias add, a scalar scale) decides its
     layouts once per (layouts, shapes) of its inputs; another op type reuses the plan."""
-    from tf_ophandlers.handlers import mesh_rules  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.handlers.mesh import (  # pylint: disable=import-outside-toplevel
+        rules as mesh_rules)
     plans = []
     real = mesh_rules._broadcast_plan  # pylint: disable=protected-access
     monkeypatch.setattr(mesh_rules, "_broadcast_plan",

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from conftest import assert_close
-from tf_ophandlers.handlers import mesh_variables
+from tf_ophandlers.handlers.mesh import variables as mesh_variables
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 IDS = np.array([[1, 5, 5], [7, 0, 2], [5, 6, 1], [3, 3, 4]], dtype=np.int32)  # repeats

@@ -194,7 +194,7 @@ def test_a_tensor_of_another_parallel_handler_is_an_error():
             x + 1.
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 _REMOTE = r'''
 import socket, tensorflow as tf
 def free_port():

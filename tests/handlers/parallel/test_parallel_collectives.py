@@ -115,7 +115,7 @@ else:
 
 
 def _run(program, timeout=120):
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:

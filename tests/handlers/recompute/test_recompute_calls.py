@@ -20,7 +20,7 @@ import tf_ophandlers as oh
 import recompute_helpers
 
 RNG = np.random.default_rng(5)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 _assert_grads = recompute_helpers.assert_grads
 
 

@@ -287,7 +287,7 @@ def test_memory_budget_in_graph_mode_holds_measured_peaks():
             print(budget, peak(step)[0])
     """
     import os, subprocess, sys, textwrap  # noqa: E401 (only this test needs them)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import recompute_segments
+from tf_ophandlers.handlers.recompute import segments as recompute_segments
 import recompute_helpers
 
 RNG = np.random.default_rng(0)

@@ -9,8 +9,8 @@ import tensorflow as tf
 
 from tf_ophandlers.core.fast_decision import physical_copy_of
 from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of, stack_of
-from tf_ophandlers.handlers.batching_rules import Batched
-from tf_ophandlers.handlers.vectorized_map import VectorizedMap
+from tf_ophandlers.handlers.vectorized_map.batching_rules import Batched
+from tf_ophandlers.handlers.vectorized_map.handler import VectorizedMap
 
 
 class _Shifted(VectorizedMap):

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import vectorized_map as vm
+from tf_ophandlers.handlers.vectorized_map import handler as vm
 from conftest import assert_close
 
 RNG = np.random.default_rng(0)
@@ -369,7 +369,7 @@ def test_loop_fallback_is_reported_once_per_op_type_quietly(warn):
     import pathlib  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, "-c", _CONV_FALLBACK, warn], capture_output=True,
                           text=True, timeout=240, env=env, cwd=root)

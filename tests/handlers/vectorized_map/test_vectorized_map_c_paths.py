@@ -14,7 +14,7 @@ import tf_ophandlers as oh
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import copies
 from tf_ophandlers.core import stack as _stack
-from tf_ophandlers.handlers.vectorized_map import VectorizedMap
+from tf_ophandlers.handlers.vectorized_map.handler import VectorizedMap
 from conftest import assert_same_tensors
 
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from tf_ophandlers.core import stack as _stack
-from tf_ophandlers.handlers.vectorized_map import VectorizedMap
+from tf_ophandlers.handlers.vectorized_map.handler import VectorizedMap
 from conftest import assert_same_tensors
 
 

@@ -12,7 +12,7 @@ from tensorflow.python.framework import op_callbacks
 import tf_ophandlers as oh
 from tf_ophandlers.core import functions as replay
 from tf_ophandlers.core import scope as scope_module
-from tf_ophandlers.handlers import vectorized_map as vm
+from tf_ophandlers.handlers.vectorized_map import handler as vm
 from conftest import assert_close
 
 RNG = np.random.default_rng(0)

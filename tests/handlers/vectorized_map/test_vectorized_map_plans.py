@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from tf_ophandlers.core.cache import caches
-from tf_ophandlers.handlers import vectorized_map as vm
+from tf_ophandlers.handlers.vectorized_map import handler as vm
 from conftest import assert_close
 
 # Per-example shapes of every value a program makes: all broadcast with each other.

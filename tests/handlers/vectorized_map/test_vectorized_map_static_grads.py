@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import vectorized_map as vm
+from tf_ophandlers.handlers.vectorized_map import handler as vm
 
 B = 5
 _rng = np.random.default_rng(3)

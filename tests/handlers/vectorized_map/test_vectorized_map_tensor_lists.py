@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers import vectorized_map
+from tf_ophandlers.handlers.vectorized_map import handler as vectorized_map
 from conftest import assert_same_tensors
 
 R = tf.raw_ops

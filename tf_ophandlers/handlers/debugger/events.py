@@ -50,7 +50,7 @@ HEALTH_MODES = frozenset((CURT_HEALTH, CONCISE_HEALTH, FULL_HEALTH))
 SKIP_OPS = frozenset(t.decode() for t in op_callbacks_common.OP_CALLBACK_SKIP_OPS)
 SKIP_EAGER = SKIP_OPS | {"DebugNumericSummaryV2"}
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def parse_mode(tensor_debug_mode):

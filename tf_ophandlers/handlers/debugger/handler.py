@@ -48,7 +48,7 @@ from tf_ophandlers.core.functions.library import body as function_body
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers import debug_events as de
+from tf_ophandlers.handlers.debugger import events as de
 
 
 class DebuggerHandler(OpHandler):

@@ -41,9 +41,9 @@ from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
 from tf_ophandlers.core.state import state
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, own_handle, representation_of, stack_of, tensor_key)
-from tf_ophandlers.handlers import forward_accumulator_custom as _custom
-from tf_ophandlers.handlers import forward_accumulator_rules as _more_rules
-from tf_ophandlers.handlers.forward_accumulator_jvp import (
+from tf_ophandlers.handlers.forward_accumulator import custom_gradients as _custom
+from tf_ophandlers.handlers.forward_accumulator import rules as _more_rules
+from tf_ophandlers.handlers.forward_accumulator.jvp import (
     COMPLEX_ENUMS as _COMPLEX_ENUMS, DIFFERENTIABLE_ENUMS as _DIFFERENTIABLE_ENUMS,
     FLOAT_ENUMS as _FLOAT_ENUMS, REAL_ONLY as _REAL_ONLY, RULES as _RULES,
     dtype_enum as _enum, is_float as _float, multilinear as _multilinear, zeros as _zeros)

@@ -25,7 +25,7 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import warn_once
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.handlers.gradient_tape_static import STATIC_GRADIENTS
+from tf_ophandlers.handlers.gradient_tape.static_gradients import STATIC_GRADIENTS
 
 _key = tensor_key
 _stack_of = stack_of

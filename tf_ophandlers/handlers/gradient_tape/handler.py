@@ -40,9 +40,9 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.recording import copy_through, record_on_tf_tapes, recording
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers import gradient_tape_hooks
-from tf_ophandlers.handlers.gradient_tape_backward import BackwardPass, check_differentiable
-from tf_ophandlers.handlers.gradient_tape_exclusions import (
+from tf_ophandlers.handlers.gradient_tape import hooks as gradient_tape_hooks
+from tf_ophandlers.handlers.gradient_tape.backward import BackwardPass, check_differentiable
+from tf_ophandlers.handlers.gradient_tape.exclusions import (
     drop_unread, track_ref, tracked_entry, used_indices)
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, current_stack, next_stack, own_handle, representation_of,

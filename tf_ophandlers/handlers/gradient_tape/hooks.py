@@ -23,7 +23,7 @@ from tf_ophandlers.core.errors import CopyOffError
 from tf_ophandlers.core.functions.call_records import densified, replayed_call
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of
-from tf_ophandlers.handlers.gradient_tape_exclusions import tracked_entry
+from tf_ophandlers.handlers.gradient_tape.exclusions import tracked_entry
 
 _EagerTensor = _ops.EagerTensor
 

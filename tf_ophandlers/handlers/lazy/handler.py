@@ -45,7 +45,7 @@ from tf_ophandlers.core.fast_decision import (lazy_computed, lazy_plan, lazy_rec
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
 from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.handlers import lazy_compile
+from tf_ophandlers.handlers.lazy import compiler as lazy_compile
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly
 _dtypes = BoundedCache("lazy.dtypes", 256)  # TF_DataType enum -> tf.DType

@@ -34,7 +34,7 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical, next_stack, stack_of)
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.mesh_rules import MeshValue
+from tf_ophandlers.handlers.mesh.rules import MeshValue
 
 SMALL = 16  # tensors up to this size are shared between devices, never copied eagerly
 _COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",

@@ -42,16 +42,17 @@ from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     OffStack, current_stack, next_stack, representation_of, stack_of)
-from tf_ophandlers.handlers import (
-    mesh_checkpoint, mesh_comm, mesh_rules, mesh_rules_nn, mesh_variables)
+from tf_ophandlers.handlers.mesh import (
+    checkpoint as mesh_checkpoint, comm as mesh_comm, rules as mesh_rules,
+    rules_nn as mesh_rules_nn, variables as mesh_variables)
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.mesh_comm import MeshCommunication, stateless as _stateless
-from tf_ophandlers.handlers.mesh_compiled import PerOpCalls
-from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
+from tf_ophandlers.handlers.mesh.comm import MeshCommunication, stateless as _stateless
+from tf_ophandlers.handlers.mesh.compiled import PerOpCalls
+from tf_ophandlers.handlers.mesh.rules import MeshValue, VarInfo
 from tf_ophandlers.handlers.gradient_tape import SOURCE_GRADIENT_NODE
 from tf_ophandlers.handlers.parallel import (
     VARIABLE_READS, ParallelHandler, refuse_tape_below)
-from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
+from tf_ophandlers.handlers.parallel.optimizers import ensure_optimizer_check
 
 _log = logging.getLogger("tf_ophandlers")
 RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}

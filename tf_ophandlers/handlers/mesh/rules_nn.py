@@ -9,7 +9,7 @@ Same contract as `mesh_rules.py`, whose table `RULES` this module's table extend
 import numpy as np
 import tensorflow as tf
 
-from tf_ophandlers.handlers.mesh_rules import MeshValue, elementwise, outputs, static_input
+from tf_ophandlers.handlers.mesh.rules import MeshValue, elementwise, outputs, static_input
 
 
 def _bias_add(mesh, op, inputs):

@@ -14,8 +14,8 @@ from tensorflow.python.framework import op_def_registry
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core.op import Op
-from tf_ophandlers.handlers import mesh_rules_nn
-from tf_ophandlers.handlers.mesh_rules import MeshValue, VarInfo
+from tf_ophandlers.handlers.mesh import rules_nn as mesh_rules_nn
+from tf_ophandlers.handlers.mesh.rules import MeshValue, VarInfo
 
 VAR_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 # Sparse updates (an IndexedSlices gradient applied with scatter_sub, ...).

@@ -19,7 +19,7 @@ from tensorflow.python.ops import collective_ops as _collective_ops
 
 from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.stack import current_stack
-from tf_ophandlers.handlers import parallel_collectives as _collectives
+from tf_ophandlers.handlers.parallel import collectives as _collectives
 
 _thread = threading.local()  # .replicas: the ParallelHandler whose fit step is traced/run
 

@@ -40,11 +40,11 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
     current_stack, next_stack, OffStack, representation_of, stack_of)
 from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.handlers import parallel_collectives as _collectives
-from tf_ophandlers.handlers import parallel_nest as _nest
+from tf_ophandlers.handlers.parallel import collectives as _collectives
+from tf_ophandlers.handlers.parallel import nest as _nest
 from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
-from tf_ophandlers.handlers.parallel_fit import ensure_data_parallel_fit
-from tf_ophandlers.handlers.parallel_optimizers import ensure_optimizer_check
+from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit
+from tf_ophandlers.handlers.parallel.optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
 _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)

@@ -62,7 +62,7 @@ from tf_ophandlers.core.functions import CompiledCall, call_records, library
 from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.stack import HandlerStack, replays
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute_graph import (
+from tf_ophandlers.handlers.recompute.graph import (
     SEGMENT_GRADIENT, copied_attrs, is_zero, orphan_segment, recompute_gradient)
 
 GRADIENT = SEGMENT_GRADIENT

@@ -26,7 +26,7 @@ import collections
 
 from tensorflow.python.eager import record as _record
 
-from tf_ophandlers.handlers.recompute_segments import nbytes
+from tf_ophandlers.handlers.recompute.segments import nbytes
 
 
 # What a dropped value's tensor was: shape and dtype queries need no rematerialization.

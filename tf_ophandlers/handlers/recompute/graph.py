@@ -54,7 +54,7 @@ from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, node_attrs
 from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute_segments import Segment, serialize_heavy, split
+from tf_ophandlers.handlers.recompute.segments import Segment, serialize_heavy, split
 
 _local = threading.local()  # .window: the innermost open Window of this thread
 _OPAQUE = (tf.resource, tf.variant)

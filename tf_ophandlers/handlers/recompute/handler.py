@@ -75,11 +75,12 @@ from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.errors import HandlerError
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.stack import COPY_OPS, never_copy
-from tf_ophandlers.handlers import recompute_calls, recompute_evict, recompute_graph
-from tf_ophandlers.handlers.recompute_evict import Value as _Value, described as _described
-from tf_ophandlers.handlers.recompute_evict import tensor_of as _tensor_of
-from tf_ophandlers.handlers.recompute_graph import Window
-from tf_ophandlers.handlers.recompute_segments import Segment, nbytes, record
+from tf_ophandlers.handlers.recompute import (
+    calls as recompute_calls, evict as recompute_evict, graph as recompute_graph)
+from tf_ophandlers.handlers.recompute.evict import Value as _Value, described as _described
+from tf_ophandlers.handlers.recompute.evict import tensor_of as _tensor_of
+from tf_ophandlers.handlers.recompute.graph import Window
+from tf_ophandlers.handlers.recompute.segments import Segment, nbytes, record
 
 _stateful = BoundedCache("recompute.stateful_ops", 4096)  # op type -> must not recompute
 _NOT_RECOMPUTED = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless", "Print", "PrintV2"))
@@ -110,7 +111,8 @@ def _is_stateful(op_type):
 
 def _user_stacklevel():
     """The warnings stacklevel of the first frame outside this package (the user's)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
     frame, level = sys._getframe(1), 2  # pylint: disable=protected-access
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1

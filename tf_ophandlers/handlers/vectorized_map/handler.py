@@ -52,7 +52,7 @@ from tf_ophandlers.core.functions.representations import eager_leaf
 from tf_ophandlers.core.stack import (
     COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
     stack_of)
-from tf_ophandlers.handlers.batching_rules import (
+from tf_ophandlers.handlers.vectorized_map.batching_rules import (
     ALWAYS_BATCHED, DTYPES, FORWARD, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
     ATTRIBUTE_PLANS, plan_of, static_shape, known_value)
 

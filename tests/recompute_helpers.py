@@ -37,7 +37,7 @@ def assert_grads(expected, got):
                                    tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-6)
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bfc(code):

@@ -377,9 +377,9 @@ def render(configs, info, args, elapsed):
          "oh.Mesh runs an op as one eager op per device (default); the last columns "
          "time the same ops with `oh.Mesh(..., compile_ops=True)` (the per-device shards "
          "as one compiled multi-device function call, built once per op signature and "
-         "cached, `handlers/mesh_compiled.py`) in the same rounds: "
+         "cached, `handlers/mesh/compiled.py`) in the same rounds: "
          "compiled / per device %s. Communication uses explicit cross-device ops "
-         "(`handlers/mesh_comm.py`), which "
+         "(`handlers/mesh/comm.py`), which "
          "`benchmarks/mesh_communication.py` measures against TensorFlow's collectives. "
          "DTensor runs each op as an SPMD-expanded function on its custom device with "
          "collectives." % ", ".join("%.2f" % r for r in compiled.values())]

@@ -292,7 +292,7 @@ class _Config:
 
 def measure_calls(layers=256, width=WIDTH, batch=2048, rounds=3):
     """A `tf.function` forward pass *called* inside an eager `oh.Recompute()` scope (run
-    as a segmented rewrite, recompute_calls.py) against the same call without it, both
+    as a segmented rewrite, recompute/calls.py) against the same call without it, both
     under oh.GradientTape: {key: {"peak", "ms", "ratio"}} (times interleaved; the
     gradients must be equal)."""
     model = MLP(layers, width, batch)

@@ -12,7 +12,7 @@ Gradients must equal tf.GradientTape's (rtol 1e-5, atol 1e-6) or the script fail
 
 oh.Recompute() is measured twice: as it is (it drops the values a Keras functional model
 holds in its `tensor_dict` once their segment closed and rematerializes them when used,
-recompute_evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
+recompute/evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
 
 Columns: *forward peak* and *kept* (bytes still allocated when the forward pass ends:
 what the tape holds for the backward pass), *step peak*, the eager inference peak (no

@@ -316,7 +316,7 @@ PyObject* RecordWith(const Frame& f, PyObject* tape, PyObject* state, PyObject* 
     return Slow(f, tape, op, inputs, outputs);
   }
   // Which inputs are tracked (the tape's first objects for them, alive), nothing changed
-  // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape.py).
+  // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape/handler.py).
   Py_ssize_t n_in = PyList_GET_SIZE(inputs);
   if (n_out >= (Py_ssize_t{1} << kUidShift)) {
     Py_DECREF(tracked);

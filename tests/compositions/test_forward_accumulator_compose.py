@@ -275,7 +275,7 @@ def test_tape_around_lazy_around_accumulator_op_without_a_jvp_rule(op):
     # JVP rule here: TensorFlow's traced JVP call) was None. The call's arguments include
     # the pending Erf output, which Lazy computed inside TensorFlow's call path, where the
     # tape set is stopped, so the tape never recorded Erf. Lazy now restarts recording
-    # for pending ops recorded while it was on (handlers/lazy.py `_run`).
+    # for pending ops recorded while it was on (handlers/lazy/handler.py `_run`).
     fn = {"erf": tf.math.erf,
           "avg_pool": lambda a: tf.nn.avg_pool2d(tf.reshape(a, [-1, 2, 2, 1]), 2, 1, "SAME")}[op]
     x, tx = _rand(50, 4, 4), _rand(51, 4, 4)

@@ -1,4 +1,4 @@
-"""What oh.Mesh issues per sharded op (load-independent counts, mesh_comm.py) on a 2x2
+"""What oh.Mesh issues per sharded op (load-independent counts, mesh/comm.py) on a 2x2
 ("batch", "model") mesh of four logical CPUs, with values against plain TensorFlow;
 the communication nodes of a replayed function and a mesh that copies shards."""
 import collections

@@ -1,4 +1,4 @@
-"""A tf.function *called* inside an eager oh.Recompute scope (recompute_calls.py): its
+"""A tf.function *called* inside an eager oh.Recompute scope (recompute/calls.py): its
 forward function runs as a segmented rewrite whose interior is recomputed in the backward
 pass. Against the same program without Recompute: gradients equal (rtol 1e-5; dense vs
 IndexedSlices), an unknown batch dimension, a Keras model, second order, save=, the peak

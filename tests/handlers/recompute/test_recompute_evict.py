@@ -1,6 +1,6 @@
 """oh.Recompute drops the values the program still holds (a Keras functional model's
 layer outputs) once their segment closed, and rematerializes them when used
-(recompute_evict.py): gradients and values against tf.GradientTape and plain TensorFlow
+(recompute/evict.py): gradients and values against tf.GradientTape and plain TensorFlow
 on the same program, kept ops never recomputed, and the BFC peak of a held-value forward
 pass."""
 import keras

@@ -201,7 +201,7 @@ def test_fuzz_random_programs_with_interior_sources(seed):
     rc = [oh.Recompute(), oh.Recompute(save=("MatMul",)), oh.Recompute(),
           oh.Recompute(memory_budget=10 ** 9), oh.Recompute(memory_budget=10 ** 9)][policy]
     if seed % 2:  # values the program holds are dropped at every segment close (not
-        # only those of 4 KB or more) and rematerialized when used (recompute_evict.py)
+        # only those of 4 KB or more) and rematerialized when used (recompute/evict.py)
         rc.evict_min_bytes = 0
     if policy >= 2:  # a reused handler: the second scope plans with the first's size
         # (under a budget above the size: everything in kept segments, not recomputed)

@@ -1,4 +1,4 @@
-"""oh.Recompute opened inside a traced function (graph mode, recompute_graph.py): the
+"""oh.Recompute opened inside a traced function (graph mode, recompute/graph.py): the
 segments are in the traced step; gradients equal tf.GradientTape's on the same function
 without Recompute (fresh tf.function, unknown batch dimension, Keras model.fit with a
 custom train_step, tf.cond, Dropout, an Embedding's IndexedSlices, second order); the

@@ -16,7 +16,7 @@ kept channels-last:
 >>> y.shape                                                 # what the model promises
 TensorShape([2, 4, 8, 8])
 
-A tensor's representation carries its physical layout (data_format_rules.py:
+A tensor's representation carries its physical layout (rules.py:
 `Permuted(value, perm)`, or the plain next-stack tensor when physical == logical), so
 the output of a converted op stays channels-last: elementwise ops, reductions,
 concatenation, splits, pads, slices and transposes run on it directly (axes remapped,

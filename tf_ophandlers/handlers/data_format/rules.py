@@ -2,7 +2,7 @@
 value between physical layouts, and per op type a rule
 ``rule(handler, nxt, op, inputs) -> outputs`` for the layout-agnostic ops (elementwise
 ops, reductions, concatenation, splits, pads, slices, transposes, reshapes, shapes) that
-run on permuted data without transposing it back. data_format.py converts the
+run on permuted data without transposing it back. handler.py converts the
 layout-sensitive ops (those with a `data_format` attribute) and falls back to the
 logical layout for every op without a rule.
 

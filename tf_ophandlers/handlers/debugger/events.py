@@ -1,5 +1,5 @@
 """The tfdbg V2 file set of a dump root and the debug values of tensors (for
-`DebuggerHandler`, handlers/debugger.py).
+`DebuggerHandler`, handlers/debugger/handler.py).
 
 Everything is written through TensorFlow's own `DebugEventsWriter` and mirrors
 `tensorflow/python/debug/lib/dumping_callback.py` (what

@@ -1,4 +1,4 @@
-"""`ForwardAccumulator` (handlers/forward_accumulator.py): JVPs of gradients recorded from
+"""`ForwardAccumulator` (handlers/forward_accumulator/handler.py): JVPs of gradients recorded from
 Python (`record.record_operation`: tf.custom_gradient, tf.recompute_grad, a forward
 function), computed when the operation is recorded, as TensorFlow's accumulators do.
 

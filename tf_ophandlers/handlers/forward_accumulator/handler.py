@@ -495,7 +495,7 @@ class ForwardAccumulator(OpHandler):
                 dual.tangent = self._below(tangent, below)
 
     def _resume_recording(self, resumed):
-        """Records again (or stops) while transposing (forward_accumulator_custom.py)."""
+        """Records again (or stops) while transposing (custom_gradients.py)."""
         self._live = self._resumed = resumed
 
     def _below(self, tensor, below):

@@ -1,4 +1,4 @@
-"""`ForwardAccumulator` (handlers/forward_accumulator.py): the JVP rules of common ops,
+"""`ForwardAccumulator` (handlers/forward_accumulator/handler.py): the JVP rules of common ops,
 as `fn(execute, op, primals, tangents, outputs) -> output tangents`.
 
 `execute(op, inputs)` runs an op on the next stack; plain TensorFlow calls in a rule run

@@ -1,4 +1,4 @@
-"""`ForwardAccumulator` (handlers/forward_accumulator.py): the MaxPool JVP rule, and what
+"""`ForwardAccumulator` (handlers/forward_accumulator/handler.py): the MaxPool JVP rule, and what
 nested accumulators need (distinct inputs for TensorFlow's construction run eagerly; the
 zero tangents an accumulator below gets for the JVPs of one above).
 """

@@ -3,7 +3,7 @@ run over the recorded ops in reverse, each on the stack its forward op ran on (R
 gradient ops are placed where the forward op ran); `jacobian` and `batch_jacobian`
 backpropagate one seed per target element, vectorized with `oh.vectorized_map` over the
 seeds when every recorded op ran on physical devices (as tf.GradientTape's pfor), else one
-backward pass per seed. A mixin of `GradientTape` (recording lives in gradient_tape.py),
+backward pass per seed. A mixin of `GradientTape` (recording lives in handler.py),
 so that each module reads in one sitting; argument checks shared by both are here too.
 """
 import contextlib

@@ -71,7 +71,7 @@ _TRAINABLE_ENUMS = frozenset(
 
 # One recorded operation: a C type (cc/tape_record.h, also the memory contract: as
 # TensorFlow's tape, a record keeps only the inputs and outputs its op's gradient reads,
-# gradient_tape_exclusions.py) with read-only seq, op_type, op, backward, inputs,
+# exclusions.py) with read-only seq, op_type, op, backward, inputs,
 # outputs, stack (where its gradient runs), skip and ids (the graph's links).
 _Record, _after_execute_c = recording(_TRAINABLE_ENUMS, used_indices)
 _SWEEP_MIN = 1024  # `_tracked` sizes that never ask for a sweep (cc/tape_record.cc kSweepMin)

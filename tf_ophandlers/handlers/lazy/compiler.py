@@ -1,4 +1,4 @@
-"""The functions `oh.Lazy` compiles, in one process-wide cache (handlers/lazy.py).
+"""The functions `oh.Lazy` compiles, in one process-wide cache (handlers/lazy/handler.py).
 
 A *plan* is the pending subgraph of one value request, in recording order: for each node
 ``(op, refs, live, device)`` where `refs` names each input as ``(-1, k)`` (external

@@ -16,7 +16,7 @@ shape functions, only when asked for). A value request — `.numpy()`, printing,
 off the handler, a Python decision (`if t > 0:`) — compiles the pending subgraph that
 the value depends on into a function, cached by its structure (op types, attributes,
 wiring, devices and input specs) in one process-wide cache that every `Lazy()` shares
-(handlers/lazy_compile.py; `Lazy(jit_compile=True)` compiles with XLA), and runs it
+(handlers/lazy/compiler.py; `Lazy(jit_compile=True)` compiles with XLA), and runs it
 once. The values the program still references (and those other pending ops need) are
 kept; intermediate values nobody can ask for
 stay inside the function. Stateful ops (variables, random ops with state, prints) and
@@ -539,7 +539,7 @@ class Lazy(OpHandler):
         if inflight:  # a chunk's outputs: the specs its function gives (not awaited)
             specs = tuple(_spec_key(inflight[tensor_key(t)][1] if tensor_key(t) in inflight
                                     else t) for t in external)
-        # Everything the compiled function depends on (handlers/lazy_compile.py): op
+        # Everything the compiled function depends on (handlers/lazy/compiler.py): op
         # types, attributes, wiring, devices, live outputs, the inputs' dtypes and shapes.
         key = (key, specs, self.jit_compile)
         try:

@@ -1,4 +1,4 @@
-"""Per-shard checkpoints of `oh.Mesh` variables (tf_ophandlers/handlers/mesh.py).
+"""Per-shard checkpoints of `oh.Mesh` variables (tf_ophandlers/handlers/mesh/handler.py).
 
 `mesh.save_shards(prefix, {name: variable})` writes each device's own blocks: one
 checkpoint file per device (`prefix-<i>-of-<n>`, TensorFlow's SaveV2 format, run on that

@@ -1,4 +1,4 @@
-"""`oh.Mesh`'s per-device launches and communication (a mixin of `Mesh`, mesh.py).
+"""`oh.Mesh`'s per-device launches and communication (a mixin of `Mesh`, handler.py).
 
 Every op the mesh issues is a raw op run on the stack below with the physical device set
 directly (`run`, `run_on`): no TensorFlow Python API and no device-scope object per

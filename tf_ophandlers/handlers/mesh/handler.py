@@ -2,7 +2,7 @@
 
 A tensor of the mesh is a `MeshValue`: one local shard per mesh device and a layout,
 one mesh dimension name (or None, replicated) per tensor axis. Every op runs on each
-device's shards under an SPMD rule (`mesh_rules.py`: elementwise with broadcasting,
+device's shards under an SPMD rule (`rules.py`: elementwise with broadcasting,
 contractions with partial sums reduced, reductions, reshapes, softmax, gathers, shape
 queries, variables); ops without a rule are gathered to full tensors, run once and
 replicated, and reported once per op type (`mesh.fallbacks`). Copying a mesh tensor off
@@ -21,7 +21,7 @@ replicated, and reported once per op type (`mesh.fallbacks`). Copying a mesh ten
 
 Ops are launched per device and communicate with explicit cross-device ops among the
 devices of one mesh dimension (an AddN on the group's first device, read in place by the
-group's other logical CPUs; concatenations for all-gathers): `mesh_comm.py`.
+group's other logical CPUs; concatenations for all-gathers): `comm.py`.
 """
 import collections
 import logging
@@ -109,7 +109,7 @@ class Mesh(MeshCommunication, OpHandler):
 
     def __init__(self, dims, devices, compile_ops=False, batch_dim=None):
         """`compile_ops`: run an op's per-device shards as one compiled multi-device
-        function call (cached per op signature; `mesh_compiled.py`) instead of one eager
+        function call (cached per op signature; `compiled.py`) instead of one eager
         op per device; off by default: slower on the loaded 2-core machine it was
         measured on (`benchmarks/mesh.py`).
 
@@ -281,7 +281,7 @@ class Mesh(MeshCommunication, OpHandler):
 
     def save_shards(self, prefix, variables):
         """Writes each device's blocks of `variables` ({name: variable}) to its own
-        checkpoint file (`prefix-<i>-of-<n>`), with their layouts (`mesh_checkpoint.py`)."""
+        checkpoint file (`prefix-<i>-of-<n>`), with their layouts (`checkpoint.py`)."""
         mesh_checkpoint.save_shards(self, prefix, variables)
 
     def restore_shards(self, prefix, variables):
@@ -289,7 +289,7 @@ class Mesh(MeshCommunication, OpHandler):
         and layout, else unsharded and resharded to each variable's layout."""
         mesh_checkpoint.restore_shards(self, prefix, variables)
 
-    # -- helpers for the rules (mesh_rules.py) ------------------------------------------
+    # -- helpers for the rules (rules.py) ------------------------------------------
 
     def dim_size(self, name):
         return self.dims[name]

@@ -1,4 +1,4 @@
-"""SPMD rules of `oh.Mesh` (tf_ophandlers/handlers/mesh.py), one table entry per op type.
+"""SPMD rules of `oh.Mesh` (tf_ophandlers/handlers/mesh/handler.py), one table entry per op type.
 
 A rule is `rule(mesh, op, inputs) -> outputs or None`: `inputs` are `MeshValue`s (local
 shards + a layout), the rule relayouts what it must (`mesh.relayout_value`), runs the op

@@ -1,7 +1,7 @@
 """SPMD rules of `oh.Mesh` for neural-network ops: biases, softmax, the sparse softmax
 cross-entropy (rows or classes sharded), gathers (embeddings sharded on the vocabulary),
 segment sums, convolutions and pooling on the batch axis.
-Same contract as `mesh_rules.py`, whose table `RULES` this module's table extends.
+Same contract as `rules.py`, whose table `RULES` this module's table extends.
 
 >>> sorted(RULES)[:3]
 ['AvgPool', 'AvgPoolGrad', 'BiasAdd']

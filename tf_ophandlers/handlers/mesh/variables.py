@@ -1,4 +1,4 @@
-"""Variable ops of `oh.Mesh` (tf_ophandlers/handlers/mesh.py): creation, reads, writes
+"""Variable ops of `oh.Mesh` (tf_ophandlers/handlers/mesh/handler.py): creation, reads, writes
 relayouted to the variable's layout, `ResourceGather`, dense `ResourceApply*` and sparse
 `ResourceSparseApply*` kernels, sparse `ResourceScatter*` updates, and the layout
 adoption that gives an optimizer's slot variables their variables' layouts (eagerly, or

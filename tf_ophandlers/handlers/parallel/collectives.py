@@ -1,5 +1,5 @@
 """Components of one op that must run at the same time (`oh.ParallelHandler`,
-tf_ophandlers/handlers/parallel.py): a TensorFlow collective (all-reduce, broadcast,
+tf_ophandlers/handlers/parallel/handler.py): a TensorFlow collective (all-reduce, broadcast,
 gather) or a function holding one waits in each component for all the others, so
 dispatched one component after another the first would wait forever. TensorFlow's
 ParallelDevice runs every op with a thread per device; the handler does so for these ops

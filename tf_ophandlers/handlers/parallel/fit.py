@@ -34,7 +34,7 @@ def data_parallel_handler(model):
     `model`'s weights (or will: an unbuilt model is built in the scope), else None (a
     model built outside keeps the optimizer check's PlacementError)."""
     for h in reversed(current_stack().handlers):
-        # By type name: parallel.py imports this module (an import back would be a cycle).
+        # By type name: handler.py imports this module (an import back would be a cycle).
         if getattr(h, "TYPE_NAME", None) == "PARALLEL" and len(h.components) > 1:
             weights = [v for v in model.trainable_variables
                        if getattr(v, "handle", None) is not None]

@@ -15,7 +15,7 @@ motivation: "gradient checkpointing requires recursively recomputing").
 Opened inside a tape's scope, the handler runs each op eagerly on the stack below it with
 the tapes paused, and groups the recomputable ops it ran (stateless ops with a tracked
 input and a differentiable output) into *segments*. Each segment is recorded on the tapes
-as one operation (recompute_segments.py) whose inputs are kept and whose gradient
+as one operation (segments.py) whose inputs are kept and whose gradient
 recomputes the segment, so the values inside a segment are freed as soon as the program
 drops them instead of being held by the tape until the backward pass. A segment whose
 outputs are also used inside it (values the program keeps) is recorded as several
@@ -23,14 +23,14 @@ operations, so a gradient with respect to such a value sees all its uses (equal 
 tf.GradientTape's; recompute_segments.split).
 
 Opened inside a function being traced (graph mode), the scope puts the recompute
-structure into the traced graph instead (recompute_graph.py), as it does for a function
+structure into the traced graph instead (graph.py), as it does for a function
 traced inside an eager scope (a Keras fit step). An eager scope inside a recording
 tf.GradientTape cannot save anything (that tape records the ops itself): it warns.
 
 Ops that must not be recomputed run as they are and the tape records them itself:
 stateful ops (random ops with hidden state, variable reads and updates, prints),
 ops on resources or variants. A tf.function called in the scope while only handler tapes
-record runs as a segmented rewrite of its forward function (recompute_calls.py); other
+record runs as a segmented rewrite of its forward function (calls.py); other
 calls are kept whole. Their outputs are kept, so a variable read
 sees the value of the forward pass even if the variable changes before the backward pass.
 
@@ -136,7 +136,7 @@ class Recompute(OpHandler):
     is_stateful_type = staticmethod(_is_stateful)
     is_trainable = staticmethod(_trainable)
     transparent = True
-    replays_functions = False  # calls reach execute whole (recompute_calls.py)
+    replays_functions = False  # calls reach execute whole (calls.py)
     changes_computation = False  # runs each op as it is (again in the backward pass)
 
     def __init__(self, policy="sqrt", save=None, memory_budget=None):
@@ -167,7 +167,7 @@ class Recompute(OpHandler):
         self.policy = policy
         self.save = save
         self.memory_budget = memory_budget
-        # Values below this many bytes are never dropped (recompute_evict.py); None
+        # Values below this many bytes are never dropped (evict.py); None
         # turns eviction off.
         self.evict_min_bytes = 4096
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
@@ -206,7 +206,7 @@ class Recompute(OpHandler):
         if not tf.executing_eagerly():
             # Inside a function being traced the tapes are TensorFlow's own (trace time):
             # the scope collects their records and records segments at its exit
-            # (recompute_graph.py); without a recording tape there is nothing to do.
+            # (graph.py); without a recording tape there is nothing to do.
             window = Window(self) if _record.could_possibly_record() else None
             self._windows.append(window)
             if window is not None:
@@ -560,7 +560,7 @@ class Recompute(OpHandler):
         # returns), so only values used by later segments, which the segment holds
         # meanwhile, or still referenced are kept. Meanwhile (a segment closed while the
         # forward pass goes on) the values the program holds are dropped, to be
-        # rematerialized when used (recompute_evict.py), one segment late: a residual
+        # rematerialized when used (evict.py), one segment late: a residual
         # input is typically read again soon after its segment closed.
         if evict and self.evict_min_bytes is not None:
             lagging, self._lagging = self._lagging, segment

@@ -60,7 +60,7 @@ class Segment:
         # function takes them and recomputes the others (graph speed, one call).
         self.saved = [] if keep or partial else None  # per node: its output tensors
         self.partial = partial
-        # Eviction (recompute_evict.py): the stack rematerializations run on, and how
+        # Eviction (evict.py): the stack rematerializations run on, and how
         # many values / ops they recomputed.
         self.below = None
         self.remat = self.remat_ops = 0

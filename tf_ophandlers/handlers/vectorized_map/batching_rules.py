@@ -1,6 +1,6 @@
 """Batching rules of `oh.vectorized_map`: the representation `Batched` and, per op type,
 a rule ``rule(handler, execute, op, inputs) -> [Batched] or None`` (None: no rule for
-these inputs), as JAX's `batching.primitive_batchers` table. vectorized_map.py looks ops
+these inputs), as JAX's `batching.primitive_batchers` table. handler.py looks ops
 up in `RULES` first, then falls back to TensorFlow's pfor converters, then to a loop.
 """
 import numpy as np
@@ -762,7 +762,7 @@ RULES.update({
 })
 
 
-# -- plans: what a signature needs, decided once (vectorized_map.py caches them) -----------
+# -- plans: what a signature needs, decided once (handler.py caches them) -----------
 
 FORWARD = "forward"      # run the op on the values as they are; every output is batched
 UNBATCHED = "unbatched"  # no batched input: the op as it is, its outputs unbatched

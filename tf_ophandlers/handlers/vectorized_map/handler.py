@@ -476,7 +476,7 @@ class VectorizedMap(OpHandler):
     # constant copied onto this stack (unbatched), as `ones_like` here gives.
     constant_seeds = True
     # Read by oh.GradientTape: Add/Sub gradients take their reduction axes from the
-    # static (per-example) shapes, as graph gradients do (gradient_tape_static.py).
+    # static (per-example) shapes, as graph gradients do (gradient_tape/static_gradients.py).
     static_shape_gradients = True
     # Read by oh.GradientTape's C record path: a physical input the tape does not track
     # comes to `execute` as it is (copied on here, unbatched) instead of through the
@@ -543,7 +543,7 @@ class VectorizedMap(OpHandler):
     def value_shape(self, value):
         """The per-example shape (a tuple, None for unknown dims or rank), as
         `tensor._shape_tuple()` gives it through num_dims/dim; read by oh.GradientTape's
-        static-shape gradients (gradient_tape_static.py) without those per-axis trips."""
+        static-shape gradients (gradient_tape/static_gradients.py) without those per-axis trips."""
         v = value.value  # (static_shape, inlined for eager tensors: once per shape query)
         shape = v._shape_tuple() if type(v) is _EagerTensor else static_shape(v)  # pylint: disable=protected-access
         return shape[1:] if shape is not None and value.batched else shape

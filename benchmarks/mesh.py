@@ -330,7 +330,7 @@ def render(configs, info, args, elapsed):
                            "eager ops launched", "oh.Mesh compile_ops=True µs",
                            "compiled / per device"],
                           rows), "",
-         "Targets (issue 21): per-op cost ≤ 0.5× DTensor's — %s (ratios %s). A training "
+         "Targets: per-op cost ≤ 0.5× DTensor's — %s (ratios %s). A training "
          "step ≤ 1.0× DTensor's eager step: DTensor has no eager step to compare with (its "
          "eager gradient of this loss fails in TF 2.21 with \"The op/function Mul got a "
          "regular tensor for input 0 (shape [64,64]) but was expecting a DTensor\"), so "

@@ -1,5 +1,5 @@
 """Where one op-by-op `oh.vectorized_map` call of per-example gradients spends its time
-(issue 17: benchmarks/small_ops.py's pe-grads figure; `benchmarks/vectorized_map.py`'s
+(benchmarks/small_ops.py's pe-grads figure; `benchmarks/vectorized_map.py`'s
 `Workload`: MLP 64-128-10, batch 256, `oh.GradientTape` inside the mapped function).
 
 Prints, per call:

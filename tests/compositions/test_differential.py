@@ -1,4 +1,4 @@
-"""Randomized differential tests (issue 16 "Done when"): random op programs under
+"""Randomized differential tests: random op programs under
 oh.GradientTape, oh.ForwardAccumulator and oh.vectorized_map against tf.GradientTape,
 tf.autodiff.ForwardAccumulator and tf.vectorized_map.
 

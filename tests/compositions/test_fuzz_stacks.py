@@ -187,7 +187,7 @@ def _known_limitation(stack, program):
       values, OH_FUZZ_SEED=89 slow case 39), so the reference map is then a loop over
       the examples (its IndexedSlices densified, as tf.vectorized_map's); under a
       tf.GradientTape ours has TensorFlow's None too, and tf.vectorized_map stays.
-    Spot-checked 2026-11-25 (TensorFlow's reference eager against in a function, seeds
+    Spot-checked (TensorFlow's reference eager against in a function, seeds
     5-6, both draws): still wrong in a function for a tape around an accumulator
     (OH_FUZZ_SEED=5 case 11: second-order values) and an accumulator over a max pool
     (case 71: JVPs); two accumulators in a function mostly fail in TensorFlow itself

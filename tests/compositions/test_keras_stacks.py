@@ -1,6 +1,6 @@
 """Gradients of every variable of a Keras CNN and a Transformer block, under oh.GradientTape
 combined with each shipped scope handler (both nesting orders), equal tf.GradientTape's:
-values, dtype, shape and type (dense vs tf.IndexedSlices). Issue "Correctness first"."""
+values, dtype, shape and type (dense vs tf.IndexedSlices)."""
 import numpy as np
 import pytest
 import tensorflow as tf

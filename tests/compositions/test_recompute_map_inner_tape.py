@@ -2,7 +2,7 @@
 (GradientTape > vectorized_map > GradientTape > Recompute): a per-example Jacobian-like
 gradient whose result is differentiated again outside. The scope's segments were recorded
 on every tape, the outer one included, whose inputs are per-example: HandlerError "a
-per-example tensor cannot be copied off" (review3; on main 97d8833 too). The scope now
+per-example tensor cannot be copied off". The scope now
 runs its ops as they are there, as with no tape inside the map (a warning)."""
 import numpy as np
 import pytest

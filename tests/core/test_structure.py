@@ -1,6 +1,7 @@
-"""The core's structure promises (issue "One step in the core's structure"): import
+"""The core's structure promises: import
 without side effects, an acyclic import graph with no import back up, no private names
-across handler modules, files small enough to read, bounded caches, listed patches."""
+across handler modules, one subpackage per handler family, bounded caches, listed
+patches, no history markers in source comments."""
 import ast
 import os
 import pathlib

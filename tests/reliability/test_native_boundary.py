@@ -1,4 +1,4 @@
-"""C/C++ handler libraries that break the header's contracts (issue 43 items 1, 2, 5, 6).
+"""C/C++ handler libraries that break the header's contracts.
 
 The C++ boundary must turn each into a clear Python error naming the handler (and the op
 where there is one), never a crash of the process or an unrelated error. Cases that

@@ -427,7 +427,7 @@ def test_tensor_arrays_in_functions_and_loops_carry_tangents():
         assert_close(acc.jvp(y), ref.jvp(expected))
 
 
-# -- JVPs do not depend on what ran before (issue 16 item 1) ---------------------------------
+# -- JVPs do not depend on what ran before ---------------------------------
 # Ops without a closed-form rule use TensorFlow's JVP construction, a function traced once
 # per op signature and cached (it was TensorFlow's cache, shared with
 # tf.autodiff.ForwardAccumulator). A trace made while a tf.function was being replayed

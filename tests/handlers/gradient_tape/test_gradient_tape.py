@@ -774,7 +774,7 @@ def test_persistent_tape_through_tf_function_and_a_saved_model(tmp_path):
     assert_same_tensors(results[0], results[2])
 
 
-# -- sparse gradients keep their type under other handlers (issue 16 item 2) --------------
+# -- sparse gradients keep their type under other handlers --------------
 # Under a handler around the tape, a variable's handle is copied onto the handler's stack
 # (a recorded CopyOn); the copy's gradient turned the IndexedSlices of a gather into a
 # dense tensor, which optimizers treat differently.
@@ -868,7 +868,7 @@ def test_keras_embedding_adam_step_equals_tensorflow(handler, order):
         assert_close(w, r, 1e-6)
 
 
-# -- non-tensor sources and targets raise as tf.GradientTape does (issue 23 items 7, 11) ----
+# -- non-tensor sources and targets raise as tf.GradientTape does ----
 
 _NOT_TENSORS = {
     "numpy_array": lambda: np.array([1.0, 2.0], np.float32),
@@ -970,7 +970,7 @@ def _unbox(value):
 @pytest.mark.parametrize("inner", [_BoxingHandler, oh.Recompute])
 @pytest.mark.parametrize("below", [oh.OpHandler, oh.Async, oh.native.PassThrough])
 def test_value_of_a_representing_handler_used_after_its_scope(below, inner):
-    """Found this round (the stacks fuzzer, via oh.Recompute): over a handler that takes
+    """Found by the stacks fuzzer (via oh.Recompute): over a handler that takes
     inputs from elsewhere as they are (oh.Async), a value of a handler with its own
     representation opened inside the tape's scope, used after that scope, reached the tape
     as that handler's wrapper instead of the tensor the tape recorded, so its gradient was

@@ -1,4 +1,4 @@
-"""oh.GradientTape against tf.GradientTape on the same programs (issue 39, autodiff
+"""oh.GradientTape against tf.GradientTape on the same programs (autodiff
 conformance): results of tapes whose scope closed, equal scalar sources, reset,
 unusual dtypes, TensorFlow's messages and exception types, jacobian edge cases and a
 tape re-entered inside a tf.function. Every case runs with both tapes and compares

@@ -1,4 +1,4 @@
-"""oh.GradientTape keeps only what gradients read (issue 19): as TensorFlow's tape
+"""oh.GradientTape keeps only what gradients read: as TensorFlow's tape
 (OpGradientUnusedInputIndices / OpGradientUnusedOutputIndices), a record drops the inputs
 and outputs its op's gradient function does not read, on the C and the Python recording
 paths, with gradients unchanged; the tape then holds fewer bytes."""

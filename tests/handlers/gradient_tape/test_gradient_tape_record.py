@@ -1,4 +1,4 @@
-"""oh.GradientTape's recording off the Python path (issue 17): `OpHandler.after_execute`
+"""oh.GradientTape's recording off the Python path: `OpHandler.after_execute`
 (the C++ fast path forwards the op and makes that one call) and the tape's C
 implementation of it (cc/tape_record.h), each against its Python reference and against
 tf.GradientTape."""

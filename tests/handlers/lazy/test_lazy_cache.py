@@ -1,4 +1,4 @@
-"""oh.Lazy's process-wide compile cache and Lazy(jit_compile=True) (issue 17)."""
+"""oh.Lazy's process-wide compile cache and Lazy(jit_compile=True)."""
 import random
 
 import numpy as np

@@ -1,5 +1,5 @@
 """oh.Lazy(chunk_ops=N): pending ops launched in compiled chunks on an async executor
-while recording goes on (issue 17)."""
+while recording goes on."""
 import random
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""oh.Lazy's recording path (issue 17): nodes keep their op's type and attributes key
+"""oh.Lazy's recording path: nodes keep their op's type and attributes key
 (no Op), functions are compiled from rebuilt Ops, C-level copy and dtype hooks, the
 values a pending op outside a request needs, and errors naming oh.Lazy and the ops."""
 import random

@@ -415,7 +415,7 @@ def test_threads_enter_the_same_handler(parallel):
     assert not errors and all(name.startswith("Parallel") for name in results)
 
 
-# -- reliability: components that cannot all join a collective (issue 23) -------------------
+# -- reliability: components that cannot all join a collective -------------------
 
 _JOIN = r'''
 import sys, tensorflow as tf
@@ -503,7 +503,7 @@ def test_a_collective_that_cannot_complete_times_out():
                      r"timeout_seconds=2", proc.stdout), proc.stdout
 
 
-# -- model.fit inside the scope (issue 16 item 7) ---------------------------------------------
+# -- model.fit inside the scope ---------------------------------------------
 
 def _fit_model(seed=1):
     tf.keras.utils.set_random_seed(seed)

@@ -1,8 +1,8 @@
 """A subclass of a handler declaring `physical_copy_on` (oh.VectorizedMap) that overrides
 `copy_on`: the C++ path (cc/fast_hook.cc RunHook) must call the subclass's copy_on for a
 physical input, not the inherited `physical_copy_on`, which stands in for the parent's
-copy_on only (review2: the inherited one silently replaced it). The same for a `copy_on`
-set on an instance (vmap5), and an instance's own `physical_copy_on` is used; one
+copy_on only (the inherited one must not silently replace it). The same for a `copy_on`
+set on an instance, and an instance's own `physical_copy_on` is used; one
 function decides (core/fast_decision.py `physical_copy_of`)."""
 import numpy as np
 import tensorflow as tf

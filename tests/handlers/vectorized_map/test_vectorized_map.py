@@ -320,7 +320,7 @@ def test_functions_using_tensor_lists_run_per_example(caplog):
 
 
 def test_signature_matches_tf_vectorized_map():
-    """Issue 16 item 6: same arguments, names and defaults as tf.vectorized_map."""
+    """Same arguments, names and defaults as tf.vectorized_map."""
     import inspect  # pylint: disable=import-outside-toplevel
     ours = inspect.signature(oh.vectorized_map).parameters
     theirs = inspect.signature(tf.vectorized_map).parameters
@@ -360,7 +360,7 @@ print("ok")
 
 @pytest.mark.parametrize("warn", ["True", "False"])
 def test_loop_fallback_is_reported_once_per_op_type_quietly(warn):
-    """Issue 16 item 6: the loop fallback for convolutions (here with per-example
+    """The loop fallback for convolutions (here with per-example
     filters) printed TensorFlow's pfor ERROR node dumps (~160 lines per op). It is
     reported once per op type through the tf_ophandlers logger (warn=True, the default),
     not at all with warn=False, and TensorFlow's dumps never appear; the gradients equal a
@@ -388,7 +388,7 @@ def test_loop_fallback_is_reported_once_per_op_type_quietly(warn):
             assert line.startswith("oh.vectorized_map:") and op_type in line, line
 
 
-# -- state updates inside the map (issue 23) --------------------------------------------------
+# -- state updates inside the map --------------------------------------------------
 
 _UPDATES = {
     "assign_add": (lambda: tf.Variable(0.), lambda v, e: v.assign_add(tf.reduce_sum(e) * 2.)),

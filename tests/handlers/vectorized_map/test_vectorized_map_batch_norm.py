@@ -1,5 +1,5 @@
 """Fused batch norm and its gradient in oh.vectorized_map with the loop fallback off,
-against tf.vectorized_map (issue 40 item 5: FusedBatchNormGradV3 had no rule and pfor's
+against tf.vectorized_map (FusedBatchNormGradV3 had no rule and pfor's
 conversion of FusedBatchNormV3 failed at run time on its scalar reserve space)."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Per-op shortcuts of oh.vectorized_map's round vmap5 (issue 17):
+"""Per-op shortcuts of oh.vectorized_map:
 
 - `handles_copy = True` (every copy op, not a predicate): the C++ per-op path runs copy
   ops through the handler's execute hook like other ops (the map's CopyOnGrad of a

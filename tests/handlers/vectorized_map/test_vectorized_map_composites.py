@@ -1,4 +1,4 @@
-"""Composite tensors as oh.vectorized_map's elements and outputs (issue 40 item 1): taken
+"""Composite tensors as oh.vectorized_map's elements and outputs: taken
 apart through their `BatchableTypeSpec` as pfor does, against tf.vectorized_map where it
 maps them and tf.map_fn where it fails."""
 import pytest

@@ -1,4 +1,4 @@
-"""Per-example control flow in an eagerly mapped function (issue 40 item 3), and eager
+"""Per-example control flow in an eagerly mapped function, and eager
 control flow on per-device values: `tf.cond`, `tf.switch_case` and `tf.while_loop` whose
 predicate has no single value run as a tf.function of the call
 (core/functions/eager_control_flow.py), against tf.vectorized_map on the same function."""

@@ -1,5 +1,5 @@
 """Conv2DBackpropInput (tf.nn.conv2d_transpose, and the input gradient of a convolution)
-in oh.vectorized_map with the loop fallback off, against tf.vectorized_map (issue 40
+in oh.vectorized_map with the loop fallback off, against tf.vectorized_map (
 item 5: a convolution's gradient inside the mapped function takes `input_sizes` from
 ShapeN, which the pfor fallback returned batched, and pfor's converter needs it loop
 invariant)."""

@@ -1,4 +1,4 @@
-"""Copy-on and shape shortcuts of oh.GradientTape inside oh.vectorized_map (issue 17):
+"""Copy-on and shape shortcuts of oh.GradientTape inside oh.vectorized_map:
 a physical input the tape does not track goes from the tape's C record path to the map's
 hook as it is (cc/tape_record.h TapeCopiesThrough), which makes it unbatched with its
 `physical_copy_on` (no copy_on frame), and the tape's static-shape gradients read the

@@ -1,5 +1,5 @@
 """tf.linalg.eigh / eigvalsh in oh.vectorized_map with the loop fallback off, against
-tf.vectorized_map (issue 40 item 5: SelfAdjointEigV2 without eigenvectors failed in the
+tf.vectorized_map (SelfAdjointEigV2 without eigenvectors failed in the
 map's pfor conversion)."""
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """tf.gather's axis/batch_dims variants in oh.vectorized_map with the loop fallback off,
-against tf.vectorized_map (issue 40 item 5): per-example or shared params and indices."""
+against tf.vectorized_map: per-example or shared params and indices."""
 import itertools
 
 import numpy as np

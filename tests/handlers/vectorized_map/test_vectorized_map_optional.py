@@ -1,5 +1,5 @@
 """tf.experimental.Optional values read inside oh.vectorized_map, against
-tf.vectorized_map with the loop fallback off (issue 40 item 5: OptionalGetValue had no
+tf.vectorized_map with the loop fallback off (OptionalGetValue had no
 batching rule; pfor's batched Optional is one scalar variant holding every example's
 values, which the pfor fallback then tried to index per example)."""
 import numpy as np

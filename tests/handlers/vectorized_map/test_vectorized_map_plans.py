@@ -1,4 +1,4 @@
-"""oh.vectorized_map's per-signature plans (issue 17) against tf.vectorized_map: random op
+"""oh.vectorized_map's per-signature plans against tf.vectorized_map: random op
 programs from a seeded generator (every plan: forwarding, rank alignment, unbatched ops,
 rules; several dtypes), run twice so that the second run takes the cached plans, eagerly
 and with the mapped function a fresh tf.function (replayed, no plans); per-example
@@ -223,7 +223,7 @@ def test_rules_with_unknown_per_example_rank_match_tensorflow():
 
 def test_strided_slices_seen_before_match_tensorflow():
     """The StridedSlice rule keeps its rewritten op and constants per (attributes, begin,
-    end, strides) (issue 17): slices that share their attributes but not their bounds,
+    end, strides): slices that share their attributes but not their bounds,
     strides or index dtype, each taken twice (the second from the cache), eagerly and in a
     replayed tf.function (no cache: its constants belong to the graph), match
     tf.vectorized_map; the cache is bounded."""

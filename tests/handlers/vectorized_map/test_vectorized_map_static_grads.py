@@ -1,5 +1,5 @@
 """oh.GradientTape's static-shape Add/AddV2/Sub/Mul/Sum gradients on oh.vectorized_map's stack
-(handlers/gradient_tape/static_gradients.py, issue 17): per-example gradients against
+(handlers/gradient_tape/static_gradients.py): per-example gradients against
 tf.GradientTape under tf.vectorized_map (values, dtypes, shapes) over broadcasting
 patterns, and the ops they save (no Shape/BroadcastGradientArgs/Tile reach the map)."""
 import collections

@@ -1,4 +1,4 @@
-"""oh.GradientTape inside oh.vectorized_map records in C (issue 17): the tape's level runs
+"""oh.GradientTape inside oh.vectorized_map records in C: the tape's level runs
 over the map's Python execute hook from C (cc/fast_path.cc RunRecord over RunHook), with
 inputs from elsewhere copied on through the tape's copy_on as the Python path does. Checked
 against tf.vectorized_map with tf.GradientTape (values, dtypes, dense vs IndexedSlices),

@@ -154,8 +154,8 @@ def constant(values, dtype):
 # Below this many elements a transpose is cheaper than the two reshapes that would
 # lower its rank (eagerly each is an op call); unknown sizes (a replay) always lower it.
 _COLLAPSE_MIN_ELEMENTS = 1 << 14
-# Whether eager transposes are lowered too: not on issue 20's AVX-512 machine (the CNN's
-# input: 140 us of process CPU as one 4-D Transpose, 169 us lowered: two more op calls).
+# Whether eager transposes are lowered too: not by default (eagerly the two reshapes are
+# two more op calls, which cost more than the lower rank saved where it was measured).
 _COLLAPSE_EAGERLY = False
 
 
@@ -164,8 +164,8 @@ def collapsed_transpose(dims, q):
     lower rank: axes that stay adjacent and in order (length-1 axes between them
     ignored) merge into one. Returns ``(shape, perm, out_shape)`` (reshape to `shape`,
     transpose by `perm`, reshape to `out_shape`; -1 for the one unknown length), or None
-    when no axes merge, more than one length is unknown, or the tensor is small (issue
-    20's first machine: ~1.5x faster than the 4-D Transpose; equal on its last one)."""
+    when no axes merge, more than one length is unknown, or the tensor is small (a large lowered transpose is faster than
+    the 4-D Transpose on some CPUs, as fast on others)."""
     if sum(d is None for d in dims) > 1:
         return None
     if None not in dims and math.prod(dims) < _COLLAPSE_MIN_ELEMENTS:

@@ -1,6 +1,6 @@
 """Gradients of the broadcasting Add/AddV2/Sub/Mul (and Sum) from static shapes, for
 `oh.GradientTape` on the stack of a handler with ``static_shape_gradients = True``
-(oh.vectorized_map, issue 17).
+(oh.vectorized_map).
 
 TensorFlow's eager gradient functions find the reduction axes at run time (two Shape ops
 and a BroadcastGradientArgs, then a Sum and a Reshape per input: 7 ops for `h + b`),

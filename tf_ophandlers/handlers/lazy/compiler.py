@@ -68,7 +68,7 @@ _UNSUPPORTED = re.compile(r"No registered '([A-Za-z0-9_>]+)' OpKernel for XLA")
 
 
 # A node's signature (op type, canonical attribute bytes) costs a serialization of the
-# op's attributes (~1.5 us, as much as the rest of recording). For an op type whose
+# op's attributes (as much as the rest of recording). For an op type whose
 # attributes are all type attributes that its outputs' dtypes give (Tanh, Mul, AddV2:
 # `T`), the attributes follow from (op type, output dtypes): the signature is
 # serialized once per such pair and looked up after that.

@@ -203,9 +203,8 @@ _MATMUL_LETTERS = {(ta, tb): ("ki" if ta else "ik", "jk" if tb else "kj")
 
 # Small real products launched eagerly as BatchMatMulV3 (2-D: the same product, the
 # same sgemm, equal results): TensorFlow's eager runtime rewrites every MatMul launch to
-# its oneDNN op first, ~2.5 us of CPU more per launch on 32x64 @ 64x32 shards. Above
-# 2**20 multiply-adds per device oneDNN's MatMul is the faster kernel (128x256 @ 256x128:
-# 98 vs 240 us). Measured with time.process_time, interleaved, on this 2-core machine.
+# its oneDNN op first, which costs CPU per launch on small shards. Above 2**20
+# multiply-adds per device oneDNN's MatMul is the faster kernel.
 _SMALL_PRODUCT = 1 << 20
 _small_matmuls = {}  # (id of the dtype, transpose_a, transpose_b) -> Op or None
 

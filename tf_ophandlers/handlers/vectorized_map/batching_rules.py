@@ -42,7 +42,7 @@ def _rank(b):
 
 
 # Constants for shapes, axes and permutations, by value and dtype (a few per program):
-# the rule of an op signature seen before builds none (issue 17).
+# the rule of an op signature seen before builds none.
 _shape_constants = BoundedCache("vectorized_map.shape_constants", 4096)
 # (op type, attributes, replaced attributes) -> Op: the rewritten ops of the rules.
 _replaced = BoundedCache("vectorized_map.replaced_ops", 4096)
@@ -203,7 +203,7 @@ _bmm_ops = {}
 # A MatMul's serialized attributes -> (dtype, transpose_a, transpose_b). TensorFlow
 # serializes the attribute map in hash-table order (a few hundred byte strings for the
 # same attributes), which misses op.attrs' shared decode cache most of the time; this one
-# holds only MatMuls' strings, so it fills once and then hits (issue 17).
+# holds only MatMuls' strings, so it fills once and then hits.
 _matmul_attrs = BoundedCache("vectorized_map.matmul_attrs", 4096)
 
 
@@ -349,7 +349,7 @@ def _shape(handler, execute, op, inputs):
 
 # (attributes, begin, end and strides as bytes, their dtype) -> (the rewritten op, its
 # begin, end and strides constants): a slice seen before (`e[None]` in the mapped
-# function, every call) builds nothing (issue 17).
+# function, every call) builds nothing.
 _slices = BoundedCache("vectorized_map.strided_slices", 4096)
 
 

@@ -443,7 +443,7 @@ def _writes_state(op_type):
     return op_type.startswith(_STATE_WRITERS)
 
 
-# -- per-signature plans (issue 17) -------------------------------------------------------
+# -- per-signature plans -------------------------------------------------------
 
 _FALLBACK = "fallback"  # VectorizedMap._execute_generic: checks everything per op
 # (op type, attributes if the plan reads them, per input: batched, dtype enum, rank) ->

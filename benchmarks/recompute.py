@@ -40,6 +40,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
+from _resnet import resnet50 as _resnet50  # noqa: E402
 
 WIDTH = 64
 NAMES = {
@@ -164,18 +165,6 @@ def measure_mlp(layers=256, width=WIDTH, batch=2048, configs=None, check=True):
         if handler is not None:
             entry["stats"] = handler.stats
     return out
-
-
-def _resnet50(batch, size):
-    """keras.applications.ResNet50(weights=None) (seeded) on a `batch` of `size`x`size`
-    inputs: ``(model, x, y, loss_fn)``."""
-    import keras  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                        classes=10)
-    x = tf.random.normal([batch, size, size, 3])
-    y = tf.constant(np.arange(batch) % 10)
-    return model, x, y, keras.losses.SparseCategoricalCrossentropy()
 
 
 def measure_resnet(batch=8, size=64):

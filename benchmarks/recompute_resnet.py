@@ -43,7 +43,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
-from recompute import _resnet50  # noqa: E402  (the same seeded ResNet50 as recompute.py)
+from _resnet import resnet50 as _resnet50  # noqa: E402  (as recompute.py's)
 
 SIZE = 64
 KINDS = ("tf", "tape", "recompute", "recompute_noevict", "called", "called_recompute")

@@ -91,7 +91,7 @@ def test_nested_accumulators_over_a_called_function_in_vectorized_map():
     # map's pfor conversion of a JVP op called a tf.function while the call's gradient
     # override was active (core/functions/symbolic.py lifts it). Compared: the values
     # and first-order JVPs. (The outer JVP of the inner JVP is None here where
-    # tf.vectorized_map's is zeros: open, fuzz_findings.md.)
+    # tf.vectorized_map's is zeros: open, CHANGELOG.md's known limitations.)
     f = tf.function(lambda e: tf.reduce_max(e, 1), autograph=False)
     results = []
     for ours in (False, True):

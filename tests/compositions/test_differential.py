@@ -12,7 +12,7 @@ Values are compared with a tolerance; gradient types (dense or tf.IndexedSlices,
 None), dtypes and shapes exactly.
 
 Reproduce a failure with the seed it prints:
-    OH_DIFFERENTIAL_SEED=<seed> pytest tests/handlers/test_differential.py
+    OH_DIFFERENTIAL_SEED=<seed> pytest tests/compositions/test_differential.py
 """
 import os
 import random

@@ -17,7 +17,7 @@ batch, with a fresh handler per step). All cases are interleaved in one seeded r
 order in the process, so a cache filled by one case and reused by another shows.
 
 Reproduce a failure with the seed it prints:
-    OH_FUZZ_SEED=<seed> pytest tests/handlers/test_fuzz_compositions.py
+    OH_FUZZ_SEED=<seed> pytest tests/compositions/test_fuzz_compositions.py
 """
 import contextlib
 import os

@@ -23,7 +23,7 @@ random order in the process (ours or TensorFlow's first), so a cache filled by o
 and reused by another shows.
 
 Reproduce a failure with the seed it prints:
-    OH_FUZZ_SEED=<seed> pytest tests/handlers/test_fuzz_keras.py
+    OH_FUZZ_SEED=<seed> pytest tests/compositions/test_fuzz_keras.py
 """
 import contextlib
 import os

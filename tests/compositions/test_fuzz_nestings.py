@@ -208,7 +208,7 @@ def test_reported_nesting_around_a_called_function_matches_tensorflow_eagerly(in
     # called tf.function. TensorFlow's own nesting raises around the call (TypeError
     # inside TensorFlow), so ours is compared with TensorFlow's nesting run eagerly.
     # Gradients of the call are dense, as TensorFlow's for a call its tangents reach
-    # (tests/handlers/test_autodiff_function_calls.py): the eager reference's too.
+    # (tests/compositions/test_autodiff_function_calls.py): the eager reference's too.
     nesting = ("ForwardAccumulator", "GradientTape") + inner
     got = _run(nesting, Case("function", SEED), True)
     eager = Case("eager", SEED)

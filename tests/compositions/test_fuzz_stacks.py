@@ -20,7 +20,7 @@ dense vs tf.IndexedSlices (test_differential._same). A stack TensorFlow's own ne
 fails on is skipped (counted).
 
 Reproduce a failure with the seed it prints:
-    OH_FUZZ_SEED=<seed> pytest tests/handlers/test_fuzz_stacks.py
+    OH_FUZZ_SEED=<seed> pytest tests/compositions/test_fuzz_stacks.py
 """
 import contextlib
 import os
@@ -241,7 +241,8 @@ def _known_limitation(stack, program):
 def _tracing_between_tf_tape(layers, acc):
     """A tracing handler (oh.Recompute, Lazy, Async) between a tf.GradientTape and the
     accumulator at `acc`: that tape records the handler's call, whose gradient goes
-    through the JVPs too (the eager values; fuzz_findings.md, OH_FUZZ_SEED=106 case 29)."""
+    through the JVPs too (the eager values; OH_FUZZ_SEED=106 case 29,
+    test_tape_over_accumulator_over_map.py)."""
     tapes = [k for k, name in enumerate(layers[:acc]) if name == "tf.GradientTape"]
     return bool(tapes) and any(name.startswith(("Recompute", "Lazy", "Async"))
                                for name in layers[tapes[0] + 1:acc])
@@ -533,7 +534,8 @@ def test_variable_gradient_per_example_under_two_handlers_in_vectorized_map(asyn
           "vectorized_map > OpCounter > PassThrough > GradientTape")
 
 
-# Findings of the seed sweeps (fixed, open, left out): tests/handlers/fuzz_findings.md.
+# Findings of the seed sweeps still open: CHANGELOG.md's known limitations and
+# test_known_limitations.py; left out of the draw: `_known_limitation`.
 
 
 def test_two_tapes_over_recompute_gathering_a_variable_in_vectorized_map():

@@ -46,7 +46,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 # Run (half a minute: it starts worker processes) and checked by its own test,
-# tests/handlers/test_two_processes.py.
+# tests/handlers/parallel/test_two_processes.py.
 _OWN_TEST = {"two_process_training.py"}
 
 

@@ -286,7 +286,7 @@ def _gather_loss_gradients(parallel, Tape, function):
 def test_sparse_gradient_of_a_host_variable_is_summed_over_components(parallel):
     # The components' tf.IndexedSlices gradients are summed dense. Summing their parts
     # (values, indices, dense shape) gave a [12, 4] "gradient" of a [6, 4] variable with
-    # added indices (fuzz finding, tests/handlers/test_fuzz_compositions.py).
+    # added indices (fuzz finding, tests/compositions/test_fuzz_compositions.py).
     got, want = _gather_loss_gradients(parallel, oh.GradientTape, False)
     assert oh.handler_of(got) is None and got.shape == (6, 4) and got.dtype == tf.float32
     assert_close(got, tf.convert_to_tensor(want[0]) + tf.convert_to_tensor(want[1]))

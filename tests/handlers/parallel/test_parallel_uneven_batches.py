@@ -1,5 +1,5 @@
 """oh.ParallelHandler with a partial last batch split unevenly over the replicas (found by
-tests/handlers/test_fuzz_keras.py): a packed tensor whose components differ in length
+tests/compositions/test_fuzz_keras.py): a packed tensor whose components differ in length
 has an unknown dim, and eager `tf.size` computed its size from the static dims in Python
 (numpy raised a TypeError, e.g. in the gradient of an embedding's gather)."""
 import keras

@@ -470,7 +470,7 @@ def test_a_variable_used_and_updated_in_the_map_is_refused():
 def test_ragged_elems_with_uneven_rows_are_a_clear_error():
     # tf.vectorized_map fails on them too (InvalidArgumentError deep inside pfor); before,
     # oh.vectorized_map said "object of type 'RaggedTensor' has no len()". Composite
-    # elements that do map: tests/handlers/test_vectorized_map_composites.py.
+    # elements that do map: tests/handlers/vectorized_map/test_vectorized_map_composites.py.
     elems = tf.ragged.constant([[1., 2.], [3.], [4., 5., 6.]])
     with pytest.raises(tf.errors.InvalidArgumentError):
         tf.vectorized_map(lambda e: e * 2., elems)

@@ -259,7 +259,7 @@ PyObject* Slow(const Frame& f, PyObject* tape, PyObject* op, PyObject* inputs,
 }
 
 // The tape's attribute `name` from its instance dict `state` (PyObject_GetAttr searches
-// the classes first: ~600 instructions when the type cache misses); new reference or null.
+// the classes first, slow when the type cache misses); new reference or null.
 PyObject* StateItem(PyObject* state, PyObject* name) {
   PyObject* v = PyDict_GetItemWithError(state, name);
   if (v != nullptr) return Py_NewRef(v);

@@ -1,6 +1,6 @@
 """Conv2DBackpropInput (tf.nn.conv2d_transpose, and the input gradient of a convolution)
-in oh.vectorized_map with the loop fallback off, against tf.vectorized_map (
-item 5: a convolution's gradient inside the mapped function takes `input_sizes` from
+in oh.vectorized_map with the loop fallback off, against tf.vectorized_map (a
+convolution's gradient inside the mapped function takes `input_sizes` from
 ShapeN, which the pfor fallback returned batched, and pfor's converter needs it loop
 invariant)."""
 import numpy as np

@@ -1,6 +1,5 @@
 """oh.vectorized_map's elements and outputs against tf.vectorized_map / tf.map_fn: unit
-leading dimensions broadcast, and variables returned by the mapped function (
-items 2 and 6)."""
+leading dimensions broadcast, and variables returned by the mapped function."""
 import numpy as np
 import pytest
 import tensorflow as tf

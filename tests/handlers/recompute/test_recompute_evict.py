@@ -170,6 +170,7 @@ def test_keras_functional_forward_peak_drops():
     assert on_fwd * 2 <= off_fwd, (off_fwd, on_fwd)
     # The step's peak is set in the backward pass (the 48 weight gradients with the last
     # segments' values), which eviction does not shrink: eviction must not raise it. Both
-    # step peaks vary by ~1-2 MB from run to run with the allocator's timing, so a strict `<` failed by chance;
+    # step peaks vary by ~1-2 MB from run to run with the allocator's timing, so a
+    # strict `<` failed by chance;
     # 3% is well under what keeping the forward's evicted values would add (~20 MB).
     assert on_step <= off_step * 1.03, (off_step, on_step)

@@ -164,8 +164,9 @@ def collapsed_transpose(dims, q):
     lower rank: axes that stay adjacent and in order (length-1 axes between them
     ignored) merge into one. Returns ``(shape, perm, out_shape)`` (reshape to `shape`,
     transpose by `perm`, reshape to `out_shape`; -1 for the one unknown length), or None
-    when no axes merge, more than one length is unknown, or the tensor is small (a large lowered transpose is faster than
-    the 4-D Transpose on some CPUs, as fast on others)."""
+    when no axes merge, more than one length is unknown, or the tensor is small (a large
+    lowered transpose is faster than the 4-D Transpose on some CPUs, as fast on
+    others)."""
     if sum(d is None for d in dims) > 1:
         return None
     if None not in dims and math.prod(dims) < _COLLAPSE_MIN_ELEMENTS:

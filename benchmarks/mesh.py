@@ -323,8 +323,9 @@ def render(configs, info, args, elapsed):
              args.rounds, " (`--quick`: noisy)" if args.quick else "",
              "Machine: %s; it was shared with other jobs while measuring (load average "
              "%.1f at the end; load reaches both sides of a ratio, but with the machine's "
-             "cores oversubscribed the wall-time quartiles are wide). Run time %.0f s."
-             % (info.get("cpu", "?"), os.getloadavg()[0], elapsed)), "",
+             "cores oversubscribed the wall-time quartiles are wide). Run on %s; run time "
+             "%.0f s." % (info.get("cpu", "?"), os.getloadavg()[0], info.get("date", "?"),
+                          elapsed)), "",
          _common.md_table(["case", "DTensor µs", "oh.Mesh µs", "oh.Mesh / DTensor",
                            "CPU time oh.Mesh / DTensor",
                            "eager ops launched", "oh.Mesh compile_ops=True µs",

@@ -32,19 +32,36 @@ def _rnn_inputs():
 
 def test_trace_executes_eagerly_and_builds_a_function_of_its_inputs():
     x = tf.constant([0.5, -1.0])
-    # Known flake, open: core.dispatch remembers Python scalars converted under a scope by
-    # handle address; once TensorFlow's scalar cache is cleared (the leak checks of
-    # earlier tests do it), a user scalar of the same value at a reused address passes for
-    # a constant. A value no other test converts keeps this test about tracing.
-    y0 = tf.constant(3.0078125)
+    y0 = tf.constant(3.0)
     with oh.TraceAndExecute() as trace:
         z = tf.sin(x) * y0 + 2.0  # 2.0 is a constant of the trace, not an input
-    assert_close(z, np.sin([0.5, -1.0]) * 3.0078125 + 2.0)  # executed eagerly
-    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0078125]
+    assert_close(z, np.sin([0.5, -1.0]) * 3.0 + 2.0)  # executed eagerly
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0]
     f = trace.function(z)
     assert isinstance(f, type(tf.function(lambda: 1).get_concrete_function()))
     assert_close(f(tf.constant([1.0, 2.0]), tf.constant(-1.0)), -np.sin([1.0, 2.0]) + 2.0)
     assert "Sin" in [n.op for n in trace.graph_def(z).node]
+
+
+def test_a_scalar_cache_clear_forgets_the_python_scalars_of_traces():
+    # Python scalars converted under a scope are known by handle address while
+    # TensorFlow's scalar cache holds their handles. Once the cache is cleared (as its
+    # leak checks do), a freed address can come back as a user tensor of equal value,
+    # which a trace would then bake in as a constant. So a clear forgets them all: a
+    # tensor converted before the clear (held here, so its address stays its own and
+    # the check is deterministic) is an input of a later trace, not a constant.
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    x = tf.constant([0.5, -1.0])
+    with oh.TraceAndExecute() as trace:
+        c = tf.convert_to_tensor(3.0)
+        z = x * c
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0]]  # c: a constant
+    context.context()._clear_caches()  # pylint: disable=protected-access
+    with oh.TraceAndExecute() as trace:
+        z = tf.sin(x) * c
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0]
+    assert_close(trace.function(z)(tf.constant([0.5, -1.0]), tf.constant(-2.0)),
+                 np.sin([0.5, -1.0]) * -2.0)
 
 
 def test_trace_write_graph_for_tensorboard(tmp_path):

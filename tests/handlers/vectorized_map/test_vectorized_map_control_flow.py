@@ -66,34 +66,71 @@ def while_linear_fn(x):
 
 
 # A Case or While with a per-example branch index or condition runs once per example in
-# the replay of TensorFlow's forward function. Its gradient finds the branches and loop
-# bodies in the replay's graph (switch_linear_fn, while_linear_fn), but where they keep
-# forward values for the gradient, the op has extra outputs that cannot be batched:
-# per-example Optionals (a [B] variant, which TensorFlow's function gradient cannot make
-# zeros for) or While accumulators whose lengths are the per-example trip counts. For
-# nested_fn, tf.vectorized_map's own gradient fails (its DynamicStitch gradient in the
-# While's gradient). Known limitations, strict so that a fix shows.
-_GRADIENT_LIMITS = {
-    "switch_fn": "Case gradient: per-example Optionals of the branches' intermediates",
-    "while_fn": "While gradient: accumulators of per-example lengths",
-    "nested_fn": "tf.vectorized_map's gradient fails too (the reference)",
-}
+# the replay of TensorFlow's forward function. Where its gradient keeps forward values,
+# the op has extra outputs: per-example Optionals (switch_fn) or While accumulators whose
+# lengths are the per-example trip counts (while_fn, nested_fn). They stay one variant per
+# example (rows), which the replayed function returns as a list of them, so that
+# TensorFlow's function gradient can give them zeros.
+GRADIENT_FUNCTIONS = [cond_fn, switch_fn, while_fn, nested_fn, switch_linear_fn,
+                      while_linear_fn]
 
 
-@pytest.mark.parametrize("fn", [
-    pytest.param(f, marks=[pytest.mark.xfail(strict=True, reason=_GRADIENT_LIMITS[f.__name__])]
-                 if f.__name__ in _GRADIENT_LIMITS else [])
-    for f in [cond_fn, switch_fn, while_fn, nested_fn, switch_linear_fn, while_linear_fn]],
-    ids=lambda f: f.__name__)
+def _map_fn(fn, xs):
+    return tf.map_fn(fn, xs)
+
+
+def _reference(fn):
+    """tf.vectorized_map, except for nested_fn: its gradient fails there (pfor's converted
+    loop: "data.shape = [0] does not start with segment_ids.shape", in the DynamicStitch
+    gradient of the While's gradient), so tf.map_fn's is the reference."""
+    return _map_fn if fn is nested_fn else tf.vectorized_map
+
+
+def _gradient_of_the_map(fn, vmap, tape_type):
+    with tape_type() as tape:
+        tape.watch(XS)
+        loss = tf.reduce_sum(vmap(fn, XS) ** 2)
+    return tape.gradient(loss, XS)
+
+
+@pytest.mark.parametrize("fn", GRADIENT_FUNCTIONS, ids=lambda f: f.__name__)
 def test_gradients_under_oh_gradient_tape_match_tensorflow(fn):
-    def run(vmap, tape_type):
-        with tape_type() as tape:
-            tape.watch(XS)
-            loss = tf.reduce_sum(vmap(fn, XS) ** 2)
-        return tape.gradient(loss, XS)
+    want = _gradient_of_the_map(fn, _reference(fn), tf.GradientTape)
+    assert_same_tensors(want, _gradient_of_the_map(fn, oh.vectorized_map, oh.GradientTape))
 
-    assert_same_tensors(run(tf.vectorized_map, tf.GradientTape),
-                        run(oh.vectorized_map, oh.GradientTape))
+
+def test_the_gradient_of_tf_vectorized_map_fails_for_nested_fn():
+    """Why tf.map_fn is nested_fn's reference (if TensorFlow fixes it, use its)."""
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        _gradient_of_the_map(nested_fn, tf.vectorized_map, tf.GradientTape)
+
+
+@pytest.mark.parametrize("fn", [f for f in GRADIENT_FUNCTIONS if f is not nested_fn],
+                         ids=lambda f: f.__name__)
+def test_gradients_inside_a_fresh_function_match_tensorflow(fn):
+    # Traced, oh.vectorized_map is tf.vectorized_map (pfor on the graph); nested_fn's
+    # gradient then fails as tf.vectorized_map's does.
+    want = tf.function(lambda: _gradient_of_the_map(fn, tf.vectorized_map, tf.GradientTape))()
+    got = tf.function(lambda: _gradient_of_the_map(fn, oh.vectorized_map, oh.GradientTape))()
+    assert_same_tensors(tf.convert_to_tensor(want), tf.convert_to_tensor(got))
+
+
+def _per_example_gradient(fn, tape_type):
+    def grad(x):
+        with tape_type() as tape:
+            tape.watch(x)
+            y = fn(x) ** 2
+        return tape.gradient(y, x)
+    return grad
+
+
+@pytest.mark.parametrize("fn", GRADIENT_FUNCTIONS, ids=lambda f: f.__name__)
+def test_per_example_gradients_inside_the_map_match_map_fn(fn):
+    """A tape inside the mapped function: TensorFlow's backward function of the staged
+    call, with its Case/While gradient reading the forward's Optionals and accumulators,
+    runs on the map (each example takes its own rows apart)."""
+    want = tf.map_fn(_per_example_gradient(fn, tf.GradientTape), XS)
+    assert_same_tensors(want, oh.vectorized_map(_per_example_gradient(fn, oh.GradientTape), XS))
 
 
 def test_python_side_effects_of_eager_iterations_are_not_repeated():

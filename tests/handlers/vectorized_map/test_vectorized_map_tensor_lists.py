@@ -8,8 +8,9 @@ Where `tf.vectorized_map` 2.21 is wrong or fails, the reference is `tf.map_fn` (
 function run once per example): `TensorArray.gather` (pfor gives the batch second) and
 per-example gradients through list reads (pfor's element shape of a list of unknown
 element shape is a scalar one: "Tried to set a tensor with incompatible shape"), a
-per-example index into a per-example list, and a loop with per-example trip counts over
-a TensorArray.
+per-example index into a per-example list, a loop with per-example trip counts over
+a TensorArray, lists that end with per-example lengths and a `dynamic_size` TensorArray
+growing in a loop.
 """
 import logging
 
@@ -17,7 +18,6 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
-from tf_ophandlers.handlers.vectorized_map import handler as vectorized_map
 from conftest import assert_same_tensors
 
 R = tf.raw_ops
@@ -32,7 +32,6 @@ def no_loop_fallback(caplog):
     """Fails a test in which some op ran once per example (the handler's warning): list
     ops must be vectorized, and a tf.function using lists replayed."""
     caplog.set_level(logging.WARNING, logger="tf_ophandlers")
-    vectorized_map._warned.clear()  # pylint: disable=protected-access (reported once per op type)
     yield
     loops = [r.getMessage() for r in caplog.get_records("call")
              if "once per example" in r.getMessage()]
@@ -288,3 +287,110 @@ def test_gradients_through_the_map_match_tf_vectorized_map(name, no_loop_fallbac
 
     assert_same_tensors(run(tf.vectorized_map, tf.GradientTape),
                         run(oh.vectorized_map, oh.GradientTape))
+
+
+# -- lists whose length is the example's trip count; dynamic_size TensorArrays -----------------
+#
+# tf.vectorized_map fails on all of these (InvalidArgumentError in pfor's converted loop:
+# "Trying to access element ... in a list with 0 elements", or its TensorListSetItem
+# written without the resize a dynamic_size TensorArray asks for); tf.map_fn is the
+# reference. Inside a traced function oh.vectorized_map is tf.vectorized_map, which fails
+# there as TensorFlow's does.
+
+YS = tf.constant([-1.5, 2., -3., 0.5, 4.])
+
+
+def _doubling_loop(x, ta):
+    # per-example trip count: 2 to 5 iterations for YS
+    return tf.while_loop(lambda i, y, ta: tf.abs(y) < 10.,
+                         lambda i, y, ta: (i + 1, y * 2., ta.write(i, y * x)), (0, x, ta))[2]
+
+
+@tf.function
+def grown_per_example(x):
+    ta = _doubling_loop(x, tf.TensorArray(F32, size=0, dynamic_size=True))
+    return ta.size(), ta.read(0), ta.read(1)
+
+
+@tf.function
+def pushed_per_example(x):
+    lst = R.EmptyTensorList(element_shape=tf.constant([], tf.int32), max_num_elements=-1,
+                            element_dtype=F32)
+    _, _, lst = tf.while_loop(lambda i, y, lst: tf.abs(y) < 10., lambda i, y, lst: (
+        i + 1, y * 2., R.TensorListPushBack(input_handle=lst, tensor=y)), (0, x, lst))
+    scalar = tf.constant([], tf.int32)
+    return (R.TensorListLength(input_handle=lst),
+            R.TensorListGetItem(input_handle=lst, index=1, element_shape=scalar,
+                                element_dtype=F32))
+
+
+@tf.function
+def grown_uniformly(x):
+    ta = tf.TensorArray(F32, size=0, dynamic_size=True)
+    _, ta = tf.while_loop(lambda i, ta: i < 3, lambda i, ta: (
+        i + 1, ta.write(i, tf.sin(x * tf.cast(i + 1, F32)))), (0, ta))
+    return ta.stack()
+
+
+@pytest.mark.parametrize("fn", [grown_per_example, pushed_per_example, grown_uniformly],
+                         ids=lambda f: f.__name__)
+def test_lists_of_per_example_lengths_and_growing_tensor_arrays_match_map_fn(fn):
+    check_map_fn(lambda x: fn(x), YS)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.vectorized_map(lambda x: fn(x), YS)
+    with pytest.raises(tf.errors.InvalidArgumentError):  # traced: tf.vectorized_map's
+        tf.function(lambda xs: oh.vectorized_map(lambda x: fn(x), xs))(YS)
+
+
+def test_a_growing_tensor_array_is_vectorized(no_loop_fallback):
+    check_map_fn(lambda x: grown_uniformly(x), YS)
+
+
+@pytest.mark.parametrize("fn", [grown_per_example, pushed_per_example, grown_uniformly],
+                         ids=lambda f: f.__name__)
+def test_gradients_through_lists_of_per_example_lengths_match_map_fn(fn):
+    def loss(x):
+        return tf.reduce_sum([tf.reduce_sum(tf.cast(t, F32)) for t in fn(x)])
+
+    def around(vmap, tape_type):
+        with tape_type() as tape:
+            tape.watch(YS)
+            y = tf.reduce_sum(vmap(loss, YS) ** 2)
+        return tape.gradient(y, YS)
+
+    assert_same_tensors(around(tf.map_fn, tf.GradientTape),
+                        around(oh.vectorized_map, oh.GradientTape))
+
+    def inside(tape_type):  # per-example gradients (TensorListResize in a growing write's)
+        def grad(x):
+            with tape_type() as tape:
+                tape.watch(x)
+                y = loss(x) ** 2
+            return tape.gradient(y, x)
+        return grad
+
+    assert_same_tensors(tf.map_fn(inside(tf.GradientTape), YS),
+                        oh.vectorized_map(inside(oh.GradientTape), YS))
+
+
+def test_stacking_lists_of_per_example_lengths_raises_naming_the_op():
+    @tf.function
+    def fn(x):
+        return _doubling_loop(x, tf.TensorArray(F32, size=0, dynamic_size=True)).stack()
+
+    with pytest.raises(ValueError):  # tf.map_fn: "Incompatible shape for value"
+        tf.map_fn(fn, YS)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="oh.vectorized_map: op "
+                       "TensorListStack gives outputs of different shapes"):
+        oh.vectorized_map(lambda x: fn(x), YS)
+
+
+def test_an_eager_tensor_array_in_a_per_example_loop_raises_naming_the_handler_and_op():
+    def fn(x):
+        return _doubling_loop(x, tf.TensorArray(F32, size=0, dynamic_size=True)).size()
+
+    tf.map_fn(fn, YS, fn_output_signature=tf.int32)  # (runs there)
+    with pytest.raises(oh.CopyOffError,
+                       match=r"tf.while_loop \(While\) under VectorizedMap.*eager "
+                             "tf.TensorArray"):
+        oh.vectorized_map(fn, YS)

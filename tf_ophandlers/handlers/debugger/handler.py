@@ -63,6 +63,14 @@ class DebuggerHandler(OpHandler):
         memory until the next flush (the scope's exit); <= 0 writes them at once.
       op_regex: only outputs of op types matching it (`re.match`) get debug values.
       tensor_dtypes: only outputs of these dtypes (or a predicate on the dtype) do.
+
+    Examples:
+        >>> import os, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> with oh.DebuggerHandler(root):
+        ...     y = tf.constant(1.0) + 1.0
+        >>> any(name.endswith(".execution") for name in os.listdir(root))
+        True
     """
 
     transparent = True

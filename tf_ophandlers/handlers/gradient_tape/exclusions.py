@@ -13,7 +13,7 @@ computed index, `op` aliased or passed somewhere not resolvable, a function whos
 is not available, a gradient not from TensorFlow itself) keeps every tensor: the
 analysis errs towards keeping, never towards dropping a tensor that is read.
 
->>> from tf_ophandlers.handlers.gradient_tape_exclusions import used_indices
+>>> from tf_ophandlers.handlers.gradient_tape.exclusions import used_indices
 >>> used_indices("Relu")
 (frozenset(), frozenset({0}))
 >>> used_indices("BiasAdd")

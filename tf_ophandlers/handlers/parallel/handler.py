@@ -55,6 +55,14 @@ class ParallelValue:
 
     `broadcast` marks a resource handle copied on from outside (a host variable): every
     component refers to the same buffer, so it may be read but not written.
+
+    Examples:
+        >>> parallel = oh.ParallelHandler(["CPU:0", "CPU:1"])
+        >>> with parallel:
+        ...     x = parallel.pack([tf.constant(1.0), tf.constant(2.0)])
+        >>> _, value = oh.representation_of(parallel, x)
+        >>> type(value).__name__, len(value.components)
+        ('ParallelValue', 2)
     """
 
     __slots__ = ("components", "broadcast")
@@ -137,7 +145,16 @@ _thread = threading.local()
 
 
 class ParallelHandler(OpHandler):
-    """Runs each op on every component device (`components`: device names)."""
+    """Runs each op on every component device (`components`: device names).
+
+    Examples:
+        >>> parallel = oh.ParallelHandler(["CPU:0", "CPU:1"])
+        >>> with parallel:
+        ...     x = parallel.pack([tf.constant(1.0), tf.constant(2.0)])
+        ...     y = parallel.unpack(x * 10.0)
+        >>> [float(v) for v in y]
+        [10.0, 20.0]
+    """
 
     transient = False  # variables created under it hold one buffer per component
     replays_functions = False  # a function call runs whole on each component
@@ -515,6 +532,13 @@ class ParallelVariable(_PerComponentSaving, _resource_variable_ops.ResourceVaria
 
     The handler's variable creator constructs it directly, as TensorFlow's own parallel
     device does (parallel_device/saving.py), instead of changing a live variable's class.
+
+    Examples:
+        >>> parallel = oh.ParallelHandler(["CPU:0", "CPU:1"])
+        >>> with parallel:
+        ...     v = tf.Variable(parallel.pack([tf.constant(1.0), tf.constant(2.0)]))
+        ...     print(type(v).__name__, [float(c) for c in parallel.unpack(v.read_value())])
+        ParallelVariable [1.0, 2.0]
     """
 
     def __init__(self, oh_parallel, **kwargs):

@@ -128,6 +128,16 @@ class Recompute(OpHandler):
 
     Use it inside a tape's scope: ``with oh.GradientTape() as tape: with
     oh.Recompute(): loss = model(x)``; then ``tape.gradient`` outside the Recompute scope.
+
+    Examples:
+        >>> w = tf.Variable([[0.5]])
+        >>> with oh.GradientTape() as tape:
+        ...     with oh.Recompute():
+        ...         loss = tf.reduce_sum(tf.tanh(tf.tanh(tf.ones([1, 1]) @ w)))
+        >>> with tf.GradientTape() as ref:
+        ...     want = tf.reduce_sum(tf.tanh(tf.tanh(tf.ones([1, 1]) @ w)))
+        >>> float(tape.gradient(loss, w)[0, 0]) == float(ref.gradient(want, w)[0, 0])
+        True
     """
 
     TYPE_NAME = "RECOMPUTE"

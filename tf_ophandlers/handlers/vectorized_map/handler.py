@@ -24,6 +24,7 @@ next stack whose leading axis is the batch when `batched` is true; unbatched val
   pfor error dumps for the op are suppressed.
 """
 import functools
+import itertools
 import logging
 import operator
 import threading
@@ -72,13 +73,13 @@ _CONTROL_FLOW = frozenset(("If", "StatelessIf", "While", "StatelessWhile", "Case
 # Op signature (type, attributes, input dtypes, shapes and batched flags: everything the
 # converted graph depends on) -> tf.function, or None when pfor cannot convert the op.
 _converted = BoundedCache("vectorized_map.pfor_converted", 4096)
-_warned = set()  # op types whose fallback was reported (bounded by the op registry)
 
 
 def _report_fallback(handler, op_type, message, *args):
-    """Reports once per op type (unless `warn=False`) that `op_type` runs as a loop."""
-    if handler.warn and op_type not in _warned:
-        _warned.add(op_type)
+    """Reports once per op type and process (unless `warn=False`; core.errors.warn_once's
+    record of causes) that `op_type` runs as a loop, as a warning of the `tf_ophandlers`
+    logger."""
+    if handler.warn and errors.first_time(("oh.vectorized_map fallback", op_type)):
         _log.warning(message, *args)
 
 
@@ -265,6 +266,22 @@ def _converted_list_op(handler, op, inputs):
     while-loop fallback inside the conversion where allowed. A list op never runs once
     per example: a batched list has no examples to take apart, so what pfor cannot
     convert raises, naming the op and pfor's reason (tf.vectorized_map fails there too)."""
+    if (op.type == "TensorListSetItem" and op.attrs.get("resize_if_index_out_of_bounds")
+            and not inputs[1].batched):
+        # A write past the end of a dynamic_size TensorArray grows it; pfor's converter
+        # writes without resizing ("Trying to modify element 0 in a list with 0
+        # elements", tf.vectorized_map's error): the list grows first, one length for all
+        # examples since the index is.
+        handle, index = inputs[0].value, inputs[1].value
+        length = tf.raw_ops.TensorListLength(input_handle=handle)
+        grown = tf.raw_ops.TensorListResize(
+            input_handle=handle, size=tf.maximum(length, tf.cast(index, tf.int32) + 1))
+        inputs = [Batched(grown, inputs[0].batched)] + list(inputs[1:])
+    if op.type == "TensorListResize" and not inputs[1].batched:
+        # (no pfor converter) one length for all examples: the batched list's, whose
+        # elements carry the batch, resized as it is (the gradient of a growing write)
+        return [Batched(tf.raw_ops.TensorListResize(
+            input_handle=inputs[0].value, size=inputs[1].value), inputs[0].batched)]
     static = _static_list_args(op, inputs)
     key = (_signature(op, inputs) + (handler.size, handler.fallback_to_while_loop,
                                      tf.executing_eagerly())
@@ -343,13 +360,25 @@ def _list_dtype(t):
 
 
 def _list_example(handle, i, dtype):
-    """Example `i` of a batched list (its elements' row i), as a list of its own."""
-    items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
-        input_handle=handle, element_dtype=dtype,
-        element_shape=tf.raw_ops.TensorListElementShape(input_handle=handle,
-                                                        shape_type=tf.int32))
-    return tf.raw_ops.TensorListFromTensor(tensor=items[:, i],
-                                           element_shape=tf.shape(items)[2:])
+    """Example `i` of a batched list (its elements' row i), as a list of its own (an
+    empty one for an empty list: its element shape may be unknown, which stacking it
+    refuses)."""
+    def example():
+        items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
+            input_handle=handle, element_dtype=dtype,
+            element_shape=tf.raw_ops.TensorListElementShape(input_handle=handle,
+                                                            shape_type=tf.int32))
+        return tf.raw_ops.TensorListFromTensor(tensor=items[:, i],
+                                               element_shape=tf.shape(items)[2:])
+
+    def empty():
+        return tf.raw_ops.EmptyTensorList(
+            element_shape=tf.constant(-1), max_num_elements=tf.constant(-1),
+            element_dtype=dtype)
+
+    if isinstance(handle, _ops.EagerTensor):
+        return example() if int(tf.raw_ops.TensorListLength(input_handle=handle)) else empty()
+    return tf.cond(tf.raw_ops.TensorListLength(input_handle=handle) > 0, example, empty)
 
 
 def _batched_lists(rows, dtype):
@@ -363,7 +392,9 @@ def _batched_lists(rows, dtype):
     return tf.raw_ops.TensorListFromTensor(tensor=stacked, element_shape=tf.shape(stacked)[1:])
 
 
-def _per_example_loop(handler, execute, op, inputs):
+def _per_example_loop(handler, execute, op, inputs, report=True):
+    """`op` run once per example. `report=False`: on rows (`is_rows`), values only a loop
+    that was reported made (a Case's Optionals, TensorFlow's zeros for them)."""
     lists = {}
     for k, b in enumerate(inputs):
         if b.batched and b.value.shape.rank == 0:
@@ -377,40 +408,155 @@ def _per_example_loop(handler, execute, op, inputs):
                     "and it cannot run once per example on it; tf.vectorized_map cannot "
                     "convert it either" % op.type)
             lists[k] = dtype
-    _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
-                     "(a loop)", op.type)
+    if report:
+        _report_fallback(handler, op.type, "oh.vectorized_map: op %s runs once per example "
+                         "(a loop)", op.type)
     rows = []
     for i in range(handler.size):
         rows.append(execute(op, [
             _list_example(b.value, i, lists[k]) if k in lists
-            else b.value[i] if b.batched else b.value for k, b in enumerate(inputs)]))
+            else _example(b.value, i) if b.batched else b.value
+            for k, b in enumerate(inputs)]))
+        if op.type in _CONTROL_FLOW and rows[-1] and not isinstance(rows[-1][0], _ops.EagerTensor):
+            _own_bodies(rows[-1][0].op)
     # A loop's outputs are its loop variables: an output list has its input's dtype.
     hints = lists if op.type in _CONTROL_FLOW and "While" in op.type else {}
     return _stack_rows(op.type, rows, hints)
 
 
+_DIFFERENT_SHAPES = (
+    "oh.vectorized_map: op %s gives outputs of different shapes for different examples "
+    "(%s); a mapped value has one shape in every example, as in tf.vectorized_map (the "
+    "rows of a tf.RaggedTensor or tf.SparseTensor can differ so). Use tf.map_fn with "
+    "fn_output_signature=... for such results")
+
+
+_body_copies = itertools.count()
+
+
+def _own_bodies(node):
+    """Gives control-flow op `node` (one example's copy, in a graph) branch and loop
+    FuncGraphs of its own names, cached where cond_v2's and while_v2's gradients look
+    first: the gradient of each copy rewrites them (with its accumulators, named after
+    them + "_rewritten"), and copies sharing the function names would register different
+    functions under one name."""
+    from tensorflow.python.ops import control_flow_util_v2 as _cf_util  # pylint: disable=import-outside-toplevel
+    if node.type in ("While", "StatelessWhile"):
+        shapes = [tf.TensorShape(s) for s in node.get_attr("output_shapes")]
+        bodies = [(node.get_attr("cond").name, "_cond_graph"),
+                  (node.get_attr("body").name, "_body_graph")]
+    else:
+        shapes = [t.shape for t in node.inputs[1:]]
+        if node.type in ("If", "StatelessIf"):
+            bodies = [(node.get_attr("then_branch").name, "_true_graph"),
+                      (node.get_attr("else_branch").name, "_false_graph")]
+        else:
+            bodies = [(f.name, "_branch_graph_%d" % k)
+                      for k, f in enumerate(node.get_attr("branches"))]
+    for name, cached in bodies:
+        graph = _cf_util.get_func_graph(node, shapes, name)
+        graph.name = "%s_oh_example_%d" % (_as_str(name), next(_body_copies))
+        setattr(node, cached, graph)
+
+
 def _stack_rows(op_type, rows, list_dtypes=None):
     """Per-example outputs stacked into batched values, or a clear error where the
-    examples' shapes differ (a ragged element's rows: tf.Stack's error named no op)."""
+    examples' shapes differ (a ragged element's rows: tf.Stack's error named no op).
+
+    Per-example variants that are not one list of one length in every example (an
+    Optional, present in some examples only; a loop's list whose length is the example's
+    trip count, such as a While gradient's accumulators) stay one variant per example:
+    *rows*, a [batch] variant (`is_rows`) that ops run once per example take apart."""
     out = []
     for k, col in enumerate(zip(*rows)):
         shapes = {tuple(t.shape) if t.shape.rank is not None else None for t in col}
-        if len(shapes) > 1 and all(shape is not None and None not in shape
-                                   for shape in shapes):
-            raise ValueError(
-                "oh.vectorized_map: op %s gives outputs of different shapes for different "
-                "examples (%s); a mapped value has one shape in every example, as in "
-                "tf.vectorized_map (the rows of a tf.RaggedTensor or tf.SparseTensor can "
-                "differ so). Use tf.map_fn with fn_output_signature=... for such results"
-                % (op_type, ", ".join(str(list(t.shape)) for t in col[:4])))
+        ranks = {len(shape) for shape in shapes if shape is not None}
+        if len(shapes) > 1 and (len(ranks) > 1 or all(
+                shape is not None and None not in shape for shape in shapes)):
+            raise ValueError(_DIFFERENT_SHAPES % (
+                op_type, ", ".join(str(t.shape) for t in col[:4])))
         dtype = None
         if col[0].shape.rank == 0 and col[0].dtype == tf.variant:
             dtype = _list_dtype(col[0]) or (list_dtypes or {}).get(k)
-        if dtype is not None:  # lists (a loop's TensorArray): a batched list, pfor's
+        if dtype is not None and _one_length(col):
+            # lists of one length (a TensorArray of a fixed size): a batched list, pfor's
             out.append(Batched(_batched_lists(col, dtype), True))
-        else:
+        elif col[0].dtype == tf.variant:
+            out.append(Batched(_rows_of(col), True))
+        elif len(shapes) == 1 and all(
+                shape is not None and None not in shape for shape in shapes):
             out.append(Batched(tf.stack(list(col)), True))
+        else:  # shapes known only when it runs: checked then, naming the op
+            out.append(Batched(_checked_stack(op_type, col), True))
     return out
+
+
+def _one_length(lists):
+    """Whether per-example lists are known to have one length (eager lists, now)."""
+    if not all(isinstance(t, _ops.EagerTensor) for t in lists):
+        return False  # (a replay: per-example trip counts are known only when it runs)
+    lengths = {int(tf.raw_ops.TensorListLength(input_handle=t)) for t in lists}
+    return len(lengths) == 1
+
+
+def _checked_stack(op_type, col):
+    """tf.stack of per-example tensors whose shapes are known only when the graph runs,
+    with a clear error (naming the op) where they differ."""
+    shapes = [tf.shape(t, out_type=tf.int64) for t in col]
+    ranks = tf.stack([tf.size(s) for s in shapes])
+    same = tf.reduce_all(tf.equal(ranks, ranks[0]))
+    same = tf.cond(same, lambda: tf.reduce_all(tf.equal(tf.stack(shapes), shapes[0])),
+                   lambda: tf.constant(False))
+    message = _DIFFERENT_SHAPES % (op_type, "known when the function runs")
+    with tf.control_dependencies([tf.debugging.Assert(same, [message] + shapes[:4])]):
+        return tf.stack([tf.identity(t) for t in col])
+
+
+_VARIANT_ENUM = tf.variant.as_datatype_enum
+
+
+def _rows_of(col):
+    """Per-example variants stacked as rows. In a graph, the rows remember the tensors
+    they stack (`_example`): ops on one example use that tensor, not a slice of the rows,
+    so that gradients (a list's, of a loop's accumulators) reach it without adding
+    [batch] variants, which TensorFlow cannot (AddN of non-scalar variants)."""
+    rows = tf.stack(list(col))
+    if not isinstance(rows, _ops.EagerTensor):
+        rows._oh_examples = tuple(col)  # pylint: disable=protected-access
+    return rows
+
+
+def _example(value, i):
+    """Example `i` of a batched value (rows: the tensor it stacks, `_rows_of`)."""
+    parts = getattr(value, "_oh_examples", None)
+    return value[i] if parts is None else parts[i]
+
+
+def is_rows(b):
+    """Whether a batched value is per-example variants, one row each (`_stack_rows`):
+    a variant of rank >= 1 (pfor's batched lists and Optionals are scalars)."""
+    if not b.batched:
+        return False
+    v = b.value
+    if type(v) is _EagerTensor:  # (cheaply: this runs for every function argument)
+        return v._datatype_enum() == _VARIANT_ENUM and len(v._shape_tuple()) >= 1  # pylint: disable=protected-access
+    return v.dtype == tf.variant and v.shape.rank is not None and v.shape.rank >= 1
+
+
+def _as_rows(b, size):
+    """A value as rows: an unbatched variant repeated, a batched list (pfor's) taken apart
+    per example."""
+    if is_rows(b):
+        return b.value
+    if not b.batched:
+        return tf.stack([b.value] * size)
+    dtype = _list_dtype(b.value)
+    if dtype is None:
+        raise ValueError(
+            "oh.vectorized_map: a per-example Optional (one variant holding every example's "
+            "values) meets per-example variants of its own in control flow; they cannot be "
+            "joined")
+    return tf.stack([_list_example(b.value, i, dtype) for i in range(size)])
 
 
 _STATE_WRITERS = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
@@ -458,7 +604,7 @@ _value_of = operator.attrgetter("value")  # Batched.value, in C
 def _plan(op, inputs):
     """The plan of `op`'s signature: ops that may update state always take the generic
     path (its per-variable order checks)."""
-    if _writes_state(op.type):
+    if _writes_state(op.type) or any(is_rows(b) for b in inputs):
         return _FALLBACK
     return plan_of(op, inputs) or _FALLBACK
 
@@ -468,6 +614,11 @@ class VectorizedMap(OpHandler):
 
     Use it through `oh.vectorized_map(fn, elems)`, which brings `elems` on as batched
     tensors.
+
+    Examples:
+        >>> vm = oh.vectorized_map(lambda x: x * 2.0, tf.constant([1.0, 2.0, 3.0]))
+        >>> vm.numpy().tolist()
+        [2.0, 4.0, 6.0]
     """
 
     transparent = False
@@ -640,6 +791,9 @@ class VectorizedMap(OpHandler):
                 self._check_state_order(op, resources)
             self._used.append((op.type, resources))
         if any(b.batched for b in inputs) or op.type in ALWAYS_BATCHED:
+            if op.type not in _CONTROL_FLOW and any(is_rows(b) for b in inputs):
+                # Per-example variants (rows): no rule or pfor converter takes them.
+                return _per_example_loop(self, execute, op, inputs, report=False)
             return self._batched(execute, op, inputs)
         return self._unbatched(execute(op, [b.value for b in inputs]))
 
@@ -684,16 +838,38 @@ class VectorizedMap(OpHandler):
     # too: its list ops take pfor's converters one by one (_converted_list_op).
     replays_functions = True
 
+    # Rows (per-example variants, `is_rows`) cross function and control-flow boundaries
+    # as one list of them, summary ("rows", per-example shape): a [batch] variant
+    # function output has no zeros TensorFlow's function gradient could give it, a list
+    # of variants does.
+
     def function_input(self, value):
+        if value.batched and is_rows(value):
+            v = value.value
+            shape = tuple(v.shape[1:].as_list()) if v.shape[1:].is_fully_defined() else None
+            return ("rows", shape), [tf.raw_ops.TensorListFromTensor(
+                tensor=v, element_shape=tf.constant(-1 if shape is None else shape, tf.int32))]
         return value.batched, [value.value]
 
     def function_output(self, summary, tensors):
+        if type(summary) is tuple:
+            shape = summary[1]
+            rows = tf.raw_ops.TensorListStack(
+                input_handle=tensors[0], element_dtype=tf.variant,
+                element_shape=tf.constant(-1 if shape is None else shape, tf.int32),
+                num_elements=self.size)
+            return Batched(rows, True)
         return Batched(tensors[0], summary)
 
     def function_join(self, summaries):
+        rows = [s for s in summaries if type(s) is tuple]
+        if rows:
+            return rows[0] if all(s == rows[0] for s in rows) else ("rows", None)
         return any(summaries)
 
     def function_coerce(self, value, summary):
+        if type(summary) is tuple:
+            return Batched(_as_rows(value, self.size), True)
         return Batched(broadcast_batch(value, self.size), True) if summary else value
 
     def function_cache_key(self):
@@ -758,6 +934,15 @@ def vectorized_map(fn, elems, fallback_to_while_loop=True, warn=True):
     `fn` is a `tf.function`, its call is replayed once through the vectorizing handler into
     a cached, handler-free function (core/functions): later calls with the same specs run
     at graph speed, with `fn` traced once, not at every call.
+
+    Examples:
+        >>> w = tf.Variable([1.0, 2.0])
+        >>> def grad(x):
+        ...     with oh.GradientTape() as tape:
+        ...         loss = tf.reduce_sum(w * x)
+        ...     return tape.gradient(loss, w)
+        >>> oh.vectorized_map(grad, tf.constant([[1.0, 0.0], [0.0, 3.0]])).numpy().tolist()
+        [[1.0, 0.0], [0.0, 3.0]]
     """
     if tf.executing_eagerly() and _tf_tape_set_is_empty():
         # First and in a helper, so that this frame (and _run's) stay at a small bytecode
@@ -988,8 +1173,9 @@ def _make_plan(fn, elems, flat, calls, raw):
     for tree in call.entry.output_trees:
         if tree[0] == "leaf":  # a tensor below the map: unbatched
             batched.append(False)
-        elif tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf":
-            batched.append(bool(tree[1]))
+        elif (tree[0] == 0 and len(tree[2]) == 1 and tree[2][0][0] == "leaf"
+              and type(tree[1]) is bool):  # (not rows: their part is a list of them)
+            batched.append(tree[1])
         else:
             return plan
     # fn's result: its tensors are the call's outputs (the same representations), in

@@ -234,7 +234,7 @@ def render_md(results, info, elapsed, steps=3):
          "- The backward pass ends holding every weight gradient plus one convolution "
          "backprop's scratch buffer (TensorFlow's CPU kernels allocate up to 30 MB each); "
          "a segment's gradient function chains its convolution backprops so only one runs "
-         "at a time (`recompute_segments.serialize_heavy`), and oh.GradientTape frees each "
+         "at a time (`recompute/segments.py serialize_heavy`), and oh.GradientTape frees each "
          "record once its gradient ran, as TensorFlow's tape does."]
     return "\n".join(L)
 

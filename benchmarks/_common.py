@@ -322,7 +322,7 @@ def targets_md(bullets, script, quick, png_name, plural=False, scope=""):
     s = "s" if plural else ""
     return [
         "### Target" + s, "",
-        "Target%s of the issue%s, checked against this run's medians (not tuned):"
+        "Target%s%s, checked against this run's medians (not tuned):"
         % (s, scope), "",
     ] + list(bullets) + [
         "",

@@ -2,7 +2,7 @@
 `tf.recompute_grad` with hand-chosen segments: peak memory and step time of one training
 step (loss and gradients) of a deep MLP.
 
-The model is the issue's: `layers` Dense layers of width 64 with tanh, batch 2048
+The model: `layers` Dense layers of width 64 with tanh, batch 2048
 (`h = tanh(h @ W + b)`, loss `mean(h * h)`); activations dominate memory. Configurations,
 all measured in one process:
 
@@ -25,7 +25,7 @@ is created once and reused per step (`with rc:`), so from its second step the sq
 knows the computation's size (and the budget policy can plan). Writes the `recompute`
 section of docs/benchmarks.md and docs/recompute.png.
 
-    python benchmarks/recompute.py              # the issue's size: 256 layers, batch 2048
+    python benchmarks/recompute.py              # the default size: 256 layers, batch 2048
     python benchmarks/recompute.py --quick      # 64 layers, batch 512 (smoke run)
     python benchmarks/recompute.py --resnet     # ResNet50 at batch 8, 16, 32 only
 """
@@ -560,7 +560,7 @@ def render_md(summary, resnet, info, args, elapsed):
          _common.md_table(("configuration", "peak MB", "memory vs oh tape",
                            "memory vs tf tape", "step ms (median)", "step ms (best)",
                            "time vs oh tape", "peak <= budget"), rows), "",
-         "Targets (issue 19, same run):", "",
+         "Targets (same run):", "",
          "- peak memory >= 5x lower with `oh.Recompute()` than without, under "
          "oh.GradientTape: **%.1fx** (%s)" % (mem, "met" if mem >= 5 else "not met"),
          "- step time <= 1.4x: **%.2fx** (%s)" % (slow, "met" if slow <= 1.4 else "not met"),

@@ -185,7 +185,7 @@ def render_md(results, info, elapsed, steps=3):
              ", ".join(str(b) for b in dominate) if dominate else "(none measured)",
              first, results[first]["tf"]["kept"] / mb,
              results[first]["gradient_bytes"] / mb),
-         "- The issue's figure (peak >= 2x lower), eager model call, default policy "
+         "- Target (peak >= 2x lower), eager model call, default policy "
          "(`oh.Recompute()`, sqrt; nothing tuned per batch), against eager "
          "oh.GradientTape: %s; against tf.GradientTape: %s. 2x is met at %s." % (
              ", ".join("batch %d %.2fx" % (b, r["tape"]["peak"] / r["recompute"]["peak"])

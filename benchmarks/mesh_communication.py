@@ -20,6 +20,7 @@ Every alternative's result is checked against the explicit one before timing.
 """
 import os
 import sys
+import textwrap
 import time
 
 import tensorflow as tf
@@ -143,7 +144,8 @@ def ratios(configs):
 def plot(rows, plt):
     fig, ax = plt.subplots(figsize=(9, 4.6))
     _common.ratio_panel(
-        ax, ["%s\n%s vs.\n%s" % (case, a, b) for case, a, b, _, _ in rows],
+        ax, ["%s\n%s" % (case, textwrap.fill("%s vs. %s" % (a, b), 30))
+             for case, a, b, _, _ in rows],
         [("alternative / explicit", "tab:orange", [r[3] for r in rows],
           [r[4] for r in rows])],
         "alternative's time / explicit ops' time (log)",

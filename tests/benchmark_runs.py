@@ -8,6 +8,7 @@ at its end. A test waits for its own script's result.
 """
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,16 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
 # figures, and they share the cores with the rest of the suite.
 ENV.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
 TIMEOUT = 600
+
+# History in a benchmark page: issue numbers, named rounds of work, "before" figures and
+# earlier runs belong in CHANGELOG.md; a page holds its current run only. (Measurement
+# rounds, "7 rounds", "best round", "same-round ratios", are method, not history; nor is
+# "issue" as in issuing ops, "issue 14.8 µs".)
+HISTORY = re.compile(
+    r"\bissue[- ]?\d+(?![.\d]*\s*[µm]s)|\bissue'?s (?:figure|CNN|size)|\bthe issue measured|"
+    r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|previous|earlier|"
+    r"speed|profiling) (?:speed )?round\b|\bthis round\b|\(before\)|\bbefore the round\b|"
+    r"\bearlier (?:full )?runs?\b|\blater runs?\b|\bnext run\b", re.I)
 
 # Each benchmark script's smoke run: (script, extra options, strings its section contains).
 BENCHMARKS = [
@@ -34,7 +45,7 @@ BENCHMARKS = [
     ("recompute", ["--layers", "16", "--batch", "64"], ["memory vs oh tape",
                                                         "tf.recompute_grad", "memory_budget"]),
     ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
-                                      "vectorized_map", "issue (before)"]),
+                                      "vectorized_map", "| figure | target | this run |"]),
     ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
     ("lazy_chunks", ["--rounds", "2"], ["chunk_ops=32", "intra-op threads"]),
 ]

@@ -26,6 +26,7 @@ def test_other_tensorflow_version_is_refused_with_a_clear_message():
     assert "supports TensorFlow 2.21.x only" in proc.stderr and "2.20.1" in proc.stderr
 
 
+import benchmark_runs  # noqa: E402
 from benchmark_runs import BENCHMARKS, result as benchmark_result  # noqa: E402
 
 
@@ -39,6 +40,9 @@ def test_benchmark_quick_run(name, options, expected):
     assert "<!-- %s:begin -->" % name in text
     for s in expected:
         assert s in text, s
+    # Current results only: no issue numbers, named rounds or earlier figures.
+    history = benchmark_runs.HISTORY.search(text)
+    assert history is None, text[max(0, history.start() - 200):history.end() + 200]
 
 
 # --- Wheels without absolute RUNPATHs, declared dependencies, Pythons 3.10-3.13.

@@ -382,7 +382,7 @@ def main(argv=None):
     body = render(info, rows, figures, args.rounds, elapsed, args.quick, split)
     _common.write_section(args.out, SECTION, body)
     for f in figures:
-        print("%s: %s %s" % (f[0], f[3], f[4]))
+        print("%s: %s %s" % (f[0], f[2], f[3]))
     print("wrote %s (%.0f s)" % (args.out, elapsed))
 
 

@@ -48,6 +48,9 @@ BENCHMARKS = [
                                       "vectorized_map", "| figure | target | this run |"]),
     ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
     ("lazy_chunks", ["--rounds", "2"], ["chunk_ops=32", "intra-op threads"]),
+    ("mesh", [], ["CPU time oh.Mesh / DTensor", "Megatron MLP training step",
+                  "compiled / run_eagerly"]),
+    ("mesh_communication", [], ["alternative / explicit", "CollectiveAllReduce"]),
 ]
 OPTIONS = {name: options for name, options, _ in BENCHMARKS}
 
@@ -57,6 +60,7 @@ class _Run:
         self.name = name
         self.done = threading.Event()
         self.returncode, self.stderr, self.text = None, "", ""
+        self.files = set()  # what the run left next to its page (its plot)
 
 
 _runs = {}
@@ -73,6 +77,7 @@ def _run_one(run):
                               cwd=ROOT, preexec_fn=lambda: os.nice(5))
         run.returncode, run.stderr = proc.returncode, proc.stderr
         run.text = out.read_text() if out.exists() else ""
+        run.files = {f.name for f in out.parent.glob(run.name + ".*")}
     except Exception as e:  # pylint: disable=broad-except
         run.returncode, run.stderr = -1, "%s: %s" % (type(e).__name__, e)
     finally:

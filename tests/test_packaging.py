@@ -40,6 +40,9 @@ def test_benchmark_quick_run(name, options, expected):
     assert "<!-- %s:begin -->" % name in text
     for s in expected:
         assert s in text, s
+    # The plot the page shows was written beside it.
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert image in run.files, (image, run.files)
     # Current results only: no issue numbers, named rounds or earlier figures.
     history = benchmark_runs.HISTORY.search(text)
     assert history is None, text[max(0, history.start() - 200):history.end() + 200]

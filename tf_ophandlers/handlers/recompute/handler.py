@@ -119,6 +119,23 @@ def _user_stacklevel():
     return level if frame is not None else 2  # (entered from C++: no user frame)
 
 
+def _is_join(inputs, outputs):
+    """Whether an op joins two full-size values (a residual add): at most its output is
+    live after it, where a chain of single-input ops leaves one value too, but a
+    segment ending inside a residual block keeps the block's input besides."""
+    if len(outputs) != 1 or len(inputs) < 2:
+        return False
+    shape = outputs[0].shape
+    if not shape.is_fully_defined() or shape.num_elements() < 1024:
+        return False
+    full = 0
+    for v in inputs:
+        if type(v) is _Value and (v.segment is not None or v.tracked) \
+                and _described(v).shape == shape:
+            full += 1
+    return full >= 2
+
+
 def _trainable(tensor):
     return tensor.dtype.as_datatype_enum in _TRAINABLE
 
@@ -180,6 +197,13 @@ class Recompute(OpHandler):
         # Values below this many bytes are never dropped (evict.py); None
         # turns eviction off.
         self.evict_min_bytes = 4096
+        # The sqrt policy on a program with joins (residual adds): a segment ends at the
+        # first join after it computed this share of sqrt(total x mean value bytes), or
+        # at `join_cap` times that without one.
+        self.join_fraction = 0.5
+        self.join_cap = 2.0
+        self.min_fraction = 0.1
+        self._joins = False
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
         self._pending = []  # closed segments not recorded yet (recorded at flush)
@@ -263,6 +287,7 @@ class Recompute(OpHandler):
             self._calls = self._call_segments = 0  # tf.function calls run as rewrites
             self._evicted = self._remat_ops = 0  # bytes dropped, ops rerun (eviction)
             self._threshold_cache = None
+            self._joins = False  # a join (residual add) seen in this scope
             if self.policy == "memory_budget" and self._expected is not None:
                 self._plan_budget()
 
@@ -274,7 +299,8 @@ class Recompute(OpHandler):
             if self._count:
                 self._expected = (self._computed, self._computed / self._count,
                                   self._largest_value, self._expensive,
-                                  max(self._max_run, self._run), self._params)
+                                  max(self._max_run, self._run), self._params,
+                                  self._joins)
             self._variables = {}
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
@@ -543,6 +569,10 @@ class Recompute(OpHandler):
             segment.saved.append(None)  # recomputed by the gradient function
         if self.policy == "save" and op.type in self.save:
             self._close(evict=True)
+        elif self.policy == "sqrt" and _is_join(inputs, outputs):
+            self._joins = True
+            if segment.bytes >= self.join_fraction * self._sqrt_bytes(shrink=True):
+                self._close(evict=True)
         return values
 
     def _segment_full(self, segment):
@@ -553,10 +583,26 @@ class Recompute(OpHandler):
             return segment.bytes >= self._segment_bytes
         if region == "selective":
             return segment.bytes >= self._selective_cap()
+        if self._joins or (self._expected is not None and self._expected[6]):
+            # Segments end at joins (above); a long run without one still ends.
+            return segment.bytes >= self.join_cap * self._sqrt_bytes()
+        return segment.bytes >= self._sqrt_bytes()
+
+    def _sqrt_bytes(self, shrink=False):
+        """sqrt(total bytes x mean value bytes): the sqrt policy's segment size."""
         total, count = self._computed, max(self._count, 1)
         if self._expected is not None:
             total = max(total, self._expected[0])
-        return segment.bytes * segment.bytes >= total * (self._computed / count)
+        size = math.sqrt(total * (self._computed / count))
+        if shrink and self._expected is not None and self._expected[5] > 0:
+            # The backward pass runs the segments last to first, so a segment's gradient
+            # runs while the gradients of every weight read after it exist; the weights
+            # read so far are those still to come then. Where those gradients weigh
+            # against the checkpoints (about `size` bytes in all), segments shrink.
+            params = self._expected[5]
+            pending = max(0.0, params - self._params) / params
+            size *= max(self.min_fraction, 1.0 - pending * params / (params + size))
+        return size
 
     def _close(self, evict=False):
         segment, self._open = self._open, None

@@ -40,6 +40,9 @@ Policies (where segments end):
   sqrt(total bytes x mean value bytes): about sqrt(n) segments of sqrt(n) values (Chen et
   al.). The total is the one seen so far, or the previous scope's when the handler is
   reused across steps (then the segments are the optimal ones from the second step).
+  On a program with joins (residual adds) segments end at joins, where one value is
+  live, and are smaller where the gradients of the weights read after them weigh
+  (they exist when the segment's gradient runs).
 - ``save=("MatMul", "Conv2D", ...)``: a segment ends after each op of these types, so
   their outputs are kept and only the ops between them are recomputed (JAX's
   ``checkpoint_dots``, PyTorch's selective activation checkpointing).

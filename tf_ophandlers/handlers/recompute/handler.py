@@ -41,8 +41,7 @@ Policies (where segments end):
   al.). The total is the one seen so far, or the previous scope's when the handler is
   reused across steps (then the segments are the optimal ones from the second step).
   On a program with joins (residual adds) segments end at joins, where one value is
-  live, and are smaller where the gradients of the weights read after them weigh
-  (they exist when the segment's gradient runs).
+  live.
 - ``save=("MatMul", "Conv2D", ...)``: a segment ends after each op of these types, so
   their outputs are kept and only the ops between them are recomputed (JAX's
   ``checkpoint_dots``, PyTorch's selective activation checkpointing).
@@ -202,10 +201,9 @@ class Recompute(OpHandler):
         self.evict_min_bytes = 4096
         # The sqrt policy on a program with joins (residual adds): a segment ends at the
         # first join after it computed this share of sqrt(total x mean value bytes), or
-        # at `join_cap` times that without one.
+        # at `join_cap` times sqrt(total x mean value bytes) without one.
         self.join_fraction = 0.5
         self.join_cap = 2.0
-        self.min_fraction = 0.1
         self._joins = False
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
@@ -574,7 +572,7 @@ class Recompute(OpHandler):
             self._close(evict=True)
         elif self.policy == "sqrt" and _is_join(inputs, outputs):
             self._joins = True
-            if segment.bytes >= self.join_fraction * self._sqrt_bytes(shrink=True):
+            if segment.bytes >= self.join_fraction * self._sqrt_bytes():
                 self._close(evict=True)
         return values
 
@@ -591,21 +589,12 @@ class Recompute(OpHandler):
             return segment.bytes >= self.join_cap * self._sqrt_bytes()
         return segment.bytes >= self._sqrt_bytes()
 
-    def _sqrt_bytes(self, shrink=False):
+    def _sqrt_bytes(self):
         """sqrt(total bytes x mean value bytes): the sqrt policy's segment size."""
         total, count = self._computed, max(self._count, 1)
         if self._expected is not None:
             total = max(total, self._expected[0])
-        size = math.sqrt(total * (self._computed / count))
-        if shrink and self._expected is not None and self._expected[5] > 0:
-            # The backward pass runs the segments last to first, so a segment's gradient
-            # runs while the gradients of every weight read after it exist; the weights
-            # read so far are those still to come then. Where those gradients weigh
-            # against the checkpoints (about `size` bytes in all), segments shrink.
-            params = self._expected[5]
-            pending = max(0.0, params - self._params) / params
-            size *= max(self.min_fraction, 1.0 - pending * params / (params + size))
-        return size
+        return math.sqrt(total * (self._computed / count))
 
     def _close(self, evict=False):
         segment, self._open = self._open, None

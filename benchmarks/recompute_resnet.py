@@ -25,7 +25,11 @@ do not depend on the machine's load, but vary by some MB from step to step (the 
 which the executor's threads run ops): each figure is the median of `--steps` (3) steps
 after a warm-up step, with the step peaks' range. Step times are of the same steps on a
 shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
-Writes the `recompute-resnet` section of docs/benchmarks.md.
+Also a lower bound on any checkpointing's step peak with TensorFlow's CPU kernels
+(`checkpointing_bound`): the weight gradients that exist when the convolution whose
+backward pass needs most runs, plus that backward's kernel peak (run alone) and its input
+and output gradient; the ratio oh.GradientTape's peak / bound is the best any
+segmentation can reach. Writes the `recompute-resnet` section of docs/benchmarks.md.
 
     python benchmarks/recompute_resnet.py               # batches 8, 16, 32
     python benchmarks/recompute_resnet.py --batches 8   # one row

@@ -60,12 +60,14 @@ def test_keras_residual_model_drops_held_values_gradients_equal(training):
 
     loss0, g0 = _grads(tf.GradientTape, None, fn, variables)
     rc = oh.Recompute()
-    for _ in range(2):  # fresh, then reused (segments planned with the first's size)
+    for step in range(2):  # fresh, then reused (segments planned with the first's size)
         loss1, g1 = _grads(oh.GradientTape, rc, fn, variables)
         np.testing.assert_allclose(loss1.numpy(), loss0.numpy(), rtol=1e-6)
         _assert_grads(g0, g1)
         assert rc.stats["evicted"] > 0, rc.stats
-        assert rc.stats["rematerialized"] > 0, rc.stats  # (the long skip at least)
+        if step == 0:  # (the long skip at least; planned segments end at residual
+            # adds, and the next segment then holds the skip as its input)
+            assert rc.stats["rematerialized"] > 0, rc.stats
     rc.evict_min_bytes = None  # off: nothing dropped, same gradients
     loss2, g2 = _grads(oh.GradientTape, rc, fn, variables)
     _assert_grads(g0, g2)

@@ -40,6 +40,8 @@ Policies (where segments end):
   sqrt(total bytes x mean value bytes): about sqrt(n) segments of sqrt(n) values (Chen et
   al.). The total is the one seen so far, or the previous scope's when the handler is
   reused across steps (then the segments are the optimal ones from the second step).
+  On a program with joins (residual adds) segments end at joins, where one value is
+  live.
 - ``save=("MatMul", "Conv2D", ...)``: a segment ends after each op of these types, so
   their outputs are kept and only the ops between them are recomputed (JAX's
   ``checkpoint_dots``, PyTorch's selective activation checkpointing).
@@ -119,6 +121,23 @@ def _user_stacklevel():
     return level if frame is not None else 2  # (entered from C++: no user frame)
 
 
+def _is_join(inputs, outputs):
+    """Whether an op joins two full-size values (a residual add): at most its output is
+    live after it, where a chain of single-input ops leaves one value too, but a
+    segment ending inside a residual block keeps the block's input besides."""
+    if len(outputs) != 1 or len(inputs) < 2:
+        return False
+    shape = outputs[0].shape
+    if not shape.is_fully_defined() or shape.num_elements() < 1024:
+        return False
+    full = 0
+    for v in inputs:
+        if type(v) is _Value and (v.segment is not None or v.tracked) \
+                and _described(v).shape == shape:
+            full += 1
+    return full >= 2
+
+
 def _trainable(tensor):
     return tensor.dtype.as_datatype_enum in _TRAINABLE
 
@@ -180,6 +199,12 @@ class Recompute(OpHandler):
         # Values below this many bytes are never dropped (evict.py); None
         # turns eviction off.
         self.evict_min_bytes = 4096
+        # The sqrt policy on a program with joins (residual adds): a segment ends at the
+        # first join after it computed this share of sqrt(total x mean value bytes), or
+        # at `join_cap` times sqrt(total x mean value bytes) without one.
+        self.join_fraction = 0.5
+        self.join_cap = 2.0
+        self._joins = False
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
         self._pending = []  # closed segments not recorded yet (recorded at flush)
@@ -263,6 +288,7 @@ class Recompute(OpHandler):
             self._calls = self._call_segments = 0  # tf.function calls run as rewrites
             self._evicted = self._remat_ops = 0  # bytes dropped, ops rerun (eviction)
             self._threshold_cache = None
+            self._joins = False  # a join (residual add) seen in this scope
             if self.policy == "memory_budget" and self._expected is not None:
                 self._plan_budget()
 
@@ -274,7 +300,8 @@ class Recompute(OpHandler):
             if self._count:
                 self._expected = (self._computed, self._computed / self._count,
                                   self._largest_value, self._expensive,
-                                  max(self._max_run, self._run), self._params)
+                                  max(self._max_run, self._run), self._params,
+                                  self._joins)
             self._variables = {}
             self.stats = dict(computed=self._computed, kept=self._kept,
                               largest=self._largest,
@@ -543,6 +570,10 @@ class Recompute(OpHandler):
             segment.saved.append(None)  # recomputed by the gradient function
         if self.policy == "save" and op.type in self.save:
             self._close(evict=True)
+        elif self.policy == "sqrt" and _is_join(inputs, outputs):
+            self._joins = True
+            if segment.bytes >= self.join_fraction * self._sqrt_bytes():
+                self._close(evict=True)
         return values
 
     def _segment_full(self, segment):
@@ -553,10 +584,17 @@ class Recompute(OpHandler):
             return segment.bytes >= self._segment_bytes
         if region == "selective":
             return segment.bytes >= self._selective_cap()
+        if self._joins or (self._expected is not None and self._expected[6]):
+            # Segments end at joins (above); a long run without one still ends.
+            return segment.bytes >= self.join_cap * self._sqrt_bytes()
+        return segment.bytes >= self._sqrt_bytes()
+
+    def _sqrt_bytes(self):
+        """sqrt(total bytes x mean value bytes): the sqrt policy's segment size."""
         total, count = self._computed, max(self._count, 1)
         if self._expected is not None:
             total = max(total, self._expected[0])
-        return segment.bytes * segment.bytes >= total * (self._computed / count)
+        return math.sqrt(total * (self._computed / count))
 
     def _close(self, evict=False):
         segment, self._open = self._open, None

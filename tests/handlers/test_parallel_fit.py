@@ -89,13 +89,6 @@ def test_each_component_gets_its_slice_of_the_batch():
     assert _BatchSizes.seen[-3:] == [2, 2, 1]  # batches 4, 4, 2 over two components
 
 
-def test_eager_fit_with_an_uneven_split_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match=(
-            r"run_eagerly=True\) got a batch of 3 examples, which splits unevenly over the "
-            r"2 components.*run_eagerly=False")):
-        _train(_dense, 11, True, oh.ParallelHandler(DEVICES))
-
-
 def test_steps_per_execution_validation_and_evaluate_match_mirrored_strategy(strategy):
     """Two steps per compiled call (the split step in Keras's while loop), validation
     data and `evaluate` (replicated: every component on the whole batch), against

@@ -11,8 +11,14 @@ Keras does in the replica context of a strategy) sums the components' gradients 
 TensorFlow's collectives. Metric state (the variables Keras declares
 `aggregation="sum"`) is summed over the components after the step, as a mirrored
 variable sums its replicas' updates, so every component reports the global metrics.
+
+An eager step (`run_eagerly=True`) records Keras's `train_step` on an `oh.GradientTape`
+where Keras opens a `tf.GradientTape`: a batch that splits unevenly gives components of
+different lengths, which TensorFlow's C++ tape cannot record (it keeps one shape per
+tensor); the handler's tape keeps each component's shape.
 """
 import threading
+import types
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops as _collective_ops
@@ -21,7 +27,8 @@ from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.stack import current_stack
 from tf_ophandlers.handlers import parallel_collectives as _collectives
 
-_thread = threading.local()  # .replicas: the ParallelHandler whose fit step is traced/run
+# .replicas: the ParallelHandler whose fit step is traced/run; .eager: that step runs eagerly
+_thread = threading.local()
 
 
 def replica_handler():
@@ -105,8 +112,6 @@ def _data_parallel_step(model, handler, step_function):
     replica_ids = handler.device_ids  # component i: i (a capture of a compiled step)
 
     def step(data):
-        if tf.executing_eagerly():
-            _check_even_split(handler, data)
         data = tf.nest.map_structure(
             lambda t: t if t is None else split_batch(t, replica_ids, n), data)
         # Metrics built in the step would escape the sums below (Keras builds them
@@ -119,12 +124,12 @@ def _data_parallel_step(model, handler, step_function):
         before = [tf.identity(v.value) for v in metric_vars]
         for v in metric_vars:
             v.assign(tf.zeros_like(v.value))
-        outer = replica_handler()
-        _thread.replicas = handler
+        outer = replica_handler(), getattr(_thread, "eager", False)
+        _thread.replicas, _thread.eager = handler, tf.executing_eagerly()
         try:
             logs = step_function(data)
         finally:
-            _thread.replicas = outer
+            _thread.replicas, _thread.eager = outer
         if metric_vars:
             sums = all_reduce_sum(handler, [v.value for v in metric_vars])
             for v, b, s in zip(metric_vars, before, sums):
@@ -132,25 +137,6 @@ def _data_parallel_step(model, handler, step_function):
         return _synced_logs(model, handler, logs)
 
     return step
-
-
-def _check_even_split(handler, data):
-    """Raises before an eager step whose batch would give components of different
-    lengths: TensorFlow's tf.GradientTape (Keras's train_step) cannot record a tensor
-    whose shape differs between components (its C++ tape needs one shape and aborts the
-    process on an unknown dim). A compiled step runs whole per component, where each
-    component has its own static shape."""
-    n = len(handler.components)
-    for t in tf.nest.flatten(data):
-        b = t.shape[0] if isinstance(t, tf.Tensor) and t.shape.rank else None
-        if b is not None and b % n:
-            raise NotImplementedError(
-                "oh.ParallelHandler: model.fit(run_eagerly=True) got a batch of %d examples, "
-                "which splits unevenly over the %d components of %s (as MirroredStrategy "
-                "splits it); tf.GradientTape cannot record eagerly a tensor whose components "
-                "differ in shape. Compile the step (run_eagerly=False), or choose a batch "
-                "size and dataset size that are multiples of %d"
-                % (b, n, handler.debug_string(), n))
 
 
 def _synced_logs(model, handler, logs):
@@ -172,11 +158,33 @@ def _synced_logs(model, handler, logs):
     return tf.nest.pack_sequence_as(logs, flat)
 
 
+class _TrainerTensorFlow(types.ModuleType):
+    """TensorFlow as Keras's trainer module sees it: `GradientTape` is `oh.GradientTape`
+    while an eager data-parallel step runs on this thread, TensorFlow's otherwise; every
+    other name is TensorFlow's."""
+
+    def __init__(self, tf_module):
+        super().__init__(tf_module.__name__)
+        self._tf = tf_module
+
+    @property
+    def GradientTape(self):  # pylint: disable=invalid-name
+        if getattr(_thread, "eager", False) and replica_handler() is not None:
+            from tf_ophandlers.handlers.gradient_tape import GradientTape  # pylint: disable=import-outside-toplevel
+            return GradientTape
+        return self._tf.GradientTape
+
+    def __getattr__(self, name):
+        return getattr(self._tf, name)
+
+
 def _install():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
     from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
     from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
 
+    if trainer.tf is tf:
+        trainer.tf = _TrainerTensorFlow(tf)
     cls = trainer.TensorFlowTrainer
     make_train_function = cls.make_train_function
 
@@ -235,11 +243,15 @@ _tf_patches.register(
     "keras data-parallel fit",
     "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_train_function, "
     "keras.src.losses.loss.(un)scale_loss_for_distribution, "
-    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients, "
+    "keras.src.backend.tensorflow.trainer.tf (its GradientTape)",
     "Keras splits fit's batches, scales the loss by the replica count and all-reduces "
     "the gradients only for a tf.distribute strategy; in an oh.ParallelHandler scope "
     "fit's step would otherwise train every component on the whole batch. Keras has no "
-    "hook for a replica group that is not a strategy.", "first-use", _install, None)
+    "hook for a replica group that is not a strategy. Its eager train_step records on "
+    "a tf.GradientTape, whose C++ tape cannot hold a tensor whose components differ in "
+    "length (a batch split unevenly); Keras has no hook to choose the tape.",
+    "first-use", _install, None)
 
 
 def ensure_data_parallel_fit():

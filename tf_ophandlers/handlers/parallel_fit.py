@@ -89,19 +89,72 @@ def all_reduce_sum(handler, tensors):
     return out
 
 
-def _collective(handler, t):
-    """A TensorFlow all-reduce (sum) in a function that runs once per component: each
-    component's call holds one member of the collective (the handler runs such calls at
-    the same time). Keys from the process's allocator, as `all_reduce` uses."""
+def all_gather_slices(handler, slices):
+    """The sum over the components of `slices` (a tf.IndexedSlices of this handler) as
+    MirroredStrategy's all-reduce gives it: the components' indices and values
+    concatenated in component order (duplicate indices kept, as a sparse optimizer
+    update such as Adam's sees them), on every component."""
+    if tf.executing_eagerly():
+        # In the scope, a concat of ordinary tensors runs on every component.
+        values = tf.concat(handler.unpack(slices.values), 0)
+        indices = tf.concat(handler.unpack(slices.indices), 0)
+    else:
+        values = _gather_rows(handler, slices.values)
+        indices = _gather_rows(handler, slices.indices)
+    return tf.IndexedSlices(values, indices, slices.dense_shape)
+
+
+# Padded lengths of a gather (powers of two; int32 caps the last).
+_PADDED_LENGTHS = tuple(2 ** i for i in range(31)) + (2 ** 31 - 1,)
+
+
+def _gather_rows(handler, t):
+    """The components' `t` concatenated along axis 0, in a function that runs once per
+    component. Their lengths may differ (and change from step to step): each is padded to
+    the power of two at or above the longest, and each padded length has its own
+    collective instance (TensorFlow keeps the shape of an instance's first run and
+    refuses another)."""
+    length = tf.shape(t, out_type=tf.int32)[:1]
+    lengths = _collective(handler, length, gather=True)
+    longest = tf.reduce_max(lengths)
+    bucket = tf.searchsorted(_PADDED_LENGTHS, tf.reshape(longest, [1]))[0]
+    padded = tf.gather(_PADDED_LENGTHS, bucket)
+    pad = tf.concat([[[0, padded - length[0]]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], 0)
+    keys = tf.constant([_instance_key(handler) for _ in _PADDED_LENGTHS], tf.int32)
+    rows = _collective(handler, tf.pad(t, pad), gather=True,
+                       instance=tf.gather(keys, bucket))
+    keep = tf.reshape(tf.sequence_mask(lengths, padded), [-1])
+    return tf.boolean_mask(rows, keep)
+
+
+def _instance_key(handler):
+    """A collective instance key for the components of `handler` (from the process's
+    allocator, which keeps one counter per device)."""
     keys = _collectives.collective_keys()
     devices = list(handler.components)
     group = keys.get_group_key(devices)
     instance = {keys.get_instance_key(group, d) for d in devices}
-    if len(instance) != 1:  # the allocator keeps one counter per device
+    if len(instance) != 1:
         raise RuntimeError("oh.ParallelHandler: collective instance keys out of step: %s"
                            % sorted(instance))
+    return instance.pop()
+
+
+def _collective(handler, t, gather=False, instance=None):
+    """A TensorFlow all-reduce (sum), or all-gather along axis 0, in a function that runs
+    once per component: each component's call holds one member of the collective (the
+    handler runs such calls at the same time). Keys from the process's allocator, as
+    `all_reduce` uses (`instance`: a key tensor chosen in the graph)."""
+    devices = list(handler.components)
+    group = _collectives.collective_keys().get_group_key(devices)
+    if instance is None:
+        instance = _instance_key(handler)
+    if gather:
+        return _collective_ops.all_gather_v2(
+            t, group_size=len(devices), group_key=group, instance_key=instance,
+            timeout=handler.timeout_seconds or 0)
     return _collective_ops.all_reduce_v2(
-        t, group_size=len(devices), group_key=group, instance_key=instance.pop(),
+        t, group_size=len(devices), group_key=group, instance_key=instance,
         merge_op="Add", final_op="Id", timeout=handler.timeout_seconds or 0)
 
 
@@ -229,7 +282,11 @@ def _install():
         if handler is None:
             return reduce_gradients(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
-        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        for i, (g, v) in enumerate(grads_and_vars):
+            if isinstance(g, tf.IndexedSlices):
+                grads_and_vars[i] = (all_gather_slices(handler, g), v)
+        present = [i for i, (g, _) in enumerate(grads_and_vars)
+                   if g is not None and not isinstance(g, tf.IndexedSlices)]
         sums = all_reduce_sum(handler, [tf.convert_to_tensor(grads_and_vars[i][0])
                                         for i in present])
         for i, s in zip(present, sums):

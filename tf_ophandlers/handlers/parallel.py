@@ -142,6 +142,9 @@ class ParallelHandler(OpHandler):
     """Runs each op on every component device (`components`: device names)."""
 
     transient = False  # variables created under it hold one buffer per component
+    returns_off_stack = True  # unpack's outputs are ordinary tensors
+    TYPE_NAME = "PARALLEL"
+
     def replays_functions(self, op):  # pylint: disable=method-hidden
         """A function call runs whole on each component, unless its body (or a function
         it calls) packs or unpacks: those ops have a meaning only on the handler (run
@@ -150,8 +153,6 @@ class ParallelHandler(OpHandler):
         of stock ops (a pack takes input i on component i; an unpack reads each
         component's tensor)."""
         return bool(_PACKING_OPS & _library.body_op_types(op.type))
-    returns_off_stack = True  # unpack's outputs are ordinary tensors
-    TYPE_NAME = "PARALLEL"
 
     def __init__(self, components, timeout_seconds=300.0):
         """`components`: distinct device names, each a logical device of this process or

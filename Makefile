@@ -2,21 +2,28 @@
 # TensorFlow 2.21 (CPU wheel) and this package with its compiled extension.
 # make wheel: a wheel per available Python 3.10-3.13 in dist/ (build venvs in .venvs/).
 # make smoke: each wheel in a fresh venv without a compiler: quickstart + a test subset.
+# make c-api: tf_ophandlers/libtf_ophandlers_c.so, the C API (cc/include/tf_ophandlers/c_api.h)
+#   for programs using TensorFlow's C API with no Python; make c-api-example builds and runs
+#   examples/c_api/ against it (docs/using-handlers-from-c.md).
+# make docs: the documentation site (MkDocs + mkdocstrings, pinned in docs/requirements.txt)
+#   built with --strict into site/ (git-ignored).
 # make bazel: the Bazel build (BUILD, WORKSPACE; Debian's bazel-bootstrap, installed when
 #   missing) of the four libraries and examples/cc_handler, then tests/native/test_bazel.py.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel clean
+.PHONY: demo test test-slow test-python-path bench build wheel smoke bazel docs clean c-api c-api-programs c-api-example
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
 $(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
-	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" matplotlib tensorboard setuptools wheel
+	# sybil: tests/docs/test_snippets.py runs the Python blocks of README.md and docs/.
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" "sybil==10.1.0" matplotlib tensorboard setuptools wheel
 	# --no-deps: the package requires `tensorflow`, which would go in over tensorflow-cpu.
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
@@ -36,8 +43,8 @@ test-slow: $(STAMP)
 # The differential tests again with every Python handler's op on the Python path (the
 # reference the C paths must agree with; tf_ophandlers/core/fast_decision.py C_PATHS).
 test-python-path: $(STAMP)
-	OH_FAST_PATH=0 $(VPY) -m pytest -q -ra tests/handlers/test_differential.py \
-	    tests/handlers/test_fuzz_stacks.py tests/core/test_python_path_switch.py
+	OH_FAST_PATH=0 $(VPY) -m pytest -q -ra tests/compositions/test_differential.py \
+	    tests/compositions/test_fuzz_stacks.py tests/core/test_python_path_switch.py
 
 bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py
@@ -57,11 +64,78 @@ bench: $(STAMP)
 	$(VPY) benchmarks/mesh.py
 	$(VPY) benchmarks/mesh_communication.py
 
+# The site needs no TensorFlow: mkdocstrings reads the docstrings from the source.
+$(DOCS_STAMP): $(VPY) docs/requirements.txt
+	$(VPY) -m pip install -q -r docs/requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VPY) -m mkdocs build --strict --site-dir site
+
 wheel:
 	bash scripts/build_wheels.sh
 
 smoke: wheel
 	bash scripts/smoke_matrix.sh
+
+# The C API library and its example. Flags come from the installed TensorFlow (tf.sysconfig;
+# Python runs only here, at build time): the library links libtensorflow_cc.so.2 (TFE_*) and
+# libtensorflow_framework.so.2, never libpython.
+C_API_LIB := tf_ophandlers/libtf_ophandlers_c.so
+C_API_OUT := build/c_api
+C_API_SRCS := cc/c_api.cc cc/c_runtime.cc cc/c_native_handlers.cc cc/op_outputs.cc
+C_API_DEPS := $(C_API_SRCS) cc/c_runtime.h cc/op_outputs.h cc/native_handlers.cc cc/include/tf_ophandlers/*.h
+TF_FLAGS = $(C_API_OUT)/tf_flags.mk
+
+$(TF_FLAGS): $(STAMP)
+	mkdir -p $(C_API_OUT)
+	$(VPY) -c "import tensorflow as tf; \
+	  print('TF_CFLAGS := ' + ' '.join(tf.sysconfig.get_compile_flags())); \
+	  print('TF_LIB := ' + tf.sysconfig.get_lib())" > $@.tmp 2>/dev/null
+	mv $@.tmp $@
+
+# Read only for the C API's targets: remaking it needs the venv, which `make clean` or
+# `make wheel` must not build.
+ifneq ($(filter c-api% $(C_API_LIB) $(C_API_OUT)/%,$(MAKECMDGOALS)),)
+-include $(TF_FLAGS)
+endif
+TF_C_CFLAGS = $(filter-out --std=c++17,$(TF_CFLAGS))
+TF_LDFLAGS = -L$(TF_LIB) -l:libtensorflow_framework.so.2 -l:libtensorflow_cc.so.2 -Wl,-rpath,$(TF_LIB)
+
+$(C_API_LIB): $(C_API_DEPS) $(TF_FLAGS)
+	g++ -shared -fPIC -O2 -fvisibility=hidden -Wno-deprecated-declarations $(TF_CFLAGS) \
+	    -Icc -Icc/include $(C_API_SRCS) -o $@ $(TF_LDFLAGS) -Wl,--no-undefined
+
+c-api: $(C_API_LIB)
+
+$(C_API_OUT)/op_timer.so: examples/cc_handler/op_timer.cc cc/include/tf_ophandlers/handler.h $(TF_FLAGS)
+	g++ -shared -fPIC -O2 $(TF_CFLAGS) -Icc/include $< -o $@ \
+	    -L$(TF_LIB) -l:libtensorflow_framework.so.2 -Wl,-rpath,$(TF_LIB)
+
+# Handler libraries the bad-input program loads: one of an ABI version from the future,
+# handlers that fail or refuse copies, handlers that break the contract.
+C_API_TEST_LIBS := $(C_API_OUT)/bad_abi_handler.so $(C_API_OUT)/failing_handler.so \
+    $(C_API_OUT)/c_api_bad_handler.so
+$(C_API_OUT)/%.so: tests/native/%.cc cc/include/tf_ophandlers/handler.h $(TF_FLAGS)
+	g++ -shared -fPIC -O1 $(TF_CFLAGS) -Icc/include $< -o $@ \
+	    -L$(TF_LIB) -l:libtensorflow_framework.so.2 -Wl,-rpath,$(TF_LIB)
+
+C_PROGRAM = gcc -std=c11 -Wall -Wextra -Werror -O1 $(TF_C_CFLAGS) -Icc/include $< -o $@ \
+	    -L$(CURDIR)/tf_ophandlers -ltf_ophandlers_c -Wl,-rpath,$(CURDIR)/tf_ophandlers $(TF_LDFLAGS)
+
+$(C_API_OUT)/c_api_example: examples/c_api/c_api_example.c $(C_API_LIB) $(TF_FLAGS)
+	$(C_PROGRAM)
+
+# Bad input through the C API (tests/native/test_c_api.py runs it too).
+$(C_API_OUT)/c_api_errors: tests/native/c_api_errors.c $(C_API_LIB) $(TF_FLAGS)
+	$(C_PROGRAM)
+
+c-api-programs: $(C_API_OUT)/c_api_example $(C_API_OUT)/c_api_errors \
+    $(C_API_OUT)/op_timer.so $(C_API_TEST_LIBS)
+
+c-api-example: c-api-programs
+	$(C_API_OUT)/c_api_example $(C_API_OUT)/op_timer.so
+	$(C_API_OUT)/c_api_errors $(C_API_TEST_LIBS)
 
 # Bazel from Debian (bazel-bootstrap 4.2): apt-get as root, else through sudo. The build
 # itself is offline (WORKSPACE). TFOH_BAZEL_BIN makes the test fail, not skip, when a
@@ -78,5 +152,5 @@ bazel: $(STAMP)
 	TFOH_BAZEL_BIN="$$($(BAZEL) info bazel-bin)" $(VPY) -m pytest -q -ra tests/native/test_bazel.py
 
 clean:
-	rm -rf build dist *.egg-info tf_ophandlers/*.so tf_ophandlers/include
+	rm -rf build dist site *.egg-info tf_ophandlers/*.so tf_ophandlers/include
 	if [ -L bazel-bin ] && command -v $(BAZEL) >/dev/null; then $(BAZEL) clean; fi

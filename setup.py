@@ -121,7 +121,8 @@ class build_ext(_build_ext):  # pylint: disable=invalid-name
 setup(cmdclass={"build_ext": build_ext}, ext_modules=[
     # The Python extension: the dispatcher device and the handler-tensor payloads.
     Extension("tf_ophandlers._C", sources=[
-        "cc/module.cc", "cc/runtime.cc", "cc/status.cc", "cc/op.cc", "cc/handler_tensor.cc",
+        "cc/module.cc", "cc/runtime.cc", "cc/status.cc", "cc/op.cc", "cc/op_outputs.cc",
+        "cc/handler_tensor.cc",
         "cc/device.cc", "cc/native_build.cc", "cc/native_library.cc", "cc/native_type.cc",
         "cc/native_execute.cc", "cc/native_nogil.cc", "cc/native_value.cc",
         "cc/native_hooks.cc", "cc/fast_path.cc", "cc/fast_decision.cc", "cc/fast_forward.cc",

@@ -193,8 +193,17 @@ def write_section(path, name, body):
     """Writes `body` between `<!-- name:begin -->` / `<!-- name:end -->` in `path`.
 
     Only that section is replaced; the file is created (title + intro) if missing and
-    the section appended if absent.
+    the section appended if absent. For the documentation (`path` is docs/benchmarks.md,
+    the default) the section becomes its own page instead (`write_page`): the benchmarks
+    page lists the current run of each benchmark, one page each, and keeps no history.
     """
+    if os.path.abspath(path) == os.path.abspath(DEFAULT_MD):
+        write_page(name, body, path)
+        return
+    _replace_marked(path, name, body)
+
+
+def _replace_marked(path, name, body):
     begin, end = "<!-- %s:begin -->" % name, "<!-- %s:end -->" % name
     section = "%s\n%s\n%s" % (begin, body.strip("\n"), end)
     if os.path.exists(path):
@@ -210,6 +219,26 @@ def write_section(path, name, body):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
+
+
+def write_page(name, body, index=DEFAULT_MD):
+    """Writes one benchmark's current results as the page `<index without .md>/<name>.md`
+    (docs/benchmarks/<name>.md; replaced wholesale: the page holds this run only, what
+    changed goes to CHANGELOG.md) and its line in `index`'s list: title, link, run date."""
+    pages = os.path.splitext(index)[0]
+    lines = body.strip("\n").split("\n")
+    title = lines[0][3:] if lines[0].startswith("## ") else name
+    # The plot stays next to docs/benchmarks.md; the page is one directory down.
+    text = "\n".join(["# " + title] + lines[1:] if lines[0].startswith("## ") else lines)
+    text = re.sub(r"!\[([^\]]*)\]\(([^/()]+\.png)\)", r"![\1](../\2)", text)
+    os.makedirs(pages, exist_ok=True)
+    with open(os.path.join(pages, name + ".md"), "w") as f:
+        f.write(text + "\n")
+    date = re.search(r"(\d{4}-\d{2}-\d{2})", body)  # the Machine paragraph's run date
+    entry = "- [%s](%s/%s.md)%s" % (
+        title.replace("[", "(").replace("]", ")"), os.path.basename(pages), name,
+        " — run on %s" % date.group(1) if date else "")
+    _replace_marked(index, name, entry)
 
 
 def md_table(header, rows):

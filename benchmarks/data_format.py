@@ -47,7 +47,7 @@ BATCH, SIZE = 16, 56
 REPLAYED_CALLS = 4
 
 
-# Issue 20's sixth speed round (measured by hand: see the text).
+# Measured by hand (see the text).
 SIXTH_ROUND = (
     "Issue 20's sixth speed round, the replayed call's two parts (a machine loaded by "
     "other jobs, load average 5-8 on 2 cores, so calling-thread and process CPU time, "
@@ -189,7 +189,7 @@ def make_configs():
     # which it runs at rank 3: [N, C, H*W] -> [N, H*W, C]).
     x3 = tf.reshape(x, [BATCH, 3, SIZE * SIZE])
     configs.append(Config("transpose", "info", lambda: tf.transpose(x3, [0, 2, 1]).numpy()))
-    # What a replay runs for it since issue 20's sixth speed round (core/move_axis.py).
+    # What a replay runs for it (core/move_axis.py).
     configs.append(Config("move", "info", lambda: move_axis.move_axis(x, True).numpy()))
     return configs, runs_plain
 

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core.functions import call as function_calls  # noqa: E402
-from tf_ophandlers.handlers import mesh_comm  # noqa: E402
+from tf_ophandlers.handlers.mesh import comm as mesh_comm  # noqa: E402
 
 SECTION = "mesh"
 DEVICES = ["CPU:%d" % i for i in range(4)]
@@ -323,14 +323,15 @@ def render(configs, info, args, elapsed):
              args.rounds, " (`--quick`: noisy)" if args.quick else "",
              "Machine: %s; it was shared with other jobs while measuring (load average "
              "%.1f at the end; load reaches both sides of a ratio, but with the machine's "
-             "cores oversubscribed the wall-time quartiles are wide). Run time %.0f s."
-             % (info.get("cpu", "?"), os.getloadavg()[0], elapsed)), "",
+             "cores oversubscribed the wall-time quartiles are wide). Run on %s; run time "
+             "%.0f s." % (info.get("cpu", "?"), os.getloadavg()[0], info.get("date", "?"),
+                          elapsed)), "",
          _common.md_table(["case", "DTensor µs", "oh.Mesh µs", "oh.Mesh / DTensor",
                            "CPU time oh.Mesh / DTensor",
                            "eager ops launched", "oh.Mesh compile_ops=True µs",
                            "compiled / per device"],
                           rows), "",
-         "Targets (issue 21): per-op cost ≤ 0.5× DTensor's — %s (ratios %s). A training "
+         "Targets: per-op cost ≤ 0.5× DTensor's — %s (ratios %s). A training "
          "step ≤ 1.0× DTensor's eager step: DTensor has no eager step to compare with (its "
          "eager gradient of this loss fails in TF 2.21 with \"The op/function Mul got a "
          "regular tensor for input 0 (shape [64,64]) but was expecting a DTensor\"), so "
@@ -377,9 +378,9 @@ def render(configs, info, args, elapsed):
          "oh.Mesh runs an op as one eager op per device (default); the last columns "
          "time the same ops with `oh.Mesh(..., compile_ops=True)` (the per-device shards "
          "as one compiled multi-device function call, built once per op signature and "
-         "cached, `handlers/mesh_compiled.py`) in the same rounds: "
+         "cached, `handlers/mesh/compiled.py`) in the same rounds: "
          "compiled / per device %s. Communication uses explicit cross-device ops "
-         "(`handlers/mesh_comm.py`), which "
+         "(`handlers/mesh/comm.py`), which "
          "`benchmarks/mesh_communication.py` measures against TensorFlow's collectives. "
          "DTensor runs each op as an SPMD-expanded function on its custom device with "
          "collectives." % ", ".join("%.2f" % r for r in compiled.values())]

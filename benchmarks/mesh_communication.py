@@ -143,10 +143,11 @@ def render(configs, args, info, elapsed):
          "one process, configurations interleaved in shuffled order, %d rounds of %d calls%s. "
          "Medians per call in µs; the ratio is the median of the same-round ratios "
          "alternative / explicit (quartiles in parentheses). Machine: %s, %s CPUs; it was "
-         "shared with other jobs while measuring (load average %.1f at the end). Run time "
-         "%.0f s." % (args.rounds, args.calls, " (`--quick`: noisy)" if args.quick else "",
-                      info.get("cpu", "?"), info.get("nproc", "?"), os.getloadavg()[0],
-                      elapsed), "",
+         "shared with other jobs while measuring (load average %.1f at the end). Run on "
+         "%s; run time %.0f s." % (args.rounds, args.calls,
+                                   " (`--quick`: noisy)" if args.quick else "",
+                                   info.get("cpu", "?"), info.get("nproc", "?"),
+                                   os.getloadavg()[0], info.get("date", "?"), elapsed), "",
          _common.md_table(["case", "explicit (oh.Mesh)", "µs", "alternative", "µs",
                            "alternative / explicit"], rows), "",
          "A ratio above 1 means oh.Mesh's explicit eager ops are faster on this machine, "

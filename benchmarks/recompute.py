@@ -40,6 +40,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
+from _resnet import resnet50 as _resnet50  # noqa: E402
 
 WIDTH = 64
 NAMES = {
@@ -166,18 +167,6 @@ def measure_mlp(layers=256, width=WIDTH, batch=2048, configs=None, check=True):
     return out
 
 
-def _resnet50(batch, size):
-    """keras.applications.ResNet50(weights=None) (seeded) on a `batch` of `size`x`size`
-    inputs: ``(model, x, y, loss_fn)``."""
-    import keras  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                        classes=10)
-    x = tf.random.normal([batch, size, size, 3])
-    y = tf.constant(np.arange(batch) % 10)
-    return model, x, y, keras.losses.SparseCategoricalCrossentropy()
-
-
 def measure_resnet(batch=8, size=64):
     """Peak bytes and one step's time of keras.applications.ResNet50(weights=None) on
     `size`x`size` inputs (inference-mode batch norm, so the three configurations compute
@@ -292,7 +281,7 @@ class _Config:
 
 def measure_calls(layers=256, width=WIDTH, batch=2048, rounds=3):
     """A `tf.function` forward pass *called* inside an eager `oh.Recompute()` scope (run
-    as a segmented rewrite, recompute_calls.py) against the same call without it, both
+    as a segmented rewrite, recompute/calls.py) against the same call without it, both
     under oh.GradientTape: {key: {"peak", "ms", "ratio"}} (times interleaved; the
     gradients must be equal)."""
     model = MLP(layers, width, batch)

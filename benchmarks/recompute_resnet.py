@@ -12,7 +12,7 @@ Gradients must equal tf.GradientTape's (rtol 1e-5, atol 1e-6) or the script fail
 
 oh.Recompute() is measured twice: as it is (it drops the values a Keras functional model
 holds in its `tensor_dict` once their segment closed and rematerializes them when used,
-recompute_evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
+recompute/evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
 
 Columns: *forward peak* and *kept* (bytes still allocated when the forward pass ends:
 what the tape holds for the backward pass), *step peak*, the eager inference peak (no
@@ -43,7 +43,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
-from recompute import _resnet50  # noqa: E402  (the same seeded ResNet50 as recompute.py)
+from _resnet import resnet50 as _resnet50  # noqa: E402  (as recompute.py's)
 
 SIZE = 64
 KINDS = ("tf", "tape", "recompute", "recompute_noevict", "called", "called_recompute")

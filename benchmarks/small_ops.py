@@ -1,4 +1,4 @@
-"""Per-op speed (issue 17): the six figures of the issue's target table in one run.
+"""Per-op speed: the six figures of its target table in one run.
 
 Configurations, each timed in one process with the TensorFlow counterpart interleaved
 (shuffled order every round), as the time of one call:

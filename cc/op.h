@@ -20,6 +20,7 @@
 #include "absl/container/inlined_vector.h"
 #include "tensorflow/c/eager/c_api.h"
 #include "tensorflow/c/eager/c_api_experimental.h"
+#include "op_outputs.h"
 
 namespace tf_ophandlers {
 
@@ -77,18 +78,6 @@ void ForgetPooledOps(TFE_Context* old_ctx);
 // Returns the attribute source of `op` (borrowed or owned; not transferred), or null with
 // a RuntimeError set if it has neither (which indicates a bug). GIL: must be held.
 const TFE_Op* OpAttrSource(OpObject* op);
-
-// Appends to `dtypes` the flat output dtypes TensorFlow's OpDef implies for `op` with its
-// attributes, or returns false when they cannot be known (function call ops, attributes
-// missing). `op` is borrowed. GIL: not needed. Never sets a Python exception.
-bool ExpectedOutputs(const TFE_Op* op, std::vector<TF_DataType>* dtypes);
-// The same into an inline vector (no heap allocation for up to 4 outputs: the native
-// per-op path).
-bool ExpectedOutputs(const TFE_Op* op, absl::InlinedVector<TF_DataType, 4>* dtypes);
-
-// Whether `type` is an op registered with TensorFlow (it has an OpDef); false for a
-// function call op (named after its function). GIL: not needed. Never fails.
-bool IsRegisteredOpType(const char* type);
 
 // Executes `op` (its type and attributes) on `inputs` (a sequence of EagerTensors; handler
 // tensors among them are first copied off their stack with dispatch.copy_from_device), on

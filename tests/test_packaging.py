@@ -41,7 +41,7 @@ def test_benchmark_quick_run(name, options, expected):
         assert s in text, s
 
 
-# --- Issue 24: wheels without absolute RUNPATHs, declared dependencies, Pythons 3.10-3.13.
+# --- Wheels without absolute RUNPATHs, declared dependencies, Pythons 3.10-3.13.
 # `make wheel` / `make smoke` (scripts/) build and install real wheels; these tests check
 # the pieces cheaply: setup.py's link flags, the wheel checker, pyproject's declarations.
 import tf_ophandlers as oh  # noqa: E402  pylint: disable=wrong-import-position
@@ -198,7 +198,7 @@ def test_every_package_directory_goes_into_the_wheel():
 
 
 def test_bazel_build_and_setup_py_compile_the_same_sources():
-    """BUILD (issue 18) and setup.py build the same four libraries; a source file added to one
+    """BUILD and setup.py build the same four libraries; a source file added to one
     and not the other would give a Bazel-built library with missing symbols."""
     setup_text = (ROOT / "setup.py").read_text()
     build_text = (ROOT / "BUILD").read_text()

@@ -12,7 +12,7 @@ Importing the package changes nothing in TensorFlow's runtime: the dispatcher de
 registered and TensorFlow's internals are patched (`oh.patches()`) when the first handler
 scope opens, so devices can still be configured after ``import tf_ophandlers``.
 
-See README.md and docs/guide.md.
+See README.md and the documentation pages in docs/ (`make docs` builds the site).
 """
 from tf_ophandlers._install_check import SUPPORTED_TENSORFLOW, check_tensorflow, load_extension
 
@@ -66,7 +66,15 @@ _atexit.register(_C.shutdown)
 
 
 def install():
-    """Also exposes the scope as `tf.handler` (the RFC's spelling)."""
+    """Also exposes the scope as `tf.handler` (the RFC's spelling).
+
+    Examples:
+        >>> oh.install()
+        >>> with tf.handler(oh.OpHandler()):
+        ...     y = tf.constant(1.0) + 1.0
+        >>> float(y)
+        2.0
+    """
     _tf.handler = handler
 
 

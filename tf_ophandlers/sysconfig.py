@@ -13,6 +13,19 @@ A handler written in C uses `get_c_compile_flags()` (the same without C++-only f
 
 The library includes ``tf_ophandlers/handler.h`` (valid C and C++) and exports
 ``TFOH_InitHandlerLibrary`` (docs/guide.md, "Writing a handler in C++").
+
+A program with no Python that uses handlers through TensorFlow's C API includes
+``tf_ophandlers/c_api.h`` and links with `get_c_api_link_flags()`
+(docs/using-handlers-from-c.md):
+
+    gcc -std=c11 $(python -c "import tf_ophandlers as oh; \\
+        print(' '.join(oh.sysconfig.get_c_compile_flags()))") my_program.c -o my_program \\
+        $(python -c "import tf_ophandlers as oh; print(' '.join(oh.sysconfig.get_c_api_link_flags()))")
+
+Examples:
+    >>> import os
+    >>> os.path.exists(os.path.join(oh.sysconfig.get_include(), "tf_ophandlers", "handler.h"))
+    True
 """
 import os
 
@@ -57,3 +70,24 @@ def get_link_flags():
     link this package: the runtime hands it its functions (TFOH_RuntimeApi)."""
     tf_lib = tf.sysconfig.get_lib()
     return list(tf.sysconfig.get_link_flags()) + ["-Wl,-rpath," + tf_lib]
+
+
+def get_c_api_library():
+    """The path of ``libtf_ophandlers_c.so``, the C API's library (``make c-api`` builds it
+    into the package directory). Raises OSError when it is not built."""
+    path = os.path.join(_HERE, "libtf_ophandlers_c.so")
+    if not os.path.exists(path):
+        raise OSError("tf_ophandlers: %s is not built: run `make c-api` in the source tree "
+                      "(docs/using-handlers-from-c.md)" % path)
+    return path
+
+
+def get_c_api_link_flags():
+    """Linker flags for a program using ``tf_ophandlers/c_api.h``: the C API's library and
+    TensorFlow's framework and eager C API libraries, with rpaths so that the program runs
+    without LD_LIBRARY_PATH. None of them is libpython."""
+    here = os.path.dirname(get_c_api_library())
+    tf_lib = tf.sysconfig.get_lib()
+    return (["-L" + here, "-ltf_ophandlers_c", "-Wl,-rpath," + here]
+            + list(tf.sysconfig.get_link_flags())
+            + ["-l:libtensorflow_cc.so.2", "-Wl,-rpath," + tf_lib])

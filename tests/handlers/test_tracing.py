@@ -1,4 +1,4 @@
-"""TraceAndExecute, Lazy and Async (issue 8), each against eager execution."""
+"""TraceAndExecute, Lazy and Async, each against eager execution."""
 import keras
 import numpy as np
 import pytest
@@ -32,19 +32,36 @@ def _rnn_inputs():
 
 def test_trace_executes_eagerly_and_builds_a_function_of_its_inputs():
     x = tf.constant([0.5, -1.0])
-    # Known flake, open: core.dispatch remembers Python scalars converted under a scope by
-    # handle address; once TensorFlow's scalar cache is cleared (the leak checks of
-    # earlier tests do it), a user scalar of the same value at a reused address passes for
-    # a constant. A value no other test converts keeps this test about tracing.
-    y0 = tf.constant(3.0078125)
+    y0 = tf.constant(3.0)
     with oh.TraceAndExecute() as trace:
         z = tf.sin(x) * y0 + 2.0  # 2.0 is a constant of the trace, not an input
-    assert_close(z, np.sin([0.5, -1.0]) * 3.0078125 + 2.0)  # executed eagerly
-    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0078125]
+    assert_close(z, np.sin([0.5, -1.0]) * 3.0 + 2.0)  # executed eagerly
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0]
     f = trace.function(z)
     assert isinstance(f, type(tf.function(lambda: 1).get_concrete_function()))
     assert_close(f(tf.constant([1.0, 2.0]), tf.constant(-1.0)), -np.sin([1.0, 2.0]) + 2.0)
     assert "Sin" in [n.op for n in trace.graph_def(z).node]
+
+
+def test_a_scalar_cache_clear_forgets_the_python_scalars_of_traces():
+    # Python scalars converted under a scope are known by handle address while
+    # TensorFlow's scalar cache holds their handles. Once the cache is cleared (as its
+    # leak checks do), a freed address can come back as a user tensor of equal value,
+    # which a trace would then bake in as a constant. So a clear forgets them all: a
+    # tensor converted before the clear (held here, so its address stays its own and
+    # the check is deterministic) is an input of a later trace, not a constant.
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    x = tf.constant([0.5, -1.0])
+    with oh.TraceAndExecute() as trace:
+        c = tf.convert_to_tensor(3.0)
+        z = x * c
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0]]  # c: a constant
+    context.context()._clear_caches()  # pylint: disable=protected-access
+    with oh.TraceAndExecute() as trace:
+        z = tf.sin(x) * c
+    assert [t.numpy().tolist() for t in trace.inputs] == [[0.5, -1.0], 3.0]
+    assert_close(trace.function(z)(tf.constant([0.5, -1.0]), tf.constant(-2.0)),
+                 np.sin([0.5, -1.0]) * -2.0)
 
 
 def test_trace_write_graph_for_tensorboard(tmp_path):
@@ -559,7 +576,7 @@ def test_error_at_scope_exit_restores_the_device_scope():
     assert oh.current_stack() is oh.PHYSICAL
 
 
-# -- a shape is never invented for an op the kernel rejects (issue 23) ------------------------
+# -- a shape is never invented for an op the kernel rejects ------------------------
 
 _X6 = tf.constant([1., 2., 3., 4., 5., 6.])
 _BAD_RESHAPES = {
@@ -606,7 +623,7 @@ def test_valid_computed_shapes_are_eagers(handler):
         np.testing.assert_array_equal(g.numpy(), w.numpy())
 
 
-# ---- a SavedModel of a traced model with non-trainable variables (issue 43 item 9) -------
+# ---- a SavedModel of a traced model with non-trainable variables -------
 
 def _bn_model():
     keras.utils.set_random_seed(3)

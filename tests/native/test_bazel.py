@@ -119,6 +119,23 @@ def test_bazel_example_handler_times_every_op():
     assert all(int(nanos) > 0 for _, _, nanos in rows)
 
 
+def test_bazel_c_api_example_runs_without_python():
+    """//examples/c_api:c_api_example (the C API runtime linked in) runs OpTimer inside
+    OpCounter with TensorFlow's values and no libpython mapped; //:libtf_ophandlers_c.so
+    needs no libpython."""
+    library = bazel_library("tf_ophandlers", "libtf_ophandlers_c.so")
+    dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True).stdout
+    assert not [l for l in dynamic.splitlines() if "(NEEDED)" in l and "python" in l.lower()]
+    example = bazel_library("examples", "c_api", "c_api_example")
+    result = subprocess.run(
+        [example, bazel_library("examples", "cc_handler", "op_timer.so")],
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "libpython loaded: no" in result.stdout
+    assert "OK: values equal plain execution" in result.stdout
+
+
 _PACKAGE_CHECK = textwrap.dedent("""
     import os, sys, glob
     import numpy as np

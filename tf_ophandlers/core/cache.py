@@ -90,7 +90,13 @@ def register_external_cache(name, sizes):
 
 
 def caches():
-    """Every live cache of the package: ``{name: (entries, maxsize)}``."""
+    """Every live cache of the package: ``{name: (entries, maxsize)}``.
+
+    Examples:
+        >>> entries, maxsize = next(iter(oh.caches().values()))
+        >>> 0 <= entries <= maxsize
+        True
+    """
     out = {name: (len(c), c.maxsize) for name, c in _all.items()}
     out.update((name, tuple(sizes())) for name, sizes in _external.items())
     return dict(sorted(out.items()))

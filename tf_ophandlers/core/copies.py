@@ -28,7 +28,7 @@ def _fast(wrapper, op_type, x, attr, value):
     way its own fast path runs it (`TFE_Py_FastPathExecute`: the op executes and is
     recorded on TensorFlow's tapes), without the wrapper's Python layers (dispatch
     decorators, argument handling): the copy ops' gradients run for every copied tensor
-    (issue 17). Graph mode and the fast path's fallbacks (an input it cannot convert)
+   . Graph mode and the fast path's fallbacks (an input it cannot convert)
     take the wrapper."""
     ctx = _context.context()
     if ctx.executing_eagerly():
@@ -44,7 +44,17 @@ def _fast(wrapper, op_type, x, attr, value):
 
 
 def copy_on(x):
-    """CopyOn: `x` copied onto the stack the op runs on."""
+    """CopyOn: `x` copied onto the stack the op runs on.
+
+    Examples:
+        >>> class Doubling(oh.OpHandler):
+        ...     def copy_on(self, tensor):       # what enters the handler is doubled
+        ...         return 2.0 * tensor
+        >>> with Doubling():
+        ...     y = oh.copy_on(tf.constant(3.0))
+        >>> float(y)
+        6.0
+    """
     return _fast(_lib.copy_on, "CopyOn", x, None, None)
 
 
@@ -55,7 +65,15 @@ def copy_on_grad(dcopied, original_device=""):
 
 
 def copy_off(x, new_device=""):
-    """CopyOff: `x` copied off its handler stack to `new_device`."""
+    """CopyOff: `x` copied off its handler stack to `new_device`.
+
+    Examples:
+        >>> with oh.OpHandler():
+        ...     y = tf.constant([1.0, 2.0]) * 2.0
+        >>> z = oh.copy_off(y, "/job:localhost/replica:0/task:0/device:CPU:0")
+        >>> z.device.endswith("CPU:0"), z.numpy().tolist()
+        (True, [2.0, 4.0])
+    """
     return _fast(_lib.copy_off, "CopyOff", x, "new_device", new_device)
 
 

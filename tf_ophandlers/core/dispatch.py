@@ -21,8 +21,13 @@ from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
 from tf_ophandlers.core.state import register_runtime_start, state
 
-#: The one custom device every handler tensor lives on (DESIGN.md decision 1).
 DISPATCHER_DEVICE = "/job:localhost/replica:0/task:0/device:OPHANDLER:0"
+"""The one custom device every handler tensor lives on (DESIGN.md decision 1).
+
+Examples:
+    >>> oh.DISPATCHER_DEVICE
+    '/job:localhost/replica:0/task:0/device:OPHANDLER:0'
+"""
 
 
 def _stack_for(op, inputs):
@@ -90,13 +95,45 @@ def execute(op, inputs):
 
 # Python constants created under handler scopes, for tracing handlers (constants of a
 # trace, not inputs). Scalars: key -> (dtype, value), for every scalar (TensorFlow's
-# scalar cache keeps their handles alive, so a key stays that constant's while listed;
-# the value is checked again on lookup). Other constants: key -> tensor, only while a
+# scalar cache keeps their handles alive, so a key stays that constant's while listed,
+# and a clear of that cache forgets them all: patch "TFE_ClearScalarCache"; the value
+# is checked again on lookup). Other constants: key -> tensor, only while a
 # scope that asks for them is open, and forgotten when the last one closes, so user
 # tensors are not kept alive after it.
 _python_scalars = _cache.BoundedCache("dispatch.python_scalars", 16384)
 _python_constants = _cache.BoundedCache("dispatch.python_constants", 4096)
 _collectors = [0]  # open scopes asking for non-scalar constants (collect_python_constants)
+
+
+def _forget_python_scalars():
+    _python_scalars.clear()
+
+
+def _install_scalar_cache_clear():
+    # Every clear of TensorFlow's scalar cache (Context._clear_caches, _reset_context)
+    # goes through this module attribute.
+    original = _pywrap_tfe.TFE_ClearScalarCache
+
+    def clear_scalar_cache():
+        _forget_python_scalars()
+        return original()
+
+    clear_scalar_cache.__wrapped__ = original
+    _pywrap_tfe.TFE_ClearScalarCache = clear_scalar_cache
+
+
+def _uninstall_scalar_cache_clear():
+    _pywrap_tfe.TFE_ClearScalarCache = _pywrap_tfe.TFE_ClearScalarCache.__wrapped__
+
+
+tf_patches.register(
+    "TFE_ClearScalarCache", "tensorflow.python.pywrap_tfe.TFE_ClearScalarCache",
+    "the Python scalars converted under a scope are known by handle address, which is "
+    "theirs only while TensorFlow's scalar cache holds the handle; when the cache is "
+    "cleared (context._clear_caches, which TensorFlow's leak checks call) the handles "
+    "die and a user tensor of equal value at a reused address would pass for a constant "
+    "(a trace would bake it in). TensorFlow has no callback for the clear.",
+    "runtime", _install_scalar_cache_clear, _uninstall_scalar_cache_clear)
 
 
 def _scalar_identity(t):

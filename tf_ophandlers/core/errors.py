@@ -40,19 +40,59 @@ _counter = [0]
 
 
 class HandlerError(RuntimeError):
-    """Base class of errors raised by the tf-ophandlers runtime itself."""
+    """Base class of errors raised by the tf-ophandlers runtime itself.
+
+    Examples:
+        >>> issubclass(oh.PlacementError, oh.HandlerError)
+        True
+    """
 
 
 class PlacementError(HandlerError, ValueError):
-    """An op's inputs live on handler stacks that cannot be combined."""
+    """An op's inputs live on handler stacks that cannot be combined.
+
+    Examples:
+        >>> a, b = oh.OpHandler(), oh.OpHandler()
+        >>> with a:
+        ...     x = tf.constant(1.0) * 1.0
+        >>> with b:
+        ...     y = tf.constant(1.0) * 1.0
+        >>> try:
+        ...     x + y                          # two stacks that do not nest
+        ... except oh.PlacementError:
+        ...     print("PlacementError")
+        PlacementError
+    """
 
 
 class HandlerOutputError(HandlerError, TypeError):
-    """A handler returned outputs that do not satisfy the op's OpDef."""
+    """A handler returned outputs that do not satisfy the op's OpDef.
+
+    Examples:
+        >>> class Wrong(oh.OpHandler):
+        ...     def execute(self, op, inputs):
+        ...         return []                  # the op has one output
+        >>> try:
+        ...     with Wrong():
+        ...         tf.constant(1.0) + 1.0
+        ... except oh.HandlerOutputError:
+        ...     print("HandlerOutputError")
+        HandlerOutputError
+    """
 
 
 class CopyOffError(HandlerError):
-    """A handler refused to copy a tensor off its stack."""
+    """A handler refused to copy a tensor off its stack.
+
+    Examples:
+        >>> with oh.ShapeInference():
+        ...     y = tf.ones([2]) * 2.0
+        >>> try:
+        ...     y.numpy()                      # no value exists
+        ... except oh.CopyOffError:
+        ...     print("CopyOffError")
+        CopyOffError
+    """
 
 
 def _tf_code_for(exc):
@@ -290,7 +330,14 @@ def warn_once(cause, message, category=RuntimeWarning, stacklevel=2):
     the op, not the shapes) occurs in this process. A diagnostic that fires on every step
     of a training loop, once per tensor, buries the one line users need; Python's own
     "default" filter repeats it for every distinct message text."""
+    if first_time(cause):
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def first_time(cause):
+    """Whether `cause` occurs for the first time in this process (`warn_once`'s test, for
+    diagnostics reported otherwise than by `warnings`, e.g. a logger's warning)."""
     if cause in _warned_causes:
-        return
+        return False
     _warned_causes.add(cause)
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    return True

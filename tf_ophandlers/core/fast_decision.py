@@ -13,9 +13,14 @@ import types
 import tf_ophandlers._C as _C
 from tf_ophandlers.core.cache import BoundedCache, register_external_cache
 
-#: The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
-#: copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
 COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
+"""The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
+copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
+
+Examples:
+    >>> sorted(oh.COPY_OPS)
+    ['CopyOff', 'CopyOffGrad', 'CopyOn', 'CopyOnGrad']
+"""
 
 register_external_cache(
     "fast_path.decisions", lambda: (_C.fast_stats()["entries"], _C.fast_stats()["maxsize"]))
@@ -74,7 +79,16 @@ def needs_no_python_kernel(op_type):
 def never_copy(op, index):  # pylint: disable=unused-argument
     """``needs_copy = staticmethod(never_copy)``: every input from elsewhere (a physical
     tensor, a constant) enters as it is, and the stack answers `wants_copy` in C, so the
-    C++ per-op path makes no Python call per such input (`oh.Lazy`, `oh.Async`)."""
+    C++ per-op path makes no Python call per such input (`oh.Lazy`, `oh.Async`).
+
+    Examples:
+        >>> class Quiet(oh.OpHandler):
+        ...     needs_copy = staticmethod(oh.never_copy)   # constants enter as they are
+        >>> with Quiet():
+        ...     y = tf.constant([1.0]) + 1.0
+        >>> y.numpy().tolist()
+        [2.0]
+    """
     return False
 
 
@@ -86,7 +100,7 @@ def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
 
 #: ``lazy_plan(order, needed, specs, want_plan)``: oh.Lazy's pass over the pending nodes
 #: of a value request; ``lazy_upstream(roots)``: those nodes; ``lazy_computed(order)``:
-#: marks them computed (cc/fast_lazy_plan.cc; handlers/lazy.py `Lazy._run`).
+#: marks them computed (cc/fast_lazy_plan.cc; handlers/lazy/handler.py `Lazy._run`).
 lazy_plan = _C.lazy_plan
 lazy_upstream = _C.lazy_upstream
 lazy_computed = _C.lazy_computed

@@ -52,7 +52,21 @@ class _CacheToken:
 
 
 class OpHandler:
-    """Pass-through op handler; subclass and override hooks to transform ops."""
+    """Pass-through op handler; subclass and override hooks to transform ops.
+
+    Examples:
+        >>> class CountOps(oh.OpHandler):
+        ...     def __init__(self):
+        ...         self.n = 0
+        ...     def execute(self, op, inputs):
+        ...         self.n += 1
+        ...         return self.next.execute(op, inputs)
+        >>> counter = CountOps()
+        >>> with counter:
+        ...     y = tf.sin(tf.constant(1.0))
+        >>> counter.n
+        1
+    """
 
     #: A transient handler (tapes, logs) leaves resource handles (variables) on the next
     #: stack so that a variable created under it does not keep it alive (RFC "Placement

@@ -44,6 +44,12 @@ class NativeHandler(OpHandler, _C.NativeHandlerBase):
     is deleted (`delete_state`) when the handler and all its tensors are gone. Its
     representation of a tensor is a tensor of the next stack, so it is transparent
     (tensors show their physical device).
+
+    Examples:
+        >>> with oh.native.PassThrough():
+        ...     y = tf.constant([1.0, 2.0]) * 2.0
+        >>> isinstance(oh.handler_of(y).handler, oh.NativeHandler), y.numpy().tolist()
+        (True, [2.0, 4.0])
     """
 
     transparent = True
@@ -123,7 +129,13 @@ def _static_value(self, value):
 
 
 class HandlerLibrary:
-    """A loaded handler library: `handler_types()` -> {name: class}."""
+    """A loaded handler library: `handler_types()` -> {name: class}.
+
+    Examples:
+        >>> lib = oh.native.library()
+        >>> issubclass(lib.handler_types()["PassThrough"], oh.NativeHandler)
+        True
+    """
 
     def __init__(self, path, types):
         self.path = path
@@ -185,7 +197,15 @@ def load_handler_library(path):
     """Loads the handler library at `path` (a shared library exporting
     ``TFOH_InitHandlerLibrary``) once per process and returns its `HandlerLibrary`.
     Raises OSError when it cannot be loaded or is not a handler library, and
-    RuntimeError with the library's message when its registration fails."""
+    RuntimeError with the library's message when its registration fails.
+
+    Examples:
+        >>> import glob, os
+        >>> path = glob.glob(os.path.join(os.path.dirname(oh.__file__), "_native_handlers*.so"))[0]
+        >>> lib = oh.load_handler_library(path)
+        >>> sorted(lib.handler_types())[:2]
+        ['OpCounter', 'PassThrough']
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise OSError("tf_ophandlers: handler library %s does not exist" % path)

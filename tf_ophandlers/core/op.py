@@ -197,7 +197,7 @@ class Op(_C.OpBase):
     Handlers receive Ops in `execute(op, inputs)` and forward them unchanged
     (`self.next.execute(op, inputs)`), or build new ones:
 
-    >>> op = Op.create("AddV2", T=tf.float32)
+    >>> op = oh.Op.create("AddV2", T=tf.float32)
     >>> oh.PHYSICAL.execute(op, [tf.constant(1.), tf.constant(2.)])
     [<tf.Tensor: shape=(), dtype=float32, numpy=3.0>]
     """

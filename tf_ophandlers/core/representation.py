@@ -22,7 +22,15 @@ def payload(tensor):
 
 
 def stack_of(tensor):
-    """The stack `tensor` lives on, or None (eager or replayed tensors)."""
+    """The stack `tensor` lives on, or None (eager or replayed tensors).
+
+    Examples:
+        >>> h = oh.OpHandler()
+        >>> with h:
+        ...     y = tf.constant(1.0) * 2.0
+        >>> oh.stack_of(y) is oh.handler_of(y), oh.stack_of(tf.constant(1.0))
+        (True, None)
+    """
     s = _C.stack_of(tensor)
     if s is None and state.mode is not None:
         p = state.mode.payload(tensor)
@@ -58,7 +66,16 @@ def representation_of(handler, tensor, carrier=False):
     attaching state to it (a forward accumulator's zero tangent), not for its value: the
     handlers above are looked through with their `represented_value` hook (an
     oh.vectorized_map's batched tensor for a per-example one, which it does not copy
-    off), and a refusal means no representation."""
+    off), and a refusal means no representation.
+
+    Examples:
+        >>> acc = oh.ForwardAccumulator(tf.constant(2.0), tf.constant(1.0))
+        >>> with acc:
+        ...     y = tf.constant(2.0) * 3.0
+        >>> found, value = oh.representation_of(acc, y)
+        >>> found, type(value).__name__
+        (True, 'Dual')
+    """
     while True:
         stack = _C.stack_of(tensor)  # (stack_of, inlined for eager tensors)
         if stack is None:

@@ -290,6 +290,8 @@ _handler.set_scope_functions(enter, exit)
 def handler(target):
     """Scope placing ops on `target`: an OpHandler, a stack from `handler_of`, or None.
 
+    >>> with oh.OpHandler():
+    ...     y = tf.constant(1.) + 1.
     >>> with oh.handler(oh.handler_of(y)):   # run more ops where y was computed
     ...     z = y * 2.
     """
@@ -325,7 +327,15 @@ def original_device_scope(name):
 
 
 def handler_of(tensor):
-    """The handler stack `tensor` lives on, or None for an ordinary tensor."""
+    """The handler stack `tensor` lives on, or None for an ordinary tensor.
+
+    Examples:
+        >>> h = oh.OpHandler()
+        >>> with h:
+        ...     y = tf.constant([1.0]) * 2.0
+        >>> oh.handler_of(y).handler is h, oh.handler_of(tf.constant(1.0))
+        (True, None)
+    """
     if hasattr(tensor, "handle") and not isinstance(tensor, tf.Tensor):
         tensor = tensor.handle  # a variable: the stack of its resource handle
     return stack_of(tensor)

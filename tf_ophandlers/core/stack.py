@@ -65,9 +65,15 @@ def register_substitute_rule(rule):
     _substitute_rule[0] = rule
 
 
-#: ``tensor_key(tensor)``: a tensor's identity key (its TensorFlow handle), stable while it
-#: lives, for state keyed by tensors (a tape's tracked set); C, as it is on hot paths.
 tensor_key = _C.tensor_key
+"""``tensor_key(tensor)``: a tensor's identity key (its TensorFlow handle), stable while it
+lives, for state keyed by tensors (a tape's tracked set); C, as it is on hot paths.
+
+Examples:
+    >>> x = tf.constant(1.0)
+    >>> oh.tensor_key(x) == oh.tensor_key(x), oh.tensor_key(x) == oh.tensor_key(x + 0.0)
+    (True, False)
+"""
 
 
 # Dtypes no Python scalar converts to (a variable's handle is a resource scalar).
@@ -115,13 +121,31 @@ def _scalar_cached(tensor):
 
 def current_stack():
     """The stack ops are placed on right now (PHYSICAL outside every scope; inside a
-    hook, the hook's next stack)."""
+    hook, the hook's next stack).
+
+    Examples:
+        >>> h = oh.OpHandler()
+        >>> with h:
+        ...     print(oh.current_stack().handler is h)
+        True
+    """
     return state.current
 
 
 def next_stack():
     """The stack the running hook executes on (O(1); `self.next` inside a hook). Ops a
-    hook runs with ordinary TensorFlow calls are placed there too."""
+    hook runs with ordinary TensorFlow calls are placed there too.
+
+    Examples:
+        >>> class Below(oh.OpHandler):
+        ...     def execute(self, op, inputs):
+        ...         assert oh.next_stack() is self.next
+        ...         return self.next.execute(op, inputs)
+        >>> with Below():
+        ...     y = tf.constant(1.0) + 1.0
+        >>> float(y)
+        2.0
+    """
     frames = state.frames
     if not frames:
         raise errors.HandlerError(
@@ -165,7 +189,19 @@ class OffStack:
 
     For handler-specific ops whose results leave the handler, such as a parallel
     handler's unpack (its components are ordinary tensors). Only handlers with
-    ``returns_off_stack = True`` may return it."""
+    ``returns_off_stack = True`` may return it.
+
+    Examples:
+        >>> class Splitter(oh.OpHandler):
+        ...     returns_off_stack = True
+        ...     def execute(self, op, inputs):
+        ...         outputs = self.next.execute(op, inputs)
+        ...         return [oh.OffStack(t) for t in outputs]   # leave the handler at once
+        >>> with Splitter():
+        ...     y = tf.constant(1.0) + 1.0
+        >>> oh.handler_of(y) is None
+        True
+    """
 
     __slots__ = ("tensor",)
 
@@ -217,6 +253,12 @@ class PhysicalStack(Stack):
 
 
 PHYSICAL = PhysicalStack()
+"""The bottom of every stack: TensorFlow's own devices (the RFC's final handlers).
+
+Examples:
+    >>> oh.current_stack() is oh.PHYSICAL      # outside every handler scope
+    True
+"""
 
 #: ``execute_physical(op, inputs, device) -> outputs``: runs `op` eagerly on the physical
 #: device `device` (a canonical name), as ``PHYSICAL.execute`` does outside a replay for
@@ -289,7 +331,15 @@ def _template_key(handler, next_stack):
 
 
 class HandlerStack(Stack):
-    """A handler merged onto the stack it executes on."""
+    """A handler merged onto the stack it executes on.
+
+    Examples:
+        >>> h = oh.OpHandler()
+        >>> with h:
+        ...     stack = oh.current_stack()
+        >>> isinstance(stack, oh.HandlerStack), stack.handler is h
+        (True, True)
+    """
 
     def __init__(self, handler, next_stack):
         self.handler = handler
@@ -325,7 +375,7 @@ class HandlerStack(Stack):
         """The fields the stack derives from `handler`'s declarations (a dict)."""
         # Hooks left at their defaults take fast paths that skip the hook frame (the
         # base class marks its default hooks with `_oh_default`). Read on the handler, not
-        # its class: a hook set on the instance is not a default (review3: it was skipped).
+        # its class: a hook set on the instance is not a default (else it is skipped).
         f = {}
         f["_records"] = records = getattr(handler, "after_execute", None) is not None
         # A default execute with after_execute still runs (it calls after_execute).

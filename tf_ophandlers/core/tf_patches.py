@@ -108,5 +108,11 @@ def installed(name):
 
 
 def patches():
-    """The registered patches, in registration order."""
+    """The registered patches, in registration order.
+
+    Examples:
+        >>> p = oh.patches()[0]
+        >>> bool(p.name and p.reason), p.when in ("runtime", "scoped", "first-use")
+        (True, True)
+    """
     return list(_registry.values())

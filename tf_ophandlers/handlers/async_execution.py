@@ -150,6 +150,14 @@ class Async(OpHandler):
     Args:
       sync_on_exit: wait for the queued ops (and raise their error) when the outermost
         scope of the handler closes. Default True, as a `with` block reads sequentially.
+
+    Examples:
+        >>> with oh.Async():
+        ...     y = tf.matmul(tf.ones([2, 2]), tf.ones([2, 2]))   # queued
+        ...     print(y.shape)                                     # known at once
+        (2, 2)
+        >>> y.numpy().tolist()
+        [[2.0, 2.0], [2.0, 2.0]]
     """
 
     transparent = True

@@ -67,6 +67,14 @@ class CheckNumericsHandler(OpHandler):
 
     Args:
       op_types_to_skip: op types not checked (e.g. ops that legitimately produce Inf).
+
+    Examples:
+        >>> try:
+        ...     with oh.CheckNumericsHandler():
+        ...         tf.math.log(tf.constant([-1.0]))
+        ... except tf.errors.InvalidArgumentError as e:
+        ...     print("Log" in str(e))
+        True
     """
 
     transparent = True

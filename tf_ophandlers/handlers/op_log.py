@@ -24,7 +24,16 @@ from tf_ophandlers.core.functions import per_call
 
 @dataclasses.dataclass
 class OpRecord:
-    """One op seen by an OpLogHandler."""
+    """One op seen by an OpLogHandler.
+
+    Examples:
+        >>> log = oh.OpLogHandler()
+        >>> with log:
+        ...     y = tf.matmul(tf.ones([2, 3]), tf.ones([3, 4]))
+        >>> r = log.records[-1]
+        >>> r.op_type, r.output_shapes
+        ('MatMul', [TensorShape([2, 4])])
+    """
     op_type: str
     input_shapes: List[tf.TensorShape]
     input_dtypes: List[tf.DType]
@@ -48,6 +57,13 @@ class OpLogHandler(OpHandler):
         taken cond branches), through one `per_call.at_every_call` node per replayed
         graph; shapes are those known when the function was replayed (a dimension may
         be None), and the same record objects are appended at each call.
+
+    Examples:
+        >>> log = oh.OpLogHandler()
+        >>> with log:
+        ...     y = tf.sin(tf.constant([1.0, 2.0])) * 2.0
+        >>> log.op_types_seen()
+        ['Sin', 'Mul']
     """
 
     transparent = True

@@ -33,6 +33,12 @@ class ShapeInference(OpHandler):
     """Computes the shapes and dtypes of a program's tensors without running kernels.
 
     Use it through `oh.eval_shape(fn, *specs)`.
+
+    Examples:
+        >>> spec = oh.eval_shape(lambda x: tf.concat([x, x], axis=0),
+        ...                      tf.TensorSpec([None, 3], tf.float32))
+        >>> spec.shape.as_list()
+        [None, 3]
     """
 
     TYPE_NAME = "SHAPE_INFERENCE"
@@ -194,6 +200,10 @@ def eval_shape(fn, *specs, **kwargs):
     returned as its spec); other arguments are passed as they are. No kernel runs: each op's output spec comes
     from TensorFlow's shape function. Works for Keras models whose variables exist
     (call the model once, or build it, before).
+
+    Examples:
+        >>> oh.eval_shape(lambda x: tf.reduce_sum(x, axis=1), tf.TensorSpec([4, 5], tf.int32))
+        TensorSpec(shape=(4,), dtype=tf.int32, name=None)
     """
     handler = ShapeInference()
     with _scope.handler(handler) as stack:

@@ -76,7 +76,17 @@ class _Record:
 
 class TraceAndExecute(OpHandler):
     """Executes every op eagerly and records it; `function(outputs)` builds a
-    ConcreteFunction of `inputs` that recomputes `outputs`."""
+    ConcreteFunction of `inputs` that recomputes `outputs`.
+
+    Examples:
+        >>> x = tf.constant([1.0, 2.0])
+        >>> trace = oh.TraceAndExecute()
+        >>> with trace:
+        ...     y = tf.square(x) + 1.0
+        >>> f = trace.function(y)
+        >>> f(tf.constant([3.0, 4.0])).numpy().tolist()
+        [10.0, 17.0]
+    """
 
     transparent = True
     # A tf.function call is recorded as one call of the same function.

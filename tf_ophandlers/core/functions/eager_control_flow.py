@@ -29,7 +29,7 @@ from tensorflow.python.ops import while_loop as _while_loop
 from tensorflow.python.util import nest
 
 import tf_ophandlers._C as _C
-from tf_ophandlers.core import tf_patches
+from tf_ophandlers.core import errors, tf_patches
 
 _original_cond = _cond._eager_cond_implementation  # pylint: disable=protected-access
 _original_case = _switch_case._indexed_case_helper  # pylint: disable=protected-access
@@ -75,6 +75,25 @@ class _Undecided(Exception):
         self.loop_vars = loop_vars
 
 
+def _decided_with_tensor_arrays(cond):
+    """`cond` of an eager loop carrying a tf.TensorArray, with a clear error where it
+    returns a tensor without a single value: the loop cannot be staged (an eager
+    TensorArray is a Python list of tensors, with one length, where a staged loop's could
+    differ per example), and TensorFlow's eager loop would copy the value off."""
+    def checked(*args):
+        pred = cond(*args)
+        t = _ops.convert_to_tensor(pred)
+        if _without_value(t):
+            raise errors.CopyOffError(
+                "tf.while_loop (While) under %s: the loop condition has one value per "
+                "example (or device) and the loop variables hold an eager tf.TensorArray, "
+                "which a staged loop cannot carry (its length could differ per example). "
+                "Run the loop in a tf.function (the TensorArray created there), or use "
+                "tf.map_fn" % _C.stack_of(t).handler.debug_string())
+        return pred
+    return checked
+
+
 def _while(cond, body, loop_vars, shape_invariants=None, parallel_iterations=10,
            back_prop=True, swap_memory=False, name=None, maximum_iterations=None,
            return_same_structure=False):
@@ -83,6 +102,8 @@ def _while(cond, body, loop_vars, shape_invariants=None, parallel_iterations=10,
                    for v in nest.flatten(loop_vars))):
         # (An eager TensorArray cannot be captured by a staged loop: TensorFlow's own
         # eager loop runs it, as before; Keras' RNN loops carry them.)
+        if tf.executing_eagerly() and callable(cond):
+            cond = _decided_with_tensor_arrays(cond)
         return _original_while(cond, body, loop_vars, shape_invariants, parallel_iterations,
                                back_prop, swap_memory, name, maximum_iterations,
                                return_same_structure)

@@ -25,6 +25,24 @@ adds to the graph being built are collected, and the first one adds one stateful
 each time the graph runs: one Python call per function call (per iteration for a loop
 body, only when taken for a cond branch), whatever the number of ops. The probe traces
 the replay makes of branches and loop bodies are never run, so they add nothing.
+
+Examples:
+    >>> class CountSteps(oh.OpHandler):
+    ...     def __init__(self):
+    ...         self.calls = 0
+    ...     def execute(self, op, inputs):
+    ...         if op.type == "Sin":
+    ...             oh.per_call.at_every_call(self, None, self._count)
+    ...         return self.next.execute(op, inputs)
+    ...     def _count(self, items):
+    ...         self.calls += 1
+    >>> f = tf.function(lambda x: tf.sin(x))
+    >>> counter = CountSteps()
+    >>> with counter:
+    ...     for _ in range(3):
+    ...         _ = f(tf.constant(1.0))
+    >>> counter.calls
+    3
 """
 import weakref
 

@@ -18,7 +18,7 @@ import tensorflow as tf
 import tf_ophandlers as oh
 
 DEVICES = ["CPU:0", "CPU:1"]
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _pack_program(parallel, x):

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+from parallel_mirrored import mirrored_strategy
 
 DEVICES = ["CPU:0", "CPU:1"]
 
@@ -44,7 +45,7 @@ def _train(make, n, run_eagerly, scope):
 
 @pytest.fixture(scope="module")
 def strategy():
-    return tf.distribute.MirroredStrategy(DEVICES)
+    return mirrored_strategy()  # one per process (collective keys)
 
 
 @pytest.mark.parametrize("make,n,run_eagerly", [

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+from parallel_mirrored import mirrored_strategy
 
 from conftest import assert_close
 
@@ -97,7 +98,7 @@ def _train(make, n, batch_size, scope, run_eagerly=True, optimizer=keras.optimiz
 
 @pytest.fixture(scope="module")
 def strategy():
-    return tf.distribute.MirroredStrategy(DEVICES)
+    return mirrored_strategy()  # one per process (collective keys)
 
 
 @pytest.mark.parametrize("make,n,batch_size,optimizer", [

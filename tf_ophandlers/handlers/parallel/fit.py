@@ -11,8 +11,14 @@ Keras does in the replica context of a strategy) sums the components' gradients 
 TensorFlow's collectives. Metric state (the variables Keras declares
 `aggregation="sum"`) is summed over the components after the step, as a mirrored
 variable sums its replicas' updates, so every component reports the global metrics.
+
+An eager step (`run_eagerly=True`) records Keras's `train_step` on an `oh.GradientTape`
+where Keras opens a `tf.GradientTape`: a batch that splits unevenly gives components of
+different lengths, which TensorFlow's C++ tape cannot record (it keeps one shape per
+tensor); the handler's tape keeps each component's shape.
 """
 import threading
+import types
 
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops as _collective_ops
@@ -21,7 +27,8 @@ from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.stack import current_stack
 from tf_ophandlers.handlers.parallel import collectives as _collectives
 
-_thread = threading.local()  # .replicas: the ParallelHandler whose fit step is traced/run
+# .replicas: the ParallelHandler whose fit step is traced/run; .eager: that step runs eagerly
+_thread = threading.local()
 
 
 def replica_handler():
@@ -82,19 +89,72 @@ def all_reduce_sum(handler, tensors):
     return out
 
 
-def _collective(handler, t):
-    """A TensorFlow all-reduce (sum) in a function that runs once per component: each
-    component's call holds one member of the collective (the handler runs such calls at
-    the same time). Keys from the process's allocator, as `all_reduce` uses."""
+def all_gather_slices(handler, slices):
+    """The sum over the components of `slices` (a tf.IndexedSlices of this handler) as
+    MirroredStrategy's all-reduce gives it: the components' indices and values
+    concatenated in component order (duplicate indices kept, as a sparse optimizer
+    update such as Adam's sees them), on every component."""
+    if tf.executing_eagerly():
+        # In the scope, a concat of ordinary tensors runs on every component.
+        values = tf.concat(handler.unpack(slices.values), 0)
+        indices = tf.concat(handler.unpack(slices.indices), 0)
+    else:
+        values = _gather_rows(handler, slices.values)
+        indices = _gather_rows(handler, slices.indices)
+    return tf.IndexedSlices(values, indices, slices.dense_shape)
+
+
+# Padded lengths of a gather (powers of two; int32 caps the last).
+_PADDED_LENGTHS = tuple(2 ** i for i in range(31)) + (2 ** 31 - 1,)
+
+
+def _gather_rows(handler, t):
+    """The components' `t` concatenated along axis 0, in a function that runs once per
+    component. Their lengths may differ (and change from step to step): each is padded to
+    the power of two at or above the longest, and each padded length has its own
+    collective instance (TensorFlow keeps the shape of an instance's first run and
+    refuses another)."""
+    length = tf.shape(t, out_type=tf.int32)[:1]
+    lengths = _collective(handler, length, gather=True)
+    longest = tf.reduce_max(lengths)
+    bucket = tf.searchsorted(_PADDED_LENGTHS, tf.reshape(longest, [1]))[0]
+    padded = tf.gather(_PADDED_LENGTHS, bucket)
+    pad = tf.concat([[[0, padded - length[0]]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], 0)
+    keys = tf.constant([_instance_key(handler) for _ in _PADDED_LENGTHS], tf.int32)
+    rows = _collective(handler, tf.pad(t, pad), gather=True,
+                       instance=tf.gather(keys, bucket))
+    keep = tf.reshape(tf.sequence_mask(lengths, padded), [-1])
+    return tf.boolean_mask(rows, keep)
+
+
+def _instance_key(handler):
+    """A collective instance key for the components of `handler` (from the process's
+    allocator, which keeps one counter per device)."""
     keys = _collectives.collective_keys()
     devices = list(handler.components)
     group = keys.get_group_key(devices)
     instance = {keys.get_instance_key(group, d) for d in devices}
-    if len(instance) != 1:  # the allocator keeps one counter per device
+    if len(instance) != 1:
         raise RuntimeError("oh.ParallelHandler: collective instance keys out of step: %s"
                            % sorted(instance))
+    return instance.pop()
+
+
+def _collective(handler, t, gather=False, instance=None):
+    """A TensorFlow all-reduce (sum), or all-gather along axis 0, in a function that runs
+    once per component: each component's call holds one member of the collective (the
+    handler runs such calls at the same time). Keys from the process's allocator, as
+    `all_reduce` uses (`instance`: a key tensor chosen in the graph)."""
+    devices = list(handler.components)
+    group = _collectives.collective_keys().get_group_key(devices)
+    if instance is None:
+        instance = _instance_key(handler)
+    if gather:
+        return _collective_ops.all_gather_v2(
+            t, group_size=len(devices), group_key=group, instance_key=instance,
+            timeout=handler.timeout_seconds or 0)
     return _collective_ops.all_reduce_v2(
-        t, group_size=len(devices), group_key=group, instance_key=instance.pop(),
+        t, group_size=len(devices), group_key=group, instance_key=instance,
         merge_op="Add", final_op="Id", timeout=handler.timeout_seconds or 0)
 
 
@@ -105,8 +165,6 @@ def _data_parallel_step(model, handler, step_function):
     replica_ids = handler.device_ids  # component i: i (a capture of a compiled step)
 
     def step(data):
-        if tf.executing_eagerly():
-            _check_even_split(handler, data)
         data = tf.nest.map_structure(
             lambda t: t if t is None else split_batch(t, replica_ids, n), data)
         # Metrics built in the step would escape the sums below (Keras builds them
@@ -119,12 +177,12 @@ def _data_parallel_step(model, handler, step_function):
         before = [tf.identity(v.value) for v in metric_vars]
         for v in metric_vars:
             v.assign(tf.zeros_like(v.value))
-        outer = replica_handler()
-        _thread.replicas = handler
+        outer = replica_handler(), getattr(_thread, "eager", False)
+        _thread.replicas, _thread.eager = handler, tf.executing_eagerly()
         try:
             logs = step_function(data)
         finally:
-            _thread.replicas = outer
+            _thread.replicas, _thread.eager = outer
         if metric_vars:
             sums = all_reduce_sum(handler, [v.value for v in metric_vars])
             for v, b, s in zip(metric_vars, before, sums):
@@ -132,25 +190,6 @@ def _data_parallel_step(model, handler, step_function):
         return _synced_logs(model, handler, logs)
 
     return step
-
-
-def _check_even_split(handler, data):
-    """Raises before an eager step whose batch would give components of different
-    lengths: TensorFlow's tf.GradientTape (Keras's train_step) cannot record a tensor
-    whose shape differs between components (its C++ tape needs one shape and aborts the
-    process on an unknown dim). A compiled step runs whole per component, where each
-    component has its own static shape."""
-    n = len(handler.components)
-    for t in tf.nest.flatten(data):
-        b = t.shape[0] if isinstance(t, tf.Tensor) and t.shape.rank else None
-        if b is not None and b % n:
-            raise NotImplementedError(
-                "oh.ParallelHandler: model.fit(run_eagerly=True) got a batch of %d examples, "
-                "which splits unevenly over the %d components of %s (as MirroredStrategy "
-                "splits it); tf.GradientTape cannot record eagerly a tensor whose components "
-                "differ in shape. Compile the step (run_eagerly=False), or choose a batch "
-                "size and dataset size that are multiples of %d"
-                % (b, n, handler.debug_string(), n))
 
 
 def _synced_logs(model, handler, logs):
@@ -172,11 +211,33 @@ def _synced_logs(model, handler, logs):
     return tf.nest.pack_sequence_as(logs, flat)
 
 
+class _TrainerTensorFlow(types.ModuleType):
+    """TensorFlow as Keras's trainer module sees it: `GradientTape` is `oh.GradientTape`
+    while an eager data-parallel step runs on this thread, TensorFlow's otherwise; every
+    other name is TensorFlow's."""
+
+    def __init__(self, tf_module):
+        super().__init__(tf_module.__name__)
+        self._tf = tf_module
+
+    @property
+    def GradientTape(self):  # pylint: disable=invalid-name
+        if getattr(_thread, "eager", False) and replica_handler() is not None:
+            from tf_ophandlers.handlers.gradient_tape import GradientTape  # pylint: disable=import-outside-toplevel
+            return GradientTape
+        return self._tf.GradientTape
+
+    def __getattr__(self, name):
+        return getattr(self._tf, name)
+
+
 def _install():
     from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
     from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
     from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
 
+    if trainer.tf is tf:
+        trainer.tf = _TrainerTensorFlow(tf)
     cls = trainer.TensorFlowTrainer
     make_train_function = cls.make_train_function
 
@@ -221,7 +282,11 @@ def _install():
         if handler is None:
             return reduce_gradients(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
-        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        for i, (g, v) in enumerate(grads_and_vars):
+            if isinstance(g, tf.IndexedSlices):
+                grads_and_vars[i] = (all_gather_slices(handler, g), v)
+        present = [i for i, (g, _) in enumerate(grads_and_vars)
+                   if g is not None and not isinstance(g, tf.IndexedSlices)]
         sums = all_reduce_sum(handler, [tf.convert_to_tensor(grads_and_vars[i][0])
                                         for i in present])
         for i, s in zip(present, sums):
@@ -235,11 +300,15 @@ _tf_patches.register(
     "keras data-parallel fit",
     "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_train_function, "
     "keras.src.losses.loss.(un)scale_loss_for_distribution, "
-    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients, "
+    "keras.src.backend.tensorflow.trainer.tf (its GradientTape)",
     "Keras splits fit's batches, scales the loss by the replica count and all-reduces "
     "the gradients only for a tf.distribute strategy; in an oh.ParallelHandler scope "
     "fit's step would otherwise train every component on the whole batch. Keras has no "
-    "hook for a replica group that is not a strategy.", "first-use", _install, None)
+    "hook for a replica group that is not a strategy. Its eager train_step records on "
+    "a tf.GradientTape, whose C++ tape cannot hold a tensor whose components differ in "
+    "length (a batch split unevenly); Keras has no hook to choose the tape.",
+    "first-use", _install, None)
 
 
 def ensure_data_parallel_fit():

@@ -34,6 +34,7 @@ from tf_ophandlers.core import copies as _copies
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
+from tf_ophandlers.core.functions import library as _library
 from tf_ophandlers.core.launch_lock import LAUNCHES
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
@@ -47,6 +48,7 @@ from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit
 from tf_ophandlers.handlers.parallel.optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
+_PACKING_OPS = frozenset(("ParallelPack", "ParallelUnpack"))
 _LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
 
 
@@ -157,9 +159,17 @@ class ParallelHandler(OpHandler):
     """
 
     transient = False  # variables created under it hold one buffer per component
-    replays_functions = False  # a function call runs whole on each component
     returns_off_stack = True  # unpack's outputs are ordinary tensors
     TYPE_NAME = "PARALLEL"
+
+    def replays_functions(self, op):  # pylint: disable=method-hidden
+        """A function call runs whole on each component, unless its body (or a function
+        it calls) packs or unpacks: those ops have a meaning only on the handler (run
+        whole, they fail on a local component and are unknown to a remote worker's
+        server), so such a function is replayed op by op into one multi-device function
+        of stock ops (a pack takes input i on component i; an unpack reads each
+        component's tensor)."""
+        return bool(_PACKING_OPS & _library.body_op_types(op.type))
 
     def __init__(self, components, timeout_seconds=300.0):
         """`components`: distinct device names, each a logical device of this process or
@@ -362,6 +372,13 @@ class ParallelHandler(OpHandler):
         dims = {c.shape[index] for c in value.components}
         d = dims.pop() if len(dims) == 1 else None  # components may differ: unknown
         return -1 if d is None else int(d)
+
+    def function_input(self, value):
+        # A replayed function (see replays_functions) takes each component as a tensor.
+        return ("components", len(value.components), value.broadcast), list(value.components)
+
+    def function_output(self, summary, tensors):
+        return ParallelValue(tensors, broadcast=summary[2])
 
     def static_value(self, value):
         # A value only if every component has the same static value (RFC).

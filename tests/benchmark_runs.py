@@ -25,7 +25,7 @@ TIMEOUT = 600
 # History in a benchmark page: issue numbers, named rounds of work, "before" figures and
 # earlier runs belong in CHANGELOG.md; a page holds its current run only. (Measurement
 # rounds, "7 rounds", "best round", "same-round ratios", are method, not history; nor is
-# "issue" as in issuing ops, "issue 14.8 µs".)
+# "issue" as in issuing ops, followed by a duration in µs.)
 HISTORY = re.compile(
     r"\bissue[- ]?\d+(?![.\d]*\s*[µm]s)|\bissue'?s (?:figure|CNN|size)|\bthe issue measured|"
     r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|previous|earlier|"

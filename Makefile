@@ -43,8 +43,8 @@ test-slow: $(STAMP)
 # The differential tests again with every Python handler's op on the Python path (the
 # reference the C paths must agree with; tf_ophandlers/core/fast_decision.py C_PATHS).
 test-python-path: $(STAMP)
-	OH_FAST_PATH=0 $(VPY) -m pytest -q -ra tests/handlers/test_differential.py \
-	    tests/handlers/test_fuzz_stacks.py tests/core/test_python_path_switch.py
+	OH_FAST_PATH=0 $(VPY) -m pytest -q -ra tests/compositions/test_differential.py \
+	    tests/compositions/test_fuzz_stacks.py tests/core/test_python_path_switch.py
 
 bench: $(STAMP)
 	$(VPY) benchmarks/overhead.py

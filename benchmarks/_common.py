@@ -322,7 +322,7 @@ def targets_md(bullets, script, quick, png_name, plural=False, scope=""):
     s = "s" if plural else ""
     return [
         "### Target" + s, "",
-        "Target%s of the issue%s, checked against this run's medians (not tuned):"
+        "Target%s%s, checked against this run's medians (not tuned):"
         % (s, scope), "",
     ] + list(bullets) + [
         "",
@@ -427,3 +427,34 @@ def grouped_bars(ax, cases, keys, summary, field, colors, labels, fontsize=7):
                    fontsize=fontsize, boxed=True)
         top = max(top, max(v + h for v, h in zip(vals, hi)))
     return top
+
+
+def ratio_panel(ax, labels, series, ylabel, title, targets=(), parity=1.0):
+    """Side-by-side bars of ratios on a log scale, one group per entry of `labels`:
+    `series` is a list of (legend label, color, values, [(q1, q3)] per value); the
+    quartiles are the error bars, the value is written on top. `targets`: (first group,
+    last group, value, legend label) drawn as dotted red lines over those groups;
+    `parity` as a black line."""
+    width = 0.8 / len(series)
+    tops, lows = [], []
+    for j, (name, color, vals, qs) in enumerate(series):
+        xs = [c + (j - (len(series) - 1) / 2) * width for c in range(len(labels))]
+        lo, hi = spread(vals, qs)
+        ax.bar(xs, vals, width * 0.9, yerr=[lo, hi], capsize=2, color=color, label=name)
+        label_bars(ax, xs, [v + h for v, h in zip(vals, hi)], ["%.2fx" % v for v in vals],
+                   fontsize=7, boxed=True)
+        tops += [v + h for v, h in zip(vals, hi)]
+        lows += [max(v - l, 1e-3) for v, l in zip(vals, lo)]
+    for first, last, value, name in targets:
+        ax.hlines(value, first - 0.45, last + 0.45, colors="tab:red", linestyles=":",
+                  lw=1.5, label=name)
+        tops.append(value)
+    ax.axhline(parity, color="black", lw=0.8, label="parity")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(min(min(lows), parity) / 2, max(max(tops), parity) * 3)
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")

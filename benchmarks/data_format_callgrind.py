@@ -7,7 +7,7 @@ data_format section).
     python benchmarks/data_format_callgrind.py --keep /tmp/cg # keep files for callgrind_annotate
     python benchmarks/data_format_callgrind.py --breakdown    # where each call's instructions go
 
-One process, one intra-op thread: the issue's CNN channels-first under a fresh
+One process, one intra-op thread: the benchmark's CNN channels-first under a fresh
 `oh.DataFormat()` per call (entering the scope included, as in data_format.py) and its
 channels-last twin in plain TensorFlow, eagerly and as loaded SavedModels; plus `scope`,
 entering and leaving `with oh.DataFormat():` alone. Each is warmed up, then N calls

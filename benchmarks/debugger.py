@@ -18,7 +18,7 @@ and `keras` (an eager Keras MLP forward, 8-32-32-4 on a batch of 16: deep Python
 time per call divided by its ops). Before timing, the dumps are read back with
 `DebugDataReader`: the handler's and TensorFlow's list the same op types. Configurations
 are interleaved (shuffled order every round); the reported time is the median over rounds
-of the mean time per op. Target (issue 22): debugger <= 1.3x oplog per op.
+of the mean time per op. Target: debugger <= 1.3x oplog per op.
 Writes the `debugger` section of docs/benchmarks.md and docs/debugger.png.
 
     python benchmarks/debugger.py            # full run (~1 min on 2 cores)

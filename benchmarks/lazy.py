@@ -3,7 +3,7 @@ execution.
 
 Inside `with oh.Lazy():` ops are recorded instead of run; a value request (`.numpy()`)
 compiles the pending subgraph into a function, cached by its structure
-(`tf_ophandlers/handlers/lazy.py`), and runs it; later calls with the same structure hit
+(`tf_ophandlers/handlers/lazy/handler.py`), and runs it; later calls with the same structure hit
 that cache. Times, in one process, one call = build the computation and fetch its value
 with `.numpy()`, on three cases:
 
@@ -480,7 +480,7 @@ def render_md(summary, info, args, png_name, plotted, elapsed, checks, trace_ms,
         "One process times one *call* (build the computation and fetch its value with "
         "`.numpy()`) in plain eager TensorFlow (*eager*), inside `with oh.Lazy():` (ops "
         "recorded; the value request compiles the pending subgraph into a function cached "
-        "by its structure, then runs it; `tf_ophandlers/handlers/lazy.py`) and, for "
+        "by its structure, then runs it; `tf_ophandlers/handlers/lazy/handler.py`) and, for "
         "information, as a `tf.function` of the same computation traced once (untimed "
         "tracing: %s) and, on `chain-200`, under a custom device that records and runs "
         "nothing (*null device*, described there): the floor of per-op interception. Every "

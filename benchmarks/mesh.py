@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core.functions import call as function_calls  # noqa: E402
-from tf_ophandlers.handlers import mesh_comm  # noqa: E402
+from tf_ophandlers.handlers.mesh import comm as mesh_comm  # noqa: E402
 
 SECTION = "mesh"
 DEVICES = ["CPU:%d" % i for i in range(4)]
@@ -275,7 +275,60 @@ def render_fit(by):
                            "%.2f× (%.2f–%.2f)" % (cpu, c1, c3)]])]
 
 
-def render(configs, info, args, elapsed):
+def _short(case):
+    """A case's label under its bars in the plot."""
+    if case == FIT:
+        return "Keras fit step\ncompiled / run_eagerly"
+    if case.startswith("Megatron"):
+        return "MLP step\n(oh.Mesh eager)"
+    if case.startswith("same step"):
+        return "MLP step replayed\n(%s)" % ("4 arguments" if "arguments" in case
+                                              else "captured")
+    return case.split(" over ")[0].replace(" (", "\n(").replace(" x ", " x\n")
+
+
+def ratios(configs, num, den):
+    """Per case of `configs` that has both `num` and `den` (impl names): the median of
+    the same-round ratios num / den and their quartiles, wall and CPU time:
+    [(case, wall, (q1, q3), cpu, (q1, q3))]."""
+    by = {(c.case, c.impl): c for c in configs}
+    out = []
+    for case in dict.fromkeys(c.case for c in configs):
+        if (case, num) not in by or (case, den) not in by:
+            continue
+        a, b = by[case, num], by[case, den]
+        # The warm-up pass's CPU time is the first entry: rounds only.
+        out.append((case, _common.median([x / y for x, y in zip(a.times, b.times)]),
+                    _common.round_ratio_quartiles(a.times, b.times),
+                    _common.median([x / y for x, y in zip(a.cpu_times[1:], b.cpu_times[1:])]),
+                    _common.round_ratio_quartiles(a.cpu_times[1:], b.cpu_times[1:])))
+    return out
+
+
+def plot(rows, plt):
+    """`rows`: `ratios(configs, "oh", "dtensor")` followed by the fit step's
+    `ratios(configs, "fit_compiled", "fit_eager")` (if it ran)."""
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    labels = [_short(r[0]) for r in rows]
+    per_op = [i for i, r in enumerate(rows)
+              if r[0] != FIT and not r[0].startswith(("Megatron", "same step"))]
+    steps = [i for i, r in enumerate(rows) if r[0].startswith(("Megatron", "same step"))]
+    targets = [(per_op[0], per_op[-1], 0.5, "target (per op): <= 0.5x DTensor")]
+    if steps:
+        targets.append((steps[0], steps[-1], 1.0, "target (step): <= 1.0x DTensor's step"))
+    _common.ratio_panel(
+        ax, labels, [("wall time", "tab:orange", [r[1] for r in rows], [r[2] for r in rows]),
+                     ("CPU time (process)", "tab:gray", [r[3] for r in rows],
+                      [r[4] for r in rows])],
+        "time / other's time (log)",
+        "oh.Mesh / DTensor per case (< 1: oh.Mesh faster); last: oh.Mesh's Keras fit step "
+        "compiled / run_eagerly\n(median and quartiles of same-round ratios)", targets)
+    fig.suptitle("tf-ophandlers: oh.Mesh vs. DTensor, 2x2 mesh of four logical CPUs "
+                 "(same run)", fontsize=10)
+    return fig
+
+
+def render(configs, info, args, elapsed, png_name, plotted):
     fit = [c for c in configs if c.case == FIT]
     configs = [c for c in configs if c.case != FIT]
     cases = list(dict.fromkeys(c.case for c in configs))
@@ -326,12 +379,14 @@ def render(configs, info, args, elapsed):
              "cores oversubscribed the wall-time quartiles are wide). Run on %s; run time "
              "%.0f s." % (info.get("cpu", "?"), os.getloadavg()[0], info.get("date", "?"),
                           elapsed)), "",
+         _common.image_md("oh.Mesh / DTensor per case, wall and CPU time", png_name,
+                          plotted), "",
          _common.md_table(["case", "DTensor µs", "oh.Mesh µs", "oh.Mesh / DTensor",
                            "CPU time oh.Mesh / DTensor",
                            "eager ops launched", "oh.Mesh compile_ops=True µs",
                            "compiled / per device"],
                           rows), "",
-         "Targets (issue 21): per-op cost ≤ 0.5× DTensor's — %s (ratios %s). A training "
+         "Targets: per-op cost ≤ 0.5× DTensor's — %s (ratios %s). A training "
          "step ≤ 1.0× DTensor's eager step: DTensor has no eager step to compare with (its "
          "eager gradient of this loss fails in TF 2.21 with \"The op/function Mul got a "
          "regular tensor for input 0 (shape [64,64]) but was expecting a DTensor\"), so "
@@ -378,15 +433,15 @@ def render(configs, info, args, elapsed):
          "oh.Mesh runs an op as one eager op per device (default); the last columns "
          "time the same ops with `oh.Mesh(..., compile_ops=True)` (the per-device shards "
          "as one compiled multi-device function call, built once per op signature and "
-         "cached, `handlers/mesh_compiled.py`) in the same rounds: "
+         "cached, `handlers/mesh/compiled.py`) in the same rounds: "
          "compiled / per device %s. Communication uses explicit cross-device ops "
-         "(`handlers/mesh_comm.py`), which "
+         "(`handlers/mesh/comm.py`), which "
          "`benchmarks/mesh_communication.py` measures against TensorFlow's collectives. "
          "DTensor runs each op as an SPMD-expanded function on its custom device with "
          "collectives." % ", ".join("%.2f" % r for r in compiled.values())]
     if fit:
         L += [""] + render_fit({(c.case, c.impl): c for c in fit})
-    return "\n".join(L)
+    return "\n".join(L), None
 
 
 def main(argv=None):
@@ -401,9 +456,14 @@ def main(argv=None):
         args, dmesh, omesh, rng) + make_fit_configs(args, rng)
     _common.run_rounds(configs, args.rounds, lambda cfg: cfg.n)
     info = _common.machine_info()
-    body = render(configs, info, args, time.time() - start)
-    _common.write_section(args.out, SECTION, body)
-    print(body)
+    elapsed = time.time() - start
+    rows = ratios(configs, "oh", "dtensor") + ratios(configs, "fit_compiled", "fit_eager")
+    _, png_path = _common.publish(
+        args.out, SECTION, lambda plt: plot(rows, plt),
+        lambda png_name, plotted: render(configs, info, args, elapsed, png_name, plotted))
+    for case, wall, _, cpu, _ in rows:
+        print("%-75s %.2fx wall, %.2fx CPU" % (case, wall, cpu))
+    _common.print_wrote(args.out, png_path, elapsed)
 
 
 if __name__ == "__main__":

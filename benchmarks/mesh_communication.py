@@ -6,20 +6,21 @@ the 2x2 ("batch", "model") mesh of four logical CPUs, 64x64 float32 shards.
 
 Cases (each pair in the same process, interleaved in shuffled order per round,
 `_common.run_rounds`; the ratio alternative / explicit is the result):
-- per-op execution: one Mul per device, four eager ops (oh.Mesh today), against one
+- per-op execution: one Mul per device, four eager ops (what oh.Mesh does), against one
   compiled tf.function holding the four Muls (a per-signature compiled op);
 - all-reduce over "model" (groups {0,1}, {2,3}): AddN on the group's first device plus
-  a copy (oh.Mesh today), against `tf.distribute`'s `CollectiveAllReduce` (all members in
+  a copy (what oh.Mesh does), against `tf.distribute`'s `CollectiveAllReduce` (all members in
   one tf.function, as `oh.ParallelHandler.all_reduce` runs it);
-- all-gather over "model" along axis 1: a ConcatV2 per device (oh.Mesh today), against
+- all-gather over "model" along axis 1: a ConcatV2 per device (what oh.Mesh does), against
   the collective all-gather (`CollectiveGatherV2` through its launcher);
 - reduce-scatter over "model" along axis 1 (a row-parallel MatMul's partial sums consumed
-  sharded): all-reduce then a slice per device (oh.Mesh today), against an explicit
+  sharded): all-reduce then a slice per device (what oh.Mesh does), against an explicit
   reduce-scatter (each device adds its slice of the group's partial sums).
 Every alternative's result is checked against the explicit one before timing.
 """
 import os
 import sys
+import textwrap
 import time
 
 import tensorflow as tf
@@ -129,7 +130,33 @@ def make_configs(rng):
     return configs
 
 
-def render(configs, args, info, elapsed):
+def ratios(configs):
+    """Per case: (case, explicit, alternative, median of the same-round ratios
+    alternative / explicit, their quartiles)."""
+    out = []
+    for a, b in zip(configs[::2], configs[1::2]):
+        out.append((a.case, a.impl, b.impl,
+                    _common.median([y / x for x, y in zip(a.times, b.times)]),
+                    _common.round_ratio_quartiles(b.times, a.times)))
+    return out
+
+
+def plot(rows, plt):
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    _common.ratio_panel(
+        ax, ["%s\n%s" % (case, textwrap.fill("%s vs. %s" % (a, b), 30))
+             for case, a, b, _, _ in rows],
+        [("alternative / explicit", "tab:orange", [r[3] for r in rows],
+          [r[4] for r in rows])],
+        "alternative's time / explicit ops' time (log)",
+        "TensorFlow's collectives and compiled ops relative to oh.Mesh's explicit eager "
+        "ops\n(> 1: explicit faster; median and quartiles of same-round ratios)")
+    fig.suptitle("tf-ophandlers: oh.Mesh communication choices, 2x2 mesh of four logical "
+                 "CPUs (same run)", fontsize=10)
+    return fig
+
+
+def render(configs, args, info, elapsed, png_name, plotted):
     rows = []
     for a, b in zip(configs[::2], configs[1::2]):
         q1, q3 = _common.round_ratio_quartiles(b.times, a.times)
@@ -148,6 +175,7 @@ def render(configs, args, info, elapsed):
                                    " (`--quick`: noisy)" if args.quick else "",
                                    info.get("cpu", "?"), info.get("nproc", "?"),
                                    os.getloadavg()[0], info.get("date", "?"), elapsed), "",
+         _common.image_md("alternative / explicit per case", png_name, plotted), "",
          _common.md_table(["case", "explicit (oh.Mesh)", "µs", "alternative", "µs",
                            "alternative / explicit"], rows), "",
          "A ratio above 1 means oh.Mesh's explicit eager ops are faster on this machine, "
@@ -156,7 +184,7 @@ def render(configs, args, info, elapsed):
          "of one process; collectives add their launcher's ordering and rendezvous. An "
          "explicit reduce-scatter is more eager ops than all-reduce + slice on a 2-device "
          "group."]
-    return "\n".join(L)
+    return "\n".join(L), None
 
 
 def main(argv=None):
@@ -165,9 +193,14 @@ def main(argv=None):
     start = time.time()
     configs = make_configs(np.random.default_rng(0))
     _common.run_rounds(configs, args.rounds, lambda cfg: args.calls)
-    body = render(configs, args, _common.machine_info(), time.time() - start)
-    _common.write_section(args.out, SECTION, body)
-    print(body)
+    info, elapsed = _common.machine_info(), time.time() - start
+    rows = ratios(configs)
+    _, png_path = _common.publish(
+        args.out, SECTION, lambda plt: plot(rows, plt),
+        lambda png_name, plotted: render(configs, args, info, elapsed, png_name, plotted))
+    for case, _, _, ratio, _ in rows:
+        print("%-30s alternative / explicit %.2fx" % (case, ratio))
+    _common.print_wrote(args.out, png_path, elapsed)
 
 
 if __name__ == "__main__":

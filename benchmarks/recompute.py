@@ -2,7 +2,7 @@
 `tf.recompute_grad` with hand-chosen segments: peak memory and step time of one training
 step (loss and gradients) of a deep MLP.
 
-The model is the issue's: `layers` Dense layers of width 64 with tanh, batch 2048
+The model: `layers` Dense layers of width 64 with tanh, batch 2048
 (`h = tanh(h @ W + b)`, loss `mean(h * h)`); activations dominate memory. Configurations,
 all measured in one process:
 
@@ -25,7 +25,7 @@ is created once and reused per step (`with rc:`), so from its second step the sq
 knows the computation's size (and the budget policy can plan). Writes the `recompute`
 section of docs/benchmarks.md and docs/recompute.png.
 
-    python benchmarks/recompute.py              # the issue's size: 256 layers, batch 2048
+    python benchmarks/recompute.py              # the default size: 256 layers, batch 2048
     python benchmarks/recompute.py --quick      # 64 layers, batch 512 (smoke run)
     python benchmarks/recompute.py --resnet     # ResNet50 at batch 8, 16, 32 only
 """
@@ -40,6 +40,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
+from _resnet import resnet50 as _resnet50  # noqa: E402
 
 WIDTH = 64
 NAMES = {
@@ -166,18 +167,6 @@ def measure_mlp(layers=256, width=WIDTH, batch=2048, configs=None, check=True):
     return out
 
 
-def _resnet50(batch, size):
-    """keras.applications.ResNet50(weights=None) (seeded) on a `batch` of `size`x`size`
-    inputs: ``(model, x, y, loss_fn)``."""
-    import keras  # pylint: disable=import-outside-toplevel
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3),
-                                        classes=10)
-    x = tf.random.normal([batch, size, size, 3])
-    y = tf.constant(np.arange(batch) % 10)
-    return model, x, y, keras.losses.SparseCategoricalCrossentropy()
-
-
 def measure_resnet(batch=8, size=64):
     """Peak bytes and one step's time of keras.applications.ResNet50(weights=None) on
     `size`x`size` inputs (inference-mode batch norm, so the three configurations compute
@@ -292,7 +281,7 @@ class _Config:
 
 def measure_calls(layers=256, width=WIDTH, batch=2048, rounds=3):
     """A `tf.function` forward pass *called* inside an eager `oh.Recompute()` scope (run
-    as a segmented rewrite, recompute_calls.py) against the same call without it, both
+    as a segmented rewrite, recompute/calls.py) against the same call without it, both
     under oh.GradientTape: {key: {"peak", "ms", "ratio"}} (times interleaved; the
     gradients must be equal)."""
     model = MLP(layers, width, batch)
@@ -571,7 +560,7 @@ def render_md(summary, resnet, info, args, elapsed):
          _common.md_table(("configuration", "peak MB", "memory vs oh tape",
                            "memory vs tf tape", "step ms (median)", "step ms (best)",
                            "time vs oh tape", "peak <= budget"), rows), "",
-         "Targets (issue 19, same run):", "",
+         "Targets (same run):", "",
          "- peak memory >= 5x lower with `oh.Recompute()` than without, under "
          "oh.GradientTape: **%.1fx** (%s)" % (mem, "met" if mem >= 5 else "not met"),
          "- step time <= 1.4x: **%.2fx** (%s)" % (slow, "met" if slow <= 1.4 else "not met"),

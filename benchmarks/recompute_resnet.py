@@ -12,7 +12,7 @@ Gradients must equal tf.GradientTape's (rtol 1e-5, atol 1e-6) or the script fail
 
 oh.Recompute() is measured twice: as it is (it drops the values a Keras functional model
 holds in its `tensor_dict` once their segment closed and rematerializes them when used,
-recompute_evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
+recompute/evict.py) and with that eviction off (`rc.evict_min_bytes = None`).
 
 Columns: *forward peak* and *kept* (bytes still allocated when the forward pass ends:
 what the tape holds for the backward pass), *step peak*, the eager inference peak (no
@@ -25,7 +25,11 @@ do not depend on the machine's load, but vary by some MB from step to step (the 
 which the executor's threads run ops): each figure is the median of `--steps` (3) steps
 after a warm-up step, with the step peaks' range. Step times are of the same steps on a
 shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
-Writes the `recompute-resnet` section of docs/benchmarks.md.
+Also a lower bound on any checkpointing's step peak with TensorFlow's CPU kernels
+(`checkpointing_bound`): the weight gradients that exist when the convolution whose
+backward pass needs most runs, plus that backward's kernel peak (run alone) and its input
+and output gradient; the ratio oh.GradientTape's peak / bound is the best any
+segmentation can reach. Writes the `recompute-resnet` section of docs/benchmarks.md.
 
     python benchmarks/recompute_resnet.py               # batches 8, 16, 32
     python benchmarks/recompute_resnet.py --batches 8   # one row
@@ -43,7 +47,7 @@ import _common  # noqa: E402  (also puts the repository on sys.path)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
-from recompute import _resnet50  # noqa: E402  (the same seeded ResNet50 as recompute.py)
+from _resnet import resnet50 as _resnet50  # noqa: E402  (as recompute.py's)
 
 SIZE = 64
 KINDS = ("tf", "tape", "recompute", "recompute_noevict", "called", "called_recompute")
@@ -123,7 +127,53 @@ def measure_batch(batch, size=SIZE, steps=3):
                                 for v in model.trainable_variables)
     out["stats"] = dict(rc.stats)
     out["called_segments"] = rc_called.stats["call_segments"]
+    out["bound"] = checkpointing_bound(model, batch)
     return out
+
+
+def checkpointing_bound(model, batch):
+    """A lower bound on the step peak of any checkpointing (bytes), with its parts: the
+    convolution whose backward pass (filter and input gradients, TensorFlow's CPU kernels
+    run alone, BFC peak) plus its input and output gradient is largest, and the weight
+    gradients that exist when it runs (those of every weight after it: the backward pass
+    runs last to first). Returns dict(bound, layer, kernel, values, gradients)."""
+    import keras  # pylint: disable=import-outside-toplevel
+    info = tf.config.experimental.get_memory_info
+    convs = [layer for layer in model.layers if isinstance(layer, keras.layers.Conv2D)]
+    order = {id(v.value if hasattr(v, "value") else v): i
+             for i, v in enumerate(model.trainable_variables)}
+    best, seen = None, {}
+    for layer in convs:
+        shape = (batch,) + tuple(layer.input.shape[1:])
+        key = (shape, tuple(layer.kernel.shape), layer.strides, layer.padding)
+        if key not in seen:
+            h, k = tf.random.normal(shape), tf.identity(layer.kernel)
+            strides, padding = (1,) + tuple(layer.strides) + (1,), layer.padding.upper()
+            g = tf.ones(tf.nn.conv2d(h, k, layer.strides, padding).shape)
+            gc.collect()
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            base = info("CPU:0")["current"]
+            gk = tf.raw_ops.Conv2DBackpropFilter(input=h, filter_sizes=tf.shape(k),
+                                                 out_backprop=g, strides=strides,
+                                                 padding=padding)
+            del gk
+            if shape[-1] != 3:  # (a step computes no gradient of the image)
+                gh = tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(h), filter=k,
+                                                    out_backprop=g, strides=strides,
+                                                    padding=padding)
+                del gh
+            seen[key] = (info("CPU:0")["peak"] - base,
+                         (h.shape.num_elements() + g.shape.num_elements()) * 4)
+        kernel, values = seen[key]
+        first = min(order.get(id(w.value if hasattr(w, "value") else w), 0)
+                    for w in layer.trainable_weights)
+        later = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                    for v in model.trainable_variables[first:])
+        total = later + kernel + values
+        if best is None or total > best["bound"]:
+            best = dict(bound=total, layer=layer.name, kernel=kernel, values=values,
+                        gradients=later)
+    return best
 
 
 def render_md(results, info, elapsed, steps=3):
@@ -185,7 +235,7 @@ def render_md(results, info, elapsed, steps=3):
              ", ".join(str(b) for b in dominate) if dominate else "(none measured)",
              first, results[first]["tf"]["kept"] / mb,
              results[first]["gradient_bytes"] / mb),
-         "- The issue's figure (peak >= 2x lower), eager model call, default policy "
+         "- Target (peak >= 2x lower), eager model call, default policy "
          "(`oh.Recompute()`, sqrt; nothing tuned per batch), against eager "
          "oh.GradientTape: %s; against tf.GradientTape: %s. 2x is met at %s." % (
              ", ".join("batch %d %.2fx" % (b, r["tape"]["peak"] / r["recompute"]["peak"])
@@ -202,6 +252,16 @@ def render_md(results, info, elapsed, steps=3):
              ", ".join("batch %d (half the peak: %.1f MB)" % (b, r["tape"]["peak"] / 2 / mb)
                        for b, r in results.items()
                        if r["gradient_bytes"] > r["tape"]["peak"] / 2) or "no batch"),
+         "- A lower bound on any checkpointing's step peak with TensorFlow's CPU "
+         "kernels: the convolution whose backward pass needs most (its kernels' own "
+         "peak, run alone, plus its input and output gradient) runs while the gradients "
+         "of every weight after it exist: %s." % "; ".join(
+             "batch %d: %s, %.1f MB weight gradients + %.1f MB kernel peak + %.1f MB "
+             "values = %.1f MB, so at best %.2fx below oh.GradientTape's %.1f MB" % (
+                 b, r["bound"]["layer"], r["bound"]["gradients"] / mb,
+                 r["bound"]["kernel"] / mb, r["bound"]["values"] / mb,
+                 r["bound"]["bound"] / mb, r["tape"]["peak"] / r["bound"]["bound"],
+                 r["tape"]["peak"] / mb) for b, r in results.items()),
          "- Eviction (dropping the values Keras's functional `_run_through_graph` holds "
          "in its `tensor_dict` until the call returns, rematerialized when read): "
          "forward peak without it / with it %s (eager inference peak %s); step peak "
@@ -234,7 +294,7 @@ def render_md(results, info, elapsed, steps=3):
          "- The backward pass ends holding every weight gradient plus one convolution "
          "backprop's scratch buffer (TensorFlow's CPU kernels allocate up to 30 MB each); "
          "a segment's gradient function chains its convolution backprops so only one runs "
-         "at a time (`recompute_segments.serialize_heavy`), and oh.GradientTape frees each "
+         "at a time (`recompute/segments.py serialize_heavy`), and oh.GradientTape frees each "
          "record once its gradient ran, as TensorFlow's tape does."]
     return "\n".join(L)
 

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core import functions as replay  # noqa: E402
-from tf_ophandlers.handlers import vectorized_map as vm  # noqa: E402
+from tf_ophandlers.handlers.vectorized_map import handler as vm  # noqa: E402
 
 D, H, C, B = 64, 128, 10, 256  # inputs, hidden units, classes, batch size
 METHODS = (

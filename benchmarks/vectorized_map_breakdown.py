@@ -1,5 +1,5 @@
 """Where one op-by-op `oh.vectorized_map` call of per-example gradients spends its time
-(issue 17: benchmarks/small_ops.py's pe-grads figure; `benchmarks/vectorized_map.py`'s
+(benchmarks/small_ops.py's pe-grads figure; `benchmarks/vectorized_map.py`'s
 `Workload`: MLP 64-128-10, batch 256, `oh.GradientTape` inside the mapped function).
 
 Prints, per call:
@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 import tf_ophandlers as oh  # noqa: E402
 from tf_ophandlers.core import stack as _stack  # noqa: E402
-from tf_ophandlers.handlers import vectorized_map as _vmap  # noqa: E402
+from tf_ophandlers.handlers.vectorized_map import handler as _vmap  # noqa: E402
 
 import vectorized_map as _vm  # noqa: E402
 

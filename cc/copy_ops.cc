@@ -70,7 +70,7 @@ REGISTER_OP("CopyOffGrad")
 //   component i is inputs[i]; ParallelUnpack(input) -> N outputs, its components.
 // They only have a meaning on a parallel handler, which executes them itself; the CPU
 // kernels exist so that TensorFlow accepts the ops, and fail with an explanation.
-// Gradients (tf_ophandlers/handlers/parallel.py): d Pack = Unpack, d Unpack = Pack.
+// Gradients (tf_ophandlers/handlers/parallel/handler.py): d Pack = Unpack, d Unpack = Pack.
 REGISTER_OP("ParallelPack")
     .Input("inputs: N * T")
     .Output("output: T")

@@ -257,7 +257,7 @@ void DeviceDelete(void* device_info) {}
 // TensorFlow asks a custom device whether an op with an input on it runs there
 // (CustomDeviceOpHandler::MaybePinToCustomDevice). Without this callback TensorFlow builds
 // an Unimplemented status with a message on every op and then applies its default rule;
-// building and freeing that status was about 430 instructions per op. This callback
+// building and freeing that status costs time on every op. This callback
 // answers what the default rule decides, so placement is unchanged:
 // - the op's first resource input decides: on a custom device (necessarily this one:
 //   TensorFlow has already rejected inputs on two custom devices) pins the op here; a

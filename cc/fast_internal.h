@@ -249,7 +249,7 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
              const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
              TFE_TensorHandle** outputs, TF_Status* status);
 
-// lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful) (handlers/lazy.py at
+// lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful) (handlers/lazy/handler.py at
 // import): the types and caches RunLazy uses. Python C-API contract. GIL: held.
 PyObject* PyLazySetup(PyObject*, PyObject* args);
 
@@ -287,7 +287,7 @@ inline PyObject*& Slot(PyObject* o, Py_ssize_t offset) {
 PyObject* PyLazyUpstream(PyObject*, PyObject* args);
 
 // lazy_plan(order, needed, specs, want_plan) -> (plan, key, kept, external, ext_specs):
-// Lazy._run's pass over the pending nodes `order` (handlers/lazy.py says what each is;
+// Lazy._run's pass over the pending nodes `order` (handlers/lazy/handler.py says what each is;
 // `key` one bytes object encoding every node's op type, attributes, wiring, device and
 // live outputs; `plan` None unless `want_plan`; `ext_specs` the external inputs' (dtype
 // enum, shape) when `specs`, else None). Python C-API contract. GIL: held.

@@ -1,6 +1,6 @@
 // tf-ophandlers: oh.Lazy's record path in C (kLazy). Contracts: fast_internal.h.
 //
-// `Lazy.execute` (handlers/lazy.py) for its common op: a stateless op over PHYSICAL
+// `Lazy.execute` (handlers/lazy/handler.py) for its common op: a stateless op over PHYSICAL
 // whose inputs are pending or computed values of the stack or physical tensors (none a
 // resource), whose output dtypes are known and whose signature is cached
 // (lazy_compile.sigs). It builds the same Python objects the hook builds (a `_Node`

@@ -1,4 +1,4 @@
-// tf-ophandlers: oh.Lazy's value request in C (handlers/lazy.py `Lazy._run`): the pending
+// tf-ophandlers: oh.Lazy's value request in C (handlers/lazy/handler.py `Lazy._run`): the pending
 // nodes a request needs, the compiled-function cache key, the outputs to keep and the
 // external inputs. Contracts: fast_internal.h. Runs once per value request over every
 // pending node, so the common case (a cache hit) builds no per-node Python object: the

@@ -259,7 +259,7 @@ PyObject* Slow(const Frame& f, PyObject* tape, PyObject* op, PyObject* inputs,
 }
 
 // The tape's attribute `name` from its instance dict `state` (PyObject_GetAttr searches
-// the classes first: ~600 instructions when the type cache misses); new reference or null.
+// the classes first, slow when the type cache misses); new reference or null.
 PyObject* StateItem(PyObject* state, PyObject* name) {
   PyObject* v = PyDict_GetItemWithError(state, name);
   if (v != nullptr) return Py_NewRef(v);
@@ -316,7 +316,7 @@ PyObject* RecordWith(const Frame& f, PyObject* tape, PyObject* state, PyObject* 
     return Slow(f, tape, op, inputs, outputs);
   }
   // Which inputs are tracked (the tape's first objects for them, alive), nothing changed
-  // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape.py).
+  // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape/handler.py).
   Py_ssize_t n_in = PyList_GET_SIZE(inputs);
   if (n_out >= (Py_ssize_t{1} << kUidShift)) {
     Py_DECREF(tracked);

@@ -4,7 +4,7 @@
    `GradientTape.after_execute(op, inputs, outputs)` (OpHandler.after_execute; the C++
    fast path calls it for every op the tape executes, fast_record.cc RunRecord) is
    implemented here, so recording an op enters no Python frame. It does what the Python
-   reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape.py)
+   reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape/handler.py)
    does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`, read
    from its instance dict: plain attributes, no class-level descriptors): an op
    one of whose inputs is tracked and one of whose outputs is differentiable becomes a

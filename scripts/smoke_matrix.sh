@@ -25,11 +25,11 @@ SMOKE_TESTS=(
   tests/core/test_op.py
   tests/core/test_errors.py
   tests/core/test_replay.py
-  tests/handlers/test_gradient_tape.py::test_gradients_equal_tf_gradient_tape
-  tests/handlers/test_gradient_tape.py::test_custom_gradient
-  tests/handlers/test_gradient_tape.py::test_tf_function_call_under_the_tape
-  tests/handlers/test_gradient_tape.py::test_second_order
-  tests/handlers/test_gradient_tape.py::test_keras_training_loop_matches_tf
+  tests/handlers/gradient_tape/test_gradient_tape.py::test_gradients_equal_tf_gradient_tape
+  tests/handlers/gradient_tape/test_gradient_tape.py::test_custom_gradient
+  tests/handlers/gradient_tape/test_gradient_tape.py::test_tf_function_call_under_the_tape
+  tests/handlers/gradient_tape/test_gradient_tape.py::test_second_order
+  tests/handlers/gradient_tape/test_gradient_tape.py::test_keras_training_loop_matches_tf
 )
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/tf-ophandlers-smoke.XXXXXX")

@@ -8,6 +8,7 @@ at its end. A test waits for its own script's result.
 """
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,16 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
 # figures, and they share the cores with the rest of the suite.
 ENV.update(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
 TIMEOUT = 600
+
+# History in a benchmark page: issue numbers, named rounds of work, "before" figures and
+# earlier runs belong in CHANGELOG.md; a page holds its current run only. (Measurement
+# rounds, "7 rounds", "best round", "same-round ratios", are method, not history; nor is
+# "issue" as in issuing ops, followed by a duration in µs.)
+HISTORY = re.compile(
+    r"\bissue[- ]?\d+(?![.\d]*\s*[µm]s)|\bissue'?s (?:figure|CNN|size)|\bthe issue measured|"
+    r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|previous|earlier|"
+    r"speed|profiling) (?:speed )?round\b|\bthis round\b|\(before\)|\bbefore the round\b|"
+    r"\bearlier (?:full )?runs?\b|\blater runs?\b|\bnext run\b", re.I)
 
 # Each benchmark script's smoke run: (script, extra options, strings its section contains).
 BENCHMARKS = [
@@ -34,9 +45,12 @@ BENCHMARKS = [
     ("recompute", ["--layers", "16", "--batch", "64"], ["memory vs oh tape",
                                                         "tf.recompute_grad", "memory_budget"]),
     ("small_ops", ["--rounds", "1"], ["fresh oh.Lazy() chain16", "Lazy(jit_compile=True)",
-                                      "vectorized_map", "issue (before)"]),
+                                      "vectorized_map", "| figure | target | this run |"]),
     ("native_handlers", [], ["vs plain", "OpCounter", "C++ pass-through"]),
     ("lazy_chunks", ["--rounds", "2"], ["chunk_ops=32", "intra-op threads"]),
+    ("mesh", [], ["CPU time oh.Mesh / DTensor", "Megatron MLP training step",
+                  "compiled / run_eagerly"]),
+    ("mesh_communication", [], ["alternative / explicit", "CollectiveAllReduce"]),
 ]
 OPTIONS = {name: options for name, options, _ in BENCHMARKS}
 
@@ -46,6 +60,7 @@ class _Run:
         self.name = name
         self.done = threading.Event()
         self.returncode, self.stderr, self.text = None, "", ""
+        self.files = set()  # what the run left next to its page (its plot)
 
 
 _runs = {}
@@ -62,6 +77,7 @@ def _run_one(run):
                               cwd=ROOT, preexec_fn=lambda: os.nice(5))
         run.returncode, run.stderr = proc.returncode, proc.stderr
         run.text = out.read_text() if out.exists() else ""
+        run.files = {f.name for f in out.parent.glob(run.name + ".*")}
     except Exception as e:  # pylint: disable=broad-except
         run.returncode, run.stderr = -1, "%s: %s" % (type(e).__name__, e)
     finally:

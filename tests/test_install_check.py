@@ -1,4 +1,4 @@
-"""Issue 16 item 8: installation problems give ImportErrors saying what to install or build
+"""Installation problems give ImportErrors saying what to install or build
 (tf_ophandlers/_install_check.py, called first by the package's __init__)."""
 import os
 import pathlib

@@ -26,6 +26,7 @@ def test_other_tensorflow_version_is_refused_with_a_clear_message():
     assert "supports TensorFlow 2.21.x only" in proc.stderr and "2.20.1" in proc.stderr
 
 
+import benchmark_runs  # noqa: E402
 from benchmark_runs import BENCHMARKS, result as benchmark_result  # noqa: E402
 
 
@@ -39,9 +40,15 @@ def test_benchmark_quick_run(name, options, expected):
     assert "<!-- %s:begin -->" % name in text
     for s in expected:
         assert s in text, s
+    # The plot the page shows was written beside it.
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert image in run.files, (image, run.files)
+    # Current results only: no issue numbers, named rounds or earlier figures.
+    history = benchmark_runs.HISTORY.search(text)
+    assert history is None, text[max(0, history.start() - 200):history.end() + 200]
 
 
-# --- Issue 24: wheels without absolute RUNPATHs, declared dependencies, Pythons 3.10-3.13.
+# --- Wheels without absolute RUNPATHs, declared dependencies, Pythons 3.10-3.13.
 # `make wheel` / `make smoke` (scripts/) build and install real wheels; these tests check
 # the pieces cheaply: setup.py's link flags, the wheel checker, pyproject's declarations.
 import tf_ophandlers as oh  # noqa: E402  pylint: disable=wrong-import-position
@@ -198,7 +205,7 @@ def test_every_package_directory_goes_into_the_wheel():
 
 
 def test_bazel_build_and_setup_py_compile_the_same_sources():
-    """BUILD (issue 18) and setup.py build the same four libraries; a source file added to one
+    """BUILD and setup.py build the same four libraries; a source file added to one
     and not the other would give a Bazel-built library with missing symbols."""
     setup_text = (ROOT / "setup.py").read_text()
     build_text = (ROOT / "BUILD").read_text()

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from tf_ophandlers.core import cache as cache_module
-from tf_ophandlers.handlers import forward_accumulator
+from tf_ophandlers.handlers.forward_accumulator import handler as forward_accumulator
 
 from conftest import assert_same_tensors
 

@@ -1,7 +1,7 @@
 """Hooks set on a handler instance (`h.execute = ...`, `h.copy_on = ...`) are called:
 the stack's fields (core/stack.py) marked them "default" from the class's hooks, so
 the C++ path forwarded ops without the instance's execute and moved inputs without its
-copy_on, silently (review3; on main 97d8833 too). Results are compared with TensorFlow."""
+copy_on, silently. Results are compared with TensorFlow."""
 import numpy as np
 import tensorflow as tf
 

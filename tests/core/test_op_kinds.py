@@ -8,8 +8,10 @@ from tensorflow.python.framework import op_def_registry
 
 import tf_ophandlers as oh
 from tf_ophandlers.core import op_kinds
-from tf_ophandlers.handlers import batching_rules, data_format_rules, mesh_rules
-from tf_ophandlers.handlers.data_format_rules import Permuted
+from tf_ophandlers.handlers.vectorized_map import batching_rules
+from tf_ophandlers.handlers.data_format import rules as data_format_rules
+from tf_ophandlers.handlers.mesh import rules as mesh_rules
+from tf_ophandlers.handlers.data_format.rules import Permuted
 
 # Ops of the table a handler leaves to its fallback, and why (the handler files say so too).
 NOT_IN = {

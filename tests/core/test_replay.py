@@ -1,4 +1,4 @@
-"""Function calls under handlers: replay into handler-free functions (issue 7).
+"""Function calls under handlers: replay into handler-free functions.
 
 Every test compares against plain TensorFlow on the same inputs.
 """

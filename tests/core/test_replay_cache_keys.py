@@ -1,4 +1,4 @@
-"""The replay cache never serves a stale function (issue 20): its key holds everything a
+"""The replay cache never serves a stale function: its key holds everything a
 replay depends on (the called function, the arguments' dtypes and shapes, the handlers'
 declarations and cache keys), and a fresh handler of a shared declaration per call still
 hits the one replay. Every result is compared with plain TensorFlow on the same inputs.

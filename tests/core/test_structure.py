@@ -1,19 +1,23 @@
-"""The core's structure promises (issue "One step in the core's structure"): import
+"""The core's structure promises: import
 without side effects, an acyclic import graph with no import back up, no private names
-across handler modules, files small enough to read, bounded caches, listed patches."""
+across handler modules, one subpackage per handler family, bounded caches, listed
+patches, no history markers in source comments."""
 import ast
 import os
 import pathlib
+import io
 import re
 import subprocess
 import sys
 import textwrap
+import tokenize
 
 import pytest
 
 import tf_ophandlers as oh
 
 PACKAGE = os.path.dirname(oh.__file__)
+ROOT = os.path.dirname(PACKAGE)
 
 
 def _run(code, timeout=240):
@@ -116,27 +120,115 @@ def test_no_import_cycle_and_no_import_back_up():
     for name, deps in graph.items():
         if name != "tf_ophandlers":
             assert "tf_ophandlers" not in deps, "%s imports the package's __init__" % name
+    _assert_acyclic({n: deps - {"tf_ophandlers"} for n, deps in graph.items()})
+
+
+def _assert_acyclic(graph):
     state = {}
 
     def visit(n, path):
         state[n] = "active"
-        for d in graph[n]:
-            if d == "tf_ophandlers":
-                continue
+        for d in sorted(graph[n]):
             assert state.get(d) != "active", "import cycle: " + " -> ".join(path + [d])
             if d not in state:
                 visit(d, path + [d])
         state[n] = "done"
 
-    for n in graph:
+    for n in sorted(graph):
         if n not in state:
             visit(n, [n])
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "examples", "tests"])
+def test_no_import_cycle_among_scripts(folder):
+    """Scripts and test helpers import each other by bare module name (their folder is on
+    sys.path): at any depth, no two of them import each other, directly or around."""
+    paths = {}
+    for root, _, files in os.walk(os.path.join(ROOT, folder)):
+        for f in files:
+            if f.endswith(".py"):
+                paths.setdefault(f[:-3], os.path.join(root, f))
+    graph = {}
+    for name, path in paths.items():
+        deps = set()
+        for base, names in _imports(path, name):
+            deps.update(n for n in (base, *(base + "." + m for m in names)) if n in paths)
+            if not base:
+                deps.update(n for n in names if n in paths)
+        graph[name] = deps - {name}
+    _assert_acyclic(graph)
 
 
 def test_core_never_imports_handlers():
     for name, deps in _graph().items():
         if name.startswith("tf_ophandlers.core"):
             assert not any(d.startswith("tf_ophandlers.handlers") for d in deps), (name, deps)
+
+
+def test_one_subpackage_per_handler_family():
+    """handlers/ holds single-file handlers and one subpackage per handler family: no two
+    of its top-level modules share a first word (`mesh.py` beside `mesh_rules.py`), and no
+    module there is named after a family with a suffix (`mesh_rules.py` beside `mesh/`)."""
+    handlers = os.path.join(PACKAGE, "handlers")
+    names = sorted(f[:-3] if f.endswith(".py") else f for f in os.listdir(handlers)
+                   if (f.endswith(".py") and f != "__init__.py")
+                   or os.path.isfile(os.path.join(handlers, f, "__init__.py")))
+    assert "gradient_tape" in names and "async_execution" in names, names
+    first = {}
+    for n in names:
+        first.setdefault(n.split("_")[0], []).append(n)
+    families = {k: v for k, v in first.items() if len(v) > 1}
+    assert not families, "prefix families in handlers/ (make each a subpackage): %s" % families
+    for n in names:
+        assert not any(n.startswith(m + "_") for m in names if m != n), n
+    for n in names:
+        package = os.path.join(handlers, n)
+        if os.path.isdir(package):
+            assert os.path.isfile(os.path.join(package, "handler.py")), (
+                "%s/ has no handler.py (the family's handler class)" % n)
+
+
+# Markers of a project's history rather than of the code's reasons: review and branch
+# round names, issue numbers and titles, dates, commit hashes. They belong in CHANGELOG.md.
+_HISTORY = re.compile(
+    r"\b(?:review|vmap|fuzz|round)\d+\b|\bissues? #?\d+|\bissue \"|\b20\d\d-\d\d-\d\d\b"
+    r"|\b(?:on main|fails on|commit) [0-9a-f]{7,40}\b|\b(?:speed|review|this) round\b",
+    re.I)
+
+
+def _comments_and_docstrings(path):
+    """(line, text) of every comment and docstring of a Python file."""
+    source = open(path, encoding="utf-8").read()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield (node.body[0].lineno, doc)
+
+
+def test_no_history_markers_in_source_comments():
+    """Comments and docstrings say why, not when or in which round: no round names,
+    issue numbers, dates or commit hashes in the package, the C++ sources, the tests and
+    the benchmarks (their printed reports may cite them: those are documents)."""
+    found = []
+    for folder in ("tf_ophandlers", "cc", "tests", "benchmarks", "examples"):
+        for root, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, ROOT)
+                if f.endswith(".py"):
+                    texts = _comments_and_docstrings(path)
+                elif f.endswith((".cc", ".h", ".c")) and not rel.startswith("tf_ophandlers"):
+                    texts = enumerate(open(path, encoding="utf-8").read().splitlines(), 1)
+                else:
+                    continue
+                for line, text in texts:
+                    for m in _HISTORY.finditer(text):
+                        found.append("%s:%d: %s" % (rel, line, m.group(0)))
+    assert not found, "history markers (move them to CHANGELOG.md):\n" + "\n".join(found)
 
 
 def test_handlers_use_no_private_names_of_other_modules():

@@ -6,7 +6,9 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 import _common  # noqa: E402  pylint: disable=wrong-import-position
+from benchmark_runs import HISTORY  # noqa: E402  pylint: disable=wrong-import-position
 
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -57,3 +59,34 @@ def test_the_docs_benchmark_pages_hold_only_their_run_dates():
         assert "(benchmarks/%s)" % page.name in index, "%s is not listed" % page.name
         assert len(set(_DATE.findall(page.read_text()))) <= 1, page.name
         assert len(page.read_bytes()) < 60_000, page.name
+
+
+def _history(text):
+    m = HISTORY.search(text)
+    return None if m is None else text[max(0, m.start() - 120):m.end() + 120]
+
+
+def test_the_docs_benchmark_pages_hold_no_history():
+    """Issue numbers, named rounds of work, "before" figures and earlier runs belong in
+    CHANGELOG.md, not on the pages of current results."""
+    pages = sorted((ROOT / "docs" / "benchmarks").glob("*.md"))
+    for page in pages + [ROOT / "docs" / "benchmarks.md"]:
+        assert _history(page.read_text()) is None, (page.name, _history(page.read_text()))
+
+
+def test_the_history_check_catches_history_and_spares_method_text():
+    for text in ["Targets (issue 21):", "the issue-17 figures", "| figure | issue (before) |",
+                 "Issue 20's sixth speed round", "two earlier full runs the same day",
+                 "The fit rows are from a later run"]:
+        assert HISTORY.search(text), text
+    for text in ["7 rounds of 100 calls", "best round ms/call", "IQR of same-round ratios",
+                 "after the last round", "TF's async executor (issue 14.8 µs)",
+                 "control returned ms (issue)"]:
+        assert HISTORY.search(text) is None, text
+
+
+def test_the_shared_targets_text_names_no_issue():
+    text = "\n".join(_common.targets_md(["- a target: **PASS**"], "thing", False, "thing.png",
+                                        plural=True, scope=" for `case`"))
+    assert "Targets for `case`, checked against this run's medians" in text
+    assert _history(text) is None and "issue" not in text.lower()

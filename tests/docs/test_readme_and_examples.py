@@ -46,7 +46,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 # Run (half a minute: it starts worker processes) and checked by its own test,
-# tests/handlers/test_two_processes.py.
+# tests/handlers/parallel/test_two_processes.py.
 _OWN_TEST = {"two_process_training.py"}
 
 
@@ -62,7 +62,7 @@ def test_example_runs(script):
 
 
 def test_quickstart_count_flops_under_fit_with_a_partial_last_batch():
-    """Issue 16 item 3: Keras replays the train step with an unknown (None) batch
+    """Keras replays the train step with an unknown (None) batch
     dimension; the quickstart's CountFlops multiplied static dims and crashed in fit. It
     must count every step's matmul FLOPs (the partial last batch included) and leave the
     losses equal to plain fit's."""

@@ -67,7 +67,7 @@ class _LogLayer(keras.layers.Layer):
 
 
 def test_fit_names_the_graph_node_and_the_traced_source_line():
-    """Issue 16 item 5: inside model.fit (a replayed tf.function) the error named only
+    """Inside model.fit (a replayed tf.function) the error named only
     the op type. It must name the graph node and the user's line recorded when the step
     was traced, as tf.debugging.enable_check_numerics does on the same model."""
     import re  # pylint: disable=import-outside-toplevel
@@ -102,7 +102,7 @@ def test_fit_names_the_graph_node_and_the_traced_source_line():
     assert "NaN" in message
 
 
-# -- complex and float8 outputs (issue 23) ---------------------------------------------------
+# -- complex and float8 outputs ---------------------------------------------------
 
 from tensorflow.python.framework import dtypes as _dtypes  # noqa: E402
 
@@ -159,8 +159,8 @@ def test_outputs_the_kernel_cannot_check_are_left_alone():
 
 
 def test_replayed_function_with_complex_and_float8_outputs():
-    """A replayed tf.function checks complex and float8 outputs as eagerly (review of
-    issue 23 item 5: the replay branch built CheckNumericsV2 on complex64 and failed)."""
+    """A replayed tf.function checks complex and float8 outputs as eagerly (the
+    replay branch built CheckNumericsV2 on complex64 and failed)."""
     f = tf.function(lambda x: (tf.complex(x, x * 2.), tf.cast(x, _FLOAT8[0])))
     x = tf.constant([1.0, 2.0])
     want = f(x)

@@ -95,7 +95,7 @@ _STEP_OPS = ("MatMul", "BiasAdd", "BiasAddGrad")  # ops only the train step runs
 
 
 def test_every_call_records_each_step_of_fit():
-    """Issue 16 item 4: around model.fit the step's ops were recorded once per replay.
+    """Around model.fit the step's ops were recorded once per replay.
     OpLogHandler(every_call=True) records them at every step; the default still records
     them once, as TensorFlow's op callbacks see the traced step once."""
     from tensorflow.python.framework import op_callbacks  # pylint: disable=import-outside-toplevel

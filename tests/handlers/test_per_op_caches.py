@@ -1,4 +1,4 @@
-"""Per-signature caches of vectorized_map's batching rules and of Async (issue 17)."""
+"""Per-signature caches of vectorized_map's batching rules and of Async."""
 import gc
 import weakref
 

@@ -128,7 +128,7 @@ def test_tf_functions_with_control_flow_and_variables_are_replayed():
     assert spec.shape.as_list() == [7, 5]
 
 
-# -- ragged and sparse specs (issue 23) -------------------------------------------------------
+# -- ragged and sparse specs -------------------------------------------------------
 
 _RAGGED = tf.RaggedTensorSpec([None, None, 3], tf.float32, ragged_rank=1)
 _SPARSE = tf.SparseTensorSpec([4, 5], tf.float32)
@@ -175,7 +175,7 @@ def test_a_sparse_spec_of_unknown_dense_shape_is_a_clear_error():
         oh.eval_shape(lambda s: tf.sparse.reduce_sum(s, axis=1), _SPARSE_PARTLY_KNOWN)
 
 
-# ---- set_shape on a tensor with unknown dims (issue 43 item 8) --------------------------
+# ---- set_shape on a tensor with unknown dims --------------------------
 
 def _concrete_spec(fn, spec):
     out = tf.function(fn).get_concrete_function(spec).structured_outputs

@@ -173,7 +173,7 @@ def test_declared_pass_through_keeps_todays_path():
     assert oh.handler_of(y) is not None and not oh.handler_of(y)._substituting
 
 
-# -- the execute contract in replays (issue 42 item 3) --------------------------------------
+# -- the execute contract in replays --------------------------------------
 
 class _WrongDtype(oh.OpHandler):
     def execute(self, op, inputs):
@@ -221,7 +221,7 @@ def test_replayed_function_checks_hook_outputs_as_eager(handler):
         np.testing.assert_allclose(f(x).numpy(), program(x).numpy())
 
 
-# -- functions: gradient ops built at trace time (issue 42 item 2) --------------------------
+# -- functions: gradient ops built at trace time --------------------------
 
 def _step(program):
     @tf.function(autograph=False)

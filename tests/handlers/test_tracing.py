@@ -1,4 +1,4 @@
-"""TraceAndExecute, Lazy and Async (issue 8), each against eager execution."""
+"""TraceAndExecute, Lazy and Async, each against eager execution."""
 import keras
 import numpy as np
 import pytest
@@ -576,7 +576,7 @@ def test_error_at_scope_exit_restores_the_device_scope():
     assert oh.current_stack() is oh.PHYSICAL
 
 
-# -- a shape is never invented for an op the kernel rejects (issue 23) ------------------------
+# -- a shape is never invented for an op the kernel rejects ------------------------
 
 _X6 = tf.constant([1., 2., 3., 4., 5., 6.])
 _BAD_RESHAPES = {
@@ -623,7 +623,7 @@ def test_valid_computed_shapes_are_eagers(handler):
         np.testing.assert_array_equal(g.numpy(), w.numpy())
 
 
-# ---- a SavedModel of a traced model with non-trainable variables (issue 43 item 9) -------
+# ---- a SavedModel of a traced model with non-trainable variables -------
 
 def _bn_model():
     keras.utils.set_random_seed(3)

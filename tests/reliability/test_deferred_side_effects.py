@@ -1,4 +1,4 @@
-"""Deferred execution must not change which side effects happen (issue 43 item 4).
+"""Deferred execution must not change which side effects happen.
 
 Eagerly, an invalid op raises where it is issued, so a variable update or a print after
 it never happens. `oh.Async` keeps that (its queue stops at the error); `oh.Lazy` records

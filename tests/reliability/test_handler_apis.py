@@ -1,4 +1,4 @@
-"""Every shipped handler's public API on inputs that used to hang or crash (issue 23),
+"""Every shipped handler's public API on inputs that used to hang or crash,
 against plain TensorFlow.
 
 Each case runs in a subprocess with a timeout: a hang or a crash (segfault) fails that

@@ -1,4 +1,4 @@
-"""Hooks that raise or return bad values (issue 23 items 9 and 10).
+"""Hooks that raise or return bad values.
 
 An exception raised by a handler hook reaches the user as the same object (type and
 message), whatever its message or its __str__ do and whichever TensorFlow accessor called
@@ -163,7 +163,7 @@ def test_working_hooks_match_plain_tensorflow():
     assert_close(t.numpy(), ref.numpy())
 
 
-# ---- bad returns (issue 23 item 10) -------------------------------------------------------
+# ---- bad returns -------------------------------------------------------
 
 def _raises_output_error(fn, *words):
     with pytest.raises(oh.HandlerOutputError) as info:

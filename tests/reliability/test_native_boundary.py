@@ -1,4 +1,4 @@
-"""C/C++ handler libraries that break the header's contracts (issue 43 items 1, 2, 5, 6).
+"""C/C++ handler libraries that break the header's contracts.
 
 The C++ boundary must turn each into a clear Python error naming the handler (and the op
 where there is one), never a crash of the process or an unrelated error. Cases that
@@ -38,7 +38,7 @@ def run_script(body, **libs):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-# ---- item 1: a struct_size too small for the fields register_type reads ----------------
+# ---- a struct_size too small for the fields register_type reads ----------------
 
 def test_too_small_struct_size_refuses_the_library():
     code, out, err = run_script("""
@@ -59,7 +59,7 @@ def test_too_small_struct_size_refuses_the_library():
     assert "small_struct_handler" in message and "TFOH_HANDLER_TYPE_MIN_SIZE" in message
 
 
-# ---- item 2: a C++ exception thrown by a hook ------------------------------------------
+# ---- a C++ exception thrown by a hook ------------------------------------------
 
 # Each case: (hook, Python statements that make the hook run with `h`, `x` and `f` in
 # scope, whether the message names the op Sin).
@@ -141,7 +141,7 @@ def test_delete_state_throwing_does_not_end_the_process():
     assert "delete_state" in err and "delete_state blew up" in err
 
 
-# ---- item 5: a name and messages that are not valid UTF-8 -------------------------------
+# ---- a name and messages that are not valid UTF-8 -------------------------------
 
 def test_non_utf8_handler_name_keeps_the_real_error():
     code, out, err = run_script("""
@@ -169,7 +169,7 @@ def test_non_utf8_handler_name_keeps_the_real_error():
         assert "Caf\ufffd refuses op Sin" in message
 
 
-# ---- item 6: execute_next called from another thread than the hook's ----------------------
+# ---- execute_next called from another thread than the hook's ----------------------
 
 def test_execute_next_off_the_hook_thread_is_a_clear_error():
     code, out, err = run_script("""

@@ -1,4 +1,4 @@
-"""Scope misuse (issue "Reliability" items 1, 3, 4): each scope closes exactly itself or
+"""Scope misuse: each scope closes exactly itself or
 raises a clear error and leaves the scopes as they were; tf.py_function under a
 pass-through handler runs its body below the handler."""
 import os

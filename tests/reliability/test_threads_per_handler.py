@@ -1,4 +1,4 @@
-"""Every shipped handler under two threads (issue 43 item 3).
+"""Every shipped handler under two threads.
 
 For each handler: two threads each running the same program on their own inputs, with
 one shared instance and with one instance each, must give what the program gives on a

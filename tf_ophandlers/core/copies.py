@@ -28,7 +28,7 @@ def _fast(wrapper, op_type, x, attr, value):
     way its own fast path runs it (`TFE_Py_FastPathExecute`: the op executes and is
     recorded on TensorFlow's tapes), without the wrapper's Python layers (dispatch
     decorators, argument handling): the copy ops' gradients run for every copied tensor
-    (issue 17). Graph mode and the fast path's fallbacks (an input it cannot convert)
+   . Graph mode and the fast path's fallbacks (an input it cannot convert)
     take the wrapper."""
     ctx = _context.context()
     if ctx.executing_eagerly():

@@ -100,7 +100,7 @@ def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
 
 #: ``lazy_plan(order, needed, specs, want_plan)``: oh.Lazy's pass over the pending nodes
 #: of a value request; ``lazy_upstream(roots)``: those nodes; ``lazy_computed(order)``:
-#: marks them computed (cc/fast_lazy_plan.cc; handlers/lazy.py `Lazy._run`).
+#: marks them computed (cc/fast_lazy_plan.cc; handlers/lazy/handler.py `Lazy._run`).
 lazy_plan = _C.lazy_plan
 lazy_upstream = _C.lazy_upstream
 lazy_computed = _C.lazy_computed

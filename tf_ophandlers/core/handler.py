@@ -126,7 +126,8 @@ class OpHandler:
     #: this to False takes call ops whole in `execute`, like any op (a tape records the
     #: call with TensorFlow's function gradient; a parallel handler runs it per
     #: component). It may also be a method ``replays_functions(op) -> bool`` deciding
-    #: per call.
+    #: per call (oh.ParallelHandler replays only functions that pack or unpack); such a
+    #: handler, like one that sets False, cannot be opened inside a function being traced.
     replays_functions = True
 
     #: Whether a function replayed through this handler is instantiated with the

@@ -19,7 +19,7 @@
   and outputs `used_indices(op_type)` names (``(inputs, outputs)``, each a set of
   indices or None for all); the others are None in the record (cc/tape_record.h).
 
-`oh.GradientTape` (handlers/gradient_tape.py) is the user; recording an op then enters
+`oh.GradientTape` (handlers/gradient_tape/handler.py) is the user; recording an op then enters
 no Python frame.
 """
 from tensorflow.python import pywrap_tfe

@@ -122,7 +122,7 @@ def _open_traced(target):
             "tf_ophandlers: handler scopes need eager execution or a tf.function being "
             "traced; TF1 graph mode is not supported")
     for h in handlers:
-        if not h.replays_functions:
+        if h.replays_functions is not True:  # False, or decided per call
             raise errors.HandlerError(
                 "tf_ophandlers: %s cannot be opened inside a function being traced: it "
                 "takes function calls whole. Open it around the call of the function "

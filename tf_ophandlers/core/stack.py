@@ -375,7 +375,7 @@ class HandlerStack(Stack):
         """The fields the stack derives from `handler`'s declarations (a dict)."""
         # Hooks left at their defaults take fast paths that skip the hook frame (the
         # base class marks its default hooks with `_oh_default`). Read on the handler, not
-        # its class: a hook set on the instance is not a default (review3: it was skipped).
+        # its class: a hook set on the instance is not a default (else it is skipped).
         f = {}
         f["_records"] = records = getattr(handler, "after_execute", None) is not None
         # A default execute with after_execute still runs (it calls after_execute).

@@ -485,9 +485,9 @@ def _scope_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
     call placed by a handler scope on physical arguments taken straight to the replay
     rule, as the dispatcher device's callback would run it, without the op's trip through
     TensorFlow's custom-device execute and the callback (which wraps each argument in a
-    new EagerTensor): issue 20's sixth round measured that trip at ~1/2 of the replayed
-    call's per-call cost. Other calls and ops take TensorFlow's path unchanged. (Op
-    callbacks: TensorFlow's `execute_with_callbacks` calls this and runs them after.)"""
+    new EagerTensor), a large part of a replayed call's cost. Other calls and ops take
+    TensorFlow's path unchanged. (Op callbacks: TensorFlow's `execute_with_callbacks`
+    calls this and runs them after.)"""
     stack = state.current
     if (stack is not PHYSICAL and type(op_name) is str  # (op wrappers pass bytes)
             and op_name.startswith("__inference_")

@@ -72,7 +72,7 @@ class Interpreter:
         stack = self.segment[0] if self.scope_placed else self.bottom
         for h in traced.handlers:
             if not any(h is x for x in stack.handlers):
-                if not h.replays_functions:
+                if h.replays_functions is not True:  # False, or decided per call
                     raise errors.HandlerError(
                         "tf_ophandlers: %s cannot run the ops of a traced scope: it takes "
                         "function calls whole" % h.debug_string())

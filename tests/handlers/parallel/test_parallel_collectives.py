@@ -1,0 +1,141 @@
+"""TensorFlow collectives inside an oh.ParallelHandler scope: the components of a
+collective meet, so they run at the same time (as TensorFlow's ParallelDevice runs
+them). Each program runs in a subprocess with a timeout (a regression hangs), under our
+handler and under TensorFlow's ParallelDevice, and the results are compared."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+_PROGRAMS = r'''
+import json, os, sys
+import tensorflow as tf
+import tf_ophandlers as oh
+cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 4)
+from tensorflow.python.distribute.parallel_device import parallel_device
+from tensorflow.python.eager import context
+from tensorflow.python.ops import collective_ops
+
+DEVICES = ["/job:localhost/replica:0/task:0/device:CPU:0",
+           "/job:localhost/replica:0/task:0/device:CPU:1"]
+KEYS = [100]
+
+
+def key():
+    KEYS[0] += 1
+    return KEYS[0]
+
+
+def all_reduce(x):
+    k = key()
+    return collective_ops.all_reduce_v2(t=x, group_size=2, group_key=k, instance_key=k,
+                                        merge_op="Add", final_op="Id")
+
+
+def prog_eager(pack):
+    return all_reduce(pack([[-1.5, 1.], [3.5, 2.]]))
+
+
+def prog_function(pack):
+    f = tf.function(lambda x: all_reduce(x * 2.) + 1.)
+    return f(pack([-1.5, 3.5]))
+
+
+def prog_async_scope(pack):
+    with context.async_scope():
+        return tf.identity(all_reduce(pack([-1.5, 3.5])))
+
+
+def prog_broadcast(pack):
+    k = key()
+
+    @tf.function
+    def f(x, i):
+        return tf.cond(tf.equal(i, 0),
+                       lambda: collective_ops.broadcast_send_v2(x, 2, k, k),
+                       lambda: collective_ops.broadcast_recv_v2([2], tf.float32, 2, k, k))
+    return f(pack([[1., 2.], [5., 6.]]), pack([0, 1]))
+
+
+def prog_sync_training(pack):
+    # A dense layer trained with gradients summed over the components.
+    kernel = tf.Variable(tf.ones([5, 1]))
+    bias = tf.Variable(tf.ones([5]))
+    x = pack([[[-0.5]], [[0.5]]])
+    with tf.GradientTape() as tape:
+        y = tf.matmul(x, kernel, transpose_b=True) + bias
+        loss = (y - tf.range(5.)) ** 2.
+    grads = tape.gradient(loss, [kernel, bias])
+    for g, v in zip([all_reduce(g) for g in grads], [kernel, bias]):
+        v.assign_sub(0.01 * g)
+    return tf.concat([tf.reshape(kernel, [-1]), bias], 0)
+
+
+def ours(prog):
+    parallel = oh.ParallelHandler(DEVICES)
+    with parallel:
+        y = prog(lambda values: parallel.pack([tf.constant(v) for v in values]))
+        return [t.numpy().tolist() for t in parallel.unpack(tf.identity(y))]
+
+
+def theirs(prog):
+    device = parallel_device.ParallelDevice(DEVICES)
+
+    def pack(values):
+        parts = []
+        for d, v in zip(DEVICES, values):
+            with tf.device(d):
+                parts.append(tf.constant(v))
+        return device.pack(parts)
+
+    with tf.device(device._name):  # pylint: disable=protected-access
+        y = prog(pack)
+        return [t.numpy().tolist() for t in device.unpack(tf.identity(y))]
+
+
+if sys.argv[1] == "failure":
+    # Component 1 fails before the collective that component 0 waits in.
+    parallel = oh.ParallelHandler(DEVICES)
+    f = tf.function(lambda x: all_reduce(tf.debugging.check_numerics(x, "bad input")))
+    with parallel:
+        x = parallel.pack([tf.constant(1.), tf.constant(float("nan"))])
+        try:
+            f(x)
+        except tf.errors.InvalidArgumentError as e:
+            print(json.dumps({"error": e.message}))
+else:
+    prog = globals()["prog_" + sys.argv[1]]
+    print(json.dumps({"ours": ours(prog), "tf": theirs(prog)}))
+'''
+
+
+def _run(program, timeout=120):
+    root = pathlib.Path(__file__).resolve().parents[3]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROGRAMS, program], capture_output=True,
+                              text=True, timeout=timeout, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        pytest.fail("program %r hung (no result in %d s)" % (program, timeout))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("program", ["eager", "function", "async_scope", "broadcast",
+                                     "sync_training"])
+def test_collective_on_packed_tensor_matches_parallel_device(program):
+    result = _run(program)
+    np.testing.assert_allclose(result["ours"], result["tf"], rtol=1e-6)
+
+
+def test_component_failing_before_a_collective_raises_instead_of_hanging():
+    result = _run("failure")
+    message = result["error"]
+    assert "oh.ParallelHandler" in message and "device:CPU:1" in message, message
+    assert "bad input" in message and "Tensor had NaN values" in message, message

@@ -1,0 +1,112 @@
+"""`parallel.pack` / `parallel.unpack` inside a `tf.function` called in an
+oh.ParallelHandler scope. A function call otherwise runs whole on each component; the
+pack and unpack ops have a meaning only on the handler (run whole, a local component
+failed with FailedPrecondition, and a remote worker's server, which has no
+tf_ophandlers, does not know them). Such a function is replayed into stock ops: the
+results equal the same program run eagerly in the scope (whose pack/unpack are checked
+against TensorFlow's ParallelDevice in test_parallel.py), on local and on remote
+components."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+
+DEVICES = ["CPU:0", "CPU:1"]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def _pack_program(parallel, x):
+    return tf.reduce_sum(parallel.pack([x * 1.0, x * 2.0]) * 3.0 + 1.0, axis=0)
+
+
+def _unpack_program(parallel, y):
+    parts = parallel.unpack(y * 2.0)
+    return parts[1] - parts[0]
+
+
+def _run(parallel, fn, arg, compiled):
+    if compiled:
+        fn = tf.function(fn)
+    with parallel:
+        out = fn(arg)
+        return [t.numpy() for t in parallel.unpack(out)] if oh.handler_of(out) is not None \
+            else [out.numpy()] * len(parallel.components)
+
+
+def test_pack_and_unpack_in_a_function_match_eager():
+    parallel = oh.ParallelHandler(DEVICES)
+    x = tf.constant([[1.0, -2.0], [0.5, 4.0]])
+    with parallel:
+        y = parallel.pack([tf.constant([1.0, 2.0]), tf.constant([10.0, 30.0])])
+    for program, arg in ((lambda v: _pack_program(parallel, v), x),
+                         (lambda v: _unpack_program(parallel, v), y)):
+        eager = _run(parallel, program, arg, compiled=False)
+        compiled = _run(parallel, program, arg, compiled=True)
+        for e, c in zip(eager, compiled):
+            np.testing.assert_allclose(c, e, rtol=1e-6)
+    np.testing.assert_allclose(_run(parallel, lambda v: _pack_program(parallel, v), x,
+                                    True), [[6.5, 8.0], [11.0, 14.0]])
+
+
+def test_gradient_through_pack_in_a_function():
+    parallel = oh.ParallelHandler(DEVICES)
+    x = tf.constant([1.0, -2.0, 3.0])
+
+    def grads(compiled):
+        f = (lambda v: parallel.pack([v * v, v * 3.0]))
+        f = tf.function(f) if compiled else f
+        with parallel:
+            with oh.GradientTape() as tape:
+                tape.watch(x)
+                total = tf.reduce_sum(f(x))
+            return [g.numpy() for g in parallel.unpack(tape.gradient(total, x))]
+
+    eager, compiled = grads(False), grads(True)
+    for e, c in zip(eager, compiled):
+        np.testing.assert_allclose(c, e, rtol=1e-6)
+
+
+_REMOTE = r'''
+import sys
+sys.path.insert(0, "examples")
+import two_process_training as example
+addresses, workers = example.start_workers(2)
+import numpy as np
+import tensorflow as tf
+import tf_ophandlers as oh
+tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec({"worker": addresses}))
+devices = ["/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)]
+parallel = oh.ParallelHandler(devices)
+x = tf.constant([1.0, -2.0])
+
+@tf.function
+def f(v):
+    packed = parallel.pack([v, v * 10.0]) + 1.0
+    parts = parallel.unpack(packed)
+    return packed * 2.0, parts[0] + parts[1]
+
+with parallel:
+    packed, total = f(x)
+    print("packed:", [t.numpy().tolist() for t in parallel.unpack(packed)])
+    print("total:", [t.numpy().tolist() for t in parallel.unpack(total)])
+    print("devices:", [t.device for t in parallel.unpack(packed)])
+'''
+
+
+@pytest.mark.slow
+def test_pack_and_unpack_in_a_function_on_remote_workers():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _REMOTE], capture_output=True, text=True,
+                          timeout=150, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(l.split(": ", 1) for l in proc.stdout.splitlines() if ": " in l)
+    assert eval(lines["packed"]) == [[4.0, -2.0], [22.0, -38.0]]  # pylint: disable=eval-used
+    assert eval(lines["total"]) == [[13.0, -20.0]] * 2  # pylint: disable=eval-used
+    assert eval(lines["devices"]) == [  # pylint: disable=eval-used
+        "/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)]

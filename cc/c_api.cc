@@ -222,6 +222,13 @@ TFOH_C_Handler* TFOH_C_NewHandler(TFOH_C_Dispatcher* dispatcher, const TFOH_C_Li
     TF_SetStatus(status, TF_INTERNAL, "the create hook returned no state");
   }
   if (TF_GetCode(status) != TF_OK) {
+    // A state returned along with an error is still the caller's to free.
+    if (state != nullptr) {
+      try {
+        type->hooks.delete_state(state);
+      } catch (...) {
+      }
+    }
     std::string m = "tf_ophandlers: cannot create handler " + type->name + ": " +
                     TF_Message(status);
     TF_SetStatus(status, TF_GetCode(status), m.c_str());

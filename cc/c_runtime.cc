@@ -117,10 +117,22 @@ TFOH_Tensor* Wrap(DispatcherState* d, Stack* s, TFOH_Tensor* rep, TF_Status* sta
   return NewTensor(h);
 }
 
+// Whether `a` and `b` are the same stack: the same handlers in the same order. Each push
+// makes a new Stack, so a tensor made under an earlier scope of a handler (or under its
+// scope on another thread) has a different Stack object that still means the same stack.
+// Stacks never change once made, so no lock is needed.
+bool SameStack(const Stack* a, const Stack* b) {
+  for (; a != nullptr && b != nullptr; a = a->next, b = b->next) {
+    if (a == b) return true;
+    if (a->handler != b->handler) return false;
+  }
+  return a == b;
+}
+
 // Whether `below` is `s` or one of the stacks under it.
 bool IsBelowOrSame(const Stack* below, const Stack* s) {
   for (; s != nullptr; s = s->next) {
-    if (s == below) return true;
+    if (SameStack(s, below)) return true;
   }
   return below == nullptr;
 }
@@ -128,7 +140,7 @@ bool IsBelowOrSame(const Stack* below, const Stack* s) {
 // `t`, a tensor of `from` (a stack at or under `s`), as a tensor of `s`: every level in
 // between takes it through its copy_on hook. A new reference, or null with `status` set.
 TFOH_Tensor* Lift(DispatcherState* d, Stack* s, Stack* from, TFOH_Tensor* t, TF_Status* status) {
-  if (s == from) {
+  if (SameStack(s, from)) {
     t->refs.fetch_add(1, std::memory_order_relaxed);
     return t;
   }
@@ -214,7 +226,7 @@ void ExecuteOnHandler(DispatcherState* d, Stack* s, const TFOH_Op* op, int n_in,
   for (int i = 0; i < n_in; ++i) {
     Payload* p = in[i] != nullptr && in[i]->h != nullptr ? PayloadOf(d, in[i]->h) : nullptr;
     TFOH_Tensor* rep = nullptr;
-    if (p != nullptr && p->stack == s) {
+    if (p != nullptr && SameStack(p->stack, s)) {
       rep = p->rep;
       rep->refs.fetch_add(1, std::memory_order_relaxed);
     } else if (p == nullptr || IsBelowOrSame(p->stack, s)) {
@@ -300,7 +312,7 @@ void ExecuteOnHandler(DispatcherState* d, Stack* s, const TFOH_Op* op, int n_in,
     // a tensor that is not of the next stack (it left the stacks below already).
     bool leaves = TFE_TensorHandleDataType(o->h) == TF_RESOURCE ||
                   (s->next != nullptr && PayloadOf(d, o->h) == nullptr);
-    if (!leaves && s->next != nullptr) leaves = PayloadOf(d, o->h)->stack != s->next;
+    if (!leaves && s->next != nullptr) leaves = !SameStack(PayloadOf(d, o->h)->stack, s->next);
     TFOH_Tensor* w = leaves ? o : Wrap(d, s, o, status);
     if (leaves) {
       o->refs.fetch_add(1, std::memory_order_relaxed);

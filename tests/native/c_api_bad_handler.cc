@@ -2,16 +2,34 @@
 // (tests/native/c_api_errors.c): the C runtime must turn each into a TF_Status error.
 //   WrongDtype()  answers every op with its first input (a wrong dtype for Shape);
 //   TooFew()      answers every op with no outputs;
-//   Throws()      throws a C++ exception from execute.
+//   Throws()      throws a C++ exception from execute;
+//   CreateFails() returns a state from create and sets an error too (the runtime must
+//                 still delete the state: c_api_bad_handler_live_states tells).
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 
 #include "tf_ophandlers/handler.h"
 
 static const TFOH_RuntimeApi* api;
+static std::atomic<int> live_states{0};
 
-static void* Create(void*, const char*, TF_Status*) { return new int(0); }
-static void Delete(void* s) { delete static_cast<int*>(s); }
+static void* Create(void*, const char*, TF_Status*) {
+  ++live_states;
+  return new int(0);
+}
+static void Delete(void* s) {
+  --live_states;
+  delete static_cast<int*>(s);
+}
+static void* CreateWithError(void*, const char*, TF_Status* status) {
+  TF_SetStatus(status, TF_INVALID_ARGUMENT, "CreateFails refuses every configuration");
+  ++live_states;
+  return new int(0);
+}
+
+// The states created and not yet deleted, of every type of this library.
+extern "C" TFOH_EXPORT int c_api_bad_handler_live_states() { return live_states.load(); }
 
 static void FirstInput(void*, TFOH_Context*, const TFOH_Op*, int n, TFOH_Tensor* const* in,
                        int* nout, TFOH_Tensor** out, TF_Status* status) {
@@ -55,4 +73,15 @@ extern "C" TFOH_EXPORT void TFOH_InitHandlerLibrary(const TFOH_RuntimeApi* a, TF
   Register(lib, "WrongDtype", FirstInput, status);
   if (TF_GetCode(status) == TF_OK) Register(lib, "TooFew", NoOutputs, status);
   if (TF_GetCode(status) == TF_OK) Register(lib, "Throws", Throw, status);
+  if (TF_GetCode(status) == TF_OK) {
+    TFOH_HandlerType t;
+    std::memset(&t, 0, sizeof(t));
+    t.abi_version = TFOH_ABI_VERSION;
+    t.struct_size = sizeof(t);
+    t.name = "CreateFails";
+    t.create = CreateWithError;
+    t.delete_state = Delete;
+    t.execute = NoOutputs;
+    api->register_type(lib, &t, status);
+  }
 }

@@ -1,8 +1,11 @@
 /* Bad input through tf_ophandlers/c_api.h: each case must fail with a TF_Status error of
-   the stated code whose message names what went wrong, and never crash. Prints one line
-   per case ("ok <case>: <message>" or "FAIL <case>: ..."); exit status 1 on any failure.
+   the stated code whose message names what went wrong, and never crash. Also the edges
+   that must work: tensors of a scope used after it closed, under the same handlers pushed
+   again or pushed on another thread. Prints one line per case ("ok <case>: <message>" or
+   "FAIL <case>: ..."); exit status 1 on any failure.
    Usage: c_api_errors bad_abi_handler.so failing_handler.so c_api_bad_handler.so
    (the Makefile's c-api-example; tests/native/test_c_api.py). */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,6 +72,39 @@ static TFE_TensorHandle* Neg(TFE_Context* ctx, TFE_TensorHandle* x, const char* 
   return Unary(ctx, "Neg", x, device, s);
 }
 
+/* The value of scalar `h` (a handler tensor is copied to the CPU first); NAN with `s` set
+   on failure. */
+static float ValueOf(TFE_Context* ctx, TFE_TensorHandle* h, TF_Status* s) {
+  TFE_TensorHandle* cpu =
+      TFE_TensorHandleCopyToDevice(h, ctx, "/job:localhost/replica:0/task:0/device:CPU:0", s);
+  if (TF_GetCode(s) != TF_OK) return 0.0f / 0.0f;
+  TF_Tensor* t = TFE_TensorHandleResolve(cpu, s);
+  TFE_DeleteTensorHandle(cpu);
+  if (TF_GetCode(s) != TF_OK) return 0.0f / 0.0f;
+  float v;
+  memcpy(&v, TF_TensorData(t), sizeof v);
+  TF_DeleteTensor(t);
+  return v;
+}
+
+/* Neg(x) with no placement under the calling thread's scopes: a handler tensor whose
+   value is `want`, or a FAIL line for `name`. */
+static void ExpectNeg(const char* name, TFOH_C_Dispatcher* d, TFE_Context* ctx,
+                      TFE_TensorHandle* x, float want, TF_Status* s) {
+  TFE_TensorHandle* y = Neg(ctx, x, NULL, s);
+  float got = y != NULL ? ValueOf(ctx, y, s) : 0.0f;
+  if (TF_GetCode(s) != TF_OK || !TFOH_C_IsHandlerTensor(d, y) || got != want) {
+    printf("FAIL %s: status %d \"%s\", handler tensor %d, value %g (want %g)\n", name,
+           (int)TF_GetCode(s), TF_Message(s), y != NULL && TFOH_C_IsHandlerTensor(d, y),
+           (double)got, (double)want);
+    ++failures;
+  } else {
+    printf("ok %s: %g\n", name, (double)got);
+  }
+  if (y != NULL) TFE_DeleteTensorHandle(y);
+  TF_SetStatus(s, TF_OK, "");
+}
+
 /* Runs `type`(x) on the dispatcher under a scope of a new `handler_type` of `lib`; expects
    the op to fail with `code` and a message containing `needle`. */
 static void ExpectOpFails(const char* name, TFOH_C_Dispatcher* d, TFE_Context* ctx,
@@ -105,6 +141,36 @@ typedef struct {
   TFOH_C_Dispatcher* d;
   TF_Code code;
 } OtherThread;
+
+/* Another thread pushes the handlers of tensors made on the main thread (outer first)
+   and uses those tensors under them. */
+typedef struct {
+  TFOH_C_Dispatcher* d;
+  TFE_Context* ctx;
+  TFOH_C_Handler* outer;
+  TFOH_C_Handler* inner;
+  TFE_TensorHandle* of_outer; /* a tensor of [outer] */
+  TFE_TensorHandle* of_both;  /* a tensor of [inner > outer] */
+  float want_outer, want_both;
+} ScopeOnOtherThread;
+
+static void* UseUnderScopesOnOtherThread(void* arg) {
+  ScopeOnOtherThread* o = (ScopeOnOtherThread*)arg;
+  TF_Status* s = TF_NewStatus();
+  TFOH_C_PushHandler(o->outer, s);
+  MustBeOk("push on the other thread", s);
+  ExpectNeg("a handler's tensor under its scope on another thread", o->d, o->ctx, o->of_outer,
+            o->want_outer, s);
+  TFOH_C_PushHandler(o->inner, s);
+  MustBeOk("push on the other thread", s);
+  ExpectNeg("a stack's tensor under the same stack on another thread", o->d, o->ctx,
+            o->of_both, o->want_both, s);
+  TFOH_C_PopHandler(o->inner, s);
+  TFOH_C_PopHandler(o->outer, s);
+  MustBeOk("pop on the other thread", s);
+  TF_DeleteStatus(s);
+  return NULL;
+}
 
 static void* RunOnOtherThread(void* arg) {
   OtherThread* o = (OtherThread*)arg;
@@ -223,6 +289,50 @@ int main(int argc, char** argv) {
     TF_DeleteBuffer(before);
   }
 
+  /* Tensors outlive their scopes: y (of [PassThrough > OpCounter], both popped) under the
+     same handlers pushed again, and a tensor of [OpCounter] lifted onto a new
+     [PassThrough > OpCounter]; the values are those of plain execution. */
+  {
+    TFE_TensorHandle* plain_y = Neg(ctx, x, NULL, s);
+    MustBeOk("plain Neg", s);
+    TFE_TensorHandle* plain_z = Neg(ctx, plain_y, NULL, s);
+    MustBeOk("plain Neg Neg", s);
+    const float want = ValueOf(ctx, plain_z, s); /* -(-2) */
+    MustBeOk("plain value", s);
+    TFE_DeleteTensorHandle(plain_z);
+    TFOH_C_PushHandler(a, s);
+    TFOH_C_PushHandler(b, s);
+    MustBeOk("push again", s);
+    ExpectNeg("re-pushed scopes take a tensor of the popped ones", d, ctx, y, want, s);
+    TFOH_C_PopHandler(b, s);
+    MustBeOk("pop", s);
+    TFE_TensorHandle* of_a = Neg(ctx, x, TFOH_C_DispatcherDeviceName(d), s); /* of [OpCounter] */
+    TFOH_C_PopHandler(a, s);
+    MustBeOk("Neg under OpCounter", s);
+    if (!TFOH_C_IsHandlerTensor(d, of_a)) {
+      printf("FAIL setup: Neg placed on the dispatcher under OpCounter is no handler tensor\n");
+      exit(1);
+    }
+    TFOH_C_PushHandler(a, s);
+    TFOH_C_PushHandler(b, s);
+    MustBeOk("push again", s);
+    ExpectNeg("an earlier scope's tensor lifted onto re-pushed scopes", d, ctx, of_a, want, s);
+    TFOH_C_PopHandler(b, s);
+    /* Structure, not just handler types: y's stack is above [OpCounter], not below it. */
+    if (Neg(ctx, y, NULL, s) != NULL) ++failures;
+    Expect("a tensor of a higher stack under a lower one", s, TF_INVALID_ARGUMENT,
+           "which is not below the op's stack [OpCounter(");
+    TFOH_C_PopHandler(a, s);
+    MustBeOk("pop", s);
+
+    ScopeOnOtherThread o = {d, ctx, a, b, of_a, y, want, want};
+    pthread_t thread;
+    pthread_create(&thread, NULL, UseUnderScopesOnOtherThread, &o);
+    pthread_join(thread, NULL);
+    TFE_DeleteTensorHandle(of_a);
+    TFE_DeleteTensorHandle(plain_y);
+  }
+
   /* A tensor of one stack used under an unrelated one. */
   TFOH_C_Handler* c = TFOH_C_NewHandler(d, native, "PassThrough", "", s);
   MustBeOk("third handler", s);
@@ -259,6 +369,26 @@ int main(int argc, char** argv) {
   const TFOH_C_Library* failing = TFOH_C_LoadHandlerLibrary(argv[2], s);
   const TFOH_C_Library* broken = TFOH_C_LoadHandlerLibrary(argv[3], s);
   MustBeOk("test handler libraries", s);
+  {
+    /* A create hook that sets an error and returns a state anyway: the state is freed. */
+    void* self = dlopen(argv[3], RTLD_NOW);
+    int (*live)(void) = self ? (int (*)(void))dlsym(self, "c_api_bad_handler_live_states") : NULL;
+    if (live == NULL) {
+      printf("FAIL setup c_api_bad_handler_live_states: %s\n", dlerror());
+      exit(1);
+    }
+    int before = live();
+    if (TFOH_C_NewHandler(d, broken, "CreateFails", "", s) != NULL) ++failures;
+    Expect("create hook fails with a state", s, TF_INVALID_ARGUMENT,
+           "cannot create handler CreateFails: CreateFails refuses every configuration");
+    if (live() != before) {
+      printf("FAIL create hook fails with a state: %d states leaked\n", live() - before);
+      ++failures;
+    } else {
+      printf("ok the failed create's state was deleted\n");
+    }
+    dlclose(self);
+  }
   ExpectOpFails("execute hook fails", d, ctx, failing, "FailOn", "Neg", "Neg", x,
                 TF_INVALID_ARGUMENT, "handler FailOn(): execute (op Neg): FailOn refuses op Neg", s);
   ExpectOpFails("wrong output dtype", d, ctx, broken, "WrongDtype", "", "IsFinite", x,

@@ -9,7 +9,9 @@
    interpreter. This runtime keeps the same concepts as C++ objects:
    - a Handler is a handler state of a registered type (reference counted: the
      caller's TFOH_C_Handler, the stacks pushing it, and its tensors hold it);
-   - a Stack is a handler over its next stack (null: the physical device);
+   - a Stack is a handler over its next stack (null: the physical device); each push
+     makes a new one, so stacks are compared by their handlers (SameStack), never by
+     pointer;
    - a tensor of a stack is a dispatcher-device tensor handle whose Payload holds the
      stack and the handler's representation (a TFOH_Tensor of the next stack).
    Nothing here needs a lock on the per-op path except the scope stacks, which are

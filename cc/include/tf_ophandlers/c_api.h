@@ -35,7 +35,9 @@
    scope open on the thread, on the stack of its first handler-tensor input; with
    neither, on the physical device. Physical inputs are copied on through every level's
    copy_on hook; a handler tensor of a stack that is not below the op's stack is an error
-   (copy it off first). Outputs of ops run under at least one handler are handler
+   (copy it off first). A stack is its handlers in push order: the same handlers pushed
+   again after a pop, or pushed on another thread, make the same stack, which takes the
+   tensors made under the earlier scopes. Outputs of ops run under at least one handler are handler
    tensors: read a value by copying it to a physical device,
    TFE_TensorHandleCopyToDevice(t, ctx, "/job:localhost/replica:0/task:0/device:CPU:0",
    status), which runs every level's copy_off hook, then TFE_TensorHandleResolve.

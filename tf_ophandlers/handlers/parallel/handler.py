@@ -428,8 +428,12 @@ class ParallelHandler(OpHandler):
                 "CopyOnGrad sums a broadcast's gradient), or open the tape inside the scope"
                 % (len(value.components), ", ".join(self.components)))
         if first.shape.num_elements() is not None and first.shape.num_elements() <= 1024:
-            values = [np.asarray(c) for c in value.components]
-            if all(v.shape == values[0].shape and np.array_equal(v, values[0])
+            # Inside a replayed function a component is a graph tensor: only a static
+            # value can show that all components agree; otherwise refuse, so that control
+            # flow takes its per-component path.
+            values = [np.asarray(c) if isinstance(c, _ops.EagerTensor) else tf.get_static_value(c)
+                      for c in value.components]
+            if all(v is not None for v in values) and all(v.shape == values[0].shape and np.array_equal(v, values[0])
                    for v in values[1:]):
                 return first
         raise errors.CopyOffError(

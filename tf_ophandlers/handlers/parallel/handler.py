@@ -601,7 +601,24 @@ class _NullScope:
 
 @_ops.RegisterGradient("ParallelPack")
 def _parallel_pack_gradient(op, grad):
-    return _copies.parallel_unpack(grad, op.get_attr("N"))
+    n = op.get_attr("N")
+    parts = _copies.parallel_unpack(grad, n)
+    out = []
+    for i, (x, g) in enumerate(zip(op.inputs, parts)):
+        # An input on the handler gave only its component i to the packed tensor: its
+        # other components get a zero gradient, not copies of component i's. A symbolic
+        # input is one of a function the handler replays, where every tensor is on it.
+        masked = lambda: _copies.parallel_pack(
+            [g if j == i else tf.zeros_like(g) for j in range(n)])
+        stack = _stack_of(x)
+        if stack is not None:
+            with _scope.handler(stack):
+                out.append(masked())
+        elif isinstance(x, _ops.EagerTensor):
+            out.append(g)
+        else:
+            out.append(masked())
+    return out
 
 
 @_ops.RegisterGradient("ParallelUnpack")

@@ -134,7 +134,7 @@ def _while_program(parallel, x):
 
 @pytest.mark.parametrize("program,arg,expected", [
     (_cond_program, 1.5, [3.0, -4.5]),
-    (_cond_program, -0.5, [1.5, -1.0]),
+    (_cond_program, -0.5, [-1.5, 1.0]),
     (_while_program, [1.5, -0.5], [[2.25, 0.25], [5.0625, 0.0625]]),
 ])
 def test_control_flow_on_a_packed_value_in_a_function(program, arg, expected):

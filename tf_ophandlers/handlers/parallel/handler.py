@@ -431,10 +431,11 @@ class ParallelHandler(OpHandler):
             # Inside a replayed function a component is a graph tensor: only a static
             # value can show that all components agree; otherwise refuse, so that control
             # flow takes its per-component path.
-            values = [np.asarray(c) if isinstance(c, _ops.EagerTensor) else tf.get_static_value(c)
-                      for c in value.components]
-            if all(v is not None for v in values) and all(v.shape == values[0].shape and np.array_equal(v, values[0])
-                   for v in values[1:]):
+            values = [np.asarray(c) if isinstance(c, _ops.EagerTensor)
+                      else tf.get_static_value(c) for c in value.components]
+            if all(v is not None for v in values) and all(
+                    np.shape(v) == np.shape(values[0]) and np.array_equal(v, values[0])
+                    for v in values[1:]):
                 return first
         raise errors.CopyOffError(
             "oh.ParallelHandler: a tensor with %d components (one per device of %s) cannot "

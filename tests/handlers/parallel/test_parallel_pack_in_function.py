@@ -70,6 +70,12 @@ def test_gradient_through_pack_in_a_function():
     eager, compiled = grads(False), grads(True)
     for e, c in zip(eager, compiled):
         np.testing.assert_allclose(c, e, rtol=1e-6)
+    # The total is sum(x*x) on component 0 and sum(3x) on component 1; x reaches each
+    # component once (component i of pack's input i), so its gradient is 2x + 3, not
+    # twice that (each input's other component gave nothing to the packed tensor).
+    expected = 2.0 * x.numpy() + 3.0
+    for g in eager + compiled:
+        np.testing.assert_allclose(g, expected, rtol=1e-6)
 
 
 _REMOTE = r'''
@@ -110,3 +116,67 @@ def test_pack_and_unpack_in_a_function_on_remote_workers():
     assert eval(lines["total"]) == [[13.0, -20.0]] * 2  # pylint: disable=eval-used
     assert eval(lines["devices"]) == [  # pylint: disable=eval-used
         "/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)]
+
+
+def _cond_program(parallel, x):
+    # The predicate differs per component: the replay cannot read it as one value.
+    v = parallel.pack([x, -x])
+    return tf.cond(v > 0, lambda: v * 2.0, lambda: v * 3.0)
+
+
+def _while_program(parallel, x):
+    # One trip count per component (2 and 4).
+    n = parallel.pack([tf.constant(2), tf.constant(4)])
+    _, acc = tf.while_loop(lambda i, acc: i < n, lambda i, acc: (i + 1, acc * x),
+                           (tf.constant(0), tf.ones_like(x)))
+    return acc
+
+
+@pytest.mark.parametrize("program,arg,expected", [
+    (_cond_program, 1.5, [3.0, -4.5]),
+    (_cond_program, -0.5, [-1.5, 1.0]),
+    (_while_program, [1.5, -0.5], [[2.25, 0.25], [5.0625, 0.0625]]),
+])
+def test_control_flow_on_a_packed_value_in_a_function(program, arg, expected):
+    # Before, the replayed cond/while tried to read the per-component predicate as a
+    # numpy value and raised NotImplementedError ("symbolic tf.Tensor").
+    parallel = oh.ParallelHandler(DEVICES)
+    x = tf.constant(arg)
+    eager = _run(parallel, lambda v: program(parallel, v), x, compiled=False)
+    compiled = _run(parallel, lambda v: program(parallel, v), x, compiled=True)
+    np.testing.assert_allclose(eager, expected, rtol=1e-6)
+    np.testing.assert_allclose(compiled, expected, rtol=1e-6)
+
+
+def test_gradient_through_a_while_loop_on_a_packed_trip_count_in_a_function():
+    parallel = oh.ParallelHandler(DEVICES)
+    x = tf.constant(1.5)
+    f = tf.function(lambda v: _while_program(parallel, v))
+    with parallel:
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            out = f(x)
+        grad = tape.gradient(out, x)
+    # x^2 on one component, x^4 on the other; x is a broadcast, whose gradient sums
+    # the components' (RFC: CopyOnGrad).
+    np.testing.assert_allclose(grad.numpy(), 2 * 1.5 + 4 * 1.5 ** 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gradient_through_a_cond_on_a_packed_value(compiled):
+    parallel = oh.ParallelHandler(DEVICES)
+    x = tf.constant(1.5)
+    f = lambda v: _cond_program(parallel, v)
+    f = tf.function(f) if compiled else f
+    with parallel:
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            out = f(x)
+        grad = tape.gradient(out, x)
+    # 2x on component 0 (x > 0), 3 * (-x) on component 1; summed over the components.
+    np.testing.assert_allclose(grad.numpy(), 2.0 - 3.0, rtol=1e-6)
+    with tf.GradientTape() as reference:  # TensorFlow, one component at a time
+        reference.watch(x)
+        total = tf.add_n([tf.cond(v > 0, lambda v=v: v * 2.0, lambda v=v: v * 3.0)
+                          for v in (x, -x)])
+    np.testing.assert_allclose(grad.numpy(), reference.gradient(total, x).numpy(), rtol=1e-6)

@@ -428,9 +428,14 @@ class ParallelHandler(OpHandler):
                 "CopyOnGrad sums a broadcast's gradient), or open the tape inside the scope"
                 % (len(value.components), ", ".join(self.components)))
         if first.shape.num_elements() is not None and first.shape.num_elements() <= 1024:
-            values = [np.asarray(c) for c in value.components]
-            if all(v.shape == values[0].shape and np.array_equal(v, values[0])
-                   for v in values[1:]):
+            # Inside a replayed function a component is a graph tensor: only a static
+            # value can show that all components agree; otherwise refuse, so that control
+            # flow takes its per-component path.
+            values = [np.asarray(c) if isinstance(c, _ops.EagerTensor)
+                      else tf.get_static_value(c) for c in value.components]
+            if all(v is not None for v in values) and all(
+                    np.shape(v) == np.shape(values[0]) and np.array_equal(v, values[0])
+                    for v in values[1:]):
                 return first
         raise errors.CopyOffError(
             "oh.ParallelHandler: a tensor with %d components (one per device of %s) cannot "
@@ -597,7 +602,24 @@ class _NullScope:
 
 @_ops.RegisterGradient("ParallelPack")
 def _parallel_pack_gradient(op, grad):
-    return _copies.parallel_unpack(grad, op.get_attr("N"))
+    n = op.get_attr("N")
+    parts = _copies.parallel_unpack(grad, n)
+    out = []
+    for i, (x, g) in enumerate(zip(op.inputs, parts)):
+        # An input on the handler gave only its component i to the packed tensor: its
+        # other components get a zero gradient, not copies of component i's. A symbolic
+        # input is one of a function the handler replays, where every tensor is on it.
+        masked = lambda: _copies.parallel_pack(
+            [g if j == i else tf.zeros_like(g) for j in range(n)])
+        stack = _stack_of(x)
+        if stack is not None:
+            with _scope.handler(stack):
+                out.append(masked())
+        elif isinstance(x, _ops.EagerTensor):
+            out.append(g)
+        else:
+            out.append(masked())
+    return out
 
 
 @_ops.RegisterGradient("ParallelUnpack")

@@ -285,9 +285,10 @@ class ControlFlow:
 def _list_element_dtype(*branch_outputs):
     """The element dtype of a TensorList output of an If's branches (from a branch
     output's handle data), or None (another variant: an Optional, an intermediate)."""
+    from tensorflow.core.framework import full_type_pb2  # pylint: disable=import-outside-toplevel
     from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
     for t in branch_outputs:
-        if _pfor._is_variant_with_internal_stacking(t):  # pylint: disable=protected-access
+        if _pfor._variant_type_id(t) == full_type_pb2.TFT_ARRAY:  # pylint: disable=protected-access
             return tf.as_dtype(_pfor._variant_handle_data(t)[0].dtype)  # pylint: disable=protected-access
     return None
 

@@ -26,7 +26,7 @@ is not run inside a fresh tf.function (there oh.vectorized_map is tf.vectorized_
 The draw must cover every kind of element, step, mode and reference (`FEATURES`).
 
 Reproduce a failure with the seed it prints:
-    OH_VMAP_DIFFERENTIAL_SEED=<seed> pytest tests/handlers/test_vectorized_map_differential.py
+    OH_VMAP_DIFFERENTIAL_SEED=<seed> pytest tests/handlers/vectorized_map/test_vectorized_map_differential.py
 """
 import os
 import random

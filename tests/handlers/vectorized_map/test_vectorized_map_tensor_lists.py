@@ -14,6 +14,7 @@ growing in a loop.
 """
 import logging
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -394,3 +395,67 @@ def test_an_eager_tensor_array_in_a_per_example_loop_raises_naming_the_handler_a
                        match=r"tf.while_loop \(While\) under VectorizedMap.*eager "
                              "tf.TensorArray"):
         oh.vectorized_map(fn, YS)
+
+
+# -- TensorArrays through a per-example tf.cond --------------------------------------------
+
+@tf.function
+def _cond_written_tensor_array(x):
+    # A stateless cond: oh.vectorized_map runs both branches and selects their lists.
+    ta = tf.TensorArray(F32, size=1)
+    ta = tf.cond(x > 0, lambda: ta.write(0, x * 3.), lambda: ta.write(0, tf.sin(x)))
+    return tf.reduce_sum(ta.stack() ** 2)
+
+
+def test_a_tensor_array_returned_by_a_per_example_cond_keeps_its_gradients(no_loop_fallback):
+    xs = tf.constant([-1.5, 2., 3.])
+    assert_same_tensors(tf.map_fn(_cond_written_tensor_array, xs),
+                        oh.vectorized_map(_cond_written_tensor_array, xs))
+
+    def around(vmap, tape_type):
+        with tape_type() as tape:
+            tape.watch(xs)
+            y = tf.reduce_sum(vmap(_cond_written_tensor_array, xs))
+        return tape.gradient(y, xs)
+
+    want = around(tf.map_fn, tf.GradientTape)
+    assert_same_tensors(want, around(oh.vectorized_map, oh.GradientTape))
+    assert np.all(want.numpy() != 0)  # (values written in both branches have gradients)
+
+    def inside(tape_type):
+        def grad(x):
+            with tape_type() as tape:
+                tape.watch(x)
+                y = _cond_written_tensor_array(x)
+            return tape.gradient(y, x)
+        return grad
+
+    assert_same_tensors(tf.map_fn(inside(tf.GradientTape), xs),
+                        oh.vectorized_map(inside(oh.GradientTape), xs))
+
+
+V = tf.Variable(2.)
+
+
+@tf.function
+def _cond_writing_a_variable(x):
+    # The cond reads a variable (a stateful If: it runs once per example) and gets a
+    # reserved list none of whose elements is written yet, their shape unknown.
+    ta = tf.TensorArray(F32, size=1)
+    ta = tf.cond(x > 0, lambda: ta.write(0, V * x), lambda: ta.write(0, V + x))
+    return ta.read(0)
+
+
+def test_a_per_example_cond_writes_into_an_unwritten_tensor_array():
+    xs = tf.constant([1., 2., 3.])
+
+    def per_example(tape_type):
+        def grad(x):
+            with tape_type() as tape:
+                y = _cond_writing_a_variable(x)
+            return [y, tape.gradient(y, V)]
+        return grad
+
+    want = tf.map_fn(per_example(tf.GradientTape), xs, fn_output_signature=[F32, F32])
+    assert_same_tensors(want[1], tf.constant([1., 2., 3.]))
+    assert_same_tensors(want, oh.vectorized_map(per_example(oh.GradientTape), xs))

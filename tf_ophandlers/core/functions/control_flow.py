@@ -157,15 +157,24 @@ class ControlFlow:
         pred = ins[0]
         stack = stack_of(pred)
         args = [self.lift(t, stack) for t in ins[1:]]
-        outs = [[self.lift(o, stack) for o in self.interpret(
-            self.body_of(node.get_attr(b).name), args, within)] for b in ("then_branch", "else_branch")]
-        selected = [stack.execute(Op.cached("SelectV2", T=a.dtype), [pred, a, b])[0]
-                    for a, b in zip(*outs)]
-        # Variant outputs (the If's intermediates for its gradient, Optionals) carry no
-        # gradient of their own; TensorFlow's SelectV2 gradient cannot make the zeros of
-        # a variant (TypeError "`dtype` <dtype: 'variant'> is not compatible with 0").
-        return [stack.execute(Op.cached("StopGradient", T=tf.variant), [t])[0]
-                if t.dtype == tf.variant else t for t in selected]
+        bodies = [self.body_of(node.get_attr(b).name) for b in ("then_branch", "else_branch")]
+        outs = [[self.lift(o, stack) for o in self.interpret(body, args, within)]
+                for body in bodies]
+        selected = []
+        for k, (a, b) in enumerate(zip(*outs)):
+            if a.dtype != tf.variant:
+                selected.append(stack.execute(Op.cached("SelectV2", T=a.dtype), [pred, a, b])[0])
+                continue
+            dtype = _list_element_dtype(bodies[0].outputs[k], bodies[1].outputs[k])
+            if dtype is not None:
+                selected.append(_select_lists(stack, pred, a, b, dtype))
+                continue
+            # Other variants (the If's intermediates for its gradient, Optionals) carry no
+            # gradient of their own; TensorFlow's SelectV2 gradient cannot make the zeros
+            # of a variant (TypeError "`dtype` <dtype: 'variant'> is not compatible with 0").
+            (t,) = stack.execute(Op.cached("SelectV2", T=tf.variant), [pred, a, b])
+            selected.append(stack.execute(Op.cached("StopGradient", T=tf.variant), [t])[0])
+        return selected
 
     def _whole_op(self, node, ins, stack):
         """The control-flow op itself, given to the handler that keeps its predicate
@@ -272,3 +281,27 @@ class ControlFlow:
                 shape_invariants=[tf.TensorShape(None) for _ in flat_in])
         return rebuild_vars(as_list(flat))
 
+
+def _list_element_dtype(*branch_outputs):
+    """The element dtype of a TensorList output of an If's branches (from a branch
+    output's handle data), or None (another variant: an Optional, an intermediate)."""
+    from tensorflow.core.framework import full_type_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    for t in branch_outputs:
+        if _pfor._variant_type_id(t) == full_type_pb2.TFT_ARRAY:  # pylint: disable=protected-access
+            return tf.as_dtype(_pfor._variant_handle_data(t)[0].dtype)  # pylint: disable=protected-access
+    return None
+
+
+def _select_lists(stack, pred, a, b, dtype):
+    """The list `pred` picks of TensorLists `a` and `b`, element by element: their
+    elements stacked, a SelectV2 of those, and a list of its rows. Values written into
+    either branch's list keep their gradient, which a SelectV2 of the variants themselves
+    cannot give (TensorFlow has no zeros of a variant for the branch not taken). Both
+    lists must have one length and element shape, as the stacked select needs."""
+    shape = stack.execute(Op.cached("TensorListElementShape", shape_type=tf.int32), [a])[0]
+    items = [stack.execute(Op.cached("TensorListStack", element_dtype=dtype,
+                                     num_elements=-1), [h, shape])[0] for h in (a, b)]
+    (picked,) = stack.execute(Op.cached("SelectV2", T=dtype), [pred] + items)
+    return stack.execute(Op.cached("TensorListFromTensor", element_dtype=dtype,
+                                   shape_type=tf.int32), [picked, shape])[0]

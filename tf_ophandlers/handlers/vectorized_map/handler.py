@@ -362,7 +362,15 @@ def _list_dtype(t):
 def _list_example(handle, i, dtype):
     """Example `i` of a batched list (its elements' row i), as a list of its own (an
     empty one for an empty list: its element shape may be unknown, which stacking it
-    refuses)."""
+    refuses; a fresh reserved list for a reserved one: its elements are not written yet,
+    and stacking them fails unless their shape is fully known)."""
+    if not isinstance(handle, _ops.EagerTensor) and handle.op.type == "TensorListReserve":
+        stacked_shape, length = handle.op.inputs
+        shape = known_value(stacked_shape)
+        return tf.raw_ops.TensorListReserve(
+            element_shape=(tf.constant(-1) if shape is None or shape.ndim == 0
+                           else tf.constant(shape[1:], stacked_shape.dtype)),
+            num_elements=length, element_dtype=dtype)
     def example():
         items = tf.raw_ops.TensorListStack(  # [length, batch, ...]
             input_handle=handle, element_dtype=dtype,

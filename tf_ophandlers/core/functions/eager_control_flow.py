@@ -77,20 +77,25 @@ class _Undecided(Exception):
 
 def _decided_with_tensor_arrays(cond):
     """`cond` of an eager loop carrying a tf.TensorArray, with a clear error where it
-    returns a tensor without a single value: the loop cannot be staged (an eager
-    TensorArray is a Python list of tensors, with one length, where a staged loop's could
-    differ per example), and TensorFlow's eager loop would copy the value off."""
+    returns a tensor that has no single value (copying it off fails): the loop cannot
+    be staged (an eager TensorArray is a Python list of tensors, with one length, where
+    a staged loop's could differ per example)."""
     def checked(*args):
         pred = cond(*args)
         t = _ops.convert_to_tensor(pred)
-        if _without_value(t):
+        if not _without_value(t):
+            return pred
+        try:
+            # A handler whose tensors have one value (oh.Async, oh.Lazy: pending, not
+            # static) copies it off, as TensorFlow's eager loop would.
+            return bool(t)
+        except errors.CopyOffError as error:
             raise errors.CopyOffError(
                 "tf.while_loop (While) under %s: the loop condition has one value per "
                 "example (or device) and the loop variables hold an eager tf.TensorArray, "
                 "which a staged loop cannot carry (its length could differ per example). "
                 "Run the loop in a tf.function (the TensorArray created there), or use "
-                "tf.map_fn" % _C.stack_of(t).handler.debug_string())
-        return pred
+                "tf.map_fn" % _C.stack_of(t).handler.debug_string()) from error
     return checked
 
 

@@ -440,6 +440,7 @@ def _run(script, *args, timeout=120):
                           text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # three subprocesses with a timeout each
 @pytest.mark.parametrize("components, message", [
     ("/cpu:0,/cpu:0", r"'/cpu:0' and '/cpu:0' are the same device"),
     ("CPU:1,/job:localhost/replica:0/task:0/device:CPU:1", r"same device"),

@@ -90,6 +90,7 @@ def test_each_component_gets_its_slice_of_the_batch():
     assert _BatchSizes.seen[-3:] == [2, 2, 1]  # batches 4, 4, 2 over two components
 
 
+@pytest.mark.slow
 def test_steps_per_execution_validation_and_evaluate_match_mirrored_strategy(strategy):
     """Two steps per compiled call (the split step in Keras's while loop), validation
     data and `evaluate` (replicated: every component on the whole batch), against

@@ -105,13 +105,13 @@ def strategy():
     # (MirroredStrategy's own fit fails on a first batch that splits unevenly: Keras
     # reduces it over the replicas to build the model, and AddN gets two shapes.)
     (_dense, 15, 10, keras.optimizers.Adam),  # batches 10 (5 + 5), 5 (3 + 2)
-    (_dense, 11, 4, keras.optimizers.Adam),   # a partial last batch of 3: 2 + 1
-    (_dense, 9, 4, keras.optimizers.Adam),    # a last batch of 1: 1 + 0 (one empty)
+    pytest.param(_dense, 11, 4, keras.optimizers.Adam, marks=pytest.mark.slow),  # a partial last batch of 3: 2 + 1
+    pytest.param(_dense, 9, 4, keras.optimizers.Adam, marks=pytest.mark.slow),  # a last batch of 1: 1 + 0 (one empty)
     # Batch statistics per component: a last batch of 3 + 2.
-    (_conv_batch_norm, 15, 10, keras.optimizers.Adam),
+    pytest.param(_conv_batch_norm, 15, 10, keras.optimizers.Adam, marks=pytest.mark.slow),
     # A sparse (IndexedSlices) gradient: a last batch of 2 + 1. Adam's sparse update
     # sees each component's rows (duplicates kept), as after MirroredStrategy's gather.
-    (_embedding, 9, 6, keras.optimizers.Adam),
+    pytest.param(_embedding, 9, 6, keras.optimizers.Adam, marks=pytest.mark.slow),
 ])
 def test_eager_fit_with_uneven_splits_matches_mirrored_strategy(
         strategy, make, n, batch_size, optimizer):
@@ -174,7 +174,8 @@ def test_own_eager_train_step_with_tf_tape_and_uneven_split_is_a_clear_error():
         assert int(model.optimizer.iterations.numpy()) == 0
 
 
-@pytest.mark.parametrize("n", [12, 9])  # batches of 6 (3 + 3); 9: a last batch 2 + 1
+# (12, batches of 6 (3 + 3), is slow: the time budget of make test; 9: a last batch 2 + 1)
+@pytest.mark.parametrize("n", [pytest.param(12, marks=pytest.mark.slow), 9])
 def test_compiled_fit_with_sparse_gradients_matches_mirrored_strategy(strategy, n):
     """An embedding's gradient (tf.IndexedSlices) all-reduced as MirroredStrategy does it:
     the components' rows gathered, not summed dense (Adam's sparse update differs)."""

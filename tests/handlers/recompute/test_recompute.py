@@ -205,6 +205,7 @@ def test_memory_budget_below_minimum_names_both():
 _run = recompute_helpers.run_bfc
 
 
+@pytest.mark.slow
 def test_peak_memory_drops_on_a_deep_mlp():
     """TensorFlow's BFC CPU allocator's peak bytes, one step each, same process."""
     out = _run("""

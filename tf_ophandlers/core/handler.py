@@ -39,6 +39,13 @@ def _default_hook(fn):
     return fn
 
 
+#: The node name of the ``IdentityN(gradient, source)`` a tape tracing a function puts
+#: around each dense gradient of a source, for a handler with `source_gradient` that
+#: replays the function: it meets the node there and gives the gradient its source's
+#: representation (other handlers, and TensorFlow, run it as the identity it is).
+SOURCE_GRADIENT_NODE = "oh_source_gradient"
+
+
 class _CacheToken:
     """Identity of a handler in replay cache keys that does not keep it alive."""
 
@@ -207,6 +214,60 @@ class OpHandler:
     #: shards or defers it) declares False and keeps the fast paths. A handler keeping
     #: the default `execute` never substitutes, whatever this says.
     changes_computation = True
+
+    #: Whether an `oh.GradientTape` may seed the backward pass of a target on this
+    #: handler's stack with a cached ones tensor copied onto the stack (instead of a
+    #: Shape and a Fill run through the handler): True when a constant entering the
+    #: stack is what ``tf.ones_like`` there gives (oh.vectorized_map: an unbatched value).
+    constant_seeds = False
+
+    #: Whether gradients recorded on this handler's stack take the reduction axes of
+    #: broadcasting ops (Add, Sub, ...) from the static shapes the handler reports
+    #: (`value_shape`), as TensorFlow's graph gradients do, instead of from runtime
+    #: shapes: True when those static shapes are what the program sees (oh.vectorized_map:
+    #: the per-example shape) and a runtime shape would be the handler's own.
+    static_shape_gradients = False
+
+    #: Whether a recording tape above this handler passes a physical input it does not
+    #: track to this handler's `execute` as it is, instead of through its own `copy_on`
+    #: (core/recording.py `copy_through`): True for a handler that copies such inputs on
+    #: itself in a way the tape need not record (oh.vectorized_map: unbatched). Read by
+    #: the C++ record path under this name.
+    tape_copies_through = False
+
+    #: Whether TensorFlow's counterpart of this handler runs the ops of its scope as a
+    #: traced function (tf.vectorized_map traces the mapped function), so that handlers
+    #: matching TensorFlow's results treat ops reaching them through an open scope of
+    #: this handler as ops of a function (the forward accumulator's JVPs below it).
+    counterpart_traces = False
+
+    #: Set by a handler whose common ops the C++ per-op path records itself (no Python
+    #: frame per op; cc/fast_lazy.cc): the class's `execute` is then called only for the
+    #: ops C hands over. Read on the class by core/fast_decision.py; a subclass that
+    #: overrides `execute` must reset it to False.
+    _oh_records_in_c = False
+
+    #: None, or a method ``holds_variable(variable) -> bool`` of a handler whose
+    #: variables live per device (one buffer per component or device, created in its
+    #: scope): a Keras optimizer step in its scope is checked before it writes anything
+    #: (core/per_device.py), and a variable the step writes that the handler does not
+    #: hold raises `oh.PlacementError` with the text of `misplaced_write`.
+    holds_variable = None
+
+    def misplaced_write(self, optimizer, variable):
+        """The message of the `oh.PlacementError` a Keras optimizer step raises in this
+        handler's scope before writing `variable`, which the handler does not hold
+        (see `holds_variable`)."""
+        return ("%s: %s.apply would write variable %r, created outside the scope; "
+                "nothing was written. Make the optimizer inside the scope."
+                % (self.debug_string(), type(optimizer).__name__,
+                   getattr(variable, "path", None) or variable.name))
+
+    def is_recording(self):
+        """For a handler that `differentiates`: whether it records the ops reaching it
+        now (inside its scope, not paused, stopped or used up). `oh.extend`'s
+        `recording_handlers` reads it; the default is False."""
+        return False
 
     #: The device type in this handler's stack names (default: the class name in upper
     #: case), e.g. ``"PARALLEL"`` gives ``/job:localhost/replica:0/task:0/device:PARALLEL:0``.

@@ -39,16 +39,9 @@ from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import functions as _functions
-from tf_ophandlers.core import shapes
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.errors import CopyOffError
-from tf_ophandlers.core.fast_decision import async_hook_in_c
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import (
-    PHYSICAL, execute_physical, never_copy, next_stack, stack_of, tensor_key)
-from tf_ophandlers.core.state import state
+from tf_ophandlers.extend import (
+    async_hook_in_c, BoundedCache, CopyOffError, execute_physical, functions as _functions,
+    never_copy, next_stack, Op, OpHandler, PHYSICAL, shapes, stack_of, state, tensor_key)
 
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = _RESOURCE.as_datatype_enum

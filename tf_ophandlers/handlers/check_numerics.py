@@ -26,8 +26,7 @@ import sys
 
 import tensorflow as tf
 
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
+from tf_ophandlers.extend import Op, OpHandler
 
 _LIBRARY_PARTS = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep,
                   os.sep + "tf_ophandlers" + os.sep)

@@ -18,8 +18,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.functions import per_call
+from tf_ophandlers.extend import OpHandler, per_call
 
 
 @dataclasses.dataclass
@@ -80,7 +79,7 @@ class OpLogHandler(OpHandler):
     def execute(self, op, inputs):
         outputs = self.next.execute(op, inputs)
         if self.op_types is None or op.type in self.op_types:
-            from tf_ophandlers.core.state import state  # pylint: disable=import-outside-toplevel
+            from tf_ophandlers.extend import state  # pylint: disable=import-outside-toplevel
             record = OpRecord(
                 op_type=op.type,
                 input_shapes=[t.shape for t in inputs],

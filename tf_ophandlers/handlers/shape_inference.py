@@ -17,12 +17,9 @@ from tensorflow.python.framework import composite_tensor as _composite_tensor
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import errors
-from tf_ophandlers.core import shapes
-from tf_ophandlers.core.shapes import Spec, spec_of
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, next_stack, representation_of
+from tf_ophandlers.extend import (
+    errors, next_stack, OpHandler, PHYSICAL, representation_of, scope as _scope, shapes,
+    Spec, spec_of)
 
 _RESOURCE = tf.resource
 _VARIABLE_READS = shapes.VARIABLE_READS

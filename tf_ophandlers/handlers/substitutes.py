@@ -27,15 +27,10 @@ from tensorflow.python.framework import constant_op
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 from tensorflow.python.ops import array_ops
 
-from tf_ophandlers.core import errors, tf_patches
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.functions import retrace as _retrace
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.scope import handler as _scope, physical as _physical
-from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.core.stack import (
-    current_stack, payload, register_substitute_rule, representation_of, stack_of)
-from tf_ophandlers.handlers.gradient_tape import GradientTape
+from tf_ophandlers.extend import (
+    BoundedCache, current_stack, errors, handler as _scope, Op, payload,
+    physical as _physical, register_substitute_rule, registries as _registries,
+    representation_of, retrace as _retrace, stack_of, state as _state, tf_patches)
 
 _ATTR = "_oh_substitute"  # the record, on an output's representation (an EagerTensor)
 _original_gradient_function = [None]
@@ -199,7 +194,7 @@ def run_recorded(stack, op, values):
                 "stack below it, on which the tape could differentiate what it runs; "
                 "declare changes_computation = False if it computes %s unchanged"
                 % (handler.debug_string(), op.type, type(v).__name__, op.type))
-    tape = GradientTape(persistent=True, watch_accessed_variables=False)
+    tape = _registries.tape_class("reverse")(persistent=True, watch_accessed_variables=False)
 
     def run():
         with tape:

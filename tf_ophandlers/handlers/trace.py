@@ -24,14 +24,9 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import dispatch as _dispatch
-from tf_ophandlers.core import errors
-from tf_ophandlers.core import functions as _functions
-from tf_ophandlers.core import graph_builder
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core import tf_patches
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import representation_of, tensor_key
+from tf_ophandlers.extend import (
+    dispatch as _dispatch, errors, functions as _functions, graph_builder, OpHandler,
+    representation_of, scope as _scope, tensor_key, tf_patches)
 
 _key = tensor_key  # tensors are keyed by TensorFlow handle
 _open = threading.local()  # .traces: this thread's TraceAndExecute scopes, innermost last

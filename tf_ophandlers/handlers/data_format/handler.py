@@ -31,11 +31,8 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.errors import with_message
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL, next_stack, tensor_key
+from tf_ophandlers.extend import (
+    BoundedCache, next_stack, Op, OpHandler, PHYSICAL, tensor_key, with_message)
 from tf_ophandlers.handlers.data_format.rules import (
     RULES, Permuted, bias_add_permuted, channels_first_perm, fallback, inverse, logical, perm_of,
     permuted, physical, rank_of, relayout, relayout_transposes, static, vector_to_physical)

@@ -17,10 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import move_axis, op_kinds
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import stack_of
+from tf_ophandlers.extend import BoundedCache, move_axis, Op, op_kinds, stack_of
 
 
 class Permuted:

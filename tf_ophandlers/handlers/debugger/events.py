@@ -31,8 +31,7 @@ from tensorflow.python.debug.lib import op_callbacks_common
 from tensorflow.python.debug.lib import source_utils
 from tensorflow.python.framework import tensor_util
 
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.op import Op
+from tf_ophandlers.extend import BoundedCache, Op
 
 MODES = debug_event_pb2.TensorDebugMode
 NO_TENSOR = MODES.NO_TENSOR

@@ -42,12 +42,7 @@ from tensorflow.core.protobuf import debug_event_pb2
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core.errors import with_message
-from tf_ophandlers.core.functions import per_call
-from tf_ophandlers.core.functions.library import body as function_body
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.state import state
+from tf_ophandlers.extend import function_body, Op, OpHandler, per_call, state, with_message
 from tf_ophandlers.handlers.debugger import events as de
 
 

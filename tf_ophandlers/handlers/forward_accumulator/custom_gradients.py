@@ -14,9 +14,7 @@ import threading
 import tensorflow as tf
 from tensorflow.python.eager import forwardprop_util
 
-from tf_ophandlers.core import tf_patches
-from tf_ophandlers.core.stack import current_stack
-from tf_ophandlers.core.state import state
+from tf_ophandlers.extend import current_stack, state, tf_patches
 from tf_ophandlers.handlers.forward_accumulator.jvp import FLOAT_ENUMS, dtype_enum
 
 # The module of tf.custom_gradient's (and tf.recompute_grad's) eager backward function.

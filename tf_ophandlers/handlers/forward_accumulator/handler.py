@@ -32,15 +32,10 @@ from tensorflow.python.eager.polymorphic_function import tracing_compilation as 
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import errors
-from tf_ophandlers.core.cache import register_external_cache
-from tf_ophandlers.core.functions.call_records import recording_restarted
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.recording import record_on_tf_tapes, subscribe_records
-from tf_ophandlers.core.state import state
-from tf_ophandlers.core.stack import (
-    current_stack, next_stack, own_handle, representation_of, stack_of, tensor_key)
+from tf_ophandlers.extend import (
+    current_stack, errors, next_stack, Op, OpHandler, own_handle, record_on_tf_tapes,
+    recording_restarted, register_external_cache, registries as _registries,
+    representation_of, stack_of, state, subscribe_records, tensor_key)
 from tf_ophandlers.handlers.forward_accumulator import custom_gradients as _custom
 from tf_ophandlers.handlers.forward_accumulator import rules as _more_rules
 from tf_ophandlers.handlers.forward_accumulator.jvp import (
@@ -239,6 +234,9 @@ class ForwardAccumulator(OpHandler):
     transparent = True
     differentiates = "forward"  # read by handlers that treat forward mode specially
     TYPE_NAME = "FORWARD_ACCUMULATOR"
+
+    def is_recording(self):
+        return self._live
 
     def __init__(self, primals, tangents):
         nest.assert_same_structure(primals, tangents)
@@ -569,3 +567,6 @@ class ForwardAccumulator(OpHandler):
             return tangent
 
         return nest.map_structure(fetch, primals)
+
+
+_registries.register_tape("forward", ForwardAccumulator)

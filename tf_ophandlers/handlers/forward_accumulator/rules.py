@@ -4,10 +4,7 @@ zero tangents an accumulator below gets for the JVPs of one above).
 """
 import tensorflow as tf
 
-from tf_ophandlers.core.stack import current_stack, representation_of
-from tf_ophandlers.core.functions import call_records
-from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.vectorized_map import VectorizedMap
+from tf_ophandlers.extend import call_records, current_stack, representation_of, state
 
 _NHWC = (b"NHWC", "NHWC")
 
@@ -103,11 +100,13 @@ def _sources(primals, outputs, tangents, multilinear):
 
 
 def _under_a_map():
-    """Whether the op came through an oh.vectorized_map above the running accumulator
-    (one open whose handler is not on the current stack, which ends at the accumulator)."""
+    """Whether the op came through an open scope above the running accumulator (one
+    whose handler is not on the current stack, which ends at the accumulator) of a
+    handler whose TensorFlow counterpart traces its ops (`counterpart_traces`:
+    oh.vectorized_map, as tf.vectorized_map traces the mapped function)."""
     handlers = current_stack().handlers
-    return any(isinstance(e.target, VectorizedMap) and not any(e.target is h for h in handlers)
-               for e in state.scopes)
+    return any(getattr(e.target, "counterpart_traces", False)
+               and not any(e.target is h for h in handlers) for e in state.scopes)
 
 
 def connect_below(accumulator, types, primals, outputs, tangents, out_tangents,

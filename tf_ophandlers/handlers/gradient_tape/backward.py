@@ -20,11 +20,9 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.errors import warn_once
-from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of, tensor_key
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.extend import (
+    BoundedCache, current_stack, PHYSICAL, registries as _registries, scope as _scope,
+    stack_of, state as _state, tensor_key, warn_once)
 from tf_ophandlers.handlers.gradient_tape.static_gradients import STATIC_GRADIENTS
 
 _key = tensor_key
@@ -33,13 +31,7 @@ _stack_of = stack_of
 # `lookup` (which converts the name and raises the LookupError reported below).
 _registered = getattr(_ops._gradient_registry, "_registry", {})  # pylint: disable=protected-access
 
-# Gradient functions that accept None for these output gradients; TensorFlow's tape
-# (pywrap_tfe_src.cc, FunctionsAcceptingNoneForIndicesMap) skips building zeros for them.
-_ACCEPTS_NONE = {
-    "SoftmaxCrossEntropyWithLogits": (1,),
-    "SparseSoftmaxCrossEntropyWithLogits": (1,),
-    "FusedBatchNorm": (1, 2, 3, 4),
-}
+
 
 
 # (dtype enum, static shape, device) -> a physical tensor of ones, for _seed.
@@ -67,17 +59,6 @@ def _seed(target):
         if ones is None:
             ones = _seed_ones[key] = tf.ones(shape, dtype)
     return stack.copy_on(ones)
-
-
-class _EveryOutput:
-    def __contains__(self, index):
-        return True
-
-
-# oh.Recompute's segments (recorded with record_operation) take None for any output: an
-# input reached only from outputs without a gradient then gets none, as with TensorFlow's
-# tape op by op (a gather's input keeps its IndexedSlices gradient).
-_ACCEPTS_NONE["RecomputeSegment"] = _EveryOutput()
 
 
 UNTRACKED_INPUT_WARNING = (
@@ -373,7 +354,7 @@ class BackwardPass:
         """The gradient of each output of `record`: the sum of its `parts`, else None or
         zeros as its gradient function takes them."""
         specs = record.ids[2]
-        accepts_none = _ACCEPTS_NONE.get(record.op_type, ())
+        accepts_none = _registries.gradient_accepts_none(record.op_type)
         out_grads = []
         for k, (o, p) in enumerate(zip(record.outputs, parts)):
             if p:
@@ -554,8 +535,9 @@ class BackwardPass:
             grads = self._backprop([target], handles, [seed], sources, unconnected)
             return [None if g is None else _ops.convert_to_tensor(g) for g in grads]
 
-        if use_pfor and all(r.stack is PHYSICAL for r in self._producer.values()):
-            from tf_ophandlers.handlers.vectorized_map import vectorized_map  # pylint: disable=import-outside-toplevel
+        vectorized_map = _registries.vectorizer()
+        if use_pfor and vectorized_map is not None and all(
+                r.stack is PHYSICAL for r in self._producer.values()):
             self._vectorizing = True
             try:
                 return vectorized_map(one, seeds)

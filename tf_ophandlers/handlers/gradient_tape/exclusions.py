@@ -27,8 +27,7 @@ import weakref
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.stack import tensor_key
+from tf_ophandlers.extend import BoundedCache, tensor_key
 
 _key = tensor_key
 _EagerTensor = _ops.EagerTensor

@@ -34,19 +34,15 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core import tf_patches
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.recording import copy_through, record_on_tf_tapes, recording
-from tf_ophandlers.core.state import state
+from tf_ophandlers.extend import (
+    COPY_OPS, copy_through, current_stack, next_stack, Op, OpHandler, own_handle, PHYSICAL,
+    record_on_tf_tapes, recording, registries as _registries, representation_of,
+    run_deferred_above, scope as _scope, SOURCE_GRADIENT_NODE, stack_of, state, tensor_key,
+    tf_patches)
 from tf_ophandlers.handlers.gradient_tape import hooks as gradient_tape_hooks
 from tf_ophandlers.handlers.gradient_tape.backward import BackwardPass, check_differentiable
 from tf_ophandlers.handlers.gradient_tape.exclusions import (
     drop_unread, track_ref, tracked_entry, used_indices)
-from tf_ophandlers.core.stack import (
-    COPY_OPS, PHYSICAL, current_stack, next_stack, own_handle, representation_of,
-    run_deferred_above, stack_of, tensor_key)
 
 _log = logging.getLogger("tf_ophandlers")
 _EagerTensor = _ops.EagerTensor
@@ -360,6 +356,9 @@ class GradientTape(BackwardPass, OpHandler):
             del tracked[k]
         self._sweep_at = max(_SWEEP_MIN, 2 * len(tracked))
 
+    def is_recording(self):
+        return self._live
+
     def handles_copy(self, op):
         # While recording, copy ops on the tape's stack are recorded like other ops and
         # their outputs stay on the tape (a tape's copies are identities), so enclosing
@@ -588,11 +587,6 @@ copy_through(GradientTape.copy_on)  # its untracked inputs skip it in C (recordi
 gradient_tape_hooks.register(_active_tapes)
 
 
-# The name of the IdentityN(gradient, source) that marks a traced tape's dense gradient
-# of a source, for a handler with `source_gradient` replaying the function (oh.Mesh).
-SOURCE_GRADIENT_NODE = "oh_source_gradient"
-
-
 def _marked_in_function(sources, grads):
     """While a function is traced in the scope of a handler with `source_gradient`, each
     dense gradient as the first output of IdentityN(gradient, source) named
@@ -652,3 +646,6 @@ tf_patches.register(
     "scope of a handler with that hook, each dense gradient is marked as "
     "IdentityN(gradient, source) for the handler's replay.", "runtime",
     _install_source_gradients, None)
+
+
+_registries.register_tape("reverse", GradientTape)

@@ -18,11 +18,9 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util
 
-from tf_ophandlers.core import tf_patches
-from tf_ophandlers.core.errors import CopyOffError
-from tf_ophandlers.core.functions.call_records import densified, replayed_call
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL, current_stack, stack_of
+from tf_ophandlers.extend import (
+    CopyOffError, current_stack, densified, Op, PHYSICAL, replayed_call, stack_of,
+    tf_patches)
 from tf_ophandlers.handlers.gradient_tape.exclusions import tracked_entry
 
 _EagerTensor = _ops.EagerTensor

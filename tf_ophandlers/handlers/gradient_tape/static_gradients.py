@@ -15,9 +15,8 @@ import tensorflow as tf
 from tensorflow.python.eager import context as _context
 from tensorflow.python.ops import array_ops, gen_math_ops, math_ops
 
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.stack import payload as _payload
-from tf_ophandlers.core.state import executing_eagerly as _executing_eagerly
+from tf_ophandlers.extend import (
+    BoundedCache, executing_eagerly as _executing_eagerly, payload as _payload)
 
 # (shape or axes, device scope) -> a physical int32 constant (a few per program).
 _constants = BoundedCache("gradient_tape.static_shape_constants", 1024)

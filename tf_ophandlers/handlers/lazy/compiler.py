@@ -29,12 +29,9 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import functions as _functions
-from tf_ophandlers.core import graph_builder
-from tf_ophandlers.core.cache import BoundedCache, LRUCache
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import PHYSICAL
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.extend import (
+    BoundedCache, functions as _functions, graph_builder, LRUCache, Op, PHYSICAL,
+    state as _state)
 
 # Stateful ops (OpDef) that change nothing the program can observe: reading state. Every
 # other stateful op (a variable update, a print, a function call, a stateful random op)

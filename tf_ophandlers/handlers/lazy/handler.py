@@ -37,14 +37,10 @@ from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as _ops
 
-from tf_ophandlers.core import shapes
-from tf_ophandlers.core.errors import with_message
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.fast_decision import (lazy_computed, lazy_plan, lazy_record_setup,
-                                               lazy_upstream)
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import PHYSICAL, never_copy, next_stack, stack_of, tensor_key
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.extend import (
+    BoundedCache, lazy_computed, lazy_plan, lazy_record_setup, lazy_upstream, never_copy,
+    next_stack, OpHandler, PHYSICAL, shapes, stack_of, state as _state, tensor_key,
+    with_message)
 from tf_ophandlers.handlers.lazy import compiler as lazy_compile
 
 _stateful = BoundedCache("lazy.stateful_ops", 4096)  # op type -> whether it runs eagerly

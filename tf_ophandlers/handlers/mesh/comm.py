@@ -27,13 +27,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import device_spec, op_def_registry
 
-from tf_ophandlers.core import scope
-from tf_ophandlers.core.cache import BoundedCache, LRUCache
-from tf_ophandlers.core.launch_lock import LAUNCHES
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import (
-    COPY_OPS, PHYSICAL, execute_physical, next_stack, stack_of)
-from tf_ophandlers.core.state import state
+from tf_ophandlers.extend import (
+    BoundedCache, COPY_OPS, execute_physical, LAUNCHES, LRUCache, next_stack, Op, PHYSICAL,
+    scope, stack_of, state)
 from tf_ophandlers.handlers.mesh.rules import MeshValue
 
 SMALL = 16  # tensors up to this size are shared between devices, never copied eagerly

@@ -18,11 +18,8 @@ is off by default.
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-from tf_ophandlers.core import functions, scope
-from tf_ophandlers.core.cache import LRUCache
-from tf_ophandlers.core.launch_lock import LAUNCHES
-from tf_ophandlers.core.op import Op  # noqa: F401  (the docstring's example)
-from tf_ophandlers.core.stack import PHYSICAL
+from tf_ophandlers.extend import functions, LAUNCHES, LRUCache, PHYSICAL, scope
+from tf_ophandlers.extend import Op  # noqa: F401  (the docstring's example)
 
 _NOT_TENSORS = (tf.resource, tf.variant, tf.string)
 _calls = LRUCache("mesh.per_op_functions", 1024)  # key -> CompiledCall, or False

@@ -34,25 +34,16 @@ import tensorflow as tf
 from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import op_def_registry
 
-from tf_ophandlers.core import copies
-from tf_ophandlers.core import errors
-from tf_ophandlers.core import scope
-from tf_ophandlers.core.launch_lock import LAUNCHES
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import (
-    OffStack, current_stack, next_stack, representation_of, stack_of)
+from tf_ophandlers.extend import (
+    copies, current_stack, errors, LAUNCHES, next_stack, OffStack, Op, OpHandler,
+    per_device as _per_device, representation_of, scope, SOURCE_GRADIENT_NODE, stack_of,
+    state)
 from tf_ophandlers.handlers.mesh import (
     checkpoint as mesh_checkpoint, comm as mesh_comm, rules as mesh_rules,
     rules_nn as mesh_rules_nn, variables as mesh_variables)
-from tf_ophandlers.core.state import state
 from tf_ophandlers.handlers.mesh.comm import MeshCommunication, stateless as _stateless
 from tf_ophandlers.handlers.mesh.compiled import PerOpCalls
 from tf_ophandlers.handlers.mesh.rules import MeshValue, VarInfo
-from tf_ophandlers.handlers.gradient_tape import SOURCE_GRADIENT_NODE
-from tf_ophandlers.handlers.parallel import (
-    VARIABLE_READS, ParallelHandler, refuse_tape_below)
-from tf_ophandlers.handlers.parallel.optimizers import ensure_optimizer_check
 
 _log = logging.getLogger("tf_ophandlers")
 RULES = {**mesh_rules.RULES, **mesh_rules_nn.RULES}
@@ -128,10 +119,7 @@ class Mesh(MeshCommunication, OpHandler):
         if int(np.prod(sizes)) != len(devices):
             raise ValueError("oh.Mesh: a %s mesh needs %d devices, got %d" % (
                 "x".join(map(str, sizes)), int(np.prod(sizes)), len(devices)))
-        try:  # the parallel handler's checks: canonical, known, distinct devices
-            self.devices = ParallelHandler(devices).components
-        except (ValueError, TypeError) as e:
-            raise type(e)(str(e).replace("oh.ParallelHandler", "oh.Mesh")) from None
+        self.devices = _per_device.canonical_devices(devices, "oh.Mesh")
         self.dims = dict(zip(names, [int(s) for s in sizes]))
         if batch_dim is not None and batch_dim not in self.dims:
             raise ValueError("oh.Mesh: batch_dim %r is not a dimension of the mesh %r"
@@ -157,10 +145,15 @@ class Mesh(MeshCommunication, OpHandler):
         self._per_op = PerOpCalls(self.devices, enabled=compile_ops)
         self.uneven = collections.Counter()  # shard/relayout requests kept replicated
         self._local = threading.local()
-        ensure_optimizer_check()
+        _per_device.ensure_optimizer_check()
 
     def debug_string(self):
         return "Mesh(%s)" % ", ".join("%s=%d" % kv for kv in self.dims.items())
+
+    def misplaced_write(self, optimizer, variable):
+        # (A Mesh replay creates the variables of an unbuilt optimizer.)
+        return _per_device.misplaced_write_message(
+            self, optimizer, variable, "device", "mesh", "`")
 
     def holds_variable(self, variable):
         """Whether `variable` is one of this mesh's (its shards on the mesh's devices); a
@@ -395,9 +388,9 @@ class Mesh(MeshCommunication, OpHandler):
         if (t == "IdentityN" and len(inputs) == 2 and op.node_name is not None
                 and SOURCE_GRADIENT_NODE in op.node_name):
             return self._traced_source_gradient(inputs)
-        if t in VARIABLE_READS and any(v.var is not None and not v.var.broadcast
+        if t in _per_device.VARIABLE_READS and any(v.var is not None and not v.var.broadcast
                                        for v in inputs):
-            refuse_tape_below(self, op, "device")
+            _per_device.refuse_tape_below(self, op, "device", "oh.Mesh")
         if t not in _SPECIAL_OPS:
             for v in inputs:
                 if v.var is not None:

@@ -14,9 +14,7 @@ import string
 import numpy as np
 import tensorflow as tf
 
-from tf_ophandlers.core import op_kinds
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.op import Op
+from tf_ophandlers.extend import BoundedCache, Op, op_kinds
 
 # Contraction plans (layout decisions), per (letters, input layouts, input shapes): they
 # depend on nothing else (the mesh's dimension names appear in the layouts).

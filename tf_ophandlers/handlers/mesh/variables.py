@@ -12,8 +12,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-from tf_ophandlers.core import errors
-from tf_ophandlers.core.op import Op
+from tf_ophandlers.extend import errors, Op
 from tf_ophandlers.handlers.mesh import rules_nn as mesh_rules_nn
 from tf_ophandlers.handlers.mesh.rules import MeshValue, VarInfo
 

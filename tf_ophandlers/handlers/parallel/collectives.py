@@ -16,11 +16,9 @@ from tensorflow.python.eager import executor as _executor
 from tensorflow.python.framework import errors_impl as _error_codes
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 
-from tf_ophandlers.core import functions as _functions
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.stack import PHYSICAL as _PHYSICAL
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.extend import (
+    BoundedCache, functions as _functions, PHYSICAL as _PHYSICAL, scope as _scope,
+    state as _state)
 
 _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 # op type -> whether its components must run at the same time; function names are unique

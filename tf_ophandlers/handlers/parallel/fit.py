@@ -23,8 +23,8 @@ import types
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops as _collective_ops
 
-from tf_ophandlers.core import tf_patches as _tf_patches
-from tf_ophandlers.core.stack import current_stack
+from tf_ophandlers.extend import (
+    current_stack, registries as _registries, tf_patches as _tf_patches)
 from tf_ophandlers.handlers.parallel import collectives as _collectives
 
 # .replicas: the ParallelHandler whose fit step is traced/run; .eager: that step runs eagerly
@@ -223,8 +223,7 @@ class _TrainerTensorFlow(types.ModuleType):
     @property
     def GradientTape(self):  # pylint: disable=invalid-name
         if getattr(_thread, "eager", False) and replica_handler() is not None:
-            from tf_ophandlers.handlers.gradient_tape import GradientTape  # pylint: disable=import-outside-toplevel
-            return GradientTape
+            return _registries.tape_class("reverse")
         return self._tf.GradientTape
 
     def __getattr__(self, name):

@@ -26,30 +26,18 @@ import threading
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record as _record
-from tensorflow.python.framework import device_spec as _device_spec
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
-from tf_ophandlers.core import copies as _copies
-from tf_ophandlers.core import errors
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.functions import library as _library
-from tf_ophandlers.core.launch_lock import LAUNCHES
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.stack import (
-    current_stack, next_stack, OffStack, representation_of, stack_of)
-from tf_ophandlers.core.state import state as _state
+from tf_ophandlers.extend import (
+    BoundedCache, copies as _copies, current_stack, errors, LAUNCHES, next_stack, OffStack,
+    Op, OpHandler, representation_of, scope as _scope, stack_of, state as _state)
 from tf_ophandlers.handlers.parallel import collectives as _collectives
 from tf_ophandlers.handlers.parallel import nest as _nest
-from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
 from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit
-from tf_ophandlers.handlers.parallel.optimizers import ensure_optimizer_check
 
 _stack_of = stack_of
 _PACKING_OPS = frozenset(("ParallelPack", "ParallelUnpack"))
-_LOCAL = _device_spec.DeviceSpecV2(job="localhost", replica=0, task=0)
 
 
 class ParallelValue:
@@ -75,65 +63,6 @@ class ParallelValue:
 
     def __repr__(self):
         return "ParallelValue(%r)" % (self.components,)
-
-
-def _full_device_name(name):
-    """`name` in TensorFlow's canonical form (`/job:localhost/replica:0/task:0/device:CPU:0`),
-    as `tf.distribute`'s device_util.canonicalize: missing fields default to the local job,
-    replica 0, task 0 and device index 0."""
-    if isinstance(name, _device_spec.DeviceSpecV2):
-        name = name.to_string()
-    elif isinstance(name, tf.config.LogicalDevice):
-        name = name.name
-    if not isinstance(name, str):
-        raise TypeError("oh.ParallelHandler: a component must be a device name (a string), "
-                        "got %r" % (name,))
-    try:
-        spec = _device_spec.DeviceSpecV2.from_string(name)
-    except ValueError as e:
-        raise ValueError("oh.ParallelHandler: component %r is not a device name: %s"
-                         % (name, e)) from None
-    if spec.job is None:
-        spec = _LOCAL.make_merged_spec(spec)
-    if spec.device_type is None:
-        raise ValueError("oh.ParallelHandler: component %r names no device type" % name)
-    spec = spec.replace(replica=0 if spec.replica is None else spec.replica,
-                        task=0 if spec.task is None else spec.task,
-                        device_index=0 if spec.device_index is None else spec.device_index)
-    return spec.to_string()
-
-
-def _known_devices():
-    """Canonical names of the devices TensorFlow knows: this process's logical devices and
-    those of a cluster joined with `tf.config.experimental_connect_to_cluster`."""
-    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
-    ctx = context.context()
-    ctx.ensure_initialized()  # the devices are fixed from here on (as for any TF use)
-    return {_full_device_name(d) for d in ctx.devices()}
-
-
-def _checked_components(components):
-    """Canonical names of `components`, each an existing device, none repeated."""
-    names = [_full_device_name(c) for c in components]
-    known = _known_devices()
-    for given, name in zip(components, names):
-        if name not in known:
-            raise ValueError(
-                "oh.ParallelHandler: component %r (%s) is not a device of this program; "
-                "known devices: %s. Configure logical devices with "
-                "tf.config.set_logical_device_configuration before TensorFlow initializes, "
-                "or connect remote workers with tf.config.experimental_connect_to_cluster "
-                "first" % (given, name, ", ".join(sorted(known))))
-    first = {}
-    for given, name in zip(components, names):
-        if name in first:
-            raise ValueError(
-                "oh.ParallelHandler: components %r and %r are the same device %s; each "
-                "component must be a distinct device (as in tf.distribute.MirroredStrategy), "
-                "otherwise a collective such as all_reduce would wait forever"
-                % (first[name], given, name))
-        first[name] = given
-    return tuple(names)
 
 
 def _copy_to(next_stack, tensor, device):
@@ -169,7 +98,7 @@ class ParallelHandler(OpHandler):
         server), so such a function is replayed op by op into one multi-device function
         of stock ops (a pack takes input i on component i; an unpack reads each
         component's tensor)."""
-        return bool(_PACKING_OPS & _library.body_op_types(op.type))
+        return bool(_PACKING_OPS & body_op_types(op.type))
 
     def __init__(self, components, timeout_seconds=300.0):
         """`components`: distinct device names, each a logical device of this process or
@@ -187,16 +116,21 @@ class ParallelHandler(OpHandler):
         components = list(components)
         if not components:
             raise ValueError("oh.ParallelHandler: needs at least one component device")
-        self.components = _checked_components(components)
+        self.components = _per_device.canonical_devices(components, "oh.ParallelHandler")
         if timeout_seconds is not None and not timeout_seconds >= 0:
             raise ValueError("oh.ParallelHandler: timeout_seconds must be None or >= 0, "
                              "got %r" % (timeout_seconds,))
         self.timeout_seconds = timeout_seconds
-        ensure_optimizer_check()
+        _per_device.ensure_optimizer_check()
         ensure_data_parallel_fit()
 
     def debug_string(self):
         return "ParallelHandler(%s)" % ", ".join(self.components)
+
+    def misplaced_write(self, optimizer, variable):
+        return _per_device.misplaced_write_message(
+            self, optimizer, variable, "component", "parallel",
+            "; optimizer.build(model.trainable_variables)` before the first tf.function step")
 
     def holds_variable(self, variable):
         """Whether `variable` has one buffer per component here (created in the scope);
@@ -287,7 +221,8 @@ class ParallelHandler(OpHandler):
         """
         handlers = current_stack().handlers
         below = handlers[:next((i for i, h in enumerate(handlers) if h is self), None)]
-        if any(isinstance(h, GradientTape) and h._live for h in below):  # pylint: disable=protected-access
+        if any(getattr(h, "differentiates", None) == "reverse" and h.is_recording()
+               for h in below):
             raise NotImplementedError(
                 "oh.ParallelHandler.all_reduce: an oh.GradientTape opened outside the "
                 "parallel scope cannot differentiate through all_reduce; open the tape "
@@ -418,7 +353,7 @@ class ParallelHandler(OpHandler):
         # A tensor whose components are all equal has one value (RFC: as static_value);
         # TensorFlow reads some replicated values itself (variable initialization checks).
         first = value.components[0]
-        if recording_tapes():
+        if _registries.recording_handlers("reverse"):
             # A tape opened outside the scope taking this tensor as a target: one
             # component would silently stand for all (one replica's gradient).
             raise errors.CopyOffError(
@@ -445,9 +380,9 @@ class ParallelHandler(OpHandler):
     changes_computation = False  # runs each op as it is, per component
 
     def execute(self, op, inputs):
-        if op.type in VARIABLE_READS and any(
+        if op.type in _per_device.VARIABLE_READS and any(
                 not v.broadcast and v.components[0].dtype == tf.resource for v in inputs):
-            refuse_tape_below(self, op, "component")
+            _per_device.refuse_tape_below(self, op, "component", "oh.ParallelHandler")
         below = next_stack()
         n = len(self.components)
         if op.type == "ParallelPack":
@@ -486,28 +421,6 @@ class ParallelHandler(OpHandler):
                     with _scope.on_device(device):
                         per_device.append(below.execute(op, [v.components[i] for v in inputs]))
         return [ParallelValue(outs) for outs in zip(*per_device)]
-
-
-# Ops reading a variable: under a tape opened outside the scope, a variable made in the
-# scope (one buffer per component or device) is watched whole by the tape but read per
-# part, so its gradient would be None.
-VARIABLE_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd"))
-
-
-def refuse_tape_below(handler, op, part):
-    """Raises if an oh.GradientTape opened outside `handler`'s scope records now, for
-    `op` reading a variable made in the scope (`part`: component, device): the tape
-    would watch the variable but record each part's read separately, and give None for
-    it, silently. (Tensors packed from outside and unpacked again differentiate.)"""
-    if recording_tapes():
-        raise NotImplementedError(
-            "%s: op %s reads a variable made in the scope of %s (one buffer per %s) "
-            "under an oh.GradientTape opened outside that scope, which cannot "
-            "differentiate with respect to it (its gradient would be None). Open the tape "
-            "inside the scope (`with handler: with oh.GradientTape() as tape: ...`), or "
-            "pause it around the scope with `tape.stop_recording()`" % (
-                "oh.Mesh" if part == "device" else "oh.ParallelHandler", op.type,
-                handler.debug_string(), part))
 
 
 def _writes_resource(op):

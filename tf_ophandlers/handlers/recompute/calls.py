@@ -56,12 +56,9 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import op_def_registry
 
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.cache import LRUCache
-from tf_ophandlers.core.functions import CompiledCall, call_records, library
-from tf_ophandlers.core.functions.call import set_handle_data
-from tf_ophandlers.core.stack import HandlerStack, replays
-from tf_ophandlers.core.state import state
+from tf_ophandlers.extend import (
+    call_records, CompiledCall, function_body, HandlerStack, LRUCache, replays,
+    scope as _scope, set_handle_data, state)
 from tf_ophandlers.handlers.recompute.graph import (
     SEGMENT_GRADIENT, copied_attrs, is_zero, orphan_segment, recompute_gradient)
 
@@ -267,7 +264,7 @@ class _Rewrite:
 
 
 def _build_rewrite(name, handler, tensors):
-    body = library.body(name)
+    body = function_body(name)
     k = num_results(body)
     if k == 0 or any(_has_functions(o) for o in body.get_operations()):
         return False

@@ -50,11 +50,10 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework import op_def_registry
 
-from tf_ophandlers.core import tf_patches
-from tf_ophandlers.core.errors import HandlerError
-from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, node_attrs
-from tf_ophandlers.core.state import state
-from tf_ophandlers.handlers.recompute.segments import Segment, serialize_heavy, split
+from tf_ophandlers.extend import (
+    GRADIENT_OP_TYPE_ATTR, HandlerError, node_attrs, state, tf_patches)
+from tf_ophandlers.handlers.recompute.segments import (
+    SEGMENT_OP_TYPE, Segment, serialize_heavy, split)
 
 _local = threading.local()  # .window: the innermost open Window of this thread
 _OPAQUE = (tf.resource, tf.variant)
@@ -542,7 +541,7 @@ def _copy(graph, op, inputs):
     return new.outputs
 
 
-def _record_piece(segment, outputs, op_type="RecomputeSegment"):
+def _record_piece(segment, outputs, op_type=SEGMENT_OP_TYPE):
     """Records one piece on the tapes: its gradient recomputes its nodes in the backward
     graph from its inputs, after (and depending on) the incoming gradients."""
     refs = sorted(outputs)

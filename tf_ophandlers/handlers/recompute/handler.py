@@ -73,10 +73,7 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.ops import gradients_util
 
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.errors import HandlerError
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.stack import COPY_OPS, never_copy
+from tf_ophandlers.extend import BoundedCache, COPY_OPS, HandlerError, never_copy, OpHandler
 from tf_ophandlers.handlers.recompute import (
     calls as recompute_calls, evict as recompute_evict, graph as recompute_graph)
 from tf_ophandlers.handlers.recompute.evict import Value as _Value, described as _described

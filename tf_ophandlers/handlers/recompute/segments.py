@@ -23,10 +23,16 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util
 
-from tf_ophandlers.core import graph_builder
-from tf_ophandlers.core.cache import LRUCache
-from tf_ophandlers.core.functions import CompiledCall
-from tf_ophandlers.core.stack import PHYSICAL, current_stack, tensor_key
+from tf_ophandlers.extend import (
+    CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
+    registries as _registries, tensor_key)
+
+#: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
+#: backward function takes None for any output gradient: an input reached only from
+#: outputs without a gradient then gets none, as with TensorFlow's tape op by op (a
+#: gather's input keeps its IndexedSlices gradient).
+SEGMENT_OP_TYPE = "RecomputeSegment"
+_registries.register_gradient_accepts_none(SEGMENT_OP_TYPE)
 
 _gradients = LRUCache("recompute.gradient_functions", 256)  # structure -> _GradientFunction
 
@@ -230,7 +236,7 @@ def _record_piece(segment, outputs):
             tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
             for g in grads if g is not None])
 
-    _record.record_operation("RecomputeSegment", outs, xs, backward)
+    _record.record_operation(SEGMENT_OP_TYPE, outs, xs, backward)
     return outputs
 
 

@@ -7,10 +7,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.ops import EagerTensor as _EagerTensor
 
-from tf_ophandlers.core import op_kinds
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.op import Op
-from tf_ophandlers.core.state import executing_eagerly as _executing_eagerly
+from tf_ophandlers.extend import (
+    BoundedCache, executing_eagerly as _executing_eagerly, Op, op_kinds)
 
 
 class Batched:

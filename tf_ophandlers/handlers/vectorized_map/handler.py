@@ -41,18 +41,11 @@ from tensorflow.python.framework import type_spec as _type_spec
 from tensorflow.python.ops.parallel_for import control_flow_ops as _pfor_ops
 from tensorflow.python.util import nest
 
-from tf_ophandlers.core import errors, graph_builder
-from tf_ophandlers.core import scope as _scope
-from tf_ophandlers.core.cache import BoundedCache
-from tf_ophandlers.core.handler import OpHandler
-from tf_ophandlers.core.state import own_trace
-from tf_ophandlers.core.state import state as _state
-from tf_ophandlers.core.functions import call as _function_call
-from tf_ophandlers.core.functions.library import as_str as _as_str
-from tf_ophandlers.core.functions.representations import eager_leaf
-from tf_ophandlers.core.stack import (
-    COPY_OPS, PHYSICAL, execute_physical as _execute_physical, next_stack, representation_of,
-    stack_of)
+from tf_ophandlers.extend import (
+    BoundedCache, COPY_OPS, eager_leaf, errors, execute_physical as _execute_physical,
+    function_call as _function_call, function_name as _as_str, graph_builder, next_stack,
+    OpHandler, own_trace, PHYSICAL, registries as _registries, representation_of,
+    scope as _scope, stack_of, state as _state)
 from tf_ophandlers.handlers.vectorized_map.batching_rules import (
     ALWAYS_BATCHED, DTYPES, FORWARD, RULE, RULES, UNBATCHED, Batched, batched, broadcast_batch,
     ATTRIBUTE_PLANS, plan_of, static_shape, known_value)
@@ -658,6 +651,9 @@ class VectorizedMap(OpHandler):
     # comes to `execute` as it is (copied on here, unbatched) instead of through the
     # tape's copy_on, and the tape's record keeps it physical (core/recording.py).
     tape_copies_through = True
+    # tf.vectorized_map traces the mapped function: ops reaching a handler below through
+    # this scope are differentiated there as ops of a function.
+    counterpart_traces = True
     # copy_on of a physical tensor over PHYSICAL, called by the C++ path without a frame.
     physical_copy_on = staticmethod(functools.partial(Batched, batched=False))  # (C: no frame)
 
@@ -1227,3 +1223,6 @@ def _make_plan(fn, elems, flat, calls, raw):
     plan.output_trees = call.entry.output_trees
     plan.key = call.key
     return plan
+
+
+_registries.register_vectorizer(vectorized_map)

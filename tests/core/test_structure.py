@@ -318,3 +318,153 @@ def test_no_handler_module_defines_its_own_elementwise_op_list():
             assert len(found) < 10 or 2 * len(found) <= len(set(names)), (
                 "%s:%d lists elementwise ops %s: use core/op_kinds.py" % (
                     name, node.lineno, found))
+
+
+def _handler_family(module):
+    """The family a module under handlers/ belongs to: ``("gradient_tape", True)`` for a
+    module of the subpackage handlers/gradient_tape/, ``("op_log", False)`` for the
+    single-file handler handlers/op_log.py, None for handlers/__init__.py."""
+    parts = module.split(".")[2:]
+    if not parts:
+        return None
+    is_package = os.path.isdir(os.path.join(PACKAGE, "handlers", parts[0]))
+    return parts[0], is_package
+
+
+def test_handlers_import_the_package_only_through_extend():
+    """A handler module imports tf_ophandlers only as `tf_ophandlers.extend` (the author
+    API) and, in a family's subpackage, that subpackage: what families need of each other
+    is a declaration on OpHandler or a table of core/registries.py, not an import."""
+    found = []
+    for name, path in _modules():
+        if not name.startswith("tf_ophandlers.handlers"):
+            continue
+        family = _handler_family(name)
+        own = None if family is None or not family[1] else "tf_ophandlers.handlers." + family[0]
+        for base, names in _imports(path, name):
+            if not base.startswith("tf_ophandlers"):
+                continue
+            if base == "tf_ophandlers.extend" or (base == "tf_ophandlers" and names == ("extend",)):
+                continue
+            if own is not None and (base == own or base.startswith(own + ".")):
+                continue
+            found.append("%s imports %s%s" % (name, base, " (%s)" % ", ".join(names) if names else ""))
+    assert not found, "handlers import the package only through tf_ophandlers.extend:\n" + (
+        "\n".join(found))
+
+
+def _shipped_handler_names():
+    """The names by which code would know a shipped handler: the handler classes and
+    functions the package exports from handlers/, every OpHandler subclass defined there,
+    the families' module names, and the op types handlers record on TensorFlow's tapes."""
+    import inspect
+    classes = set()
+    for attr in dir(oh):
+        obj = getattr(oh, attr)
+        if getattr(obj, "__module__", "").startswith("tf_ophandlers.handlers"):
+            classes.add(attr)
+    for name, _ in _modules():
+        if name.startswith("tf_ophandlers.handlers."):
+            module = sys.modules.get(name)
+            for attr, obj in vars(module or object).items():
+                if (inspect.isclass(obj) and issubclass(obj, oh.OpHandler)
+                        and obj.__module__ == name):
+                    classes.add(attr)
+    handlers = os.path.join(PACKAGE, "handlers")
+    families = {f[:-3] if f.endswith(".py") else f for f in os.listdir(handlers)
+                if f != "__init__.py" and not f.startswith("__")}
+    # Words that are TensorFlow's or the RFC's vocabulary as much as a family's name
+    # (tf.function tracing, the RFC's parallel pack ops, core's substitute rule slot).
+    families -= {"trace", "parallel", "substitutes"}
+    # Op types of a handler's own: recorded with record_operation(<literal>, ...) or
+    # named by a module constant `*_OP_TYPE`.
+    op_types = set()
+    for name, path in _modules():
+        if not name.startswith("tf_ophandlers.handlers."):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if (isinstance(node, ast.Call) and node.args
+                    and getattr(node.func, "attr", getattr(node.func, "id", None))
+                    == "record_operation" and isinstance(node.args[0], ast.Constant)):
+                op_types.add(node.args[0].value)
+            elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                  and isinstance(node.value.value, str) and any(
+                      isinstance(t, ast.Name) and t.id.endswith("_OP_TYPE")
+                      for t in node.targets)):
+                op_types.add(node.value.value)
+    return classes, families, op_types
+
+
+# The C++ fast path's handler-specific entry points that core/fast_decision.py passes on
+# under the extension's names, until cc/ registers handler-specific C++ through one hook
+# slot: the names are the C extension's, not a Python decision of core.
+_C_BRIDGE_NAMES = frozenset(("lazy_record_setup", "lazy_setup", "lazy_plan", "lazy_upstream",
+                             "lazy_computed"))
+
+
+def test_core_names_no_shipped_handler():
+    """core/ (Python) knows no shipped handler: no identifier, attribute, import or string
+    in its code (docstrings and comments aside: they may give examples) names a shipped
+    handler class, a handler family or an op type a handler records. A need of one
+    handler that core serves is a declaration on OpHandler or a registry a handler fills."""
+    classes, families, op_types = _shipped_handler_names()
+    assert {"GradientTape", "VectorizedMap", "Lazy", "Mesh"} <= classes, classes
+    assert {"gradient_tape", "recompute", "lazy"} <= families, families
+    assert "RecomputeSegment" in op_types, op_types
+    # In strings (messages, patch reasons): `oh.<name>` or a handler's op type; a bare
+    # "GradientTape" may be TensorFlow's (tf.GradientTape).
+    class_words = re.compile(r"\boh\.(%s)\b|\b(%s)\b" % (
+        "|".join(sorted(classes)), "|".join(sorted(op_types))))
+    found = []
+    for name, path in _modules():
+        if not name.startswith("tf_ophandlers.core"):
+            continue
+        tree = ast.parse(open(path).read())
+        docstrings = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)) and node.body and isinstance(
+                                     node.body[0], ast.Expr) and isinstance(
+                                         node.body[0].value, ast.Constant):
+                docstrings.add(id(node.body[0].value))
+        for node in ast.walk(tree):
+            words = []
+            if isinstance(node, ast.Name):
+                words = [node.id]
+            elif isinstance(node, ast.Attribute):
+                words = [node.attr]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                words = [node.name]
+            elif isinstance(node, ast.alias):
+                words = [node.name, node.asname or ""]
+            elif isinstance(node, ast.ImportFrom):
+                words = [node.module or ""]
+            strings = []
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings):
+                strings = [node.value]
+            for word in words:
+                if word in _C_BRIDGE_NAMES:
+                    continue
+                bare = word.strip("_")
+                hit = any(bare == f or bare.startswith(f + "_") or bare.endswith("_" + f)
+                          or "." + f in word for f in families) or (
+                    {word} & classes) or word.startswith("tf_ophandlers.handlers")
+                if hit:
+                    found.append("%s:%d: %s" % (name, node.lineno, word))
+            for text in strings:
+                m = class_words.search(text)
+                if m or "tf_ophandlers.handlers" in text:
+                    found.append("%s:%d: %r" % (name, node.lineno, text[:80]))
+    assert not found, "core names shipped handlers:\n" + "\n".join(sorted(set(found)))
+
+
+def test_the_author_api_documents_every_name():
+    """`tf_ophandlers.extend` is the handler author's API: each of its names is
+    documented in its module docstring, and exists."""
+    from tf_ophandlers import extend
+    doc = extend.__doc__
+    missing = [n for n in extend.__all__ if "`%s" % n not in doc]
+    assert not missing, "tf_ophandlers.extend's docstring does not document %s" % missing
+    assert all(hasattr(extend, n) for n in extend.__all__)
+    assert len(set(extend.__all__)) == len(extend.__all__)

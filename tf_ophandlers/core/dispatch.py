@@ -16,6 +16,7 @@ from tensorflow.python.eager import context as _context
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import cache as _cache
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import registries
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import PHYSICAL
@@ -258,13 +259,14 @@ def _unknown_axis_under_tf_tape(stack, index, op_type):
     aborts the process on an unknown length (tensor_shape.cc "Check failed: size >= 0").
     An error here reaches the user from the op (or the `.shape` query) instead."""
     return ValueError(
-        "%s: axis %d of a tensor%s has no single length (e.g. the components of an "
-        "oh.ParallelHandler tensor have different shapes), and a tf.GradientTape or "
+        "%s: axis %d of a tensor%s has no single length (e.g. the components of a "
+        "multi-device handler's tensor have different shapes), and a tf.GradientTape or "
         "tf.autodiff.ForwardAccumulator is recording: TensorFlow's tape needs every "
-        "axis length of what it records. Use oh.GradientTape / oh.ForwardAccumulator "
+        "axis length of what it records. Use %s / %s "
         "(they keep per-handler shapes), or make the shapes equal (e.g. a batch that "
         "splits evenly)" % (stack.handler.debug_string(), index,
-                            " (output of op %s)" % op_type if op_type else ""))
+                            " (output of op %s)" % op_type if op_type else "",
+                            registries.tape_name("reverse"), registries.tape_name("forward")))
 
 
 def summarize(stack, value):

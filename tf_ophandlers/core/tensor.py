@@ -121,12 +121,12 @@ tf_patches.register(
 tf_patches.register(
     "size", "tensorflow.python.ops.array_ops.size_internal",
     "eagerly, tf.size multiplies the tensor's static dims in Python; a handler tensor "
-    "with an unknown dim (oh.ParallelHandler's components of different batch sizes) runs "
+    "with an unknown dim (components of different batch sizes on several devices) runs "
     "the Size op instead. Plain tensors pay one shape check.", "runtime",
     _install_size, None)
 tf_patches.register(
     "EagerTensor.set_shape", "tensorflow.python.framework.ops._EagerTensorBase.set_shape",
     "TensorFlow's eager set_shape requires equal dims (an eager shape is always known); a "
-    "handler tensor with unknown dims (oh.eval_shape) gets graph semantics: compatible "
+    "handler tensor with unknown dims (a handler that infers shapes only) gets graph semantics: compatible "
     "shapes merge (OpHandler.refine_shape). Plain tensors pay one payload lookup.",
     "runtime", _install_set_shape, None)

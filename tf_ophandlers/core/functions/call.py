@@ -36,6 +36,7 @@ from tensorflow.python.ops import handle_data_util as _handle_data_util
 
 import tf_ophandlers._C as _C
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import registries as _registries
 from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.cache import BoundedCache, LRUCache
@@ -241,8 +242,8 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
             "tape records "
             "the call, whose gradient TensorFlow built from the function's original ops. "
             "Run the function's body eagerly (not as a tf.function) under the tape, or take "
-            "the gradient with oh.GradientTape outside the handler's scope."
-            % (entry.substituted + (op.type,)))
+            "the gradient with %s outside the handler's scope."
+            % (entry.substituted + (op.type, _registries.tape_name("reverse"))))
     dense = entry.dense
     if bottom is PHYSICAL:
         results = entry.compiled.run(bottom, leaves)

@@ -20,6 +20,7 @@ from tensorflow.python.framework.tensor import Tensor as _Tensor
 from tensorflow.python.ops import array_ops as _array_ops
 
 from tf_ophandlers.core import errors
+from tf_ophandlers.core import registries as _registries
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.functions import retrace as _retrace
 from tf_ophandlers.core.functions.control_flow import ControlFlow
@@ -210,10 +211,11 @@ class Replay(Mode, Interpreter, ControlFlow):
             "ops built for the original ops when it was traced (%s: a tf.GradientTape "
             "inside the function, Keras fit's train step): they would give %s's gradient, "
             "not that of what ran. Compute the gradient eagerly (tf.GradientTape or "
-            "oh.GradientTape outside the handler's scope, Keras run_eagerly=True), or "
+            "%s outside the handler's scope, Keras run_eagerly=True), or "
             "declare changes_computation = False if the handler computes every op "
             "unchanged.%s" % (stack.handler.debug_string(), op.type, name or "?", self.name,
-                              self.gradient_node(), op.type, self.why_not_retraced()))
+                              self.gradient_node(), op.type, _registries.tape_name("reverse"),
+                              self.why_not_retraced()))
 
     def why_not_retraced(self):
         """Why this function was not re-traced (appended to the refusal above)."""

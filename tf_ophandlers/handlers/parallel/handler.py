@@ -30,8 +30,10 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 from tf_ophandlers.extend import (
-    BoundedCache, copies as _copies, current_stack, errors, LAUNCHES, next_stack, OffStack,
-    Op, OpHandler, representation_of, scope as _scope, stack_of, state as _state)
+    body_op_types, BoundedCache, copies as _copies, current_stack, errors, LAUNCHES,
+    next_stack, OffStack, Op, OpHandler, per_device as _per_device,
+    registries as _registries, representation_of, scope as _scope, stack_of,
+    state as _state)
 from tf_ophandlers.handlers.parallel import collectives as _collectives
 from tf_ophandlers.handlers.parallel import nest as _nest
 from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit

@@ -248,6 +248,13 @@ def test_handlers_use_no_private_names_of_other_modules():
                 for a in node.names:
                     if node.module + "." + a.name in modules:
                         aliases[a.asname or a.name] = node.module + "." + a.name
+                    elif node.module == "tf_ophandlers.extend":
+                        # A module the author API passes on (ox.scope, ox.errors, ...).
+                        from tf_ophandlers import extend
+                        target = getattr(extend, a.name, None)
+                        if getattr(target, "__name__", None) in modules and isinstance(
+                                target, type(extend)):
+                            aliases[a.asname or a.name] = target.__name__
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id in aliases and node.attr.startswith("_")):

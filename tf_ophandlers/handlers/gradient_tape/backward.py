@@ -32,8 +32,6 @@ _stack_of = stack_of
 _registered = getattr(_ops._gradient_registry, "_registry", {})  # pylint: disable=protected-access
 
 
-
-
 # (dtype enum, static shape, device) -> a physical tensor of ones, for _seed.
 _seed_ones = BoundedCache("gradient_tape.seed_ones", 256)
 

@@ -123,6 +123,7 @@ class Patch:
         self.optional_module = optional_module  # not installed if it cannot be imported
         self._saved = None  # [(symbol, own value, read value)] while installed
         self._replacements = {}  # id(symbol) -> what the patch put there
+        self._forced = False  # installed by `install()`, whatever the uses
 
     def __repr__(self):
         return "<Patch %s (%s%s): %s>" % (self.name, self.when,
@@ -147,8 +148,9 @@ class Patch:
 
     @property
     def installed(self):
-        """How many of its subscribers' uses are active (0: TensorFlow's objects)."""
-        return sum(1 for s in self.subscribers if s.wrap is not None and _active(s.use))
+        """How many of its subscribers are in place (0: TensorFlow's objects)."""
+        return sum(1 for s in self.subscribers
+                   if s.wrap is not None and (self._forced or _active(s.use)))
 
     def subscriber(self, use):
         for s in self.subscribers:
@@ -169,7 +171,17 @@ class Patch:
     def apply(self):
         """Puts the composition of the active subscribers in place (TensorFlow's objects
         if none is active). Called under the registry lock."""
-        active = [s for s in self.subscribers if s.wrap is not None and _active(s.use)]
+        self._forced = False
+        self._compose([s for s in self.subscribers if s.wrap is not None and _active(s.use)])
+
+    def install(self):
+        """Installs the patch with every subscriber, whether its use is active or not
+        (tests: each patch installed and uninstalled on its own)."""
+        with _lock:
+            self._compose([s for s in self.subscribers if s.wrap is not None])
+            self._forced = True
+
+    def _compose(self, active):
         if not active:
             self.uninstall()
             return
@@ -195,6 +207,7 @@ class Patch:
     def uninstall(self):
         """Restores every symbol's own value (an alias TensorFlow has since pointed
         elsewhere stays as TensorFlow set it)."""
+        self._forced = False
         if self._saved is None:
             return
         for sym, own, _ in reversed(self._saved):
@@ -335,6 +348,12 @@ class _Custom(Patch):
     @property
     def target(self):
         return self._target
+
+    def install(self):
+        with _lock:
+            if not self._on:
+                self._install()
+                self._on = True
 
     def apply(self):
         if _active(self.name):

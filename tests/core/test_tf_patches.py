@@ -60,6 +60,11 @@ def _root(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
+# What a module sets on its own functions (`run.__doc__ = fn.__doc__`).
+_FUNCTION_DATA = frozenset(("__doc__", "__name__", "__qualname__", "__module__", "__wrapped__",
+                            "__signature__", "__annotations__", "__defaults__", "__kwdefaults__"))
+
+
 def tf_attribute_assignments(path):
     """(line, source) of each assignment to an attribute of a TensorFlow or Keras module
     or class in the file (`x.attr = ...`, `setattr(x, ...)`, `delattr(x, ...)`)."""
@@ -81,7 +86,11 @@ def tf_attribute_assignments(path):
             found.append((node.lineno, ast.get_source_segment(source, node)))
         for t in targets:
             for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
-                if isinstance(e, ast.Attribute) and _root(e) in names:
+                # (a class's special method assigned from outside it: the class is not the
+                # module's own, which would define it in its body)
+                if isinstance(e, ast.Attribute) and (_root(e) in names or (
+                        e.attr.startswith("__") and e.attr.endswith("__")
+                        and e.attr not in _FUNCTION_DATA)):
                     found.append((node.lineno, ast.get_source_segment(source, e)))
     return found
 
@@ -100,15 +109,17 @@ def test_the_attribute_check_sees_each_form():
             t = tf.constant(1.0)          # an instance: not a module or class
             self_like = object()
             self_like.attr = 1
+        def wrap_new(cls):
+            cls.__new__ = None            # some class's special method, from outside it
     """)
     path = os.path.join(os.path.dirname(__file__), "_tmp_patch_probe.py")
     try:
         with open(path, "w") as f:
             f.write(code)
-        found = [line for line, _ in tf_attribute_assignments(path)]
+        found = sorted(line for line, _ in tf_attribute_assignments(path))
     finally:
         os.remove(path)
-    assert found == [7, 8, 9, 10], found
+    assert found == [7, 8, 9, 10, 15], found
 
 
 def test_no_module_outside_the_folder_assigns_tensorflow_attributes():

@@ -13,6 +13,11 @@ TensorFlow modules and classes (`tests/core/test_tf_patches.py` checks it):
   reason no public hook serves and its subscribers in order (innermost first), each
   place with the reason for it.
 
+A handler outside the package that needs a symbol declares its use (`declare_use`) and,
+for a symbol no patch covers yet, the patch (`declare(name, [Symbol(module, path)],
+reason, [(use, why)])`), then subscribes; `register(name, target, reason, when, install,
+uninstall)` remains for a change that is no attribute (it is listed like the others).
+
 Owners keep their logic and subscribe at import: ``subscribe(patch, use, wrap)``, where
 ``wrap(next)`` returns the replacement, which calls ``next`` (TensorFlow's object, or
 the wrapper of the subscriber below). Nothing is patched at import; a use starts
@@ -36,8 +41,8 @@ from tf_ophandlers.core.tf_patches import eager as _eager  # noqa: F401
 from tf_ophandlers.core.tf_patches import framework as _framework  # noqa: F401
 from tf_ophandlers.core.tf_patches import keras as _keras  # noqa: F401
 from tf_ophandlers.core.tf_patches.registry import (  # noqa: F401
-    Patch, Registration, Symbol, Use, WHENS, acquire, ensure, install_runtime, register,
-    release, subscribe, uninstall_all, uses)
+    Patch, Registration, Symbol, Use, WHENS, acquire, declare, declare_use, ensure,
+    install_runtime, register, release, subscribe, uninstall_all, uses)
 from tf_ophandlers.core.tf_patches.registry import patches as _patches
 
 

@@ -295,6 +295,7 @@ def probe_patch():
     finally:
         patch.uninstall()
         del registry._patches["probe.target"]  # pylint: disable=protected-access
+        registry._use_patches.clear()  # pylint: disable=protected-access
         for use in ("probe inner", "probe middle", "probe outer"):
             del registry._uses[use]  # pylint: disable=protected-access
         del sys.modules[module.__name__]

@@ -25,6 +25,7 @@ WHENS = ("runtime", "scoped", "first-use")
 _lock = threading.RLock()
 _patches = {}  # name -> Patch, in declaration order
 _uses = {}  # name -> Use
+_use_patches = {}  # use name -> its patches (cleared when a patch is declared)
 _runtime_started = [False]
 _MISSING = object()
 
@@ -192,9 +193,15 @@ class Patch:
         primary = None
         for sym, own, value in self._saved:
             if sym.alias:
-                if primary is not None and value is primary[0]:
+                # Only while it is still the primary's object (TensorFlow's, or this
+                # patch's last replacement): not once TensorFlow pointed it elsewhere.
+                current = sym.read_own()
+                if primary is not None and value is primary[0] and (
+                        current is value or current is self._replacements.get(id(sym))):
                     sym.write(primary[1])
                     self._replacements[id(sym)] = primary[1]
+                else:
+                    self._replacements.pop(id(sym), None)
                 continue
             fn = value
             for s in active:
@@ -231,7 +238,12 @@ class Use:
 
     @property
     def patches(self):
-        return [p for p in _patches.values() if any(s.use == self.name for s in p.subscribers)]
+        """The patches it subscribes to (kept: scoped uses start and end often)."""
+        found = _use_patches.get(self.name)
+        if found is None:
+            found = _use_patches[self.name] = [
+                p for p in _patches.values() if any(s.use == self.name for s in p.subscribers)]
+        return found
 
 
 def _active(use):
@@ -256,6 +268,7 @@ def declare(name, symbols, reason, order, optional_module=None):
                 if use not in _uses:
                     raise ValueError("tf_patches: patch %s names undeclared use %r" % (name, use))
             _patches[name] = Patch(name, symbols, reason, order, optional_module)
+            _use_patches.clear()
         return _patches[name]
 
 
@@ -382,6 +395,7 @@ def register(name, target, reason, when, install, uninstall):
         patch = _patches.get(name)
         if patch is None:
             patch = _patches[name] = _Custom(name, target, reason, install, uninstall)
+            _use_patches.clear()
     if when == "runtime" and _runtime_started[0]:
         ensure(name)
     return patch

@@ -368,6 +368,17 @@ def test_quick_execute_subscribers_nest_in_the_declared_order():
         assert execute.execute is call._scope_execute     # (the alias follows)
         assert call._quick_execute is not original        # the status conversion between
         assert call._quick_execute.__name__ == original.__name__
+        # Op callbacks point `execute` elsewhere: a new composition leaves it there,
+        # and TensorFlow's reset to quick_execute finds the patch's function.
+        from tensorflow.python.framework import op_callbacks
+        callback = lambda *args, **kwargs: None
+        op_callbacks.add_op_callback(callback)
+        assert execute.execute is execute.execute_with_callbacks
+        patch = {p.name: p for p in oh.patches()}["execute.quick_execute"]
+        patch.apply()
+        assert execute.execute is execute.execute_with_callbacks
+        op_callbacks.remove_op_callback(callback)
+        assert execute.execute is execute.quick_execute is call._scope_execute
         for p in oh.patches():
             p.uninstall()
         assert execute.quick_execute is original and execute.execute is original

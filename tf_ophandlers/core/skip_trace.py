@@ -17,10 +17,13 @@ converted as that fallback does (cc/fast_convert.cc). Every other call goes to
 TensorFlow's function unchanged (its values, errors and recording). TensorFlow has no
 switch for the capture.
 """
+from tensorflow.python import pywrap_tfe
+
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.fast_decision import skip_trace_execute, skip_trace_setup
 
 NAME = "fast path without stack capture"
+_fast_path_execute = pywrap_tfe.TFE_Py_FastPathExecute  # TensorFlow's function
 
 
 def _wrap(fast_path_execute):

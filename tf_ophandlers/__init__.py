@@ -34,6 +34,7 @@ from tf_ophandlers.core.stack import (  # noqa: E402
     representation_of, stack_of, tensor_key)
 from tf_ophandlers.core.copies import copy_off, copy_on  # noqa: E402
 from tf_ophandlers.core.functions import per_call  # noqa: E402
+from tf_ophandlers.core import tf_patches as _tf_patches  # noqa: E402
 from tf_ophandlers.core.tf_patches import patches  # noqa: E402
 from tf_ophandlers.handlers.op_log import OpLogHandler, OpRecord  # noqa: E402
 from tf_ophandlers.handlers.check_numerics import CheckNumericsHandler  # noqa: E402
@@ -75,7 +76,10 @@ def install():
         >>> float(y)
         2.0
     """
-    _tf.handler = handler
+    _tf_patches.ensure("tf.handler")
+
+
+_tf_patches.subscribe("tf.handler", "tf.handler", lambda absent: handler)
 
 
 __all__ = [

@@ -110,31 +110,18 @@ def _forget_python_scalars():
     _python_scalars.clear()
 
 
-def _install_scalar_cache_clear():
+def _wrap_scalar_cache_clear(original):
     # Every clear of TensorFlow's scalar cache (Context._clear_caches, _reset_context)
     # goes through this module attribute.
-    original = _pywrap_tfe.TFE_ClearScalarCache
-
     def clear_scalar_cache():
         _forget_python_scalars()
         return original()
 
-    clear_scalar_cache.__wrapped__ = original
-    _pywrap_tfe.TFE_ClearScalarCache = clear_scalar_cache
+    return clear_scalar_cache
 
 
-def _uninstall_scalar_cache_clear():
-    _pywrap_tfe.TFE_ClearScalarCache = _pywrap_tfe.TFE_ClearScalarCache.__wrapped__
-
-
-tf_patches.register(
-    "TFE_ClearScalarCache", "tensorflow.python.pywrap_tfe.TFE_ClearScalarCache",
-    "the Python scalars converted under a scope are known by handle address, which is "
-    "theirs only while TensorFlow's scalar cache holds the handle; when the cache is "
-    "cleared (context._clear_caches, which TensorFlow's leak checks call) the handles "
-    "die and a user tensor of equal value at a reused address would pass for a constant "
-    "(a trace would bake it in). TensorFlow has no callback for the clear.",
-    "runtime", _install_scalar_cache_clear, _uninstall_scalar_cache_clear)
+tf_patches.subscribe("pywrap_tfe.TFE_ClearScalarCache", "TFE_ClearScalarCache",
+                     _wrap_scalar_cache_clear)
 
 
 def _scalar_identity(t):

@@ -3,15 +3,15 @@
 A handler's exception raised inside a dispatcher callback cannot cross TensorFlow's C
 API as a Python object: only a status (code, message) can. The C++ callback therefore
 *stashes* the exception here and puts a marker ``[tf_ophandlers#N]`` into the status
-message. TensorFlow's status-to-exception conversion is wrapped (`install`) so that when
-the status reaches Python again, the user receives the original exception object, with
-its type, message and traceback.
+message. TensorFlow's status-to-exception conversion is wrapped (the use
+"status_to_exception" of core/tf_patches/) so that when the status reaches Python again,
+the user receives the original exception object, with its type, message and traceback.
 
 Where TensorFlow turns a status into an exception in C++ (the shape and summary accessors
 of an EagerTensor: `t.shape`, `len(t)`, `repr(t)`, which call a handler's `num_dims`,
 `dim` and `tensor_debug_string`), it instantiates a registered exception class
 (`tf.errors.UnknownError`, ..., or `_NotOkStatusException`) from the status message and
-no Python code of TensorFlow converts it: `install` gives those classes a `__new__` that
+no Python code of TensorFlow converts it: the patches give those classes a `__new__` that
 returns the stashed exception instead, for exceptions of those hooks only (stashed with
 `accessor=True`). Python then gives the exception a traceback that starts where the
 accessor was called (the hook's own frames are not kept). Exceptions from `execute` and
@@ -26,7 +26,6 @@ import re
 import threading
 import warnings
 
-from tensorflow.python.eager import core as _tf_core
 from tensorflow.python.framework import errors as _tf_errors
 
 from tf_ophandlers.core import tf_patches
@@ -191,74 +190,50 @@ def raise_from_code(code, message):
         raise _tf_errors.UnknownError(None, None, message, code) from None
 
 
-_installed = False
-
-
-def install():
-    """Wraps TensorFlow's status-to-exception conversion (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    original = _tf_core._status_to_exception
-
+def _wrap_status_to_exception(original):
     def _status_to_exception(status):
         exc = original_error(getattr(status, "message", None))
         if exc is not None:
             return exc
         return original(status)
-
-    _tf_core._status_to_exception = _status_to_exception
-
-    # EagerTensor's C++ accessors raise a registered class directly from the status
-    # (PyErr_SetObject(cls, (None, None, message)) or (message, code, payloads)).
-    _recover_on_new(_tf_errors.OpError, 2)
-    for cls in _error_classes():
-        _skip_reinit(cls)
-    _recover_on_new(_tf_core._NotOkStatusException, 0)  # pylint: disable=protected-access
-
-    # TFE_Py_Execute (function calls, slow-path op wrappers) raises the typed OpError
-    # itself instead of going through _status_to_exception: map those too.
-    from tensorflow.python.eager import execute as _tf_execute  # pylint: disable=import-outside-toplevel
-
-    def _wrap(fn):
-        def run(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except _tf_errors.OpError as e:
-                exc = original_error(e.message)
-                if exc is None:
-                    raise
-                raise exc from None
-        run.__doc__, run.__name__ = fn.__doc__, fn.__name__
-        return run
-
-    quick = _wrap(_tf_execute.quick_execute)
-    if _tf_execute.execute is _tf_execute.quick_execute:
-        _tf_execute.execute = quick
-    _tf_execute.quick_execute = quick
-    _tf_execute.execute_with_cancellation = _wrap(_tf_execute.execute_with_cancellation)
-    _installed = True
+    return _status_to_exception
 
 
-def _recover_on_new(cls, message_index):
-    """Makes `cls(...)` return the stashed exception its message refers to.
+def _wrap_raising(fn):
+    """TFE_Py_Execute (function calls, slow-path op wrappers) raises the typed OpError
+    itself instead of going through _status_to_exception: `fn` with those mapped too."""
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _tf_errors.OpError as e:
+            exc = original_error(e.message)
+            if exc is None:
+                raise
+            raise exc from None
+    run.__doc__, run.__name__ = fn.__doc__, fn.__name__
+    return run
+
+
+def _recover_on_new(message_index):
+    """`wrap` for a registered class's `__new__` (EagerTensor's C++ accessors raise it
+    directly from the status: PyErr_SetObject(cls, (None, None, message)) or (message,
+    code, payloads)): `cls(...)` returns the stashed exception its message refers to.
 
     CPython 3.11 keeps the registered class as the exception *type* next to the returned
     instance and may instantiate it again from that instance (`cls(exc)`, a call that
     would otherwise fail with a TypeError): that call returns `exc` as well. `except`
     clauses and pytest match the instance, so the user sees the original exception."""
-    base_new = cls.__new__
-
-    def __new__(klass, *args, **kwargs):
-        if len(args) > message_index:
-            exc = original_error(args[message_index], accessor_only=True)
-            if exc is not None:
-                return _keep_as_is(exc, klass)
-        if len(args) == 1 and not kwargs and isinstance(args[0], BaseException):
-            return _keep_as_is(args[0], klass)
-        return base_new(klass, *args, **kwargs)
-
-    cls.__new__ = staticmethod(__new__)
+    def wrap(base_new):
+        def __new__(klass, *args, **kwargs):
+            if len(args) > message_index:
+                exc = original_error(args[message_index], accessor_only=True)
+                if exc is not None:
+                    return _keep_as_is(exc, klass)
+            if len(args) == 1 and not kwargs and isinstance(args[0], BaseException):
+                return _keep_as_is(args[0], klass)
+            return base_new(klass, *args, **kwargs)
+        return staticmethod(__new__)
+    return wrap
 
 
 def _keep_as_is(exc, klass):
@@ -273,24 +248,23 @@ def _keep_as_is(exc, klass):
     return exc
 
 
-def _skip_reinit(cls):
-    """Wraps `cls.__init__` (a tf.errors class) to honour `_keep_as_is`."""
-    init = cls.__dict__.get("__init__")
-    if init is None or getattr(init, "_oh_wrapped", False):
-        return
-
+def _skip_reinit(init):
+    """A tf.errors class's `__init__` that honours `_keep_as_is`."""
     def __init__(self, *args, **kwargs):
         if self.__dict__.pop("_oh_keep_as_is", False):
             return
         init(self, *args, **kwargs)
-    __init__._oh_wrapped = True  # pylint: disable=protected-access
     __init__.__doc__, __init__.__name__ = init.__doc__, "__init__"
-    cls.__init__ = __init__
+    return __init__
 
 
-def _error_classes():
-    return [c for c in vars(_tf_errors).values()
-            if isinstance(c, type) and issubclass(c, _tf_errors.OpError)]
+_USE = "status_to_exception"
+tf_patches.subscribe("core._status_to_exception", _USE, _wrap_status_to_exception)
+tf_patches.subscribe("execute.quick_execute", _USE, _wrap_raising)
+tf_patches.subscribe("execute.execute_with_cancellation", _USE, _wrap_raising)
+tf_patches.subscribe("OpError.__new__", _USE, _recover_on_new(2))
+tf_patches.subscribe("_NotOkStatusException.__new__", _USE, _recover_on_new(0))
+tf_patches.subscribe("tf.errors classes' __init__", _USE, _skip_reinit)
 
 
 def with_message(error, message):
@@ -306,20 +280,6 @@ def with_message(error, message):
         return type(error)(message)
     except Exception:  # pylint: disable=broad-except
         return HandlerError(message)
-
-
-tf_patches.register(
-    "status_to_exception",
-    "tensorflow.python.eager.core._status_to_exception, "
-    "tensorflow.python.eager.execute.quick_execute/execute/execute_with_cancellation, "
-    "OpError.__new__, _NotOkStatusException.__new__ and the tf.errors classes' __init__",
-    "a handler's exception crosses TensorFlow's C API only as a status; these "
-    "conversions give the user the original exception object back (type, message, "
-    "traceback); the accessors tensor.shape/repr build their exceptions in C++ from "
-    "the status, so those classes return the stashed exception for the shape and "
-    "debug-string hooks (and their __init__ leaves a returned tf.errors exception as it "
-    "is). TensorFlow has no hook for status-to-exception conversion.",
-    "runtime", install, None)
 
 
 _warned_causes = set()  # bounded by the handlers' warning kinds times the op registry

@@ -136,35 +136,17 @@ def check_optimizer_step(optimizer, trainable_variables):
                 raise errors.PlacementError(h.misplaced_write(optimizer, v))
 
 
-def _install_optimizer_check():
-    try:
-        from keras.src.optimizers import base_optimizer  # pylint: disable=import-outside-toplevel
-    except ImportError:  # no Keras 3: nothing to check
-        return
-    cls = base_optimizer.BaseOptimizer
-    original = cls.apply
-    if getattr(original, "_oh_checked", False):
-        return
-
+def _wrap_apply(original):
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
         check_optimizer_step(self, trainable_variables if trainable_variables is not None
                              else getattr(self, "_trainable_variables", None))
         return original(self, grads, trainable_variables)
-
-    apply._oh_checked = True  # pylint: disable=protected-access
-    apply._oh_original = original  # pylint: disable=protected-access
-    cls.apply = apply
+    return apply
 
 
-_tf_patches.register(
-    "keras optimizer step check", "keras.src.optimizers.base_optimizer.BaseOptimizer.apply",
-    "An optimizer step in the scope of a handler whose variables live per device writes "
-    "the weights, then the slots and iterations; a host variable among them fails only "
-    "at its own write, after the weights changed (a retry would apply the step twice). "
-    "Keras has no hook before a step's first write.", "first-use", _install_optimizer_check,
-    None)
+_tf_patches.subscribe("BaseOptimizer.apply", "keras optimizer step check", _wrap_apply)
 
 
 def ensure_optimizer_check():

@@ -406,12 +406,12 @@ def _context_device(self, name):
     return _original_context_device(self, name)
 
 
-tf_patches.register(
-    "Context.device", "tensorflow.python.eager.context.Context.device",
-    "tf.device inside a handler scope must keep the handlers active and set the physical "
-    "placement at the bottom of the stack (RFC 'Final handlers'); tf.device(stack name) "
-    "re-enters that stack. TensorFlow has no hook for device scopes.", "runtime",
-    lambda: setattr(_context.Context, "device", _context_device),
-    lambda: setattr(_context.Context, "device", _original_context_device))
+def _wrap_context_device(original):
+    global _original_context_device  # pylint: disable=global-statement
+    _original_context_device = original
+    return _context_device
+
+
+tf_patches.subscribe("Context.device", "Context.device", _wrap_context_device)
 
 

@@ -26,22 +26,12 @@ NAME = "fast path without stack capture"
 _fast_path_execute = pywrap_tfe.TFE_Py_FastPathExecute  # TensorFlow's function
 
 
-def _install():
-    skip_trace_setup(_fast_path_execute)
-    pywrap_tfe.TFE_Py_FastPathExecute = skip_trace_execute
+def _wrap(fast_path_execute):
+    skip_trace_setup(fast_path_execute)
+    return skip_trace_execute
 
 
-def _uninstall():
-    pywrap_tfe.TFE_Py_FastPathExecute = _fast_path_execute
-
-
-tf_patches.register(
-    NAME, "tensorflow.python.pywrap_tfe.TFE_Py_FastPathExecute",
-    "every generated op wrapper captures the Python stack of the op (for kernel error "
-    "messages); an op placed on the dispatcher never runs as that op, so the trace is "
-    "dropped unread. While a handler scope places ops on the dispatcher, those ops skip "
-    "the capture; TensorFlow has no switch for it.",
-    "scoped", _install, _uninstall)
+tf_patches.subscribe("pywrap_tfe.TFE_Py_FastPathExecute", NAME, _wrap)
 
 
 def acquire():

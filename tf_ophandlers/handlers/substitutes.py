@@ -19,8 +19,6 @@ than let the tape apply the op's own gradient.
 import threading
 
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import backprop as _tf_backprop
-from tensorflow.python.eager import forwardprop as _forwardprop
 from tensorflow.python.eager import imperative_grad as _imperative_grad
 from tensorflow.python.eager import tape as _tape_lib
 from tensorflow.python.framework import constant_op
@@ -127,22 +125,17 @@ def _jvp_function(op_name, attr_tuple, inputs, outputs, tangents, use_batch=Fals
                                      use_batch)
 
 
-def _install():
-    _original_gradient_function[0] = _tf_backprop._gradient_function  # pylint: disable=protected-access
-    pywrap_tfe.TFE_Py_RegisterGradientFunction(_gradient_function)
-    _original_jvp_function[0] = _forwardprop._jvp_dispatch  # pylint: disable=protected-access
-    pywrap_tfe.TFE_Py_RegisterJVPFunction(_jvp_function)
+def _wrap(slot, replacement):
+    def wrap(original):
+        slot[0] = original
+        return replacement
+    return wrap
 
 
-tf_patches.register(
-    "substitute gradients", "the gradient and JVP functions TensorFlow's eager tapes and "
-    "accumulators call (pywrap_tfe.TFE_Py_RegisterGradientFunction, "
-    "backprop._gradient_function; TFE_Py_RegisterJVPFunction, forwardprop._jvp_dispatch)",
-    "a tf.GradientTape outside a handler that substituted an op records the op the user "
-    "called; its backward function calls this one, which gives the gradient of what the "
-    "handler ran (recorded by handlers/substitutes.py) instead of the op's registered "
-    "gradient; a tf.autodiff.ForwardAccumulator's JVP of such an op raises. Installed when a substituting handler first runs under a TensorFlow tape.",
-    "first-use", _install, None)
+tf_patches.subscribe("registered gradient function", "substitute gradients",
+                     _wrap(_original_gradient_function, _gradient_function))
+tf_patches.subscribe("registered JVP function", "substitute gradients",
+                     _wrap(_original_jvp_function, _jvp_function))
 
 
 def _kept_outputs(op, n_in):

@@ -30,34 +30,22 @@ from tf_ophandlers.extend import (
 
 _key = tensor_key  # tensors are keyed by TensorFlow handle
 _open = threading.local()  # .traces: this thread's TraceAndExecute scopes, innermost last
-_previous = {}
 
 
-def _install_variable_reads():
-    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
-    original = _previous["variable_accessed"] = resource_variable_ops.variable_accessed
-
+def _wrap_variable_accessed(original):
     def variable_accessed(variable):
         original(variable)
         if not variable.trainable:  # (trainable ones reach the scope's variable watcher)
             for trace in getattr(_open, "traces", ()):
                 trace._variables.setdefault(_key(variable.handle), variable)  # pylint: disable=protected-access
 
-    resource_variable_ops.variable_accessed = variable_accessed
+    return variable_accessed
 
 
-def _uninstall_variable_reads():
-    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
-    resource_variable_ops.variable_accessed = _previous.pop("variable_accessed")
-
-
-tf_patches.register(
-    "trace variable reads", "tensorflow.python.ops.resource_variable_ops.variable_accessed",
-    "TensorFlow reports only trainable variables to variable watchers; oh.TraceAndExecute "
-    "must capture every variable its scope reads as the variable (BatchNormalization's "
-    "moving statistics too), so that a SavedModel maps the capture to the tracked object, "
-    "as a FuncGraph's watch_variable does for every variable. Installed while a trace scope "
-    "is open.", "scoped", _install_variable_reads, _uninstall_variable_reads)
+# Every variable the scope reads is captured as the variable (BatchNormalization's moving
+# statistics too), so that a SavedModel maps the capture to the tracked object.
+tf_patches.subscribe("resource_variable_ops.variable_accessed", "trace variable reads",
+                     _wrap_variable_accessed)
 
 
 class _Record:

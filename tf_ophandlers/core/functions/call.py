@@ -29,7 +29,6 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
 from tensorflow.python.eager import context as _context
-from tensorflow.python.eager import execute as _tf_execute
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import handle_data_util as _handle_data_util
@@ -501,7 +500,7 @@ def _scope_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
     return _quick_execute(op_name, num_outputs, inputs, attrs, ctx, name)
 
 
-_quick_execute = None  # what quick_execute was (status_to_exception's wrapper, or TF's)
+_quick_execute = None  # what this wraps (status_to_exception's wrapper of TF's)
 
 
 def _scope_call_op(stack, op_name, num_outputs, inputs, attrs):
@@ -522,25 +521,13 @@ def _scope_call_op(stack, op_name, num_outputs, inputs, attrs):
     return op if replays(stack.handler, op) else None
 
 
-def _install_scope_execute():
+def _wrap_quick_execute(next_execute):
     # quick_execute, not only execute: TensorFlow resets `execute` to `quick_execute`
-    # when op callbacks go, and `execute_with_callbacks` calls it by name. The one it
-    # replaces (status_to_exception's wrapper, installed before or after this) stays
-    # on the path.
-    global _quick_execute
-    previous = _tf_execute.quick_execute
-    if previous is _scope_execute:
-        return
-    _quick_execute = previous
-    _tf_execute.quick_execute = _scope_execute
-    if _tf_execute.execute is previous:
-        _tf_execute.execute = _scope_execute
+    # when op callbacks go, and `execute_with_callbacks` calls it by name (the patch
+    # keeps `execute` as its alias).
+    global _quick_execute  # pylint: disable=global-statement
+    _quick_execute = next_execute
+    return _scope_execute
 
 
-tf_patches.register(
-    "scope_function_call",
-    "tensorflow.python.eager.execute.quick_execute and execute",
-    "a ConcreteFunction's call reaches the dispatcher only through TensorFlow's "
-    "custom-device execute; a call placed by a handler scope on physical arguments is "
-    "replayed from here, without that trip (the same rule and results)",
-    "runtime", _install_scope_execute, None)
+tf_patches.subscribe("execute.quick_execute", "scope_function_call", _wrap_quick_execute)

@@ -19,8 +19,8 @@ handler's physical tensors, and fragile for one that sees its logical tensors:
   ran on, so it is replayed through the same handlers (the backward's channels-first
   kernels become channels-last ones), whatever stacks the gradients live on.
 
-A "runtime" patch of `record.record_operation` (registered in core/tf_patches.py) does
-the second; `call` notes each replayed forward call (`note_replayed_call`).
+The innermost subscriber of the `record.record_operation` patch (core/tf_patches/eager.py)
+does the second; `call` notes each replayed forward call (`note_replayed_call`).
 
 Dense gradients: TensorFlow converts a call's tf.IndexedSlices gradients to tensors when
 forward-mode tangents reach its arguments (ConcreteFunction's ``input_tangents``). A
@@ -38,7 +38,6 @@ import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
-from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import indexed_slices as _indexed_slices
 from tensorflow.python.framework import ops as _ops
 
@@ -269,16 +268,10 @@ def _record_on_tapes(op_type, output_tensors, input_tensors, backward_function,
         _local.recording = saved
 
 
-def _install():
-    _previous[0] = _record.record_operation
-    _record.record_operation = _record_operation
+def _wrap_record_operation(next_record):
+    _previous[0] = next_record
+    return _record_operation
 
 
-tf_patches.register(
-    "function call records", "tensorflow.python.eager.record.record_operation",
-    "TensorFlow records a tf.function call with the original function's backward "
-    "function; for a call replayed by handlers it must run on the stack the call ran on "
-    "(replayed through the same handlers), and tapes under the handlers must not get "
-    "that record (they recorded the replayed function); handlers subscribed in "
-    "core/recording.py (subscribe_records) see each record after TensorFlow's tapes.",
-    "runtime", _install, None)
+tf_patches.subscribe("record.record_operation", "function call records",
+                     _wrap_record_operation)

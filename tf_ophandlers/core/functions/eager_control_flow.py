@@ -148,25 +148,15 @@ def _while(cond, body, loop_vars, shape_invariants=None, parallel_iterations=10,
         name, maximum_iterations, return_same_structure))
 
 
-def _install():
-    _cond._eager_cond_implementation = _eager_cond  # pylint: disable=protected-access
-    _switch_case._indexed_case_helper = _indexed_case  # pylint: disable=protected-access
-    _while_loop.while_loop = _while
+def _wrap(name, replacement):
+    def wrap(original):
+        globals()[name] = original  # (only TensorFlow's function is below: one subscriber)
+        return replacement
+    return wrap
 
 
-def _uninstall():
-    _cond._eager_cond_implementation = _original_cond  # pylint: disable=protected-access
-    _switch_case._indexed_case_helper = _original_case  # pylint: disable=protected-access
-    _while_loop.while_loop = _original_while
-
-
-tf_patches.register(
-    "eager control flow",
-    "tensorflow.python.ops.cond._eager_cond_implementation, "
-    "control_flow_switch_case._indexed_case_helper, while_loop.while_loop",
-    "eager tf.cond/tf.switch_case/tf.while_loop decide in Python from the predicate's "
-    "value, which a per-example or per-device handler tensor does not have (TensorFlow "
-    "raises TypeError for cond, or copies the value off); such calls run as a "
-    "tf.function of the call, whose If/Case/While op the handler's replay runs. "
-    "TensorFlow has no hook for eager control flow.",
-    "runtime", _install, _uninstall)
+_USE = "eager control flow"
+tf_patches.subscribe("cond._eager_cond_implementation", _USE, _wrap("_original_cond", _eager_cond))
+tf_patches.subscribe("control_flow_switch_case._indexed_case_helper", _USE,
+                     _wrap("_original_case", _indexed_case))
+tf_patches.subscribe("while_loop.while_loop", _USE, _wrap("_original_while", _while))

@@ -172,14 +172,9 @@ def _remove_function(self, name):
         pass  # (called from finalizers: never fail TensorFlow's removal)
 
 
-def _install():
-    _original_remove_function[0] = _context.Context.remove_function
-    _context.Context.remove_function = _remove_function
+def _wrap_remove_function(original):
+    _original_remove_function[0] = original
+    return _remove_function
 
 
-tf_patches.register(
-    "released functions", "tensorflow.python.eager.context.Context.remove_function",
-    "TensorFlow has no callback for a function leaving the eager context (a dropped "
-    "tf.function); the replays and bodies cached for it must go with it, or they keep "
-    "its graphs and the replayed functions registered until evicted.",
-    "runtime", _install, None)
+tf_patches.subscribe("Context.remove_function", "released functions", _wrap_remove_function)

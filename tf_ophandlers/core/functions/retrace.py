@@ -30,7 +30,6 @@ import weakref
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import ag_ctx as _ag_ctx
 from tensorflow.python.eager.polymorphic_function import polymorphic_function as _polymorphic
-from tensorflow.python.eager.polymorphic_function import tracing_compilation as _tracing
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.framework.tensor import Tensor as _Tensor
 from tensorflow.python.ops import array_ops as _array_ops
@@ -76,20 +75,13 @@ def _create_concrete_function(function_type, type_context, func_graph, tracing_o
     return concrete
 
 
-def _install():
-    _original_create_concrete_function[0] = _tracing._create_concrete_function  # pylint: disable=protected-access
-    _tracing._create_concrete_function = _create_concrete_function  # pylint: disable=protected-access
+def _wrap_create_concrete_function(original):
+    _original_create_concrete_function[0] = original
+    return _create_concrete_function
 
 
-tf_patches.register(
-    "traced python functions",
-    "tensorflow.python.eager.polymorphic_function.tracing_compilation."
-    "_create_concrete_function",
-    "a function call reaches a handler as an op named after its traced function; "
-    "re-tracing its Python body under a substituting handler (core/functions/retrace.py) "
-    "needs that Python function, which neither the ConcreteFunction nor the call op "
-    "keeps: it is noted (weakly) when TensorFlow traces it",
-    "runtime", _install, None)
+tf_patches.subscribe("tracing_compilation._create_concrete_function",
+                     "traced python functions", _wrap_create_concrete_function)
 
 
 def _scan(name):

@@ -1,7 +1,5 @@
 """Saving: a function whose body depends on a live handler cannot be saved (RFC
 "Relationship to SavedModels")."""
-from tensorflow.python.saved_model import save as _save
-
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.stack import stack_of
@@ -27,17 +25,12 @@ def _check_saveable(saveable_view):
                     "apply them around the call after loading." % (_name(function), s))
 
 
-_original_fill_meta_graph_def = _save._fill_meta_graph_def  # pylint: disable=protected-access
+def _wrap_fill_meta_graph_def(original):
+    def _fill_meta_graph_def(meta_graph_def, saveable_view, *args, **kwargs):
+        _check_saveable(saveable_view)
+        return original(meta_graph_def, saveable_view, *args, **kwargs)
+    return _fill_meta_graph_def
 
 
-def _fill_meta_graph_def(meta_graph_def, saveable_view, *args, **kwargs):
-    _check_saveable(saveable_view)
-    return _original_fill_meta_graph_def(meta_graph_def, saveable_view, *args, **kwargs)
-
-
-tf_patches.register(
-    "save._fill_meta_graph_def", "tensorflow.python.saved_model.save._fill_meta_graph_def",
-    "tf.saved_model.save must refuse a function that captured a live handler tensor "
-    "(a handler scope opened while tracing it), which would not load without the "
-    "handler; TensorFlow has no hook to inspect what is saved.", "runtime",
-    lambda: setattr(_save, "_fill_meta_graph_def", _fill_meta_graph_def), None)
+tf_patches.subscribe("save._fill_meta_graph_def", "save._fill_meta_graph_def",
+                     _wrap_fill_meta_graph_def)

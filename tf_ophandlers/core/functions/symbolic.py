@@ -558,15 +558,9 @@ def _nested_in(graph, ids):
     return False
 
 
-tf_patches.register(
-    "FuncGraph._create_op_internal",
-    "tensorflow.python.framework.func_graph.FuncGraph._create_op_internal",
-    "while a function is replayed, ops that handler hooks create with ordinary TensorFlow "
-    "calls must run on the hook's next stack (as they do eagerly) instead of becoming "
-    "nodes of the function; TensorFlow has no hook for graph-op creation. Installed only "
-    "while a replay traces.", "scoped",
-    lambda: setattr(_func_graph.FuncGraph, "_create_op_internal", _create_op_internal),
-    lambda: setattr(_func_graph.FuncGraph, "_create_op_internal", _original_create_op))
+# (TensorFlow's `_create_op_internal` is the only one below it: `_original_create_op`.)
+tf_patches.subscribe("FuncGraph._create_op_internal", "FuncGraph._create_op_internal",
+                     lambda original: _create_op_internal)
 
 
 @contextlib.contextmanager

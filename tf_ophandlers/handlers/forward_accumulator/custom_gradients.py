@@ -12,7 +12,6 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.eager import forwardprop_util
 
 from tf_ophandlers.extend import current_stack, state, tf_patches
 from tf_ophandlers.handlers.forward_accumulator.jvp import FLOAT_ENUMS, dtype_enum
@@ -85,16 +84,13 @@ def _push_forwardprop_state():
             runs.append(run)
 
 
-def _install_push_state():
-    _original_push_state[0] = forwardprop_util.push_forwardprop_state
-    forwardprop_util.push_forwardprop_state = _push_forwardprop_state
+def _wrap_push_state(original):
+    _original_push_state[0] = original
+    return _push_forwardprop_state
 
 
-tf_patches.register(
-    "forwardprop state", "tensorflow.python.eager.forwardprop_util.push_forwardprop_state",
-    "TensorFlow's accumulators resume recording inside it while they compute a JVP; an "
-    "oh.ForwardAccumulator transposing a custom gradient function must too. Installed "
-    "when an accumulator first transposes one.", "first-use", _install_push_state, None)
+tf_patches.subscribe("forwardprop_util.push_forwardprop_state", "forwardprop state",
+                     _wrap_push_state)
 
 
 def ensure_push_state_patch():

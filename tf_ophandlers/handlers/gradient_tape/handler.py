@@ -28,7 +28,6 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _tf_backprop
 from tensorflow.python.eager import backprop_util
-from tensorflow.python.eager import imperative_grad as _tf_imperative_grad
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -624,28 +623,18 @@ def _like_sources(sources, grads):
     return out
 
 
-_original_imperative_grad = [None]
-
-
-def _install_source_gradients():
-    _original_imperative_grad[0] = original = _tf_imperative_grad.imperative_grad
-
+def _wrap_imperative_grad(original):
     def imperative_grad(tape, target, sources, *args, **kwargs):
         return _like_sources(sources, original(tape, target, sources, *args, **kwargs))
 
     imperative_grad.__doc__ = original.__doc__
-    _tf_imperative_grad.imperative_grad = imperative_grad
+    return imperative_grad
 
 
-tf_patches.register(
-    "source gradients", "tensorflow.python.eager.imperative_grad.imperative_grad",
-    "tf.GradientTape's gradients of sources on a handler's stack are represented as that "
-    "handler chooses (OpHandler.source_gradient: oh.Mesh gives a sharded source's "
-    "gradient the source's layout), as oh.GradientTape's are; TensorFlow's tape has no "
-    "hook on its results. Plain tensors pay one payload lookup per source. Traced in the "
-    "scope of a handler with that hook, each dense gradient is marked as "
-    "IdentityN(gradient, source) for the handler's replay.", "runtime",
-    _install_source_gradients, None)
+# Traced in the scope of a handler with a source_gradient hook, each dense gradient is
+# marked as IdentityN(gradient, source) for the handler's replay.
+tf_patches.subscribe("imperative_grad.imperative_grad", "source gradients",
+                     _wrap_imperative_grad)
 
 
 _registries.register_tape("reverse", GradientTape)

@@ -2,8 +2,8 @@
 
 Some gradients are not attached to ops but recorded from Python: custom gradients
 (tf.custom_gradient, tf.recompute_grad) and tf.function calls. TensorFlow sends them to
-its own tape set; these patches (registered as "tape hooks" in core/tf_patches.py) also
-send them to the oh.GradientTapes of the current scope, at each tape's level.
+its own tape set; these hooks (the use "tape hooks" of core/tf_patches/) also send them
+to the oh.GradientTapes of the current scope, at each tape's level.
 
 >>> import tensorflow as tf, tf_ophandlers as oh
 >>> x = tf.constant(2.0)
@@ -14,7 +14,6 @@ send them to the oh.GradientTapes of the current scope, at each tape's level.
 4.0
 """
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util
 
@@ -26,10 +25,12 @@ from tf_ophandlers.handlers.gradient_tape.exclusions import tracked_entry
 _EagerTensor = _ops.EagerTensor
 
 
-_original_record_operation = [_record.record_operation]  # the one replaced at install
-_original_record_backprop_only = [_record.record_operation_backprop_only]
-_original_could_possibly_record = _record.could_possibly_record
-_original_possible_gradient_types = gradients_util.PossibleTapeGradientTypes
+_USE = "tape hooks"
+# What each hook wraps (TensorFlow's function or the subscriber below: core/tf_patches/).
+_original_record_operation = [None]
+_original_record_backprop_only = [None]
+_original_could_possibly_record = [None]
+_original_possible_gradient_types = [None]
 
 
 def _record_operation(op_type, output_tensors, input_tensors, backward_function,
@@ -105,7 +106,7 @@ def _scope_below(tape):
 
 
 def _could_possibly_record():
-    return _original_could_possibly_record() or bool(_active_tapes())
+    return _original_could_possibly_record[0]() or bool(_active_tapes())
 
 
 def _possible_gradient_types(tensors):
@@ -113,7 +114,7 @@ def _possible_gradient_types(tensors):
     if tapes and not pywrap_tfe.TFE_Py_TapeSetIsEmpty():
         for tape in tapes:  # first: TensorFlow's tapes then see the arguments they know
             _link_on_tf_tapes(tensors, tape)
-    kind = _original_possible_gradient_types(tensors)
+    kind = _original_possible_gradient_types[0](tensors)
     for tape in tapes:
         tape._harvest_variables()  # a function's captured variables were just read  # pylint: disable=protected-access
         tracked = tape._tracked  # pylint: disable=protected-access
@@ -176,26 +177,23 @@ def _maybe_tracked(tape, tensor, tracked):
 _active_tapes = None  # set by register: the recording oh.GradientTapes, innermost first
 
 
+def _wrap(slot, replacement):
+    def wrap(original):
+        slot[0] = original
+        return replacement
+    return wrap
+
+
 def register(active_tapes):
-    """Called by gradient_tape with its `_active_tapes`: registers the patches (the
-    hooks module cannot import gradient_tape, which imports it)."""
+    """Called by gradient_tape with its `_active_tapes`: subscribes the hooks (the hooks
+    module cannot import gradient_tape, which imports it)."""
     global _active_tapes  # pylint: disable=global-statement
     _active_tapes = active_tapes
-    tf_patches.register(
-        "tape hooks", "tensorflow.python.eager.record.record_operation, "
-        "record.record_operation_backprop_only, record.could_possibly_record, "
-        "gradients_util.PossibleTapeGradientTypes",
-        "gradients recorded from Python (tf.custom_gradient, tf.recompute_grad, tf.function "
-        "calls) go only to TensorFlow's tape set; these send them to the oh.GradientTapes "
-        "of the current scope too. Installed when the first oh.GradientTape scope opens.",
-        "first-use", _install_tape_hooks, None)
-
-
-def _install_tape_hooks():
-    _original_record_operation[0] = _record.record_operation  # other patches chain
-    _record.record_operation = _record_operation
-    _original_record_backprop_only[0] = _record.record_operation_backprop_only
-    _record.record_operation_backprop_only = _record_operation_backprop_only
-    _record.could_possibly_record = _could_possibly_record
-    gradients_util.PossibleTapeGradientTypes = _possible_gradient_types
-
+    tf_patches.subscribe("record.record_operation", _USE,
+                         _wrap(_original_record_operation, _record_operation))
+    tf_patches.subscribe("record.record_operation_backprop_only", _USE,
+                         _wrap(_original_record_backprop_only, _record_operation_backprop_only))
+    tf_patches.subscribe("record.could_possibly_record", _USE,
+                         _wrap(_original_could_possibly_record, _could_possibly_record))
+    tf_patches.subscribe("gradients_util.PossibleTapeGradientTypes", _USE,
+                         _wrap(_original_possible_gradient_types, _possible_gradient_types))

@@ -230,16 +230,11 @@ class _TrainerTensorFlow(types.ModuleType):
         return getattr(self._tf, name)
 
 
-def _install():
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer  # pylint: disable=import-outside-toplevel
-    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
-    from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
+def _wrap_trainer_tf(original):
+    return _TrainerTensorFlow(original) if original is tf else original
 
-    if trainer.tf is tf:
-        trainer.tf = _TrainerTensorFlow(tf)
-    cls = trainer.TensorFlowTrainer
-    make_train_function = cls.make_train_function
 
+def _wrap_make_train_function(make_train_function):
     def make(self, force=False):
         handler = data_parallel_handler(self)
         if self.__dict__.get("_oh_train_parallel") is not handler:
@@ -252,30 +247,28 @@ def _install():
         self.train_function = self._make_function(  # pylint: disable=protected-access
             _data_parallel_step(self, handler, self.train_step))
         return self.train_function
+    return make
 
-    cls.make_train_function = make
 
-    scale, unscale = loss_module.scale_loss_for_distribution, \
-        loss_module.unscale_loss_for_distribution
-
+def _wrap_scale_loss(scale):
     def scale_loss_for_distribution(value):
         handler = replica_handler()
         if handler is None:
             return scale(value)
         return value * tf.cast(1.0 / len(handler.components), value.dtype)
+    return scale_loss_for_distribution
 
+
+def _wrap_unscale_loss(unscale):
     def unscale_loss_for_distribution(value):
         handler = replica_handler()
         if handler is None:
             return unscale(value)
         return value * tf.cast(len(handler.components), value.dtype)
+    return unscale_loss_for_distribution
 
-    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
-    loss_module.unscale_loss_for_distribution = unscale_loss_for_distribution
 
-    optimizer_cls = tf_optimizer.TFOptimizer
-    reduce_gradients = optimizer_cls._all_reduce_sum_gradients  # pylint: disable=protected-access
-
+def _wrap_all_reduce(reduce_gradients):
     def all_reduce_gradients(self, grads_and_vars):
         handler = replica_handler()
         if handler is None:
@@ -291,23 +284,15 @@ def _install():
         for i, s in zip(present, sums):
             grads_and_vars[i] = (s, grads_and_vars[i][1])
         return grads_and_vars
+    return all_reduce_gradients
 
-    optimizer_cls._all_reduce_sum_gradients = all_reduce_gradients  # pylint: disable=protected-access
 
-
-_tf_patches.register(
-    "keras data-parallel fit",
-    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer.make_train_function, "
-    "keras.src.losses.loss.(un)scale_loss_for_distribution, "
-    "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients, "
-    "keras.src.backend.tensorflow.trainer.tf (its GradientTape)",
-    "Keras splits fit's batches, scales the loss by the replica count and all-reduces "
-    "the gradients only for a tf.distribute strategy; in an oh.ParallelHandler scope "
-    "fit's step would otherwise train every component on the whole batch. Keras has no "
-    "hook for a replica group that is not a strategy. Its eager train_step records on "
-    "a tf.GradientTape, whose C++ tape cannot hold a tensor whose components differ in "
-    "length (a batch split unevenly); Keras has no hook to choose the tape.",
-    "first-use", _install, None)
+_USE = "keras data-parallel fit"
+_tf_patches.subscribe("trainer.tf", _USE, _wrap_trainer_tf)
+_tf_patches.subscribe("TensorFlowTrainer.make_train_function", _USE, _wrap_make_train_function)
+_tf_patches.subscribe("loss.scale_loss_for_distribution", _USE, _wrap_scale_loss)
+_tf_patches.subscribe("loss.unscale_loss_for_distribution", _USE, _wrap_unscale_loss)
+_tf_patches.subscribe("TFOptimizer._all_reduce_sum_gradients", _USE, _wrap_all_reduce)
 
 
 def ensure_data_parallel_fit():

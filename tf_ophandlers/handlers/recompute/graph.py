@@ -44,7 +44,6 @@ import weakref
 import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop as _backprop  # noqa: F401  (sets execute.record_gradient)
-from tensorflow.python.eager import execute as _execute
 from tensorflow.python.eager import forwardprop_util
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
@@ -89,23 +88,6 @@ def _carries_tangents(name, args, kwargs):
     else:
         inputs = args[2] if len(args) > 2 else kwargs.get("input_tensors", ())
     return bool(forwardprop_util.pack_tangents(list(inputs)).tangents)
-
-
-_TARGETS = ((_execute, "record_gradient"), (_record, "record_operation"),
-            (_record, "record_operation_backprop_only"),
-            (_record, "record_operation_forwardprop_only"))
-
-
-def _install():
-    for module, name in _TARGETS:
-        _previous[name] = getattr(module, name)
-        setattr(module, name, _capturing(name))
-    _previous["gradient"] = _backprop.GradientTape.gradient
-    _backprop.GradientTape.gradient = _checked_gradient
-    _previous["enter"] = _backprop.GradientTape.__enter__
-    _previous["exit"] = _backprop.GradientTape.__exit__
-    _backprop.GradientTape.__enter__ = _tape_enter
-    _backprop.GradientTape.__exit__ = _tape_exit
 
 
 def eager_scope(handler):
@@ -185,20 +167,25 @@ def _checked_gradient(self, target, sources, *args, **kwargs):
     return _previous["gradient"](self, target, sources, *args, **kwargs)
 
 
-tf_patches.register(
-    "recompute graph records",
-    "tensorflow.python.eager.execute.record_gradient, record.record_operation (and its "
-    "backprop-only and forwardprop-only forms), backprop.GradientTape.gradient, __enter__ and __exit__",
-    "oh.Recompute inside a traced function pauses TensorFlow's tapes and must make their "
-    "records itself at the scope's exit (recomputable ops grouped into segments whose "
-    "gradient recomputes them); TensorFlow has no hook listing the records a traced op "
-    "makes. GradientTape.gradient refuses sources whose uses a segment hides; a tape "
-    "scope opened while tracing inside an eager oh.Recompute scope (Keras fit's train "
-    "step; not a function a handler traces for its own use) opens a window, since the "
-    "step's code has no Recompute scope of its own.",
-    "first-use", _install, None)
-# (also GradientTape.__enter__/__exit__: a function traced inside an eager oh.Recompute
-# scope, a Keras fit step, gets a window around each tape scope opened while tracing.)
+def _wrap(name, replacement):
+    def wrap(original):
+        _previous[name] = original
+        return replacement
+    return wrap
+
+
+_USE = "recompute graph records"
+for _patch, _name in (("execute.record_gradient", "record_gradient"),
+                      ("record.record_operation", "record_operation"),
+                      ("record.record_operation_backprop_only", "record_operation_backprop_only"),
+                      ("record.record_operation_forwardprop_only",
+                       "record_operation_forwardprop_only")):
+    tf_patches.subscribe(_patch, _USE, _wrap(_name, _capturing(_name)))
+# tf.GradientTape.gradient refuses sources whose uses a segment hides; a tape scope opened
+# while tracing inside an eager oh.Recompute scope (a Keras fit step) opens a window.
+tf_patches.subscribe("GradientTape.gradient", _USE, _wrap("gradient", _checked_gradient))
+tf_patches.subscribe("GradientTape.__enter__", _USE, _wrap("enter", _tape_enter))
+tf_patches.subscribe("GradientTape.__exit__", _USE, _wrap("exit", _tape_exit))
 
 
 def _nbytes(t):

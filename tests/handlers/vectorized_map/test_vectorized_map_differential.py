@@ -99,16 +99,6 @@ def _draw_node(rng, shape, slots, depth, level=0):
     threshold = rng.choice([-0.5, 0.0, 0.5])
     if kind == "cond":
         branches = [_draw_node(rng, shape, slots, depth - 1, level + 1) for _ in range(2)]
-        for k, branch in enumerate(branches):
-            if _node_has(branch, ("while",)):
-                # No while_loop in a cond's branch: under oh.GradientTape the replayed
-                # per-example cond selects between the branches' variant intermediates
-                # (the loop's accumulators, the other branch's Optionals) and raises
-                # ValueError "Trying to merge handles pointing to different dtypes"
-                # (SelectV2[T=DT_VARIANT] of an OptionalFromValue and the other branch's
-                # value), e.g. cond(sum > 0.5, [while_count([sin] |> tanh)],
-                # [add(., m) |> stop_gradient_mix]).
-                branches[k] = ("unary", rng.choice(LOOP_UNARY))
         return ("cond", threshold, branches[0], branches[1])
     if kind == "switch":
         return ("switch", [_draw_node(rng, shape, slots, depth - 1, level + 1)

@@ -520,6 +520,12 @@ def _own_bodies(node):
             if external.dtype == tf.resource:
                 handle_data_util.copy_handle_data(external, internal)
         setattr(node, cached, graph)
+        # So too the control flow nested in it that a variable reaches (a cond in a loop
+        # in this branch): TensorFlow would make its bodies from their FunctionDefs.
+        for inner in graph.get_operations():
+            if inner.type in _CONTROL_FLOW and any(
+                    t.dtype == tf.resource for t in inner.inputs):
+                _own_bodies(inner)
 
 
 def _stack_rows(op_type, rows, list_dtypes=None):

@@ -96,10 +96,11 @@ _NO_HANDLE_DATA = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_
 
 def _mergeable_handles(graph, values):
     """Variants a select may pick between. A per-example If's intermediates for its
-    gradient differ in kind between branches (one branch's Optional, the other's
-    TensorList), as the If's own outputs do from run to run, but a select's shape function
-    refuses to merge their handle data ("Trying to merge handles pointing to different
-    dtypes"): then both go through an Identity that keeps no handle data."""
+    gradient may differ in kind between branches (an Optional of a loop's accumulator list
+    in one, of a float value in the other), as the If's own outputs do from run to run,
+    but a select's shape function refuses to merge their handle data ("Trying to merge
+    handles pointing to different dtypes"): then both go through an Identity that keeps
+    no handle data."""
     data = [_handle_data_util.get_handle_data(v) for v in values]
     if any(d is None or not d.is_set for d in data) or all(
             [(s.dtype, s.type) for s in d.shape_and_type]

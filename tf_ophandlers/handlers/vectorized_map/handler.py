@@ -445,8 +445,9 @@ def _per_example_loop(handler, execute, op, inputs, report=True):
                 optionals[k] = parts
                 continue
             if dtype is None:
-                # pfor's batched Optionals (and eager TensorLists) are one scalar variant
-                # holding the batched components: no example can be taken apart.
+                # Eager TensorLists, and pfor's batched Optionals whose components are
+                # unknown or variants, are one scalar variant holding the batched
+                # components: no example can be taken apart.
                 raise ValueError(
                     "oh.vectorized_map: op %s has no batching rule for a per-example "
                     "Optional or TensorList (one variant holding every example's values), "

@@ -4,6 +4,7 @@ declarations and cache keys), and a fresh handler of a shared declaration per ca
 hits the one replay. Every result is compared with plain TensorFlow on the same inputs.
 """
 import gc
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -177,3 +178,105 @@ def test_keras_model_replays_follow_the_batch_size():
             got = f(x)
         assert got.shape == (n, 2)
         assert_close(got, model(x), 1e-5)
+
+
+def _count_replays(monkeypatch):
+    """A list whose length is the number of replays traced from now on."""
+    from tf_ophandlers.core.functions import call as call_module
+    traced, trace = [], call_module._trace
+
+    def counted(*args, **kwargs):
+        traced.append(args[3])  # (the function's name)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(call_module, "_trace", counted)
+    return traced
+
+
+def _training_steps(tape_class, handler, steps):
+    """Per step: a new tape around a call of a tf.function under `handler()` (None: no
+    handler); the losses and the gradients of x and the variable W."""
+    W = tf.Variable(np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(4, 4))
+    f = tf.function(lambda t: tf.tanh(tf.matmul(t, W)) * t)
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4) / 10)
+    results, tapes = [], []
+    for _ in range(steps):
+        with tape_class() as tape:
+            tape.watch(x)
+            if handler is None:
+                y = f(x)
+            else:
+                with handler():
+                    y = f(x)
+            loss = tf.reduce_sum(y * y)
+        results.append((loss, tape.gradient(loss, [x, W])))
+        tapes.append(weakref.ref(tape))
+        del tape
+    return results, tapes
+
+
+def test_a_new_tape_per_step_below_the_handler_reuses_the_replay(monkeypatch):
+    # A training loop: the handler above a fresh tape each step replays the function
+    # once; the tape (the replay's bottom) is not part of the replay, nor kept by it.
+    want, _ = _training_steps(tf.GradientTape, None, 1)
+    traced = _count_replays(monkeypatch)
+    got, tapes = _training_steps(oh.GradientTape, _Shared, 3)
+    assert len(traced) == 1, traced
+    for loss, grads in got:
+        assert_close(loss, want[0][0], 1e-5)
+        for g, w in zip(grads, want[0][1]):
+            assert_close(g, w, 1e-5)
+    del got, loss, grads, g  # (the last step's results may refer to its tape)
+    gc.collect()
+    assert [t() for t in tapes] == [None] * len(tapes)
+
+
+def test_a_new_tape_per_step_below_vectorized_map_reuses_the_replay(monkeypatch):
+    # Per-example values under a tape around oh.vectorized_map over a tf.function, a new
+    # tape and a new map each step; against tf.vectorized_map under tf.GradientTape.
+    W = tf.Variable(np.linspace(-1.0, 1.0, 16, dtype=np.float32).reshape(4, 4))
+    f = tf.function(lambda e: tf.tanh(tf.linalg.matvec(W, e)) * e)
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(3, 4) / 10)
+
+    def step(tape_class, vectorized_map):
+        with tape_class() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.square(vectorized_map(f, x)))
+        return loss, tape.gradient(loss, [x, W])
+
+    want, want_grads = step(tf.GradientTape, tf.vectorized_map)
+    traced = _count_replays(monkeypatch)
+    for _ in range(3):
+        got, grads = step(oh.GradientTape, oh.vectorized_map)
+        assert_close(got, want, 1e-5)
+        for g, w in zip(grads, want_grads):
+            assert_close(g, w, 1e-5)
+    assert len(traced) == 1, traced
+
+
+def test_bottoms_of_other_structures_get_their_own_replays(monkeypatch):
+    # The bottom's structure stays in the key: no tape (physical) and a tape, and two
+    # nested tapes, are three replays; each gives TensorFlow's values and gradients.
+    f = tf.function(lambda t: tf.sin(t) * t)
+    x = tf.constant([0.5, -1.5])
+    traced = _count_replays(monkeypatch)
+    for _ in range(2):
+        with _Shared():
+            assert_close(f(x), np.sin([0.5, -1.5]) * [0.5, -1.5], 1e-6)
+        with oh.GradientTape() as tape:
+            tape.watch(x)
+            with _Shared():
+                y = f(x)
+        assert_close(tape.gradient(y, x), np.sin([0.5, -1.5]) + np.cos([0.5, -1.5]) * [
+            0.5, -1.5], 1e-6)
+        with oh.GradientTape() as outer:
+            outer.watch(x)
+            with oh.GradientTape() as inner:
+                inner.watch(x)
+                with _Shared():
+                    y = f(x)
+            g = inner.gradient(y, x)
+        h = outer.gradient(g, x)
+        c, s = np.cos([0.5, -1.5]), np.sin([0.5, -1.5])
+        assert_close(h, 2 * c - s * [0.5, -1.5], 1e-5)
+    assert len(traced) == 3, traced

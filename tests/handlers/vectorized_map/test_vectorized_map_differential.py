@@ -73,15 +73,10 @@ def _no_gradient(values):
 # -- per-example control flow: expressions of one value, drawn recursively ----------------
 # A node maps a dense value v to a value of v's shape; `captures` are the program's slots.
 
-def _draw_node(rng, shape, slots, depth, level=0):
-    """A random node for a value of `shape`; control flow only while depth > 0. `level`:
-    how many control-flow ops the node is inside."""
+def _draw_node(rng, shape, slots, depth):
+    """A random node for a value of `shape`; control flow only while depth > 0."""
     kinds = ["unary", "unary", "binary", "binary", "seq"]
-    if shape and shape[-1] == 4 and level < 3:
-        # (Not inside three levels of control flow: oh.GradientTape around the map then
-        # raises ValueError "Tried to take gradients (or similar) of a variable without
-        # handle data" for the variable's placeholder in the innermost loop or branch,
-        # e.g. a cond in a while_loop in a per-example cond, all in one example's copy.)
+    if shape and shape[-1] == 4:
         kinds.append("matvec_var")
     if depth > 0:
         kinds += ["cond", "switch", "while"]
@@ -95,28 +90,18 @@ def _draw_node(rng, shape, slots, depth, level=0):
     if kind == "matvec_var":
         return ("matvec_var",)
     if kind == "seq":
-        return ("seq", [_draw_node(rng, shape, slots, depth, level) for _ in range(2)])
+        return ("seq", [_draw_node(rng, shape, slots, depth) for _ in range(2)])
     threshold = rng.choice([-0.5, 0.0, 0.5])
     if kind == "cond":
-        branches = [_draw_node(rng, shape, slots, depth - 1, level + 1) for _ in range(2)]
-        for k, branch in enumerate(branches):
-            if _node_has(branch, ("while",)):
-                # No while_loop in a cond's branch: under oh.GradientTape the replayed
-                # per-example cond selects between the branches' variant intermediates
-                # (the loop's accumulators, the other branch's Optionals) and raises
-                # ValueError "Trying to merge handles pointing to different dtypes"
-                # (SelectV2[T=DT_VARIANT] of an OptionalFromValue and the other branch's
-                # value), e.g. cond(sum > 0.5, [while_count([sin] |> tanh)],
-                # [add(., m) |> stop_gradient_mix]).
-                branches[k] = ("unary", rng.choice(LOOP_UNARY))
+        branches = [_draw_node(rng, shape, slots, depth - 1) for _ in range(2)]
         return ("cond", threshold, branches[0], branches[1])
     if kind == "switch":
-        return ("switch", [_draw_node(rng, shape, slots, depth - 1, level + 1)
+        return ("switch", [_draw_node(rng, shape, slots, depth - 1)
                            for _ in range(rng.randint(2, 3))])
     # A per-example trip count (0 to 3) from the value entering the loop, or a condition
     # on the loop value itself (bounded by maximum_iterations).
     return ("while", rng.choice(["count", "value"]),
-            _draw_node(rng, shape, slots, depth - 1, level + 1))
+            _draw_node(rng, shape, slots, depth - 1))
 
 
 def _node_has(node, kinds):

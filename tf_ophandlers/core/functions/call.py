@@ -53,7 +53,8 @@ from tf_ophandlers.core.stack import (
 from tf_ophandlers.core.state import state
 
 # Keyed by everything a replay depends on: the function, placement, device, argument
-# summaries and specs, the handlers' cache keys and types, and the bottom stack.
+# summaries and specs, the handlers' cache keys and types, and the bottom stack's
+# structure (`_bottom_key`).
 _cache = LRUCache("functions.replays", 512)  # key -> _Entry
 # Names of functions standing for ops run one by one (CompiledCall(op_by_op=True)): their
 # replay gives no call semantics (an accumulator's zero tangents for the arguments).
@@ -197,6 +198,19 @@ def _tf_tapes_exist():
             pywrap_tfe.TFE_Py_TapeSetStopOnThread()
 
 
+def _bottom_key(bottom):
+    """What a replay depends on of the stack below its segment. Ops that reach the bottom
+    while the replay is traced become nodes of the function, and the call runs there
+    whole: a handler there that takes calls whole (a tape) counts by its type only, so a
+    new tape per training step reuses the replay. A handler there that replays calls
+    keeps its cache key: a handler scope opened inside the function is merged onto the
+    bottom unless that very handler is in it already (interpreter.py, traced_stack)."""
+    if bottom is PHYSICAL:
+        return 0
+    return tuple((type(h), h.function_cache_key() if h.replays_functions is True else None)
+                 for h in bottom.handlers)
+
+
 def _call(stack, op, inputs, segment, bottom, with_dense=False):
     scope_placed = state.scope_placed
     if scope_placed and not all(s.default_copy_on for s in segment):
@@ -226,8 +240,7 @@ def _call(stack, op, inputs, segment, bottom, with_dense=False):
     else:
         handlers = (tuple(s.handler.function_cache_key() for s in segment),
                     tuple(type(s.handler) for s in segment))
-    key = (op.type, scope_placed, state.device, tuple(trees), handlers,
-           id(bottom) if bottom is not PHYSICAL else 0)
+    key = (op.type, scope_placed, state.device, tuple(trees), handlers, _bottom_key(bottom))
     entry = _cache.get(key)
     if entry is None:
         entry = _cache[key] = _trace(segment, bottom, scope_placed, op.type, tuple(trees),

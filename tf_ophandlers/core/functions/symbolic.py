@@ -18,6 +18,9 @@ from tensorflow.python.framework import ops as _ops
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.python.framework.tensor import Tensor as _Tensor
 from tensorflow.python.ops import array_ops as _array_ops
+from tensorflow.python.ops import handle_data_util as _handle_data_util
+from tensorflow.python.client import pywrap_tf_session as _pywrap_tf_session
+from tensorflow.core.framework import cpp_shape_inference_pb2
 
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import registries as _registries
@@ -86,6 +89,35 @@ def _folded(inputs, constants):
         isinstance(t, _Tensor) and payload(t) is None and (
             id(t) in constants or getattr(t.op, "type", "") == "Const")
         for t in inputs)
+
+
+_SELECTS = ("Select", "SelectV2")
+_NO_HANDLE_DATA = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
+
+
+def _mergeable_handles(graph, values):
+    """Variants a select may pick between. A per-example If's intermediates for its
+    gradient may differ in kind between branches (an Optional of a loop's accumulator list
+    in one, of a float value in the other), as the If's own outputs do from run to run,
+    but a select's shape function refuses to merge their handle data ("Trying to merge
+    handles pointing to different dtypes"): then both go through an Identity that keeps
+    no handle data."""
+    data = [_handle_data_util.get_handle_data(v) for v in values]
+    if any(d is None or not d.is_set for d in data) or all(
+            [(s.dtype, s.type) for s in d.shape_and_type]
+            == [(s.dtype, s.type) for s in data[0].shape_and_type] for d in data[1:]):
+        return values
+    plain = []
+    for v in values:
+        (out,) = _original_create_op(graph, "Identity", [v], attrs={
+            "T": attr_value_pb2.AttrValue(type=v.dtype.as_datatype_enum)}).outputs
+        # (not handle_data_util.set_handle_data, which skips an empty one)
+        with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
+            _pywrap_tf_session.SetHandleShapeAndType(
+                c_graph, out._as_tf_output(),  # pylint: disable=protected-access
+                _NO_HANDLE_DATA.SerializeToString())
+        plain.append(out)
+    return plain
 
 
 class Replay(Mode, Interpreter, ControlFlow):
@@ -167,6 +199,8 @@ class Replay(Mode, Interpreter, ControlFlow):
         graph = _ops.get_default_graph()
         register_callees(graph, attrs)  # (a control-flow op given whole to a handler)
         with _ops.device(state.device) if state.device else contextlib.nullcontext():
+            if op.type in _SELECTS and inputs[1].dtype == _dtypes.variant:
+                inputs[1:] = _mergeable_handles(graph, inputs[1:])
             node = _original_create_op(graph, op.type, inputs, attrs=attrs)
         outputs = list(node.outputs)
         self.executed(op, given, outputs)

@@ -31,6 +31,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+from tensorflow.core.framework import full_type_pb2 as _full_type_pb2
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager.polymorphic_function import eager_function_run as _eager_run
@@ -347,9 +348,41 @@ def _list_dtype(t):
     from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
     if isinstance(t, _ops.EagerTensor) or t.dtype != tf.variant:
         return None
-    if not _pfor._is_variant_with_internal_stacking(t):  # pylint: disable=protected-access
+    if not _pfor._is_variant_with_internal_stacking(t) or _is_optional(t):  # pylint: disable=protected-access
         return None
     return tf.as_dtype(_pfor._variant_handle_data(t)[0].dtype)  # pylint: disable=protected-access
+
+
+def _is_optional(t):
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    return _pfor._variant_type_id(t) == _full_type_pb2.TFT_OPTIONAL  # pylint: disable=protected-access
+
+
+def _optional_parts(t):
+    """The component dtypes and shapes of pfor's batched Optional `t` (one scalar variant
+    holding every example's components, stacked) from its handle data, or None where it
+    has none, or a component is itself a variant (not taken apart per example)."""
+    if isinstance(t, _ops.EagerTensor) or t.dtype != tf.variant or not _is_optional(t):
+        return None
+    from tensorflow.python.ops.parallel_for import pfor as _pfor  # pylint: disable=import-outside-toplevel
+    parts = _pfor._variant_handle_data(t)  # pylint: disable=protected-access
+    if not parts:
+        return None
+    dtypes = [tf.as_dtype(p.dtype) for p in parts]
+    shapes = [tf.TensorShape(p.shape) for p in parts]
+    if any(d == tf.variant for d in dtypes) or any(s.rank == 0 for s in shapes):
+        return None
+    return dtypes, shapes
+
+
+def _optional_example(t, i, parts):
+    """Example `i` of pfor's batched Optional `t` (`_optional_parts`): an Optional of
+    row i of each component. (pfor makes one only from a value, OptionalFromValue: it
+    holds a value.)"""
+    dtypes, shapes = parts
+    components = tf.raw_ops.OptionalGetValue(optional=t, output_types=dtypes,
+                                             output_shapes=shapes)
+    return tf.raw_ops.OptionalFromValue(components=[c[i] for c in components])
 
 
 def _list_example(handle, i, dtype):
@@ -396,13 +429,18 @@ def _batched_lists(rows, dtype):
 def _per_example_loop(handler, execute, op, inputs, report=True):
     """`op` run once per example. `report=False`: on rows (`is_rows`), values only a loop
     that was reported made (a Case's Optionals, TensorFlow's zeros for them)."""
-    lists = {}
+    lists, optionals = {}, {}
     for k, b in enumerate(inputs):
         if b.batched and b.value.shape.rank == 0:
             dtype = _list_dtype(b.value)
+            parts = _optional_parts(b.value) if dtype is None else None
+            if parts is not None:
+                optionals[k] = parts
+                continue
             if dtype is None:
-                # pfor's batched Optionals (and eager TensorLists) are one scalar variant
-                # holding the batched components: no example can be taken apart.
+                # Eager TensorLists, and pfor's batched Optionals whose components are
+                # unknown or variants, are one scalar variant holding the batched
+                # components: no example can be taken apart.
                 raise ValueError(
                     "oh.vectorized_map: op %s has no batching rule for a per-example "
                     "Optional or TensorList (one variant holding every example's values), "
@@ -416,6 +454,7 @@ def _per_example_loop(handler, execute, op, inputs, report=True):
     for i in range(handler.size):
         rows.append(execute(op, [
             _list_example(b.value, i, lists[k]) if k in lists
+            else _optional_example(b.value, i, optionals[k]) if k in optionals
             else _example(b.value, i) if b.batched else b.value
             for k, b in enumerate(inputs)]))
         if op.type in _CONTROL_FLOW and rows[-1] and not isinstance(rows[-1][0], _ops.EagerTensor):
@@ -475,6 +514,12 @@ def _own_bodies(node):
             if external.dtype == tf.resource:
                 handle_data_util.copy_handle_data(external, internal)
         setattr(node, cached, graph)
+        # So too the control flow nested in it that a variable reaches (a cond in a loop
+        # in this branch): TensorFlow would make its bodies from their FunctionDefs.
+        for inner in graph.get_operations():
+            if inner.type in _CONTROL_FLOW and any(
+                    t.dtype == tf.resource for t in inner.inputs):
+                _own_bodies(inner)
 
 
 def _stack_rows(op_type, rows, list_dtypes=None):
@@ -569,6 +614,9 @@ def _as_rows(b, size):
     if not b.batched:
         return tf.stack([b.value] * size)
     dtype = _list_dtype(b.value)
+    parts = _optional_parts(b.value) if dtype is None else None
+    if parts is not None:
+        return tf.stack([_optional_example(b.value, i, parts) for i in range(size)])
     if dtype is None:
         raise ValueError(
             "oh.vectorized_map: a per-example Optional (one variant holding every example's "

@@ -39,9 +39,10 @@ from tf_ophandlers.core.launch_lock import LAUNCHES
 from tf_ophandlers.core.handler import OpHandler
 from tf_ophandlers.core.op import Op
 from tf_ophandlers.core.stack import (
-    current_stack, next_stack, OffStack, representation_of, stack_of)
+    PHYSICAL, current_stack, next_stack, OffStack, representation_of, stack_of)
 from tf_ophandlers.core.state import state as _state
 from tf_ophandlers.handlers.parallel import collectives as _collectives
+from tf_ophandlers.handlers.parallel import fused_calls as _fused_calls
 from tf_ophandlers.handlers.parallel import nest as _nest
 from tf_ophandlers.handlers.gradient_tape import GradientTape, recording_tapes
 from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit
@@ -476,7 +477,11 @@ class ParallelHandler(OpHandler):
                     "with %d" % (op.type, len(v.components), n))
         if n > 1 and _collectives.meets_across_components(op) and (
                 _state.mode is None or not _state.mode.building()):
-            per_device = _collectives.run_concurrently(self, below, op, inputs)
+            fused = below is PHYSICAL and _fused_calls.fused_call(self, op)
+            if fused:
+                per_device = _fused_calls.run_fused(self, fused, op, inputs)
+            else:
+                per_device = _collectives.run_concurrently(self, below, op, inputs)
         else:
             # The launches take turns with other threads' (core/launch_lock.py:
             # TensorFlow mixes up the inputs of concurrent ops on a device otherwise).

@@ -51,7 +51,8 @@ class _Fused:
         self.num_outputs = num_outputs  # per component
         self.components = components
         self._op, self._options = None, None
-        weakref.finalize(self, _remove, name)
+        weakref.finalize(self, _remove,
+                         [name] + [_component_name(name, i) for i in range(components)])
 
     def op(self):
         """The call op, with the function options TensorFlow's own calls pass (grappler
@@ -68,18 +69,25 @@ class _Fused:
         return self._op
 
 
-def _remove(name):
+def _remove(names):
     try:
         ctx = _context.context()
-        if ctx.has_function(name):
-            ctx.remove_function(name)
+        for name in names:  # the wrapper first: it calls the others
+            if ctx.has_function(name):
+                ctx.remove_function(name)
     except Exception:  # pylint: disable=broad-except
         pass  # (a finalizer, also at interpreter exit: never raise)
 
 
+def _component_name(name, i):
+    """The name of component i's copy of the wrapped function (`name`: the wrapper's)."""
+    return "%s_component%d" % (name, i)
+
+
 def _wrapper_def(name, function, devices):
     """The FunctionDef `name` calling FunctionDef `function` once per device of
-    `devices`, component i's arguments and results at positions i * count."""
+    `devices` (component i calls its copy `_component_name(name, i)`), component i's
+    arguments and results at positions i * count."""
     fdef = _function_pb2.FunctionDef()
     fdef.signature.name = name
     fdef.signature.is_stateful = function.signature.is_stateful
@@ -87,7 +95,7 @@ def _wrapper_def(name, function, devices):
     for i, device in enumerate(devices):
         node = fdef.node_def.add()
         node.name = "component_%d" % i
-        node.op = inner.name
+        node.op = _component_name(name, i)
         node.device = device
         for j, arg in enumerate(inner.input_arg):
             a = fdef.signature.input_arg.add()
@@ -138,6 +146,13 @@ def fused_call(handler, op):
         if _simple(function):
             name = "oh_parallel_%s_x%d_%d" % (op.type, len(handler.components),
                                               next(_names))
+            # A copy of the function per component: an error names the function it
+            # came from, so the copy's name tells the component that failed.
+            for i in range(len(handler.components)):
+                copy = _function_pb2.FunctionDef()
+                copy.CopyFrom(function)
+                copy.signature.name = _component_name(name, i)
+                ctx.add_function_def(copy)
             ctx.add_function_def(_wrapper_def(name, function, handler.components))
             entry = _Fused(name, len(function.signature.output_arg),
                            len(handler.components))
@@ -154,10 +169,10 @@ def run_fused(handler, entry, op, inputs):
         with _scope.on_device(handler.components[0]):
             flat = PHYSICAL.execute(entry.op(), args)
     except _error_codes.OpError as e:
-        # As the threaded path reports it: the handler, the op, the component (the
-        # runtime names an inlined node after its call: component_<i>/...).
+        # As the threaded path reports it: the handler, the op, the component (named
+        # by its copy of the function in the runtime's message).
         which = [d for i, d in enumerate(handler.components)
-                 if "component_%d/" % i in e.message]
+                 if "{{function_node %s}}" % _component_name(entry.name, i) in e.message]
         raise _error_codes.exception_type_from_error_code(e.error_code)(
             e.node_def, e.op, "oh.ParallelHandler: op %s failed on %s of %s: %s" % (
                 op.type, "component " + which[0] if len(which) == 1 else "a component",

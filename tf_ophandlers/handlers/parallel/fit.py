@@ -26,6 +26,7 @@ from tensorflow.python.ops import collective_ops as _collective_ops
 from tf_ophandlers.core import tf_patches as _tf_patches
 from tf_ophandlers.core.stack import current_stack
 from tf_ophandlers.handlers.parallel import collectives as _collectives
+from tf_ophandlers.handlers.parallel import fused_calls as _fused_calls
 
 # .replicas: the ParallelHandler whose fit step is traced/run; .eager: that step runs eagerly
 _thread = threading.local()
@@ -149,13 +150,18 @@ def _collective(handler, t, gather=False, instance=None):
     group = _collectives.collective_keys().get_group_key(devices)
     if instance is None:
         instance = _instance_key(handler)
+    # The timeout is for a remote worker that died. Local components' calls start
+    # together (one fused call, or one thread each) and a failing one cancels or aborts
+    # the others, so they need none; and TensorFlow starts a thread per collective run
+    # that sleeps out the timeout, a cost in every step.
+    timeout = 0 if _fused_calls.all_local(handler) else handler.timeout_seconds or 0
     if gather:
         return _collective_ops.all_gather_v2(
             t, group_size=len(devices), group_key=group, instance_key=instance,
-            timeout=handler.timeout_seconds or 0)
+            timeout=timeout)
     return _collective_ops.all_reduce_v2(
         t, group_size=len(devices), group_key=group, instance_key=instance,
-        merge_op="Add", final_op="Id", timeout=handler.timeout_seconds or 0)
+        merge_op="Add", final_op="Id", timeout=timeout)
 
 
 def _data_parallel_step(model, handler, step_function):

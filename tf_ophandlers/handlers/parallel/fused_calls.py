@@ -35,10 +35,11 @@ _names = itertools.count()
 _fused = BoundedCache("parallel.fused_calls", 256)
 
 
-def _component_device(name):
-    """Whether device `name` belongs to this process's task (not a remote worker's)."""
-    ctx = _context.context()
-    return name.startswith(ctx.host_address_space() + "/device:")
+def all_local(handler):
+    """Whether every component of `handler` is a device of this process's task (none a
+    remote worker's): a function call over them can be fused."""
+    local = _context.context().host_address_space() + "/device:"
+    return all(d.startswith(local) for d in handler.components)
 
 
 class _Fused:
@@ -141,7 +142,7 @@ def fused_call(handler, op):
         return entry
     entry = None
     ctx = _context.context()
-    if all(_component_device(d) for d in handler.components) and ctx.has_function(op.type):
+    if all_local(handler) and ctx.has_function(op.type):
         function = ctx.get_function_def(op.type)
         if _simple(function):
             name = "oh_parallel_%s_x%d_%d" % (op.type, len(handler.components),

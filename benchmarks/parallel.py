@@ -131,7 +131,8 @@ CASES = (
      "dataset and iterator made in `with parallel:` and every call in it; the step "
      "splits the batch over the two components (32 + 32), scales the loss by 1/2 and "
      "all-reduces the gradients and the metric state with TensorFlow's collectives (the "
-     "components run the step function concurrently). *MirroredStrategy*: model "
+     "components' step functions run as one multi-device call, as MirroredStrategy "
+     "runs its replicas). *MirroredStrategy*: model "
      "compiled under `strategy.scope()`, iterator over "
      "`strategy.experimental_distribute_dataset(dataset)` (as fit makes it). *one "
      "device*: the same step without either, on the whole batch, for reference."),

@@ -8,7 +8,8 @@ component's slice of it, split as MirroredStrategy's distributed dataset splits 
 `tf.distribute` for the number of replicas (the loss of each component is its mean
 over its slice divided by that count), and the optimizer's gradient all-reduce (which
 Keras does in the replica context of a strategy) sums the components' gradients with
-TensorFlow's collectives. Metric state (the variables Keras declares
+TensorFlow's collectives (the compiled step of every component runs as one
+multi-device call, as MirroredStrategy runs its replicas: fused_calls.py). Metric state (the variables Keras declares
 `aggregation="sum"`) is summed over the components after the step, as a mirrored
 variable sums its replicas' updates, so every component reports the global metrics.
 

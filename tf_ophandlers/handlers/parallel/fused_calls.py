@@ -28,6 +28,7 @@ from tf_ophandlers.core import scope as _scope
 from tf_ophandlers.core.cache import BoundedCache
 from tf_ophandlers.core.functions import library as _library
 from tf_ophandlers.core.stack import PHYSICAL
+from tf_ophandlers.handlers.parallel import collectives as _collectives
 
 _names = itertools.count()
 # (function name, component devices) -> _Fused, or None when the call cannot be fused.
@@ -132,10 +133,29 @@ def _simple(function):
         for a in list(function.signature.input_arg) + list(function.signature.output_arg))
 
 
+_LOOPS = ("While", "StatelessWhile")
+
+
+def _collective_in_loop(name):
+    """Whether function `name` (or a function it calls) runs a collective in a loop
+    body (Keras's step with `steps_per_execution > 1`). Fused, such a loop hung: its
+    components' collectives did not meet after the first iteration; each component on
+    a thread of its own, they do."""
+    for fdef in _library.function_library([name]):
+        for node in fdef.node_def:
+            if node.op in _LOOPS:
+                for attr in ("cond", "body"):
+                    f = node.attr[attr].func.name
+                    if f and any(t.startswith(_collectives.COLLECTIVE_PREFIXES)
+                                 for t in _library.body_op_types(f)):
+                        return True
+    return False
+
+
 def fused_call(handler, op):
     """The wrapper running function call `op` on every component of `handler` as one
     call, or None when it cannot: components of another task, a function that is not
-    in the eager context or has polymorphic arguments."""
+    in the eager context, has polymorphic arguments or a collective in a loop."""
     key = (op.type, handler.components)
     entry = _fused.get(key, False)
     if entry is not False:
@@ -144,7 +164,7 @@ def fused_call(handler, op):
     ctx = _context.context()
     if all_local(handler) and ctx.has_function(op.type):
         function = ctx.get_function_def(op.type)
-        if _simple(function):
+        if _simple(function) and not _collective_in_loop(op.type):
             name = "oh_parallel_%s_x%d_%d" % (op.type, len(handler.components),
                                               next(_names))
             # A copy of the function per component: an error names the function it

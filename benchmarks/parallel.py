@@ -31,6 +31,8 @@ calls. Writes the `parallel` section of docs/benchmarks.md and docs/parallel.png
 
     python benchmarks/parallel.py            # full run (~1 min on 2 cores)
     python benchmarks/parallel.py --quick    # smoke run (< 40 s, noisy numbers)
+    python benchmarks/parallel.py --case fit-step   # one case only: prints its table
+                                                    # and target, writes no page
 """
 import contextlib
 import logging
@@ -129,7 +131,8 @@ CASES = (
      "dataset and iterator made in `with parallel:` and every call in it; the step "
      "splits the batch over the two components (32 + 32), scales the loss by 1/2 and "
      "all-reduces the gradients and the metric state with TensorFlow's collectives (the "
-     "components run the step function concurrently). *MirroredStrategy*: model "
+     "components' step functions run as one multi-device call, as MirroredStrategy "
+     "runs its replicas). *MirroredStrategy*: model "
      "compiled under `strategy.scope()`, iterator over "
      "`strategy.experimental_distribute_dataset(dataset)` (as fit makes it). *one "
      "device*: the same step without either, on the whole batch, for reference."),
@@ -370,10 +373,12 @@ class FitStep:
     weights = MlpStep.weights
 
 
-def make_configs(w):
-    return ([AddPerOp(w, key) for key, _ in METHODS["per-op"]] +
-            [MlpStep(w, key) for key, _ in METHODS["mlp-step"]] +
-            [FitStep(w, key) for key, _ in METHODS["fit-step"]])
+_CONFIG_CLASS = {"per-op": AddPerOp, "mlp-step": MlpStep, "fit-step": FitStep}
+
+
+def make_configs(w, cases=None):
+    return [_CONFIG_CLASS[case](w, key) for case, _, _, _ in CASES
+            if cases is None or case in cases for key, _ in METHODS[case]]
 
 
 def _compare(what, got, want):
@@ -391,17 +396,27 @@ def _compare(what, got, want):
     return worst
 
 
-def check_results(w, configs):
+def check_results(w, configs, cases=None):
     """Sanity (untimed): two logical CPUs; each parallel add gives a_i + b_i on component
     device i; the oh and MirroredStrategy gradients equal single-device tf.GradientTape
     gradients on the full batch; one training step of every method gives the weights of
-    the reference SGD step. Returns the max abs differences."""
+    the reference SGD step. Returns the max abs differences. `cases`: only those."""
     report = {}
     logical = [d.name for d in tf.config.list_logical_devices("CPU")]
     if len(logical) != 2:
         raise SanityError("expected 2 logical CPUs, found %s%s" % (
             logical, "" if _LOGICAL_CPU_ERROR is None
             else " (set_logical_device_configuration: %s)" % _LOGICAL_CPU_ERROR))
+    if cases is None or "per-op" in cases:
+        _check_per_op(w, report)
+    if cases is None or "mlp-step" in cases:
+        _check_mlp_step(w, configs, report)
+    if cases is None or "fit-step" in cases:
+        _check_fit_step(w, configs, report)
+    return report
+
+
+def _check_per_op(w, report):
     want = [a + b for a, b in zip(w.a, w.b)]
     with w.parallel:
         y = tf.add(w.a_oh, w.b_oh)
@@ -422,6 +437,8 @@ def check_results(w, configs):
                           % [t.device for t in parts])
     report["per-op pd"] = _compare("per-op ParallelDevice", parts, want)
 
+
+def _check_mlp_step(w, configs, report):
     by_key = {c.key: c for c in configs if c.case == "mlp-step"}
     ref_model = by_key["single"].model
     with tf.GradientTape() as tape:
@@ -441,6 +458,9 @@ def check_results(w, configs):
         worst = max(worst, _compare("mlp-step %s weights after one step" % key,
                                     cfg.weights(), w1))
     report["step"] = worst
+
+
+def _check_fit_step(w, configs, report):
     fits = {c.key: c for c in configs if c.case == "fit-step"}
     for key in ("oh", "ms", "single"):  # each traces its step here
         fits[key].call()
@@ -455,7 +475,6 @@ def check_results(w, configs):
     for key, got in (("oh", oh_weights), ("ms", fits["ms"].weights())):
         worst = max(worst, _compare("fit-step %s weights after one step" % key, got, want))
     report["fit"] = worst
-    return report
 
 
 # -- measurement ------------------------------------------------------------------------
@@ -664,11 +683,27 @@ def plot(summary, plt):
     return fig
 
 
+def _pop_case(argv):
+    """`--case NAME` (one case of CASES) taken out of `argv`: (NAME or None, the rest)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = [c[0] for c in CASES]
+    for i, a in enumerate(argv):
+        if a == "--case" or a.startswith("--case="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv)
+                                                         else None)
+            if value not in names:
+                raise SystemExit("--case: one of %s, got %r" % (", ".join(names), value))
+            return value, argv[:i] + argv[i + (1 if "=" in a else 2):]
+    return None, argv
+
+
 def main(argv=None):
+    case_only, argv = _pop_case(argv)
     args = _common.parse_args(
         argv, __doc__, "parallel", (30, 3),
         [("n-add", "timed tf.adds per round", 500, 50),
          ("n-step", "timed training steps per round", 20, 3)], quick_s=40)
+    cases = None if case_only is None else {case_only}
 
     start = time.perf_counter()
     tf.get_logger().addFilter(_DropMirroredEagerWarning())
@@ -676,8 +711,8 @@ def main(argv=None):
     info["keras"] = keras.__version__
     try:
         w = Workload()
-        configs = make_configs(w)
-        checks = check_results(w, configs)
+        configs = make_configs(w, cases)
+        checks = check_results(w, configs, cases)
     except Exception as e:  # pylint: disable=broad-except
         print("sanity check failed: %s: %s" % (type(e).__name__, e), file=sys.stderr)
         return 1
@@ -687,25 +722,40 @@ def main(argv=None):
     summary = summarize(times)
     elapsed = time.perf_counter() - start
 
-    ok, png_path = _common.publish(
-        args.out, "parallel", lambda plt: plot(summary, plt),
-        lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
-                                            elapsed, checks))
+    png_path = None
+    if cases is None:  # the page shows every case: a one-case run only prints
+        _, png_path = _common.publish(
+            args.out, "parallel", lambda plt: plot(summary, plt),
+            lambda png_name, plotted: render_md(summary, info, args, png_name, plotted,
+                                                elapsed, checks))
 
     for case, _, per_op, _ in CASES:
+        if case not in summary:
+            continue
         unit = "us/op" if per_op else "ms"
         for key, name in METHODS[case]:
             s = summary[case][key]
-            print("%-8s %-62s %9.3f %-5s  ratio to %s %6.3fx"
-                  % (case, name, s["t"], unit, BASELINE[case], s["ratio"]))
-    add = summary["per-op"]["oh"]
-    fit = summary["fit-step"]["oh"]
-    print("target: per-op oh / ParallelDevice %.3fx <= %.1fx %s"
-          % (add["ratio"], TARGET_RATIO, "PASS" if add["ratio"] <= TARGET_RATIO else "MISS"))
-    print("target: fit-step oh / MirroredStrategy %.3fx <= %.1fx %s"
-          % (fit["ratio"], FIT_TARGET_RATIO, "PASS" if fit["ratio"] <= FIT_TARGET_RATIO
-             else "MISS"))
-    _common.print_wrote(args.out, png_path, elapsed)
+            print("%-8s %-62s %9.3f %-5s  ratio to %s %6.3fx (same-round IQR %.3f - %.3f, "
+                  "best rounds %.3fx)"
+                  % (case, name, s["t"], unit, BASELINE[case], s["ratio"], s["ratio_q"][0],
+                     s["ratio_q"][1], s["best_ratio"]))
+    if "per-op" in summary:
+        add = summary["per-op"]["oh"]
+        print("target: per-op oh / ParallelDevice %.3fx <= %.1fx %s"
+              % (add["ratio"], TARGET_RATIO, "PASS" if add["ratio"] <= TARGET_RATIO
+                 else "MISS"))
+    if "fit-step" in summary:
+        fit = summary["fit-step"]["oh"]
+        print("target: fit-step oh / MirroredStrategy %.3fx <= %.1fx %s"
+              % (fit["ratio"], FIT_TARGET_RATIO, "PASS" if fit["ratio"] <= FIT_TARGET_RATIO
+                 else "MISS"))
+    print("other processes used %s CPU cores on average during the measurement"
+          % info.get("other", "n/a"))
+    if cases is None:
+        _common.print_wrote(args.out, png_path, elapsed)
+    else:
+        print("--case %s: %.0f s; no page written (the page shows every case)"
+              % (case_only, elapsed))
     return 0
 
 

@@ -240,6 +240,15 @@ class Op(_C.OpBase):
         return _C.new_op(op_type, protos)
 
     @classmethod
+    def function_call(cls, function_name, num_outputs, **attrs):
+        """An op calling the function `function_name` registered in the context, with
+        `num_outputs` outputs (a function has no OpDef to count them) and attributes
+        given as `AttrValue` protos (a call's executor options)."""
+        start_runtime()
+        return _C.new_op(function_name, {name: value.SerializeToString()
+                                         for name, value in attrs.items()}, num_outputs)
+
+    @classmethod
     def cached(cls, op_type, **attrs):
         """`Op.create` memoized per type and attributes (hashable values).
 

@@ -65,6 +65,24 @@ def test_fit_matches_mirrored_strategy(strategy, make, n, run_eagerly):
         np.testing.assert_array_equal(parts[0].numpy(), parts[1].numpy())
 
 
+def test_compiled_step_runs_as_one_call_without_component_threads(strategy, monkeypatch):
+    """The compiled step of every component, its collectives included, runs as one
+    multi-device function call, as MirroredStrategy runs its replicas: no component is
+    handed to a thread of its own, and losses and weights stay MirroredStrategy's."""
+    from tf_ophandlers.handlers.parallel import collectives
+
+    def no_thread(fn, arg):
+        raise AssertionError("component %r handed to a worker thread" % (arg,))
+
+    monkeypatch.setattr(collectives, "_submit", no_thread)
+    want, want_w, _ = _train(_dense, 11, False, strategy.scope())
+    got, got_w, _ = _train(_dense, 11, False, oh.ParallelHandler(DEVICES))
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+    for g, w in zip(got_w, want_w):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_uneven_split_differs_from_one_device():
     """The batch of 3 split 2 + 1 gives (mean of 2) / 2 + (1 example) / 2, not the mean
     of 3: MirroredStrategy's loss, which the test above matches, not one device's."""

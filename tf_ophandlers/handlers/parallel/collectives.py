@@ -20,7 +20,7 @@ from tf_ophandlers.extend import (
     BoundedCache, functions as _functions, PHYSICAL as _PHYSICAL, scope as _scope,
     state as _state)
 
-_COLLECTIVE_PREFIXES = ("Collective", "Nccl")
+COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 # op type -> whether its components must run at the same time; function names are unique
 # in the eager context, so an entry for a function never goes stale.
 _meets = BoundedCache("parallel.meets", 4096)
@@ -48,10 +48,10 @@ def meets_across_components(op):
     t = op.type
     meets = _meets.get(t)
     if meets is None:
-        if t.startswith(_COLLECTIVE_PREFIXES):
+        if t.startswith(COLLECTIVE_PREFIXES):
             meets = True
         elif _op_def_registry.get(t) is None:  # a function call op
-            meets = any(b.startswith(_COLLECTIVE_PREFIXES)
+            meets = any(b.startswith(COLLECTIVE_PREFIXES)
                         for b in _functions.body_op_types(t))
         else:
             meets = False

@@ -8,7 +8,8 @@ component's slice of it, split as MirroredStrategy's distributed dataset splits 
 `tf.distribute` for the number of replicas (the loss of each component is its mean
 over its slice divided by that count), and the optimizer's gradient all-reduce (which
 Keras does in the replica context of a strategy) sums the components' gradients with
-TensorFlow's collectives. Metric state (the variables Keras declares
+TensorFlow's collectives (the compiled step of every component runs as one
+multi-device call, as MirroredStrategy runs its replicas: fused_calls.py). Metric state (the variables Keras declares
 `aggregation="sum"`) is summed over the components after the step, as a mirrored
 variable sums its replicas' updates, so every component reports the global metrics.
 
@@ -26,6 +27,7 @@ from tensorflow.python.ops import collective_ops as _collective_ops
 from tf_ophandlers.extend import (
     current_stack, registries as _registries, tf_patches as _tf_patches)
 from tf_ophandlers.handlers.parallel import collectives as _collectives
+from tf_ophandlers.handlers.parallel import fused_calls as _fused_calls
 
 # .replicas: the ParallelHandler whose fit step is traced/run; .eager: that step runs eagerly
 _thread = threading.local()
@@ -149,13 +151,18 @@ def _collective(handler, t, gather=False, instance=None):
     group = _collectives.collective_keys().get_group_key(devices)
     if instance is None:
         instance = _instance_key(handler)
+    # The timeout is for a remote worker that died. Local components' calls start
+    # together (one fused call, or one thread each) and a failing one cancels or aborts
+    # the others, so they need none; and TensorFlow starts a thread per collective run
+    # that sleeps out the timeout, a cost in every step.
+    timeout = 0 if _fused_calls.all_local(handler) else handler.timeout_seconds or 0
     if gather:
         return _collective_ops.all_gather_v2(
             t, group_size=len(devices), group_key=group, instance_key=instance,
-            timeout=handler.timeout_seconds or 0)
+            timeout=timeout)
     return _collective_ops.all_reduce_v2(
         t, group_size=len(devices), group_key=group, instance_key=instance,
-        merge_op="Add", final_op="Id", timeout=handler.timeout_seconds or 0)
+        merge_op="Add", final_op="Id", timeout=timeout)
 
 
 def _data_parallel_step(model, handler, step_function):

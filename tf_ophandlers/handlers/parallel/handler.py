@@ -31,10 +31,11 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 
 from tf_ophandlers.extend import (
     body_op_types, BoundedCache, copies as _copies, current_stack, errors, LAUNCHES,
-    next_stack, OffStack, Op, OpHandler, per_device as _per_device,
+    next_stack, OffStack, Op, OpHandler, PHYSICAL, per_device as _per_device,
     registries as _registries, representation_of, scope as _scope, stack_of,
     state as _state)
 from tf_ophandlers.handlers.parallel import collectives as _collectives
+from tf_ophandlers.handlers.parallel import fused_calls as _fused_calls
 from tf_ophandlers.handlers.parallel import nest as _nest
 from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit
 
@@ -413,7 +414,11 @@ class ParallelHandler(OpHandler):
                     "with %d" % (op.type, len(v.components), n))
         if n > 1 and _collectives.meets_across_components(op) and (
                 _state.mode is None or not _state.mode.building()):
-            per_device = _collectives.run_concurrently(self, below, op, inputs)
+            fused = below is PHYSICAL and _fused_calls.fused_call(self, op)
+            if fused:
+                per_device = _fused_calls.run_fused(self, fused, op, inputs)
+            else:
+                per_device = _collectives.run_concurrently(self, below, op, inputs)
         else:
             # The launches take turns with other threads' (core/launch_lock.py:
             # TensorFlow mixes up the inputs of concurrent ops on a device otherwise).

@@ -13,6 +13,13 @@ batch 16 of 3x64x64 (NCHW for the channels-first model, NHWC for its twin). Infe
   saved model  the twin's `model.export` loaded   vs  the channels-first export loaded,
                called plainly                         called under oh.DataFormat()
 
+and then, against oneDNN's own NCHW path, one subprocess per TF_ENABLE_ONEDNN_OPTS
+setting (1, 0; read at TensorFlow's import), each timing eagerly and as a `tf.function`
+the channels-first model in plain TensorFlow (oneDNN's kernels take NCHW; with oneDNN
+off TensorFlow refuses it), under `oh.DataFormat()` and the twin, back to back in
+shuffled order each round. Target: `oh.DataFormat()` at least 1.3x faster than the
+plain channels-first model with oneDNN on, in both forms.
+
 Before timing, each pair must agree (max abs difference <= 1e-4 relative; the script
 exits non-zero otherwise), and the channels-first model is run without the handler: it
 fails with TensorFlow's Eigen CPU kernels; where oneDNN's eager kernels accept NCHW (TF
@@ -98,15 +105,18 @@ def run_pairs(configs, rounds, calls_of, seed=0):
         print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
 
 
-def twins(batch=None):
+def twins(batch=None, saved=True):
     """The model channels-first and its channels-last twin with the same weights, their
-    inputs (NCHW, NHWC) and their loaded SavedModels: (cf, cl, x, xl, s_cf, s_cl)."""
+    inputs (NCHW, NHWC) and their loaded SavedModels: (cf, cl, x, xl, s_cf, s_cl) (the
+    last two None unless `saved`)."""
     cf, cl = build("channels_first"), build("channels_last")
     weights = [w * 0.5 + 0.1 for w in cf.get_weights()]
     cf.set_weights(weights)
     cl.set_weights(weights)
     x = tf.random.stateless_normal([batch or BATCH, 3, SIZE, SIZE], seed=[1, 2])
     xl = tf.transpose(x, [0, 2, 3, 1])
+    if not saved:
+        return cf, cl, x, xl, None, None
     tmp = tempfile.mkdtemp()
     cf.export(os.path.join(tmp, "cf"), verbose=False)
     cl.export(os.path.join(tmp, "cl"), verbose=False)
@@ -156,6 +166,150 @@ def make_configs():
     return configs, runs_plain
 
 
+# -- against oneDNN's own NCHW path -------------------------------------------------------
+#
+# TensorFlow's x86 builds run eager ops and graphs with oneDNN's custom kernels unless
+# TF_ENABLE_ONEDNN_OPTS=0; those accept NCHW convolutions and poolings that the Eigen
+# kernels refuse, so there a channels-first model also runs without the handler. The
+# setting is read when TensorFlow is imported: each one is measured in its own process
+# (`--onednn-child`), which prints its rounds as JSON for the parent to tabulate.
+ONEDNN_SETTINGS = (("1", "oneDNN on (`TF_ENABLE_ONEDNN_OPTS=1`)"),
+                   ("0", "oneDNN off (`TF_ENABLE_ONEDNN_OPTS=0`)"))
+ONEDNN_FORMS = (("eager", "eager Keras call"), ("function", "`tf.function`"))
+ONEDNN_SIDES = ("plain", "oh", "twin")  # channels-first plain TF, under oh.DataFormat, twin
+ONEDNN_TARGET = 1.3  # oh.DataFormat at least this much faster than the plain NCHW path
+
+
+def onednn_child(rounds, calls):
+    """In a process whose TF_ENABLE_ONEDNN_OPTS is set: the channels-first model without
+    the handler (oneDNN's NCHW path, if TensorFlow runs it), under `oh.DataFormat()` and
+    the channels-last twin, eagerly and as a `tf.function`; the three sides of a form are
+    timed back to back in shuffled order each round. Returns a JSON-able dict."""
+    cf, cl, x, xl, _, _ = twins(saved=False)
+    f_cf, f_cl = tf.function(lambda t: cf(t)), tf.function(lambda t: cl(t))
+    sides = {"eager": {"plain": lambda: cf(x).numpy(), "oh": under(cf, x),
+                       "twin": lambda: cl(xl).numpy()},
+             "function": {"plain": lambda: f_cf(x).numpy(), "oh": under(f_cf, x),
+                          "twin": lambda: f_cl(xl).numpy()}}
+    refused = {}
+    for form, fns in sides.items():
+        ref = fns["twin"]()
+        for side in ("oh", "plain"):
+            try:
+                got = fns[side]()
+            except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as e:
+                if side == "oh":
+                    raise
+                refused[form] = "%s: %s" % (type(e).__name__, e.message.split("\n")[0][:160])
+                del fns[side]
+                continue
+            err = float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max()))
+            if not err <= 1e-4:
+                sys.exit("data_format: %s %s differs from the twin by %g" % (form, side, err))
+    n_of = {"eager": calls, "function": calls * REPLAYED_CALLS}
+    times = {form: {side: [] for side in fns} for form, fns in sides.items()}
+    cpu = {form: {side: [] for side in fns} for form, fns in sides.items()}
+    rng = random.Random(1)
+
+    def measure():
+        for fns in sides.values():  # warm-up
+            for fn in fns.values():
+                _common.warm_time_and_cpu(fn, 1, 2)
+        for _ in range(rounds):
+            forms = list(sides)
+            rng.shuffle(forms)
+            for form in forms:
+                order = list(sides[form])
+                rng.shuffle(order)
+                for side in order:
+                    w, c = _common.warm_time_and_cpu(sides[form][side], 0, n_of[form])
+                    times[form][side].append(w)
+                    cpu[form][side].append(c)
+
+    info = {}
+    _common.measure_under_load(info, measure, freeze=True)
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+    return {"setting": os.environ.get("TF_ENABLE_ONEDNN_OPTS", ""),
+            "onednn": bool(_pywrap_util_port.IsMklEnabled()),
+            "other": info["other"], "refused": refused, "times": times, "cpu": cpu}
+
+
+def onednn_side_by_side(args):
+    """Runs `onednn_child` in one subprocess per setting; returns their results."""
+    import json  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    results = []
+    for setting, _ in ONEDNN_SETTINGS:
+        env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=setting)
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--onednn-child",
+             str(max(4, args.rounds // 2)), str(args.calls)],
+            env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        print("oneDNN setting %s measured" % setting, file=sys.stderr)
+    return results
+
+
+def onednn_summary(result):
+    """Per form: each side's stats, and the same-round ratios plain / oh (how much faster
+    the handler is than the NCHW path) and oh / twin, with their quartiles."""
+    out = {}
+    for form, _ in ONEDNN_FORMS:
+        t, c = result["times"][form], result["cpu"][form]
+        s = {side: _common.stats(t[side]) for side in t}
+        s["oh_twin"] = _common.median([a / b for a, b in zip(t["oh"], t["twin"])])
+        s["oh_twin_q"] = _common.round_ratio_quartiles(t["oh"], t["twin"])
+        if "plain" in t:
+            s["speedup"] = _common.median([a / b for a, b in zip(t["plain"], t["oh"])])
+            s["speedup_q"] = _common.round_ratio_quartiles(t["plain"], t["oh"])
+            s["speedup_cpu"] = _common.median([a / b for a, b in zip(c["plain"], c["oh"])])
+            # What a handler running exactly the twin's work would reach.
+            s["bound"] = _common.median([a / b for a, b in zip(t["plain"], t["twin"])])
+        out[form] = s
+    return out
+
+
+def onednn_md(results):
+    """The side-by-side table and its target bullets."""
+    rows, bullets = [], []
+    for (setting, label), result in zip(ONEDNN_SETTINGS, results):
+        summary = onednn_summary(result)
+        for form, title in ONEDNN_FORMS:
+            s = summary[form]
+            plain = ("%.2f" % (s["plain"]["t"] * 1e3) if "plain" in s else
+                     "refused (%s)" % result["refused"].get(form, "?").split(":")[0])
+            speed = ("%.2fx (IQR %.2f – %.2f; CPU %.2fx)" % (
+                s["speedup"], s["speedup_q"][0], s["speedup_q"][1], s["speedup_cpu"])
+                if "speedup" in s else "—")
+            rows.append([label, title, plain, "%.2f" % (s["oh"]["t"] * 1e3),
+                         "%.2f" % (s["twin"]["t"] * 1e3), speed,
+                         "%.2fx" % s["bound"] if "bound" in s else "—",
+                         "%.2fx (IQR %.2f – %.2f)" % (s["oh_twin"], s["oh_twin_q"][0],
+                                                      s["oh_twin_q"][1]),
+                         result["other"]])
+            if setting == "1":
+                if "speedup" in s:
+                    bullets.append(
+                        "- %s, oneDNN on: `oh.DataFormat()` at least %.1fx faster than the "
+                        "channels-first model on oneDNN's NCHW path: %.2fx (IQR %.2f – %.2f) "
+                        "— %s%s" % (title, ONEDNN_TARGET, s["speedup"], s["speedup_q"][0],
+                                    s["speedup_q"][1], _common.verdict(
+                                        s["speedup"] >= ONEDNN_TARGET),
+                                    "" if s["bound"] >= ONEDNN_TARGET else
+                                    " (the twin itself is only %.2fx faster than the NCHW "
+                                    "path here: the target asks the handler to beat the "
+                                    "twin)" % s["bound"]))
+                else:
+                    bullets.append("- %s, oneDNN on: TensorFlow refused the channels-first "
+                                   "model here (no NCHW path to compare with)" % title)
+    table = _common.md_table(
+        ["TensorFlow", "form", "channels-first, plain TF ms", "channels-first, "
+         "oh.DataFormat() ms", "channels-last twin ms", "plain / oh.DataFormat() "
+         "(speed-up)", "plain / twin (bound)", "oh.DataFormat() / twin",
+         "other load (cores)"], rows)
+    return table, bullets
+
+
 def main(argv=None):
     args = _common.parse_args(argv, __doc__, SECTION, (30, 4),
                               [("calls", "eager calls per round (replayed: x%d)"
@@ -181,6 +335,9 @@ def main(argv=None):
             "ratio_q": _common.round_ratio_quartiles(ours.times, twin.times),
             "cpu": _common.median([a / b for a, b in zip(ours.cpu, twin.cpu)]),
             "cpu_q": _common.round_ratio_quartiles(ours.cpu, twin.cpu)}
+    # The channels-first model against oneDNN's NCHW path, each oneDNN setting in its
+    # own process (after this process's rounds: the two never run at once).
+    onednn = onednn_side_by_side(args)
     elapsed = time.perf_counter() - start
 
     def draw(plt):
@@ -298,7 +455,28 @@ def main(argv=None):
               "fallback executes, stack captures); `benchmarks/data_format_callgrind.py` "
               "alone counts entering and leaving the scope. Instruction counts do not "
               "depend on other processes' load, unlike the times above.", ""]
-        bullets = []
+        onednn_table, onednn_bullets = onednn_md(onednn)
+        L += ["### Against oneDNN's NCHW path", "",
+              "TensorFlow runs ops with oneDNN's custom kernels with "
+              "`TF_ENABLE_ONEDNN_OPTS=1`, its default on x86 CPUs with AVX-512 VNNI/BF16 or "
+              "AMX (elsewhere, as on this machine, the default is off; the variable is read "
+              "when TensorFlow is imported); those kernels "
+              "accept NCHW convolutions and pools, so there the channels-first model also "
+              "runs without the handler, on oneDNN's own NCHW path. One subprocess per "
+              "setting times the same models three ways, back to back in shuffled order "
+              "each round (%d rounds; %d eager calls, %d `tf.function` calls per side and "
+              "round; gc off): the channels-first model in plain TensorFlow, the same "
+              "model under `oh.DataFormat()` (a fresh scope per call) and the channels-last "
+              "twin. *Speed-up* is the median of the same-round ratios plain / "
+              "`oh.DataFormat()` (IQR, and the same for process CPU time); *bound* the "
+              "same-round plain / twin, the speed-up a handler adding nothing to the "
+              "twin's work would reach (under the handler the model runs the twin's "
+              "kernels, plus one move of its input); the last column is the CPU other "
+              "processes used meanwhile. With oneDNN off, TensorFlow's Eigen kernels "
+              "refuse the channels-first model."
+              % (max(4, args.rounds // 2), args.calls, args.calls * REPLAYED_CALLS), "",
+              onednn_table, ""]
+        bullets = list(onednn_bullets)
         try:
             loaded = float(info["other"]) > 0.5
         except ValueError:  # "n/a"
@@ -324,4 +502,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--onednn-child"]:
+        import json  # noqa: E402
+        print(json.dumps(onednn_child(int(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        main()

@@ -20,6 +20,8 @@ and the ratios:
   (chunked)      the two Lazy figures again with `chunk_ops=CHUNK_OPS`: compiled chunks
                  launched asynchronously while recording goes on (information: the
                  default is `chunk_ops=None`; overlap needs a free core)
+  (collector on) Lazy XLA again, both sides timed with the garbage collector enabled,
+                 as a program runs them (information)
   vectorized_map eager `tf.vectorized_map` / `oh.vectorized_map` on pe-grads (the mapped
                  function uses `tf.GradientTape` / `oh.GradientTape`)
   Async          `with runner:` chain16 (one `oh.Async()` created once) / eager chain16
@@ -111,6 +113,10 @@ class Workload:
         with oh.Lazy(jit_compile=True):
             return chain(self.x256).numpy()
 
+    # the same two with the garbage collector on (Config.run: keys ending in "gc")
+    xla256gc = xla256
+    lazyxla256gc = lazyxla256
+
     def lazyxla256c(self):
         with oh.Lazy(jit_compile=True, chunk_ops=CHUNK_OPS):
             return chain(self.x256).numpy()
@@ -150,6 +156,10 @@ CONFIGS = (
     ("lazyxla256", "fresh oh.Lazy(jit_compile=True) chain256", (3, 1)),
     ("lazyxla256c", "fresh oh.Lazy(jit_compile=True, chunk_ops=%d) chain256 (information)"
      % CHUNK_OPS, (3, 1)),
+    ("xla256gc", "tf.function(jit_compile=True) chain256, collector on (information)",
+     (10, 2)),
+    ("lazyxla256gc", "fresh oh.Lazy(jit_compile=True) chain256, collector on (information)",
+     (10, 2)),
     ("tape_tf", "tf.GradientTape tape100 forward", (20, 5)),
     ("tape_oh", "oh.GradientTape tape100 forward", (20, 5)),
     ("vm_tf", "eager tf.vectorized_map pe-grads", (1, 1)),
@@ -164,11 +174,14 @@ FIGURES = (
     ("`with oh.Lazy():` fresh per call, 200 small ops on 16x16: eager / lazy", "eager16",
      "lazy16", 1.0, True),
     ("`oh.Lazy(jit_compile=True)`, 200 elementwise ops on 256x256: time / "
-     "`tf.function(jit_compile=True)`", "lazyxla256", "xla256", 1.3, False),
+     "`tf.function(jit_compile=True)`", "lazyxla256", "xla256", 1.2, False),
     ("(information) the same, `chunk_ops=%d`: eager / lazy" % CHUNK_OPS, "eager16",
      "lazy16c", 1.0, True),
     ("(information) the same, `chunk_ops=%d`: time / `tf.function(jit_compile=True)`"
      % CHUNK_OPS, "lazyxla256c", "xla256", 1.3, False),
+    ("(information) `oh.Lazy(jit_compile=True)` per call with the garbage collector on "
+     "(as a program runs): time / `tf.function(jit_compile=True)`, collector on",
+     "lazyxla256gc", "xla256gc", 1.2, False),
     ("per-example grads op by op: eager `tf.vectorized_map` / `oh.vectorized_map`",
      "vm_tf", "vm_oh", 15.0, True),
     ("`oh.Async` per tiny op / eager", "async16", "eager16", 1.5, False),
@@ -200,7 +213,16 @@ class Config:
         self.times = []
 
     def run(self, n):
-        return _common.warm_time(self.call, 1, n)
+        if not self.key.endswith("gc"):
+            return _common.warm_time(self.call, 1, n)
+        # The collector on, as a program runs: what the objects a call leaves for it
+        # cost (young collections; a rare full one lands in some rounds).
+        self.call()
+        clock = time.perf_counter
+        start = clock()
+        for _ in range(n):
+            self.call()
+        return (clock() - start) / n
 
 
 def _close(name, got, want):
@@ -331,8 +353,11 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
         "cache and that `Lazy(jit_compile=True)` runs an XLA-compiled function. The "
         "*information* rows with `chunk_ops=%d` launch every %d pending ops as a cached "
         "compiled call on an asynchronous executor while recording goes on (the default "
-        "is `chunk_ops=None`); overlapping needs a free core." % (rounds, CHUNK_OPS,
-                                                                   CHUNK_OPS))
+        "is `chunk_ops=None`); overlapping needs a free core. The *collector on* rows "
+        "time their back-to-back calls with the garbage collector enabled, as a program "
+        "runs them (what the objects a call leaves for the collector cost; a full "
+        "collection, which walks TensorFlow's whole heap, lands in a round now and then)."
+        % (rounds, CHUNK_OPS, CHUNK_OPS))
     lines = _common.intro_md("Per-op speed: small ops under each handler (`benchmarks/small_ops.py`)",
                              quick, method, _common.machine_md(info, len(CONFIGS), elapsed),
                              "")

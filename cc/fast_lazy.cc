@@ -207,6 +207,7 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
           goto fail;
         }
         item = PyTuple_Pack(2, producer_node, index);
+        if (item != nullptr) PyObject_GC_UnTrack(item);
       }
     } else {
       item = native_internal::EagerTensorSharing(in[i]);
@@ -214,7 +215,16 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     if (item == nullptr) goto fail;
     PyList_SET_ITEM(node_inputs, i, item);
   }
+  // The cyclic collector is kept off the recorded objects (the node, its lists and
+  // tuples, the values and weak references): a recorded program is thousands of them,
+  // alive while recording goes on, so each collection would walk them and promote them
+  // to the oldest generation, whose full collections walk the whole heap. They form no
+  // cycle the collector could see: nodes refer only to older nodes and tensors, values
+  // to their node, and a value's holder (a handler tensor) is not traversed anyway.
+  PyObject_GC_UnTrack(node_inputs);
+  PyObject_GC_UnTrack(refs);
   node = g_lazy.node->tp_alloc(g_lazy.node, 0);
+  if (node != nullptr) PyObject_GC_UnTrack(node);
   seq = node != nullptr ? PyIter_Next(g_lazy.sequence) : nullptr;
   if (seq == nullptr) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "oh.Lazy: no sequence number");
@@ -236,6 +246,7 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     PyObject* v = g_lazy.value->tp_alloc(g_lazy.value, 0);
     if (v == nullptr) goto fail;
     values[k] = v;
+    PyObject_GC_UnTrack(v);
     Set(v, g_lazy.v_node, node);
     PyObject* index = PyLong_FromLong(k);
     if (index == nullptr) goto fail;
@@ -244,10 +255,12 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     Set(v, g_lazy.v_value, Py_None);
     PyObject* r = PyWeakref_NewRef(v, nullptr);
     if (r == nullptr) goto fail;
+    PyObject_GC_UnTrack(r);  // (no callback: nothing to traverse)
     PyList_SET_ITEM(refs, k, r);
   }
   pending = PyObject_GetAttr(handler, g_lazy.s_pending);
   node_ref = pending != nullptr ? PyWeakref_NewRef(node, nullptr) : nullptr;
+  if (node_ref != nullptr) PyObject_GC_UnTrack(node_ref);
   producer = node_ref != nullptr ? InternedString(type) : nullptr;
   if (producer == nullptr) goto fail;
   if (!PyList_Check(pending)) {

@@ -1,5 +1,5 @@
 """oh.GradientTape inside oh.vectorized_map records in C: the tape's level runs
-over the map's Python execute hook from C (cc/fast_path.cc RunRecord over RunHook), with
+over the map's Python execute hook from C (cc/fast/fast_path.cc RunRecord over RunHook), with
 inputs from elsewhere copied on through the tape's copy_on as the Python path does. Checked
 against tf.vectorized_map with tf.GradientTape (values, dtypes, dense vs IndexedSlices),
 against the same tape on the Python path, for a Keras model with a partial batch, and for

@@ -133,15 +133,16 @@ setup(cmdclass={"build_ext": build_ext}, ext_modules=[
         "cc/fast/fast_path.cc", "cc/fast/fast_decision.cc", "cc/fast/fast_forward.cc",
         "cc/fast/fast_hook.cc", "cc/fast/fast_record.cc", "cc/fast/fast_trace.cc",
         "cc/fast/fast_convert.cc",
-        # Shipped handlers' C++.
-        "cc/handlers/async_execution/fast_async.cc",
+        # Shipped handlers' C++, registered with the fast path through its hook slot.
+        "cc/handlers/register.cc", "cc/handlers/async_execution/fast_async.cc",
         "cc/handlers/lazy/fast_lazy.cc", "cc/handlers/lazy/fast_lazy_plan.cc",
         "cc/handlers/gradient_tape/tape_record.cc"],
         **common),
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
     Extension("tf_ophandlers._copy_ops", sources=[
-        "cc/kernels/copy_ops.cc", "cc/handlers/data_format/move_axis.cc"], **common),
+        "cc/kernels/copy_ops.cc", "cc/handlers/data_format/move_axis.cc",
+        "cc/handlers/parallel/parallel_ops.cc"], **common),
     # A handler library (no Python module): oh.native.PassThrough and OpCounter, built
     # only against the public header cc/include/tf_ophandlers/handler.h and loaded with
     # oh.load_handler_library. It links TensorFlow's framework library (TF_Status) only.

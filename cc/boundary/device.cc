@@ -10,6 +10,7 @@
 #include "boundary/handler_tensor.h"
 #include "native/native.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
 
@@ -103,6 +104,55 @@ OpObject* SwapCurrentOp(OpObject* op) {
 
 namespace {
 
+// DeviceExecute with the GIL held and no Python exception pending: the op's stacks run
+// it (the fast path, else the Python one). Whatever it made is released before it
+// returns.
+void RunOnStacks(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
+                 TF_Status* status) {
+  TFE_Context* ctx = TFE_OpGetContext(tfe_op, status);
+  const char* name = TFE_OpGetName(tfe_op, status);
+  const char* dev = TFE_OpGetDevice(tfe_op, status);
+  int n_in = TFE_OpGetFlatInputCount(tfe_op, status);
+  // Released in the reverse order of these declarations: the Op first (EndBorrow), then
+  // the inputs, then the hook's result.
+  PyRef result;
+  PyRef inputs;
+  OpRef op;
+  if (TF_GetCode(status) != TF_OK) return;
+  // Stacks that need no Python for this op (pass-through levels, C/C++ handlers) run it
+  // in C (fast_path.h); every other op takes the Python path below.
+  if (TryFastExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) return;
+  op.reset(NewOpObject(name, dev, *num_outputs), ctx);
+  if (!op) {
+    StatusFromPyErr(status);
+    return;
+  }
+  op.get()->borrowed = tfe_op;
+  inputs.reset(PyList_New(n_in));
+  if (!inputs) {
+    StatusFromPyErr(status);
+    return;
+  }
+  for (int i = 0; i < n_in; ++i) {
+    TFE_TensorHandle* h = TFE_OpGetFlatInput(tfe_op, i, status);
+    if (TF_GetCode(status) != TF_OK) return;
+    PyObject* t = EagerTensorSharing(h, status);
+    if (t == nullptr) return;
+    PyList_SET_ITEM(inputs.get(), i, t);
+  }
+  {
+    OpObject* outer = t_current_op;
+    t_current_op = op.get();
+    result.reset(PyObject_CallFunctionObjArgs(g_execute, op.object(), inputs.get(), nullptr));
+    t_current_op = outer;
+  }
+  if (!result) {
+    StatusFromPyErr(status);
+    return;
+  }
+  TakeOutputs(op.get(), tfe_op, result.get(), num_outputs, outputs, status);
+}
+
 void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
                    TF_Status* status, void* device_info) {
   if (!PythonAlive()) {
@@ -138,54 +188,7 @@ void DeviceExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** ou
     return;
   }
   DrainPending();
-  TFE_Context* ctx = TFE_OpGetContext(tfe_op, status);
-  const char* name = TFE_OpGetName(tfe_op, status);
-  const char* dev = TFE_OpGetDevice(tfe_op, status);
-  int n_in = TFE_OpGetFlatInputCount(tfe_op, status);
-  OpObject* op = nullptr;
-  PyObject* inputs = nullptr;
-  PyObject* result = nullptr;
-  if (TF_GetCode(status) != TF_OK) goto done;
-  // Stacks that need no Python for this op (pass-through levels, C/C++ handlers) run it
-  // in C (fast_path.h); every other op takes the Python path below.
-  if (TryFastExecute(tfe_op, name, dev, n_in, num_outputs, outputs, status)) goto done;
-  op = NewOpObject(name, dev, *num_outputs);
-  if (op == nullptr) {
-    StatusFromPyErr(status);
-    goto done;
-  }
-  op->borrowed = tfe_op;
-  inputs = PyList_New(n_in);
-  if (inputs == nullptr) {
-    StatusFromPyErr(status);
-    goto done;
-  }
-  for (int i = 0; i < n_in; ++i) {
-    TFE_TensorHandle* h = TFE_OpGetFlatInput(tfe_op, i, status);
-    if (TF_GetCode(status) != TF_OK) goto done;
-    PyObject* t = EagerTensorSharing(h, status);
-    if (t == nullptr) goto done;
-    PyList_SET_ITEM(inputs, i, t);
-  }
-  {
-    OpObject* outer = t_current_op;
-    t_current_op = op;
-    result = PyObject_CallFunctionObjArgs(g_execute, reinterpret_cast<PyObject*>(op), inputs,
-                                          nullptr);
-    t_current_op = outer;
-  }
-  if (result == nullptr) {
-    StatusFromPyErr(status);
-    goto done;
-  }
-  TakeOutputs(op, tfe_op, result, num_outputs, outputs, status);
-done:
-  if (op != nullptr) {
-    EndBorrow(op, ctx);
-    Py_DECREF(op);
-  }
-  Py_XDECREF(inputs);
-  Py_XDECREF(result);
+  RunOnStacks(tfe_op, num_outputs, outputs, status);
   PyGILState_Release(g);
 }
 

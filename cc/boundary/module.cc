@@ -11,7 +11,6 @@
 
 #include "boundary/device.h"
 #include "fast/fast_path.h"
-#include "handlers/gradient_tape/tape_record.h"
 #include "boundary/handler_tensor.h"
 #include "native/native.h"
 #include "native/native_internal.h"  // _C.NativeValue (ABI 3 handler data)
@@ -506,8 +505,9 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (m == nullptr) return nullptr;
   if (PyModule_AddFunctions(m, kNativeModuleMethods) < 0) return nullptr;
   if (PyModule_AddFunctions(m, kFastModuleMethods) < 0) return nullptr;
-  if (PyModule_AddFunctions(m, kTapeModuleMethods) < 0) return nullptr;
   if (PyModule_AddFunctions(m, kTraceModuleMethods) < 0) return nullptr;
+  // Handler-specific C++ (cc/handlers/), through the fast path's one hook slot.
+  if (!InstallHandlerHooks(m)) return nullptr;
   Py_INCREF(&NativeHandlerBaseType);
   PyModule_AddObject(m, "NativeHandlerBase", reinterpret_cast<PyObject*>(&NativeHandlerBaseType));
   Py_INCREF(&native_internal::NativeValueType);

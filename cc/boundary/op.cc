@@ -12,6 +12,7 @@
 
 #include "absl/container/inlined_vector.h"
 #include "boundary/handler_tensor.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
 #include "tensorflow/c/eager/abstract_op_attrs.h"
@@ -273,82 +274,86 @@ PyObject* ExecuteOp(OpObject* op, PyObject* inputs, const char* device) {
   const TFE_Op* src = OpAttrSource(op);
   if (src == nullptr) return nullptr;
   if (!RequireInit()) return nullptr;
-  PyObject* seq = PySequence_Tuple(inputs);  // a copy: copy-off hooks cannot resize it
-  if (seq == nullptr) return nullptr;
-  Py_ssize_t n_in = PyTuple_GET_SIZE(seq);
-  PyObject** items = n_in ? &PyTuple_GET_ITEM(seq, 0) : nullptr;
-  TF_Status* s = TF_NewStatus();
+  PyRef seq(PySequence_Tuple(inputs));  // a copy: copy-off hooks cannot resize it
+  if (!seq) return nullptr;
+  Py_ssize_t n_in = PyTuple_GET_SIZE(seq.get());
+  PyObject** items = n_in ? &PyTuple_GET_ITEM(seq.get(), 0) : nullptr;
+  StatusPtr status(TF_NewStatus());
+  TF_Status* s = status.get();
   const char* type = PyUnicode_AsUTF8(op->type);
   // Reuse this thread's TFE_Op (as TensorFlow's own Python fast path does): TFE_OpReset
   // keeps the allocation and skips re-parsing an unchanged device name. A nested
   // ExecuteOp on the same thread (a copy-off hook) takes the op out of the cache first.
   thread_local TFE_Op* cached_op = nullptr;
-  TFE_Op* tfe = ResetOrNewOp(cached_op, type, device, s);
+  // On every exit the op goes back to the cache when TensorFlow reported no error
+  // (inputs and attrs are cleared by the next TFE_OpReset), else it is deleted.
+  struct CachedOp {
+    TFE_Op* tfe;
+    TF_Status* s;
+    ~CachedOp() {
+      if (tfe == nullptr) return;
+      if (cached_op == nullptr && TF_GetCode(s) == TF_OK) {
+        cached_op = tfe;
+      } else {
+        TFE_DeleteOp(tfe);
+      }
+    }
+  } owner{ResetOrNewOp(cached_op, type, device, s), s};
+  TFE_Op* tfe = owner.tfe;
   cached_op = nullptr;
-  PyObject* result = nullptr;
   int num = op->num_outputs;
   absl::InlinedVector<TFE_TensorHandle*, 4> rets;
-  absl::InlinedVector<PyObject*, 2> keep;  // copied-off inputs, owned
-  if (TF_GetCode(s) != TF_OK) goto fail;
+  absl::InlinedVector<PyRef, 2> keep;  // copied-off inputs
+  auto fail = [s]() -> PyObject* {
+    RaiseFromStatus(s);
+    return nullptr;
+  };
+  if (TF_GetCode(s) != TF_OK) return fail();
   TFE_OpAddAttrs(tfe, TFE_OpGetAttrs(src));
   for (Py_ssize_t i = 0; i < n_in; ++i) {
     if (!EagerTensor_CheckExact(items[i])) {
       PyErr_Format(PyExc_TypeError, "tf_ophandlers: input %zd of %s is not an eager tensor", i,
                    type);
-      goto cleanup;
+      return nullptr;
     }
     TFE_TensorHandle* h = EagerTensor_Handle(items[i]);
     if (PayloadOf(h) != nullptr) {
       // A handler tensor reaching a physical device: copy it off its stack (RFC: CopyOn
       // on a physical device is the CopyOff of the tensor's own stack).
-      PyObject* off = PyObject_CallFunction(g_copy_from, "Os", items[i], device);
-      if (off == nullptr) goto cleanup;
-      if (!EagerTensor_CheckExact(off) || PayloadOf(EagerTensor_Handle(off)) != nullptr) {
-        Py_DECREF(off);
+      PyRef off(PyObject_CallFunction(g_copy_from, "Os", items[i], device));
+      if (!off) return nullptr;
+      if (!EagerTensor_CheckExact(off.get()) ||
+          PayloadOf(EagerTensor_Handle(off.get())) != nullptr) {
         PyErr_Format(PyExc_TypeError, "tf_ophandlers: copy-off for input %zd of %s did not "
                      "return a physical tensor", i, type);
-        goto cleanup;
+        return nullptr;
       }
-      keep.push_back(off);
-      h = EagerTensor_Handle(off);
+      h = EagerTensor_Handle(off.get());
+      keep.push_back(std::move(off));
     }
     TFE_OpAddInput(tfe, h, s);
-    if (TF_GetCode(s) != TF_OK) goto fail;
+    if (TF_GetCode(s) != TF_OK) return fail();
   }
   if (num < 0) {
     PyErr_Format(PyExc_ValueError, "tf_ophandlers: unknown output count for %s", type);
-    goto cleanup;
+    return nullptr;
   }
   rets.resize(num > 0 ? num : 1);
   Py_BEGIN_ALLOW_THREADS;
   TFE_Execute(tfe, rets.data(), &num, s);
   Py_END_ALLOW_THREADS;
-  if (TF_GetCode(s) != TF_OK) goto fail;
-  result = PyList_New(num);
+  if (TF_GetCode(s) != TF_OK) return fail();
+  PyRef result(PyList_New(num));
   for (int i = 0; i < num; ++i) {
     PyObject* t = result ? EagerTensorFromHandle(rets[i], false) : nullptr;
     if (t == nullptr) {
       for (int j = i; j < num; ++j) TFE_DeleteTensorHandle(rets[j]);
-      Py_CLEAR(result);
+      result.reset();
       break;
     }
-    PyList_SET_ITEM(result, i, t);
+    PyList_SET_ITEM(result.get(), i, t);
   }
-  goto cleanup;
-fail:
-  RaiseFromStatus(s);
-cleanup:
-  for (PyObject* o : keep) Py_DECREF(o);
-  if (tfe) {
-    if (cached_op == nullptr && TF_GetCode(s) == TF_OK) {
-      cached_op = tfe;  // inputs and attrs are cleared by the next TFE_OpReset
-    } else {
-      TFE_DeleteOp(tfe);
-    }
-  }
-  TF_DeleteStatus(s);
-  Py_DECREF(seq);
-  return result;
+  return result.release();
 }
 
 }  // namespace tf_ophandlers

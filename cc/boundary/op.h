@@ -53,6 +53,37 @@ OpObject* NewOpObject(const char* type, const char* device, int num_outputs);
 // reads raise). Never sets a Python exception. GIL: must be held.
 void EndBorrow(OpObject* op, TFE_Context* ctx);
 
+// Owns the caller's reference to an Op (`op`, may be null) that may borrow the attributes
+// of the op being executed: when it dies, EndBorrow(op, ctx) ends the borrow, then the
+// reference is released, as every callback that makes an Op must do before it returns.
+// GIL: must be held wherever a non-empty one dies. Move-only in effect (not copyable).
+class OpRef {
+ public:
+  OpRef() = default;
+  OpRef(OpObject* op, TFE_Context* ctx) : op_(op), ctx_(ctx) {}
+  OpRef(const OpRef&) = delete;
+  OpRef& operator=(const OpRef&) = delete;
+  ~OpRef() { reset(); }
+  OpObject* get() const { return op_; }
+  PyObject* object() const { return reinterpret_cast<PyObject*>(op_); }
+  explicit operator bool() const { return op_ != nullptr; }
+  // Ends the held Op's borrow and releases it, then holds `op` (created in `ctx`).
+  void reset(OpObject* op = nullptr, TFE_Context* ctx = nullptr) {
+    OpObject* old = op_;
+    TFE_Context* old_ctx = ctx_;
+    op_ = op;
+    ctx_ = ctx;
+    if (old != nullptr) {
+      EndBorrow(old, old_ctx);
+      Py_DECREF(reinterpret_cast<PyObject*>(old));
+    }
+  }
+
+ private:
+  OpObject* op_ = nullptr;
+  TFE_Context* ctx_ = nullptr;
+};
+
 // A TFE_Op no longer used (its inputs may still be attached: TFE_OpReset releases them),
 // kept for reuse by TakePooledOp in a bounded pool, or deleted. TakePooledOp returns one
 // (to TFE_OpReset before use; owned by the caller) or null. GIL: must be held.

@@ -14,6 +14,7 @@
 #include "native/native.h"
 #include "native/native_internal.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
 
@@ -76,108 +77,106 @@ int WantsCopy(PyObject* stack, PyObject* op, int index, TFE_TensorHandle* h) {
 bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
              const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
              TFE_TensorHandle** outputs, TF_Status* status) {
+  // Released in the reverse order of these declarations: the swap of the current op,
+  // the values made here, then the handler's attributes, then the Op (EndBorrow).
+  OpRef op;
   // Read per op (the handler may rebind them); not cached, so the cache keeps no handler
   // alive.
-  PyObject* handler = PyObject_GetAttr(stack, s_handler);
-  PyObject* execute = handler != nullptr ? PyObject_GetAttr(handler, s_execute) : nullptr;
-  if (execute != nullptr && d.next == g_physical && AsyncHookIs(execute) &&
-      AsyncExecute(stack, src, type, n_in, in, num_outputs, outputs, status)) {
-    // oh.Async's hook in C for its common case: no Op object, no hook frame.
-    Py_DECREF(execute);
-    Py_DECREF(handler);
+  PyRef handler(PyObject_GetAttr(stack, s_handler));
+  PyRef execute(handler ? PyObject_GetAttr(handler.get(), s_execute) : nullptr);
+  if (execute && d.next == g_physical && g_handler_hooks.execute_in_c != nullptr &&
+      g_handler_hooks.execute_in_c(execute.get(), stack, src, type, n_in, in, num_outputs,
+                                   outputs, status)) {
+    // The hook's C implementation (the hook slot) took it: no Op object, no hook frame.
     return true;
   }
-  OpObject* op = PyErr_Occurred() ? nullptr : NewOpObject(type, device, *num_outputs);
-  if (op == nullptr) {
+  op.reset(PyErr_Occurred() ? nullptr : NewOpObject(type, device, *num_outputs), g_ctx);
+  if (!op) {
     StatusFromPyErr(status);
-    Py_XDECREF(execute);
-    Py_XDECREF(handler);
     return true;
   }
-  op->borrowed = src;
-  PyObject* value_dtype = nullptr;
-  PyObject* physical_copy = nullptr;  // handler.physical_copy_on, asked at the first use
-  PyObject* values = execute != nullptr ? PyList_New(n_in) : nullptr;
-  PyObject* result = nullptr;
-  PyObject* wrapped = nullptr;
+  op.get()->borrowed = src;
+  PyRef value_dtype;
+  PyRef physical_copy;  // handler.physical_copy_on, asked at the first use
+  PyRef values(execute ? PyList_New(n_in) : nullptr);
+  PyRef result;
+  PyRef wrapped;
   absl::InlinedVector<int, 4> foreign;
-  OpObject* outer = SwapCurrentOp(op);  // names the op in wrap errors (CurrentOpType)
-  bool swapped = true;
-  if (values == nullptr) goto fail;
+  // Names the op in wrap errors (CurrentOpType) until the outputs are taken.
+  struct CurrentOp {
+    OpObject* outer;
+    bool swapped = true;
+    void Restore() {
+      if (swapped) SwapCurrentOp(outer);
+      swapped = false;
+    }
+    ~CurrentOp() { Restore(); }
+  } current{SwapCurrentOp(op.get())};
+  auto fail = [status]() {
+    StatusFromPyErr(status);
+    return true;
+  };
+  if (!values) return fail();
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
     PyObject* v;
     if (p != nullptr && p->kind == TFOH_PAYLOAD_PYTHON &&
         reinterpret_cast<PyObject*>(p->stack) == stack) {
       v = PayloadValue(p);  // borrowed; made now if the payload has only a handle
-      if (v == nullptr) goto fail;
+      if (v == nullptr) return fail();
       Py_INCREF(v);
     } else {
       v = native_internal::EagerTensorSharing(in[i]);
-      if (v == nullptr) goto fail;
+      if (v == nullptr) return fail();
       foreign.push_back(i);
     }
-    PyList_SET_ITEM(values, i, v);
+    PyList_SET_ITEM(values.get(), i, v);
   }
   for (int i : foreign) {
     if (!d.copy_all) {
-      int yes = WantsCopy(stack, reinterpret_cast<PyObject*>(op), i, in[i]);
-      if (yes < 0) goto fail;
+      int yes = WantsCopy(stack, op.object(), i, in[i]);
+      if (yes < 0) return fail();
       if (yes == 0) continue;
     }
-    if (physical_copy == nullptr && d.next == g_physical && PayloadOf(in[i]) == nullptr) {
+    if (!physical_copy && d.next == g_physical && PayloadOf(in[i]) == nullptr) {
       // A physical tensor onto a stack over PHYSICAL: the handler's `physical_copy_on`,
       // when it declares one, gives what its copy_on would (OpHandler), with no frame.
       // The stack holds the one that applies (core/fast_decision.py physical_copy_of):
       // None when a subclass or the instance set its own copy_on.
-      physical_copy = PyObject_GetAttr(stack, s_physical_copy);
-      if (physical_copy == nullptr) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto fail;
+      physical_copy.reset(PyObject_GetAttr(stack, s_physical_copy));
+      if (!physical_copy) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return fail();
         PyErr_Clear();  // (a stack without the field: its copy_on)
-        physical_copy = Py_NewRef(Py_None);
+        physical_copy.reset(Py_NewRef(Py_None));
       }
     }
     PyObject* moved =
-        physical_copy != nullptr && physical_copy != Py_None && PayloadOf(in[i]) == nullptr
-            ? PyObject_CallOneArg(physical_copy, PyList_GET_ITEM(values, i))
-            : PyObject_CallMethodOneArg(stack, s_copy_on_value, PyList_GET_ITEM(values, i));
-    if (moved == nullptr) goto fail;
-    PyList_SetItem(values, i, moved);  // steals `moved`, releases the input
+        physical_copy && physical_copy.get() != Py_None && PayloadOf(in[i]) == nullptr
+            ? PyObject_CallOneArg(physical_copy.get(), PyList_GET_ITEM(values.get(), i))
+            : PyObject_CallMethodOneArg(stack, s_copy_on_value, PyList_GET_ITEM(values.get(), i));
+    if (moved == nullptr) return fail();
+    PyList_SetItem(values.get(), i, moved);  // steals `moved`, releases the input
   }
-  result = CallHook(stack, d.next, execute, reinterpret_cast<PyObject*>(op), values);
-  if (result == nullptr) goto fail;
-  if (!PyList_Check(result) && !PyTuple_Check(result)) {
-    PyObject* r = PyObject_CallMethodObjArgs(stack, s_not_a_list, op, result, nullptr);
-    Py_XDECREF(r);  // raises
+  result.reset(CallHook(stack, d.next, execute.get(), op.object(), values.get()));
+  if (!result) return fail();
+  if (!PyList_Check(result.get()) && !PyTuple_Check(result.get())) {
+    PyRef r(PyObject_CallMethodObjArgs(stack, s_not_a_list, op.object(), result.get(), nullptr));
+    r.reset();  // raises
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "execute did not return a list");
-    goto fail;
+    return fail();
   }
   if (d.next == g_physical) {
-    value_dtype = PyObject_GetAttr(handler, s_value_dtype);
-    if (value_dtype == nullptr) goto fail;
-    wrapped = WrapOutputs(stack, result, d.transient, value_dtype, op->type);
+    value_dtype.reset(PyObject_GetAttr(handler.get(), s_value_dtype));
+    if (!value_dtype) return fail();
+    wrapped.reset(
+        WrapOutputs(stack, result.get(), d.transient, value_dtype.get(), op.get()->type));
   } else {
     // Outputs that left the stacks below (HandlerStack._wrap_eager).
-    wrapped = PyObject_CallMethodOneArg(stack, s_wrap_eager, result);
+    wrapped.reset(PyObject_CallMethodOneArg(stack, s_wrap_eager, result.get()));
   }
-  if (wrapped == nullptr) goto fail;
-  SwapCurrentOp(outer);
-  swapped = false;
-  TakeOutputs(op, src, wrapped, num_outputs, outputs, status);
-  goto done;
-fail:
-  StatusFromPyErr(status);
-done:
-  if (swapped) SwapCurrentOp(outer);
-  Py_XDECREF(wrapped);
-  Py_XDECREF(result);
-  Py_XDECREF(values);
-  Py_XDECREF(value_dtype);
-  Py_XDECREF(physical_copy);
-  Py_XDECREF(execute);
-  Py_XDECREF(handler);
-  EndBorrow(op, g_ctx);
-  Py_DECREF(op);
+  if (!wrapped) return fail();
+  current.Restore();
+  TakeOutputs(op.get(), src, wrapped.get(), num_outputs, outputs, status);
   return true;
 }
 

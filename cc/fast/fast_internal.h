@@ -12,10 +12,11 @@
                        RunForward (a level whose handler does not execute the op)
      fast_hook.cc      CallHook (HandlerStack.call_hook's frame) and RunHook (a Python
                        execute hook run from C, on the op's first stack)
-     fast_record.cc    RunRecord (a level with after_execute: forward, then record)
-     fast_async.cc     AsyncExecute (oh.Async's execute hook in C for its common
-                       case, tried by RunHook before the Python hook)
-     fast_lazy.cc      RunLazy (oh.Lazy's execute: its common ops recorded in C)
+     fast_record.cc    RunAfterExecute (a level with after_execute: forward, then
+                       the handler's after_execute)
+     handler_hooks.h   the slot through which handler-specific C++ (cc/handlers/)
+                       provides C implementations of hooks (kPlugin, a C execute
+                       tried by RunHook, a C after_execute)
 
    Everything lives in namespace tf_ophandlers::fast. Common contract, unless a function
    says otherwise:
@@ -31,6 +32,8 @@
      exception raised on the way is converted by StatusFromPyErr, none is left set).
    - References: "borrowed"/"new" describe Python references; a Decision's pointers are
      borrowed from the stack, which is alive while its op runs.
+   - A function releases what it holds through owners (boundary/owners.h PyRef,
+     boundary/op.h OpRef), in the reverse order of their declarations, on every exit.
 */
 #ifndef TF_OPHANDLERS_FAST_INTERNAL_H_
 #define TF_OPHANDLERS_FAST_INTERNAL_H_
@@ -42,6 +45,7 @@
 #include "absl/container/inlined_vector.h"
 
 #include "fast/fast_path.h"
+#include "fast/handler_hooks.h"
 #include "native/native_internal.h"
 #include "boundary/op.h"
 #include "tensorflow/c/eager/c_api.h"
@@ -56,8 +60,8 @@ enum Kind : int {
   kForward = 1,  // the handler does not execute this op: forward it to the next stack
   kNative = 2,   // a C/C++ handler (native.h)
   kHook = 3,     // a Python execute hook, called from C (the op's first stack only)
-  kRecord = 4,   // forward to the next stack, then the handler's after_execute (RunRecord)
-  kLazy = 5,     // oh.Lazy's execute: its common ops recorded in C, else kHook (RunLazy)
+  kAfterExecute = 4,  // forward to the next stack, then after_execute (RunAfterExecute)
+  kPlugin = 5,   // the handler's execute in C (HandlerHooks::run_plugin), else as kHook
 };
 
 // One stack's decision for one op type. Callers copy it before running anything that may
@@ -78,7 +82,7 @@ struct Decision {
 enum class Pass {
   kNone,      // none (each needs the handler's copy_on hook: Python)
   kAny,       // every one (the default copy_on moves it to the next stack: RunForward)
-  kPhysical,  // physical ones, when the next stack is PHYSICAL (after_execute: RunRecord)
+  kPhysical,  // physical ones, when the next stack is PHYSICAL (after_execute: RunAfterExecute)
 };
 
 // The deepest level RunOn descends to before declining (the Python path then runs).
@@ -133,8 +137,8 @@ PyObject* PyFastStats(PyObject*, PyObject*);
 // ---- fast_path.cc ---------------------------------------------------------------------
 
 // Runs the op on `stack` at nesting `depth` (0: the op's first stack) as its decision
-// says: PHYSICAL (RunPhysical), kForward, kNative (NativeStackRun), kRecord, or kHook
-// (depth 0 only). The Run* "handled" contract above.
+// says: PHYSICAL (RunPhysical), kForward, kNative (NativeStackRun), kAfterExecute, or kHook
+// and kPlugin (depth 0 only). The Run* "handled" contract above.
 bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* device,
            int n_in, TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
            TF_Status* status, int depth);
@@ -145,7 +149,7 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
 bool RunPhysical(const TFE_Op* src, const char* type, int n_in, TFE_TensorHandle** in,
                  int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status);
 
-// RunRecord's physical TFE_Op, handed over instead of copied (EndBorrow): after
+// RunAfterExecute's physical TFE_Op, handed over instead of copied (EndBorrow): after
 // KeepNextPhysicalOp, the next ExecuteOnPhysical on this thread that succeeds leaves its
 // TFE_Op, inputs released, for TakeKeptPhysicalOp (which also cancels a keep that no
 // execution took), owned by the caller; ReturnPhysicalOp gives an op not kept back to
@@ -163,7 +167,7 @@ void ReturnPhysicalOp(TFE_Op* op);
 // done) when an input needs Python: a payload of `stack` that is not an EagerTensor, or a
 // foreign input needing a copy_on hook, unless `foreign` is not null: such an input then
 // gets `values[i]` = `in[i]` (`own[i]` null) and its index is appended to `*foreign`, for
-// the caller to copy on (RunRecord over a Python execute hook). On false, `*foreign` may
+// the caller to copy on (RunAfterExecute over a Python execute hook). On false, `*foreign` may
 // hold indices of inputs seen before the one that declined. `in` borrowed. Never fails
 // otherwise; no Python exception set. GIL: held.
 bool UnwrapInputs(PyObject* stack, Pass pass, bool next_physical, int n_in,
@@ -185,8 +189,8 @@ bool RunForward(PyObject* stack, const Decision& d, const TFE_Op* src, const cha
 
 // Whether foreign input `index` (handle `h`) of `op` is copied onto `stack` before its hook
 // runs, as HandlerStack.execute decides: always for a tensor of a stack built on this one
-// (its representation here: a tape over a handler that takes foreign inputs as they are,
-// oh.Async, must still see the tensor it recorded, not the wrapper of a handler above);
+// (its representation here: a recording handler over one that takes foreign inputs as
+// they are must still see the tensor it recorded, not the wrapper of a handler above);
 // else as `stack.wants_copy(op, index)` says. Returns 1 or 0, or -1 with a Python error
 // set. Arguments borrowed. GIL: held.
 int WantsCopy(PyObject* stack, PyObject* op, int index, TFE_TensorHandle* h);
@@ -207,94 +211,16 @@ bool RunHook(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
              const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
              TFE_TensorHandle** outputs, TF_Status* status);
 
-// ---- fast_async.cc --------------------------------------------------------------------
-
-// Whether `execute` (a handler's bound `execute`, borrowed) is oh.Async's hook, whose
-// common case AsyncExecute runs in C. False until async_setup ran. GIL: held.
-bool AsyncHookIs(PyObject* execute);
-
-// oh.Async's execute hook in C, with RunHook's wrap and output check, for `type` on
-// `stack` (whose next stack is PHYSICAL, no replay running), from the op's inputs `in`
-// (borrowed). Returns false when the Python hook must run instead (nothing done, no
-// Python exception set); true when the op was queued: `status` tells whether its outputs
-// were made (the Run* contract). GIL: held; released around TFE_Execute.
-bool AsyncExecute(PyObject* stack, const TFE_Op* src, const char* type, int n_in,
-                  TFE_TensorHandle** in, int* num_outputs, TFE_TensorHandle** outputs,
-                  TF_Status* status);
-
-// async_setup(execute, op_kinds, implied, inferred, resource, valueless): the tables of
-// handlers/async_execution.py AsyncExecute reads (kFastModuleMethods). GIL: held.
-PyObject* PyAsyncSetup(PyObject*, PyObject* args);
-// async_stats() -> {"c_ops": ops AsyncExecute ran} (kFastModuleMethods). GIL: held.
-PyObject* PyAsyncStats(PyObject*, PyObject*);
-
 // ---- fast_record.cc -------------------------------------------------------------------
 
-// kRecord: forward (as RunForward), then one call of the handler's
-// `after_execute(op, inputs, outputs)` in the hook's frame, then wrap. Returns false
+// kAfterExecute: forward (as RunForward), then one call of the handler's
+// `after_execute(op, inputs, outputs)` (in the hook's frame, or its C implementation
+// from the hook slot, handler_hooks.h), then wrap. Returns false
 // (nothing done) for inputs that need a copy_on hook; once the op ran, always handled,
 // an exception of after_execute reaching the user through `status`.
-bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+bool RunAfterExecute(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
                const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
                TFE_TensorHandle** outputs, TF_Status* status, int depth);
-
-// ---- fast_lazy.cc --------------------------------------------------------------------
-
-// kLazy, on the op's first stack: oh.Lazy's execute for a stateless op over PHYSICAL
-// with known output dtypes, a cached signature and inputs that are the stack's
-// LazyValues or physical non-resource tensors, recorded in C (the hook's _Node and
-// LazyValues, appended to the handler's `_pending`); anything else runs RunHook. Always
-// handled (returns true): errors through `status`.
-bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
-             const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
-             TFE_TensorHandle** outputs, TF_Status* status);
-
-// lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful) (handlers/lazy/handler.py at
-// import): the types and caches RunLazy uses. Python C-API contract. GIL: held.
-PyObject* PyLazySetup(PyObject*, PyObject* args);
-
-// What lazy_setup registered (strong references, for the process), null before it;
-// shared by fast_lazy.cc (recording) and fast_lazy_plan.cc (value requests).
-struct LazyTypes {
-  PyTypeObject* value = nullptr;  // LazyValue
-  PyTypeObject* node = nullptr;   // _Node
-  PyObject* sequence = nullptr;   // lazy._sequence (an itertools.count)
-  PyObject* sigs = nullptr;       // lazy_compile.sigs: (op type, enums) -> signature
-  PyObject* dtypes = nullptr;     // lazy._dtypes: enum -> tf.DType
-  PyObject* stateful = nullptr;   // lazy._stateful: op type -> whether it runs eagerly
-  PyObject* s_pending = nullptr;  // "_pending"
-  PyObject* s_chunk_ops = nullptr;
-  PyObject* s_recorded = nullptr;
-  PyObject* s_live_nodes = nullptr;
-  PyObject* s_prune = nullptr;
-  // Slot offsets (LazyValue: node, index, dtype, value; _Node: the rest).
-  Py_ssize_t v_node = 0, v_index = 0, v_dtype = 0, v_value = 0;
-  Py_ssize_t n_seq = 0, n_sig = 0, n_op = 0, n_device = 0, n_inputs = 0, n_outputs = 0,
-             n_values = 0, n_specs = 0, n_next = 0, n_failed = 0;
-};
-extern LazyTypes g_lazy;
-extern bool g_lazy_ready;
-
-// Slot `offset` of a `__slots__` object (may be null: unset).
-inline PyObject*& Slot(PyObject* o, Py_ssize_t offset) {
-  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
-}
-
-// ---- fast_lazy_plan.cc ---------------------------------------------------------------
-
-// lazy_upstream(roots) -> list: the pending nodes `roots` depend on through pending
-// producers, roots included, in recording order (Lazy._run). Python C-API contract.
-PyObject* PyLazyUpstream(PyObject*, PyObject* args);
-
-// lazy_plan(order, needed, specs, want_plan) -> (plan, key, kept, external, ext_specs):
-// Lazy._run's pass over the pending nodes `order` (handlers/lazy/handler.py says what each is;
-// `key` one bytes object encoding every node's op type, attributes, wiring, device and
-// live outputs; `plan` None unless `want_plan`; `ext_specs` the external inputs' (dtype
-// enum, shape) when `specs`, else None). Python C-API contract. GIL: held.
-PyObject* PyLazyPlan(PyObject*, PyObject* args);
-
-// lazy_computed(order): marks the nodes computed (inputs None, releasing them).
-PyObject* PyLazyComputed(PyObject*, PyObject* args);
 
 // ---- fast_convert.cc: skip_trace_execute's non-tensor inputs (fast_trace.cc) ----------
 

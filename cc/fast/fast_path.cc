@@ -58,6 +58,8 @@ bool SubstitutesUnderTape(PyObject* stack) {
 
 namespace fast {
 
+HandlerHooks g_handler_hooks;
+
 // Set by fast_setup (core/stack.py at import). Interned attribute names of the fast path.
 PyObject* s_fast = nullptr;
 PyObject* s_value_dtype = nullptr;
@@ -137,20 +139,24 @@ bool RunOn(PyObject* stack, const TFE_Op* src, const char* type, const char* dev
       return NativeStackRun(stack, copy.handler, copy.next, src, type, device, n_in, in,
                             num_outputs, outputs, status, /*first_stack=*/depth == 0);
     }
-    case kRecord: {
+    case kAfterExecute: {
       Decision copy = *d;
-      return RunRecord(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status,
-                       depth);
+      return RunAfterExecute(stack, copy, src, type, device, n_in, in, num_outputs, outputs,
+                             status, depth);
     }
     case kHook: {
       if (depth > 0) return false;  // below a forwarding level: its copy-on rules, Python
       Decision copy = *d;
       return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
     }
-    case kLazy: {
+    case kPlugin: {
       if (depth > 0) return false;  // as kHook
       Decision copy = *d;
-      return RunLazy(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
+      if (g_handler_hooks.run_plugin == nullptr) {  // no C implementation compiled in
+        return RunHook(stack, copy, src, type, device, n_in, in, num_outputs, outputs, status);
+      }
+      return g_handler_hooks.run_plugin(stack, copy, src, type, device, n_in, in, num_outputs,
+                                        outputs, status);
     }
     default:
       return false;
@@ -250,7 +256,7 @@ bool FastRunOn(PyObject* stack, const TFE_Op* op, const char* type, const char* 
 }
 
 namespace {
-// RunRecord's hand-over of the physical TFE_Op (KeepNextPhysicalOp): whether the next
+// RunAfterExecute's hand-over of the physical TFE_Op (KeepNextPhysicalOp): whether the next
 // ExecuteOnPhysical on this thread leaves its op here instead of in its cache.
 thread_local bool t_keep_next = false;
 thread_local TFE_Op* t_kept = nullptr;
@@ -330,26 +336,20 @@ PyMethodDef kFastModuleMethods[] = {
      "(while none lives, the fast paths never read it)."},
     {"stacks_changed", PyStacksChanged, METH_O,
      "stacks_changed(may_be_fast): a stack was built; clears the fast path's decisions."},
-    {"async_setup", PyAsyncSetup, METH_VARARGS,
-     "async_setup(execute, op_kinds, implied, inferred, resource, valueless): oh.Async's "
-     "tables, for its hook's common case in C (cc/handlers/async_execution/fast_async.cc)."},
-    {"async_stats", PyAsyncStats, METH_NOARGS,
-     "async_stats() -> {c_ops}: ops oh.Async's hook ran in C (cc/handlers/async_execution/fast_async.cc)."},
     {"nogil_forget", PyNoGilForget, METH_NOARGS,
      "nogil_forget(): drops this thread's no-GIL plan (a scope closed)."},
-    {"lazy_setup", PyLazySetup, METH_VARARGS,
-     "lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful): oh.Lazy's C record."},
-    {"lazy_plan", PyLazyPlan, METH_VARARGS,
-     "lazy_plan(order, needed, specs, want_plan): oh.Lazy's key, kept outputs, external "
-     "inputs and (want_plan) plan."},
-    {"lazy_upstream", PyLazyUpstream, METH_VARARGS,
-     "lazy_upstream(roots): the pending nodes roots depend on, in recording order."},
-    {"lazy_computed", PyLazyComputed, METH_VARARGS,
-     "lazy_computed(order): marks the nodes computed (releases their inputs)."},
     {"fast_stats", PyFastStats, METH_NOARGS,
      "fast_stats() -> {hits, misses, fast_ops, clears, entries, maxsize, enabled, "
      "shared_hits, python_asks, shared_entries, shared_maxsize, nogil_ops, "
      "nogil_forward_ops}."},
     {nullptr}};
+
+bool InstallHandlerHooks(PyObject* module) {
+  if (!RegisterHandlerHooks(&g_handler_hooks)) return false;
+  for (PyMethodDef* table : g_handler_hooks.methods) {
+    if (table != nullptr && PyModule_AddFunctions(module, table) < 0) return false;
+  }
+  return true;
+}
 
 }  // namespace tf_ophandlers

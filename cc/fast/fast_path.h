@@ -1,8 +1,10 @@
 /* tf-ophandlers C++ boundary: the per-op fast path (internal header). Implementation:
-   fast_path.cc (entry points), fast_decision.cc, fast_forward.cc, fast_hook.cc,
-   fast_record.cc and fast_lazy.cc; what those share, and each function's contract: fast_internal.h.
-   fast_trace.cc (kTraceModuleMethods, below) is TensorFlow's own op fast path without its
-   stack capture, which stands in for it while an oh.Lazy scope is open.
+   fast_path.cc (entry points), fast_decision.cc, fast_forward.cc, fast_hook.cc and
+   fast_record.cc; what those share, and each function's contract: fast_internal.h.
+   Handler-specific C++ (cc/handlers/) plugs in through one slot, handler_hooks.h: this
+   layer names no shipped handler. fast_trace.cc (kTraceModuleMethods, below) is
+   TensorFlow's own op fast path without its stack capture, which stands in for it while
+   a handler that asks for it (core/skip_trace.py) is open.
 
    The dispatcher's execute callback (device.cc) first offers every op to
    TryFastExecute, which runs it without any Python frame when every stack it passes
@@ -24,12 +26,12 @@
      inputs on the stack are unwrapped in C (a physical input passes as it is when the
      next stack is PHYSICAL), the op runs on the next stack, `after_execute(op, inputs,
      outputs)` is the one call, in the hook's frame, and the outputs are wrapped as for a
-     forwarding level (RunRecord); oh.GradientTape's after_execute is C itself
-     (tape_record.h).
-   - on the op's first stack, oh.Lazy (FAST_LAZY): its common op (stateless, over
-     PHYSICAL, inputs its own values or physical tensors, signature cached) is recorded
-     in C, building the `_Node` and `LazyValue`s its execute hook would (RunLazy); any
-     other op runs the hook as above.
+     forwarding level (RunAfterExecute, kind FAST_AFTER_EXECUTE); a handler whose
+     after_execute is implemented in C (the hook slot's after_execute_c) is called
+     without a hook frame.
+   - on the op's first stack, a handler whose class declares a C implementation of its
+     execute hook (FAST_PLUGIN): the hook slot's run_plugin runs the op, taking its
+     common ops in C and handing the others to the hook as above.
    Copy ops run only on the op's first stack, through its execute hook, when the
    handler declares `handles_copy = True` (FAST_HOOK). Anything else (a function call
    op, other copy ops and `_EagerConst`, ops that run Python
@@ -119,11 +121,18 @@ uint64_t StacksGeneration();
 PyObject* WrapOutputs(PyObject* stack, PyObject* values, bool transient,
                       PyObject* value_dtype, PyObject* op_type);
 
+// Fills the fast path's hook slot (handler_hooks.h) with the handler-specific C++
+// compiled into the extension and adds their module functions to `module` (borrowed).
+// Called once by PyInit__C, before any op runs. Returns false with a Python exception
+// set. GIL: held.
+bool InstallHandlerHooks(PyObject* module);
+
 // The module functions of the fast path (fast_setup, stacks_changed, fast_stats), appended
 // to the module's method table by module.cc. Null-terminated.
 extern PyMethodDef kFastModuleMethods[];
 // skip_trace_setup / skip_trace_execute (fast_trace.cc): TensorFlow's op fast path
-// without its stack capture, for ops placed on the dispatcher while oh.Lazy is open.
+// without its stack capture, for ops placed on the dispatcher while a handler that asks
+// for it is open (core/skip_trace.py).
 extern PyMethodDef kTraceModuleMethods[];
 
 }  // namespace tf_ophandlers

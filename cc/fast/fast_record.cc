@@ -1,4 +1,5 @@
-// tf-ophandlers: the record path of the fast path (OpHandler.after_execute; a tape).
+// tf-ophandlers: the after_execute path of the fast path (OpHandler.after_execute: a
+// handler that records what ran below it).
 // Contracts: fast_internal.h.
 #define PY_SSIZE_T_CLEAN
 #include "fast/fast_internal.h"
@@ -14,23 +15,25 @@
 #include "native/native.h"
 #include "native/native_internal.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
-#include "handlers/gradient_tape/tape_record.h"
 
 namespace tf_ophandlers {
 namespace fast {
 
 namespace {
 
-// Whether `handler.after_execute` is the C recording of a tape: its class's (looked up in
-// the type cache, for a class with the generic attribute lookup) and not replaced on the
-// instance. Never sets an exception. GIL: held.
-bool IsTape(PyObject* handler) {
+// Whether `handler.after_execute` is implemented in C (the hook slot's after_execute_c):
+// its class's (looked up in the type cache, for a class with the generic attribute
+// lookup) passes after_execute_is_c and is not replaced on the instance. Never sets an
+// exception. GIL: held.
+bool AfterExecuteInC(PyObject* handler) {
+  if (g_handler_hooks.after_execute_is_c == nullptr) return false;
   if (Py_TYPE(handler)->tp_getattro != PyObject_GenericGetAttr) return false;
   PyObject* m = _PyType_Lookup(Py_TYPE(handler), s_after_execute);  // borrowed
   if (m == nullptr || !PyInstanceMethod_Check(m) ||
-      !IsTapeAfterExecute(PyInstanceMethod_GET_FUNCTION(m))) {
+      !g_handler_hooks.after_execute_is_c(PyInstanceMethod_GET_FUNCTION(m))) {
     return false;
   }
   PyObject* dict = PyObject_GenericGetDict(handler, nullptr);
@@ -43,7 +46,7 @@ bool IsTape(PyObject* handler) {
 
 }  // namespace
 
-// ---- kRecord: a handler that records what ran (OpHandler.after_execute, a tape) -------
+// ---- kAfterExecute: a handler that records what ran (OpHandler.after_execute) --------
 //
 // HandlerStack.execute for a handler that defines `after_execute`: inputs on the stack
 // are unwrapped in C (a physical input, when the next stack is PHYSICAL, is passed as it
@@ -52,18 +55,18 @@ bool IsTape(PyObject* handler) {
 // `after_execute(op, inputs, outputs)` with the representations, in the hook's frame;
 // the outputs are then wrapped as RunForward does.
 //
-// Over a Python execute hook (the next stack's decision is kHook: a tape inside
-// oh.vectorized_map) the next level runs from C too (RunHook), with exactly the values
+// Over a Python execute hook (the next stack's decision is kHook or kPlugin: a recording
+// handler inside one that executes ops itself) the next level runs from C too (RunHook), with exactly the values
 // the Python path hands to `next.execute(op, values)`: this stack's unwrapped inputs and,
 // on the op's first stack (depth 0, where no forwarding level's copy rules came first),
 // inputs from elsewhere copied on as HandlerStack.execute does (`wants_copy` when copies
-// defer, then the stack's `_copy_on_value`, which runs the handler's copy_on hook; a
-// tape records a CopyOn there). Returns false (nothing done) for inputs that need a
+// defer, then the stack's `_copy_on_value`, which runs the handler's copy_on hook, which
+// may record a CopyOn). Returns false (nothing done) for inputs that need a
 // copy_on hook in any other case. After a copy-on or the op ran, always handled; an
 // exception of a hook reaches the user through `status` (StatusFromPyErr). GIL: held.
-bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
-               const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
-               TFE_TensorHandle** outputs, TF_Status* status, int depth) {
+bool RunAfterExecute(PyObject* stack, const Decision& d, const TFE_Op* src, const char* type,
+                     const char* device, int n_in, TFE_TensorHandle** in, int* num_outputs,
+                     TFE_TensorHandle** outputs, TF_Status* status, int depth) {
   absl::InlinedVector<TFE_TensorHandle*, 4> values(n_in);
   absl::InlinedVector<PyObject*, 4> own(n_in, nullptr);  // borrowed payload values
   // The next level when it is a Python execute hook (copied: Decide may clear the cache).
@@ -71,7 +74,7 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
   bool over_hook = false;
   if (d.next != g_physical) {
     const Decision* nd = Decide(d.next, type);
-    if (nd != nullptr && (nd->kind == kHook || nd->kind == kLazy)) {  // (Lazy: its hook)
+    if (nd != nullptr && (nd->kind == kHook || nd->kind == kPlugin)) {  // (kPlugin: its hook)
       hook = *nd;
       over_hook = true;
     }
@@ -87,60 +90,95 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
   int n = capacity;
   absl::InlinedVector<TFE_TensorHandle*, 4> outs(n > 0 ? n : 1, nullptr);
   absl::InlinedVector<bool, 4> leaves(n > 0 ? n : 1, false);
-  absl::InlinedVector<PyObject*, 4> copied(n_in, nullptr);  // owned: copied-on inputs
-  PyObject* py_in = nullptr;
-  PyObject* py_out = nullptr;
-  PyObject* handler = nullptr;
-  PyObject* fn = nullptr;
-  PyObject* r = nullptr;
-  PyObject* producer = nullptr;
-  OpObject* op = nullptr;
-  TFE_Op* ran = nullptr;  // the physical op that ran, when handed over (KeepNextPhysicalOp)
+  // Released in the reverse order of these declarations: the outputs not handed on, the
+  // Op (taking the physical op that ran when a record keeps it), the physical op, the
+  // copied-on inputs, then the Python values.
+  PyRef py_in;
+  PyRef py_out;
+  PyRef handler;
+  PyRef fn;
+  PyRef r;
+  PyRef producer;
+  absl::InlinedVector<PyRef, 4> copied(n_in);  // copied-on inputs
+  struct RanOp {  // the physical op that ran, when handed over (KeepNextPhysicalOp)
+    TFE_Op* op = nullptr;
+    ~RanOp() { ReturnPhysicalOp(op); }
+  } ran;
+  struct RecordOp {  // the Op after_execute gets; keeps `ran` when a record keeps it
+    OpObject* op = nullptr;
+    RanOp* ran;
+    ~RecordOp() {
+      if (op == nullptr) return;
+      if (ran->op != nullptr && op->borrowed != nullptr && op->owned == nullptr &&
+          Py_REFCNT(op) > 1) {
+        op->owned = ran->op;  // kept (by a record): the attributes it ran with
+        ran->op = nullptr;
+      }
+      EndBorrow(op, g_ctx);
+      Py_DECREF(op);
+    }
+  } rec{nullptr, &ran};
+  struct Outs {  // outputs that ran and were not handed on
+    absl::InlinedVector<TFE_TensorHandle*, 4>* outs;
+    int* n;
+    ~Outs() {
+      for (int j = 0; j < *n; ++j) {
+        if ((*outs)[j] != nullptr) TFE_DeleteTensorHandle((*outs)[j]);
+      }
+    }
+  } unused{&outs, &n};
   int done = 0;
+  auto fail = [&]() {
+    StatusFromPyErr(status);
+    for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);
+    return true;
+  };
   if (!foreign.empty()) {
     // HandlerStack.execute's copy-on, before the op runs (nothing was done before).
-    op = NewOpObject(type, device, capacity);
-    if (op == nullptr) goto fail;
-    op->borrowed = src;
+    rec.op = NewOpObject(type, device, capacity);
+    if (rec.op == nullptr) return fail();
+    rec.op->borrowed = src;
     for (int i : foreign) {
-      if (!d.copy_all) {  // (the tape defers its copies to the hook's handler)
-        if (handler == nullptr) {
-          handler = PyObject_GetAttr(stack, s_handler);
-          if (handler == nullptr) goto fail;
+      if (!d.copy_all) {  // (the handler defers its copies to the hook's handler)
+        if (!handler) {
+          handler.reset(PyObject_GetAttr(stack, s_handler));
+          if (!handler) return fail();
         }
-        // The tape's copy-on would only pass the input on (tape_record.h): the hook
-        // copies it on itself (RunHook), without a tape frame or a tensor made and
-        // unwrapped at once; the record keeps the input as it came.
-        int through = IsTape(handler) ? TapeCopiesThrough(handler, d.next, in[i]) : 0;
-        if (through < 0) goto fail;
+        // The handler's copy-on would only pass the input on (the hook slot's
+        // copies_through says so): the hook copies it on itself (RunHook), without a
+        // frame of this handler or a tensor made and unwrapped at once; the record keeps
+        // the input as it came.
+        int through =
+            AfterExecuteInC(handler.get()) && g_handler_hooks.copies_through != nullptr
+                ? g_handler_hooks.copies_through(handler.get(), d.next, in[i])
+                : 0;
+        if (through < 0) return fail();
         if (through == 1) continue;
       }
-      PyObject* t = native_internal::EagerTensorSharing(in[i]);
-      if (t == nullptr) goto fail;
+      PyRef t(native_internal::EagerTensorSharing(in[i]));
+      if (!t) return fail();
       if (!d.copy_all) {
-        int yes = WantsCopy(stack, reinterpret_cast<PyObject*>(op), i, in[i]);
-        if (yes <= 0) {
-          if (yes < 0) {
-            Py_DECREF(t);
-            goto fail;
-          }
-          copied[i] = t;  // passed down as it is
+        int yes = WantsCopy(stack, reinterpret_cast<PyObject*>(rec.op), i, in[i]);
+        if (yes < 0) return fail();
+        if (yes == 0) {
+          copied[i] = std::move(t);  // passed down as it is
           continue;
         }
       }
-      PyObject* moved = PyObject_CallMethodOneArg(stack, s_copy_on_value, t);
-      Py_DECREF(t);
-      if (moved == nullptr) goto fail;
-      copied[i] = moved;
-      if (!EagerTensor_CheckExact(moved)) {
+      PyRef moved(PyObject_CallMethodOneArg(stack, s_copy_on_value, t.get()));
+      t.reset();
+      if (!moved) return fail();
+      PyObject* m = moved.get();
+      copied[i] = std::move(moved);
+      if (!EagerTensor_CheckExact(m)) {
         PyErr_Format(PyExc_TypeError,
                      "tf_ophandlers: the copy_on hook of %R returned a %s for input %d of op "
                      "%s, not a tensor of the next stack (a handler with after_execute "
                      "represents a tensor by a tensor of the next stack)",
-                     stack, Py_TYPE(moved)->tp_name, i, type);
-        goto fail;
+                     stack, Py_TYPE(m)->tp_name, i, type);
+        return fail();
       }
-      values[i] = EagerTensor_Handle(moved);
+      values[i] = EagerTensor_Handle(m);
     }
   }
   if (over_hook) {
@@ -150,40 +188,30 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
     // ran: it is handed over below instead of copied (EndBorrow).
     KeepNextPhysicalOp();
     bool ran_here = RunPhysical(src, type, n_in, values.data(), &n, outs.data(), status);
-    ran = TakeKeptPhysicalOp();
-    if (!ran_here) {
-      if (op != nullptr) {
-        EndBorrow(op, g_ctx);
-        Py_DECREF(op);
-      }
-      return false;
-    }
+    ran.op = TakeKeptPhysicalOp();
+    if (!ran_here) return false;  // (nothing ran: no outputs, no physical op kept)
   } else if (!RunOn(d.next, src, type, device, n_in, values.data(), &n, outs.data(), status,
                     depth + 1)) {
     // Nothing done (no copy-on happened: `foreign` is only filled over a hook).
-    if (op != nullptr) {
-      EndBorrow(op, g_ctx);
-      Py_DECREF(op);
-    }
     return false;
   }
   if (TF_GetCode(status) != TF_OK) {
     n = 0;  // no outputs to release
-    goto cleanup;
+    return true;
   }
   // From here on the op ran: always handled. Python views of inputs and outputs.
-  py_in = PyList_New(n_in);
-  py_out = py_in != nullptr ? PyList_New(n) : nullptr;
-  if (py_out == nullptr) goto fail;
+  py_in.reset(PyList_New(n_in));
+  py_out.reset(py_in ? PyList_New(n) : nullptr);
+  if (!py_out) return fail();
   for (int i = 0; i < n_in; ++i) {
-    PyObject* v = own[i] != nullptr ? own[i] : copied[i];
+    PyObject* v = own[i] != nullptr ? own[i] : copied[i].get();
     if (v != nullptr) {
       Py_INCREF(v);
     } else {
       v = native_internal::EagerTensorSharing(in[i]);
-      if (v == nullptr) goto fail;
+      if (v == nullptr) return fail();
     }
-    PyList_SET_ITEM(py_in, i, v);
+    PyList_SET_ITEM(py_in.get(), i, v);
   }
   for (int j = 0; j < n; ++j) {
     TFE_TensorHandle* h = outs[j];
@@ -201,67 +229,43 @@ bool RunRecord(PyObject* stack, const Decision& d, const TFE_Op* src, const char
       v = EagerTensorFromHandle(h, false);  // owns `h` on success
       if (v != nullptr) outs[j] = nullptr;
     }
-    if (v == nullptr) goto fail;
-    PyList_SET_ITEM(py_out, j, v);
+    if (v == nullptr) return fail();
+    PyList_SET_ITEM(py_out.get(), j, v);
   }
-  if (op == nullptr) {
-    op = NewOpObject(type, device, capacity);
-    if (op == nullptr) goto fail;
-    op->borrowed = src;
+  if (rec.op == nullptr) {
+    rec.op = NewOpObject(type, device, capacity);
+    if (rec.op == nullptr) return fail();
+    rec.op->borrowed = src;
   }
-  if (handler == nullptr) handler = PyObject_GetAttr(stack, s_handler);
-  if (handler == nullptr) goto fail;
-  if (IsTape(handler)) {
-    // An oh.GradientTape's C recording: no hook frame, no bound method (tape_record.h).
-    r = TapeAfterExecuteDirect(handler, stack, d.next, reinterpret_cast<PyObject*>(op), py_in,
-                               py_out);
+  if (!handler) handler.reset(PyObject_GetAttr(stack, s_handler));
+  if (!handler) return fail();
+  PyObject* op = reinterpret_cast<PyObject*>(rec.op);
+  if (AfterExecuteInC(handler.get())) {
+    // The C implementation of after_execute (the hook slot): no hook frame, no bound method.
+    r.reset(g_handler_hooks.after_execute_c(handler.get(), stack, d.next, op, py_in.get(),
+                                            py_out.get()));
   } else {
-    fn = PyObject_GetAttr(handler, s_after_execute);
-    if (fn == nullptr) goto fail;
-    r = CallHook(stack, d.next, fn, reinterpret_cast<PyObject*>(op), py_in, py_out);
+    fn.reset(PyObject_GetAttr(handler.get(), s_after_execute));
+    if (!fn) return fail();
+    r.reset(CallHook(stack, d.next, fn.get(), op, py_in.get(), py_out.get()));
   }
-  if (r == nullptr) goto fail;
+  if (!r) return fail();
   // Wrap (as RunForward does).
-  producer = InternedString(type);
-  if (producer == nullptr) goto fail;
+  producer.reset(InternedString(type));
+  if (!producer) return fail();
   for (; done < n; ++done) {
     if (leaves[done]) {
       outputs[done] = outs[done];  // ownership moves to the caller
       outs[done] = nullptr;
       continue;
     }
-    PyObject* value = PyList_GET_ITEM(py_out, done);
+    PyObject* value = PyList_GET_ITEM(py_out.get(), done);
     outputs[done] = NewHandlerTensorHandle(stack, value,
                                            TFE_TensorHandleDataType(EagerTensor_Handle(value)),
-                                           producer, true);
-    if (outputs[done] == nullptr) goto fail;
+                                           producer.get(), true);
+    if (outputs[done] == nullptr) return fail();
   }
   *num_outputs = n;
-  goto cleanup;
-fail:
-  StatusFromPyErr(status);
-  for (int j = 0; j < done; ++j) TFE_DeleteTensorHandle(outputs[j]);
-cleanup:
-  for (int j = 0; j < n; ++j) {
-    if (outs[j] != nullptr) TFE_DeleteTensorHandle(outs[j]);
-  }
-  if (op != nullptr) {
-    if (ran != nullptr && op->borrowed != nullptr && op->owned == nullptr &&
-        Py_REFCNT(op) > 1) {
-      op->owned = ran;  // kept (by a record): the attributes it ran with
-      ran = nullptr;
-    }
-    EndBorrow(op, g_ctx);
-    Py_DECREF(op);
-  }
-  ReturnPhysicalOp(ran);
-  for (PyObject* c : copied) Py_XDECREF(c);
-  Py_XDECREF(producer);
-  Py_XDECREF(r);
-  Py_XDECREF(fn);
-  Py_XDECREF(handler);
-  Py_XDECREF(py_out);
-  Py_XDECREF(py_in);
   return true;
 }
 

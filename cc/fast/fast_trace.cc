@@ -4,10 +4,9 @@
 // Every generated op wrapper (gen_*_ops) calls `pywrap_tfe.TFE_Py_FastPathExecute`, which
 // captures the Python stack of the op (StackTrace::Capture, for kernel error messages):
 // about a third of what TensorFlow's Python API costs per small op over a do-nothing
-// custom device (docs/benchmarks.md, "Lazy XLA: TensorFlow's stack capture"). An op
-// placed on the dispatcher never runs as that op: a handler
-// records it (oh.Lazy) or the dispatcher builds its own op from it, and the trace is
-// dropped unread. While a scope places ops on the dispatcher (the scoped patch "fast path
+// custom device (docs/benchmarks.md, TensorFlow's stack capture). An op placed on the
+// dispatcher never runs as that op: a handler records it or the dispatcher builds its
+// own op from it, and the trace is dropped unread. While a scope places ops on the dispatcher (the scoped patch "fast path
 // without stack capture", core/skip_trace.py, registered in core/tf_patches.py),
 // `skip_trace_execute` stands in for TensorFlow's function. It takes the common op
 // itself, as TensorFlow's fast path does but without the capture: placed on the

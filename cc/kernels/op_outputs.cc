@@ -82,9 +82,10 @@ bool ExpectedOutputsInto(const TFE_Op* op, Dtypes* dtypes) {
     // ConcatV2, Pack, ...): ask the op registry. Not registered means a function call.
     if (!tensorflow::OpRegistry::Global()->LookUpOpDef(iop->Name(), &def).ok()) return false;
   }
-  const OutputPlan& plan = PlanFor(def);
-  if (plan.ok) {
-    // The dtypes of the op's own inputs: no attribute lookups.
+  // The dtypes of the op's own inputs: no attribute lookups. False (nothing added) when
+  // the plan does not apply: the attributes are read below.
+  auto from_inputs = [&](const OutputPlan& plan) {
+    if (!plan.ok) return false;
     size_t start = dtypes->size();
     int n_in = -1;
     for (const auto& o : plan.outputs) {
@@ -95,13 +96,13 @@ bool ExpectedOutputsInto(const TFE_Op* op, Dtypes* dtypes) {
       if (n_in < 0) n_in = static_cast<int>(iop->GetInputs().size());
       if (o.first >= n_in) {  // fewer inputs than the OpDef says: read the attributes
         dtypes->resize(start);
-        goto attributes;
+        return false;
       }
       dtypes->push_back(static_cast<TF_DataType>(iop->GetInputs()[o.first]->DataType()));
     }
     return true;
-  }
-attributes:
+  };
+  if (from_inputs(PlanFor(def))) return true;
   const tensorflow::AbstractOpAttrs* attrs = iop->GetOpAttrs();
   // Attributes TensorFlow inferred from the inputs (the T and N of AddN, ConcatV2, Pack,
   // ...) are not visible through the typed getters; read them from the full attr list.

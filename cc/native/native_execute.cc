@@ -13,6 +13,7 @@
 #include "boundary/handler_tensor.h"
 #include "native/native_hooks.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
 
@@ -221,50 +222,48 @@ void ExecuteThroughPython(TFOH_Context* ctx, const TFOH_Op* op, int n_in,
     made->borrowed = op->tfe;
     py_op = reinterpret_cast<PyObject*>(made);
   }
-  PyObject* inputs = PyList_New(n_in);
-  PyObject* result = nullptr;
-  PyObject* saved = nullptr;
-  if (inputs == nullptr) goto done;
-  for (int i = 0; i < n_in; ++i) {
-    PyObject* o = PlainPyOf(in[i]);  // the tensor of the next stack, not handler data
-    if (o == nullptr) goto done;
-    PyList_SET_ITEM(inputs, i, o);
-  }
-  saved = PyObject_GetAttr(g_state, s_current);
-  if (saved == nullptr || PyObject_SetAttr(g_state, s_current, ctx->next) < 0) goto done;
-  result = PyObject_CallMethodObjArgs(ctx->next, s_execute, py_op, inputs, nullptr);
-  {
-    // Restore even on failure, keeping the error.
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    if (PyObject_SetAttr(g_state, s_current, saved) < 0) PyErr_Clear();
-    PyErr_Restore(et, ev, tb);
-  }
-  if (result != nullptr) {
-    if (!PyList_Check(result) && !PyTuple_Check(result)) {
-      PyErr_SetString(PyExc_TypeError, "tf_ophandlers: the next stack returned a non-list");
-    } else {
-      PyObject* seq = PySequence_Fast(result, "");
-      Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
-      if (seq != nullptr && n > *num_outputs) {
-        PyErr_SetString(PyExc_ValueError,
-                        "tf_ophandlers: execute_next: more outputs than output slots");
-      } else if (seq != nullptr) {
-        for (Py_ssize_t i = 0; i < n; ++i) outputs[i] = TensorFromPy(PySequence_Fast_GET_ITEM(seq, i));
-        *num_outputs = static_cast<int>(n);
-      }
-      Py_XDECREF(seq);
+  // Released in the reverse order of these declarations (the Op made here last), after
+  // an error was turned into `status`.
+  OpRef made_ref(made, g_ctx);
+  PyRef inputs(PyList_New(n_in));
+  PyRef result;
+  PyRef saved;
+  [&] {
+    if (!inputs) return;
+    for (int i = 0; i < n_in; ++i) {
+      PyObject* o = PlainPyOf(in[i]);  // the tensor of the next stack, not handler data
+      if (o == nullptr) return;
+      PyList_SET_ITEM(inputs.get(), i, o);
     }
-  }
-done:
+    saved.reset(PyObject_GetAttr(g_state, s_current));
+    if (!saved || PyObject_SetAttr(g_state, s_current, ctx->next) < 0) return;
+    result.reset(
+        PyObject_CallMethodObjArgs(ctx->next, s_execute, py_op, inputs.get(), nullptr));
+    {
+      // Restore even on failure, keeping the error.
+      PyObject *et, *ev, *tb;
+      PyErr_Fetch(&et, &ev, &tb);
+      if (PyObject_SetAttr(g_state, s_current, saved.get()) < 0) PyErr_Clear();
+      PyErr_Restore(et, ev, tb);
+    }
+    if (!result) return;
+    if (!PyList_Check(result.get()) && !PyTuple_Check(result.get())) {
+      PyErr_SetString(PyExc_TypeError, "tf_ophandlers: the next stack returned a non-list");
+      return;
+    }
+    PyRef seq(PySequence_Fast(result.get(), ""));
+    Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq.get()) : 0;
+    if (seq && n > *num_outputs) {
+      PyErr_SetString(PyExc_ValueError,
+                      "tf_ophandlers: execute_next: more outputs than output slots");
+    } else if (seq) {
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        outputs[i] = TensorFromPy(PySequence_Fast_GET_ITEM(seq.get(), i));
+      }
+      *num_outputs = static_cast<int>(n);
+    }
+  }();
   if (PyErr_Occurred()) StatusFromPyErr(status);
-  Py_XDECREF(saved);
-  Py_XDECREF(result);
-  Py_XDECREF(inputs);
-  if (made != nullptr) {
-    EndBorrow(made, g_ctx);
-    Py_DECREF(made);
-  }
 }
 
 }  // namespace
@@ -467,61 +466,73 @@ bool NativeStackExecute(PyObject* stack, NativeHandlerObject* self, PyObject* ne
                         const TFOH_Op* op_in, int n_in, TFE_TensorHandle** in,
                         int* num_outputs, TFE_TensorHandle** outputs, TF_Status* status) {
   if (stack == g_physical || IsCopyOrConst(op_in->type)) return false;
-  PyObject* dev = nullptr;
   absl::InlinedVector<TF_DataType, 4> want;
   absl::InlinedVector<TFOH_Tensor*, 4> ins, outs;
   bool handled = false;
   TFOH_Op op = *op_in;
-  if (self == nullptr || next == nullptr || self->state == nullptr) goto out;
-  if (!ExpectedOutputs(op.tfe, &want) || static_cast<int>(want.size()) > *num_outputs) goto out;
-  op.num_outputs = static_cast<int>(want.size());
-  for (int i = 0; i < n_in; ++i) {
-    TFOH_Payload* p = PayloadOf(in[i]);
-    if (p != nullptr) {
-      if (p->kind != TFOH_PAYLOAD_PYTHON || p->stack != stack) goto out;
-      if (p->value == nullptr) {
-        // A C path's output with no Python object: the tensor gets its own reference to
-        // the handle (CopySharingTensor re-references the same TensorHandle).
-        TFE_TensorHandle* h = PayloadTensorHandle(p);
-        TFE_TensorHandle* copy = h ? TFE_TensorHandleCopySharingTensor(h, status) : nullptr;
-        if (copy == nullptr || TF_GetCode(status) != TF_OK) {
-          TF_SetStatus(status, TF_OK, "");
-          goto out;
-        }
-        ins.push_back(TensorFromHandle(copy));
-        continue;
-      }
-      PyObject* v = reinterpret_cast<PyObject*>(p->value);
-      if (!EagerTensor_CheckExact(v)) goto out;
-      ins.push_back(TensorFromPy(v));
-    } else if (next == g_physical && self->type->hooks.copy_on == nullptr) {
-      // The default copy-on of a physical tensor onto PHYSICAL is the tensor itself.
-      TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(in[i], status);
-      if (TF_GetCode(status) != TF_OK) {
-        TF_SetStatus(status, TF_OK, "");
-        goto out;
-      }
-      ins.push_back(TensorFromHandle(copy));
-    } else {
-      goto out;
-    }
-  }
-  // From here on the op is ours: every failure is reported through `status`.
-  handled = true;
-  dev = StateGet(s_device);  // borrowed (ctx.device: read at the op's start)
-  if (dev == nullptr) {
-    TF_SetStatus(status, TF_INTERNAL, "tf_ophandlers: state.device is not set");
-    goto out;
-  }
   {
-    TFOH_Context ctx{stack, next, true, dev};
-    if (!RunExecute(self, &ctx, &op, ins, outs, &want, status)) goto out;
+    // The tensors made for the handler are released on every exit of the body.
+    struct Release {
+      absl::InlinedVector<TFOH_Tensor*, 4>* ins;
+      absl::InlinedVector<TFOH_Tensor*, 4>* outs;
+      ~Release() {
+        for (auto* t : *ins) Unref(t);
+        for (auto* t : *outs) Unref(t);
+      }
+    } release{&ins, &outs};
+    [&] {
+      if (self == nullptr || next == nullptr || self->state == nullptr) return;
+      if (!ExpectedOutputs(op.tfe, &want) || static_cast<int>(want.size()) > *num_outputs) {
+        return;
+      }
+      op.num_outputs = static_cast<int>(want.size());
+      for (int i = 0; i < n_in; ++i) {
+        TFOH_Payload* p = PayloadOf(in[i]);
+        if (p != nullptr) {
+          if (p->kind != TFOH_PAYLOAD_PYTHON || p->stack != stack) return;
+          if (p->value == nullptr) {
+            // A C path's output with no Python object: the tensor gets its own reference
+            // to the handle (CopySharingTensor re-references the same TensorHandle).
+            TFE_TensorHandle* h = PayloadTensorHandle(p);
+            TFE_TensorHandle* copy =
+                h ? TFE_TensorHandleCopySharingTensor(h, status) : nullptr;
+            if (copy == nullptr || TF_GetCode(status) != TF_OK) {
+              TF_SetStatus(status, TF_OK, "");
+              return;
+            }
+            ins.push_back(TensorFromHandle(copy));
+            continue;
+          }
+          PyObject* v = reinterpret_cast<PyObject*>(p->value);
+          if (!EagerTensor_CheckExact(v)) return;
+          ins.push_back(TensorFromPy(v));
+        } else if (next == g_physical && self->type->hooks.copy_on == nullptr) {
+          // The default copy-on of a physical tensor onto PHYSICAL is the tensor itself.
+          TFE_TensorHandle* copy = TFE_TensorHandleCopySharingTensor(in[i], status);
+          if (TF_GetCode(status) != TF_OK) {
+            TF_SetStatus(status, TF_OK, "");
+            return;
+          }
+          ins.push_back(TensorFromHandle(copy));
+        } else {
+          return;
+        }
+      }
+      // From here on the op is ours: every failure is reported through `status`.
+      handled = true;
+      PyObject* dev = StateGet(s_device);  // borrowed (ctx.device: read at the op's start)
+      if (dev == nullptr) {
+        TF_SetStatus(status, TF_INTERNAL, "tf_ophandlers: state.device is not set");
+        return;
+      }
+      {
+        TFOH_Context ctx{stack, next, true, dev};
+        if (!RunExecute(self, &ctx, &op, ins, outs, &want, status)) return;
+      }
+      if (!WrapNativeOutputs(stack, self, next, op.type, want, outs, outputs, status)) return;
+      *num_outputs = static_cast<int>(outs.size());
+    }();
   }
-  if (!WrapNativeOutputs(stack, self, next, op.type, want, outs, outputs, status)) goto out;
-  *num_outputs = static_cast<int>(outs.size());
-out:
-  for (auto* t : ins) Unref(t);
-  for (auto* t : outs) Unref(t);
   if (!handled && PyErr_Occurred()) PyErr_Clear();
   return handled;
 }

@@ -111,7 +111,7 @@ void OpCounterExecute(void* state, TFOH_Context* ctx, const TFOH_Op* op, int num
                       TFOH_Tensor* const* inputs, int* num_outputs, TFOH_Tensor** outputs,
                       TF_Status* status) {
   g_api->execute_next(ctx, op, num_inputs, inputs, num_outputs, outputs, status);
-  if (TF_GetCode(status) != TF_OK) return;  // as OpLogHandler: only ops that ran
+  if (TF_GetCode(status) != TF_OK) return;  // only ops that ran are counted
   CounterSlot(static_cast<OpCounterState*>(state), g_api->op_type(op))
       ->fetch_add(1, std::memory_order_relaxed);
 }

@@ -95,7 +95,7 @@ extern PyObject* s_handler;
 extern PyObject* s_next;
 extern PyObject* s_device;
 extern PyObject* s_execute;
-extern PyObject* s_frames;   // "frames" (state.frames: the hook frames; fast_hook.cc, tape_record.cc)
+extern PyObject* s_frames;   // "frames" (state.frames: the hook frames; fast_hook.cc, handlers/)
 
 // Sets g_state and g_physical (new references to `state`, `physical`; the previous ones
 // released) and interns the names above, each once per process (a repeated call takes no

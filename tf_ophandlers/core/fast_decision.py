@@ -39,8 +39,13 @@ _fast_signatures = BoundedCache("fast_path.signatures", 1024)
 #: handlers keep their native path (there is no Python one to compare with).
 C_PATHS = os.environ.get("OH_FAST_PATH", "1") != "0"
 
-#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD, FAST_LAZY = 0, 1, 2, 3, 4, 5
+#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast/fast_path.h):
+#: the Python path; forward to the next stack; a C/C++ handler; the Python execute hook
+#: called from C; forward, then the handler's ``after_execute``; the handler's execute
+#: implemented in C (registered through the fast path's hook slot,
+#: cc/fast/handler_hooks.h), else as FAST_HOOK.
+(FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_AFTER_EXECUTE,
+ FAST_PLUGIN) = 0, 1, 2, 3, 4, 5
 
 
 def takes_copy(handler, op):
@@ -94,7 +99,8 @@ def never_copy(op, index):  # pylint: disable=unused-argument
 
 def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
     """Registers oh.Lazy's representation types (`__slots__` classes), its sequence
-    counter and its caches with the C++ record path (FAST_LAZY, cc/handlers/lazy/fast_lazy.cc)."""
+    counter and its caches with the C++ record path (FAST_PLUGIN,
+    cc/handlers/lazy/fast_lazy.cc)."""
     _C.lazy_setup(value_type, node_type, sequence, sigs, dtypes, stateful)
 
 
@@ -187,12 +193,13 @@ def fast_decision(stack, op_type):
     elif not stack._runs_execute(op_type):
         kind = FAST_FORWARD
     elif stack._records and not stack._off_stack and needs_no_python_kernel(op_type):
-        kind = FAST_RECORD
+        kind = FAST_AFTER_EXECUTE
     elif not stack._off_stack or (stack._off_stack_ops is not None
                                  and op_type not in stack._off_stack_ops):
-        # FAST_LAZY: oh.Lazy's execute, its common ops recorded in C (cc/handlers/lazy/fast_lazy.cc);
-        # the class declares it (its type is in fast_signature), else the hook.
-        kind = FAST_LAZY if getattr(type(handler), "_oh_records_in_c", False) else FAST_HOOK
+        # FAST_PLUGIN: the handler's execute has a C implementation (registered through
+        # the hook slot, cc/fast/handler_hooks.h); the class declares it (its type is in
+        # fast_signature), else the hook.
+        kind = FAST_PLUGIN if getattr(type(handler), "_oh_records_in_c", False) else FAST_HOOK
     else:
         kind = FAST_PYTHON
     copy_all = handler.needs_copy is None and not stack._defer_copy

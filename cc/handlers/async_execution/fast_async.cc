@@ -1,5 +1,5 @@
 // tf-ophandlers: oh.Async's execute hook for its common case, in C (called by RunHook
-// instead of the Python hook). Contracts: fast_internal.h (AsyncExecute).
+// instead of the Python hook, through the hook slot). Contracts: async_execute.h.
 //
 // The Python hook (handlers/async_execution.py Async.execute) stays the reference: this
 // path takes only ops it runs exactly as the hook would, and declines everything else
@@ -12,6 +12,8 @@
 // a failure of TensorFlow before the op was queued (the hook then reports it and clears
 // the executor's error as it does).
 #define PY_SSIZE_T_CLEAN
+#include "handlers/async_execution/async_execute.h"
+
 #include "fast/fast_internal.h"
 
 #include <bitset>
@@ -20,6 +22,7 @@
 #include "boundary/handler_tensor.h"
 #include "native/native.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
 
@@ -85,95 +88,88 @@ bool AsyncExecute(PyObject* stack, const TFE_Op* src, const char* type, int n_in
   }
   absl::InlinedVector<TFE_TensorHandle*, 4> tensors(n_in);
   absl::InlinedVector<TF_DataType, 4> expected;
-  PyObject* parts = PyTuple_New(n_in);
-  if (parts == nullptr) {
+  // Released in the reverse order of these declarations.
+  PyRef parts(PyTuple_New(n_in));
+  if (!parts) {
     PyErr_Clear();
     return false;
   }
-  PyObject* key = nullptr;
-  PyObject* inferred = nullptr;  // borrowed from the cache (kept by `hold`)
-  PyObject* hold = nullptr;
-  PyObject* device_obj = nullptr;
-  const char* device = nullptr;
-  Py_ssize_t n_out = 0;
-  bool taken = false;
+  PyRef key;
+  PyRef hold;  // the cache entry `inferred`: another thread may evict it while the op runs
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
     PyObject* part;
     if (p == nullptr) {  // from outside the handler (a constant): computed
       const TF_DataType e = TFE_TensorHandleDataType(in[i]);
-      if (static_cast<unsigned>(e) >= g_valueless.size() || !g_valueless[e]) goto done;
+      if (static_cast<unsigned>(e) >= g_valueless.size() || !g_valueless[e]) return false;
       part = OutsidePart(in[i], e);
-      if (part == nullptr) goto done;
+      if (part == nullptr) return false;
       tensors[i] = in[i];
     } else {
       if (p->kind != TFOH_PAYLOAD_PYTHON || reinterpret_cast<PyObject*>(p->stack) != stack) {
-        goto done;
+        return false;
       }
       PyObject* v = PayloadValue(p);  // borrowed
       if (v == nullptr) {
         PyErr_Clear();
-        goto done;
+        return false;
       }
-      if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 3) goto done;
+      if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 3) return false;
       PyObject* t = PyTuple_GET_ITEM(v, 0);
-      if (!EagerTensor_CheckExact(t)) goto done;
+      if (!EagerTensor_CheckExact(t)) return false;
       TFE_TensorHandle* h = EagerTensor_Handle(t);
-      if (PayloadOf(h) != nullptr) goto done;  // not physical: a copy-off, the hook's
+      if (PayloadOf(h) != nullptr) return false;  // not physical: a copy-off, the hook's
       tensors[i] = h;
       part = PyTuple_GET_ITEM(v, 1);
       Py_INCREF(part);
     }
-    PyTuple_SET_ITEM(parts, i, part);
+    PyTuple_SET_ITEM(parts.get(), i, part);
   }
   // The hook's key for an _IMPLIED op: (op type, None, parts).
-  key = PyTuple_Pack(3, op_type, Py_None, parts);
-  if (key == nullptr) {
+  key.reset(PyTuple_Pack(3, op_type, Py_None, parts.get()));
+  if (!key) {
     PyErr_Clear();
-    goto done;
+    return false;
   }
-  inferred = PyDict_GetItemWithError(g_async_inferred, key);
+  PyObject* inferred = PyDict_GetItemWithError(g_async_inferred, key.get());  // borrowed
   if (inferred == nullptr || !PyList_CheckExact(inferred)) {
     PyErr_Clear();
-    goto done;
+    return false;
   }
-  hold = inferred;
-  Py_INCREF(hold);  // another thread may evict the entry while the op runs
-  n_out = PyList_GET_SIZE(inferred);
+  hold = PyRef::Borrow(inferred);
+  const Py_ssize_t n_out = PyList_GET_SIZE(inferred);
   // The dispatcher's output check (TakeOutputs) done first, on the inferred dtypes: a
   // mismatch is the hook's to report.
   if (n_out > *num_outputs || !ExpectedOutputs(src, &expected) ||
       static_cast<Py_ssize_t>(expected.size()) != n_out) {
-    goto done;
+    return false;
   }
   for (Py_ssize_t i = 0; i < n_out; ++i) {
     PyObject* entry = PyList_GET_ITEM(inferred, i);
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
         PyTuple_GET_ITEM(entry, 1) == g_async_resource) {
-      goto done;  // a resource output is returned as it is: the hook's
+      return false;  // a resource output is returned as it is: the hook's
     }
     PyObject* part = PyTuple_GET_ITEM(entry, 0);
     if (!PyTuple_CheckExact(part) || PyTuple_GET_SIZE(part) != 3 ||
         PyLong_AsLong(PyTuple_GET_ITEM(part, 0)) != static_cast<long>(expected[i])) {
       PyErr_Clear();
-      goto done;
+      return false;
     }
   }
-  device_obj = StateGet(s_device);  // borrowed; no Python runs before its use
-  device = device_obj != nullptr ? PyUnicode_AsUTF8(device_obj) : nullptr;
+  PyObject* device_obj = StateGet(s_device);  // borrowed; no Python runs before its use
+  const char* device = device_obj != nullptr ? PyUnicode_AsUTF8(device_obj) : nullptr;
   if (device == nullptr) {
     PyErr_Clear();
-    goto done;
+    return false;
   }
   {
     absl::InlinedVector<TFE_TensorHandle*, 4> outs(n_out > 0 ? n_out : 1);
     int num = static_cast<int>(n_out);
-    TF_Status* s = TF_NewStatus();
-    ExecuteOnPhysical(src, type, device, n_in, tensors.data(), &num, outs.data(), s);
-    const bool ok = TF_GetCode(s) == TF_OK;
-    TF_DeleteStatus(s);
-    if (!ok) goto done;  // nothing was queued: the hook runs it and reports the error
-    taken = true;
+    StatusPtr s(TF_NewStatus());
+    ExecuteOnPhysical(src, type, device, n_in, tensors.data(), &num, outs.data(), s.get());
+    // Nothing was queued: the hook runs it and reports the error.
+    if (TF_GetCode(s.get()) != TF_OK) return false;
     const bool shape_from_value = !HasNativeShapeHooks(stack);
     int made = 0;
     if (num != n_out) {
@@ -182,16 +178,17 @@ bool AsyncExecute(PyObject* stack, const TFE_Op* src, const char* type, int n_in
     }
     // Each output: the representation (tensor, part, dtype), wrapped on the stack.
     for (; made < num && num == n_out; ++made) {
-      PyObject* t = EagerTensorFromHandle(outs[made], false);
-      if (t == nullptr) break;
+      PyRef t(EagerTensorFromHandle(outs[made], false));
+      if (!t) break;
       outs[made] = nullptr;  // the EagerTensor owns it
       PyObject* entry = PyList_GET_ITEM(inferred, made);  // (part, dtype)
-      PyObject* value = PyTuple_Pack(3, t, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
-      Py_DECREF(t);
-      if (value == nullptr) break;
-      outputs[made] = NewHandlerTensorHandle(stack, value, expected[made], op_type,
+      PyRef value(PyTuple_Pack(3, t.get(), PyTuple_GET_ITEM(entry, 0),
+                               PyTuple_GET_ITEM(entry, 1)));
+      t.reset();
+      if (!value) break;
+      outputs[made] = NewHandlerTensorHandle(stack, value.get(), expected[made], op_type,
                                              shape_from_value);
-      Py_DECREF(value);
+      value.reset();
       if (outputs[made] == nullptr) break;
     }
     if (made == num && num == n_out) {
@@ -205,11 +202,7 @@ bool AsyncExecute(PyObject* stack, const TFE_Op* src, const char* type, int n_in
       StatusFromPyErr(status);
     }
   }
-done:
-  Py_XDECREF(hold);
-  Py_XDECREF(key);
-  Py_DECREF(parts);
-  return taken;
+  return true;
 }
 
 // async_setup(execute, op_kinds, implied, inferred, resource, valueless)
@@ -243,6 +236,22 @@ PyObject* PyAsyncSetup(PyObject*, PyObject* args) {
 PyObject* PyAsyncStats(PyObject*, PyObject*) {
   return Py_BuildValue("{sK}", "c_ops", static_cast<unsigned long long>(g_async_ops));
 }
+
+bool AsyncExecuteInC(PyObject* execute, PyObject* stack, const TFE_Op* src, const char* type,
+                     int n_in, TFE_TensorHandle** in, int* num_outputs,
+                     TFE_TensorHandle** outputs, TF_Status* status) {
+  return AsyncHookIs(execute) &&
+         AsyncExecute(stack, src, type, n_in, in, num_outputs, outputs, status);
+}
+
+PyMethodDef kAsyncModuleMethods[] = {
+    {"async_setup", PyAsyncSetup, METH_VARARGS,
+     "async_setup(execute, op_kinds, implied, inferred, resource, valueless): oh.Async's "
+     "tables, for its hook's common case in C (cc/handlers/async_execution/fast_async.cc)."},
+    {"async_stats", PyAsyncStats, METH_NOARGS,
+     "async_stats() -> {c_ops}: ops oh.Async's hook ran in C "
+     "(cc/handlers/async_execution/fast_async.cc)."},
+    {nullptr}};
 
 }  // namespace fast
 }  // namespace tf_ophandlers

@@ -12,6 +12,7 @@
 #include "boundary/handler_tensor.h"
 #include "native/native_internal.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 
 // TensorFlow's tape-set queries (pywrap_tfe.h; lib_pywrap_tensorflow_common.so, which
@@ -309,48 +310,45 @@ PyObject* RecordWith(const Frame& f, PyObject* tape, PyObject* state, PyObject* 
   for (Py_ssize_t j = 0; j < n_out; ++j) {
     if (!EagerTensor_CheckExact(PyList_GET_ITEM(outputs, j))) return Slow(f, tape, op, inputs, outputs);
   }
-  PyObject* tracked = StateItem(state, s_tracked);
+  // Released in the reverse order of these declarations (`tracked` last).
+  PyRef tracked_ref(StateItem(state, s_tracked));
+  PyObject* tracked = tracked_ref.get();
   if (tracked == nullptr) return nullptr;
   if (!PyDict_CheckExact(tracked)) {
-    Py_DECREF(tracked);
+    tracked_ref.reset();
     return Slow(f, tape, op, inputs, outputs);
   }
   // Which inputs are tracked (the tape's first objects for them, alive), nothing changed
   // yet. `_tracked` maps a key to (tensor or weakref to it, id) (gradient_tape/handler.py).
   Py_ssize_t n_in = PyList_GET_SIZE(inputs);
   if (n_out >= (Py_ssize_t{1} << kUidShift)) {
-    Py_DECREF(tracked);
+    tracked_ref.reset();
     return Slow(f, tape, op, inputs, outputs);
   }
-  absl::InlinedVector<PyObject*, 4> known(n_in, nullptr);  // new references
-  absl::InlinedVector<PyObject*, 4> ids(n_in, nullptr);    // new references
+  PyRef skip;
+  PyRef seq;
+  PyRef next_seq;
+  PyRef stack;
+  PyRef record;
+  PyRef producer;
+  PyRef rec_in;
+  PyRef in_ids;
+  PyRef rec_out;
+  PyRef out_ids;
+  PyRef specs;
+  PyRef used;
+  PyRef all_ids;
+  absl::InlinedVector<PyRef, 4> ids(n_in);
+  absl::InlinedVector<PyRef, 4> known(n_in);
   bool found = false;
   bool malformed = false;
-  PyObject* result = nullptr;
-  PyObject* skip = nullptr;
-  PyObject* seq = nullptr;
-  PyObject* next_seq = nullptr;
-  PyObject* stack = nullptr;
-  PyObject* record = nullptr;
-  PyObject* producer = nullptr;
-  PyObject* rec_in = nullptr;
-  PyObject* rec_out = nullptr;
-  PyObject* in_ids = nullptr;
-  PyObject* out_ids = nullptr;
-  PyObject* specs = nullptr;
-  PyObject* all_ids = nullptr;
-  PyObject* used = nullptr;  // owned
-  int stopped = 0, empty = 0;
-  bool any_trainable = false;
-  Py_ssize_t n_skip = 0;
-  long long base = 0;
   for (Py_ssize_t i = 0; i < n_in; ++i) {
-    PyObject* key = Key(PyList_GET_ITEM(inputs, i));
-    if (key == nullptr) goto done;
-    PyObject* entry = PyDict_GetItemWithError(tracked, key);
-    Py_DECREF(key);
+    PyRef key(Key(PyList_GET_ITEM(inputs, i)));
+    if (!key) return nullptr;
+    PyObject* entry = PyDict_GetItemWithError(tracked, key.get());
+    key.reset();
     if (entry == nullptr) {
-      if (PyErr_Occurred()) goto done;
+      if (PyErr_Occurred()) return nullptr;
       continue;
     }
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2) {
@@ -362,152 +360,122 @@ PyObject* RecordWith(const Frame& f, PyObject* tape, PyObject* state, PyObject* 
       value = PyWeakref_GET_OBJECT(value);
       if (value == Py_None) continue;  // gone: the key may be a new tensor's
     }
-    known[i] = Py_NewRef(value);
-    ids[i] = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    known[i] = PyRef::Borrow(value);
+    ids[i] = PyRef::Borrow(PyTuple_GET_ITEM(entry, 1));
     found = true;
   }
-  if (malformed) {
-    result = Slow(f, tape, op, inputs, outputs);
-    goto done;
-  }
+  if (malformed) return Slow(f, tape, op, inputs, outputs);
   if (!found) {
-    if (VariableRead(type)) result = Slow(f, tape, op, inputs, outputs);  // may watch one now
-    else result = Py_NewRef(Py_None);
-    goto done;
+    if (VariableRead(type)) return Slow(f, tape, op, inputs, outputs);  // may watch one now
+    return Py_NewRef(Py_None);
   }
-  stopped = Truth(TFE_Py_TapeSetIsStopped());
-  if (stopped != 0) {
-    if (stopped > 0) result = Py_NewRef(Py_None);
-    goto done;
-  }
+  const int stopped = Truth(TFE_Py_TapeSetIsStopped());
+  if (stopped != 0) return stopped > 0 ? Py_NewRef(Py_None) : nullptr;
+  bool any_trainable = false;
   for (Py_ssize_t j = 0; j < n_out; ++j) {
     if (Trainable(PyList_GET_ITEM(outputs, j))) any_trainable = true;
   }
-  if (!any_trainable) {
-    result = Py_NewRef(Py_None);
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < n_in; ++i) n_skip += known[i] == nullptr;
-  skip = PyTuple_New(n_skip);
-  if (skip == nullptr) goto done;
+  if (!any_trainable) return Py_NewRef(Py_None);
+  Py_ssize_t n_skip = 0;
+  for (Py_ssize_t i = 0; i < n_in; ++i) n_skip += !known[i];
+  skip.reset(PyTuple_New(n_skip));
+  if (!skip) return nullptr;
   for (Py_ssize_t i = 0, k = 0; i < n_in; ++i) {
-    if (known[i] == nullptr) {
+    if (!known[i]) {
       PyObject* idx = PyLong_FromSsize_t(i);
-      if (idx == nullptr) goto done;
-      PyTuple_SET_ITEM(skip, k++, idx);
+      if (idx == nullptr) return nullptr;
+      PyTuple_SET_ITEM(skip.get(), k++, idx);
     }
   }
   // As TensorFlow's tape: keep only what the gradient function reads, unless a
   // TensorFlow tape or accumulator records too (it may differentiate more).
-  empty = Truth(TFE_Py_TapeSetIsEmpty());
-  if (empty < 0) goto done;
+  const int empty = Truth(TFE_Py_TapeSetIsEmpty());
+  if (empty < 0) return nullptr;
   if (empty > 0) {
-    used = UsedIndices(reinterpret_cast<OpObject*>(op)->type);
-    if (used == nullptr) goto done;
+    used.reset(UsedIndices(reinterpret_cast<OpObject*>(op)->type));
+    if (!used) return nullptr;
   }
-  seq = StateItem(state, s_seq);
-  if (seq == nullptr) goto done;
+  seq.reset(StateItem(state, s_seq));
+  if (!seq) return nullptr;
+  long long base = 0;
   {
-    Py_ssize_t v = PyLong_AsSsize_t(seq);
-    if (v == -1 && PyErr_Occurred()) goto done;
-    next_seq = PyLong_FromSsize_t(v + 1);
+    Py_ssize_t v = PyLong_AsSsize_t(seq.get());
+    if (v == -1 && PyErr_Occurred()) return nullptr;
+    next_seq.reset(PyLong_FromSsize_t(v + 1));
     base = static_cast<long long>(v + 1) << kUidShift;
   }
-  if (next_seq == nullptr) goto done;
-  stack = f.stack != nullptr ? Py_NewRef(f.next) : RunningNext();
-  if (stack == nullptr) goto done;
-  producer = StateItem(state, s_producer);
-  if (producer == nullptr) goto done;
-  rec_in = PyList_New(n_in);
-  in_ids = PyTuple_New(n_in);
-  rec_out = PyList_New(n_out);
-  out_ids = PyTuple_New(n_out);
-  if (rec_in == nullptr || in_ids == nullptr || rec_out == nullptr || out_ids == nullptr) {
-    goto done;
-  }
+  if (!next_seq) return nullptr;
+  stack.reset(f.stack != nullptr ? Py_NewRef(f.next) : RunningNext());
+  if (!stack) return nullptr;
+  producer.reset(StateItem(state, s_producer));
+  if (!producer) return nullptr;
+  rec_in.reset(PyList_New(n_in));
+  in_ids.reset(PyTuple_New(n_in));
+  rec_out.reset(PyList_New(n_out));
+  out_ids.reset(PyTuple_New(n_out));
+  if (!rec_in || !in_ids || !rec_out || !out_ids) return nullptr;
   for (Py_ssize_t i = 0; i < n_in; ++i) {
-    if (known[i] != nullptr) {
-      PyList_SetItem(inputs, i, Py_NewRef(known[i]));  // releases the wrapper seen now
+    if (known[i]) {
+      PyList_SetItem(inputs, i, Py_NewRef(known[i].get()));  // releases the wrapper seen now
     }
     PyObject* x = PyList_GET_ITEM(inputs, i);
-    int keep = used == nullptr ? 1 : IsUsed(PyTuple_GET_ITEM(used, 0), i);
-    if (keep < 0) goto done;
-    PyList_SET_ITEM(rec_in, i, Py_NewRef(keep ? x : Py_None));
-    PyTuple_SET_ITEM(in_ids, i, Py_NewRef(ids[i] != nullptr ? ids[i] : Py_None));
+    int keep = !used ? 1 : IsUsed(PyTuple_GET_ITEM(used.get(), 0), i);
+    if (keep < 0) return nullptr;
+    PyList_SET_ITEM(rec_in.get(), i, Py_NewRef(keep ? x : Py_None));
+    PyTuple_SET_ITEM(in_ids.get(), i, Py_NewRef(ids[i] ? ids[i].get() : Py_None));
   }
   for (Py_ssize_t j = 0; j < n_out; ++j) {
     PyObject* o = PyList_GET_ITEM(outputs, j);
     PyObject* uid = PyLong_FromLongLong(base | j);
-    if (uid == nullptr) goto done;
-    PyTuple_SET_ITEM(out_ids, j, uid);
-    int keep = used == nullptr ? 1 : IsUsed(PyTuple_GET_ITEM(used, 1), j);
-    if (keep < 0) goto done;
+    if (uid == nullptr) return nullptr;
+    PyTuple_SET_ITEM(out_ids.get(), j, uid);
+    int keep = !used ? 1 : IsUsed(PyTuple_GET_ITEM(used.get(), 1), j);
+    if (keep < 0) return nullptr;
     TF_DataType dt = TFE_TensorHandleDataType(EagerTensor_Handle(o));
     if (dt == TF_RESOURCE || dt == TF_VARIANT) keep = 1;
-    PyList_SET_ITEM(rec_out, j, Py_NewRef(keep ? o : Py_None));
+    PyList_SET_ITEM(rec_out.get(), j, Py_NewRef(keep ? o : Py_None));
     if (!keep && n_out > 1) {  // zeros of it, when only another output gets a gradient
-      if (specs == nullptr) {
-        specs = PyTuple_New(n_out);
-        if (specs == nullptr) goto done;
-        for (Py_ssize_t k = 0; k < n_out; ++k) PyTuple_SET_ITEM(specs, k, Py_NewRef(Py_None));
+      if (!specs) {
+        specs.reset(PyTuple_New(n_out));
+        if (!specs) return nullptr;
+        for (Py_ssize_t k = 0; k < n_out; ++k) {
+          PyTuple_SET_ITEM(specs.get(), k, Py_NewRef(Py_None));
+        }
       }
       PyObject* spec = Spec(o);
-      if (spec == nullptr) goto done;
-      Py_SETREF(PyTuple_GET_ITEM(specs, j), spec);
+      if (spec == nullptr) return nullptr;
+      Py_SETREF(PyTuple_GET_ITEM(specs.get(), j), spec);
     }
   }
-  all_ids = PyTuple_Pack(3, in_ids, out_ids, specs != nullptr ? specs : Py_None);
-  if (all_ids == nullptr) goto done;
-  if (PyDict_SetItem(state, s_seq, next_seq) < 0) goto done;
+  all_ids.reset(PyTuple_Pack(3, in_ids.get(), out_ids.get(), specs ? specs.get() : Py_None));
+  if (!all_ids) return nullptr;
+  if (PyDict_SetItem(state, s_seq, next_seq.get()) < 0) return nullptr;
   {
     PyObject* op_type = reinterpret_cast<OpObject*>(op)->type;
-    PyObject* fields[9] = {next_seq, op_type, op, Py_None, rec_in, rec_out, stack, skip,
-                           all_ids};
-    record = NewRecord(fields);
+    PyObject* fields[9] = {next_seq.get(), op_type,    op,         Py_None,     rec_in.get(),
+                           rec_out.get(),  stack.get(), skip.get(), all_ids.get()};
+    record.reset(NewRecord(fields));
   }
-  if (record == nullptr) goto done;
+  if (!record) return nullptr;
   for (Py_ssize_t j = 0; j < n_out; ++j) {
     PyObject* o = PyList_GET_ITEM(outputs, j);
     if (!Trainable(o)) continue;
-    PyObject* uid = PyTuple_GET_ITEM(out_ids, j);
-    PyObject* ref = MayTrackWeakly(o, stack) ? PyWeakref_NewRef(o, nullptr) : Py_NewRef(o);
-    PyObject* entry = ref != nullptr ? PyTuple_Pack(2, ref, uid) : nullptr;
-    Py_XDECREF(ref);
-    PyObject* key = entry != nullptr ? Key(o) : nullptr;
-    if (key == nullptr || PyDict_SetItem(tracked, key, entry) < 0 ||
-        PyDict_SetItem(producer, uid, record) < 0) {
-      Py_XDECREF(key);
-      Py_XDECREF(entry);
-      goto done;
+    PyObject* uid = PyTuple_GET_ITEM(out_ids.get(), j);
+    PyRef ref(MayTrackWeakly(o, stack.get()) ? PyWeakref_NewRef(o, nullptr) : Py_NewRef(o));
+    PyRef entry(ref ? PyTuple_Pack(2, ref.get(), uid) : nullptr);
+    ref.reset();
+    PyRef key(entry ? Key(o) : nullptr);
+    if (!key || PyDict_SetItem(tracked, key.get(), entry.get()) < 0 ||
+        PyDict_SetItem(producer.get(), uid, record.get()) < 0) {
+      return nullptr;
     }
-    Py_DECREF(key);
-    Py_DECREF(entry);
   }
-  if (MaybeSweep(tape, state, tracked) < 0) goto done;
+  if (MaybeSweep(tape, state, tracked) < 0) return nullptr;
   if (empty == 0) {
     // A tf.GradientTape (or ForwardAccumulator) is active: it sees the op too.
-    result = CallInFrame(f, tape, s_bridge, op, inputs, outputs);
-    goto done;
+    return CallInFrame(f, tape, s_bridge, op, inputs, outputs);
   }
-  result = Py_NewRef(Py_None);
-done:
-  for (PyObject* k : known) Py_XDECREF(k);
-  for (PyObject* k : ids) Py_XDECREF(k);
-  Py_XDECREF(all_ids);
-  Py_XDECREF(used);
-  Py_XDECREF(specs);
-  Py_XDECREF(out_ids);
-  Py_XDECREF(rec_out);
-  Py_XDECREF(in_ids);
-  Py_XDECREF(rec_in);
-  Py_XDECREF(producer);
-  Py_XDECREF(record);
-  Py_XDECREF(stack);
-  Py_XDECREF(next_seq);
-  Py_XDECREF(seq);
-  Py_XDECREF(skip);
-  Py_DECREF(tracked);
-  return result;
+  return Py_NewRef(Py_None);
 }
 
 PyObject* Record(const Frame& f, PyObject* tape, PyObject* op, PyObject* inputs,

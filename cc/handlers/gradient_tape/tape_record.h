@@ -1,8 +1,10 @@
-/* tf-ophandlers C++ boundary: oh.GradientTape's per-op recording (internal header).
-   Implementation: tape_record.cc.
+/* tf-ophandlers: oh.GradientTape's per-op recording (internal header).
+   Implementation: tape_record.cc. Registered with the fast path through its hook slot
+   (cc/fast/handler_hooks.h: after_execute_is_c, after_execute_c, copies_through) by
+   cc/handlers/register.cc.
 
    `GradientTape.after_execute(op, inputs, outputs)` (OpHandler.after_execute; the C++
-   fast path calls it for every op the tape executes, fast_record.cc RunRecord) is
+   fast path calls it for every op the tape executes, fast_record.cc RunAfterExecute) is
    implemented here, so recording an op enters no Python frame. It does what the Python
    reference `GradientTape._after_execute_python` (tf_ophandlers/handlers/gradient_tape/handler.py)
    does, on the tape's own Python state (`_live`, `_tracked`, `_producer`, `_seq`, read
@@ -41,7 +43,8 @@
 namespace tf_ophandlers {
 
 // tape_setup(trainable_dtype_enums, used_indices) -> (TapeRecord type, after_execute
-// method): appended to the module's method table by module.cc. Null-terminated.
+// method) and tape_copy_setup(copy_on): added to `_C` through the hook slot.
+// Null-terminated.
 extern PyMethodDef kTapeModuleMethods[];
 
 // Whether `fn` (a function: an `after_execute` as found on a handler's class, unbound) is
@@ -56,7 +59,7 @@ PyObject* TapeAfterExecuteDirect(PyObject* tape, PyObject* stack, PyObject* next
                                  PyObject* inputs, PyObject* outputs);
 
 // Whether foreign input `h` of an op on the stack of tape `tape`, whose next stack `next`
-// runs the op through a Python execute hook (fast_record.cc RunRecord), may go to that
+// runs the op through a Python execute hook (fast_record.cc RunAfterExecute), may go to that
 // hook as it is instead of through the tape's copy-on, because the tape's copy-on
 // would only hand it to `next.copy_on` and record nothing: `tape`'s copy_on is
 // GradientTape.copy_on (tape_copy_setup) and its needs_copy None (neither set on the

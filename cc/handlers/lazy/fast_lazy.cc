@@ -1,4 +1,4 @@
-// tf-ophandlers: oh.Lazy's record path in C (kLazy). Contracts: fast_internal.h.
+// tf-ophandlers: oh.Lazy's record path in C (kPlugin). Contracts: lazy.h.
 //
 // `Lazy.execute` (handlers/lazy/handler.py) for its common op: a stateless op over PHYSICAL
 // whose inputs are pending or computed values of the stack or physical tensors (none a
@@ -10,7 +10,7 @@
 // Python list. Anything else (a chunk to launch, an op or input the hook treats specially, a cache
 // miss) runs the hook (RunHook), which fills the caches for the next op.
 #define PY_SSIZE_T_CLEAN
-#include "fast/fast_internal.h"
+#include "handlers/lazy/lazy.h"
 
 #include <structmember.h>
 
@@ -21,6 +21,7 @@
 #include "absl/container/inlined_vector.h"
 #include "boundary/handler_tensor.h"
 #include "boundary/op.h"
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
 
@@ -148,48 +149,50 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
       return hook();  // another stack's tensor, or not a LazyValue: the hook's rules
     }
   }
-  PyObject* handler = PyObject_GetAttr(stack, s_handler);
-  PyObject* chunk = handler != nullptr ? PyObject_GetAttr(handler, g_lazy.s_chunk_ops) : nullptr;
-  if (chunk == nullptr) {
+  // Released in the reverse order of these declarations (the handler last).
+  PyRef handler(PyObject_GetAttr(stack, s_handler));
+  // Not taken here: the hook runs it, with no reference of this path held meanwhile.
+  auto decline = [&]() {
     PyErr_Clear();
-    Py_XDECREF(handler);
+    handler.reset();
     return hook();
-  }
+  };
+  PyRef chunk(handler ? PyObject_GetAttr(handler.get(), g_lazy.s_chunk_ops) : nullptr);
+  if (!chunk) return decline();
   // With chunk_ops: the ops recorded since the last chunk (-1 without). When a chunk is
   // due the hook launches it first. An execute set on the instance is its hook.
   long recorded = -1;
-  if (chunk != Py_None) {
-    long limit = PyLong_CheckExact(chunk) ? PyLong_AsLong(chunk) : -1;
-    PyObject* r = PyObject_GetAttr(handler, g_lazy.s_recorded);
-    recorded = r != nullptr && PyLong_CheckExact(r) ? PyLong_AsLong(r) : -1;
-    Py_XDECREF(r);
+  if (chunk.get() != Py_None) {
+    long limit = PyLong_CheckExact(chunk.get()) ? PyLong_AsLong(chunk.get()) : -1;
+    PyRef r(PyObject_GetAttr(handler.get(), g_lazy.s_recorded));
+    recorded = r && PyLong_CheckExact(r.get()) ? PyLong_AsLong(r.get()) : -1;
+    r.reset();
     if (recorded < 0 || limit < 1 || (recorded > 0 && recorded >= limit)) recorded = -2;
   }
-  Py_DECREF(chunk);
-  PyObject** dict = _PyObject_GetDictPtr(handler);
+  chunk.reset();
+  PyObject** dict = _PyObject_GetDictPtr(handler.get());
   if (recorded == -2 ||
       (dict != nullptr && *dict != nullptr && PyDict_GetItem(*dict, s_execute) != nullptr)) {
-    PyErr_Clear();
-    Py_DECREF(handler);
-    return hook();
+    return decline();
   }
   PyObject* dev = StateGet(s_device);  // borrowed; state.device, as the hook's _Node reads
-  if (dev == nullptr) {
-    PyErr_Clear();
-    Py_DECREF(handler);
-    return hook();
-  }
+  if (dev == nullptr) return decline();
   const int n_out = static_cast<int>(dtypes.size());
-  PyObject* node_inputs = PyList_New(n_in);
-  PyObject* refs = PyList_New(n_out);
-  PyObject* node = nullptr;
-  PyObject* seq = nullptr;
-  PyObject* pending = nullptr;
-  PyObject* node_ref = nullptr;
-  PyObject* producer = nullptr;
-  absl::InlinedVector<PyObject*, 4> values(n_out, nullptr);
-  int made = 0;
-  if (node_inputs == nullptr || refs == nullptr) goto fail;
+  PyRef node_inputs(PyList_New(n_in));
+  PyRef refs(PyList_New(n_out));
+  PyRef producer;
+  PyRef pending;
+  PyRef node_ref;
+  PyRef node;
+  PyRef seq;
+  absl::InlinedVector<PyRef, 4> values(n_out);
+  // A failure: the first `made` outputs were handed out and are taken back.
+  auto fail = [&](int made) {
+    for (int k = 0; k < made; ++k) TFE_DeleteTensorHandle(outputs[k]);
+    StatusFromPyErr(status);
+    return true;
+  };
+  if (!node_inputs || !refs) return fail(0);
   for (int i = 0; i < n_in; ++i) {
     TFOH_Payload* p = PayloadOf(in[i]);
     PyObject* item;
@@ -204,96 +207,79 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
         PyObject* index = Slot(v, g_lazy.v_index);
         if (producer_node == nullptr || index == nullptr) {
           PyErr_SetString(PyExc_RuntimeError, "oh.Lazy: a pending value without its node");
-          goto fail;
+          return fail(0);
         }
         item = PyTuple_Pack(2, producer_node, index);
       }
     } else {
       item = native_internal::EagerTensorSharing(in[i]);
     }
-    if (item == nullptr) goto fail;
-    PyList_SET_ITEM(node_inputs, i, item);
+    if (item == nullptr) return fail(0);
+    PyList_SET_ITEM(node_inputs.get(), i, item);
   }
-  node = g_lazy.node->tp_alloc(g_lazy.node, 0);
-  seq = node != nullptr ? PyIter_Next(g_lazy.sequence) : nullptr;
-  if (seq == nullptr) {
+  node.reset(g_lazy.node->tp_alloc(g_lazy.node, 0));
+  seq.reset(node ? PyIter_Next(g_lazy.sequence) : nullptr);
+  if (!seq) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "oh.Lazy: no sequence number");
-    goto fail;
+    return fail(0);
   }
   // As _Node.__init__ sets them (op None: the next stack is PHYSICAL).
-  Slot(node, g_lazy.n_seq) = seq;  // (takes the reference)
-  seq = nullptr;
-  Set(node, g_lazy.n_sig, sig);
-  Set(node, g_lazy.n_op, Py_None);
-  Set(node, g_lazy.n_device, dev);
-  Set(node, g_lazy.n_inputs, node_inputs);
-  Set(node, g_lazy.n_outputs, refs);
-  Set(node, g_lazy.n_values, Py_None);
-  Set(node, g_lazy.n_specs, Py_None);
-  Set(node, g_lazy.n_next, d.next);
-  Set(node, g_lazy.n_failed, Py_False);
+  PyObject* n = node.get();
+  Slot(n, g_lazy.n_seq) = seq.release();  // (takes the reference)
+  Set(n, g_lazy.n_sig, sig);
+  Set(n, g_lazy.n_op, Py_None);
+  Set(n, g_lazy.n_device, dev);
+  Set(n, g_lazy.n_inputs, node_inputs.get());
+  Set(n, g_lazy.n_outputs, refs.get());
+  Set(n, g_lazy.n_values, Py_None);
+  Set(n, g_lazy.n_specs, Py_None);
+  Set(n, g_lazy.n_next, d.next);
+  Set(n, g_lazy.n_failed, Py_False);
   for (int k = 0; k < n_out; ++k) {
-    PyObject* v = g_lazy.value->tp_alloc(g_lazy.value, 0);
-    if (v == nullptr) goto fail;
-    values[k] = v;
-    Set(v, g_lazy.v_node, node);
+    values[k].reset(g_lazy.value->tp_alloc(g_lazy.value, 0));
+    PyObject* v = values[k].get();
+    if (v == nullptr) return fail(0);
+    Set(v, g_lazy.v_node, n);
     PyObject* index = PyLong_FromLong(k);
-    if (index == nullptr) goto fail;
+    if (index == nullptr) return fail(0);
     Slot(v, g_lazy.v_index) = index;
     Set(v, g_lazy.v_dtype, dtype_objs[k]);
     Set(v, g_lazy.v_value, Py_None);
     PyObject* r = PyWeakref_NewRef(v, nullptr);
-    if (r == nullptr) goto fail;
-    PyList_SET_ITEM(refs, k, r);
+    if (r == nullptr) return fail(0);
+    PyList_SET_ITEM(refs.get(), k, r);
   }
-  pending = PyObject_GetAttr(handler, g_lazy.s_pending);
-  node_ref = pending != nullptr ? PyWeakref_NewRef(node, nullptr) : nullptr;
-  producer = node_ref != nullptr ? InternedString(type) : nullptr;
-  if (producer == nullptr) goto fail;
-  if (!PyList_Check(pending)) {
+  pending.reset(PyObject_GetAttr(handler.get(), g_lazy.s_pending));
+  node_ref.reset(pending ? PyWeakref_NewRef(n, nullptr) : nullptr);
+  producer.reset(node_ref ? InternedString(type) : nullptr);
+  if (!producer) return fail(0);
+  if (!PyList_Check(pending.get())) {
     PyErr_SetString(PyExc_TypeError, "oh.Lazy: _pending is not a list");
-    goto fail;
+    return fail(0);
   }
-  for (; made < n_out; ++made) {
-    outputs[made] = NewHandlerTensorHandle(stack, values[made], dtypes[made], producer,
-                                           /*shape_from_value=*/false);
-    if (outputs[made] == nullptr) goto fail;
+  for (int made = 0; made < n_out; ++made) {
+    outputs[made] = NewHandlerTensorHandle(stack, values[made].get(), dtypes[made],
+                                           producer.get(), /*shape_from_value=*/false);
+    if (outputs[made] == nullptr) return fail(made);
   }
-  if (PyList_Append(pending, node_ref) < 0) goto fail;
+  if (PyList_Append(pending.get(), node_ref.get()) < 0) return fail(n_out);
   if (recorded >= 0) {  // (chunks: counted, not pruned; as the hook)
-    PyObject* r = PyLong_FromLong(recorded + 1);
-    int failed = r == nullptr || PyObject_SetAttr(handler, g_lazy.s_recorded, r) < 0;
-    Py_XDECREF(r);
-    if (failed) goto failed_after;
+    PyRef r(PyLong_FromLong(recorded + 1));
+    int failed = !r || PyObject_SetAttr(handler.get(), g_lazy.s_recorded, r.get()) < 0;
+    r.reset();
+    if (failed) return fail(n_out);
   } else {
     // As the hook: prune `_pending` when it grew past twice the live nodes.
-    PyObject* live = PyObject_GetAttr(handler, g_lazy.s_live_nodes);
-    long n_live = live != nullptr ? PyLong_AsLong(live) : -1;
-    Py_XDECREF(live);
-    if (n_live < 0 && PyErr_Occurred()) goto failed_after;
-    if (PyList_GET_SIZE(pending) > 2 * n_live) {
-      PyObject* r = PyObject_CallMethodNoArgs(handler, g_lazy.s_prune);
-      if (r == nullptr) goto failed_after;
-      Py_DECREF(r);
+    PyRef live(PyObject_GetAttr(handler.get(), g_lazy.s_live_nodes));
+    long n_live = live ? PyLong_AsLong(live.get()) : -1;
+    live.reset();
+    if (n_live < 0 && PyErr_Occurred()) return fail(n_out);
+    if (PyList_GET_SIZE(pending.get()) > 2 * n_live) {
+      PyRef r(PyObject_CallMethodNoArgs(handler.get(), g_lazy.s_prune));
+      if (!r) return fail(n_out);
     }
   }
   *num_outputs = n_out;
-  goto done;
-failed_after:
-  made = n_out;
-fail:
-  for (int k = 0; k < made; ++k) TFE_DeleteTensorHandle(outputs[k]);
-  StatusFromPyErr(status);
-done:
-  for (PyObject* v : values) Py_XDECREF(v);
-  Py_XDECREF(seq);
-  Py_XDECREF(node);
-  Py_XDECREF(node_ref);
-  Py_XDECREF(pending);
-  Py_XDECREF(producer);
-  Py_XDECREF(refs);
-  Py_XDECREF(node_inputs);
-  Py_DECREF(handler);
   return true;
 }
 
@@ -348,6 +334,18 @@ PyObject* PyLazySetup(PyObject*, PyObject* args) {
   g_lazy_ready = true;
   Py_RETURN_NONE;
 }
+
+PyMethodDef kLazyModuleMethods[] = {
+    {"lazy_setup", PyLazySetup, METH_VARARGS,
+     "lazy_setup(LazyValue, _Node, sequence, sigs, dtypes, stateful): oh.Lazy's C record."},
+    {"lazy_plan", PyLazyPlan, METH_VARARGS,
+     "lazy_plan(order, needed, specs, want_plan): oh.Lazy's key, kept outputs, external "
+     "inputs and (want_plan) plan."},
+    {"lazy_upstream", PyLazyUpstream, METH_VARARGS,
+     "lazy_upstream(roots): the pending nodes roots depend on, in recording order."},
+    {"lazy_computed", PyLazyComputed, METH_VARARGS,
+     "lazy_computed(order): marks the nodes computed (releases their inputs)."},
+    {nullptr}};
 
 }  // namespace fast
 }  // namespace tf_ophandlers

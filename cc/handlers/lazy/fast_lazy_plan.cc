@@ -5,7 +5,7 @@
 // key is one bytes object (hashed once, compared with memcmp), the plan is built only
 // when a function is compiled or the ops run one by one.
 #define PY_SSIZE_T_CLEAN
-#include "fast/fast_internal.h"
+#include "handlers/lazy/lazy.h"
 
 #include <algorithm>
 #include <cstring>
@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "boundary/owners.h"
 #include "boundary/runtime.h"
 
 namespace tf_ophandlers {
@@ -156,19 +157,23 @@ PyObject* PyLazyPlan(PyObject*, PyObject* args) {
   std::unordered_map<void*, Py_ssize_t> ext_index;
   std::string key;
   std::vector<int32_t> refs;  // (p, i) pairs of the current node
-  PyObject* plan = want_plan ? PyList_New(0) : Py_NewRef(Py_None);
-  PyObject* kept = PyList_New(0);
-  PyObject* external = PyList_New(0);
-  PyObject* ext_specs = specs ? PyList_New(0) : Py_NewRef(Py_None);
-  PyObject* result = nullptr;
+  // Released in the reverse order of these declarations (the plan first).
+  PyRef ext_specs_ref(specs ? PyList_New(0) : Py_NewRef(Py_None));
+  PyRef external_ref(PyList_New(0));
+  PyRef kept_ref(PyList_New(0));
+  PyRef plan_ref(want_plan ? PyList_New(0) : Py_NewRef(Py_None));
+  PyObject* plan = plan_ref.get();
+  PyObject* kept = kept_ref.get();
+  PyObject* external = external_ref.get();
+  PyObject* ext_specs = ext_specs_ref.get();
   Py_ssize_t n = PyList_GET_SIZE(order);
   key.reserve(static_cast<size_t>(n) * 64);
-  if (!plan || !kept || !external || !ext_specs) goto out;
+  if (!plan || !kept || !external || !ext_specs) return nullptr;
   for (Py_ssize_t j = 0; j < n; ++j) {
     PyObject* node = PyList_GET_ITEM(order, j);
     if (!IsNode(node) || !Pending(node)) {
       PyErr_SetString(PyExc_TypeError, "lazy_plan: not a pending node");
-      goto out;
+      return nullptr;
     }
     position[node] = j;
     PyObject* outs = Slot(node, g_lazy.n_outputs);
@@ -179,17 +184,17 @@ PyObject* PyLazyPlan(PyObject*, PyObject* args) {
     if (!outs || !PyList_Check(outs) || !PyList_Check(inputs) || !seq || !sig ||
         !PyTuple_Check(sig) || PyTuple_GET_SIZE(sig) != 2 || !device) {
       PyErr_SetString(PyExc_TypeError, "lazy_plan: a malformed node");
-      goto out;
+      return nullptr;
     }
     // graph_builder.node_part's (op type, attributes key, refs, device), then the live
     // outputs (what the function returns).
     if (!PutStr(&key, PyTuple_GET_ITEM(sig, 0)) || !PutStr(&key, PyTuple_GET_ITEM(sig, 1)) ||
         !PutStr(&key, device)) {
-      goto out;
+      return nullptr;
     }
     // The live outputs: referenced by the program, or needed by a pending node outside.
-    PyObject* live = want_plan ? PyList_New(0) : nullptr;
-    if (want_plan && live == nullptr) goto out;
+    PyRef live(want_plan ? PyList_New(0) : nullptr);
+    if (want_plan && !live) return nullptr;
     const size_t n_live_at = key.size();
     PutInt(&key, 0);
     int32_t n_live = 0;
@@ -197,25 +202,16 @@ PyObject* PyLazyPlan(PyObject*, PyObject* args) {
       PyObject* o = PyWeakref_GetObject(PyList_GET_ITEM(outs, k));  // borrowed
       int need = 0;
       if (o != nullptr && any_needed) {
-        PyObject* nk = Py_BuildValue("(On)", seq, k);
-        need = nk != nullptr ? PySet_Contains(needed, nk) : -1;
-        Py_XDECREF(nk);
+        PyRef nk(Py_BuildValue("(On)", seq, k));
+        need = nk ? PySet_Contains(needed, nk.get()) : -1;
       }
-      if (o == nullptr || need < 0) {
-        Py_XDECREF(live);
-        goto out;
-      }
+      if (o == nullptr || need < 0) return nullptr;
       if (o == Py_None && !need) continue;
-      PyObject* kk = PyLong_FromSsize_t(k);
-      PyObject* entry = kk ? PyTuple_Pack(3, node, kk, o) : nullptr;
-      bool ok = entry && PyList_Append(kept, entry) == 0 &&
-                (live == nullptr || PyList_Append(live, kk) == 0);
-      Py_XDECREF(kk);
-      Py_XDECREF(entry);
-      if (!ok) {
-        Py_XDECREF(live);
-        goto out;
-      }
+      PyRef kk(PyLong_FromSsize_t(k));
+      PyRef entry(kk ? PyTuple_Pack(3, node, kk.get(), o) : nullptr);
+      bool ok = entry && PyList_Append(kept, entry.get()) == 0 &&
+                (!live || PyList_Append(live.get(), kk.get()) == 0);
+      if (!ok) return nullptr;
       PutInt(&key, static_cast<int32_t>(k));
       ++n_live;
     }
@@ -264,12 +260,11 @@ PyObject* PyLazyPlan(PyObject*, PyObject* args) {
           break;
         }
         if (specs) {
-          PyObject* sp = EagerTensor_CheckExact(t) ? EagerSpec(t) : nullptr;
-          if (sp == nullptr && !PyErr_Occurred()) {
+          PyRef sp(EagerTensor_CheckExact(t) ? EagerSpec(t) : nullptr);
+          if (!sp && !PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "lazy_plan: an external input is not a tensor");
           }
-          ok = sp != nullptr && PyList_Append(ext_specs, sp) == 0;
-          Py_XDECREF(sp);
+          ok = sp && PyList_Append(ext_specs, sp.get()) == 0;
           if (!ok) break;
         }
       } else {
@@ -278,44 +273,31 @@ PyObject* PyLazyPlan(PyObject*, PyObject* args) {
       refs.push_back(-1);
       refs.push_back(static_cast<int32_t>(e));
     }
-    if (!ok) {
-      Py_XDECREF(live);
-      goto out;
-    }
+    if (!ok) return nullptr;
     key.append(reinterpret_cast<const char*>(refs.data()), refs.size() * sizeof(int32_t));
     if (!want_plan) continue;
     // plan: (node, refs, live, device), refs ((p, i), ...) as lazy_compile reads them.
-    PyObject* refs_t = PyTuple_New(n_in);
-    for (Py_ssize_t i = 0; refs_t != nullptr && i < n_in; ++i) {
+    PyRef refs_t(PyTuple_New(n_in));
+    for (Py_ssize_t i = 0; refs_t && i < n_in; ++i) {
       PyObject* r = Py_BuildValue("(ii)", refs[2 * i], refs[2 * i + 1]);
-      if (r == nullptr) Py_CLEAR(refs_t);
-      else PyTuple_SET_ITEM(refs_t, i, r);
+      if (r == nullptr) refs_t.reset();
+      else PyTuple_SET_ITEM(refs_t.get(), i, r);
     }
-    PyObject* live_t = refs_t != nullptr ? PyList_AsTuple(live) : nullptr;
-    Py_DECREF(live);
-    PyObject* step = live_t != nullptr ? PyTuple_Pack(4, node, refs_t, live_t, device) : nullptr;
-    ok = step != nullptr && PyList_Append(plan, step) == 0;
-    Py_XDECREF(step);
-    Py_XDECREF(live_t);
-    Py_XDECREF(refs_t);
-    if (!ok) goto out;
+    PyRef live_t(refs_t ? PyList_AsTuple(live.get()) : nullptr);
+    live.reset();
+    PyRef step(live_t ? PyTuple_Pack(4, node, refs_t.get(), live_t.get(), device) : nullptr);
+    ok = step && PyList_Append(plan, step.get()) == 0;
+    step.reset();
+    live_t.reset();
+    refs_t.reset();
+    if (!ok) return nullptr;
   }
-  {
-    PyObject* key_b = PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size()));
-    PyObject* specs_t = key_b ? (specs ? PyList_AsTuple(ext_specs) : Py_NewRef(Py_None))
-                              : nullptr;
-    if (specs_t != nullptr) {
-      result = Py_BuildValue("(ONOON)", plan, key_b, kept, external, specs_t);
-    } else {
-      Py_XDECREF(key_b);
-    }
-  }
-out:
-  Py_XDECREF(plan);
-  Py_XDECREF(kept);
-  Py_XDECREF(external);
-  Py_XDECREF(ext_specs);
-  return result;
+  PyRef key_b(PyBytes_FromStringAndSize(key.data(), static_cast<Py_ssize_t>(key.size())));
+  PyObject* specs_t =
+      key_b ? (specs ? PyList_AsTuple(ext_specs) : Py_NewRef(Py_None)) : nullptr;
+  if (specs_t == nullptr) return nullptr;
+  // (N: the tuple takes key_b's and specs_t's references.)
+  return Py_BuildValue("(ONOON)", plan, key_b.release(), kept, external, specs_t);
 }
 
 }  // namespace fast

@@ -21,7 +21,10 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
-$(STAMP): $(VPY) setup.py pyproject.toml cc/*.cc cc/*.h cc/include/tf_ophandlers/*.h
+# Every C++ source and header under cc/, at any depth (a clean clone must rebuild on any change).
+CC_FILES := $(shell find cc -name '*.cc' -o -name '*.h')
+
+$(STAMP): $(VPY) setup.py pyproject.toml $(CC_FILES)
 	# sybil: tests/docs/test_snippets.py runs the Python blocks of README.md and docs/.
 	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" "sybil==10.1.0" matplotlib tensorboard setuptools wheel
 	# --no-deps: the package requires `tensorflow`, which would go in over tensorflow-cpu.
@@ -83,8 +86,10 @@ smoke: wheel
 # libtensorflow_framework.so.2, never libpython.
 C_API_LIB := tf_ophandlers/libtf_ophandlers_c.so
 C_API_OUT := build/c_api
-C_API_SRCS := cc/c_api.cc cc/c_runtime.cc cc/c_native_handlers.cc cc/op_outputs.cc
-C_API_DEPS := $(C_API_SRCS) cc/c_runtime.h cc/op_outputs.h cc/native_handlers.cc cc/include/tf_ophandlers/*.h
+C_API_SRCS := cc/c_api/c_api.cc cc/c_api/c_runtime.cc cc/c_api/c_native_handlers.cc \
+    cc/kernels/op_outputs.cc
+C_API_DEPS := $(C_API_SRCS) cc/c_api/c_runtime.h cc/kernels/op_outputs.h \
+    cc/native/native_handlers.cc cc/include/tf_ophandlers/*.h
 TF_FLAGS = $(C_API_OUT)/tf_flags.mk
 
 $(TF_FLAGS): $(STAMP)

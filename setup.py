@@ -69,7 +69,7 @@ common = dict(
         "-Wl,-rpath,$ORIGIN/../tensorflow:$ORIGIN/../tensorflow/python",
     ],
     # Headers too, so that a changed header rebuilds (distutils compares dates).
-    depends=sorted(glob.glob("cc/*.h") + glob.glob("cc/include/tf_ophandlers/*.h")),
+    depends=sorted(glob.glob("cc/**/*.h", recursive=True)),
     language="c++",
 )
 
@@ -121,21 +121,32 @@ class build_ext(_build_ext):  # pylint: disable=invalid-name
 setup(cmdclass={"build_ext": build_ext}, ext_modules=[
     # The Python extension: the dispatcher device and the handler-tensor payloads.
     Extension("tf_ophandlers._C", sources=[
-        "cc/module.cc", "cc/runtime.cc", "cc/status.cc", "cc/op.cc", "cc/op_outputs.cc",
-        "cc/handler_tensor.cc",
-        "cc/device.cc", "cc/native_build.cc", "cc/native_library.cc", "cc/native_type.cc",
-        "cc/native_execute.cc", "cc/native_nogil.cc", "cc/native_value.cc",
-        "cc/native_hooks.cc", "cc/fast_path.cc", "cc/fast_decision.cc", "cc/fast_forward.cc",
-        "cc/fast_hook.cc", "cc/fast_record.cc", "cc/fast_async.cc", "cc/fast_lazy.cc",
-        "cc/fast_lazy_plan.cc", "cc/fast_trace.cc", "cc/fast_convert.cc", "cc/tape_record.cc"],
+        # The boundary: module, dispatcher device, runtime state, status, Op, payloads.
+        "cc/boundary/module.cc", "cc/boundary/runtime.cc", "cc/boundary/status.cc",
+        "cc/boundary/op.cc", "cc/boundary/handler_tensor.cc", "cc/boundary/device.cc",
+        "cc/kernels/op_outputs.cc",
+        # The native handler ABI (C/C++ handler libraries).
+        "cc/native/native_build.cc", "cc/native/native_library.cc",
+        "cc/native/native_type.cc", "cc/native/native_execute.cc",
+        "cc/native/native_nogil.cc", "cc/native/native_value.cc", "cc/native/native_hooks.cc",
+        # The per-op fast path.
+        "cc/fast/fast_path.cc", "cc/fast/fast_decision.cc", "cc/fast/fast_forward.cc",
+        "cc/fast/fast_hook.cc", "cc/fast/fast_record.cc", "cc/fast/fast_trace.cc",
+        "cc/fast/fast_convert.cc",
+        # Shipped handlers' C++, registered with the fast path through its hook slot.
+        "cc/handlers/register.cc", "cc/handlers/async_execution/fast_async.cc",
+        "cc/handlers/lazy/fast_lazy.cc", "cc/handlers/lazy/fast_lazy_plan.cc",
+        "cc/handlers/gradient_tape/tape_record.cc"],
         **common),
     # A TensorFlow op library (no Python module): loaded with tf.load_op_library so
     # TensorFlow generates the op wrappers and records them on tapes.
-    Extension("tf_ophandlers._copy_ops", sources=["cc/copy_ops.cc", "cc/move_axis.cc"], **common),
+    Extension("tf_ophandlers._copy_ops", sources=[
+        "cc/kernels/copy_ops.cc", "cc/handlers/data_format/move_axis.cc",
+        "cc/handlers/parallel/parallel_ops.cc"], **common),
     # A handler library (no Python module): oh.native.PassThrough and OpCounter, built
     # only against the public header cc/include/tf_ophandlers/handler.h and loaded with
     # oh.load_handler_library. It links TensorFlow's framework library (TF_Status) only.
-    Extension("tf_ophandlers._native_handlers", sources=["cc/native_handlers.cc"],
+    Extension("tf_ophandlers._native_handlers", sources=["cc/native/native_handlers.cc"],
               include_dirs=["cc/include", os.path.join(tf_dir, "include")],
               define_macros=common["define_macros"],
               extra_compile_args=common["extra_compile_args"],
@@ -143,5 +154,5 @@ setup(cmdclass={"build_ext": build_ext}, ext_modules=[
                                "-Wl,-rpath,$ORIGIN/../tensorflow"],
               language="c++"),
     # A measurement aid for benchmarks/: a custom device that runs nothing.
-    Extension("tf_ophandlers._null_device", sources=["cc/null_device.cc"], **common),
+    Extension("tf_ophandlers._null_device", sources=["cc/testing/null_device.cc"], **common),
 ])

@@ -434,7 +434,7 @@ def main(argv=None):
               "Python tuples and Keras variables as inputs, so in plain TensorFlow those ops, "
               "and every op taking a Keras variable (in the twin too), go through its slower "
               "Python eager fallback; under the handler's scope they are converted and run "
-              "in C without TensorFlow's stack capture (`cc/fast_convert.cc`), so the "
+              "in C without TensorFlow's stack capture (`cc/fast/fast_convert.cc`), so the "
               "handler's eager call can run fewer instructions than the twin's. A replayed "
               "call adds the input's move and the replay's per-call Python (opening the "
               "scope, splitting the 13 arguments, one cache lookup, wrapping the result); "

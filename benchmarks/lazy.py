@@ -20,7 +20,7 @@ for information, `tf.function` of the same computation (traced once) and, on cha
 `oh.Lazy() build only` (the same scope without `.numpy()`, timed from the first op to
 the last: the recording alone) and `null device`: the chain under
 `tf.device(<a custom device that runs nothing>)` (`tf_ophandlers._null_device`,
-cc/null_device.cc), no value request. Its execute callback records nothing, runs nothing
+cc/testing/null_device.cc), no value request. Its execute callback records nothing, runs nothing
 and calls no Python, so its time is what TensorFlow's Python API and its custom-device
 dispatch alone cost per op: the floor of any per-op interception through a custom
 device, which bounds what `oh.Lazy()` can reach (see `why_md`).
@@ -73,7 +73,7 @@ CASES = (
      "scope's entry and exit are not timed (information). *tf.function* is "
      "`tf.function(chain)` traced once, called as `fn(x).numpy()` (information). "
      "*Null device* is `with tf.device(NULL): h = chain(x)`, no value request, with NULL "
-     "a TensorFlow custom device (`tf_ophandlers._null_device`, `cc/null_device.cc`) "
+     "a TensorFlow custom device (`tf_ophandlers._null_device`, `cc/testing/null_device.cc`) "
      "whose execute callback runs nothing and calls no Python, returning a handle with "
      "the first input's shape: each op still goes through TensorFlow's Python API, "
      "TFE_Execute's placement, one custom-device call and a new output handle. It is the "

@@ -212,10 +212,10 @@ def test_bazel_build_and_setup_py_compile_the_same_sources():
     setup_sources = {}
     for name, body in re.findall(r'Extension\("tf_ophandlers\.(\w+)", sources=\[([^\]]*)\]',
                                  setup_text):
-        setup_sources[name] = sorted(re.findall(r'"(cc/[\w.]+\.cc)"', body))
+        setup_sources[name] = sorted(re.findall(r'"(cc/[\w./]+\.cc)"', body))
     build_sources = {}
     for name, body in re.findall(r'name = "tf_ophandlers/(\w+)\.so",\s*srcs = \[([^\]]*)\]',
                                  build_text):
-        build_sources[name] = sorted(re.findall(r'"(cc/[\w.]+\.cc)"', body))
+        build_sources[name] = sorted(re.findall(r'"(cc/[\w./]+\.cc)"', body))
     assert set(setup_sources) == {"_C", "_copy_ops", "_native_handlers", "_null_device"}
     assert build_sources == setup_sources

@@ -1,4 +1,4 @@
-"""`oh.native`: the package's own handlers written in C++ (cc/native_handlers.cc), built
+"""`oh.native`: the package's own handlers written in C++ (cc/native/native_handlers.cc), built
 only against the public C ABI (cc/include/tf_ophandlers/handler.h) into the handler
 library ``tf_ophandlers/_native_handlers*.so``, loaded on first use.
 

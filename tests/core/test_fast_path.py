@@ -1,4 +1,4 @@
-"""The C++ per-op fast path (cc/fast_path.h): stacks whose handler does not execute an op
+"""The C++ per-op fast path (cc/fast/fast_path.h): stacks whose handler does not execute an op
 (default `execute`, or `handles_ops` excluding its type) run it without Python, and give
 the results, placements and errors of the Python path and of plain TensorFlow."""
 import re

@@ -1,4 +1,4 @@
-"""OhMoveAxis (cc/move_axis.cc, core/move_axis.py) against tf.transpose: values, shapes,
+"""OhMoveAxis (cc/handlers/data_format/move_axis.cc, core/move_axis.py) against tf.transpose: values, shapes,
 dtypes, gradients, unknown dims; and where oh.DataFormat uses it (only the replay cache's
 own functions, never a graph users may export)."""
 import os

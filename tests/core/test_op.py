@@ -147,7 +147,7 @@ def test_attribute_caches_key_by_content_not_byte_order():
 
 
 def test_attrs_proto_is_one_byte_string_per_content():
-    """cc/op.cc sorts the serialized attributes' top-level fields, so the same attributes
+    """cc/boundary/op.cc sorts the serialized attributes' top-level fields, so the same attributes
     give the same bytes on every op (TensorFlow's own order varies with its hash map):
     raw-keyed caches hit, and the bytes equal core/op.py's canonical form."""
     from tf_ophandlers.core import op as op_module

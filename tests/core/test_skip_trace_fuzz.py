@@ -1,4 +1,4 @@
-"""Fuzz of the op fast path without TensorFlow's stack capture (cc/fast_trace.cc's
+"""Fuzz of the op fast path without TensorFlow's stack capture (cc/fast/fast_trace.cc's
 skip_trace_execute, installed while a handler scope places ops on the dispatcher)
 against plain eager: random calls of op wrappers and tf.raw_ops (tests/core/
 skip_trace_cases.py) under a pass-through oh.OpHandler, oh.Lazy and the C++
@@ -133,7 +133,7 @@ def _slice(**masks):
 def test_int_attribute_past_int64_raises_overflow_error(make, call):
     # TensorFlow's fast path leaves PyLong_AsLongLong's OverflowError pending and runs the
     # op; under a scope the handlers' Python cleared it: a silent result from a wrapped
-    # attribute (and oh.Lazy kept the op). cc/device.cc now fails the op unrun.
+    # attribute (and oh.Lazy kept the op). cc/boundary/device.cc now fails the op unrun.
     with pytest.raises(OverflowError):
         call()
     with make():

@@ -1,5 +1,5 @@
 """List and tuple inputs in the op fast path without TensorFlow's stack capture
-(cc/fast_trace.cc skip_trace_execute): `tf.transpose(x, (0, 2, 3, 1))`, `tf.reshape(x,
+(cc/fast/fast_trace.cc skip_trace_execute): `tf.transpose(x, (0, 2, 3, 1))`, `tf.reshape(x,
 [1, C, 1, 1])`, `reduce_mean(x, axis=[2, 3])` (Keras's channels-first layers). TensorFlow's
 fast path refuses them and its generated Python fallback converts them (and captures the
 stack twice); under a handler scope they are converted as that fallback does and run

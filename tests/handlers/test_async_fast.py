@@ -1,4 +1,4 @@
-"""oh.Async's hook run in C for its common case (cc/fast_async.cc): the same outputs,
+"""oh.Async's hook run in C for its common case (cc/handlers/async_execution/fast_async.cc): the same outputs,
 representations and errors as the Python hook, which stays the reference."""
 import time
 

@@ -1,5 +1,5 @@
-"""The C++ handlers' no-GIL path (cc/native_execute.cc NativeNoGilExecute) and the
-dispatcher device's placement callback (cc/device.cc DeviceShallPin), each against plain
+"""The C++ handlers' no-GIL path (cc/native/native_execute.cc NativeNoGilExecute) and the
+dispatcher device's placement callback (cc/boundary/device.cc DeviceShallPin), each against plain
 TensorFlow."""
 import collections
 import threading

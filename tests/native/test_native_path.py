@@ -1,4 +1,4 @@
-"""The C per-op path of C++ handlers (cc/native_execute.cc through cc/fast_path.cc):
+"""The C per-op path of C++ handlers (cc/native/native_execute.cc through cc/fast/fast_path.cc):
 one-time setup, the output dtype check, and C++ levels under and over Python levels,
 each against plain TensorFlow."""
 import sys

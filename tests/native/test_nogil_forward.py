@@ -1,4 +1,4 @@
-"""The no-GIL path of a forwarding level directly over PHYSICAL (cc/native_nogil.cc): a
+"""The no-GIL path of a forwarding level directly over PHYSICAL (cc/native/native_nogil.cc): a
 C++ pass-through (`oh.native.PassThrough`) or a Python handler that does not execute the
 op runs it, and makes its output handler tensors (anchored payloads, no Python
 reference) and releases them, without the GIL. Each case against plain TensorFlow."""

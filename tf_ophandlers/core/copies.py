@@ -1,7 +1,7 @@
 """The copy ops and their gradients (RFC "Copies and their gradients").
 
 CopyOn/CopyOnGrad and CopyOff/CopyOffGrad live in the op library `_copy_ops`
-(cc/copy_ops.cc), loaded with `tf.load_op_library` so TensorFlow generates their
+(cc/kernels/copy_ops.cc), loaded with `tf.load_op_library` so TensorFlow generates their
 wrappers and records them on tapes. Their gradients are each other, so higher-order
 gradients work and CopyOn must be linear: d CopyOn = CopyOnGrad, d CopyOnGrad = CopyOn,
 d CopyOff = CopyOffGrad, d CopyOffGrad = CopyOff.

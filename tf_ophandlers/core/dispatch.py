@@ -1,4 +1,4 @@
-"""The dispatcher: entry points called by the C++ callbacks (cc/device.cc, cc/handler_tensor.cc).
+"""The dispatcher: entry points called by the C++ callbacks (cc/boundary/device.cc, cc/boundary/handler_tensor.cc).
 
 `execute` applies the RFC placement policy: an op placed by a handler scope runs on the
 current stack; an op reaching the device by type-based dispatch runs on the stack of its
@@ -163,7 +163,7 @@ def copy_from_device(tensor, device):
     return stack.copy_off(tensor, device)
 
 
-_MAX_RANK = 254  # TensorFlow's TensorShape limit (cc/handler_tensor.h kMaxRank)
+_MAX_RANK = 254  # TensorFlow's TensorShape limit (cc/boundary/handler_tensor.h kMaxRank)
 _INT64_LIMIT = 2 ** 63
 
 
@@ -186,7 +186,7 @@ def num_dims(stack, value, op_type=None):
     value_shape = getattr(handler, "value_shape", None)
     if value_shape is not None:
         # A handler that answers the whole shape at once (oh.vectorized_map): the C++
-        # side answers the `dim` queries that follow from it (cc/handler_tensor.cc),
+        # side answers the `dim` queries that follow from it (cc/boundary/handler_tensor.cc),
         # instead of a hook call per axis. Anything but ints >= -1 (None: -1) takes the
         # per-axis hooks, which report it.
         shape = _whole_shape(value_shape(value))

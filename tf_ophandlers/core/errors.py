@@ -169,7 +169,7 @@ def hook_output_error(stack, hook, op_type, detail):
 
 def invalid_outputs(stack, op, kind, detail):
     """The HandlerOutputError for outputs of `op` that break the execute contract (`kind`
-    "count", "dtype" or "type"), eager (the dispatcher's check, cc/device.cc) or while a
+    "count", "dtype" or "type"), eager (the dispatcher's check, cc/boundary/device.cc) or while a
     function is replayed (HandlerStack.execute): one text for both."""
     return HandlerOutputError(
         "tf_ophandlers: %s returned invalid outputs for op %s (%s mismatch: %s; the "

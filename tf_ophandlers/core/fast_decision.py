@@ -1,4 +1,4 @@
-"""The C++ per-op path's decisions (cc/fast_path.h), as the stacks declare them.
+"""The C++ per-op path's decisions (cc/fast/fast_path.h), as the stacks declare them.
 
 For each (stack, op type) the C++ path asks once how it may run ops of that type placed
 on the stack: forward them without a Python frame, call a native handler, call the
@@ -14,7 +14,7 @@ import tf_ophandlers._C as _C
 from tf_ophandlers.core.cache import BoundedCache, register_external_cache
 
 COPY_OPS = frozenset(("CopyOn", "CopyOff", "CopyOnGrad", "CopyOffGrad"))
-"""The copy ops of the RFC (cc/copy_ops.cc). A stack runs them through its handler's
+"""The copy ops of the RFC (cc/kernels/copy_ops.cc). A stack runs them through its handler's
 copy hooks unless the handler takes them in `execute` (`OpHandler.handles_copy`).
 
 Examples:
@@ -39,8 +39,13 @@ _fast_signatures = BoundedCache("fast_path.signatures", 1024)
 #: handlers keep their native path (there is no Python one to compare with).
 C_PATHS = os.environ.get("OH_FAST_PATH", "1") != "0"
 
-#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast_path.cc).
-FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_RECORD, FAST_LAZY = 0, 1, 2, 3, 4, 5
+#: Kinds of the C++ per-op path's decision for an op type on a stack (cc/fast/fast_path.h):
+#: the Python path; forward to the next stack; a C/C++ handler; the Python execute hook
+#: called from C; forward, then the handler's ``after_execute``; the handler's execute
+#: implemented in C (registered through the fast path's hook slot,
+#: cc/fast/handler_hooks.h), else as FAST_HOOK.
+(FAST_PYTHON, FAST_FORWARD, FAST_NATIVE, FAST_HOOK, FAST_AFTER_EXECUTE,
+ FAST_PLUGIN) = 0, 1, 2, 3, 4, 5
 
 
 def takes_copy(handler, op):
@@ -94,18 +99,19 @@ def never_copy(op, index):  # pylint: disable=unused-argument
 
 def lazy_record_setup(value_type, node_type, sequence, sigs, dtypes, stateful):
     """Registers oh.Lazy's representation types (`__slots__` classes), its sequence
-    counter and its caches with the C++ record path (FAST_LAZY, cc/fast_lazy.cc)."""
+    counter and its caches with the C++ record path (FAST_PLUGIN,
+    cc/handlers/lazy/fast_lazy.cc)."""
     _C.lazy_setup(value_type, node_type, sequence, sigs, dtypes, stateful)
 
 
 #: ``lazy_plan(order, needed, specs, want_plan)``: oh.Lazy's pass over the pending nodes
 #: of a value request; ``lazy_upstream(roots)``: those nodes; ``lazy_computed(order)``:
-#: marks them computed (cc/fast_lazy_plan.cc; handlers/lazy/handler.py `Lazy._run`).
+#: marks them computed (cc/handlers/lazy/fast_lazy_plan.cc; handlers/lazy/handler.py `Lazy._run`).
 lazy_plan = _C.lazy_plan
 lazy_upstream = _C.lazy_upstream
 lazy_computed = _C.lazy_computed
 #: ``skip_trace_setup(TFE_Py_FastPathExecute)`` and ``skip_trace_execute``: TensorFlow's
-#: op fast path without its stack capture, while oh.Lazy is open (cc/fast_trace.cc).
+#: op fast path without its stack capture, while oh.Lazy is open (cc/fast/fast_trace.cc).
 skip_trace_setup = _C.skip_trace_setup
 skip_trace_execute = _C.skip_trace_execute
 
@@ -156,7 +162,7 @@ def fast_signature(stack, handler):
 
 
 def fast_decision(stack, op_type):
-    """How the C++ per-op path (cc/fast_path.h) may run ops of `op_type` placed on
+    """How the C++ per-op path (cc/fast/fast_path.h) may run ops of `op_type` placed on
     the stack: ``(kind, next, transient, default_copy_on, copy_all[, hook_objects])``.
     `kind` is FAST_FORWARD when the handler's execute is not called for the op type (so
     C++ unwraps, runs the op on `next` and wraps, as `HandlerStack.execute` does),
@@ -187,12 +193,13 @@ def fast_decision(stack, op_type):
     elif not stack._runs_execute(op_type):
         kind = FAST_FORWARD
     elif stack._records and not stack._off_stack and needs_no_python_kernel(op_type):
-        kind = FAST_RECORD
+        kind = FAST_AFTER_EXECUTE
     elif not stack._off_stack or (stack._off_stack_ops is not None
                                  and op_type not in stack._off_stack_ops):
-        # FAST_LAZY: oh.Lazy's execute, its common ops recorded in C (cc/fast_lazy.cc);
-        # the class declares it (its type is in fast_signature), else the hook.
-        kind = FAST_LAZY if getattr(type(handler), "_oh_records_in_c", False) else FAST_HOOK
+        # FAST_PLUGIN: the handler's execute has a C implementation (registered through
+        # the hook slot, cc/fast/handler_hooks.h); the class declares it (its type is in
+        # fast_signature), else the hook.
+        kind = FAST_PLUGIN if getattr(type(handler), "_oh_records_in_c", False) else FAST_HOOK
     else:
         kind = FAST_PYTHON
     copy_all = handler.needs_copy is None and not stack._defer_copy
@@ -211,7 +218,7 @@ def fast_decision(stack, op_type):
 
 def async_hook_in_c(execute, op_kinds, implied, inferred, resource, valueless):
     """Lets the C++ path run `execute` (oh.Async's hook, handlers/async_execution.py) for
-    its common case in C (cc/fast_async.cc), from the hook's own tables: `op_kinds`
+    its common case in C (cc/handlers/async_execution/fast_async.cc), from the hook's own tables: `op_kinds`
     (op type -> kind), `implied` (the kind whose signature needs no attributes),
     `inferred` (signature -> outputs' ``(part, dtype)``), `resource` (`tf.resource`) and
     `valueless` (dtype enums whose parts carry no value). The C path reads the tables

@@ -1,4 +1,4 @@
-"""OhMoveAxis (cc/move_axis.cc, in the `_copy_ops` op library): ``transpose(x, [0, 2, ...,
+"""OhMoveAxis (cc/handlers/data_format/move_axis.cc, in the `_copy_ops` op library): ``transpose(x, [0, 2, ...,
 r-1, 1])`` (``to_last``) or ``transpose(x, [0, r-1, 1, ..., r-2])``, the data move of a
 channels-first tensor to channels-last and back, in a kernel cheaper than TensorFlow's
 Transpose for it (a 3-channel image: Eigen's shuffle computes an index per element).

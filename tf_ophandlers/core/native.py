@@ -6,7 +6,7 @@ registered type name to a Python class, a subclass of `NativeHandler` (and so of
 `OpHandler`). An instance is a handler like any other: `with` scopes, nesting with
 Python handlers in either order, function replay, `oh.testing.check_handler`.
 
-Where the C hooks are called from (cc/native.h): an eager op placed by a scope on the
+Where the C hooks are called from (cc/native/native.h): an eager op placed by a scope on the
 native handler's stack, with its inputs already there (or physical tensors it takes as
 they are), runs from the dispatcher's C++ callback without any Python frame; every other
 op reaches `NativeHandler.execute` through the stack like a Python hook, which calls the

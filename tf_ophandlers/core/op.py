@@ -2,7 +2,7 @@
 
 An Op carries the op type, its attributes (decoded on first access), the number and
 dtypes of outputs TensorFlow's OpDef requires, and the device that was requested. It is
-backed by the C++ boundary (`cc/dispatcher.h`): during a dispatcher callback it borrows
+backed by the C++ boundary (`cc/boundary/dispatcher.h`): during a dispatcher callback it borrows
 TensorFlow's op, and it keeps its own copy of the attributes only if a handler holds on
 to it, so forwarding an op costs nothing for its attributes.
 """
@@ -128,7 +128,7 @@ def _canonical(raw):
     byte strings), so caches keyed by the raw bytes alone miss often. Sorting the
     length-delimited top-level fields is cheaper than parsing and re-serializing
     deterministically; an unexpected encoding takes that slower way. `_attrs_proto()`
-    already returns the sorted bytes (cc/op.cc `SortTopLevelFields`, the same order), so
+    already returns the sorted bytes (cc/boundary/op.cc `SortTopLevelFields`, the same order), so
     this is the identity on its result and only the fallback for other encodings costs.
     """
     fields = []

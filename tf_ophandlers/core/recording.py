@@ -1,4 +1,4 @@
-"""A tape's per-op recording in C (cc/tape_record.h), for handlers in the tape's role.
+"""A tape's per-op recording in C (cc/handlers/gradient_tape/tape_record.h), for handlers in the tape's role.
 
 `recording(trainable_dtype_enums, used_indices)` returns
 ``(Record, after_execute)``:
@@ -17,7 +17,7 @@
   `trainable_dtype_enums` become tracked (by weak reference, with id ``(seq << 20) |
   index``). Unless TensorFlow's tape set is recording, a record keeps only the inputs
   and outputs `used_indices(op_type)` names (``(inputs, outputs)``, each a set of
-  indices or None for all); the others are None in the record (cc/tape_record.h).
+  indices or None for all); the others are None in the record (cc/handlers/gradient_tape/tape_record.h).
 
 `oh.GradientTape` (handlers/gradient_tape/handler.py) is the user; recording an op then enters
 no Python frame.
@@ -38,7 +38,7 @@ def copy_through(copy_on):
     (oh.vectorized_map), an input that copy_on would only pass to the stack below (a
     tensor of that stack; a physical tensor, not a resource handle, that the tape does
     not track, while no TensorFlow tape records) goes to the hook as it is, which copies
-    it on by its own rules (cc/tape_record.h TapeCopiesThrough)."""
+    it on by its own rules (cc/handlers/gradient_tape/tape_record.h TapeCopiesThrough)."""
     _C.tape_copy_setup(copy_on)
 
 

@@ -7,13 +7,13 @@ TensorFlow's own per-op time for a small op. An op placed on the dispatcher neve
 that op: a handler records it (oh.Lazy, a tape's replay) or the dispatcher builds a new
 op from its attributes for the device below, so its trace is dropped unread. While a
 scope has put the dispatcher device on (`core/scope.py`), the scoped patch below makes
-the function `cc/fast_trace.cc`'s `skip_trace_execute`: the common op placed on the
+the function `cc/fast/fast_trace.cc`'s `skip_trace_execute`: the common op placed on the
 dispatcher (tensor or Python-number inputs, only type attributes those inputs give, one
 output, no tape, accumulator or op callback) is made and run as TensorFlow's fast path
 does, without the capture. It also takes what TensorFlow's fast path refuses before
 running anything and its generated Python fallback converts (capturing again): lists
 and tuples of Python numbers (Keras's `perm`/`shape` tuples) and Keras variables,
-converted as that fallback does (cc/fast_convert.cc). Every other call goes to
+converted as that fallback does (cc/fast/fast_convert.cc). Every other call goes to
 TensorFlow's function unchanged (its values, errors and recording). TensorFlow has no
 switch for the capture.
 """

@@ -231,7 +231,7 @@ class PhysicalStack(Stack):
 
     def execute(self, op, inputs):
         if op.type in COPY_OPS:
-            # On a physical device every copy op is the identity (cc/copy_ops.cc).
+            # On a physical device every copy op is the identity (cc/kernels/copy_ops.cc).
             return [self.copy_on(inputs[0])]
         mode = state.mode
         if mode is not None and mode.building():
@@ -266,7 +266,7 @@ Examples:
 #: mesh's per-device shards): callers check ``state.mode is None`` and the op type.
 execute_physical = _execute
 register_bottom(PHYSICAL)
-# What the C++ per-op fast path reads (cc/fast_path.h). Only references: starts nothing.
+# What the C++ per-op fast path reads (cc/fast/fast_path.h). Only references: starts nothing.
 _C.fast_setup(state, PHYSICAL)
 
 #: The handler attributes a stack derives its fields from (HandlerStack._declarations;
@@ -356,13 +356,13 @@ class HandlerStack(Stack):
                 _templates[key] = fields
         self.__dict__.update(fields)
         # Per stack, not in the shared fields: a physical_copy_on method is bound to this
-        # handler (read by cc/fast_hook.cc).
+        # handler (read by cc/fast/fast_hook.cc).
         self._physical_copy_on = physical_copy_of(handler)
         type_name = handler.type_name()
         index = next(_indices.setdefault(type_name, itertools.count()))
         self.name = "/job:localhost/replica:0/task:0/device:%s:%d" % (type_name, index)
         # While such a stack lives the C++ paths ask, for its ops, whether a TensorFlow
-        # tape records (cc/fast_path.h SubstitutesUnderTape); never otherwise.
+        # tape records (cc/fast/fast_path.h SubstitutesUnderTape); never otherwise.
         self._substituting = self._substitutes or next_stack._substituting
         if self._substituting:
             _C.substituting_stacks(1)
@@ -412,7 +412,7 @@ class HandlerStack(Stack):
         return f
 
     def _oh_fast(self, op_type):
-        """The C++ per-op path's decision for `op_type` on this stack (asked by cc/fast_path.cc;
+        """The C++ per-op path's decision for `op_type` on this stack (asked by cc/fast/fast_path.cc;
         core/fast_decision.py says what it is)."""
         return fast_decision(self, op_type)
 
@@ -495,7 +495,7 @@ class HandlerStack(Stack):
                     values[i] = self._copy_on_value(values[i])
             else:
                 for i in foreign:  # a tensor of a stack built on this one: always
-                    source = stack_of(values[i])  # (cc/fast_internal.h WantsCopy)
+                    source = stack_of(values[i])  # (cc/fast/fast_internal.h WantsCopy)
                     if self.wants_copy(op, i) or source is not None and self._below(source):
                         values[i] = self._copy_on_value(values[i])
         if not self._runs_execute(op.type) and (
@@ -576,7 +576,7 @@ class HandlerStack(Stack):
         return values, foreign
 
     def _check_symbolic(self, op, outputs):
-        """The dispatcher's output check (cc/device.cc: count, then each dtype) for what
+        """The dispatcher's output check (cc/boundary/device.cc: count, then each dtype) for what
         the execute hook returned while a function is replayed, with the same error."""
         expected = op.output_dtypes
         if expected is None:

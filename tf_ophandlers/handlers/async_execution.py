@@ -557,5 +557,5 @@ def _input_spec(part):
 
 
 # The C++ per-op path runs the hook's common case (an _IMPLIED op over PHYSICAL whose
-# signature is in `_inferred`) in C from these tables (cc/fast_async.cc).
+# signature is in `_inferred`) in C from these tables (cc/handlers/async_execution/fast_async.cc).
 async_hook_in_c(Async.execute, _op_kinds, _IMPLIED, _inferred, _RESOURCE, _VALUELESS)

@@ -12,7 +12,7 @@
    the field a later layout would extend, and code reading a payload must check it. Handler
    libraries never see payloads: they get TFOH_Tensor handles (handler.h).
 
-   Ownership: the dispatcher (cc/handler_tensor.cc, WrapHandlerTensor) allocates every
+   Ownership: the dispatcher (cc/boundary/handler_tensor.cc, WrapHandlerTensor) allocates every
    payload (C++ new) when it creates a handler tensor; the TFE_TensorHandle that carries
    it owns it, and the handle's deallocator frees it (C++ delete) after releasing its
    Python references with the GIL (immediately, or, on a thread that must not wait for
@@ -60,7 +60,7 @@ typedef struct TFOH_Payload {
   // the value is made.
   void* lazy;  // PyObject*
   // Null, or the dispatcher's hold on `stack` for a payload made without the GIL (the
-  // no-GIL path, cc/native_nogil.cc): `stack` is then not a reference of the payload (the
+  // no-GIL path, cc/native/native_nogil.cc): `stack` is then not a reference of the payload (the
   // hold keeps one for all its payloads), `producer` is borrowed from the dispatcher's
   // interned op types, which live for the process, and `lazy` (a single stack, the next
   // one) is borrowed too (the stack keeps it). Opaque (tf_ophandlers::StackAnchor).

@@ -975,7 +975,7 @@ def test_value_of_a_representing_handler_used_after_its_scope(below, inner):
     representation opened inside the tape's scope, used after that scope, reached the tape
     as that handler's wrapper instead of the tensor the tape recorded, so its gradient was
     None. A tensor of a stack built on the tape's is now always taken in its
-    representation there (HandlerStack.execute, cc/fast_hook.cc WantsCopy). The fuzzer's
+    representation there (HandlerStack.execute, cc/fast/fast_hook.cc WantsCopy). The fuzzer's
     case had oh.Recompute as the inner handler; a boxing handler isolates the cause."""
     z = tf.constant([[0.3, -0.7], [1.2, 0.5]])
     with below():

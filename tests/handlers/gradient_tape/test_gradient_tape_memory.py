@@ -17,7 +17,7 @@ from tf_ophandlers.handlers.gradient_tape.exclusions import ALL, used_indices
 
 
 class PythonRecordingTape(oh.GradientTape):
-    """The tape with its Python recording (the reference of cc/tape_record.cc)."""
+    """The tape with its Python recording (the reference of cc/handlers/gradient_tape/tape_record.cc)."""
 
     after_execute = oh.GradientTape._after_execute_python  # pylint: disable=protected-access
 

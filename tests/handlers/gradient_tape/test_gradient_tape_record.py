@@ -1,6 +1,6 @@
 """oh.GradientTape's recording off the Python path: `OpHandler.after_execute`
 (the C++ fast path forwards the op and makes that one call) and the tape's C
-implementation of it (cc/tape_record.h), each against its Python reference and against
+implementation of it (cc/handlers/gradient_tape/tape_record.h), each against its Python reference and against
 tf.GradientTape."""
 
 import weakref
@@ -18,7 +18,7 @@ from conftest import assert_close, assert_same_tensors, package_frames
 
 
 class PythonRecordingTape(oh.GradientTape):
-    """The tape with its Python recording (the reference of cc/tape_record.cc)."""
+    """The tape with its Python recording (the reference of cc/handlers/gradient_tape/tape_record.cc)."""
 
     after_execute = oh.GradientTape._after_execute_python  # pylint: disable=protected-access
 
@@ -339,8 +339,8 @@ def _attr_program(tape, x):
 
 
 def test_records_keep_the_attributes_of_their_op_scope_after_scope():
-    """Over PHYSICAL a record's Op keeps the TFE_Op that ran (cc/fast_record.cc) and
-    released ones are reused by later ops (cc/op.cc PoolOp): scope after scope, each
+    """Over PHYSICAL a record's Op keeps the TFE_Op that ran (cc/fast/fast_record.cc) and
+    released ones are reused by later ops (cc/boundary/op.cc PoolOp): scope after scope, each
     record's attributes are those the copying path (a Python level below) records, and
     the gradients are TensorFlow's."""
     x = tf.random.stateless_normal([3, 4], seed=[5, 6])

@@ -127,7 +127,7 @@ def test_a_fresh_tf_function_between_pending_ops_and_a_keras_partial_batch():
 @pytest.mark.parametrize("chunk_ops", [None, 6])
 def test_recording_runs_no_python_frame_per_op(chunk_ops):
     """Once an op type was recorded (its signature and statefulness cached), recording
-    it again is done in C (cc/fast_lazy.cc): no package frame per op; with chunk_ops,
+    it again is done in C (cc/handlers/lazy/fast_lazy.cc): no package frame per op; with chunk_ops,
     the hook runs only for the op before which a chunk is launched."""
     x = tf.random.stateless_normal([4, 4], seed=[1, 2])
     seen = []

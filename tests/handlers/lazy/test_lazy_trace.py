@@ -1,5 +1,5 @@
 """The op fast path without TensorFlow's stack capture (core/skip_trace.py,
-cc/fast_trace.cc), tested mostly under oh.Lazy: installed only while a handler scope
+cc/fast/fast_trace.cc), tested mostly under oh.Lazy: installed only while a handler scope
 places ops on the dispatcher, it runs the common op itself (values equal eager's) and
 leaves every other call to TensorFlow's function: ops a tape or accumulator records, ops
 off the dispatcher, Python numbers it cannot convert, dtype errors (same errors as

@@ -1,5 +1,5 @@
 """A subclass of a handler declaring `physical_copy_on` (oh.VectorizedMap) that overrides
-`copy_on`: the C++ path (cc/fast_hook.cc RunHook) must call the subclass's copy_on for a
+`copy_on`: the C++ path (cc/fast/fast_hook.cc RunHook) must call the subclass's copy_on for a
 physical input, not the inherited `physical_copy_on`, which stands in for the parent's
 copy_on only (the inherited one must not silently replace it). The same for a `copy_on`
 set on an instance, and an instance's own `physical_copy_on` is used; one

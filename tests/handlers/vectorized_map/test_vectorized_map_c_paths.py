@@ -4,7 +4,7 @@
   ops through the handler's execute hook like other ops (the map's CopyOnGrad of a
   captured variable's gradient), without HandlerStack.execute's Python;
 - a handler's `value_shape` answers a tensor's whole shape at its rank query: the axis
-  queries that follow are answered in C (cc/handler_tensor.cc), not by a `dim` hook each.
+  queries that follow are answered in C (cc/boundary/handler_tensor.cc), not by a `dim` hook each.
 
 Values, dtypes and gradient types are checked against TensorFlow (tf.vectorized_map with
 tf.GradientTape), and the Python calls the shortcuts remove are counted."""

@@ -1,6 +1,6 @@
 """Copy-on and shape shortcuts of oh.GradientTape inside oh.vectorized_map:
 a physical input the tape does not track goes from the tape's C record path to the map's
-hook as it is (cc/tape_record.h TapeCopiesThrough), which makes it unbatched with its
+hook as it is (cc/handlers/gradient_tape/tape_record.h TapeCopiesThrough), which makes it unbatched with its
 `physical_copy_on` (no copy_on frame), and the tape's static-shape gradients read the
 map's per-example shapes from the representation (`value_shape`), not through the
 num_dims/dim hooks. Values, dtypes and gradient types are checked against

@@ -1,9 +1,9 @@
-"""oh.GradientTape inside oh.vectorized_map records in C: the tape's level runs
-over the map's Python execute hook from C (cc/fast_path.cc RunRecord over RunHook), with
-inputs from elsewhere copied on through the tape's copy_on as the Python path does. Checked
-against tf.vectorized_map with tf.GradientTape (values, dtypes, dense vs IndexedSlices),
-against the same tape on the Python path, for a Keras model with a partial batch, and for
-errors of a copy_on hook on the new path."""
+"""oh.GradientTape inside oh.vectorized_map records in C: the tape's level runs over the
+map's Python execute hook from C (cc/fast/fast_record.cc RunAfterExecute over RunHook),
+with inputs from elsewhere copied on through the tape's copy_on as the Python path does.
+Checked against tf.vectorized_map with tf.GradientTape (values, dtypes, dense vs
+IndexedSlices), against the same tape on the Python path, for a Keras model with a partial
+batch, and for errors of a copy_on hook on the new path."""
 import keras
 import numpy as np
 import pytest

@@ -153,7 +153,7 @@ def _layout_of(op, roles):
         # NCHW/NCDHW/CHANNELS_FIRST the op runs as it is (Keras's channels-first pooling
         # and depthwise convolution run NHWC ops on data it transposed).
         return None
-    # `_attrs_proto` gives one byte string per attribute content (cc/op.cc sorts the
+    # `_attrs_proto` gives one byte string per attribute content (cc/boundary/op.cc sorts the
     # fields), so the bytes are the key (op.attrs_key() would serialize them again).
     key = (op.type, raw)
     layout = _layouts.get(key, False)

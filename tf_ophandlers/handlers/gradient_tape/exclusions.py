@@ -134,7 +134,7 @@ def _resolve(expr, namespace):
     return None
 
 
-# -- what a tape keeps (oh.GradientTape; contract in cc/tape_record.h) -------------------
+# -- what a tape keeps (oh.GradientTape; contract in cc/handlers/gradient_tape/tape_record.h) -------------------
 
 def track_ref(value):
     """What `_tracked` keeps of a recorded output: a weak reference (the tape keeps a
@@ -165,7 +165,7 @@ def tracked_entry(tracked, tensor):
 
 def drop_unread(op_type, inputs, outputs):
     """`inputs`, `outputs` and output specs with what the gradient of `op_type` does not
-    read dropped (None), as TensorFlow's tape does (cc/tape_record.h)."""
+    read dropped (None), as TensorFlow's tape does (cc/handlers/gradient_tape/tape_record.h)."""
     used_in, used_out = used_indices(op_type)
     if used_in is not ALL:
         inputs = [x if i in used_in else None for i, x in enumerate(inputs)]

@@ -45,7 +45,7 @@ from tf_ophandlers.handlers.gradient_tape.exclusions import (
 
 _log = logging.getLogger("tf_ophandlers")
 _EagerTensor = _ops.EagerTensor
-_key = tensor_key  # tensors are keyed by TensorFlow handle (see PyTensorKey in cc/module.cc)
+_key = tensor_key  # tensors are keyed by TensorFlow handle (see PyTensorKey in cc/boundary/module.cc)
 _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
@@ -64,12 +64,12 @@ _TRAINABLE_ENUMS = frozenset(
     if backprop_util.IsTrainable(d))
 
 
-# One recorded operation: a C type (cc/tape_record.h, also the memory contract: as
+# One recorded operation: a C type (cc/handlers/gradient_tape/tape_record.h, also the memory contract: as
 # TensorFlow's tape, a record keeps only the inputs and outputs its op's gradient reads,
 # exclusions.py) with read-only seq, op_type, op, backward, inputs,
 # outputs, stack (where its gradient runs), skip and ids (the graph's links).
 _Record, _after_execute_c = recording(_TRAINABLE_ENUMS, used_indices)
-_SWEEP_MIN = 1024  # `_tracked` sizes that never ask for a sweep (cc/tape_record.cc kSweepMin)
+_SWEEP_MIN = 1024  # `_tracked` sizes that never ask for a sweep (cc/handlers/gradient_tape/tape_record.cc kSweepMin)
 
 
 def _active_tapes():
@@ -273,12 +273,12 @@ class GradientTape(BackwardPass, OpHandler):
         return outputs
 
     # Records `op` when one of its inputs is tracked (watched, or computed from a watched
-    # tensor) and an output is differentiable: in C (cc/tape_record.h), which hands the
+    # tensor) and an output is differentiable: in C (cc/handlers/gradient_tape/tape_record.h), which hands the
     # cases it does not take to _after_execute_python, the same in Python.
     after_execute = _after_execute_c
 
     def _after_execute_python(self, op, inputs, outputs):
-        """after_execute in Python (the reference of cc/tape_record.cc). `inputs` and
+        """after_execute in Python (the reference of cc/handlers/gradient_tape/tape_record.cc). `inputs` and
         `outputs` are lists the tape keeps."""
         if not self._live:
             return
@@ -422,7 +422,7 @@ class GradientTape(BackwardPass, OpHandler):
             self._record("AddN", op, None, canonical, [total], PHYSICAL, skip)
 
     # When a tf.GradientTape (or ForwardAccumulator) is active, it must also see the ops
-    # on our representations, which our gradient functions use (cc/tape_record.cc calls
+    # on our representations, which our gradient functions use (cc/handlers/gradient_tape/tape_record.cc calls
     # it by this name).
     _bridge_to_tf_tapes = staticmethod(record_on_tf_tapes)
 

@@ -4,7 +4,7 @@ A *plan* is the pending subgraph of one value request, in recording order: for e
 ``(op, refs, live, device)`` where `refs` names each input as ``(-1, k)`` (external
 input k) or ``(p, i)`` (output i of plan entry p), `live` the outputs the function
 returns and `device` the physical placement (`tf.device`) the op was recorded under. The
-key of a plan (`Lazy._run`: one bytes object from cc/fast_lazy_plan.cc's `lazy_plan`, with
+key of a plan (`Lazy._run`: one bytes object from cc/handlers/lazy/fast_lazy_plan.cc's `lazy_plan`, with
 the input specs) holds everything the compiled function depends on: op types, attributes, wiring, live outputs,
 devices, the dtypes and shapes of the external inputs (constants are inputs too, never
 captured, so their values are not part of it), whether XLA is asked for. Functions are

@@ -160,7 +160,7 @@ def _ready(tensor):
     return LazyValue(None, 0, tensor.dtype, tensor)
 
 
-# What the C++ record path (cc/fast_lazy.cc) builds and reads: these types (by slot),
+# What the C++ record path (cc/handlers/lazy/fast_lazy.cc) builds and reads: these types (by slot),
 # the sequence numbers and the caches `Lazy.execute` fills.
 lazy_record_setup(LazyValue, _Node, _sequence, _sigs, _dtypes, _stateful)
 
@@ -194,7 +194,7 @@ class Lazy(OpHandler):
     needs_copy = staticmethod(never_copy)
     # A representation's dtype, read by the C++ path per output: a C callable, no frame.
     value_dtype = operator.attrgetter("dtype")
-    # The C++ path records this class's common ops itself (cc/fast_lazy.cc builds the
+    # The C++ path records this class's common ops itself (cc/handlers/lazy/fast_lazy.cc builds the
     # _Node and LazyValues `execute` builds): no Python frame per op. A subclass that
     # overrides `execute` or `needs_copy` gets its hook called.
     _oh_records_in_c = True
@@ -510,7 +510,7 @@ class Lazy(OpHandler):
         by a pending node outside this computation, or `keep` (a `(node, index)`). The
         others stay inside it (returning them would keep TensorFlow from freeing them).
         """
-        # The pending nodes they depend on, in recording order (cc/fast_lazy_plan.cc).
+        # The pending nodes they depend on, in recording order (cc/handlers/lazy/fast_lazy_plan.cc).
         order = lazy_upstream(roots)
         needed = set() if keep is None else {(keep[0].seq, keep[1])}
         if len(self._pending) > len(order):

@@ -242,7 +242,7 @@ class OpHandler:
     counterpart_traces = False
 
     #: Set by a handler whose common ops the C++ per-op path records itself (no Python
-    #: frame per op; cc/fast_lazy.cc): the class's `execute` is then called only for the
+    #: frame per op; cc/handlers/lazy/fast_lazy.cc): the class's `execute` is then called only for the
     #: ops C hands over. Read on the class by core/fast_decision.py; a subclass that
     #: overrides `execute` must reset it to False.
     _oh_records_in_c = False

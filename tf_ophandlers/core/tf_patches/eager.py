@@ -22,37 +22,37 @@ declare(
      ("tape hooks",
       "around the call records: it asks whether the record is of a replayed call "
       "before the call records consume that note, lets TensorFlow's tapes record first "
-      "and then records on the oh.GradientTapes of the scope"),
+      "and then records on the handler tapes of the scope"),
      ("recompute graph records",
-      "outermost: inside an oh.Recompute window in a traced function a record is "
+      "outermost: inside a recompute window in a traced function a record is "
       "deferred as a whole, and made at the window's flush through everything below "
-      "(TensorFlow's tapes and oh.GradientTapes get it then, once)")])
+      "(TensorFlow's tapes and handler tapes get it then, once)")])
 
 declare(
     "record.record_operation_backprop_only",
     [Symbol(_EAGER + "record", "record_operation_backprop_only")],
     "TensorFlow's record of a function call whose arguments carry forward-mode tangents "
     "(ConcreteFunction) reaches only its tape set",
-    [("tape hooks", "records on the oh.GradientTapes of the scope after TensorFlow's "
+    [("tape hooks", "records on the handler tapes of the scope after TensorFlow's "
       "tapes; its identity links go to TensorFlow's tapes only (what it wraps)"),
      ("recompute graph records", "outermost, as for record_operation")])
 
 declare(
     "record.record_operation_forwardprop_only",
     [Symbol(_EAGER + "record", "record_operation_forwardprop_only")],
-    "a forward-only record inside an oh.Recompute window of a traced function is deferred "
+    "a forward-only record inside a recompute window of a traced function is deferred "
     "with the others",
     [("recompute graph records", "the only subscriber")])
 
 declare(
     "record.could_possibly_record", [Symbol(_EAGER + "record", "could_possibly_record")],
     "TensorFlow skips building a record when none of its tapes is active; an active "
-    "oh.GradientTape needs the record too",
+    "a handler tape needs the record too",
     [("tape hooks", "the only subscriber")])
 
 declare(
     "execute.record_gradient", [Symbol(_EAGER + "execute", "record_gradient")],
-    "an op's gradient record while tracing inside an oh.Recompute window is deferred to "
+    "an op's gradient record while tracing inside a recompute window is deferred to "
     "the window's exit; TensorFlow has no hook listing the records a traced op makes",
     [("recompute graph records", "the only subscriber")])
 
@@ -138,7 +138,7 @@ declare(
 for _method in ("gradient", "__enter__", "__exit__"):
     declare(
         "GradientTape." + _method, [Symbol(_EAGER + "backprop", "GradientTape." + _method)],
-        "inside an oh.Recompute scope of a traced function (a Keras fit step traced in an "
+        "inside a recompute scope of a traced function (a Keras fit step traced in an "
         "eager scope), tf.GradientTape's gradient refuses sources whose uses a segment "
         "hides, and a tape scope opened while tracing opens a window: the step's code has "
         "no Recompute scope of its own",

@@ -61,7 +61,7 @@ declare(
 declare(
     "gradients_util.PossibleTapeGradientTypes",
     [Symbol(_OPS + "gradients_util", "PossibleTapeGradientTypes")],
-    "a function call asks which tapes may record it before it runs; an oh.GradientTape "
+    "a function call asks which tapes may record it before it runs; a handler tape "
     "watching an argument must make the answer positive",
     [("tape hooks", "the only subscriber")])
 

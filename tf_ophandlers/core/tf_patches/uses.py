@@ -15,11 +15,11 @@ declare_use("constant_value", "runtime",
             "may refuse")
 declare_use("size", "runtime",
             "eagerly, tf.size multiplies the tensor's static dims in Python; a handler "
-            "tensor with an unknown dim (oh.ParallelHandler's components of different "
-            "batch sizes) runs the Size op instead. Plain tensors pay one shape check.")
+            "tensor with an unknown dim (components of different batch sizes on "
+            "several devices) runs the Size op instead. Plain tensors pay one shape check.")
 declare_use("EagerTensor.set_shape", "runtime",
             "TensorFlow's eager set_shape requires equal dims (an eager shape is always "
-            "known); a handler tensor with unknown dims (oh.eval_shape) gets graph "
+            "known); a handler tensor with unknown dims (a handler that infers shapes only) gets graph "
             "semantics: compatible shapes merge (OpHandler.refine_shape)")
 declare_use("TFE_ClearScalarCache", "runtime",
             "the Python scalars converted under a scope are known by handle address, "
@@ -75,14 +75,14 @@ declare_use("tf.handler", "first-use",
 # handlers/
 declare_use("source gradients", "runtime",
             "tf.GradientTape's gradients of sources on a handler's stack are represented "
-            "as that handler chooses (OpHandler.source_gradient), as oh.GradientTape's "
+            "as that handler chooses (OpHandler.source_gradient), as the handler tapes' "
             "are (handlers/gradient_tape/handler.py)")
 declare_use("tape hooks", "first-use",
             "gradients recorded from Python (tf.custom_gradient, tf.recompute_grad, "
-            "tf.function calls) go to the oh.GradientTapes of the current scope too "
-            "(handlers/gradient_tape/hooks.py). Started by the first oh.GradientTape.")
+            "tf.function calls) go to the handler tapes of the current scope too "
+            "(handlers/gradient_tape/hooks.py). Started by the first handler tape.")
 declare_use("forwardprop state", "first-use",
-            "an oh.ForwardAccumulator transposing a custom gradient function resumes "
+            "a forward accumulator transposing a custom gradient function resumes "
             "recording inside push_forwardprop_state, as TensorFlow's accumulators do "
             "(handlers/forward_accumulator/custom_gradients.py)")
 declare_use("substitute gradients", "first-use",
@@ -91,14 +91,14 @@ declare_use("substitute gradients", "first-use",
             "op raises (handlers/substitutes.py). Started when a substituting handler "
             "first runs under a TensorFlow tape.")
 declare_use("recompute graph records", "first-use",
-            "oh.Recompute inside a traced function pauses TensorFlow's tapes and makes "
+            "A recompute scope inside a traced function pauses TensorFlow's tapes and makes "
             "their records itself at the scope's exit, recomputable ops grouped into "
             "segments (handlers/recompute/graph.py). Started by the first such scope.")
 declare_use("trace variable reads", "scoped",
-            "oh.TraceAndExecute captures every variable its scope reads as the variable, "
+            "A tracing handler captures every variable its scope reads as the variable, "
             "trainable or not (handlers/trace.py). Held while a trace scope is open.")
 declare_use("keras data-parallel fit", "first-use",
-            "in an oh.ParallelHandler scope Keras's fit splits batches, scales the loss "
+            "in a data-parallel handler's scope Keras's fit splits batches, scales the loss "
             "and all-reduces gradients as under a strategy (handlers/parallel/fit.py)")
 declare_use("keras optimizer step check", "first-use",
             "an optimizer step in a Parallel or Mesh scope that would fail on a host "

@@ -41,34 +41,38 @@ class Symbol:
         self.module = module
         self.path = path
         self.alias = alias
+        self._holder = None
 
     def __repr__(self):
         return "%s.%s" % (self.module, self.path)
 
     def holder(self):
-        """(the object whose attribute this is, the attribute's name)."""
-        obj = importlib.import_module(self.module)
-        parts = self.path.split(".")
-        for part in parts[:-1]:
-            obj = getattr(obj, part)
-        return obj, parts[-1]
+        """(the object whose attribute this is, the attribute's name), found once (a
+        module or class keeps its identity; scoped patches come and go often)."""
+        if self._holder is None:
+            obj = importlib.import_module(self.module)
+            parts = self.path.split(".")
+            for part in parts[:-1]:
+                obj = getattr(obj, part)
+            self._holder = (obj, parts[-1])
+        return self._holder
 
     def read(self):
         """The attribute's value as an attribute access gives it (a class's inherited
         method, a descriptor looked up on the class)."""
-        obj, attr = self.holder()
+        obj, attr = self._holder or self.holder()
         return getattr(obj, attr, None)  # (None: an attribute the patch adds)
 
     def read_own(self):
         """What the holder itself stores (`_MISSING` for a class attribute it inherits):
         restoring that, not the inherited value, leaves the class as it was."""
-        obj, attr = self.holder()
+        obj, attr = self._holder or self.holder()
         if isinstance(obj, type):
             return obj.__dict__.get(attr, _MISSING)
         return getattr(obj, attr, _MISSING)
 
     def write(self, value):
-        obj, attr = self.holder()
+        obj, attr = self._holder or self.holder()
         if value is _MISSING:
             if isinstance(obj, type) and attr in obj.__dict__ or \
                     not isinstance(obj, type) and hasattr(obj, attr):
@@ -112,6 +116,11 @@ class Subscriber:
     why: str
     wrap: Optional[Callable] = None
 
+    @property
+    def active(self):
+        u = _uses.get(self.use)
+        return u is not None and u.count > 0
+
 
 class Patch:
     """One TensorFlow symbol (or family), its subscribers in order, innermost first."""
@@ -125,6 +134,7 @@ class Patch:
         self._saved = None  # [(symbol, own value, read value)] while installed
         self._replacements = {}  # id(symbol) -> what the patch put there
         self._forced = False  # installed by `install()`, whatever the uses
+        self._found = False  # optional_module imported
 
     def __repr__(self):
         return "<Patch %s (%s%s): %s>" % (self.name, self.when,
@@ -161,19 +171,22 @@ class Patch:
                          % (self.name, use, [s.use for s in self.subscribers]))
 
     def _available(self):
-        if self.optional_module is None:
+        if self.optional_module is None or self._found:
             return True
         try:
             importlib.import_module(self.optional_module)
         except ImportError:
             return False
+        self._found = True
         return True
 
     def apply(self):
         """Puts the composition of the active subscribers in place (TensorFlow's objects
         if none is active). Called under the registry lock."""
         self._forced = False
-        self._compose([s for s in self.subscribers if s.wrap is not None and _active(s.use)])
+        uses = _uses
+        self._compose([s for s in self.subscribers
+                       if s.wrap is not None and uses[s.use].count > 0])
 
     def install(self):
         """Installs the patch with every subscriber, whether its use is active or not

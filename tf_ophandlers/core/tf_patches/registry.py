@@ -204,17 +204,15 @@ class Patch:
         if self._saved is None:
             self._saved = [(sym, sym.read_own(), sym.read()) for sym in self.symbols]
         primary = None
+        ours = {id(v) for v in self._replacements.values()}
         for sym, own, value in self._saved:
             if sym.alias:
-                # Only while it is still the primary's object (TensorFlow's, or this
-                # patch's last replacement): not once TensorFlow pointed it elsewhere.
+                # Only while it is still the primary's object (TensorFlow's, or one this
+                # patch put in place): not while TensorFlow points it elsewhere.
                 current = sym.read_own()
                 if primary is not None and value is primary[0] and (
-                        current is value or current is self._replacements.get(id(sym))):
+                        current is value or id(current) in ours):
                     sym.write(primary[1])
-                    self._replacements[id(sym)] = primary[1]
-                else:
-                    self._replacements.pop(id(sym), None)
                 continue
             fn = value
             for s in active:
@@ -230,11 +228,13 @@ class Patch:
         self._forced = False
         if self._saved is None:
             return
+        ours = {id(v) for v in self._replacements.values()}
         for sym, own, _ in reversed(self._saved):
-            mine = self._replacements.pop(id(sym), _MISSING)
-            if sym.alias and (mine is _MISSING or sym.read_own() is not mine):
-                continue
-            sym.write(own)
+            # (an alias: only if it holds one of the patch's functions, which TensorFlow
+            # may have set itself: `execute.execute = quick_execute` when op callbacks go)
+            if not sym.alias or id(sym.read_own()) in ours:
+                sym.write(own)
+        self._replacements.clear()
         self._saved = None
 
 

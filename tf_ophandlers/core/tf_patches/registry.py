@@ -20,6 +20,8 @@ import importlib
 import threading
 from typing import Callable, Optional
 
+from tensorflow.python.autograph.impl.api import do_not_convert
+
 WHENS = ("runtime", "scoped", "first-use")
 
 _lock = threading.RLock()
@@ -285,6 +287,7 @@ def declare(name, symbols, reason, order, optional_module=None):
         return _patches[name]
 
 
+@do_not_convert  # (called from traced code: plain Python, never staged)
 def subscribe(patch, use, wrap):
     """Fills `use`'s place on `patch` with `wrap(next) -> replacement`; if the use is
     active, the patch takes it now."""
@@ -300,6 +303,7 @@ def _start(use):
         p.apply()
 
 
+@do_not_convert  # (called from traced code: plain Python, never staged)
 def ensure(name):
     """Starts use `name` for good (idempotent)."""
     use = _uses[name]
@@ -311,6 +315,7 @@ def ensure(name):
             _start(use)
 
 
+@do_not_convert  # (called from traced code: plain Python, never staged)
 def acquire(name):
     """Starts "scoped" use `name` for one more user (reference counted, so nested and
     concurrent users share one installation); pair with `release(name)`."""
@@ -321,6 +326,7 @@ def acquire(name):
             _start(use)
 
 
+@do_not_convert  # (called from traced code: plain Python, never staged)
 def release(name):
     """Ends one `acquire(name)`; the last user's release takes the use's wrappers out."""
     use = _uses[name]
@@ -330,6 +336,7 @@ def release(name):
             _start(use)
 
 
+@do_not_convert  # (called from traced code: plain Python, never staged)
 def install_runtime():
     """Starts every "runtime" use (called once, when the dispatcher starts)."""
     with _lock:

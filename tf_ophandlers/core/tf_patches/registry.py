@@ -20,7 +20,7 @@ import importlib
 import threading
 from typing import Callable, Optional
 
-from tensorflow.python.autograph.impl.api import do_not_convert
+from tensorflow.python.autograph.impl.api import autograph_artifact
 
 WHENS = ("runtime", "scoped", "first-use")
 
@@ -287,7 +287,7 @@ def declare(name, symbols, reason, order, optional_module=None):
         return _patches[name]
 
 
-@do_not_convert  # (called from traced code: plain Python, never staged)
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def subscribe(patch, use, wrap):
     """Fills `use`'s place on `patch` with `wrap(next) -> replacement`; if the use is
     active, the patch takes it now."""
@@ -298,12 +298,13 @@ def subscribe(patch, use, wrap):
             p.apply()
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def _start(use):
     for p in use.patches:
         p.apply()
 
 
-@do_not_convert  # (called from traced code: plain Python, never staged)
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def ensure(name):
     """Starts use `name` for good (idempotent)."""
     use = _uses[name]
@@ -315,7 +316,7 @@ def ensure(name):
             _start(use)
 
 
-@do_not_convert  # (called from traced code: plain Python, never staged)
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def acquire(name):
     """Starts "scoped" use `name` for one more user (reference counted, so nested and
     concurrent users share one installation); pair with `release(name)`."""
@@ -326,7 +327,7 @@ def acquire(name):
             _start(use)
 
 
-@do_not_convert  # (called from traced code: plain Python, never staged)
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def release(name):
     """Ends one `acquire(name)`; the last user's release takes the use's wrappers out."""
     use = _uses[name]
@@ -336,7 +337,7 @@ def release(name):
             _start(use)
 
 
-@do_not_convert  # (called from traced code: plain Python, never staged)
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def install_runtime():
     """Starts every "runtime" use (called once, when the dispatcher starts)."""
     with _lock:

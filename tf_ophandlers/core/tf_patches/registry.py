@@ -20,6 +20,8 @@ import importlib
 import threading
 from typing import Callable, Optional
 
+from tensorflow.python.autograph.impl.api import autograph_artifact
+
 WHENS = ("runtime", "scoped", "first-use")
 
 _lock = threading.RLock()
@@ -41,34 +43,38 @@ class Symbol:
         self.module = module
         self.path = path
         self.alias = alias
+        self._holder = None
 
     def __repr__(self):
         return "%s.%s" % (self.module, self.path)
 
     def holder(self):
-        """(the object whose attribute this is, the attribute's name)."""
-        obj = importlib.import_module(self.module)
-        parts = self.path.split(".")
-        for part in parts[:-1]:
-            obj = getattr(obj, part)
-        return obj, parts[-1]
+        """(the object whose attribute this is, the attribute's name), found once (a
+        module or class keeps its identity; scoped patches come and go often)."""
+        if self._holder is None:
+            obj = importlib.import_module(self.module)
+            parts = self.path.split(".")
+            for part in parts[:-1]:
+                obj = getattr(obj, part)
+            self._holder = (obj, parts[-1])
+        return self._holder
 
     def read(self):
         """The attribute's value as an attribute access gives it (a class's inherited
         method, a descriptor looked up on the class)."""
-        obj, attr = self.holder()
+        obj, attr = self._holder or self.holder()
         return getattr(obj, attr, None)  # (None: an attribute the patch adds)
 
     def read_own(self):
         """What the holder itself stores (`_MISSING` for a class attribute it inherits):
         restoring that, not the inherited value, leaves the class as it was."""
-        obj, attr = self.holder()
+        obj, attr = self._holder or self.holder()
         if isinstance(obj, type):
             return obj.__dict__.get(attr, _MISSING)
         return getattr(obj, attr, _MISSING)
 
     def write(self, value):
-        obj, attr = self.holder()
+        obj, attr = self._holder or self.holder()
         if value is _MISSING:
             if isinstance(obj, type) and attr in obj.__dict__ or \
                     not isinstance(obj, type) and hasattr(obj, attr):
@@ -112,6 +118,11 @@ class Subscriber:
     why: str
     wrap: Optional[Callable] = None
 
+    @property
+    def active(self):
+        u = _uses.get(self.use)
+        return u is not None and u.count > 0
+
 
 class Patch:
     """One TensorFlow symbol (or family), its subscribers in order, innermost first."""
@@ -125,6 +136,7 @@ class Patch:
         self._saved = None  # [(symbol, own value, read value)] while installed
         self._replacements = {}  # id(symbol) -> what the patch put there
         self._forced = False  # installed by `install()`, whatever the uses
+        self._found = False  # optional_module imported
 
     def __repr__(self):
         return "<Patch %s (%s%s): %s>" % (self.name, self.when,
@@ -161,19 +173,22 @@ class Patch:
                          % (self.name, use, [s.use for s in self.subscribers]))
 
     def _available(self):
-        if self.optional_module is None:
+        if self.optional_module is None or self._found:
             return True
         try:
             importlib.import_module(self.optional_module)
         except ImportError:
             return False
+        self._found = True
         return True
 
     def apply(self):
         """Puts the composition of the active subscribers in place (TensorFlow's objects
         if none is active). Called under the registry lock."""
         self._forced = False
-        self._compose([s for s in self.subscribers if s.wrap is not None and _active(s.use)])
+        uses = _uses
+        self._compose([s for s in self.subscribers
+                       if s.wrap is not None and uses[s.use].count > 0])
 
     def install(self):
         """Installs the patch with every subscriber, whether its use is active or not
@@ -191,17 +206,15 @@ class Patch:
         if self._saved is None:
             self._saved = [(sym, sym.read_own(), sym.read()) for sym in self.symbols]
         primary = None
+        ours = {id(v) for v in self._replacements.values()}
         for sym, own, value in self._saved:
             if sym.alias:
-                # Only while it is still the primary's object (TensorFlow's, or this
-                # patch's last replacement): not once TensorFlow pointed it elsewhere.
+                # Only while it is still the primary's object (TensorFlow's, or one this
+                # patch put in place): not while TensorFlow points it elsewhere.
                 current = sym.read_own()
                 if primary is not None and value is primary[0] and (
-                        current is value or current is self._replacements.get(id(sym))):
+                        current is value or id(current) in ours):
                     sym.write(primary[1])
-                    self._replacements[id(sym)] = primary[1]
-                else:
-                    self._replacements.pop(id(sym), None)
                 continue
             fn = value
             for s in active:
@@ -217,11 +230,13 @@ class Patch:
         self._forced = False
         if self._saved is None:
             return
+        ours = {id(v) for v in self._replacements.values()}
         for sym, own, _ in reversed(self._saved):
-            mine = self._replacements.pop(id(sym), _MISSING)
-            if sym.alias and (mine is _MISSING or sym.read_own() is not mine):
-                continue
-            sym.write(own)
+            # (an alias: only if it holds one of the patch's functions, which TensorFlow
+            # may have set itself: `execute.execute = quick_execute` when op callbacks go)
+            if not sym.alias or id(sym.read_own()) in ours:
+                sym.write(own)
+        self._replacements.clear()
         self._saved = None
 
 
@@ -272,6 +287,7 @@ def declare(name, symbols, reason, order, optional_module=None):
         return _patches[name]
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def subscribe(patch, use, wrap):
     """Fills `use`'s place on `patch` with `wrap(next) -> replacement`; if the use is
     active, the patch takes it now."""
@@ -282,11 +298,13 @@ def subscribe(patch, use, wrap):
             p.apply()
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def _start(use):
     for p in use.patches:
         p.apply()
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def ensure(name):
     """Starts use `name` for good (idempotent)."""
     use = _uses[name]
@@ -298,6 +316,7 @@ def ensure(name):
             _start(use)
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def acquire(name):
     """Starts "scoped" use `name` for one more user (reference counted, so nested and
     concurrent users share one installation); pair with `release(name)`."""
@@ -308,6 +327,7 @@ def acquire(name):
             _start(use)
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def release(name):
     """Ends one `acquire(name)`; the last user's release takes the use's wrappers out."""
     use = _uses[name]
@@ -317,6 +337,7 @@ def release(name):
             _start(use)
 
 
+@autograph_artifact  # (called from traced code: run as plain Python, not converted)
 def install_runtime():
     """Starts every "runtime" use (called once, when the dispatcher starts)."""
     with _lock:

@@ -26,6 +26,7 @@ from tensorflow.python.ops import gradients_util
 from tf_ophandlers.extend import (
     CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
     registries as _registries, tensor_key)
+from tf_ophandlers.handlers.recompute import conv_grads
 
 #: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
 #: backward function takes None for any output gradient: an input reached only from
@@ -33,6 +34,7 @@ from tf_ophandlers.extend import (
 #: gather's input keeps its IndexedSlices gradient).
 SEGMENT_OP_TYPE = "RecomputeSegment"
 _registries.register_gradient_accepts_none(SEGMENT_OP_TYPE)
+conv_grads.register()
 
 _gradients = LRUCache("recompute.gradient_functions", 256)  # structure -> _GradientFunction
 
@@ -272,8 +274,13 @@ class _GradientFunction:
                 start = len(_ops.get_default_graph().get_operations())
                 grads = backprop_kept(nodes, ext, results, output_refs, gs, xs)
             else:
-                results = graph_builder.replay(
-                    _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes], ext)
+                # Convolutions' gradients without the CPU kernels' scratch buffers
+                # (conv_grads.py): what they allocate is most of a recomputing
+                # backward pass's working memory besides the weight gradients.
+                with _ops.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
+                    results = graph_builder.replay(
+                        _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes],
+                        ext)
                 outs = [results[n][k] for n, k in output_refs]
                 start = len(_ops.get_default_graph().get_operations())
                 grads = tf.gradients(outs, xs, grad_ys=gs)

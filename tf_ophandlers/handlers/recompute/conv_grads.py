@@ -1,0 +1,103 @@
+"""Convolution gradients with a small working set, for `oh.Recompute`'s gradient functions.
+
+TensorFlow's CPU kernels for `Conv2DBackpropFilter` and `Conv2DBackpropInput` allocate a
+scratch buffer of their own (an im2col buffer of up to about 32 MB, the kernels'
+`target_working_set_size`), whatever the size of their result: the filter gradient of a
+1x1 convolution over a ResNet50 block at batch 32 (8.4 MB input, a 65 KB result) peaks at
+34 MB, its input gradient (8.4 MB) at 42 MB. In a recomputing backward pass that scratch
+is a large share of what is alive besides the weight gradients, so the segments'
+gradient functions (segments.py) compute a `Conv2D`'s gradients here instead, as sums of
+matrix products whose only allocations are their results:
+
+- the filter gradient as one `MatMul` per filter tap: the input pixels that tap reads
+  (a strided slice of the padded input; for a 1x1 stride-1 convolution the input itself,
+  reshaped, no copy) times the output gradient, the taps chained so one slice exists at
+  a time;
+- the input gradient of a 1x1 stride-1 convolution as the output gradient times the
+  transposed filter (other convolutions keep TensorFlow's kernel, whose scratch for them
+  is small: the input gradient of a 3x3 convolution is about its result's size).
+
+The results are TensorFlow's up to the order of the floating-point sums (relative
+differences about 1e-7). Anything else (NCHW, dilations, explicit padding, unknown
+shapes) uses TensorFlow's registered gradient.
+"""
+import threading
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import nn_grad
+
+#: The gradient the segments' gradient functions give `Conv2D` ops
+#: (`graph.gradient_override_map`).
+LEAN_CONV2D = "OhRecomputeLeanConv2D"
+OVERRIDES = {"Conv2D": LEAN_CONV2D}
+_registered = []
+_lock = threading.Lock()
+
+
+def register():
+    """Registers the gradient (once per process)."""
+    with _lock:
+        if not _registered:
+            _ops.RegisterGradient(LEAN_CONV2D)(_lean_conv2d_grad)
+            _registered.append(True)
+
+
+def _static(tensor):
+    shape = tensor.shape
+    return shape.as_list() if shape.is_fully_defined() else None
+
+
+def _pads(size, out, k, s, padding):
+    """(before, after) padding of one spatial dimension, as TensorFlow computes it."""
+    if padding == b"VALID":
+        return 0, max((out - 1) * s + k - size, 0)
+    total = max((out - 1) * s + k - size, 0)
+    return total // 2, total - total // 2
+
+
+def _lean_conv2d_grad(op, grad):
+    x, w = op.inputs[0], op.inputs[1]
+    xs, ws, gs = _static(x), _static(w), _static(grad)
+    strides = list(op.get_attr("strides"))
+    padding = op.get_attr("padding")
+    if (xs is None or ws is None or gs is None or op.get_attr("data_format") != b"NHWC"
+            or list(op.get_attr("dilations")) != [1, 1, 1, 1]
+            or padding not in (b"SAME", b"VALID") or strides[0] != 1 or strides[3] != 1
+            or x.dtype != grad.dtype or w.dtype != grad.dtype):
+        return nn_grad._Conv2DGrad(op, grad)  # pylint: disable=protected-access
+    n, h, wd, cin = xs
+    kh, kw, _, cout = ws
+    _, ho, wo, _ = gs
+    sh, sw = strides[1], strides[2]
+    g2 = tf.reshape(grad, [-1, cout])
+    one_by_one = kh == 1 and kw == 1 and sh == 1 and sw == 1
+    if one_by_one:
+        dx = tf.reshape(tf.matmul(g2, tf.reshape(w, [cin, cout]), transpose_b=True), xs)
+    else:
+        dx = tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=tf.constant(xs, tf.int32), filter=w, out_backprop=grad,
+            strides=strides, padding=padding.decode(), data_format="NHWC")
+    if one_by_one:
+        dw = tf.reshape(tf.matmul(tf.reshape(x, [-1, cin]), g2, transpose_a=True), ws)
+        return [dx, dw]
+    top, bottom = _pads(h, ho, kh, sh, padding)
+    left, right = _pads(wd, wo, kw, sw, padding)
+    xp = x
+    if top or bottom or left or right:
+        xp = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
+    taps, previous = [], None
+    for a in range(kh):
+        for b in range(kw):
+            part = tf.strided_slice(xp, [0, a, b, 0],
+                                    [n, a + sh * (ho - 1) + 1, b + sw * (wo - 1) + 1, cin],
+                                    [1, sh, sw, 1])
+            if previous is not None:
+                # Chained: the executor would otherwise take every tap's slice at once
+                # (a `tf.control_dependencies` scope does not reach ops made inside
+                # `tf.gradients`).
+                part.op._add_control_input(previous.op)  # pylint: disable=protected-access
+            previous = tf.matmul(tf.reshape(part, [-1, cin]), g2, transpose_a=True)
+            taps.append(previous)
+    dw = tf.reshape(tf.stack(taps), ws)
+    return [dx, dw]

@@ -50,6 +50,7 @@ _tape_set_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _tape_set_is_empty = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 
 _RESOURCE = tf.resource.as_datatype_enum
+_OPAQUE_ENUMS = (_RESOURCE, tf.variant.as_datatype_enum)
 UID_SHIFT = 20  # a recorded output's id: (record seq << UID_SHIFT) | output index
 
 # Ops that read a variable: a read of a variable not yet watched asks the watcher first.
@@ -331,6 +332,14 @@ class GradientTape(BackwardPass, OpHandler):
         kept_in, kept_out, specs = inputs, outputs, None
         if backward is None and op is not None and _tape_set_is_empty():
             kept_in, kept_out, specs = drop_unread(op_type, inputs, outputs)
+        elif backward is not None and _tape_set_is_empty() and \
+                _registries.gradient_accepts_none(op_type) is _registries.ALL_OUTPUTS:
+            # A backward function that takes None for every output gradient reads none
+            # of the outputs (their zeros are never made): holding them would keep, say,
+            # a recomputed segment's outputs alive through its own backward call, as
+            # TensorFlow's tape, which keeps only the outputs' shapes, does not.
+            kept_out = [None if type(o) is _EagerTensor and o._datatype_enum() not in  # pylint: disable=protected-access
+                        _OPAQUE_ENUMS else o for o in outputs]
         record = _Record(seq, op_type, op, backward, kept_in, kept_out, stack, skip,
                          (tuple(in_ids), out_ids, specs))
         tracked, producer = self._tracked, self._producer

@@ -625,6 +625,10 @@ class Recompute(OpHandler):
                                    op.type for op, _ in segment.nodes[:4]), e)) from e
         self.segments += 1
         recorded = dict(outputs)
+        # The tapes' record keeps the segment (its gradient function is built from it)
+        # until its backward call: the values later segments used, its outputs, are
+        # theirs to hold, not its own (its backward recomputes instead).
+        segment.used = {}
         for n, refs in enumerate(segment.values):
             for k, ref in enumerate(refs):
                 v = ref()

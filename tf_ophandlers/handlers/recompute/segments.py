@@ -209,6 +209,10 @@ def _record_piece(segment, outputs):
                                               for t in ts]
     refs = [nk for nk, _ in outputs]
     outs = [t for _, t in outputs]
+    # The gradient functions need the outputs' specs only: the closure below lives as
+    # long as the tapes' record, through this segment's own backward call, and must not
+    # keep its outputs (checkpoints the next segment's record no longer needs).
+    out_specs = [tf.TensorSpec(t.shape, t.dtype) for t in outs]
     # which nodes' values are arguments (all of a kept segment's, some of a partial one's)
     layout = None if segment.saved is None else tuple(ts is not None for ts in segment.saved)
 
@@ -221,7 +225,7 @@ def _record_piece(segment, outputs):
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
                 segment, kinds, [r for r, m in zip(refs, mask) if m],
-                [t for t, m in zip(outs, mask) if m], kept)
+                [t for t, m in zip(out_specs, mask) if m], kept)
         return fn
 
     def backward(*grads):
@@ -239,6 +243,7 @@ def _record_piece(segment, outputs):
             for g in grads if g is not None])
 
     _record.record_operation(SEGMENT_OP_TYPE, outs, xs, backward)
+    del outs
     return outputs
 
 
@@ -246,7 +251,7 @@ class _GradientFunction:
     """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
     segment's nodes inside."""
 
-    def __init__(self, segment, kinds, output_refs, output_tensors, kept=False):
+    def __init__(self, segment, kinds, output_refs, output_specs, kept=False):
         nodes = [(op, refs) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
         x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
@@ -297,7 +302,7 @@ class _GradientFunction:
                     flat.append(g)
             return flat
 
-        g_specs = [tf.TensorSpec(t.shape, t.dtype) for t in output_tensors]
+        g_specs = list(output_specs)
         with _ops.init_scope():
             self.function = tf.function(
                 build, input_signature=x_specs + c_specs + g_specs,

@@ -13,9 +13,10 @@ matrix products whose only allocations are their results:
   (a strided slice of the padded input; for a 1x1 stride-1 convolution the input itself,
   reshaped, no copy) times the output gradient, the taps chained so one slice exists at
   a time;
-- the input gradient of a 1x1 stride-1 convolution as the output gradient times the
-  transposed filter (other convolutions keep TensorFlow's kernel, whose scratch for them
-  is small: the input gradient of a 3x3 convolution is about its result's size).
+- the input gradient of a 1x1 convolution as the output gradient times the transposed
+  filter (strided: placed at the pixels it read, zeros between); other convolutions
+  keep TensorFlow's kernel, whose scratch for them is small (the input gradient of a
+  3x3 convolution is about its result's size).
 
 The results are TensorFlow's up to the order of the floating-point sums (relative
 differences about 1e-7). Anything else (NCHW, dilations, explicit padding, unknown
@@ -74,6 +75,18 @@ def _lean_conv2d_grad(op, grad):
     one_by_one = kh == 1 and kw == 1 and sh == 1 and sw == 1
     if one_by_one:
         dx = tf.reshape(tf.matmul(g2, tf.reshape(w, [cin, cout]), transpose_b=True), xs)
+    elif kh == 1 and kw == 1:
+        # A strided 1x1 convolution reads the pixels (i * sh, j * sw) (no padding: its
+        # SAME padding is 0 before): their gradient, zeros between them.
+        dx = tf.matmul(g2, tf.reshape(w, [cin, cout]), transpose_b=True)
+        dx = tf.pad(tf.reshape(dx, [n, ho, 1, wo, 1, cin]),
+                    [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0]])
+        dx = tf.reshape(dx, [n, ho * sh, wo * sw, cin])
+        if ho * sh >= h and wo * sw >= wd:
+            dx = dx[:, :h, :wd, :]
+        else:
+            dx = tf.pad(dx[:, :h, :wd, :], [[0, 0], [0, max(h - ho * sh, 0)],
+                                            [0, max(wd - wo * sw, 0)], [0, 0]])
     else:
         dx = tf.raw_ops.Conv2DBackpropInput(
             input_sizes=tf.constant(xs, tf.int32), filter=w, out_backprop=grad,

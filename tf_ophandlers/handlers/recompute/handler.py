@@ -204,6 +204,9 @@ class Recompute(OpHandler):
         self._joins = False
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
+        # (segment, node): the open segment ends after the next op if it maps that join
+        # node's output (_run_in_segment), else before it.
+        self._join_end = None
         self._pending = []  # closed segments not recorded yet (recorded at flush)
         self._lagging = None  # the last segment closed, its values not dropped yet
         self._depth = 0
@@ -537,6 +540,14 @@ class Recompute(OpHandler):
 
     def _run_in_segment(self, op, inputs, tracked, keep=False, partial=False):
         segment = self._open
+        join, self._join_end = self._join_end, None
+        if join is not None and segment is join[0]:
+            if self._continues_join(segment, join[1], inputs, tracked):
+                values = self._append(segment, op, inputs, tracked, keep, partial)
+                self._close(evict=True)
+                return values
+            self._close(evict=True)
+            segment = None
         if segment is not None and ((segment.saved is not None) != (keep or partial)
                                     or segment.partial != partial
                                     or self._segment_full(segment)):
@@ -544,6 +555,38 @@ class Recompute(OpHandler):
             segment = None
         if segment is None:
             segment = self._open = Segment(keep=keep, partial=partial)
+        values = self._append(segment, op, inputs, tracked, keep, partial)
+        if keep or (partial and op.type in EXPENSIVE_OPS):
+            return values
+        if self.policy == "save" and op.type in self.save:
+            self._close(evict=True)
+        elif self.policy == "sqrt" and _is_join(inputs, [v.tensor for v in values]):
+            self._joins = True
+            if segment.bytes >= self.join_fraction * self._sqrt_bytes():
+                # Ends after the next op if that op only maps the join's value (the
+                # activation after a residual add): the checkpoint is then the value
+                # the next block reads, which its gradient function takes as it is,
+                # instead of the sum it would map again and keep to its end.
+                self._join_end = (segment, len(segment.nodes) - 1)
+        return values
+
+    @staticmethod
+    def _continues_join(segment, node, inputs, tracked):
+        """Whether an op with `inputs` maps the output of `segment`'s join `node` alone
+        (one input from the segment, that output, and no other tracked input)."""
+        shape = _described(inputs[0]).shape if inputs else None
+        found = False
+        for v, tr in zip(inputs, tracked):
+            if type(v) is _Value and v.segment is segment:
+                if v.node != node or _described(v).shape != shape:
+                    return False
+                found = True
+            elif tr:
+                return False
+        return found
+
+    def _append(self, segment, op, inputs, tracked, keep, partial):
+        """Runs `op` (tapes paused) as the next node of `segment`; its values."""
         refs = []
         for v, tr in zip(inputs, tracked):
             if type(v) is _Value and v.segment is segment:
@@ -562,15 +605,8 @@ class Recompute(OpHandler):
         segment.bytes += self._count_values(op.type, outputs)
         if keep or (partial and op.type in EXPENSIVE_OPS):
             segment.saved.append(list(outputs))
-            return values
-        if partial:
+        elif partial:
             segment.saved.append(None)  # recomputed by the gradient function
-        if self.policy == "save" and op.type in self.save:
-            self._close(evict=True)
-        elif self.policy == "sqrt" and _is_join(inputs, outputs):
-            self._joins = True
-            if segment.bytes >= self.join_fraction * self._sqrt_bytes():
-                self._close(evict=True)
         return values
 
     def _segment_full(self, segment):
@@ -595,6 +631,7 @@ class Recompute(OpHandler):
 
     def _close(self, evict=False):
         segment, self._open = self._open, None
+        self._join_end = None
         if segment is None or not segment.nodes:
             return
         if segment.saved is None or segment.partial:

@@ -25,9 +25,10 @@ do not depend on the machine's load, but vary by some MB from step to step (the 
 which the executor's threads run ops): each figure is the median of `--steps` (3) steps
 after a warm-up step, with the step peaks' range. Step times are of the same steps on a
 shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
-Also a lower bound on any checkpointing's step peak with TensorFlow's CPU kernels
-(`checkpointing_bound`): the weight gradients that exist when the convolution whose
-backward pass needs most runs, plus that backward's kernel peak (run alone), its input
+Also a lower bound on any checkpointing's step peak with the convolution gradients
+oh.Recompute computes (`checkpointing_bound`; recompute/conv_grads.py, without the CPU
+kernels' scratch buffers): the weight gradients that exist when the convolution whose
+backward pass needs most runs, plus that backward's peak (run alone), its input
 and output gradient and the residual add's gradient of its input; the ratio oh.GradientTape's peak / bound is the best any
 segmentation can reach. Writes the `recompute-resnet` section of docs/benchmarks.md.
 
@@ -135,10 +136,24 @@ def measure_batch(batch, size=SIZE, steps=3):
     return out
 
 
+def _lean_conv_gradients(strides, padding, of_input):
+    """A function of (input, kernel, output gradient) computing a Conv2D's kernel (and
+    input) gradient the way oh.Recompute's segment gradient functions do."""
+    from tf_ophandlers.handlers.recompute import conv_grads  # pylint: disable=import-outside-toplevel
+
+    @tf.function(autograph=False)
+    def lean(h, k, g):
+        with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
+            o = tf.nn.conv2d(h, k, strides, padding)
+        return tf.gradients(o, [h, k] if of_input else [k], grad_ys=g)
+    return lean
+
+
 def checkpointing_bound(model, batch):
     """A lower bound on the step peak of any checkpointing (bytes), with its parts: the
-    convolution whose backward pass (filter and input gradients, TensorFlow's CPU kernels
-    run alone, BFC peak) plus its input and output gradient is largest, and the weight
+    convolution whose backward pass (filter and input gradients computed as oh.Recompute's
+    gradient functions compute them, recompute/conv_grads.py, run alone, BFC peak) plus
+    its input and output gradient is largest, and the weight
     gradients that exist when it runs (those of every weight after it: the backward pass
     runs last to first), plus, where the convolution's input has a consumer later in the
     forward pass (a residual add), that consumer's gradient of the input: it exists
@@ -161,20 +176,17 @@ def checkpointing_bound(model, batch):
         key = (shape, tuple(layer.kernel.shape), layer.strides, layer.padding)
         if key not in seen:
             h, k = tf.random.normal(shape), tf.identity(layer.kernel)
-            strides, padding = (1,) + tuple(layer.strides) + (1,), layer.padding.upper()
+            padding = layer.padding.upper()
             g = tf.ones(tf.nn.conv2d(h, k, layer.strides, padding).shape)
+            # The gradients as oh.Recompute's gradient functions compute them
+            # (recompute/conv_grads.py), in one graph; none of the image.
+            lean = _lean_conv_gradients(layer.strides, padding, shape[-1] != 3)
+            lean(h, k, g)
             gc.collect()
             tf.config.experimental.reset_memory_stats("CPU:0")
             base = info("CPU:0")["current"]
-            gk = tf.raw_ops.Conv2DBackpropFilter(input=h, filter_sizes=tf.shape(k),
-                                                 out_backprop=g, strides=strides,
-                                                 padding=padding)
-            del gk
-            if shape[-1] != 3:  # (a step computes no gradient of the image)
-                gh = tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(h), filter=k,
-                                                    out_backprop=g, strides=strides,
-                                                    padding=padding)
-                del gh
+            grads = lean(h, k, g)
+            del grads
             seen[key] = (info("CPU:0")["peak"] - base,
                          (h.shape.num_elements() + g.shape.num_elements()) * 4)
         kernel, values = seen[key]
@@ -266,13 +278,14 @@ def render_md(results, info, elapsed, steps=3):
                  for b, r in results.items()),
              ", ".join("batch %d %.2fx" % (b, r["tf"]["peak"] / r["recompute"]["peak"])
                        for b, r in results.items())),
-         "- A lower bound on any checkpointing's step peak with TensorFlow's CPU "
-         "kernels: the convolution whose backward pass needs most (its kernels' own "
-         "peak, run alone, plus its input and output gradient, plus the gradient of its "
+         "- A lower bound on any checkpointing's step peak with the convolution "
+         "gradients oh.Recompute's gradient functions compute (matrix products without "
+         "the CPU kernels' scratch buffers, `recompute/conv_grads.py`): the convolution "
+         "whose backward pass needs most (its gradients' own peak, run alone, plus its input and output gradient, plus the gradient of its "
          "input from a later consumer, the residual add, which exists before this "
          "backward and is summed with its result after it) runs while the gradients "
          "of every weight after it exist: %s." % "; ".join(
-             "batch %d: %s, %.1f MB weight gradients + %.1f MB kernel peak + %.1f MB "
+             "batch %d: %s, %.1f MB weight gradients + %.1f MB gradients' peak + %.1f MB "
              "values + %.1f MB residual gradient = %.1f MB, so at best %.2fx below "
              "oh.GradientTape's %.1f MB%s" % (
                  b, r["bound"]["layer"], r["bound"]["gradients"] / mb,
@@ -290,7 +303,7 @@ def render_md(results, info, elapsed, steps=3):
          "peak; with it the step's peak is the backward pass's: the weight gradients "
          "accumulate (the last stages hold most weights) while the checkpoints of the "
          "first stages (most activation bytes) are still kept, plus one segment's "
-         "recomputation and a convolution backprop's scratch buffer." % (
+         "recomputation." % (
              ", ".join("%.1f / %.1f MB" % (r["recompute_noevict"]["forward"] / mb,
                                            r["recompute"]["forward"] / mb)
                        for r in results.values()),
@@ -312,11 +325,12 @@ def render_md(results, info, elapsed, steps=3):
          "TensorFlow runs the rewrite's whole backward pass as one function call, whose "
          "working memory (recomputed segments, activation gradients) is the rest of its "
          "peak over the kept bytes and the weight gradients.",
-         "- The backward pass ends holding every weight gradient plus one convolution "
-         "backprop's scratch buffer (TensorFlow's CPU kernels allocate up to 30 MB each); "
-         "a segment's gradient function chains its convolution backprops so only one runs "
-         "at a time (`recompute/segments.py serialize_heavy`), and oh.GradientTape frees each "
-         "record once its gradient ran, as TensorFlow's tape does."]
+         "- The backward pass ends holding every weight gradient. A segment's gradient "
+         "function computes its convolutions' gradients as matrix products (one per "
+         "filter tap, chained) instead of TensorFlow's CPU kernels, which allocate a "
+         "scratch buffer of up to 34 MB each (`recompute/conv_grads.py`); oh.GradientTape "
+         "frees each record once its gradient ran, as TensorFlow's tape does, and keeps "
+         "none of a segment's outputs (its gradient function reads none)."]
     return "\n".join(L)
 
 

@@ -1,0 +1,164 @@
+"""What a recomputing backward pass allocates besides the weight gradients: a segment's
+gradient function computes its convolutions' gradients as matrix products, without the
+scratch buffers of TensorFlow's CPU backprop kernels (recompute/conv_grads.py); the tapes'
+record of a segment keeps none of its outputs; a sqrt segment ending at a residual add
+takes the activation after it in, so the next segment starts from the value it reads."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_ophandlers as oh
+from tf_ophandlers.handlers.recompute import conv_grads
+from tf_ophandlers.handlers.recompute import segments as recompute_segments
+import recompute_helpers
+
+# (size, in channels, out channels, kernel, stride, padding): the ResNet50 cases (1x1,
+# strided 1x1 projections, 3x3 SAME, the 7x7 strided stem) and odd sizes and strides.
+CASES = [(16, 8, 4, 1, 1, "SAME"), (16, 8, 4, 1, 2, "VALID"), (15, 8, 4, 1, 2, "VALID"),
+         (15, 8, 4, 1, 2, "SAME"), (16, 8, 4, 3, 1, "SAME"), (16, 8, 4, 3, 2, "SAME"),
+         (15, 8, 4, 3, 2, "VALID"), (22, 3, 4, 7, 2, "VALID"), (9, 5, 3, 2, 3, "SAME")]
+
+
+@pytest.mark.parametrize("size,cin,cout,k,stride,padding", CASES)
+def test_lean_conv2d_gradients_equal_tensorflows(size, cin, cout, k, stride, padding):
+    """Input and filter gradients of the override equal tf.GradientTape's (TensorFlow's
+    kernels), up to the order of the sums."""
+    rng = np.random.default_rng(size * 100 + k * 10 + stride)
+    x = tf.constant(rng.standard_normal((2, size, size, cin)).astype(np.float32))
+    w = tf.constant(rng.standard_normal((k, k, cin, cout)).astype(np.float32))
+    with tf.GradientTape() as ref:
+        ref.watch([x, w])
+        y = tf.nn.conv2d(x, w, stride, padding)
+        want = tf.reduce_sum(y * tf.sin(y))
+    expected = ref.gradient(want, [x, w])
+    conv_grads.register()
+
+    @tf.function(autograph=False)
+    def lean(x, w):
+        with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
+            y = tf.nn.conv2d(x, w, stride, padding)
+        grads = tf.gradients(tf.reduce_sum(y * tf.sin(y)), [x, w])
+        types = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+        assert "Conv2DBackpropFilter" not in types, types  # (the override ran)
+        return grads
+    for g, e in zip(lean(x, w), expected):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_lean_conv2d_gradients_fall_back_outside_their_cases():
+    """Explicit padding keeps TensorFlow's registered gradient (and its values)."""
+    conv_grads.register()
+    x = tf.random.stateless_normal((2, 9, 9, 3), seed=(1, 2))
+    w = tf.random.stateless_normal((3, 3, 3, 4), seed=(3, 4))
+
+    @tf.function(autograph=False)
+    def lean(x, w):
+        with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
+            y = tf.nn.conv2d(x, w, 1, [[0, 0], [1, 2], [0, 1], [0, 0]])
+        grads = tf.gradients(tf.reduce_sum(y * y), [x, w])
+        types = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+        assert "Conv2DBackpropFilter" in types, types
+        return grads
+    with tf.GradientTape() as ref:
+        ref.watch([x, w])
+        y = tf.nn.conv2d(x, w, 1, [[0, 0], [1, 2], [0, 1], [0, 0]])
+        want = tf.reduce_sum(y * y)
+    for g, e in zip(lean(x, w), ref.gradient(want, [x, w])):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6)
+
+
+def _residual_cnn(rng, blocks=6, ch=8, size=12):
+    def w(cin, k=3):
+        return tf.Variable(rng.standard_normal((k, k, cin, ch)).astype(np.float32)
+                           / (k * cin ** 0.5))
+    stem = w(3)
+    layers = [(w(ch), w(ch, 1)) for _ in range(blocks)]
+
+    def f(x):
+        h = tf.nn.relu(tf.nn.conv2d(x, stem, 1, "SAME"))
+        for w1, w2 in layers:
+            h = tf.nn.relu(h + tf.nn.conv2d(tf.nn.relu(tf.nn.conv2d(h, w1, 1, "SAME")),
+                                            w2, 1, "SAME"))
+        return tf.reduce_mean(h * h)
+    return f, [stem] + [v for b in layers for v in b]
+
+
+def test_segment_gradient_functions_compute_lean_conv_gradients_and_records_keep_no_outputs(
+        monkeypatch):
+    """On a residual CNN under oh.Recompute: gradients equal tf.GradientTape's; the
+    segments' gradient functions contain no Conv2DBackprop kernel; the tape's records of
+    segments hold none of their outputs (before, each record held them through its own
+    backward call, which recomputes them instead); segments ending at a residual add
+    end after the ReLU that follows it (before: on the add)."""
+    rng = np.random.default_rng(0)
+    f, variables = _residual_cnn(rng)
+    x = tf.constant(rng.standard_normal((4, 12, 12, 3)).astype(np.float32))
+    with tf.GradientTape() as ref:
+        want = f(x)
+    expected = ref.gradient(want, variables)
+    ends = []
+    split = recompute_segments.split
+
+    def spy(segment, outputs):
+        ends.append(segment.nodes[-1][0].type)
+        return split(segment, outputs)
+    monkeypatch.setattr(recompute_segments, "split", spy)
+    rc = oh.Recompute()
+    for _ in range(2):  # the second step plans with the first one's size
+        ends.clear()
+        with oh.GradientTape() as tape:
+            with rc:
+                loss = f(x)
+        records = [r for r in tape._producer.values()  # pylint: disable=protected-access
+                   if r.op_type == recompute_segments.SEGMENT_OP_TYPE]
+        assert records
+        assert all(o is None for r in records for o in r.outputs), \
+            [r.outputs for r in records]
+        got = tape.gradient(loss, variables)
+        recompute_helpers.assert_grads(expected, got)
+    assert rc.stats["segments"] >= 3, rc.stats
+    assert "AddV2" not in ends[:-1], ends  # (the last one ends at the loss)
+    assert ends.count("Relu") >= 2, ends
+    types = {op.type for fn in recompute_segments._gradients.values()  # pylint: disable=protected-access
+             for op in fn.function.graph.get_operations()}
+    # (3x3 input gradients keep TensorFlow's kernel: its scratch for them is small)
+    assert "MatMul" in types and "Conv2DBackpropFilter" not in types, types
+
+
+def test_lean_conv_gradients_allocate_no_scratch_buffer():
+    """BFC peaks, in a subprocess: the filter and input gradients of a ResNet50 stage-2
+    1x1 convolution at batch 32 (8.4 MB input, 2.1 MB output gradient) peak at about 34
+    and 42 MB with TensorFlow's CPU kernels, at their results' size here."""
+    out = recompute_helpers.run_bfc("""
+        import tensorflow as tf
+        from tf_ophandlers.handlers.recompute import conv_grads
+        conv_grads.register()
+        info = tf.config.experimental.get_memory_info
+        h = tf.random.stateless_normal((32, 16, 16, 256), seed=(1, 2))
+        k = tf.random.stateless_normal((1, 1, 256, 64), seed=(3, 4))
+        g = tf.random.stateless_normal((32, 16, 16, 64), seed=(5, 6))
+
+        def make(lean):
+            @tf.function(autograph=False)
+            def grads(h, k, g):
+                graph = tf.compat.v1.get_default_graph()
+                with graph.gradient_override_map(conv_grads.OVERRIDES if lean else {}):
+                    o = tf.nn.conv2d(h, k, 1, "VALID")
+                return tf.gradients(o, [h, k], grad_ys=g)
+            return grads
+
+        for lean in (False, True):
+            fn = make(lean)
+            fn(h, k, g)
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            base = info("CPU:0")["current"]
+            r = fn(h, k, g)
+            del r
+            print(info("CPU:0")["peak"] - base)
+    """)
+    kernels, lean = (int(v) for v in out.split())
+    mb = 1 << 20
+    results = (32 * 16 * 16 * 256 + 256 * 64) * 4  # the input and filter gradients
+    assert lean <= results + 2 * mb, (lean, kernels)
+    assert kernels >= lean + 10 * mb, (lean, kernels)  # (what the override saves)

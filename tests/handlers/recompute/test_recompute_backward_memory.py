@@ -46,6 +46,33 @@ def test_lean_conv2d_gradients_equal_tensorflows(size, cin, cout, k, stride, pad
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_lean_conv2d_gradients_fall_back_for_grouped_convolutions():
+    """A grouped convolution (filter in-channels a fraction of the input's) keeps
+    TensorFlow's registered gradient: on CPU that is TensorFlow's own error, not a
+    reshape error of the override."""
+    conv_grads.register()
+    x = tf.random.stateless_normal((2, 8, 8, 4), seed=(1, 2))
+    w = tf.random.stateless_normal((1, 1, 2, 6), seed=(3, 4))
+
+    @tf.function(autograph=False)
+    def lean(x, w):
+        with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
+            y = tf.nn.conv2d(x, w, 1, "SAME")
+        grads = tf.gradients(tf.reduce_sum(y * y), [x, w])
+        types = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+        assert "Conv2DBackpropFilter" in types, types
+        return grads
+    with tf.GradientTape() as ref:
+        ref.watch([x, w])
+        y = tf.nn.conv2d(x, w, 1, "SAME")
+        want = tf.reduce_sum(y * y)
+    with pytest.raises(tf.errors.InvalidArgumentError) as tf_error:
+        ref.gradient(want, [x, w])
+    expected = str(tf_error.value).split("}}")[-1].split("[Op:")[0].strip()
+    with pytest.raises(tf.errors.InvalidArgumentError, match=expected[:40]):
+        lean(x, w)
+
+
 def test_lean_conv2d_gradients_fall_back_outside_their_cases():
     """Explicit padding keeps TensorFlow's registered gradient (and its values)."""
     conv_grads.register()

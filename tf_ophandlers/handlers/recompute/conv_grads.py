@@ -19,8 +19,8 @@ matrix products whose only allocations are their results:
   3x3 convolution is about its result's size).
 
 The results are TensorFlow's up to the order of the floating-point sums (relative
-differences about 1e-7). Anything else (NCHW, dilations, explicit padding, unknown
-shapes) uses TensorFlow's registered gradient.
+differences about 1e-7). Anything else (NCHW, dilations, explicit padding, grouped
+convolutions, unknown shapes) uses TensorFlow's registered gradient.
 """
 import threading
 
@@ -65,7 +65,9 @@ def _lean_conv2d_grad(op, grad):
     if (xs is None or ws is None or gs is None or op.get_attr("data_format") != b"NHWC"
             or list(op.get_attr("dilations")) != [1, 1, 1, 1]
             or padding not in (b"SAME", b"VALID") or strides[0] != 1 or strides[3] != 1
-            or x.dtype != grad.dtype or w.dtype != grad.dtype):
+            or x.dtype != grad.dtype or w.dtype != grad.dtype
+            or ws[2] != xs[3]):  # grouped (the filter reads a slice of the channels)
+
         return nn_grad._Conv2DGrad(op, grad)  # pylint: disable=protected-access
     n, h, wd, cin = xs
     kh, kw, _, cout = ws

@@ -112,8 +112,9 @@ class ParallelHandler(OpHandler):
         make a collective wait forever).
 
         `timeout_seconds`: how long a collective (`all_reduce`) waits for every component
-        before raising `tf.errors.DeadlineExceededError` (TensorFlow's
-        `CollectiveReduceV2` timeout; a remote worker that died cannot join). None or 0
+        before raising `tf.errors.DeadlineExceededError` (a remote worker that died
+        cannot join): TensorFlow's `CollectiveReduceV2` timeout with a remote component,
+        the process's watchdog with local ones (see `_timed_collective`). None or 0
         waits without limit.
         """
         if isinstance(components, str):

@@ -504,6 +504,27 @@ def test_a_collective_that_cannot_complete_times_out():
                      r"timeout_seconds=2", proc.stdout), proc.stdout
 
 
+def _os_threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_many_all_reduce_calls_leave_no_sleeping_threads():
+    # TensorFlow's collective timeout starts an OS thread per member and run that sleeps
+    # out the whole timeout: with local components a custom loop must not pile them up.
+    parallel = oh.ParallelHandler(CPUS, timeout_seconds=300)
+    with parallel:
+        x = parallel.pack([tf.constant([1., 2.]), tf.constant([3., 4.])])
+        for _ in range(3):  # TensorFlow's own pools and the handler's threads start
+            parallel.all_reduce(x)
+        before = _os_threads()
+        for _ in range(50):
+            y = parallel.all_reduce(x)
+        after = _os_threads()
+    assert [p.numpy().tolist() for p in parallel.unpack(y)] == [[4., 6.], [4., 6.]]
+    assert after - before <= 5, (before, after)
+
+
 # -- model.fit inside the scope ---------------------------------------------
 
 def _fit_model(seed=1):

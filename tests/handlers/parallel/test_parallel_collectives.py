@@ -76,11 +76,35 @@ def prog_sync_training(pack):
     return tf.concat([tf.reshape(kernel, [-1]), bias], 0)
 
 
+def loop_all_reduce(x, k, scale=3.):
+    # Collectives in a loop body, as Keras runs its step with steps_per_execution > 1.
+    def body(i, acc):
+        acc = tf.debugging.check_numerics(acc, "bad input")
+        return i + 1, collective_ops.all_reduce_v2(
+            acc * scale, group_size=2, group_key=k, instance_key=k, merge_op="Add",
+            final_op="Id")
+    return tf.while_loop(lambda i, acc: i < 3, body, (0, x))[1]
+
+
+def prog_loop(pack):
+    k = key()
+    return tf.function(lambda x: loop_all_reduce(x, k))(pack([[1., -2.], [2., 0.5]]))
+
+
+THREADS = []  # components handed to worker threads by ours()
+
+
 def ours(prog):
+    from tf_ophandlers.handlers.parallel import collectives
+    submit = collectives._submit
+    collectives._submit = lambda fn, arg: (THREADS.append(arg), submit(fn, arg))
     parallel = oh.ParallelHandler(DEVICES)
-    with parallel:
-        y = prog(lambda values: parallel.pack([tf.constant(v) for v in values]))
-        return [t.numpy().tolist() for t in parallel.unpack(tf.identity(y))]
+    try:
+        with parallel:
+            y = prog(lambda values: parallel.pack([tf.constant(v) for v in values]))
+            return [t.numpy().tolist() for t in parallel.unpack(tf.identity(y))]
+    finally:
+        collectives._submit = submit
 
 
 def theirs(prog):
@@ -108,9 +132,24 @@ if sys.argv[1] == "failure":
             f(x)
         except tf.errors.InvalidArgumentError as e:
             print(json.dumps({"error": e.message}))
+elif sys.argv[1] == "failure_in_loop":
+    # Component 1 fails in the loop, before the collective component 0 waits in; the
+    # process's collectives still work afterwards.
+    parallel = oh.ParallelHandler(DEVICES)
+    k = key()
+    host = tf.Variable(2.)  # created outside the scope: read from CPU:0 by both
+    f = tf.function(lambda x: loop_all_reduce(x, k, host))
+    with parallel:
+        try:
+            f(parallel.pack([tf.constant(1.), tf.constant(float("nan"))]))
+            error = None
+        except tf.errors.InvalidArgumentError as e:
+            error = e.message
+        after = f(parallel.pack([tf.constant(1.), tf.constant(2.)]))
+    print(json.dumps({"error": error, "after": [float(t) for t in parallel.unpack(after)]}))
 else:
     prog = globals()["prog_" + sys.argv[1]]
-    print(json.dumps({"ours": ours(prog), "tf": theirs(prog)}))
+    print(json.dumps({"ours": ours(prog), "threads": len(THREADS), "tf": theirs(prog)}))
 '''
 
 
@@ -128,10 +167,26 @@ def _run(program, timeout=120):
 
 
 @pytest.mark.parametrize("program", ["eager", "function", "async_scope", "broadcast",
-                                     "sync_training"])
+                                     "sync_training", "loop"])
 def test_collective_on_packed_tensor_matches_parallel_device(program):
     result = _run(program)
     np.testing.assert_allclose(result["ours"], result["tf"], rtol=1e-6)
+    if program == "loop":
+        # One multi-device call, as a function without a loop: no component thread.
+        assert result["threads"] == 0, result
+
+
+def test_component_failing_in_a_loop_is_cancelled_not_aborted():
+    """A function whose collectives sit in a loop runs as one call: a component that
+    fails cancels the others (no abort of the process's collectives, which then keep
+    working), and the error names the handler, the component and the cause."""
+    result = _run("failure_in_loop")
+    message = result["error"]
+    assert message is not None and "oh.ParallelHandler" in message, result
+    assert "component /job:localhost/replica:0/task:0/device:CPU:1" in message, message
+    assert "bad input" in message and "Tensor had NaN values" in message, message
+    # (1 + 2) * 2 summed: 6; then (6 + 6) * 2: 24; then (24 + 24) * 2: 96.
+    assert result["after"] == [96., 96.], result
 
 
 def test_component_failing_before_a_collective_raises_instead_of_hanging():

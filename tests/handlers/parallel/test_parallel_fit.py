@@ -3,6 +3,8 @@ the components as tf.distribute.MirroredStrategy splits it, with MirroredStrateg
 losses, metrics and weights on the same two logical CPUs (conftest.py), in the same
 process, partial last batches included (10 examples in batches of 4: a last batch of 2,
 1 + 1; 11: 3, split 2 + 1; 9: 1, split 1 + 0)."""
+import threading
+
 import keras
 import numpy as np
 import pytest
@@ -81,6 +83,66 @@ def test_compiled_step_runs_as_one_call_without_component_threads(strategy, monk
         np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
     for g, w in zip(got_w, want_w):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def _bounded(fn, seconds=300):
+    """`fn()` on a thread of its own, failing the test if it has not returned within
+    `seconds` (a hang in a collective would otherwise stop the test run)."""
+    result = []
+
+    def run():
+        try:
+            result.append(("ok", fn()))
+        except BaseException as e:  # pylint: disable=broad-except
+            result.append(("error", e))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not result:
+        pytest.fail("no result in %d s (a collective hung)" % seconds)
+    kind, value = result[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_steps_per_execution_step_runs_as_one_call_and_matches_mirrored_strategy(
+        strategy, monkeypatch, steps):
+    """Keras runs `steps` train steps per compiled call in a while loop, the gradient
+    all-reduce in its body: still one multi-device call (no component thread), with
+    MirroredStrategy's losses and weights (MirroredStrategy with one step per call: with
+    more, its own fit fails in TensorFlow 2.21 / Keras 3, see the test below; the
+    steps are the same). 11 examples in batches of 4: a call of 2 steps and one of 1
+    (steps=2), one call of 3 (steps=3), the last batch split 2 + 1."""
+    from tf_ophandlers.handlers.parallel import collectives
+
+    def no_thread(fn, arg):
+        raise AssertionError("component %r handed to a worker thread" % (arg,))
+
+    def train(scope, steps):
+        keras.utils.set_random_seed(0)
+        with scope:
+            model = _dense()
+            model.compile(keras.optimizers.Adam(0.05), "mse", metrics=["mae"],
+                          steps_per_execution=steps)
+            x, y = _data(11, model)
+            history = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                                shuffle=False).history
+            return history, model.get_weights(), model
+
+    want, want_w, _ = train(strategy.scope(), 1)
+    monkeypatch.setattr(collectives, "_submit", no_thread)
+    parallel = oh.ParallelHandler(DEVICES)
+    got, got_w, model = _bounded(lambda: train(parallel, steps))
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(got[key], want[key], rtol=2e-6, err_msg=key)
+    for g, w in zip(got_w, want_w):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    for v in model.weights:
+        parts = parallel.unpack(tf.convert_to_tensor(v))
+        np.testing.assert_array_equal(parts[0].numpy(), parts[1].numpy())
 
 
 def test_uneven_split_differs_from_one_device():

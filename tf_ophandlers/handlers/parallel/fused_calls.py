@@ -9,6 +9,20 @@ that calls the function once per component, each call placed on its component's 
 (the runtime inlines the calls, so the replicas' ops form one graph), called as one op.
 No thread hand-off, one launch, and the runtime schedules the components' ops together.
 
+A collective inside a loop (Keras's step with `steps_per_execution > 1` runs its train
+step in a while loop) needs the components' calls kept whole. TensorFlow's collectives
+meet by a key made of the instance key and the loop frame and iteration of the op
+(`CollectiveKey` in collective_ops.cc), and a frame is named after its while node.
+Inlined into the wrapper, component i's while node is renamed `component_i/while`, so
+each component's collectives wait in a frame of their own and never meet: the call hung.
+Each call run as a function of its own (as each component's own call on the threaded
+path) keeps the node names of the function, so the frames, and the keys, agree.
+(MirroredStrategy has one loop around all replicas, hence one frame.) Such copies are
+marked `_noinline` and called through StatefulPartitionedCall, which runs its function
+as a multi-device function (a component may read a tensor that lives on another
+device, such as a variable created outside the scope); a failing component still
+cancels the others through the call's cancellation.
+
 The wrapper is a FunctionDef written directly rather than traced: tracing would add
 TensorFlow's automatic control dependencies, which chain stateful ops without resource
 inputs in program order, so component 1's call would wait for component 0's, which waits
@@ -85,10 +99,12 @@ def _component_name(name, i):
     return "%s_component%d" % (name, i)
 
 
-def _wrapper_def(name, function, devices):
+def _wrapper_def(name, function, devices, separate=False):
     """The FunctionDef `name` calling FunctionDef `function` once per device of
     `devices` (component i calls its copy `_component_name(name, i)`), component i's
-    arguments and results at positions i * count."""
+    arguments and results at positions i * count. `separate`: each copy is called
+    through a StatefulPartitionedCall and marked `_noinline`, so that it runs as a
+    multi-device function of its own (for a collective in a loop: module docstring)."""
     fdef = _function_pb2.FunctionDef()
     fdef.signature.name = name
     fdef.signature.is_stateful = function.signature.is_stateful
@@ -96,7 +112,15 @@ def _wrapper_def(name, function, devices):
     for i, device in enumerate(devices):
         node = fdef.node_def.add()
         node.name = "component_%d" % i
-        node.op = _component_name(name, i)
+        if separate:
+            node.op = "StatefulPartitionedCall"
+            node.attr["f"].func.name = _component_name(name, i)
+            node.attr["Tin"].list.type.extend(a.type for a in inner.input_arg)
+            node.attr["Tout"].list.type.extend(a.type for a in inner.output_arg)
+            for attr in ("config", "config_proto", "executor_type"):
+                node.attr[attr].s = b""
+        else:
+            node.op = _component_name(name, i)
         node.device = device
         for j, arg in enumerate(inner.input_arg):
             a = fdef.signature.input_arg.add()
@@ -116,7 +140,8 @@ def _wrapper_def(name, function, devices):
             ident.name = "c%d_result%d" % (i, j)
             ident.op = "Identity"
             ident.device = device
-            ident.input.append("%s:%s:0" % (node.name, arg.name))
+            ident.input.append("%s:output:%d" % (node.name, j) if separate
+                               else "%s:%s:0" % (node.name, arg.name))
             ident.attr["T"].type = arg.type
             fdef.ret[out.name] = "%s:output:0" % ident.name
         fdef.signature.control_output.append(node.name)
@@ -137,9 +162,8 @@ _LOOPS = ("While", "StatelessWhile")
 
 def _collective_in_loop(name):
     """Whether function `name` (or a function it calls) runs a collective in a loop
-    body (Keras's step with `steps_per_execution > 1`). Fused, such a loop hung: its
-    components' collectives did not meet after the first iteration; each component on
-    a thread of its own, they do."""
+    body (Keras's step with `steps_per_execution > 1`): the wrapper must then call each
+    component's copy without inlining it (see the module docstring)."""
     for fdef in _library.function_library([name]):
         for node in fdef.node_def:
             if node.op in _LOOPS:
@@ -154,7 +178,7 @@ def _collective_in_loop(name):
 def fused_call(handler, op):
     """The wrapper running function call `op` on every component of `handler` as one
     call, or None when it cannot: components of another task, a function that is not
-    in the eager context, has polymorphic arguments or a collective in a loop."""
+    in the eager context or has polymorphic arguments."""
     key = (op.type, handler.components)
     entry = _fused.get(key, False)
     if entry is not False:
@@ -163,7 +187,8 @@ def fused_call(handler, op):
     ctx = _context.context()
     if all_local(handler) and ctx.has_function(op.type):
         function = ctx.get_function_def(op.type)
-        if _simple(function) and not _collective_in_loop(op.type):
+        if _simple(function):
+            separate = _collective_in_loop(op.type)
             name = "oh_parallel_%s_x%d_%d" % (op.type, len(handler.components),
                                               next(_names))
             # A copy of the function per component: an error names the function it
@@ -172,8 +197,10 @@ def fused_call(handler, op):
                 copy = _function_pb2.FunctionDef()
                 copy.CopyFrom(function)
                 copy.signature.name = _component_name(name, i)
+                if separate:
+                    copy.attr["_noinline"].b = True
                 ctx.add_function_def(copy)
-            ctx.add_function_def(_wrapper_def(name, function, handler.components))
+            ctx.add_function_def(_wrapper_def(name, function, handler.components, separate))
             entry = _Fused(name, len(function.signature.output_arg),
                            len(handler.components))
     _fused[key] = entry

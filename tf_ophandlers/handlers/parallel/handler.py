@@ -25,7 +25,9 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import errors_impl as _error_codes
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
@@ -35,6 +37,7 @@ from tf_ophandlers.extend import (
     registries as _registries, representation_of, scope as _scope, stack_of,
     state as _state)
 from tf_ophandlers.handlers.parallel import collectives as _collectives
+from tf_ophandlers.handlers.parallel import deadlines as _deadlines
 from tf_ophandlers.handlers.parallel import fused_calls as _fused_calls
 from tf_ophandlers.handlers.parallel import nest as _nest
 from tf_ophandlers.handlers.parallel.fit import ensure_data_parallel_fit
@@ -109,8 +112,9 @@ class ParallelHandler(OpHandler):
         make a collective wait forever).
 
         `timeout_seconds`: how long a collective (`all_reduce`) waits for every component
-        before raising `tf.errors.DeadlineExceededError` (TensorFlow's
-        `CollectiveReduceV2` timeout; a remote worker that died cannot join). None or 0
+        before raising `tf.errors.DeadlineExceededError` (a remote worker that died
+        cannot join): TensorFlow's `CollectiveReduceV2` timeout with a remote component,
+        the process's watchdog with local ones (see `_timed_collective`). None or 0
         waits without limit.
         """
         if isinstance(components, str):
@@ -237,7 +241,7 @@ class ParallelHandler(OpHandler):
             # The collective has no gradient of its own: this function provides it.
             with _scope.physical(), _record.stop_recording():
                 try:
-                    reduced = self._collective(*parts)
+                    reduced = self._timed_collective(*parts)
                 except tf.errors.DeadlineExceededError as e:
                     raise tf.errors.DeadlineExceededError(
                         e.node_def, e.op,
@@ -249,13 +253,38 @@ class ParallelHandler(OpHandler):
 
         return reduce(tensor)
 
-    def _collective(self, *parts):
+    def _timed_collective(self, *parts):
+        """`_collective`, bounded by `timeout_seconds`. Components of this process run
+        their members in one function call, so none can be missing while the call runs:
+        TensorFlow's timeout (a sleeping OS thread per member and call, kept for the
+        whole timeout) gives way to the process's watchdog, which aborts the
+        collectives as TensorFlow's timeout does. A remote component keeps TensorFlow's
+        timeout (its worker may have died), and so does a traced all_reduce (the
+        collective runs when the traced function is called, outside this watch)."""
+        if not (self.timeout_seconds and tf.executing_eagerly()
+                and _fused_calls.all_local(self)):
+            return self._collective(self.timeout_seconds or None, *parts)
+        message = ("oh.ParallelHandler.all_reduce: the collective of %s did not complete "
+                   "within timeout_seconds=%s" % (self.debug_string(), self.timeout_seconds))
+        with _deadlines.deadline(self.timeout_seconds, lambda: _context.context(
+                ).abort_collective_ops(_error_codes.DEADLINE_EXCEEDED, message)) as fired:
+            try:
+                return self._collective(None, *parts)
+            except tf.errors.OpError as e:
+                if not fired:
+                    raise
+                # The abort's status may reach the caller with another code (the
+                # runtime's cancellation): the deadline is what happened.
+                raise tf.errors.DeadlineExceededError(e.node_def, e.op, e.message) from e
+
+    def _collective(self, timeout, *parts):
         """One collective all-reduce per component device, as one function call (all
-        members run inside it, so that they meet). One concrete function per signature
-        of `parts` (dtypes and shapes; bounded), called directly: a tf.function retraced
+        members run inside it, so that they meet), with TensorFlow's collective timeout
+        `timeout` (None: none). One concrete function per timeout and signature of
+        `parts` (dtypes and shapes; bounded), called directly: a tf.function retraced
         for each new shape would print TensorFlow's retracing warning for the library's
         own code."""
-        key = tuple((p.dtype, tuple(p.shape.as_list())) for p in parts)
+        key = (timeout,) + tuple((p.dtype, tuple(p.shape.as_list())) for p in parts)
         functions = self.__dict__.get("_collective_fns")
         if functions is None:
             functions = self.__dict__["_collective_fns"] = BoundedCache(
@@ -263,23 +292,24 @@ class ParallelHandler(OpHandler):
         fn = functions.get(key)
         if fn is None:
             fn = functions[key] = self._collective_function(
-                [tf.TensorSpec(p.shape, p.dtype) for p in parts])
+                timeout, [tf.TensorSpec(p.shape, p.dtype) for p in parts])
         return fn(*parts)
 
-    def _collective_function(self, specs):
-        """The all-reduce of `_collective` for arguments `specs`."""
-        collective, options = self.__dict__.get("_collective_launcher", (None, None))
+    def _collective_function(self, timeout, specs):
+        """The all-reduce of `_collective` for `timeout` and arguments `specs`."""
+        from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
+        from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
+        collective = self.__dict__.get("_collective_launcher")
         if collective is None:
             # TensorFlow's launcher manages group/instance keys and the ordering of
-            # collectives.
-            from tensorflow.python.distribute import collective_util  # pylint: disable=import-outside-toplevel
+            # collectives (its options have no timeout: each call passes its own).
             from tensorflow.python.distribute import cross_device_ops  # pylint: disable=import-outside-toplevel
-            options = collective_util.Options(timeout_seconds=self.timeout_seconds or None)
-            collective = cross_device_ops.CollectiveAllReduce(
-                devices=list(self.components), group_size=len(self.components),
-                options=options, collective_keys=_collectives.collective_keys())
-            self.__dict__["_collective_launcher"] = (collective, options)
-        from tensorflow.python.distribute import reduce_util  # pylint: disable=import-outside-toplevel
+            collective = self.__dict__["_collective_launcher"] = \
+                cross_device_ops.CollectiveAllReduce(
+                    devices=list(self.components), group_size=len(self.components),
+                    options=collective_util.Options(),
+                    collective_keys=_collectives.collective_keys())
+        options = collective_util.Options(timeout_seconds=timeout)
         devices = self.components
 
         @tf.function(autograph=False, input_signature=specs)

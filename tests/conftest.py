@@ -127,6 +127,11 @@ def pytest_collection_finish(session):
     background (tests/benchmark_runs.py), so they overlap with the other tests."""
     names = [item.callspec.params["name"] for item in session.items
              if item.originalname == "test_benchmark_quick_run" and hasattr(item, "callspec")]
+    # Under pytest-xdist every worker collects every test but runs only its share; a
+    # run started here would run once per worker. Each test starts its own run instead
+    # (benchmark_runs.result), and the other worker keeps the second core busy.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if names and not session.config.option.collectonly:
         sys.path.insert(0, os.path.dirname(__file__))
         import benchmark_runs  # noqa: E402  pylint: disable=import-outside-toplevel

@@ -95,7 +95,7 @@ def tf_attribute_assignments(path):
     return found
 
 
-def test_the_attribute_check_sees_each_form():
+def test_the_attribute_check_sees_each_form(tmp_path):
     code = textwrap.dedent("""
         import tensorflow as tf
         from tensorflow.python.eager import record as _record
@@ -112,13 +112,11 @@ def test_the_attribute_check_sees_each_form():
         def wrap_new(cls):
             cls.__new__ = None            # some class's special method, from outside it
     """)
-    path = os.path.join(os.path.dirname(__file__), "_tmp_patch_probe.py")
-    try:
-        with open(path, "w") as f:
-            f.write(code)
-        found = sorted(line for line, _ in tf_attribute_assignments(path))
-    finally:
-        os.remove(path)
+    # (not beside the tests: a concurrent test walking tests/ would see it come and go)
+    path = str(tmp_path / "_tmp_patch_probe.py")
+    with open(path, "w") as f:
+        f.write(code)
+    found = sorted(line for line, _ in tf_attribute_assignments(path))
     assert found == [7, 8, 9, 10, 15], found
 
 

@@ -4,7 +4,7 @@ Each fuzzer has two kinds of draw: a fixed one (its default seed, the cases its 
 findings were found in and are replayed by; marked slow, run by `make test-slow`), and a
 smaller draw in `make test` whose seed changes from day to day, so that the suite covers
 new programs on each run at a bounded cost. The run's seed is `OH_FUZZ_SEED` when set,
-else the number of days from 2000-01-01 to today (UTC): two runs on one day draw the same
+else today's day number (UTC; days since the start of the year 2000): two runs on one day draw the same
 cases, and a seed read from a log replays on any later day. (Small: the fuzzers derive
 Keras seeds as seed * 1000 + case, which must stay below 2**32.) The session prints it at its end
 (conftest.py's `pytest_terminal_summary`), and a failing draw names it with the command

@@ -26,7 +26,8 @@ CC_FILES := $(shell find cc -name '*.cc' -o -name '*.h')
 
 $(STAMP): $(VPY) setup.py pyproject.toml $(CC_FILES)
 	# sybil: tests/docs/test_snippets.py runs the Python blocks of README.md and docs/.
-	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" "sybil==10.1.0" matplotlib tensorboard setuptools wheel
+	# pytest-xdist: make test runs the suite in TEST_WORKERS processes.
+	$(VPY) -m pip install -q "tensorflow-cpu==2.21.*" "pytest>=7" "sybil==10.1.0" "pytest-xdist==3.8.0" matplotlib tensorboard setuptools wheel
 	# --no-deps: the package requires `tensorflow`, which would go in over tensorflow-cpu.
 	$(VPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
@@ -36,9 +37,15 @@ build: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/quickstart.py
 
-# The suite without the stress tests marked slow (CI runs those too: make test-slow).
+# The suite without the stress tests marked slow (CI runs those too: make test-slow), in
+# TEST_WORKERS processes (pytest-xdist; 0: in this one). A test file runs whole in one
+# worker (--dist loadfile): module fixtures are built once, and the tests of a file that
+# builds into the clone (test_c_api.py's make c-api-programs) never race each other.
+# The fuzzers draw a smaller set of cases from a seed that changes daily (OH_FUZZ_SEED,
+# tests/fuzz_seed.py; printed at the end); their default seeds' full draws are marked slow.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VPY) -m pytest -q -ra --durations=30 -m "not slow" tests
+	$(VPY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 test-slow: $(STAMP)
 	$(VPY) -m pytest -q -ra --durations=10 -m slow tests

@@ -10,6 +10,8 @@ import tensorflow as tf  # noqa: E402
 
 import tf_ophandlers as oh  # noqa: E402
 
+import fuzz_seed  # noqa: E402  (tests/, on sys.path for this conftest)
+
 # Four logical CPUs: two for the parallel handler's tests, a 2x2 mesh for oh.Mesh's. Logical devices must be configured
 # before TensorFlow initializes its context; importing tf_ophandlers does not (the first
 # handler scope does), so users configure devices after their imports, as here.
@@ -127,6 +129,11 @@ def pytest_collection_finish(session):
     background (tests/benchmark_runs.py), so they overlap with the other tests."""
     names = [item.callspec.params["name"] for item in session.items
              if item.originalname == "test_benchmark_quick_run" and hasattr(item, "callspec")]
+    # Under pytest-xdist every worker collects every test but runs only its share; a
+    # run started here would run once per worker. Each test starts its own run instead
+    # (benchmark_runs.result), and the other worker keeps the second core busy.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if names and not session.config.option.collectonly:
         sys.path.insert(0, os.path.dirname(__file__))
         import benchmark_runs  # noqa: E402  pylint: disable=import-outside-toplevel
@@ -172,3 +179,24 @@ def tf_leak_checked(test=None, *, warmup=0):
             if enabled:
                 gc.enable()
     return run
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker draws the fuzzers' rotating cases from its controller's seed
+    (tests/fuzz_seed.py)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and "oh_fuzz_seed" in workerinput:
+        fuzz_seed.set_run_seed(workerinput["oh_fuzz_seed"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist, in the controller: passes the run's fuzz seed to each worker."""
+    node.workerinput["oh_fuzz_seed"] = fuzz_seed.run_seed()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Names the seed of the fuzzers' rotating draws (tests/fuzz_seed.py), so that a
+    failure in this run can be replayed on any day."""
+    terminalreporter.write_line(
+        "fuzzers' rotating draws: OH_FUZZ_SEED=%d (set it to replay them)" % fuzz_seed.run_seed())

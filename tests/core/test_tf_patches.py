@@ -95,7 +95,7 @@ def tf_attribute_assignments(path):
     return found
 
 
-def test_the_attribute_check_sees_each_form():
+def test_the_attribute_check_sees_each_form(tmp_path):
     code = textwrap.dedent("""
         import tensorflow as tf
         from tensorflow.python.eager import record as _record
@@ -112,13 +112,11 @@ def test_the_attribute_check_sees_each_form():
         def wrap_new(cls):
             cls.__new__ = None            # some class's special method, from outside it
     """)
-    path = os.path.join(os.path.dirname(__file__), "_tmp_patch_probe.py")
-    try:
-        with open(path, "w") as f:
-            f.write(code)
-        found = sorted(line for line, _ in tf_attribute_assignments(path))
-    finally:
-        os.remove(path)
+    # (not beside the tests: a concurrent test walking tests/ would see it come and go)
+    path = str(tmp_path / "_tmp_patch_probe.py")
+    with open(path, "w") as f:
+        f.write(code)
+    found = sorted(line for line, _ in tf_attribute_assignments(path))
     assert found == [7, 8, 9, 10, 15], found
 
 
@@ -144,7 +142,7 @@ def test_no_module_outside_the_folder_assigns_tensorflow_attributes():
 # -- (b) one patch per TensorFlow symbol; (2) every patch removable --------------------------
 
 _SNAPSHOT = """
-import sys, types
+import operator, sys, types
 import tensorflow as tf
 import tf_ophandlers as oh
 from tf_ophandlers.core import tf_patches
@@ -158,32 +156,56 @@ for name in ("keras.src.backend.tensorflow.trainer", "keras.src.losses.loss",
     except ImportError:
         pass
 
+def _same_dict(a, b):
+    # C-speed check that two dicts hold the same objects under the same keys; a dict whose
+    # keys moved is compared key by key.
+    return len(a) == len(b) and all(map(operator.is_, a, b)) and \
+        all(map(operator.is_, a.values(), b.values()))
+
+_class_lists = {}  # module name -> (its dict copy, the TF/Keras classes it holds)
+
 def snapshot():
     # Every attribute of every TensorFlow and Keras module, and the own attributes of
-    # every class they define: (where, name) -> id of the object.
+    # every class they define: where -> copy of its __dict__ (holding the objects, so
+    # that identity is compared, never a reused id).
     out, seen = {}, set()
     for mname, module in list(sys.modules.items()):
-        if not mname.split(".")[0] in ("tensorflow", "keras") or \\
+        if not mname.split(".")[0] in ("tensorflow", "keras") or \
                 not isinstance(module, types.ModuleType):
             continue
         try:
-            items = list(vars(module).items())
+            d = dict(vars(module))
         except TypeError:
             continue
-        for k, v in items:
-            out[(mname, k)] = id(v)
-            if isinstance(v, type) and id(v) not in seen and \\
-                    (getattr(v, "__module__", "") or "").split(".")[0] in ("tensorflow", "keras"):
+        out.setdefault(mname, {}).update(d)
+        cached = _class_lists.get(mname)
+        if cached is not None and _same_dict(cached[0], d):
+            classes = cached[1]
+        else:
+            classes = [v for v in d.values() if isinstance(v, type) and
+                       (getattr(v, "__module__", "") or "").split(".")[0] in ("tensorflow", "keras")]
+            _class_lists[mname] = (d, classes)
+        for v in classes:
+            if id(v) not in seen:
                 seen.add(id(v))
-                for ck, cv in list(vars(v).items()):
-                    out[(v.__module__ + "." + v.__qualname__, ck)] = id(cv)
+                out.setdefault(v.__module__ + "." + v.__qualname__, {}).update(vars(v))
     return out
 
-def diff(a, b):
-    keys = [k for k, v in b.items() if a.get(k) != v] + [k for k in a if k not in b]
-    return sorted("%s.%s" % k for k in keys)
+_MISSING = object()
 
-keep = []  # what the patches put there stays alive: ids are not reused meanwhile
+def diff(a, b):
+    keys = []
+    for where, bd in b.items():
+        ad = a.get(where)
+        if ad is None:
+            keys.extend((where, k) for k in bd)
+        elif not _same_dict(ad, bd):
+            keys.extend((where, k) for k, v in bd.items() if ad.get(k, _MISSING) is not v)
+            keys.extend((where, k) for k in ad if k not in bd)
+    for where, ad in a.items():
+        if where not in b:
+            keys.extend((where, k) for k in ad)
+    return sorted("%s.%s" % k for k in keys)
 """
 
 
@@ -198,7 +220,6 @@ changed_by = {}
 for p in oh.patches():
     p.install()
     now = snapshot()
-    keep.append(now)
     for k in diff(previous, now):
         changed_by.setdefault(k, []).append(p.name)
     if callable(p.uninstall):

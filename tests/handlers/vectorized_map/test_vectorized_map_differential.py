@@ -25,7 +25,11 @@ takes) may be zeros, as tf.vectorized_map gives it. A program tf.vectorized_map 
 is not run inside a fresh tf.function (there oh.vectorized_map is tf.vectorized_map).
 The draw must cover every kind of element, step, mode and reference (`FEATURES`).
 
-Reproduce a failure with the seed it prints:
+`make test` runs a smaller draw whose seed changes from run to run (tests/fuzz_seed.py);
+the fixed draws of the default seed are marked slow (that the default draw covers
+`FEATURES` is checked in `make test`, without running it). A failure prints the command
+that replays it: OH_FUZZ_SEED=<seed> for the rotating draw, OH_VMAP_DIFFERENTIAL_SEED=<seed>
+for the fixed ones, e.g.
     OH_VMAP_DIFFERENTIAL_SEED=<seed> pytest tests/handlers/vectorized_map/test_vectorized_map_differential.py
 """
 import os
@@ -36,12 +40,14 @@ import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+from fuzz_seed import replay, run_seed
 from test_differential import BINARY, UNARY
 
 DEFAULT_SEED = 40
 SEED = int(os.environ.get("OH_VMAP_DIFFERENTIAL_SEED", DEFAULT_SEED))
 BATCH = 3
-FAST_PROGRAMS = 12  # 2 to 4 steps
+FAST_PROGRAMS = 6  # in `make test` (the run's rotating draw), as DEFAULT_PROGRAMS
+DEFAULT_PROGRAMS = 12  # 2 to 4 steps, the default seed's draw (marked slow)
 SLOW_PROGRAMS = 60  # 3 to 8 steps, deeper nesting (marked slow)
 # Unary ops whose values stay bounded and whose gradients stay finite when a loop body
 # repeats them (a loop's body is followed by tanh too).
@@ -710,31 +716,61 @@ FEATURES = {"eager", "fn_function", "in_function", "reference: loop",
             "sparse", "masked", "composite output", "matvec", "reduce", "binary"}
 
 
-def _run_all(cases, lengths, depth):
-    failures = []
+def _covered(cases, lengths, depth):
+    """What the draw `cases` exercises (the programs are drawn, not run)."""
     covered = set()
     for seed, mode in cases:
         program = Program(seed, lengths, depth)
+        covered |= _features(program, _mode(program, mode))
+    return covered
+
+
+def _run_all(cases, lengths, depth, command):
+    """Runs `cases`; a failure names `command`, which replays them."""
+    failures = []
+    for seed, mode in cases:
+        program = Program(seed, lengths, depth)
         mode = _mode(program, mode)
-        covered |= _features(program, mode)
         try:
             _run_case(program, mode)
         except Exception as e:  # pylint: disable=broad-except
-            failures.append("%s, reference %s (OH_VMAP_DIFFERENTIAL_SEED=%d):\n%s\n%s: %s" % (
-                mode, program.loop_reason(True) or "tf.vectorized_map", SEED,
+            failures.append("%s, reference %s:\n%s\n%s: %s" % (
+                mode, program.loop_reason(True) or "tf.vectorized_map",
                 program.describe(), type(e).__name__, str(e)[:2000]))
-    assert not failures, "%d of %d cases differ from TensorFlow:\n\n%s" % (
-        len(failures), len(cases), "\n\n".join(failures[:10]))
-    # The default draw covers every kind of element, step, mode and reference (a changed
-    # generator that stopped drawing one would otherwise pass unnoticed).
-    if SEED == DEFAULT_SEED:
-        assert FEATURES <= covered, sorted(FEATURES - covered)
+    assert not failures, "%d of %d cases differ from TensorFlow (replay: %s):\n\n%s" % (
+        len(failures), len(cases), command, "\n\n".join(failures[:10]))
 
 
-def test_random_mapped_programs_match_tensorflow():
-    _run_all(_cases(FAST_PROGRAMS, SEED * 1000003, random.Random(SEED)), (2, 4), 2)
+def _default_cases():
+    return _cases(DEFAULT_PROGRAMS, SEED * 1000003, random.Random(SEED))
+
+
+def _fixed(request):
+    return "OH_VMAP_DIFFERENTIAL_SEED=%d python -m pytest %s" % (SEED, request.node.nodeid)
+
+
+def test_random_mapped_programs_match_tensorflow(request):
+    """FAST_PROGRAMS programs drawn from the run's seed."""
+    seed = run_seed()
+    _run_all(_cases(FAST_PROGRAMS, seed * 1000003, random.Random(seed)), (2, 4), 2,
+             replay(request.node.nodeid, seed))
+
+
+def test_default_draw_covers_every_feature():
+    # Every kind of element, step, mode and reference (a changed generator that stopped
+    # drawing one would otherwise pass unnoticed).
+    if SEED != DEFAULT_SEED:
+        pytest.skip("OH_VMAP_DIFFERENTIAL_SEED draws another set")
+    covered = _covered(_default_cases(), (2, 4), 2)
+    assert FEATURES <= covered, sorted(FEATURES - covered)
 
 
 @pytest.mark.slow
-def test_more_random_mapped_programs_match_tensorflow():
-    _run_all(_cases(SLOW_PROGRAMS, SEED * 1000003 + 50000, random.Random(SEED + 1)), (3, 8), 3)
+def test_default_random_mapped_programs_match_tensorflow(request):
+    _run_all(_default_cases(), (2, 4), 2, _fixed(request))
+
+
+@pytest.mark.slow
+def test_more_random_mapped_programs_match_tensorflow(request):
+    _run_all(_cases(SLOW_PROGRAMS, SEED * 1000003 + 50000, random.Random(SEED + 1)), (3, 8), 3,
+             _fixed(request))

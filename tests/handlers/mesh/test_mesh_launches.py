@@ -293,3 +293,26 @@ def test_broadcasting_plans_are_cached_per_layouts_and_shapes(mesh, monkeypatch)
     assert_close(z, x0 * b0, 1e-6)
     assert mesh.layout_of(y) == ("batch", "model")
     assert len(plans) == 1
+
+
+def test_replayed_constants_placed_per_device_are_kept_by_their_graph_only(mesh):
+    """The per-device copies of a replayed body's constants live on the graph being built:
+    no process-wide cache holds a tensor of a replay's graph (it would keep every replayed
+    graph alive, and hand a symbolic tensor to a later replay with a reused id)."""
+    from tf_ophandlers.core import cache as cache_module
+
+    @tf.function
+    def scaled(x):
+        return x * 3. + 1.
+
+    with mesh:
+        x = mesh.shard(np.arange(16, dtype=np.float32).reshape(4, 4), ("batch", "model"))
+        got = scaled(x)
+    assert_close(got, np.arange(16, dtype=np.float32).reshape(4, 4) * 3. + 1., 1e-6)
+    held = {}
+    for c in list(cache_module._all.values()):  # pylint: disable=protected-access
+        for v in list(c.values()):
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, tf.Tensor) and not hasattr(t, "numpy"):
+                    held[c.name] = held.get(c.name, 0) + 1
+    assert not held, "caches holding graph tensors: %s" % held

@@ -23,6 +23,8 @@ all-gathers and all-reduces are made once per distinct inputs too.
 ...     float(tf.reduce_sum(s))     # one AddN of the two shards, then one Sum
 6.0
 """
+import weakref
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import device_spec, op_def_registry
@@ -38,7 +40,9 @@ _COMBINE = {"sum": "AddN", "max": "Maximum", "min": "Minimum", "prod": "Mul",
 _ops = BoundedCache("mesh.ops", 256)  # (name, dtype, n) -> Op
 _constants = LRUCache("mesh.constants", 512)  # (bytes, dtype, shape) -> eager tensor
 _stateless_types = BoundedCache("mesh.stateless_op_types", 1024)  # op type -> bool
-# In a replay: (id of a device-less Const tensor, device) -> (it, its copy on the device).
+# In a replay: (id of a device-less Const tensor, device) -> weak references to it and to
+# its copy on the device. Weak: the graph keeps both alive while it is built, and a
+# strong entry would keep every replayed graph alive.
 _placed_constants = LRUCache("mesh.placed_constants", 1024)
 _RESOURCE = tf.resource  # dtypes are interned: `is` compares them
 
@@ -93,11 +97,12 @@ def placed_constants(tensors, device):
             continue
         key = (id(t), device)
         hit = _placed_constants.get(key)
-        if hit is None or hit[0] is not t:
+        copy = hit[1]() if hit is not None and hit[0]() is t else None
+        if copy is None:
             with t.graph.as_default(), t.graph.device(device):
                 copy = tf.constant(tf.get_static_value(t), t.dtype)
-            hit = _placed_constants[key] = (t, copy)
-        out[k] = hit[1]
+            _placed_constants[key] = (weakref.ref(t), weakref.ref(copy))
+        out[k] = copy
     return out
 
 

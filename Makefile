@@ -43,7 +43,7 @@ demo: $(STAMP)
 # builds into the clone (test_c_api.py's make c-api-programs) never race each other.
 # The fuzzers draw a smaller set of cases from a seed that changes daily (OH_FUZZ_SEED,
 # tests/fuzz_seed.py; printed at the end); their default seeds' full draws are marked slow.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 test: $(STAMP)
 	$(VPY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 

@@ -198,7 +198,7 @@ def test_non_tensor_representations_reach_the_execute_hook(ab):
 
 @pytest.mark.requires_c_paths("the hook is called from C++, counted as a fast-path op")
 def test_non_tensor_representations_take_the_cpp_hook_path(ab):
-    """... from C++, not through HandlerStack.execute in Python."""
+    """That hook is called from C++, not through HandlerStack.execute in Python."""
     _, _, ran_fast = _boxed_exp(ab)
     assert ran_fast == 1
 

@@ -77,6 +77,22 @@ class Config:
         return _common.warm_time_and_cpu(self.fn, 0, n)
 
 
+def shuffled_rounds(groups, rounds, rng, measure, progress=False):
+    """`rounds` rounds, each visiting the groups of `groups` (name -> list of members)
+    in a fresh random order and calling `measure(members)` with the group's members in a
+    fresh random order: the members of a group are timed a moment apart, and a drift of
+    the machine over the run hits every group alike."""
+    for r in range(rounds):
+        names = list(groups)
+        rng.shuffle(names)
+        for name in names:
+            members = list(groups[name])
+            rng.shuffle(members)
+            measure(members)
+        if progress:
+            print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+
+
 def run_pairs(configs, rounds, calls_of, seed=0):
     """Each round visits the cases in a fresh random order and times a case's two sides
     back to back as A B B A (which side is A: random), each block half of the round's
@@ -88,21 +104,16 @@ def run_pairs(configs, rounds, calls_of, seed=0):
         by_case.setdefault(c.case, []).append(c)
     for c in configs:  # warm-up (untimed)
         c.run(max(1, calls_of(c) // 5))
-    rng = random.Random(seed)
-    for r in range(rounds):
-        cases = list(by_case)
-        rng.shuffle(cases)
-        for case in cases:
-            pair = list(by_case[case])
-            rng.shuffle(pair)
-            half = {id(c): max(1, calls_of(c) // 2) for c in pair}
-            blocks = {id(c): [] for c in pair}
-            for c in pair + pair[::-1]:
-                blocks[id(c)].append(c.run(half[id(c)]))
-            for c in pair:
-                c.times.append(sum(w for w, _ in blocks[id(c)]) / 2)
-                c.cpu.append(sum(u for _, u in blocks[id(c)]) / 2)
-        print("round %d/%d done" % (r + 1, rounds), file=sys.stderr)
+
+    def abba(pair):
+        half = {id(c): max(1, calls_of(c) // 2) for c in pair}
+        blocks = {id(c): [] for c in pair}
+        for c in pair + pair[::-1]:
+            blocks[id(c)].append(c.run(half[id(c)]))
+        for c in pair:
+            c.times.append(sum(w for w, _ in blocks[id(c)]) / 2)
+            c.cpu.append(sum(u for _, u in blocks[id(c)]) / 2)
+    shuffled_rounds(by_case, rounds, random.Random(seed), abba, progress=True)
 
 
 def twins(batch=None, saved=True):
@@ -209,22 +220,19 @@ def onednn_child(rounds, calls):
     n_of = {"eager": calls, "function": calls * REPLAYED_CALLS}
     times = {form: {side: [] for side in fns} for form, fns in sides.items()}
     cpu = {form: {side: [] for side in fns} for form, fns in sides.items()}
-    rng = random.Random(1)
+
+    def one_by_one(members):
+        for form, side in members:
+            w, c = _common.warm_time_and_cpu(sides[form][side], 0, n_of[form])
+            times[form][side].append(w)
+            cpu[form][side].append(c)
 
     def measure():
         for fns in sides.values():  # warm-up
             for fn in fns.values():
                 _common.warm_time_and_cpu(fn, 1, 2)
-        for _ in range(rounds):
-            forms = list(sides)
-            rng.shuffle(forms)
-            for form in forms:
-                order = list(sides[form])
-                rng.shuffle(order)
-                for side in order:
-                    w, c = _common.warm_time_and_cpu(sides[form][side], 0, n_of[form])
-                    times[form][side].append(w)
-                    cpu[form][side].append(c)
+        groups = {form: [(form, side) for side in fns] for form, fns in sides.items()}
+        shuffled_rounds(groups, rounds, random.Random(1), one_by_one)
 
     info = {}
     _common.measure_under_load(info, measure, freeze=True)

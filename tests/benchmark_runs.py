@@ -9,7 +9,6 @@ at its end. A test waits for its own script's result.
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,23 +70,37 @@ _outdir = None
 
 def _run_one(run):
     out = pathlib.Path(_outdir) / ("%s.md" % run.name)
-    # Lower priority through nice(1), not a preexec_fn: Python code run in the forked
-    # child can start a garbage collection there, and a TensorFlow executor's __del__ in
-    # a child without TensorFlow's threads crashed it (a pytest-xdist worker starts the
-    # run late, with the garbage of earlier tests around).
-    nice = ["nice", "-n", "5"] if shutil.which("nice") else []
-    cmd = nice + [sys.executable, str(ROOT / "benchmarks" / ("%s.py" % run.name)), "--quick",
-                  *OPTIONS[run.name], "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / ("%s.py" % run.name)), "--quick",
+           *OPTIONS[run.name], "--out", str(out)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=ENV,
-                              cwd=ROOT)
-        run.returncode, run.stderr = proc.returncode, proc.stderr
+        run.returncode, run.stderr = _run_niced(cmd)
         run.text = out.read_text() if out.exists() else ""
         run.files = {f.name for f in out.parent.glob(run.name + ".*")}
     except Exception as e:  # pylint: disable=broad-except
         run.returncode, run.stderr = -1, "%s: %s" % (type(e).__name__, e)
     finally:
         run.done.set()
+
+
+def _run_niced(cmd):
+    """(return code, stderr) of `cmd` run at a lower priority. The priority is set from
+    this process after the fork, not by a `preexec_fn`: that runs Python in the forked
+    child of a process with TensorFlow's threads, where a garbage collection can finalize
+    a TensorFlow object (an eager Executor's __del__) and crash the child before it
+    starts the script (return code -11)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=ENV, cwd=ROOT) as proc:
+        try:
+            os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+        except OSError:
+            pass  # (it already exited: its result tells)
+        try:
+            _, stderr = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    return proc.returncode, stderr
 
 
 def start(names):

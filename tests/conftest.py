@@ -35,6 +35,20 @@ class RecordingHandler(oh.OpHandler):
         return "RecordingHandler(%s)" % self.name
 
 
+def pytest_runtest_setup(item):
+    """`@pytest.mark.requires_c_paths("what it asserts")`: a test of the C fast paths
+    themselves (a path ran, no Python frame, a counter moved) is skipped when
+    OH_FAST_PATH=0 sends every op of a Python handler through the Python path. A result,
+    copy, memory or error property belongs in a test without the mark, which must pass
+    both ways (the Python path is the reference)."""
+    marker = item.get_closest_marker("requires_c_paths")
+    if marker is not None:
+        from tf_ophandlers.core import fast_decision  # pylint: disable=import-outside-toplevel
+        if not fast_decision.C_PATHS:
+            what = marker.args[0] if marker.args else "the C fast paths"
+            pytest.skip("OH_FAST_PATH=0 (C fast paths off); this test asserts " + what)
+
+
 @pytest.fixture
 def x():
     return tf.constant([[1.0, 2.0], [3.0, 4.0]])

@@ -77,6 +77,9 @@ Each name, by topic (functions and classes carry their own docstrings):
   `body_op_types(name)`: the op types in its body and callees; `function_name(name)`:
   a function name as str.
 - `CompiledCall`: a ConcreteFunction a handler built, run on a stack.
+- `OptimizedCallOp(function_name, num_outputs)`: a function's call op with the
+  context's function options, as TensorFlow's own calls pass them (grappler runs);
+  `.op()` rebuilds it only when the options change.
 - `per_call`: per-call handler state for tf.function replays (`per_call.at_every_call`).
 - `call_records`: how tapes outside a replaying handler record a replayed call
   (`densified`, `replayed_call`, `recording_restarted` are its names a tape uses).
@@ -156,7 +159,7 @@ from tf_ophandlers.core.functions.call import set_handle_data
 from tf_ophandlers.core.functions.representations import eager_leaf
 from tf_ophandlers.core.handler import SOURCE_GRADIENT_NODE, OpHandler
 from tf_ophandlers.core.launch_lock import LAUNCHES
-from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op, node_attrs
+from tf_ophandlers.core.op import GRADIENT_OP_TYPE_ATTR, Op, OptimizedCallOp, node_attrs
 from tf_ophandlers.core.recording import (
     copy_through, record_on_tf_tapes, recording, subscribe_records)
 from tf_ophandlers.core.registries import (
@@ -187,8 +190,8 @@ __all__ = [
     "BoundedCache", "LRUCache", "caches", "register_external_cache",
     # functions and control flow
     "functions", "function_body", "body_op_types", "function_name", "CompiledCall",
-    "per_call", "call_records", "densified", "replayed_call", "recording_restarted",
-    "function_call",
+    "OptimizedCallOp", "per_call", "call_records", "densified", "replayed_call",
+    "recording_restarted", "function_call",
     "set_handle_data", "eager_leaf", "retrace", "graph_builder",
     # shapes and op kinds
     "shapes", "Spec", "spec_of", "op_kinds", "move_axis", "dispatch",

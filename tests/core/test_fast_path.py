@@ -49,36 +49,61 @@ def ab():
             tf.random.stateless_normal([3, 3], seed=[3, 4]))
 
 
-def test_pass_through_levels_run_without_python_frames(ab):
+def _pass_through_levels(ab):
+    """(result, package frames entered, fast-path ops counted, inner handler) of the chain
+    under two pass-through levels, after a warm-up run."""
     a0, b0 = ab
-    want = _chain(a0, b0)
     with oh.OpHandler(), oh.OpHandler() as inner:
         a, b = tf.identity(a0), tf.identity(b0)  # physical inputs: copied on in Python
         _chain(a, b)  # each (stack, op type) is decided once, in Python
-        before = _C.fast_stats()
+        before = _C.fast_stats()["fast_ops"]
         got, calls = package_frames(lambda: _chain(a, b))
-    assert calls == []
-    assert _C.fast_stats()["fast_ops"] - before["fast_ops"] == 12
+        ran_fast = _C.fast_stats()["fast_ops"] - before
+    return got, calls, ran_fast, inner
+
+
+def test_pass_through_levels_give_tensorflows_values_on_the_inner_stack(ab):
+    got, _, _, inner = _pass_through_levels(ab)
     stack = oh.stack_of(got)
     assert stack is not None and stack.handler is inner and len(stack.handlers) == 2
-    _same(got, want)
+    _same(got, _chain(*ab))
 
 
-def test_handles_ops_forwards_other_ops_without_calling_execute(ab):
+@pytest.mark.requires_c_paths("pass-through levels run no Python frame")
+def test_pass_through_levels_run_without_python_frames(ab):
+    _, calls, ran_fast, _ = _pass_through_levels(ab)
+    assert calls == []
+    assert ran_fast == 12
+
+
+_HANDLES = (frozenset({"MatMul"}), ["MatMul"], lambda t: t == "MatMul")
+
+
+def _handles_only_matmul(ab, handles):
     a0, b0 = ab
-    want = _chain(a0, b0)
-    for handles in (frozenset({"MatMul"}), ["MatMul"], lambda t: t == "MatMul"):
-        h = Seen(handles)
-        with h:
-            a, b = tf.identity(a0), tf.identity(b0)
-            _chain(a, b)
-            got, calls = package_frames(lambda: _chain(a, b))  # noqa: B023
-        assert h.seen == ["MatMul"] * 6
-        # Per MatMul only the hook's own Python (`self.next` and PHYSICAL's execute); the
-        # hook itself is in this file. The other ops: nothing.
-        assert calls == ["next", "execute"] * 3, calls
-        _same(got, want)
-        assert oh.stack_of(got).handler is h
+    h = Seen(handles)
+    with h:
+        a, b = tf.identity(a0), tf.identity(b0)
+        _chain(a, b)
+        got, calls = package_frames(lambda: _chain(a, b))
+    return h, got, calls
+
+
+@pytest.mark.parametrize("handles", _HANDLES, ids=["frozenset", "list", "predicate"])
+def test_handles_ops_forwards_other_ops_without_calling_execute(ab, handles):
+    h, got, _ = _handles_only_matmul(ab, handles)
+    assert h.seen == ["MatMul"] * 6
+    _same(got, _chain(*ab))
+    assert oh.stack_of(got).handler is h
+
+
+@pytest.mark.requires_c_paths("forwarded op types run no Python frame")
+@pytest.mark.parametrize("handles", _HANDLES, ids=["frozenset", "list", "predicate"])
+def test_handles_ops_forwards_other_ops_in_c(ab, handles):
+    _, _, calls = _handles_only_matmul(ab, handles)
+    # Per MatMul only the hook's own Python (`self.next` and PHYSICAL's execute); the
+    # hook itself is in this file. The other ops: nothing.
+    assert calls == ["next", "execute"] * 3, calls
 
 
 def test_handles_ops_in_the_python_path_too(ab):
@@ -149,10 +174,9 @@ def test_handles_ops_sends_non_tensor_representations_to_execute(ab, below):
     _same(s, tf.sin(a0))
 
 
-def test_non_tensor_representations_take_the_cpp_hook_path(ab):
-    """An op outside handles_ops with a handler's own object as input runs the execute
-    hook from C++ (as a handled type does), not through HandlerStack.execute in Python:
-    the same outputs and calls, counted as a fast-path op."""
+def _boxed_exp(ab):
+    """(handler, result, fast-path ops counted) of an Exp of a boxed value outside
+    handles_ops, after a warm-up run."""
     a0, _ = ab
     h = Boxing()
     with h:
@@ -161,9 +185,22 @@ def test_non_tensor_representations_take_the_cpp_hook_path(ab):
         before = _C.fast_stats()["fast_ops"]
         got = tf.exp(s)
         ran_fast = _C.fast_stats()["fast_ops"] - before
-    assert ran_fast == 1
+    return h, got, ran_fast
+
+
+def test_non_tensor_representations_reach_the_execute_hook(ab):
+    """An op outside handles_ops with a handler's own object as input runs the execute
+    hook (as a handled type does): the outputs and calls of a handled op."""
+    h, got, _ = _boxed_exp(ab)
     assert h.seen == ["Sin", "Exp", "Exp"]
-    _same(got, tf.exp(tf.sin(a0)))
+    _same(got, tf.exp(tf.sin(ab[0])))
+
+
+@pytest.mark.requires_c_paths("the hook is called from C++, counted as a fast-path op")
+def test_non_tensor_representations_take_the_cpp_hook_path(ab):
+    """That hook is called from C++, not through HandlerStack.execute in Python."""
+    _, _, ran_fast = _boxed_exp(ab)
+    assert ran_fast == 1
 
 
 def test_handles_ops_string_is_an_error_naming_the_handler():
@@ -174,24 +211,33 @@ def test_handles_ops_string_is_an_error_naming_the_handler():
             pass
 
 
-def test_same_errors_as_the_python_path_and_tensorflow():
+@pytest.mark.parametrize("program", [
+    lambda a, b: tf.matmul(a, b),
+    lambda a, b: tf.matmul(a, b, name="product"),
+    lambda a, b: tf.raw_ops.AddV2(x=a, y=b, name="sum"),
+], ids=["matmul", "named", "raw_op"])
+def test_same_errors_as_the_python_path_and_tensorflow(program):
+    """A kernel's error reaches the user as eager TensorFlow's, type and whole message
+    (the ``[Op:MatMul] name: product`` TensorFlow appends included), through a level the
+    C++ path forwards and through a Python execute hook."""
     x = tf.ones([2, 3])
     y = tf.ones([4, 5])
 
     def fail(handler_cls):
         try:
             if handler_cls is None:
-                tf.matmul(x, y)
+                program(x, y)
             else:
                 with handler_cls():
                     a, b = tf.identity(x), tf.identity(y)
-                    tf.matmul(a, b)
+                    program(a, b)
         except Exception as e:  # pylint: disable=broad-except
-            return type(e), str(e).split("[Op:")[0].strip()
+            return type(e), str(e)
         raise AssertionError("no error")
 
     plain, fast, slow = fail(None), fail(oh.OpHandler), fail(Forwarding)
     assert plain[0] is fast[0] is slow[0] is tf.errors.InvalidArgumentError
+    assert "[Op:" in plain[1]
     assert plain[1] == fast[1] == slow[1]
 
 

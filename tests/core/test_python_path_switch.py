@@ -1,9 +1,7 @@
 """OH_FAST_PATH=0 sends every op of a Python handler through the Python path
 (`HandlerStack.execute`), the reference the C paths are compared with; CI runs the
 differential tests that way too (.ci/run)."""
-import os
-import subprocess
-import sys
+from python_process import run_python
 
 _PROGRAM = r"""
 import tensorflow as tf, tf_ophandlers as oh
@@ -25,11 +23,7 @@ print(len(calls), float(tf.reduce_sum(y)), tape.gradient(z, x).numpy().tolist())
 
 
 def _run(fast_path):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OH_FAST_PATH=fast_path)
-    proc = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True,
-                          env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    count, total, grad = proc.stdout.split(" ", 2)
+    count, total, grad = run_python(_PROGRAM, env={"OH_FAST_PATH": fast_path}).split(" ", 2)
     return int(count), total, grad
 
 

@@ -77,12 +77,12 @@ def test_a_replayed_function_is_optimized_like_tensorflows_own_call():
     new = [k for k in function_calls._cache if k not in before]  # pylint: disable=protected-access
     assert len(new) == 1
     compiled = function_calls._cache[new[0]].compiled  # pylint: disable=protected-access
-    call_op = compiled.call_op
+    call_op = compiled.op()
     for _ in range(3):
         with oh.DataFormat():
             np.testing.assert_allclose(oh.copy_off(f(x)).numpy(), twin.numpy(), rtol=1e-5,
                                        atol=1e-5)
-    assert compiled.call_op is call_op
+    assert compiled.op() is call_op
     assert [k for k in function_calls._cache if k not in before] == new  # pylint: disable=protected-access
 
 

@@ -7,29 +7,21 @@ import os
 import pathlib
 import io
 import re
-import subprocess
 import sys
-import textwrap
 import tokenize
 
 import pytest
 
 import tf_ophandlers as oh
 
+from python_process import run_python
+
 PACKAGE = os.path.dirname(oh.__file__)
 ROOT = os.path.dirname(PACKAGE)
 
 
-def _run(code, timeout=240):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 def test_devices_configurable_after_import():
-    out = _run("""
+    out = run_python("""
         import tensorflow as tf
         import tf_ophandlers as oh
         from tensorflow.python.eager import context
@@ -58,7 +50,7 @@ def test_devices_configurable_after_import():
 
 
 def test_import_leaves_tensorflow_unpatched():
-    _run("""
+    run_python("""
         import tensorflow as tf
         from tensorflow.python.eager import context
         from tensorflow.python.framework import func_graph, ops, tensor_util
@@ -291,7 +283,7 @@ def test_the_guides_patch_table_lists_every_patch():
 
 
 def test_ops_and_stacks_start_the_runtime_without_a_scope():
-    _run("""
+    run_python("""
         import tensorflow as tf
         import tf_ophandlers as oh
         op = oh.Op.create("AddV2", T=tf.float32)   # the guide's example, before any scope

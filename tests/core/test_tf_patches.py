@@ -2,7 +2,6 @@
 removable, subscribers in their declared order."""
 import ast
 import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -12,16 +11,10 @@ import pytest
 import tf_ophandlers as oh
 from tf_ophandlers.core import tf_patches
 
+from python_process import run_python
+
 PACKAGE = os.path.dirname(oh.__file__)
 FOLDER = os.path.join("core", "tf_patches")
-
-
-def _run(code, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
 # -- (a) no TensorFlow attribute is assigned outside the folder -----------------------------
@@ -214,7 +207,7 @@ def patch_by_patch():
     """Each patch installed and uninstalled on its own, in a fresh process: what each
     changed (SHARED: an attribute two patches changed), and what stayed changed after
     every uninstall (LEFT; NO UNINSTALL for a patch without one)."""
-    return _run(_SNAPSHOT + """
+    return run_python(_SNAPSHOT + """
 base = previous = snapshot()
 changed_by = {}
 for p in oh.patches():
@@ -267,7 +260,7 @@ def test_patch_symbols_are_distinct_and_resolve():
 def test_the_removal_restores_each_symbols_object():
     """Each symbol, not only the snapshot: the object TensorFlow had before, and a class
     attribute TensorFlow's class inherited is inherited again (not copied onto it)."""
-    _run("""
+    run_python("""
         import tensorflow as tf
         import tf_ophandlers as oh
         from tf_ophandlers.core import tf_patches
@@ -358,7 +351,7 @@ def test_an_undeclared_subscriber_is_refused(probe_patch):
 def test_record_operation_subscribers_nest_in_the_declared_order():
     """The tape hooks started before the runtime (an oh.GradientTape before any other
     scope) still wrap the call records, and the Recompute windows wrap both."""
-    _run("""
+    run_python("""
         from tensorflow.python.eager import record
         original = record.record_operation
         import tf_ophandlers as oh
@@ -378,7 +371,7 @@ def test_record_operation_subscribers_nest_in_the_declared_order():
 
 
 def test_quick_execute_subscribers_nest_in_the_declared_order():
-    _run("""
+    run_python("""
         from tensorflow.python.eager import execute
         original = execute.quick_execute
         import tf_ophandlers as oh

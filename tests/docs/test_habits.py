@@ -2,7 +2,7 @@
 imports are in test_readme_and_examples.py): handler objects made at the top of a
 program, before its devices are configured; those then still configure, and the
 handlers work on the configured devices."""
-from test_readme_and_examples import _run
+from python_process import run_python
 
 
 def test_handlers_made_before_devices_are_configured():
@@ -40,6 +40,6 @@ with parallel:
     print([float(v) for v in parallel.unpack(tf.reduce_sum(parallel.pack([x, 2 * x])))])
 print("ok")
 '''
-    proc = _run(code)
+    proc = run_python(code, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("ok"), proc.stdout

@@ -1,29 +1,18 @@
 """The README's example and the examples/ scripts run as documented."""
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
+from python_process import run_python
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _run(code_or_path, timeout=240):
-    # The checkout on the path: the scripts must work installed or not.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    args = [sys.executable, str(code_or_path)] if isinstance(code_or_path, pathlib.Path) \
-        else [sys.executable, "-c", code_or_path]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
 
 
 def test_readme_example_runs_and_prints_what_it_says():
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    proc = _run(code)
+    proc = run_python(code, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     first = proc.stdout.splitlines()[0]
     assert first.startswith("1 ['Fill', 'CheckNumericsV2', 'Fill'")
@@ -56,7 +45,7 @@ def test_example_runs(script):
     """Each example, run after the imports and a device configuration as users write
     them (the examples themselves open a handler per step, feed partial last batches and
     train with model.fit or a custom loop)."""
-    proc = _run(_HABITS % str(script))
+    proc = run_python(_HABITS % str(script), check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()
 
@@ -92,7 +81,7 @@ per_example = 2 * (32 * 64 + 64 * 10 + 32 * 64 + 64 * 10 + 64 * 10)
 print(int(flops.flops.numpy()), 2 * len(x) * per_example)
 print(np.allclose(plain, handled, rtol=1e-6), plain, handled)
 '''
-    proc = _run(code)
+    proc = run_python(code, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     counted, expected = proc.stdout.splitlines()[0].split()
     assert counted == expected

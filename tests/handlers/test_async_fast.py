@@ -37,9 +37,9 @@ def _program(x, y):
     return outs
 
 
-def test_c_path_matches_the_python_hook_and_eager():
-    x = tf.random.stateless_uniform([16, 16], seed=[1, 2])
-    y = tf.random.stateless_uniform([16, 16], seed=[3, 4])
+def _fast_and_python_hook(x, y):
+    """(eager's, Async's outputs and representations, ops its hook ran in C, the Python
+    hook's outputs and representations) of `_program`, after a warm-up run."""
     ref = _program(x, y)
     fast, slow = oh.Async(), PythonHookAsync()
     with fast:
@@ -54,7 +54,13 @@ def test_c_path_matches_the_python_hook_and_eager():
         want = _program(x, y)
         want_reprs = [payload(t)[1] for t in want]
         assert _c_ops() == slow_before  # the subclass's hook is Python's
-    assert ran_in_c >= 10  # the chain's Tanh and Mul at least
+    return ref, got, got_reprs, ran_in_c, want, want_reprs
+
+
+def test_c_path_matches_the_python_hook_and_eager():
+    x = tf.random.stateless_uniform([16, 16], seed=[1, 2])
+    y = tf.random.stateless_uniform([16, 16], seed=[3, 4])
+    ref, got, got_reprs, _, want, want_reprs = _fast_and_python_hook(x, y)
     for g, w, r, gr, wr in zip(got, want, ref, got_reprs, want_reprs):
         assert g.dtype == w.dtype == r.dtype and g.shape == w.shape == r.shape
         np.testing.assert_array_equal(g.numpy(), r.numpy())
@@ -63,22 +69,45 @@ def test_c_path_matches_the_python_hook_and_eager():
         assert type(gr) is tuple and gr[1:] == wr[1:]
 
 
-def test_c_path_outputs_have_inferred_shapes_before_the_kernels_run():
-    x = tf.random.stateless_uniform([4, 8], seed=[1, 2])
+@pytest.mark.requires_c_paths("Async's hook runs in C")
+def test_the_common_ops_run_in_c():
+    x = tf.random.stateless_uniform([16, 16], seed=[1, 2])
+    y = tf.random.stateless_uniform([16, 16], seed=[3, 4])
+    ran_in_c = _fast_and_python_hook(x, y)[3]
+    assert ran_in_c >= 10  # the chain's Tanh and Mul at least
+
+
+def _tanh_twice(x):
+    """(y, ops Async's hook ran in C for it, y's shape, dtype and device inside the
+    scope) for y = tanh(x) * 2 after a warm-up run."""
     runner = oh.Async()
     with runner:
         tf.tanh(x) * 2.0
         before = _c_ops()
         y = tf.tanh(x) * 2.0
-        assert _c_ops() - before == 2
-        assert y.shape == (4, 8) and y.dtype == tf.float32
-        assert y.device.endswith("CPU:0")
+        ran_in_c = _c_ops() - before
+        seen = (y.shape, y.dtype, y.device)
+    return y, ran_in_c, seen
+
+
+def test_outputs_have_inferred_shapes_before_the_kernels_run():
+    x = tf.random.stateless_uniform([4, 8], seed=[1, 2])
+    y, _, (shape, dtype, device) = _tanh_twice(x)
+    assert shape == (4, 8) and dtype == tf.float32
+    assert device.endswith("CPU:0")
     np.testing.assert_array_equal(y.numpy(), (tf.tanh(x) * 2.0).numpy())
 
 
-def test_op_after_a_queued_failure_reports_it_and_the_handler_keeps_working():
-    # The failed kernel poisons the queue: the next op's TFE_Execute fails, the C path
-    # declines, and the Python hook raises the failure and clears the queue's error.
+@pytest.mark.requires_c_paths("Async's hook runs in C")
+def test_c_path_outputs_have_inferred_shapes_before_the_kernels_run():
+    _, ran_in_c, _ = _tanh_twice(tf.random.stateless_uniform([4, 8], seed=[1, 2]))
+    assert ran_in_c == 2
+
+
+def _after_a_queued_failure():
+    """(z, ops Async's hook ran in C for z) for an op after a failed kernel was reported.
+    The failed kernel poisons the queue: the next op's TFE_Execute fails, the C path
+    declines, and the Python hook raises the failure and clears the queue's error."""
     x = tf.random.stateless_uniform([2, 3], seed=[1, 2])
     runner = oh.Async(sync_on_exit=False)
     with runner:
@@ -90,5 +119,16 @@ def test_op_after_a_queued_failure_reports_it_and_the_handler_keeps_working():
             tf.tanh(h)  # a cached signature: the C path tried it first
         before = _c_ops()
         z = tf.tanh(x) * 2.0
-        assert _c_ops() - before == 2  # back on the C path
+        ran_in_c = _c_ops() - before
     np.testing.assert_allclose(z.numpy(), (tf.tanh(x) * 2.0).numpy())
+    return z, ran_in_c
+
+
+def test_op_after_a_queued_failure_reports_it_and_the_handler_keeps_working():
+    _after_a_queued_failure()
+
+
+@pytest.mark.requires_c_paths("Async's hook runs in C")
+def test_after_a_queued_failure_the_ops_are_back_on_the_c_path():
+    _, ran_in_c = _after_a_queued_failure()
+    assert ran_in_c == 2

@@ -7,6 +7,8 @@ import inspect
 import pathlib
 import re
 
+import pytest
+
 import tf_ophandlers as oh
 from tf_ophandlers.core import fast_decision
 from tf_ophandlers.core.state import state
@@ -75,11 +77,10 @@ def test_decision_kinds_are_named_by_what_they_do():
     assert kinds == list(range(6))  # the values cc/fast/fast_internal.h's Kind reads
 
 
+@pytest.mark.requires_c_paths("the C++ path's decision kinds (off: all FAST_PYTHON)")
 def test_shipped_handlers_get_the_generic_kinds():
     """oh.Lazy declares a C execute (FAST_PLUGIN, run through the hook slot); a tape's
     level forwards and then records (FAST_AFTER_EXECUTE); a plain hook is FAST_HOOK."""
-    if not fast_decision.C_PATHS:
-        return  # OH_FAST_PATH=0: every decision is FAST_PYTHON (test_python_path_switch)
     with oh.Lazy():
         assert fast_decision.fast_decision(state.current, "Sin")[0] == fast_decision.FAST_PLUGIN
     with oh.GradientTape():

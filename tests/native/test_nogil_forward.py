@@ -43,8 +43,9 @@ class MatMulOnly(oh.OpHandler):
         return self.next.execute(op, inputs)
 
 
-@pytest.mark.parametrize("make", [oh.native.PassThrough, oh.OpHandler, MatMulOnly])
-def test_forwarding_level_runs_without_the_gil_and_matches_tensorflow(make):
+def _forwarding_level(make):
+    """(handler, outputs, their values inside the scope, no-GIL ops counted, eager's) of
+    the chain under one forwarding level, after a warm-up run."""
     a = tf.random.stateless_uniform([4, 3], seed=[1, 2])
     b = tf.random.stateless_uniform([4, 3], seed=[3, 4])
     want = _chain(a, b)
@@ -56,13 +57,31 @@ def test_forwarding_level_runs_without_the_gil_and_matches_tensorflow(make):
         got = _chain(a1, b1)
         ran = _forward_ops() - before
         inside = [g.numpy() for g in got]
-    assert ran >= len(want), ran  # ops after the first of their type
+    return h, got, inside, ran, want
+
+
+# A Python handler's forwarding level runs without the GIL only on the C paths; a C++
+# handler keeps its native path with them off.
+_PYTHON_LEVEL = pytest.mark.requires_c_paths("a Python handler's level runs without the GIL")
+_LEVELS = [oh.native.PassThrough, pytest.param(oh.OpHandler, marks=_PYTHON_LEVEL),
+           pytest.param(MatMulOnly, marks=_PYTHON_LEVEL)]
+
+
+@pytest.mark.parametrize("make", [oh.native.PassThrough, oh.OpHandler, MatMulOnly])
+def test_forwarding_level_matches_tensorflow(make):
+    h, got, inside, _, want = _forwarding_level(make)
     for g, v, w in zip(got, inside, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         np.testing.assert_allclose(v, w.numpy(), rtol=1e-6)
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)  # after the scope
     if make is MatMulOnly:
         assert h.seen == 2  # its own op still reached its Python hook
+
+
+@pytest.mark.parametrize("make", _LEVELS)
+def test_forwarding_level_runs_without_the_gil(make):
+    _, _, _, ran, want = _forwarding_level(make)
+    assert ran >= len(want), ran  # ops after the first of their type
 
 
 def test_resource_outputs_leave_and_variables_work_under_a_pass_through():
@@ -171,12 +190,11 @@ def test_a_kernel_error_on_the_no_gil_path_is_tensorflow_s():
     assert want.value.message.split(" [Op:")[0] in got.value.message
 
 
-@pytest.mark.parametrize("outer,inner", [(oh.native.PassThrough, oh.native.PassThrough),
-                                         (oh.OpHandler, oh.native.PassThrough),
-                                         (oh.native.PassThrough, oh.OpHandler)])
-def test_two_forwarding_levels_skip_the_inner_one_without_the_gil(outer, inner):
-    """The outer level runs the op on PHYSICAL, skipping the inner one: its tensors'
-    payloads name the inner stack (borrowed), whose tensor is made when Python asks."""
+def _two_levels(outer, inner, check):
+    """The chain under two forwarding levels (after a warm-up run); `check(ran, want)`
+    gets the no-GIL ops counted. Checks the payloads (the outer level's tensors name the
+    inner stack, whose tensor is made when Python asks), the values and that the
+    handlers are freed."""
     a = tf.random.stateless_uniform([4, 3], seed=[1, 2])
     b = tf.random.stateless_uniform([4, 3], seed=[3, 4])
     want = _chain(a, b)
@@ -186,7 +204,7 @@ def test_two_forwarding_levels_skip_the_inner_one_without_the_gil(outer, inner):
         _chain(a1, b1)
         before = _forward_ops()
         got = _chain(a1, b1)
-        assert _forward_ops() - before >= len(want)
+        check(_forward_ops() - before, want)
         outer_stack, value = _C.payload(got[1])  # the inner level's tensor, made now
         inner_stack, physical = _C.payload(value)
         assert outer_stack.handler is h_in and inner_stack.handler is h_out
@@ -201,3 +219,24 @@ def test_two_forwarding_levels_skip_the_inner_one_without_the_gil(outer, inner):
     del h_out, h_in, got, value, outer_stack, inner_stack, a1, b1, more, g
     gc.collect()
     assert ref_out() is None and ref_in() is None
+
+
+_PAIRS = [(oh.native.PassThrough, oh.native.PassThrough),
+          (oh.OpHandler, oh.native.PassThrough),
+          (oh.native.PassThrough, oh.OpHandler)]
+
+
+@pytest.mark.parametrize("outer,inner", _PAIRS)
+def test_two_forwarding_levels_match_tensorflow(outer, inner):
+    _two_levels(outer, inner, lambda ran, want: None)
+
+
+@pytest.mark.parametrize("outer,inner", [
+    _PAIRS[0], pytest.param(*_PAIRS[1], marks=_PYTHON_LEVEL),
+    pytest.param(*_PAIRS[2], marks=_PYTHON_LEVEL)])
+def test_two_forwarding_levels_skip_the_inner_one_without_the_gil(outer, inner):
+    """The outer level runs the op on PHYSICAL, skipping the inner one, without the GIL."""
+
+    def check(ran, want):
+        assert ran >= len(want), ran
+    _two_levels(outer, inner, check)

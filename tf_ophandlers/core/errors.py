@@ -182,19 +182,40 @@ def raise_from_code(code, message):
     """Raises the exception for a failed TFE_Execute (used by the C++ boundary)."""
     exc = original_error(message)
     if exc is not None:
-        raise exc
+        raise _named_by_tensorflow(exc, message)
     try:
-        cls = _tf_errors.exception_type_from_error_code(code)
-        raise cls(None, None, message)
+        exc = _tf_errors.exception_type_from_error_code(code)(None, None, message)
     except KeyError:
-        raise _tf_errors.UnknownError(None, None, message, code) from None
+        exc = _tf_errors.UnknownError(None, None, message, code)
+    # TensorFlow's own error (a kernel's, the runtime's), raised where a handler's Python
+    # ran the op: when it reaches the user through the op the user called, it gets the
+    # name TensorFlow gives that op's errors (_named_by_tensorflow).
+    exc._oh_unnamed = True  # pylint: disable=protected-access
+    raise exc
+
+
+def _named_by_tensorflow(exc, message):
+    """`exc`, the exception stashed under the marker of status `message`. If it is an
+    error of TensorFlow's runtime that a handler's Python path passed on (marked by
+    `raise_from_code`), it gets what TensorFlow appended to the status after the marker
+    (`` [Op:AddV2] name: ``), once: the text the error has when no Python hook is
+    between (the C paths pass the status itself), as eager TensorFlow's error."""
+    if exc.__dict__.pop("_oh_unnamed", False) and isinstance(exc, _tf_errors.OpError):
+        found = None
+        for found in _MARKER.finditer(message):
+            pass
+        suffix = message[found.end():] if found is not None else ""
+        if suffix.startswith(" [Op:"):
+            exc._message += suffix  # pylint: disable=protected-access
+    return exc
 
 
 def _wrap_status_to_exception(original):
     def _status_to_exception(status):
-        exc = original_error(getattr(status, "message", None))
+        message = getattr(status, "message", None)
+        exc = original_error(message)
         if exc is not None:
-            return exc
+            return _named_by_tensorflow(exc, message)
         return original(status)
     return _status_to_exception
 
@@ -209,7 +230,7 @@ def _wrap_raising(fn):
             exc = original_error(e.message)
             if exc is None:
                 raise
-            raise exc from None
+            raise _named_by_tensorflow(exc, e.message) from None
     run.__doc__, run.__name__ = fn.__doc__, fn.__name__
     return run
 

@@ -9,6 +9,7 @@ to it, so forwarding an op costs nothing for its attributes.
 import types
 
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import tensor_shape
@@ -337,3 +338,32 @@ class Op(_C.OpBase):
         except Exception:  # pylint: disable=broad-except
             attrs = "?"
         return "Op(%s%s)" % (self.type, ", " + attrs if attrs else "")
+
+
+class OptimizedCallOp:
+    """The op calling the function `function_name` registered in the context (with
+    `num_outputs` outputs) as TensorFlow's own call path calls a function: with the
+    context's function options (`executor_type`, `config_proto`) as attributes. Without
+    them the runtime instantiates the function without grappler (no Conv2D+BiasAdd
+    fusion, no pruning). `op()` rebuilds the op only when the options change: the op is
+    the runtime's kernel cache key, so a new op per call would instantiate again."""
+
+    __slots__ = ("function_name", "num_outputs", "_built")
+
+    def __init__(self, function_name, num_outputs):
+        self.function_name = function_name
+        self.num_outputs = num_outputs
+        self._built = None  # ((executor_type, config_proto), op), replaced as one
+
+    def op(self):
+        """The call op for the context's current function options."""
+        options = _context.context().function_call_options.as_attrs()
+        key = (options["executor_type"], options["config_proto"])
+        built = self._built
+        if built is None or built[0] != key:
+            built = self._built = (key, Op.function_call(
+                self.function_name, self.num_outputs,
+                **{name: attr_value_pb2.AttrValue(
+                    s=value if isinstance(value, bytes) else value.encode())
+                   for name, value in options.items()}))
+        return built[1]

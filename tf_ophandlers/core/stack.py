@@ -498,6 +498,8 @@ class HandlerStack(Stack):
                     source = stack_of(values[i])  # (cc/fast/fast_internal.h WantsCopy)
                     if self.wants_copy(op, i) or source is not None and self._below(source):
                         values[i] = self._copy_on_value(values[i])
+            if self._records and mode is None:
+                self._check_recorded_copies(op, values, foreign)
         if not self._runs_execute(op.type) and (
                 self._handles is None or all(isinstance(v, _Tensor) for v in values)):
             # A pass-through execute (or an op type outside the handler's handles_ops)
@@ -529,6 +531,17 @@ class HandlerStack(Stack):
             mode.executed(op, inputs, outputs)
             return outputs
         return self._wrap_eager(outputs)
+
+    def _check_recorded_copies(self, op, values, foreign):
+        """A handler with after_execute represents a tensor by a tensor of the next stack:
+        its copy_on must give one (the C record path's check, cc/fast/fast_record.cc)."""
+        for i in foreign:
+            if not isinstance(values[i], _Tensor):
+                raise TypeError(
+                    "tf_ophandlers: the copy_on hook of %r returned a %s for input %d of op "
+                    "%s, not a tensor of the next stack (a handler with after_execute "
+                    "represents a tensor by a tensor of the next stack)" % (
+                        self, type(values[i]).__name__, i, op.type))
 
     def _raise_not_a_list(self, op, outputs):
         """Raises the error for an execute hook that did not return a list (C++ path)."""

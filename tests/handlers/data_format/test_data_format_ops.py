@@ -368,6 +368,7 @@ def _python_frames(fn):
     return seen
 
 
+@pytest.mark.requires_c_paths("forwarded ops run no Python frame (values: the other tests)")
 def test_plain_ops_with_outside_inputs_run_without_python():
     """Variable reads and ops on tensors made outside the scope (a constant shape, the
     model's input) run as they are: the handler keeps OpHandler's copy_on, so the C++

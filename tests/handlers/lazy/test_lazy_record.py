@@ -124,11 +124,9 @@ def test_a_fresh_tf_function_between_pending_ops_and_a_keras_partial_batch():
     assert lazy.compiled == 0 and lazy.cache_hits >= 1
 
 
-@pytest.mark.parametrize("chunk_ops", [None, 6])
-def test_recording_runs_no_python_frame_per_op(chunk_ops):
-    """Once an op type was recorded (its signature and statefulness cached), recording
-    it again is done in C (cc/handlers/lazy/fast_lazy.cc): no package frame per op; with chunk_ops,
-    the hook runs only for the op before which a chunk is launched."""
+def _chain_of_ten(chunk_ops):
+    """(value, fast-path ops counted, package frames entered) of ten recorded Tanh, Mul
+    pairs under oh.Lazy(chunk_ops), after the first of each type."""
     x = tf.random.stateless_normal([4, 4], seed=[1, 2])
     seen = []
 
@@ -146,18 +144,40 @@ def test_recording_runs_no_python_frame_per_op(chunk_ops):
                 h = tf.tanh(h) * 1.01
         finally:
             sys.setprofile(None)
-        assert _C.fast_stats()["fast_ops"] - before == 20
+        ran_fast = _C.fast_stats()["fast_ops"] - before
         value = h.numpy()
+    return value, ran_fast, seen
+
+
+@pytest.mark.parametrize("chunk_ops", [None, 6])
+def test_recorded_chains_equal_eager(chunk_ops):
+    value, _, seen = _chain_of_ten(chunk_ops)
+    # A chunk's launch is the hook's: no launch without the hook that makes it.
+    hooks = seen.count(("lazy/handler.py", "execute"))
+    assert hooks >= seen.count(("lazy/handler.py", "_launch_chunk"))
+    if chunk_ops is not None:
+        assert seen.count(("lazy/handler.py", "_launch_chunk")) == 3, seen
+    x = tf.random.stateless_normal([4, 4], seed=[1, 2])
+    want = tf.tanh(x) * 1.01
+    for _ in range(10):
+        want = tf.tanh(want) * 1.01
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+
+
+@pytest.mark.requires_c_paths("recording runs no Python frame per op")
+@pytest.mark.parametrize("chunk_ops", [None, 6])
+def test_recording_runs_no_python_frame_per_op(chunk_ops):
+    """Once an op type was recorded (its signature and statefulness cached), recording
+    it again is done in C (cc/handlers/lazy/fast_lazy.cc): no package frame per op; with chunk_ops,
+    the hook runs only for the op before which a chunk is launched."""
+    _, ran_fast, seen = _chain_of_ten(chunk_ops)
+    assert ran_fast == 20
     hooks = seen.count(("lazy/handler.py", "execute"))
     assert hooks == seen.count(("lazy/handler.py", "_launch_chunk"))
     if chunk_ops is None:
         assert seen == [], sorted(set(seen))
     else:  # a chunk is due every 6 recorded ops: its hook launches it, C records the rest
         assert hooks == 3, seen
-    want = tf.tanh(x) * 1.01
-    for _ in range(10):
-        want = tf.tanh(want) * 1.01
-    np.testing.assert_allclose(value, want, rtol=1e-6)
 
 
 def test_never_copy_handler_gets_constants_as_they_are():
@@ -261,36 +281,58 @@ def _young_objects():
     return sum(1 for o in gc.get_objects(generation=0) if not isinstance(o, tf.Tensor))
 
 
+def _record_200_pairs(lazy, x):
+    """Records 200 Tanh, Mul pairs under `lazy` (open), the collector off: (result,
+    objects added to the collector's youngest generation)."""
+    h = tf.tanh(x) * 1.01  # (first ops of each type: the hook fills the caches)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = _young_objects()
+        for _ in range(200):
+            h = tf.tanh(h) * 1.01
+        added = _young_objects() - before
+    finally:
+        if enabled:
+            gc.enable()
+    return h, added
+
+
+def test_recorded_programs_are_freed_by_reference_counting():
+    """The nodes and values recording builds form no cycle: with the collector off, the
+    dropped program's nodes are gone after the scope, and the result is eager's."""
+    x = tf.random.stateless_normal([4, 4], seed=[5, 6])
+    lazy = oh.Lazy()
+    enabled = gc.isenabled()
+    try:
+        with lazy:
+            h, _ = _record_200_pairs(lazy, x)
+            gc.disable()
+            first = weakref.ref(lazy._pending[1]())  # pylint: disable=protected-access
+            value = h.numpy()
+            dropped = tf.tanh(h) * 2.0  # recorded, then dropped unrun
+            last = weakref.ref(lazy._pending[-1]())  # pylint: disable=protected-access
+            del dropped
+        assert first() is None and last() is None
+    finally:
+        if enabled:
+            gc.enable()
+    want = tf.tanh(x) * 1.01
+    for _ in range(200):
+        want = tf.tanh(want) * 1.01
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+
+
+@pytest.mark.requires_c_paths("the objects the C record path builds are untracked")
 def test_recording_leaves_the_cyclic_collector_nothing_to_walk():
     """The objects the C record path builds per op (the node, its values, lists, tuples
     and weak references) are not tracked by the cyclic garbage collector: recording a
     400-op program adds almost nothing to the collector's youngest generation, so a
     collection during recording walks none of it and full collections (which walk the
-    whole heap) come as rarely as without Lazy. They are freed by reference counting:
-    the dropped program's nodes are gone after the scope, and the result is eager's."""
+    whole heap) come as rarely as without Lazy. (The Python path's objects are tracked:
+    Python tracks every instance of a class it cannot prove acyclic.)"""
     x = tf.random.stateless_normal([4, 4], seed=[5, 6])
-    lazy = oh.Lazy()
-    with lazy:
-        h = tf.tanh(x) * 1.01  # (first ops of each type: the hook fills the caches)
-        gc.collect()
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            before = _young_objects()
-            for _ in range(200):
-                h = tf.tanh(h) * 1.01
-            added = _young_objects() - before
-        finally:
-            if enabled:
-                gc.enable()
-        first = weakref.ref(lazy._pending[1]())  # pylint: disable=protected-access
-        value = h.numpy()
-        dropped = tf.tanh(h) * 2.0  # recorded, then dropped unrun
-        last = weakref.ref(lazy._pending[-1]())  # pylint: disable=protected-access
-        del dropped
+    with oh.Lazy() as lazy:
+        _, added = _record_200_pairs(lazy, x)
     assert added < 50, added  # (tracked before: about 6 per op, 2400)
-    assert first() is None and last() is None
-    want = tf.tanh(x) * 1.01
-    for _ in range(200):
-        want = tf.tanh(want) * 1.01
-    np.testing.assert_allclose(value, want, rtol=1e-5)

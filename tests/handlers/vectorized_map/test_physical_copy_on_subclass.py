@@ -5,6 +5,7 @@ copy_on only (the inherited one must not silently replace it). The same for a `c
 set on an instance, and an instance's own `physical_copy_on` is used; one
 function decides (core/fast_decision.py `physical_copy_of`)."""
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tf_ophandlers.core.fast_decision import physical_copy_of
@@ -66,20 +67,46 @@ def test_instance_copy_on_is_called_for_physical_inputs():
                                    rtol=1e-6)
 
 
-def test_instance_physical_copy_on_is_used():
+class _OwnCopyOn(VectorizedMap):
+    """Sets its own copy_on (so the class's physical_copy_on no longer stands in for it):
+    a physical input as an unbatched value, as VectorizedMap's."""
+
+    def copy_on(self, tensor):
+        if stack_of(tensor) is None and next_stack() is PHYSICAL:
+            return Batched(tensor, False)
+        return super().copy_on(tensor)
+
+
+def _with_own_physical_copy_on():
+    """Runs Sin of a physical tensor under _OwnCopyOn instances that set their own
+    `physical_copy_on`, counting its calls (as the contract says, it gives what their
+    copy_on gives): [(handler, result, calls)]."""
     c = tf.constant([10.0, 20.0])
+    runs = []
     for _ in range(3):
-        h = _Shifted(3)
+        h = _OwnCopyOn(3)
+        assert physical_copy_of(h) is None
         calls = []
-        # Not what _Shifted.copy_on gives (that is shifted): the instance's own applies.
         h.physical_copy_on = lambda tensor, calls=calls: (calls.append(1),
                                                           Batched(tensor, False))[1]
         assert physical_copy_of(h) is h.physical_copy_on
         with h:
             y = tf.sin(c)
+        runs.append((h, y, calls))
+    return runs
+
+
+def test_instance_physical_copy_on_gives_the_copy_ons_values():
+    for h, y, _ in _with_own_physical_copy_on():
         found, value = representation_of(h, y)
-        assert found and not value.batched and calls
+        assert found and not value.batched
         np.testing.assert_allclose(value.value.numpy(), np.sin([10.0, 20.0]), rtol=1e-6)
+
+
+@pytest.mark.requires_c_paths("the C++ path calls physical_copy_on for copy_on")
+def test_instance_physical_copy_on_is_used():
+    for _, _, calls in _with_own_physical_copy_on():
+        assert calls
 
 
 class _CountingCopies(VectorizedMap):
@@ -95,17 +122,27 @@ class _CountingCopies(VectorizedMap):
         return Batched(tensor, False)
 
 
-def test_a_physical_copy_on_method_is_bound_to_each_stacks_handler():
-    # final read: the stack's shared per-class fields held the first handler's bound
-    # method, so a later handler's physical inputs went to the first handler's method.
+def _counting_handlers():
+    """Three _CountingCopies, each running Sin of a physical tensor: [(handler, result)]."""
     c = tf.constant([10.0, 20.0])
-    handlers = []
+    runs = []
     for _ in range(3):
         h = _CountingCopies(2)
-        handlers.append(h)
         with h:
             y = tf.sin(c)
+        runs.append((h, y))
+    return runs
+
+
+def test_a_physical_copy_on_method_gives_each_handler_its_values():
+    for h, y in _counting_handlers():
         found, value = representation_of(h, y)
         assert found and not value.batched
         np.testing.assert_allclose(value.value.numpy(), np.sin([10.0, 20.0]), rtol=1e-6)
-    assert [h.copies for h in handlers] == [1, 1, 1]
+
+
+@pytest.mark.requires_c_paths("the C++ path calls physical_copy_on for copy_on")
+def test_a_physical_copy_on_method_is_bound_to_each_stacks_handler():
+    # final read: the stack's shared per-class fields held the first handler's bound
+    # method, so a later handler's physical inputs went to the first handler's method.
+    assert [h.copies for h, _ in _counting_handlers()] == [1, 1, 1]

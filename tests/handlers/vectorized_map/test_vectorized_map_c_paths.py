@@ -8,6 +8,7 @@
 
 Values, dtypes and gradient types are checked against TensorFlow (tf.vectorized_map with
 tf.GradientTape), and the Python calls the shortcuts remove are counted."""
+import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
@@ -55,28 +56,42 @@ def _copy_on_grad_under(handler):
         return x, oh.copy_off(y)
 
 
-def test_handles_copy_true_sends_copy_ops_to_execute_from_c():
-    _copy_on_grad_under(_Logs(True))  # the decision made
-    h = _Logs(True)
+def _copy_on_grad_logged(takes_copies):
+    """(x, its CopyOnGrad copied off, op types the handler's execute saw, op types
+    HandlerStack.execute ran in Python, fast-path ops counted) under a _Logs handler,
+    after a warm-up run."""
+    _copy_on_grad_under(_Logs(takes_copies))  # the decision made
+    h = _Logs(takes_copies)
     before = _C.fast_stats()["fast_ops"]
     (x, y), in_python = _python_executes(lambda: _copy_on_grad_under(h))
-    assert_same_tensors(x, y)
-    assert "CopyOnGrad" in h.seen, h.seen
-    assert "CopyOnGrad" not in in_python, in_python
-    assert _C.fast_stats()["fast_ops"] > before
-    # A predicate is asked per op: the copy op takes the Python path, with the same result.
-    h = _Logs(lambda op: op.type == "CopyOnGrad")
-    (x, y), in_python = _python_executes(lambda: _copy_on_grad_under(h))
-    assert_same_tensors(x, y)
-    assert "CopyOnGrad" in h.seen and "CopyOnGrad" in in_python, (h.seen, in_python)
+    return x, y, h.seen, in_python, _C.fast_stats()["fast_ops"] - before
+
+
+def test_handles_copy_sends_copy_ops_to_execute():
+    # True, or a predicate asked per op: the copy op reaches execute, the same result.
+    for takes_copies in (True, lambda op: op.type == "CopyOnGrad"):
+        x, y, seen, _, _ = _copy_on_grad_logged(takes_copies)
+        assert_same_tensors(x, y)
+        assert "CopyOnGrad" in seen, seen
     # No handles_copy: the stack's copy rules, not execute.
-    h = _Logs(None)
-    x, y = _copy_on_grad_under(h)
+    x, y, seen, _, _ = _copy_on_grad_logged(None)
     assert_same_tensors(x, y)
-    assert "CopyOnGrad" not in h.seen, h.seen
+    assert "CopyOnGrad" not in seen, seen
 
 
-def test_per_example_gradients_of_captures_take_no_python_stack_path():
+@pytest.mark.requires_c_paths("copy ops reach the execute hook from C++")
+def test_handles_copy_true_sends_copy_ops_to_execute_from_c():
+    _, _, _, in_python, ran_fast = _copy_on_grad_logged(True)
+    assert "CopyOnGrad" not in in_python, in_python
+    assert ran_fast > 0
+    # A predicate is asked per op: the copy op takes the Python path.
+    _, _, _, in_python, _ = _copy_on_grad_logged(lambda op: op.type == "CopyOnGrad")
+    assert "CopyOnGrad" in in_python, in_python
+
+
+def _per_example_gradients_of_captures():
+    """(tf.vectorized_map's, oh.vectorized_map's per-example gradients of captured
+    variables, op types HandlerStack.execute ran in Python), after a warm-up run."""
     w = tf.Variable(tf.random.stateless_normal([3, 2], seed=[5, 1]))
     b = tf.Variable([0.5, -0.25])
     x = tf.random.stateless_normal([4, 3], seed=[5, 2])
@@ -92,7 +107,17 @@ def test_per_example_gradients_of_captures_take_no_python_stack_path():
     fn = per_example(oh.GradientTape)
     oh.vectorized_map(fn, x)
     got, in_python = _python_executes(lambda: oh.vectorized_map(fn, x))
+    return want, got, in_python
+
+
+def test_per_example_gradients_of_captures_match_tensorflow():
+    want, got, _ = _per_example_gradients_of_captures()
     assert_same_tensors(want, got)
+
+
+@pytest.mark.requires_c_paths("copy ops take no Python stack path")
+def test_per_example_gradients_of_captures_take_no_python_stack_path():
+    _, _, in_python = _per_example_gradients_of_captures()
     assert "CopyOnGrad" not in in_python, in_python
 
 

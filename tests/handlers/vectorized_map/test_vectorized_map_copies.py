@@ -5,6 +5,7 @@ hook as it is (cc/handlers/gradient_tape/tape_record.h TapeCopiesThrough), which
 map's per-example shapes from the representation (`value_shape`), not through the
 num_dims/dim hooks. Values, dtypes and gradient types are checked against
 tf.vectorized_map with tf.GradientTape, and the hook calls are counted."""
+import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
@@ -41,7 +42,9 @@ def _count_copies(fn):
         _stack.HandlerStack._copy_on_value = original  # pylint: disable=protected-access
 
 
-def test_untracked_physical_inputs_skip_the_copy_hooks():
+def _untracked_inputs():
+    """(tf.vectorized_map's, oh.vectorized_map's per-example gradients with untracked
+    physical inputs, HandlerStack._copy_on_value calls), after a warm-up run."""
     x = tf.random.stateless_normal([5, 3], seed=[7, 1])
     c = tf.constant([2.0, -1.0, 0.25])
     extra = tf.constant(1.5)
@@ -49,7 +52,20 @@ def test_untracked_physical_inputs_skip_the_copy_hooks():
     fn = _per_example(oh.GradientTape, c, extra)
     oh.vectorized_map(fn, x)  # decisions and plans made
     got, copies = _count_copies(lambda: oh.vectorized_map(fn, x))
+    return want, got, copies
+
+
+def test_untracked_physical_inputs_give_tensorflows_gradients():
+    want, got, _ = _untracked_inputs()
     assert_same_tensors(want, got)
+
+
+@pytest.mark.requires_c_paths("the C++ path passes untracked inputs through the tape")
+def test_untracked_physical_inputs_skip_the_copy_hooks():
+    """The C++ record path hands them to the map's hook as they are
+    (`tape_copies_through`); the Python path calls the tape's copy_on, which passes them
+    on and records nothing: the same gradients, more hook calls."""
+    _, _, copies = _untracked_inputs()
     # `extra` is watched: its copy-on runs through the tape (which records it, so its
     # per-example gradient is right) and the map's copy_on below it; the backward pass
     # copies its seed onto the map. `c`, the reshape's shape, the slice's bounds and the

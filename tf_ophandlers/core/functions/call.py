@@ -48,6 +48,7 @@ from tf_ophandlers.core.functions.control_flow import as_list
 from tf_ophandlers.core.functions.representations import (
     call_joins, count_leaves, eager_leaf, graph_leaf, rebuild, split)
 from tf_ophandlers.core.functions.symbolic import Replay, active
+from tf_ophandlers.core.op import Op, OptimizedCallOp
 from tf_ophandlers.core.stack import (
     PHYSICAL, HandlerStack, register_function_call_rule, replays)
 from tf_ophandlers.core.state import state
@@ -80,7 +81,7 @@ class CompiledCall:
     (no grappler pass at each new function).
     """
 
-    __slots__ = ("function", "call_op", "captured", "optimized", "ungated", "_options",
+    __slots__ = ("function", "call_op", "captured", "optimized", "ungated", "_optimized_op",
                  "__weakref__")
 
     def __init__(self, function, optimized=False, ungated=False, op_by_op=False):
@@ -90,32 +91,24 @@ class CompiledCall:
                 if f is not None and hasattr(f, "name"):
                     _op_by_op[_as_str(f.name)] = self
         self.captured = list(function.captured_inputs)
-        self.optimized = optimized
         self.ungated = _ungated.ungated_copy(function) if ungated else None
         if self.ungated is not None:  # removed from the context with this call
             weakref.finalize(self, _ungated.remove, self.ungated)
-        self._options = None  # (executor_type, config_proto) of call_op when optimized
-        self.call_op = self._new_op({})
-
-    def _new_op(self, attrs):
         signature = self.function.function_def.signature
-        return _C.new_op(self.ungated or signature.name, attrs, len(signature.output_arg))
+        name, count = self.ungated or signature.name, len(signature.output_arg)
+        self.call_op = Op.function_call(name, count)
+        self.optimized = optimized
+        self._optimized_op = OptimizedCallOp(name, count) if optimized else None
 
-    def _optimized_op(self):
-        options = _context.context().function_call_options.as_attrs()
-        key = (options["executor_type"], options["config_proto"])
-        if key != self._options:
-            self.call_op = self._new_op({
-                name: _attr_value_pb2.AttrValue(s=_as_bytes(value)).SerializeToString()
-                for name, value in options.items()})
-            self._options = key
-        return self.call_op
+    def op(self):
+        """The op that calls the function on physical devices."""
+        optimized = self._optimized_op
+        return self.call_op if optimized is None else optimized.op()
 
     def run(self, stack, args):
         """The outputs of the function called on `args` (tensors) on `stack`."""
         if stack is PHYSICAL:
-            op = self._optimized_op() if self.optimized else self.call_op
-            return PHYSICAL.execute(op, list(args) + self.captured)
+            return PHYSICAL.execute(self.op(), list(args) + self.captured)
         return call_on(stack, self.function, args)
 
 

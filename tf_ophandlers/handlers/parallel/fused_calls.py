@@ -32,12 +32,11 @@ its control outputs, so a call without outputs still runs.
 import itertools
 import weakref
 
-from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
 from tensorflow.core.framework import function_pb2 as _function_pb2
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import errors_impl as _error_codes
 
-from tf_ophandlers.extend import BoundedCache, functions as _functions, Op, PHYSICAL
+from tf_ophandlers.extend import BoundedCache, functions as _functions, OptimizedCallOp, PHYSICAL
 from tf_ophandlers.extend import scope as _scope
 from tf_ophandlers.handlers.parallel import collectives as _collectives
 
@@ -57,31 +56,22 @@ def all_local(handler):
 
 
 class _Fused:
-    """The registered wrapper of one function over some devices, and its call op."""
+    """The registered wrapper of one function over some devices, and its call op (with
+    the function options TensorFlow's own calls pass: grappler runs on the wrapper as on
+    a tf.function's call)."""
 
-    __slots__ = ("name", "num_outputs", "components", "_op", "_options", "__weakref__")
+    __slots__ = ("name", "num_outputs", "components", "_call", "__weakref__")
 
     def __init__(self, name, num_outputs, components):
         self.name = name
         self.num_outputs = num_outputs  # per component
         self.components = components
-        self._op, self._options = None, None
+        self._call = OptimizedCallOp(name, num_outputs * components)
         weakref.finalize(self, _remove,
                          [name] + [_component_name(name, i) for i in range(components)])
 
     def op(self):
-        """The call op, with the function options TensorFlow's own calls pass (grappler
-        runs on the wrapper as on a tf.function's call); rebuilt when they change."""
-        options = _context.context().function_call_options.as_attrs()
-        key = (options["executor_type"], options["config_proto"])
-        if key != self._options:
-            self._op = Op.function_call(
-                self.name, self.num_outputs * self.components,
-                **{name: _attr_value_pb2.AttrValue(
-                    s=value if isinstance(value, bytes) else value.encode())
-                   for name, value in options.items()})
-            self._options = key
-        return self._op
+        return self._call.op()
 
 
 def _remove(names):

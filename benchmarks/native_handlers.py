@@ -151,11 +151,13 @@ def render_md(s, info, args, agree, elapsed):
     L += [
         "- C++ pass-through at most %.2fx plain eager: %.2fx %s" % (
             TARGET_CXX, s["cxx-1"]["ratio"], _common.verdict(ok_cxx)),
-        "- each further C++ level at most +%.1f us: +%.2f us %s" % (
+        "- each further C++ level at most +%.1f us: %+.2f us %s" % (
             TARGET_LEVEL_US, s["level_us"], _common.verdict(ok_level)),
         "- OpCounter's overhead over plain at least %.0fx smaller than OpLogHandler's: "
-        "+%.2f us vs +%.2f us (%.1fx), counts equal to OpLogHandler's records: %s %s" % (
-            TARGET_COUNTER, s["counter_over_us"], s["oplog_over_us"], factor,
+        "%+.2f us vs %+.2f us (%s), counts equal to OpLogHandler's records: %s %s" % (
+            TARGET_COUNTER, s["counter_over_us"], s["oplog_over_us"],
+            # At or below plain (noise around a zero overhead): no meaningful factor.
+            "%.1fx" % factor if s["counter_over_us"] > 0 else "OpCounter at or below plain",
             "yes" if agree else "NO", _common.verdict(ok_counter)),
     ]
     return "\n".join(L), {"cxx": ok_cxx, "level": ok_level, "counter": ok_counter}
@@ -174,7 +176,7 @@ def main(argv=None):
     _common.write_section(args.out, "native_handlers", body)
     for key, _, _ in CONFIGS:
         print("%-8s %8.2f us %5.2fx" % (key, s[key]["us"], s[key]["ratio"]))
-    print("level +%.2f us; counter +%.2f us vs oplog +%.2f us; counts agree: %s" % (
+    print("level %+.2f us; counter %+.2f us vs oplog %+.2f us; counts agree: %s" % (
         s["level_us"], s["counter_over_us"], s["oplog_over_us"], agree))
     print("targets: " + ", ".join("%s %s" % (k, "PASS" if v else "MISS")
                                   for k, v in verdicts.items()))

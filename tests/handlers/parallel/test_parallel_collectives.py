@@ -142,11 +142,12 @@ elif sys.argv[1] == "failure_in_loop":
     with parallel:
         try:
             f(parallel.pack([tf.constant(1.), tf.constant(float("nan"))]))
-            error = None
-        except tf.errors.InvalidArgumentError as e:
-            error = e.message
+            error = kind = None
+        except tf.errors.OpError as e:
+            error, kind = e.message, type(e).__name__
         after = f(parallel.pack([tf.constant(1.), tf.constant(2.)]))
-    print(json.dumps({"error": error, "after": [float(t) for t in parallel.unpack(after)]}))
+    print(json.dumps({"error": error, "kind": kind,
+                      "after": [float(t) for t in parallel.unpack(after)]}))
 else:
     prog = globals()["prog_" + sys.argv[1]]
     print(json.dumps({"ours": ours(prog), "threads": len(THREADS), "tf": theirs(prog)}))
@@ -184,7 +185,15 @@ def test_component_failing_in_a_loop_is_cancelled_not_aborted():
     message = result["error"]
     assert message is not None and "oh.ParallelHandler" in message, result
     assert "component /job:localhost/replica:0/task:0/device:CPU:1" in message, message
-    assert "bad input" in message and "Tensor had NaN values" in message, message
+    if result["kind"] == "CancelledError":
+        # TensorFlow's multi-device function runtime can report the failing component's
+        # Recv of the host variable, cancelled by the failure, instead of the failure
+        # itself (a race inside the component's own call, as in any tf.function that
+        # reads a variable of another device): still that component, never a hang.
+        assert "is cancelled" in message, message
+    else:
+        assert result["kind"] == "InvalidArgumentError", result
+        assert "bad input" in message and "Tensor had NaN values" in message, message
     # (1 + 2) * 2 summed: 6; then (6 + 6) * 2: 24; then (24 + 24) * 2: 96.
     assert result["after"] == [96., 96.], result
 

@@ -46,26 +46,34 @@ def test_lean_conv2d_gradients_equal_tensorflows(size, cin, cout, k, stride, pad
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_lean_conv2d_gradients_fall_back_for_grouped_convolutions():
-    """A grouped convolution (filter in-channels a fraction of the input's) keeps
-    TensorFlow's registered gradient: on CPU that is TensorFlow's own error, not a
-    reshape error of the override."""
+def _fallback_and_reference(x, w, padding):
+    """(the override's gradients of sum(conv(x, w)^2) as a function, which asserts that
+    TensorFlow's Conv2DBackpropFilter ran, TensorFlow's tape and its loss) for a case the
+    override leaves to TensorFlow's registered gradient."""
     conv_grads.register()
-    x = tf.random.stateless_normal((2, 8, 8, 4), seed=(1, 2))
-    w = tf.random.stateless_normal((1, 1, 2, 6), seed=(3, 4))
 
     @tf.function(autograph=False)
     def lean(x, w):
         with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
-            y = tf.nn.conv2d(x, w, 1, "SAME")
+            y = tf.nn.conv2d(x, w, 1, padding)
         grads = tf.gradients(tf.reduce_sum(y * y), [x, w])
         types = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
         assert "Conv2DBackpropFilter" in types, types
         return grads
     with tf.GradientTape() as ref:
         ref.watch([x, w])
-        y = tf.nn.conv2d(x, w, 1, "SAME")
+        y = tf.nn.conv2d(x, w, 1, padding)
         want = tf.reduce_sum(y * y)
+    return lean, ref, want
+
+
+def test_lean_conv2d_gradients_fall_back_for_grouped_convolutions():
+    """A grouped convolution (filter in-channels a fraction of the input's) keeps
+    TensorFlow's registered gradient: on CPU that is TensorFlow's own error, not a
+    reshape error of the override."""
+    x = tf.random.stateless_normal((2, 8, 8, 4), seed=(1, 2))
+    w = tf.random.stateless_normal((1, 1, 2, 6), seed=(3, 4))
+    lean, ref, want = _fallback_and_reference(x, w, "SAME")
     with pytest.raises(tf.errors.InvalidArgumentError) as tf_error:
         ref.gradient(want, [x, w])
     expected = str(tf_error.value).split("}}")[-1].split("[Op:")[0].strip()
@@ -75,22 +83,9 @@ def test_lean_conv2d_gradients_fall_back_for_grouped_convolutions():
 
 def test_lean_conv2d_gradients_fall_back_outside_their_cases():
     """Explicit padding keeps TensorFlow's registered gradient (and its values)."""
-    conv_grads.register()
     x = tf.random.stateless_normal((2, 9, 9, 3), seed=(1, 2))
     w = tf.random.stateless_normal((3, 3, 3, 4), seed=(3, 4))
-
-    @tf.function(autograph=False)
-    def lean(x, w):
-        with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
-            y = tf.nn.conv2d(x, w, 1, [[0, 0], [1, 2], [0, 1], [0, 0]])
-        grads = tf.gradients(tf.reduce_sum(y * y), [x, w])
-        types = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
-        assert "Conv2DBackpropFilter" in types, types
-        return grads
-    with tf.GradientTape() as ref:
-        ref.watch([x, w])
-        y = tf.nn.conv2d(x, w, 1, [[0, 0], [1, 2], [0, 1], [0, 0]])
-        want = tf.reduce_sum(y * y)
+    lean, ref, want = _fallback_and_reference(x, w, [[0, 0], [1, 2], [0, 1], [0, 0]])
     for g, e in zip(lean(x, w), ref.gradient(want, [x, w])):
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6)
 

@@ -159,6 +159,10 @@ def render_md(s, info, args, agree, elapsed):
             # At or below plain (noise around a zero overhead): no meaningful factor.
             "%.1fx" % factor if s["counter_over_us"] > 0 else "OpCounter at or below plain",
             "yes" if agree else "NO", _common.verdict(ok_counter)),
+        "",
+        "A further level's wall-clock cost is within this page's run-to-run noise; its "
+        "instruction count, which load does not change, is on the page "
+        "[native path: instructions per op](native_callgrind.md).",
     ]
     return "\n".join(L), {"cxx": ok_cxx, "level": ok_level, "counter": ok_counter}
 

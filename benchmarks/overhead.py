@@ -175,6 +175,11 @@ def render_md(summary, info, args, png_name, plotted, elapsed):
     T.append("- (b) Each further nesting level adds at most %.0f µs per op (case 1): %s — %s"
              % (TARGET_LEVEL_US, "; ".join(b_parts), _common.verdict(b_ok)))
     L += _common.targets_md(T, "overhead", args.quick, png_name, plural=True)
+    L[-1:-1] = [  # before the "Reproduce" line
+        "Target (b) asks for a difference smaller than the rounds' spread (see its IQR). "
+        "The instructions a further level runs, which load does not change, are counted on "
+        "the page [native path: instructions per op](native_callgrind.md) (its two "
+        "`oh.OpHandler()` rows).", ""]
     return "\n".join(L), {"a_case1": a1, "a_case2": a2, "b": b_ok}
 
 

@@ -299,7 +299,7 @@ class _GradientFunction:
                 # (conv_grads.py): what they allocate is most of a recomputing
                 # backward pass's working memory besides the weight gradients.
                 with _ops.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
-                    results = graph_builder.replay(
+                    results = conv_grads.replay(
                         _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes],
                         ext)
                 outs = [results[n][k] for n, k in output_refs]

@@ -18,6 +18,12 @@ matrix products whose only allocations are their results:
   keep TensorFlow's kernel, whose scratch for them is small (the input gradient of a
   3x3 convolution is about its result's size).
 
+- a strided 1x1 convolution is replayed as a 1x1 convolution of the pixels it reads
+  (`replay`: a strided slice of its input, shared by the convolutions reading that
+  input with those strides), so the input gradients of a ResNet block's first
+  convolution and of its projection shortcut are summed at the slice's size and placed
+  once, instead of each being input-sized.
+
 The results are TensorFlow's up to the order of the floating-point sums (relative
 differences about 1e-7). Anything else (NCHW, dilations, explicit padding, grouped
 convolutions, unknown shapes) uses TensorFlow's registered gradient.

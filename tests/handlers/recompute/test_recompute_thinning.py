@@ -16,8 +16,8 @@ def _widening_net(rng, blocks=4, ch=16, size=16, dense=512, dense_blocks=3):
     """A CNN whose activations are largest first and whose weights are largest last (a
     residual convolution stage, then residual dense blocks): ResNet's shape in small."""
     def var(*shape, scale=1.0):
-        return tf.Variable(rng.standard_normal(shape).astype(np.float32)
-                           * scale / np.sqrt(np.prod(shape[:-1])))
+        return tf.Variable((rng.standard_normal(shape) * scale
+                            / np.sqrt(np.prod(shape[:-1]))).astype(np.float32))
     stem = var(3, 3, 3, ch)
     convs = [(var(3, 3, ch, ch), var(3, 3, ch, ch, scale=0.5)) for _ in range(blocks)]
     proj = var(ch * (size // 4) ** 2, dense)
@@ -92,10 +92,10 @@ def test_thinned_gradients_equal_tensorflows_and_recompute_the_dropped_checkpoin
 
 def test_thinning_uses_a_dropped_checkpoint_the_program_still_holds(monkeypatch):
     """A dropped checkpoint the program still references is used as it is (not computed
-    again): the program keeps every block's output here."""
+    again): the program keeps every ReLU's output here."""
     rng = np.random.default_rng(4)
-    f, variables = _widening_net(rng, blocks=4, ch=4, size=8, dense=64)
-    x = tf.constant(rng.standard_normal((2, 8, 8, 3)).astype(np.float32))
+    f, variables = _widening_net(rng, blocks=6, ch=8, size=16, dense=256, dense_blocks=0)
+    x = tf.constant(rng.standard_normal((2, 16, 16, 3)).astype(np.float32))
     with tf.GradientTape() as ref:
         want = f(x)
     expected = ref.gradient(want, variables)
@@ -116,8 +116,8 @@ def test_thinning_uses_a_dropped_checkpoint_the_program_still_holds(monkeypatch)
     monkeypatch.setattr(tf.nn, "relu", keeping_relu)
     rc = oh.Recompute()
     rc.checkpoint_thinning = 2.0
-    rc.evict_min_bytes = 16
-    for _ in range(2):
+    rc.evict_min_bytes = None  # (eviction would give held values new tensors)
+    for step in range(2):  # the second plans with the first one's size
         kept.clear()
         with oh.GradientTape() as tape:
             with rc:
@@ -125,7 +125,8 @@ def test_thinning_uses_a_dropped_checkpoint_the_program_still_holds(monkeypatch)
         assert rc.stats["thinned"] >= 1, rc.stats
         runs.clear()
         recompute_helpers.assert_grads(expected, tape.gradient(loss, variables))
-        assert runs and not any(runs), runs
+        if step:  # (segments end at the ReLUs after the residual adds: checkpoints)
+            assert runs and not any(runs), runs
 
 
 @pytest.mark.slow

@@ -155,13 +155,17 @@ def checkpoints(segments, min_bytes):
     """The checkpoints among the recorded `segments` (forward order): inputs a segment
     took from an earlier one of them (its `sources`), tracked, of at least `min_bytes`."""
     position = {id(s): k for k, s in enumerate(segments)}
+    # Values their own segment uses too (cuts): the producer's record holds them anyway.
+    inside = {id(s): {r for _, refs in s.nodes for r in refs if r[0] >= 0}
+              for s in segments}
     found = {}
     for k, s in enumerate(segments):
         for i, source in (s.sources or {}).items():
             producer = source[0]
             t = s.externals[i]
             if id(producer) not in position or not s.ext_tracked[i] \
-                    or type(t) is Recipe or nbytes(t) < min_bytes:
+                    or type(t) is Recipe or nbytes(t) < min_bytes \
+                    or (source[1], source[2]) in inside[id(producer)]:
                 continue
             c = found.get(id(t))
             if c is None:
@@ -199,14 +203,13 @@ def plan(fwd, weights, outs, cks, budget):
         return best
 
     def cost(dropped):
-        chain = {}
-
-        def again(k):  # bytes computed to get segment k's values (its dropped inputs too)
-            if k not in chain:
-                chain[k] = fwd[k] + sum(again(cks[j].producer) for j in dropped
-                                        if k in cks[j].consumers)
-            return chain[k]
-        return sum(len(cks[j].consumers) * again(cks[j].producer) for j in dropped)
+        # chain[k]: bytes computed to get segment k's values, its dropped inputs included
+        # (producers come first in forward order)
+        chain = list(fwd)
+        for k in range(n):
+            chain[k] += sum(chain[cks[j].producer] for j in dropped
+                            if k in cks[j].consumers)
+        return sum(len(cks[j].consumers) * chain[cks[j].producer] for j in dropped)
 
     dropped = set()
     current = peak(dropped)
@@ -262,6 +265,8 @@ def thin(segments, budget_share, min_bytes):
                 if piece.xs is not None:
                     _replace(piece.xs, c.tensor, recipe)
         freed += c.bytes
+    for c in cks:
+        c.tensor = c.holders = None  # (nothing here may outlive the call)
     return len(dropped), freed
 
 

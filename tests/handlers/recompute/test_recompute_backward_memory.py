@@ -195,8 +195,8 @@ def test_strided_one_by_one_convolutions_share_their_input_gradient(monkeypatch)
     rng = np.random.default_rng(5)
 
     def var(*shape):
-        return tf.Variable(rng.standard_normal(shape).astype(np.float32)
-                           / np.sqrt(np.prod(shape[:-1])))
+        return tf.Variable((rng.standard_normal(shape)
+                            / np.sqrt(np.prod(shape[:-1]))).astype(np.float32))
     stem, w1, w2, w3, ws = (var(3, 3, 3, 8), var(1, 1, 8, 4), var(3, 3, 4, 4),
                             var(1, 1, 4, 16), var(1, 1, 8, 16))
 
@@ -219,10 +219,11 @@ def test_strided_one_by_one_convolutions_share_their_input_gradient(monkeypatch)
         with rc:
             loss = f(x)
     recompute_helpers.assert_grads(expected, tape.gradient(loss, variables))
-    ops = [op for fn in recompute_segments._gradients.values()  # pylint: disable=protected-access
-           for op in fn.function.graph.get_operations()]
-    types = [op.type for op in ops]
-    assert types.count("StridedSliceGrad") == 1, sorted(set(types))
+    graphs = [fn.function.graph for fn in recompute_segments._gradients.values()]  # pylint: disable=protected-access
+    ops = [op for g in graphs for op in g.get_operations()]
+    counts = [[op.type for op in g.get_operations()].count("StridedSliceGrad")
+              for g in graphs]
+    assert max(counts) == 1, counts  # (in each function reading the block's input)
     # (the per-convolution placement: the gradient at the pixels read, zeros between,
     # as a rank-6 value padded to the input's size)
     assert not any(o.shape.rank == 6 for op in ops for o in op.outputs)

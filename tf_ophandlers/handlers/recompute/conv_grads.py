@@ -169,4 +169,3 @@ def replay(graph, nodes, external):
         results[j] = graph_builder.create(graph, op.replace(strides=[1, 1, 1, 1]),
                                           [part, ins[1]], device)
     return results
-

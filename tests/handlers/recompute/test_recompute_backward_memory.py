@@ -111,7 +111,8 @@ def test_segment_gradient_functions_compute_lean_conv_gradients_and_records_keep
     """On a residual CNN under oh.Recompute: gradients equal tf.GradientTape's; the
     segments' gradient functions contain no Conv2DBackprop kernel; the tape's records of
     segments hold none of their outputs (before, each record held them through its own
-    backward call, which recomputes them instead); segments ending at a residual add
+    backward call, which recomputes them instead) nor of their inputs (the gradient
+    function's closure holds those: checkpoint thinning drops some); segments ending at a residual add
     end after the ReLU that follows it (before: on the add)."""
     rng = np.random.default_rng(0)
     f, variables = _residual_cnn(rng)
@@ -137,6 +138,9 @@ def test_segment_gradient_functions_compute_lean_conv_gradients_and_records_keep
         assert records
         assert all(o is None for r in records for o in r.outputs), \
             [r.outputs for r in records]
+        # nor its inputs (its gradient function holds them, or their recipes)
+        assert all(i is None for r in records for i in r.inputs), \
+            [r.inputs for r in records]
         got = tape.gradient(loss, variables)
         recompute_helpers.assert_grads(expected, got)
     assert rc.stats["segments"] >= 3, rc.stats

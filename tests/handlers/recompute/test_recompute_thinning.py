@@ -40,7 +40,8 @@ def test_plan_drops_the_early_checkpoints_kept_while_weight_gradients_accumulate
     """The simulated backward pass: four segments, the first three computing large
     checkpoints and reading no weights, the last reading large weights. Dropping the
     checkpoints the last segment's backward does not read lowers the peak there; the
-    budget bounds how many are dropped (each costs its producer's forward again)."""
+    budget bounds how many are dropped (each costs its producer's forward again), and
+    a dropped checkpoint is computed again from kept ones (no chains)."""
     class C:  # a checkpoint as `checkpoints` finds them
         def __init__(self, nbytes, producer, consumer):
             self.bytes, self.producer, self.consumers = nbytes, producer, {consumer}
@@ -53,8 +54,8 @@ def test_plan_drops_the_early_checkpoints_kept_while_weight_gradients_accumulate
     # the last segment reads it, so dropping it saves nothing at its backward).
     one = thinning.plan(fwd, weights, outs, cks, budget=10)
     assert len(one) == 1 and one < {0, 1}, one
-    # Both: the second one's recomputation needs the first one's (a chain, 30 bytes).
-    assert thinning.plan(fwd, weights, outs, cks, budget=30) == {0, 1}
+    # Not both: the second one's recomputation would need the first one's (a chain).
+    assert len(thinning.plan(fwd, weights, outs, cks, budget=1000)) == 1
 
 
 def test_thinned_gradients_equal_tensorflows_and_recompute_the_dropped_checkpoints(
@@ -133,18 +134,19 @@ def test_thinning_uses_a_dropped_checkpoint_the_program_still_holds(monkeypatch)
 def test_thinning_lowers_the_step_peak_of_a_widening_cnn():
     """BFC peaks, in a subprocess: the CNN of `_widening_net` (its checkpoints first, its
     weights last) under oh.Recompute with thinning and without (`checkpoint_thinning =
-    0`, as before): the step's peak is lower by at least one checkpoint's bytes, and
+    0`, as before): the step's peak is lower by at least half a checkpoint's bytes (the
+    best of four steps; a step's peak varies by about that much), and
     gradients equal tf.GradientTape's in both."""
     out = recompute_helpers.run_bfc("""
         import gc, sys
         import numpy as np
         import tensorflow as tf
         import tf_ophandlers as oh
-        sys.path.insert(0, %r)
+        sys.path[:0] = [%r, %r]
         import recompute_helpers
         from test_recompute_thinning import _widening_net
         rng = np.random.default_rng(0)
-        f, variables = _widening_net(rng, blocks=6, ch=32, size=32, dense=1024)
+        f, variables = _widening_net(rng, blocks=6, ch=64, size=32, dense=1024)
         x = tf.constant(rng.standard_normal((8, 32, 32, 3)).astype(np.float32))
         with tf.GradientTape() as ref:
             want = f(x)
@@ -155,7 +157,7 @@ def test_thinning_lowers_the_step_peak_of_a_widening_cnn():
             rc = oh.Recompute()
             rc.checkpoint_thinning = share
             peaks = []
-            for _ in range(3):
+            for _ in range(5):
                 gc.collect()
                 tf.config.experimental.reset_memory_stats("CPU:0")
                 base = info("CPU:0")["current"]
@@ -167,9 +169,10 @@ def test_thinning_lowers_the_step_peak_of_a_widening_cnn():
                 recompute_helpers.assert_grads(expected, [g.numpy() for g in grads])
                 del grads, tape, loss
             print(min(peaks[1:]), rc.stats["thinned"], rc.stats["thinned_bytes"])
-    """ % recompute_helpers.REPO + "/tests/handlers/recompute")
+    """ % (recompute_helpers.REPO + "/tests/handlers/recompute",
+           recompute_helpers.REPO + "/tests"))
     (plain, none, _), (thin, count, dropped) = (
         [int(v) for v in line.split()] for line in out.split("\n") if line.strip())
     assert none == 0 and count >= 1, out
-    one = 8 * 32 * 32 * 32 * 4  # one checkpoint of the convolution stage
-    assert thin <= plain - one, (plain, thin, dropped)
+    one = 8 * 32 * 32 * 64 * 4  # one checkpoint of the convolution stage
+    assert thin <= plain - one // 2, (plain, thin, dropped)

@@ -11,7 +11,7 @@ those stages alive. A checkpoint the plan *drops* is held by no record: the reco
 each segment using it holds a `Recipe` instead (the segment computing it, which node),
 and that segment's gradient function gets it computed again, from that segment's own
 inputs (kept by its own record until its backward, which comes later), when it runs.
-This is the recursive checkpointing of Chen et al. (2016) applied where it pays.
+This is a second level of checkpointing (Chen et al., 2016) applied where it pays.
 
 The plan (`plan`) simulates the backward pass over the segments recorded together (their
 order is the forward pass's): at each segment's backward the bytes alive are the
@@ -19,8 +19,10 @@ gradients of the weights read by it and every later segment, the checkpoints sti
 (those used by it or an earlier segment), its inputs that were dropped (computed again),
 its output gradients and its working values. It drops, one at a time, the checkpoint
 that lowers the simulated peak most, while the extra forward computation (bytes computed
-again, each dropped checkpoint once per segment using it, chains of dropped checkpoints
-included) stays within `budget` times the bytes the segments computed.
+again, each dropped checkpoint once per segment using it) stays within `budget` times
+the bytes the segments computed. A dropped checkpoint's producer reads kept checkpoints
+only (no chains: measured on a residual CNN, a chain's recomputation at the backward
+pass's peak cost more than the checkpoints it dropped).
 
 A dropped value the program still holds (a weak reference to it resolves) is used as it
 is: dropping it costs nothing then, and saves nothing.
@@ -216,8 +218,10 @@ def plan(fwd, weights, outs, cks, budget):
     while True:
         best = None
         for j in range(len(cks)):
-            if j in dropped:
-                continue
+            if j in dropped or any(
+                    cks[d].producer in cks[j].consumers or cks[j].producer in cks[d].consumers
+                    for d in dropped):
+                continue  # (no chains: a recomputation reads kept checkpoints only)
             trial = dropped | {j}
             spent = cost(trial)
             if spent > budget:

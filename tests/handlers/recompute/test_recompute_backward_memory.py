@@ -111,7 +111,8 @@ def test_segment_gradient_functions_compute_lean_conv_gradients_and_records_keep
     """On a residual CNN under oh.Recompute: gradients equal tf.GradientTape's; the
     segments' gradient functions contain no Conv2DBackprop kernel; the tape's records of
     segments hold none of their outputs (before, each record held them through its own
-    backward call, which recomputes them instead); segments ending at a residual add
+    backward call, which recomputes them instead) nor of their inputs (the gradient
+    function's closure holds those: checkpoint thinning drops some); segments ending at a residual add
     end after the ReLU that follows it (before: on the add)."""
     rng = np.random.default_rng(0)
     f, variables = _residual_cnn(rng)
@@ -137,6 +138,9 @@ def test_segment_gradient_functions_compute_lean_conv_gradients_and_records_keep
         assert records
         assert all(o is None for r in records for o in r.outputs), \
             [r.outputs for r in records]
+        # nor its inputs (its gradient function holds them, or their recipes)
+        assert all(i is None for r in records for i in r.inputs), \
+            [r.inputs for r in records]
         got = tape.gradient(loss, variables)
         recompute_helpers.assert_grads(expected, got)
     assert rc.stats["segments"] >= 3, rc.stats
@@ -184,3 +188,46 @@ def test_lean_conv_gradients_allocate_no_scratch_buffer():
     results = (32 * 16 * 16 * 256 + 256 * 64) * 4  # the input and filter gradients
     assert lean <= results + 2 * mb, (lean, kernels)
     assert kernels >= lean + 10 * mb, (lean, kernels)  # (what the override saves)
+
+
+def test_strided_one_by_one_convolutions_share_their_input_gradient(monkeypatch):
+    """A ResNet downsampling block (its first convolution and its projection shortcut
+    both 1x1 with stride 2 on the block's input): gradients equal tf.GradientTape's, and
+    the segment's gradient function places the two convolutions' input gradients once
+    (one StridedSliceGrad of their sum at the slice's size; before, each was padded to
+    the input's size, then summed)."""
+    rng = np.random.default_rng(5)
+
+    def var(*shape):
+        return tf.Variable((rng.standard_normal(shape)
+                            / np.sqrt(np.prod(shape[:-1]))).astype(np.float32))
+    stem, w1, w2, w3, ws = (var(3, 3, 3, 8), var(1, 1, 8, 4), var(3, 3, 4, 4),
+                            var(1, 1, 4, 16), var(1, 1, 8, 16))
+
+    def f(x):
+        h = tf.nn.relu(tf.nn.conv2d(x, stem, 1, "SAME"))
+        main = tf.nn.relu(tf.nn.conv2d(h, w1, 2, "VALID"))
+        main = tf.nn.conv2d(tf.nn.relu(tf.nn.conv2d(main, w2, 1, "SAME")), w3, 1, "VALID")
+        h = tf.nn.relu(main + tf.nn.conv2d(h, ws, 2, "VALID"))
+        return tf.reduce_mean(h * h)
+    variables = [stem, w1, w2, w3, ws]
+    x = tf.constant(rng.standard_normal((2, 15, 15, 3)).astype(np.float32))
+    with tf.GradientTape() as ref:
+        want = f(x)
+    expected = ref.gradient(want, variables)
+    recompute_segments._gradients.clear()  # pylint: disable=protected-access
+    rc = oh.Recompute()
+    rc.join_fraction = 100.0  # (one segment: the block's input is inside it)
+    rc.join_cap = 100.0
+    with oh.GradientTape() as tape:
+        with rc:
+            loss = f(x)
+    recompute_helpers.assert_grads(expected, tape.gradient(loss, variables))
+    graphs = [fn.function.graph for fn in recompute_segments._gradients.values()]  # pylint: disable=protected-access
+    ops = [op for g in graphs for op in g.get_operations()]
+    counts = [[op.type for op in g.get_operations()].count("StridedSliceGrad")
+              for g in graphs]
+    assert max(counts) == 1, counts  # (in each function reading the block's input)
+    # (the per-convolution placement: the gradient at the pixels read, zeros between,
+    # as a rank-6 value padded to the input's size)
+    assert not any(o.shape.rank == 6 for op in ops for o in op.outputs)

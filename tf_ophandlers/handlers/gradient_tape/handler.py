@@ -340,6 +340,12 @@ class GradientTape(BackwardPass, OpHandler):
             # TensorFlow's tape, which keeps only the outputs' shapes, does not.
             kept_out = [None if type(o) is _EagerTensor and o._datatype_enum() not in  # pylint: disable=protected-access
                         _OPAQUE_ENUMS else o for o in outputs]
+            # Nor its tracked inputs: its backward function holds what it reads of them
+            # (TensorFlow's tape keeps none), and a segment's may hold less (oh.Recompute
+            # drops checkpoints it computes again).
+            kept_in = [None if i is not None and type(x) is _EagerTensor
+                       and x._datatype_enum() not in _OPAQUE_ENUMS else x  # pylint: disable=protected-access
+                       for x, i in zip(inputs, in_ids)]
         record = _Record(seq, op_type, op, backward, kept_in, kept_out, stack, skip,
                          (tuple(in_ids), out_ids, specs))
         tracked, producer = self._tracked, self._producer

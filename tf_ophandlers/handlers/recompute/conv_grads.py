@@ -18,6 +18,12 @@ matrix products whose only allocations are their results:
   keep TensorFlow's kernel, whose scratch for them is small (the input gradient of a
   3x3 convolution is about its result's size).
 
+- a strided 1x1 convolution is replayed as a 1x1 convolution of the pixels it reads
+  (`replay`: a strided slice of its input, shared by the convolutions reading that
+  input with those strides), so the input gradients of a ResNet block's first
+  convolution and of its projection shortcut are summed at the slice's size and placed
+  once, instead of each being input-sized.
+
 The results are TensorFlow's up to the order of the floating-point sums (relative
 differences about 1e-7). Anything else (NCHW, dilations, explicit padding, grouped
 convolutions, unknown shapes) uses TensorFlow's registered gradient.
@@ -27,6 +33,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import nn_grad
+
+from tf_ophandlers.extend import graph_builder
 
 #: The gradient the segments' gradient functions give `Conv2D` ops
 #: (`graph.gradient_override_map`).
@@ -116,3 +124,48 @@ def _lean_conv2d_grad(op, grad):
             taps.append(previous)
     dw = tf.reshape(tf.stack(taps), ws)
     return [dx, dw]
+
+
+def _strided_one_by_one(op, ins):
+    """(row stride, column stride) of a strided 1x1 NHWC `Conv2D` node on symbolic
+    inputs `ins`, or None for any other node."""
+    if op.type != "Conv2D":
+        return None
+    attrs = op.attrs
+    strides = list(attrs.get("strides") or ())
+    if (attrs.get("data_format") not in (b"NHWC", None)
+            or list(attrs.get("dilations") or [1, 1, 1, 1]) != [1, 1, 1, 1]
+            or attrs.get("padding") not in (b"SAME", b"VALID") or len(strides) != 4
+            or strides[0] != 1 or strides[3] != 1 or strides[1:3] == [1, 1]):
+        return None
+    xs, ws = _static(ins[0]), _static(ins[1])
+    if xs is None or ws is None or ws[0] != 1 or ws[1] != 1 or ws[2] != xs[3]:
+        return None
+    return strides[1], strides[2]
+
+
+def replay(graph, nodes, external):
+    """`graph_builder.replay` of a segment's `nodes` for its gradient function, with each
+    strided 1x1 convolution run as a 1x1 convolution of the pixels it reads (a strided
+    slice of its input, one per input and strides, shared). The convolutions reading one
+    input with the same strides (a ResNet block's first convolution and its projection
+    shortcut) then sum their input gradients at the slice's size before one
+    `StridedSliceGrad` places them, where each of their own input gradients was
+    input-sized (the zeros between the pixels read included), summed at the end.
+    The outputs are the strided convolutions' (a 1x1 SAME convolution pads nothing
+    before: it reads pixels (i * s, j * s))."""
+    results = [None] * len(nodes)
+    slices = {}
+    for j, (op, refs, device) in enumerate(nodes):
+        ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
+        strides = _strided_one_by_one(op, ins)
+        if strides is None:
+            results[j] = graph_builder.create(graph, op, ins, device)
+            continue
+        key = (ins[0].ref(), strides)
+        part = slices.get(key)
+        if part is None:
+            part = slices[key] = ins[0][:, ::strides[0], ::strides[1], :]
+        results[j] = graph_builder.create(graph, op.replace(strides=[1, 1, 1, 1]),
+                                          [part, ins[1]], device)
+    return results

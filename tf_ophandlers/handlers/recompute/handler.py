@@ -75,7 +75,8 @@ from tensorflow.python.ops import gradients_util
 
 from tf_ophandlers.extend import BoundedCache, COPY_OPS, HandlerError, never_copy, OpHandler
 from tf_ophandlers.handlers.recompute import (
-    calls as recompute_calls, evict as recompute_evict, graph as recompute_graph)
+    calls as recompute_calls, evict as recompute_evict, graph as recompute_graph,
+    thinning as recompute_thinning)
 from tf_ophandlers.handlers.recompute.evict import Value as _Value, described as _described
 from tf_ophandlers.handlers.recompute.evict import tensor_of as _tensor_of
 from tf_ophandlers.handlers.recompute.graph import Window
@@ -196,6 +197,10 @@ class Recompute(OpHandler):
         # Values below this many bytes are never dropped (evict.py); None
         # turns eviction off.
         self.evict_min_bytes = 4096
+        # Checkpoint thinning (thinning.py, sqrt policy): the extra forward computation
+        # the backward pass may spend recomputing dropped checkpoints, as a share of the
+        # bytes the segments computed; 0 keeps every checkpoint.
+        self.checkpoint_thinning = 0.25
         # The sqrt policy on a program with joins (residual adds): a segment ends at the
         # first join after it computed this share of sqrt(total x mean value bytes), or
         # at `join_cap` times sqrt(total x mean value bytes) without one.
@@ -213,6 +218,7 @@ class Recompute(OpHandler):
         self._below = self._tf_tape = self._as_is = self._warned_forward = None
         self._computed = 0  # bytes of values computed by segments in this scope
         self._count = 0  # values computed by segments in this scope
+        self._thinned = self._thinned_bytes = 0  # checkpoints dropped (thinning.py)
         self._kept = 0  # bytes kept by the tapes (segment outputs) in this scope
         self._largest = 0  # bytes of the largest segment in this scope
         # Of the last scope: (total bytes, mean and largest value bytes, bytes of
@@ -287,6 +293,7 @@ class Recompute(OpHandler):
             self._segments_at_entry = self.segments
             self._calls = self._call_segments = 0  # tf.function calls run as rewrites
             self._evicted = self._remat_ops = 0  # bytes dropped, ops rerun (eviction)
+            self._thinned = self._thinned_bytes = 0  # checkpoints dropped (thinning)
             self._threshold_cache = None
             self._joins = False  # a join (residual add) seen in this scope
             if self.policy == "memory_budget" and self._expected is not None:
@@ -309,7 +316,8 @@ class Recompute(OpHandler):
                               recomputed=dict(self._recomputed), mode="eager",
                               graph=self.graph_stats, tf_tape_recording=self._tf_tape,
                               calls=self._calls, call_segments=self._call_segments,
-                              evicted=self._evicted, rematerialized=self._remat_ops)
+                              evicted=self._evicted, rematerialized=self._remat_ops,
+                              thinned=self._thinned, thinned_bytes=self._thinned_bytes)
             if self.policy == "memory_budget" and self._count:
                 minimum = self.minimum_budget()
                 if self.memory_budget < minimum:
@@ -386,6 +394,14 @@ class Recompute(OpHandler):
         pending, self._pending, self._lagging = self._pending, [], None
         for segment in pending:
             self._record(segment)
+        if self.policy == "sqrt" and self.checkpoint_thinning:
+            count, size = recompute_thinning.thin(
+                pending, self.checkpoint_thinning,
+                self.evict_min_bytes if self.evict_min_bytes is not None else 4096)
+            self._thinned += count
+            self._thinned_bytes += size
+        for segment in pending:
+            segment.sources, segment.pieces = None, ()  # (producers held by recipes only)
 
     # -- the representation ---------------------------------------------------------------
 
@@ -592,10 +608,15 @@ class Recompute(OpHandler):
             if type(v) is _Value and v.segment is segment:
                 refs.append((v.node, v.index))
                 continue
+            j = segment.external(self._tensor(v), tr)
             if type(v) is _Value and v.segment is not None:
-                # A value of a closed segment not recorded yet: one of its outputs.
+                # A value of a closed segment not recorded yet: one of its outputs (a
+                # checkpoint the thinning may drop: its recipe is that node).
                 v.segment.used[(v.node, v.index)] = _tensor_of(v)
-            refs.append((-1, segment.external(self._tensor(v), tr)))
+                if segment.sources is None:
+                    segment.sources = {}
+                segment.sources.setdefault(j, (v.segment, v.node, v.index))
+            refs.append((-1, j))
         with _record.stop_recording():
             outputs = self.next.execute(op, self._tensors(inputs))
         node = len(segment.nodes)

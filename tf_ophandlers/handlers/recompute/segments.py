@@ -26,7 +26,7 @@ from tensorflow.python.ops import gradients_util
 from tf_ophandlers.extend import (
     CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
     registries as _registries, tensor_key)
-from tf_ophandlers.handlers.recompute import conv_grads
+from tf_ophandlers.handlers.recompute import conv_grads, thinning
 
 #: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
 #: backward function takes None for any output gradient: an input reached only from
@@ -51,7 +51,8 @@ class Segment:
     """Consecutive recomputable ops of a forward pass, recorded on the tapes as one op."""
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
-                 "bytes", "saved", "partial", "below", "remat", "remat_ops", "__weakref__")
+                 "bytes", "saved", "partial", "below", "remat", "remat_ops", "sources",
+                 "pieces", "xs", "out_bytes", "__weakref__")
 
     def __init__(self, keep=False, partial=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
@@ -72,6 +73,14 @@ class Segment:
         # many values / ops they recomputed.
         self.below = None
         self.remat = self.remat_ops = 0
+        # Checkpoint thinning (thinning.py): input index -> (segment, node, output) for
+        # inputs computed by a segment not recorded yet when this one took them; once
+        # recorded, the pieces recorded, each piece's tracked inputs (the list its
+        # record holds) and the bytes of the recorded outputs.
+        self.sources = None
+        self.pieces = ()
+        self.xs = None
+        self.out_bytes = 0
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""
@@ -131,9 +140,14 @@ def record(segment, trainable):
         if not segment.ext_tracked[i] and trainable(t) \
                 and gradients_util.PossibleTapeGradientTypes([t]) != 0:
             segment.ext_tracked[i] = True
-    recorded = []
+    recorded, pieces = [], []
     for piece, back, piece_outputs in split(segment, outputs):
-        recorded.extend((back[nk], t) for nk, t in _record_piece(piece, piece_outputs))
+        made = _record_piece(piece, piece_outputs)
+        if made:
+            pieces.append(piece)
+        recorded.extend((back[nk], t) for nk, t in made)
+    segment.pieces = pieces
+    segment.out_bytes = sum(nbytes(t) for _, t in recorded)
     return sorted(recorded)
 
 
@@ -202,6 +216,7 @@ def _record_piece(segment, outputs):
     cs = [t for t, k in zip(segment.externals, kinds) if k is _CONSTANT]
     if not xs:
         return []
+    segment.xs = xs  # (checkpoint thinning may put recipes in place of its tensors)
     structure = graph_builder.program_key(
         [(op, refs, None) for op, refs in segment.nodes], [nk for nk, _ in outputs],
         segment.externals, kinds=tuple(kinds))
@@ -238,7 +253,8 @@ def _record_piece(segment, outputs):
         kept = bool(saved) and not _record.could_possibly_record()
         # An IndexedSlices gradient (of a gathered output) enters densified, as a dense
         # op's gradient function would take it.
-        return function(mask, kept).run(xs, cs + saved if kept else cs, [
+        return function(mask, kept).run(thinning.materialized_all(xs),
+                                        cs + saved if kept else cs, [
             tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
             for g in grads if g is not None])
 
@@ -283,7 +299,7 @@ class _GradientFunction:
                 # (conv_grads.py): what they allocate is most of a recomputing
                 # backward pass's working memory besides the weight gradients.
                 with _ops.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
-                    results = graph_builder.replay(
+                    results = conv_grads.replay(
                         _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes],
                         ext)
                 outs = [results[n][k] for n, k in output_refs]

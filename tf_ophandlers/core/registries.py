@@ -51,7 +51,10 @@ def register_gradient_accepts_none(op_type, indices=ALL_OUTPUTS):
     """Declares that the gradient function recorded for `op_type` accepts None for the
     output gradients at `indices` (a collection of ints, or `ALL_OUTPUTS`), so a
     backward pass passes None there instead of zeros. A handler that records its own op
-    type on TensorFlow's tapes (`record_operation`) registers it at import."""
+    type on TensorFlow's tapes (`record_operation`) registers it at import. With
+    `ALL_OUTPUTS`, a tape's record of the op made with a backward function keeps neither
+    its outputs nor its tracked inputs (as TensorFlow's tape keeps none for
+    `record_operation`): the backward function must hold what it reads."""
     if not isinstance(op_type, str):
         raise TypeError("register_gradient_accepts_none: op_type must be a string, got %r"
                         % (op_type,))

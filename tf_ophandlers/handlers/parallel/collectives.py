@@ -64,9 +64,9 @@ def call_time_instance_key(handler):
     each call (as MirroredStrategy's collective launcher keys a traced collective).
 
     A key fixed when the function is traced would be reused by every call: two calls at
-    once (two threads) would meet in one collective instance, and a call with another
-    shape (a function traced with an unknown dimension) is refused, since TensorFlow keeps
-    the shape of an instance's first run. The key is fed when the function is called
+    once (two threads) would share one collective instance, and a call with another
+    shape (a function traced with an unknown dimension) would be refused, since
+    TensorFlow keeps the shape of an instance's first run. The key is fed when the function is called
     (`capture_call_time_value`, in the outermost function graph: a loop body cannot take
     such a capture; its iterations are told apart by their frame anyway)."""
     from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel

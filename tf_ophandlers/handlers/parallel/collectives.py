@@ -41,6 +41,69 @@ def collective_keys():
     return _keys[0]
 
 
+_instance_lock = threading.Lock()
+
+
+def instance_key(handler):
+    """A collective instance key for the components of `handler` (from the process's
+    allocator, which keeps one counter per device: all of them are advanced at once, so
+    that they stay in step)."""
+    keys = collective_keys()
+    devices = list(handler.components)
+    group = keys.get_group_key(devices)
+    with _instance_lock:
+        instance = {keys.get_instance_key(group, d) for d in devices}
+    if len(instance) != 1:
+        raise RuntimeError("oh.ParallelHandler: collective instance keys out of step: %s"
+                           % sorted(instance))
+    return instance.pop()
+
+
+def call_time_instance_key(handler):
+    """An int32 scalar of the function being traced whose value is a new instance key at
+    each call (as MirroredStrategy's collective launcher keys a traced collective).
+
+    A key fixed when the function is traced would be reused by every call: two calls at
+    once (two threads) would share one collective instance, and a call with another
+    shape (a function traced with an unknown dimension) would be refused, since
+    TensorFlow keeps the shape of an instance's first run. The key is fed when the function is called
+    (`capture_call_time_value`, in the outermost function graph: a loop body cannot take
+    such a capture; its iterations are told apart by their frame anyway)."""
+    from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
+    graph = ops.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):
+        graph = graph.outer_graph
+
+    def key():
+        # Evaluated eagerly as the call starts, maybe in the handler's scope: a plain
+        # host tensor, which the call broadcasts to every component.
+        with _scope.physical():
+            return tf.constant(instance_key(handler), tf.int32)
+
+    with graph.as_default():
+        return graph.capture_call_time_value(key, tf.TensorSpec([], tf.int32))
+
+
+def traced_all_reduce(handler, tensor, timeout):
+    """The sum over the components of `handler` of `tensor`, a tensor of a function being
+    traced in its scope: one `CollectiveReduceV2` on the tensor itself, which the call
+    runs once per component (as TensorFlow's ParallelDevice runs a collective on a
+    parallel tensor), each member on its component's device with the same call-time
+    instance key.
+
+    Not a call of the two-member function eager `all_reduce` uses, on the tensor's
+    unpacked components: in a function called in the scope, the instance keys fed to that
+    call are broadcast to the handler, so its collectives ran once per component, two
+    members per device with one key, and TensorFlow's rendezvous failed at random
+    ("Second consumer arrived for key", then every collective of the process)."""
+    from tensorflow.python.ops import collective_ops  # pylint: disable=import-outside-toplevel
+    devices = list(handler.components)
+    return collective_ops.all_reduce_v2(
+        tensor, group_size=len(devices), group_key=collective_keys().get_group_key(devices),
+        instance_key=call_time_instance_key(handler), merge_op="Add", final_op="Id",
+        timeout=timeout or 0)
+
+
 def meets_across_components(op):
     """Whether the components of `op` wait for each other: a collective op (all-reduce,
     broadcast, gather), or a function whose body or callees hold one. Run one after the

@@ -122,24 +122,11 @@ def _gather_rows(handler, t):
     bucket = tf.searchsorted(_PADDED_LENGTHS, tf.reshape(longest, [1]))[0]
     padded = tf.gather(_PADDED_LENGTHS, bucket)
     pad = tf.concat([[[0, padded - length[0]]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], 0)
-    keys = tf.constant([_instance_key(handler) for _ in _PADDED_LENGTHS], tf.int32)
+    keys = tf.constant([_collectives.instance_key(handler) for _ in _PADDED_LENGTHS], tf.int32)
     rows = _collective(handler, tf.pad(t, pad), gather=True,
                        instance=tf.gather(keys, bucket))
     keep = tf.reshape(tf.sequence_mask(lengths, padded), [-1])
     return tf.boolean_mask(rows, keep)
-
-
-def _instance_key(handler):
-    """A collective instance key for the components of `handler` (from the process's
-    allocator, which keeps one counter per device)."""
-    keys = _collectives.collective_keys()
-    devices = list(handler.components)
-    group = keys.get_group_key(devices)
-    instance = {keys.get_instance_key(group, d) for d in devices}
-    if len(instance) != 1:
-        raise RuntimeError("oh.ParallelHandler: collective instance keys out of step: %s"
-                           % sorted(instance))
-    return instance.pop()
 
 
 def _collective(handler, t, gather=False, instance=None):
@@ -150,7 +137,7 @@ def _collective(handler, t, gather=False, instance=None):
     devices = list(handler.components)
     group = _collectives.collective_keys().get_group_key(devices)
     if instance is None:
-        instance = _instance_key(handler)
+        instance = _collectives.instance_key(handler)
     # The timeout is for a remote worker that died. Local components' calls start
     # together (one fused call, or one thread each) and a failing one cancels or aborts
     # the others, so they need none; and TensorFlow starts a thread per collective run

@@ -30,11 +30,18 @@ in its collective for component 1. The wrapper has no such edges; every call is 
 its control outputs, so a call without outputs still runs.
 """
 import itertools
+import threading
 import weakref
 
 from tensorflow.core.framework import function_pb2 as _function_pb2
 from tensorflow.python.eager import context as _context
+from tensorflow.python.framework import dtypes as _dtypes
 from tensorflow.python.framework import errors_impl as _error_codes
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.framework import tensor_util as _tensor_util
+from tensorflow.python.ops import array_ops as _array_ops
+from tensorflow.python.ops import collective_ops as _collective_ops
 
 from tf_ophandlers.extend import BoundedCache, functions as _functions, OptimizedCallOp, PHYSICAL
 from tf_ophandlers.extend import scope as _scope
@@ -60,12 +67,13 @@ class _Fused:
     the function options TensorFlow's own calls pass: grappler runs on the wrapper as on
     a tf.function's call)."""
 
-    __slots__ = ("name", "num_outputs", "components", "_call", "__weakref__")
+    __slots__ = ("name", "num_outputs", "components", "groups", "_call", "__weakref__")
 
-    def __init__(self, name, num_outputs, components):
+    def __init__(self, name, num_outputs, components, groups=()):
         self.name = name
         self.num_outputs = num_outputs  # per component
         self.components = components
+        self.groups = groups  # collective groups to complete before the first call
         self._call = OptimizedCallOp(name, num_outputs * components)
         weakref.finalize(self, _remove,
                          [name] + [_component_name(name, i) for i in range(components)])
@@ -192,7 +200,8 @@ def fused_call(handler, op):
                 ctx.add_function_def(copy)
             ctx.add_function_def(_wrapper_def(name, function, handler.components, separate))
             entry = _Fused(name, len(function.signature.output_arg),
-                           len(handler.components))
+                           len(handler.components),
+                           _collective_groups(op.type, len(handler.components)))
     _fused[key] = entry
     return entry
 
@@ -201,6 +210,10 @@ def run_fused(handler, entry, op, inputs):
     """Runs `entry` (fused_call's wrapper of `op`) on the components of `inputs` (the
     ParallelValues of the call's arguments); returns each component's outputs."""
     n = len(handler.components)
+    if entry.groups:
+        for group in entry.groups:
+            _complete_group(handler, group)
+        entry.groups = ()
     args = [v.components[i] for i in range(n) for v in inputs]
     try:
         with _scope.on_device(handler.components[0]):
@@ -216,6 +229,99 @@ def run_fused(handler, entry, op, inputs):
                 handler.debug_string(), e.message)) from e
     k = entry.num_outputs
     return [flat[i * k:(i + 1) * k] for i in range(n)]
+
+
+# -- collective groups completed before a fused call first runs ---------------------------
+#
+# TensorFlow forms a collective group when its first collective runs: each member joins
+# and waits for the others. A fused call that fails on one component (a NaN check) before
+# that component joined cancels the others while they wait for the group, and TensorFlow
+# then marks the group cancelled for good: every later collective of the process failed
+# ("Collective ops is aborted by: group is cancelled"), at random (it depends on whether
+# the waiting member had joined when the failure cancelled it). A group that is complete
+# is not cancelled by a failure. So the groups a fused function uses are formed first, by
+# one small collective over the components, as MirroredStrategy's first step forms its
+# group with every replica present.
+
+_GROUP_OPS = {}  # op type -> (index of group_size, index of group_key), or None
+_complete = set()  # (group key, group size, components) formed in this process
+_complete_lock = threading.Lock()
+# The instance key of the collective that forms a group: one per group and process, far
+# above the keys allocators hand out (TensorFlow's and the handler's count up from 100).
+_FORMING_INSTANCE_KEY = 2 ** 30
+
+
+def _group_inputs(op_type):
+    if op_type not in _GROUP_OPS:
+        found = None
+        if op_type.startswith(_collectives.COLLECTIVE_PREFIXES):
+            op_def = _op_def_registry.get(op_type)
+            names = [a.name for a in op_def.input_arg] if op_def is not None else []
+            if "group_size" in names and "group_key" in names:
+                found = names.index("group_size"), names.index("group_key")
+        _GROUP_OPS[op_type] = found
+    return _GROUP_OPS[op_type]
+
+
+def _collective_groups(name, n):
+    """The (group key, group size) of the collectives of function `name` and its callees
+    that a call on `n` components forms: keys and sizes that are constants of the
+    function, size `n`, on no device of their own (so on the component's)."""
+    groups = set()
+    for fdef in _library.function_library([name]):
+        consts = {node.name: node for node in fdef.node_def if node.op == "Const"}
+        for node in fdef.node_def:
+            where = _group_inputs(node.op)
+            if where is None or node.device:
+                continue
+            values = []
+            for i in where:
+                source = consts.get(node.input[i].split(":")[0]) if i < len(node.input) \
+                    else None
+                value = None if source is None else _tensor_util.MakeNdarray(
+                    source.attr["value"].tensor)
+                values.append(None if value is None or value.shape else int(value))
+            size, key = values
+            if size == n and key is not None:
+                groups.add((key, size))
+    return tuple(sorted(groups))
+
+
+def _complete_group(handler, group):
+    """Forms collective group `group` (key, size) over the components of `handler`, once
+    per process (see above). A failure is left to the call itself to report."""
+    key, size = group
+    done = (key, size, handler.components)
+    with _complete_lock:
+        if done in _complete:
+            return
+        _complete.add(done)
+    # One eager member per component, each on a thread of its own (in one traced
+    # function, TensorFlow's automatic control dependencies would chain the members, the
+    # second waiting for the first, which waits for it).
+    with _scope.physical():
+        zeros = []
+        for device in handler.components:
+            with _ops.device(device):
+                zeros.append(_array_ops.zeros([], _dtypes.float32))
+
+    def member(i):
+        try:
+            with _ops.device(handler.components[i]):
+                _collective_ops.all_reduce_v2(zeros[i], size, key, _FORMING_INSTANCE_KEY,
+                                              merge_op="Add", final_op="Id")
+        except _error_codes.OpError:
+            pass  # (a group formed over other devices: the call raises TensorFlow's error)
+
+    threads = [threading.Thread(target=member, args=(i,), daemon=True,
+                                name="oh.ParallelHandler group")
+               for i in range(1, len(zeros))]
+    for t in threads:
+        t.start()
+    with _scope.physical():
+        member(0)
+    for t in threads:
+        t.join()
 
 
 def _released(name):

@@ -235,6 +235,15 @@ class ParallelHandler(OpHandler):
                 "parallel scope cannot differentiate through all_reduce; open the tape "
                 "inside the scope")
 
+        if not tf.executing_eagerly():
+            # In a function being traced: the call runs the collective per component.
+            @tf.custom_gradient
+            def traced_reduce(t):
+                return (_collectives.traced_all_reduce(self, t, self.timeout_seconds),
+                        lambda dy: self.all_reduce(dy))
+
+            return traced_reduce(tensor)
+
         @tf.custom_gradient
         def reduce(t):
             parts = self.unpack(t)

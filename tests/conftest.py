@@ -154,6 +154,26 @@ def pytest_collection_finish(session):
         benchmark_runs.start(names)
 
 
+def forget_jvp_dispatch_memos():
+    """Empties the dispatch memos of the traced-JVP function caches (TensorFlow's
+    forward mode and oh.ForwardAccumulator's).
+
+    Once an op has 32 JVP traces in the process, both trace its JVP for relaxed shapes
+    (forwardprop._TRACE_COUNT). A call whose exact signature has no trace of its own is
+    then served by a lookup that TensorFlow memoizes (TypeDispatchTable, an LRU of 1024
+    entries per cache), and every hit re-keys the entry with the caller's new
+    FunctionType: the memo keeps the TensorShapes of the last call of each signature,
+    which assert_no_new_tensors counts. Whether a test reached that phase depended on
+    how many JVPs the files run before it in its process had traced. The memo holds
+    signatures (op names, attributes, shapes, dtypes), never a tensor, and is rebuilt
+    from the traces on the next lookup: emptying it changes no result."""
+    from tensorflow.python.eager import forwardprop  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.handlers.forward_accumulator import handler  # pylint: disable=import-outside-toplevel
+    for cache in (forwardprop._jvp_function_cache, handler._jvp_function_cache):  # pylint: disable=protected-access
+        for table in cache._dispatch_dict.values():  # pylint: disable=protected-access
+            table._dispatch_cache.clear()  # pylint: disable=protected-access
+
+
 def tf_leak_checked(test=None, *, warmup=0):
     """Runs a pytest test function under TensorFlow's own leak checks,
     `test_util.assert_no_new_tensors` (no tensor the test created is alive after it, with
@@ -163,7 +183,9 @@ def tf_leak_checked(test=None, *, warmup=0):
     test first runs that many times unchecked, as TensorFlow's
     assert_no_new_pyobjects_executing_eagerly does, so that module-level caches filled
     by a first call (traced functions) are not counted; a cache that grows per call
-    still fails."""
+    still fails. Before counting, the JVP functions' dispatch memos are emptied
+    (`forget_jvp_dispatch_memos`), as the check empties TensorFlow's zeros and ones
+    caches."""
     if test is None:
         return lambda t: tf_leak_checked(t, warmup=warmup)
     import functools  # pylint: disable=import-outside-toplevel
@@ -175,8 +197,11 @@ def tf_leak_checked(test=None, *, warmup=0):
     def run(*args, **kwargs):
         for _ in range(warmup):
             test(*args, **kwargs)
-        checked = test_util.assert_no_new_tensors(test_util.assert_no_garbage_created(
-            lambda self: test(*args, **kwargs)))
+
+        def body(self):  # pylint: disable=unused-argument
+            test(*args, **kwargs)
+            forget_jvp_dispatch_memos()
+        checked = test_util.assert_no_new_tensors(test_util.assert_no_garbage_created(body))
         enabled, flags = gc.isenabled(), gc.get_debug()
         # The checks collect the garbage several times and walk gc.get_objects(); late in
         # the suite the heap holds millions of objects from earlier tests, which made

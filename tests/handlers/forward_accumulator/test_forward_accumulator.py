@@ -13,10 +13,9 @@ from tf_ophandlers.handlers.forward_accumulator import handler as fa
 from conftest import assert_close, assert_same_tensors, tf_leak_checked
 
 # Tests that also run tf.autodiff.ForwardAccumulator as the reference compute the
-# reference first and leak-check only oh.ForwardAccumulator's part (`_leak_checked`):
-# after many distinct ops (test_differential first), TensorFlow's own JVP function cache
-# (forwardprop's relaxed-shape tracing) keeps new TensorShapes at every call, which
-# assert_no_new_tensors would count against us.
+# reference first and leak-check only oh.ForwardAccumulator's part (`_leak_checked`).
+# (The TensorShapes that both accumulators' JVP dispatch memos re-key at every call once
+# an op traces relaxed shapes are not counted: conftest.forget_jvp_dispatch_memos.)
 
 
 def _leak_checked(check):

@@ -41,10 +41,9 @@ demo: $(STAMP)
 # TEST_WORKERS processes (pytest-xdist; 0: in this one). A test file runs whole in one
 # worker (--dist loadfile): module fixtures are built once, and the tests of a file that
 # builds into the clone (test_c_api.py's make c-api-programs) never race each other.
-# Two by default, one per core of a 2-core machine (the run times are in CHANGELOG.md).
 # The fuzzers draw a smaller set of cases from a seed that changes daily (OH_FUZZ_SEED,
 # tests/fuzz_seed.py; printed at the end); their default seeds' full draws are marked slow.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 test: $(STAMP)
 	$(VPY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 

@@ -2,7 +2,6 @@
 
 Every test compares against plain TensorFlow on the same inputs.
 """
-import gc
 
 import numpy as np
 import pytest
@@ -44,7 +43,7 @@ def test_replay_shows_the_body_ops_and_gives_the_plain_result():
 def test_cached_replay_is_reused_and_keyed_by_handler_and_specs():
     f = tf.function(lambda t: tf.sin(t) * 3.0)
     log = oh.OpLogHandler()
-    gc.collect()  # (functions earlier tests dropped take their replays with them first)
+    replay.clear_cache()  # counted by entries: a full cache (earlier tests) would evict one
     before = replay.cache_info()
     with log:
         f(tf.constant([1.0, 2.0]))

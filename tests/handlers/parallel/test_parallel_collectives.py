@@ -202,6 +202,42 @@ elif sys.argv[1] == "all_reduce_in_function":
         lambda t: [c.numpy().tolist() for c in strategy.experimental_local_results(t)],
         unrolled=True)
     print(json.dumps({"ours": got, "tf": want, "threads": len(THREADS)}))
+elif sys.argv[1] == "gradient_through_call":
+    # A tape outside a tf.function that holds parallel.all_reduce (the gradient goes
+    # through the function's call), against the same program with all_reduce run eagerly
+    # (no function), call after call, with both tapes, also in a loop.
+    parallel = oh.ParallelHandler(DEVICES)
+
+    def chain(x):
+        return parallel.all_reduce(x * x) * tf.range(1., 3.)
+
+    def looped(x):
+        return tf.while_loop(lambda i, a: i < 2,
+                             lambda i, a: (i + 1, parallel.all_reduce(a) * x), (0, x))[1]
+
+    def unrolled(x):
+        a = x
+        for _ in range(2):
+            a = parallel.all_reduce(a) * x
+        return a
+
+    out = {}
+    with parallel:
+        for name, traced, eager in (("call", tf.function(chain), chain),
+                                    ("loop", tf.function(looped), unrolled)):
+            for tape_name, tape_type in (("tf", tf.GradientTape), ("oh", oh.GradientTape)):
+                for i in range(3):
+                    x = parallel.pack([tf.constant([1. + i, 2.]), tf.constant([3., -1.])])
+                    pair = []
+                    for fn in (traced, eager):
+                        with tape_type() as tape:
+                            tape.watch(x)
+                            y = fn(x)
+                        g = tape.gradient(y, x)
+                        pair.append(None if g is None else
+                                    [c.numpy().tolist() for c in parallel.unpack(g)])
+                    out.setdefault("%s %s" % (name, tape_name), []).append(pair)
+    print(json.dumps(out))
 else:
     prog = globals()["prog_" + sys.argv[1]]
     print(json.dumps({"ours": ours(prog), "threads": len(THREADS), "tf": theirs(prog)}))
@@ -247,6 +283,24 @@ def test_all_reduce_in_a_function_matches_mirrored_strategy_call_after_call():
     # A function whose body packs or unpacks nothing runs whole per component, as one
     # multi-device call: no component thread.
     assert result["threads"] == 0, result["threads"]
+
+
+def test_gradient_through_the_call_of_a_function_holding_all_reduce():
+    """A tape outside a tf.function that calls `parallel.all_reduce` (in a loop too): the
+    gradient through the call equals the eager all_reduce's, call after call, with
+    tf.GradientTape and oh.GradientTape. It came back None: TensorFlow recorded the call
+    with no outputs, because the gradient's collective took a call-time key of its own."""
+    result = _run("gradient_through_call")
+    assert len(result) == 4, result  # call and loop, each with both tapes
+    for name, pairs in result.items():
+        assert len(pairs) == 3, name
+        for i, (traced, eager) in enumerate(pairs):
+            assert traced is not None and eager is not None, (name, i, pairs)
+            np.testing.assert_allclose(traced, eager, rtol=1e-6, err_msg="%s call %d" % (name, i))
+    # d/dx of sum_c(all_reduce(x * x) * [1, 2]) on component c: 2 * x_c * (2 * [1, 2]).
+    x0 = np.array([[1., 2.], [3., -1.]])
+    np.testing.assert_allclose(result["call tf"][0][0],
+                               2. * x0 * 2. * np.array([1., 2.]), rtol=1e-6)
 
 
 def test_component_failing_in_a_loop_is_cancelled_not_aborted():

@@ -84,7 +84,35 @@ def call_time_instance_key(handler):
         return graph.capture_call_time_value(key, tf.TensorSpec([], tf.int32))
 
 
-def traced_all_reduce(handler, tensor, timeout):
+# The collective of a traced all_reduce's gradient is keyed from its forward call's key:
+# key + _GRADIENT_KEY_OFFSET (and again per further order). Far above the keys the
+# allocator hands out, below the key that forms a group (fused_calls.py).
+_GRADIENT_KEY_OFFSET = 1 << 28
+
+
+def differentiable_traced_all_reduce(handler, tensor, timeout, key=None):
+    """`traced_all_reduce` whose gradient is an all-reduce of the output gradient.
+
+    The gradient's collective cannot take a call-time key of its own: in a backward
+    function TensorFlow counts a call-time capture among its captured inputs but not among
+    its inputs, so a tape outside the function recorded the call with no outputs and the
+    gradient came back None. It is keyed from the forward call's key instead, a tensor
+    the backward function receives from the forward call as TensorFlow's gradient
+    functions receive any forward value."""
+    if key is None:
+        key = call_time_instance_key(handler)
+
+    @tf.custom_gradient
+    def reduce(t):
+        def grad(dy):
+            return differentiable_traced_all_reduce(handler, dy, timeout,
+                                                    key + _GRADIENT_KEY_OFFSET)
+        return traced_all_reduce(handler, t, timeout, key), grad
+
+    return reduce(tensor)
+
+
+def traced_all_reduce(handler, tensor, timeout, key=None):
     """The sum over the components of `handler` of `tensor`, a tensor of a function being
     traced in its scope: one `CollectiveReduceV2` on the tensor itself, which the call
     runs once per component (as TensorFlow's ParallelDevice runs a collective on a
@@ -100,7 +128,8 @@ def traced_all_reduce(handler, tensor, timeout):
     devices = list(handler.components)
     return collective_ops.all_reduce_v2(
         tensor, group_size=len(devices), group_key=collective_keys().get_group_key(devices),
-        instance_key=call_time_instance_key(handler), merge_op="Add", final_op="Id",
+        instance_key=call_time_instance_key(handler) if key is None else key,
+        merge_op="Add", final_op="Id",
         timeout=timeout or 0)
 
 

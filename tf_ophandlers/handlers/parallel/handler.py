@@ -237,12 +237,8 @@ class ParallelHandler(OpHandler):
 
         if not tf.executing_eagerly():
             # In a function being traced: the call runs the collective per component.
-            @tf.custom_gradient
-            def traced_reduce(t):
-                return (_collectives.traced_all_reduce(self, t, self.timeout_seconds),
-                        lambda dy: self.all_reduce(dy))
-
-            return traced_reduce(tensor)
+            return _collectives.differentiable_traced_all_reduce(
+                self, tensor, self.timeout_seconds)
 
         @tf.custom_gradient
         def reduce(t):

@@ -67,14 +67,15 @@ def create(graph, op, inputs, device=None):
     return graph.create_op(op.type, inputs, attrs=op.attr_protos()).outputs
 
 
-def replay(graph, nodes, external, results=None, indices=None):
+def replay(graph, nodes, external, results=None, indices=None, add=create):
     """Adds program `nodes` (those of `indices`, default all) to `graph` on the
     `external` inputs; returns `results` (a new per-node list if not given) with each
-    added node's outputs."""
+    added node's outputs. `add(graph, op, inputs, device)` adds one node (default
+    `create`; a caller may add a node another way, e.g. a cheaper equivalent)."""
     if results is None:
         results = [None] * len(nodes)
     for j in range(len(nodes)) if indices is None else indices:
         op, refs, device = nodes[j]
         ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
-        results[j] = create(graph, op, ins, device)
+        results[j] = add(graph, op, ins, device)
     return results

@@ -154,18 +154,17 @@ def replay(graph, nodes, external):
     input-sized (the zeros between the pixels read included), summed at the end.
     The outputs are the strided convolutions' (a 1x1 SAME convolution pads nothing
     before: it reads pixels (i * s, j * s))."""
-    results = [None] * len(nodes)
     slices = {}
-    for j, (op, refs, device) in enumerate(nodes):
-        ins = [external[i] if p < 0 else results[p][i] for p, i in refs]
+
+    def add(graph, op, ins, device):
         strides = _strided_one_by_one(op, ins)
         if strides is None:
-            results[j] = graph_builder.create(graph, op, ins, device)
-            continue
+            return graph_builder.create(graph, op, ins, device)
         key = (ins[0].ref(), strides)
         part = slices.get(key)
         if part is None:
             part = slices[key] = ins[0][:, ::strides[0], ::strides[1], :]
-        results[j] = graph_builder.create(graph, op.replace(strides=[1, 1, 1, 1]),
-                                          [part, ins[1]], device)
-    return results
+        return graph_builder.create(graph, op.replace(strides=[1, 1, 1, 1]),
+                                    [part, ins[1]], device)
+
+    return graph_builder.replay(graph, nodes, external, add=add)

@@ -16,7 +16,6 @@ Needs valgrind, its headers and gcc.
 """
 import argparse
 import contextlib
-import platform
 import subprocess
 
 import _callgrind
@@ -77,7 +76,7 @@ def main():
 
 def page(per_op, n):
     """The page's Markdown: instructions per op, and per further nesting level."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel  (its version only)
+    info = _common.machine_info()
     valgrind = subprocess.run(["valgrind", "--version"], capture_output=True,
                               text=True).stdout.strip()
     plain = per_op["plain"]
@@ -87,7 +86,6 @@ def page(per_op, n):
                "%+.0f" % (per_op["cxx-2"] - per_op["cxx-1"])],
               ["a further Python pass-through level (two against one)",
                "%+.0f" % (per_op["py-2"] - per_op["py-1"])]]
-    date = _common.datetime.datetime.now(_common.datetime.timezone.utc).strftime("%Y-%m-%d")
     return "\n".join([
         "## Native path: instructions per op (`benchmarks/native_callgrind.py`)",
         "",
@@ -100,8 +98,9 @@ def page(per_op, n):
         "load, so they settle differences of a few instructions that the wall-clock page "
         "cannot resolve from its noise (a ~50 us op varies by some us from run to run)." % n,
         "",
-        "**Machine.** %s, Python %s, TensorFlow %s, %s. Run on %s." % (
-            platform.machine(), platform.python_version(), tf.__version__, valgrind, date),
+        "**Machine.** %s (%s), Python %s, TensorFlow %s, %s. Run on %s." % (
+            info["cpu"], info["os"], info["python"], info["tensorflow"], valgrind,
+            info["date"]),
         "",
         _common.md_table(["configuration", "instructions per op", "over plain",
                           "ratio to plain"], rows),

@@ -36,6 +36,30 @@ def _widening_net(rng, blocks=4, ch=16, size=16, dense=512, dense_blocks=3):
     return f, [stem] + [v for b in convs for v in b] + [proj] + dense_ws
 
 
+def _net_and_reference(seed, batch_shape, **net):
+    """A `_widening_net`, its variables, an input of `batch_shape` and tf.GradientTape's
+    gradients of the net on it."""
+    rng = np.random.default_rng(seed)
+    f, variables = _widening_net(rng, **net)
+    x = tf.constant(rng.standard_normal(batch_shape).astype(np.float32))
+    with tf.GradientTape() as ref:
+        want = f(x)
+    return f, variables, x, ref.gradient(want, variables)
+
+
+def _recipe_runs(monkeypatch):
+    """A list that gets, for each `Recipe.tensor()` call, whether the checkpoint was
+    computed again (nothing else held it)."""
+    runs = []
+    original = thinning.Recipe.tensor
+
+    def spy(self):
+        runs.append(self.ref is None or self.ref() is None)
+        return original(self)
+    monkeypatch.setattr(thinning.Recipe, "tensor", spy)
+    return runs
+
+
 def test_plan_drops_the_early_checkpoints_kept_while_weight_gradients_accumulate():
     """The simulated backward pass: four segments, the first three computing large
     checkpoints and reading no weights, the last reading large weights. Dropping the
@@ -62,20 +86,9 @@ def test_thinned_gradients_equal_tensorflows_and_recompute_the_dropped_checkpoin
         monkeypatch):
     """With a budget large enough to drop checkpoints, gradients (twice, on a persistent
     tape) equal tf.GradientTape's, and the dropped checkpoints were computed again."""
-    rng = np.random.default_rng(3)
-    f, variables = _widening_net(rng, blocks=4, ch=4, size=8, dense=64)
-    x = tf.constant(rng.standard_normal((2, 8, 8, 3)).astype(np.float32))
-    with tf.GradientTape() as ref:
-        want = f(x)
-    expected = ref.gradient(want, variables)
-    runs = []
-    original = thinning.Recipe.tensor
-
-    def spy(self):
-        t = original(self)
-        runs.append(self.ref is None or self.ref() is None)
-        return t
-    monkeypatch.setattr(thinning.Recipe, "tensor", spy)
+    f, variables, x, expected = _net_and_reference(3, (2, 8, 8, 3), blocks=4, ch=4,
+                                                   size=8, dense=64)
+    runs = _recipe_runs(monkeypatch)
     rc = oh.Recompute()
     rc.checkpoint_thinning = 2.0
     rc.evict_min_bytes = 16
@@ -94,19 +107,9 @@ def test_thinned_gradients_equal_tensorflows_and_recompute_the_dropped_checkpoin
 def test_thinning_uses_a_dropped_checkpoint_the_program_still_holds(monkeypatch):
     """A dropped checkpoint the program still references is used as it is (not computed
     again): the program keeps every ReLU's output here."""
-    rng = np.random.default_rng(4)
-    f, variables = _widening_net(rng, blocks=6, ch=8, size=16, dense=256, dense_blocks=0)
-    x = tf.constant(rng.standard_normal((2, 16, 16, 3)).astype(np.float32))
-    with tf.GradientTape() as ref:
-        want = f(x)
-    expected = ref.gradient(want, variables)
-    runs = []
-    original = thinning.Recipe.tensor
-
-    def spy(self):
-        runs.append(self.ref is None or self.ref() is None)
-        return original(self)
-    monkeypatch.setattr(thinning.Recipe, "tensor", spy)
+    f, variables, x, expected = _net_and_reference(4, (2, 16, 16, 3), blocks=6, ch=8,
+                                                   size=16, dense=256, dense_blocks=0)
+    runs = _recipe_runs(monkeypatch)
     relu = tf.nn.relu
     kept = []
 

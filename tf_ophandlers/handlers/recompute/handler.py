@@ -87,6 +87,8 @@ _NOT_RECOMPUTED = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless", "Print"
 _TRAINABLE = frozenset(d.as_datatype_enum for d in (
     tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128))
 _MARGIN = 0.9  # share of a memory budget planned for the estimated activations
+# Values (held values, checkpoints) below this many bytes are not worth dropping.
+_MIN_DROP_BYTES = 4096
 _WORKING = 4  # values of the largest size the backward pass holds besides them
 _OPAQUE = frozenset((tf.resource.as_datatype_enum, tf.variant.as_datatype_enum))
 # The cost model of the budget policy: outputs of contractions and convolutions cost
@@ -196,7 +198,7 @@ class Recompute(OpHandler):
         self.memory_budget = memory_budget
         # Values below this many bytes are never dropped (evict.py); None
         # turns eviction off.
-        self.evict_min_bytes = 4096
+        self.evict_min_bytes = _MIN_DROP_BYTES
         # Checkpoint thinning (thinning.py, sqrt policy): the extra forward computation
         # the backward pass may spend recomputing dropped checkpoints, as a share of the
         # bytes the segments computed; 0 keeps every checkpoint.
@@ -397,7 +399,7 @@ class Recompute(OpHandler):
         if self.policy == "sqrt" and self.checkpoint_thinning:
             count, size = recompute_thinning.thin(
                 pending, self.checkpoint_thinning,
-                self.evict_min_bytes if self.evict_min_bytes is not None else 4096)
+                self.evict_min_bytes if self.evict_min_bytes is not None else _MIN_DROP_BYTES)
             self._thinned += count
             self._thinned_bytes += size
         for segment in pending:

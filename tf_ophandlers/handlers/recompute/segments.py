@@ -27,6 +27,7 @@ from tf_ophandlers.extend import (
     CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
     registries as _registries, tensor_key)
 from tf_ophandlers.handlers.recompute import conv_grads, thinning
+from tf_ophandlers.handlers.recompute.thinning import nbytes  # (also evict's, handler's)
 
 #: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
 #: backward function takes None for any output gradient: an input reached only from
@@ -39,12 +40,6 @@ conv_grads.register()
 _gradients = LRUCache("recompute.gradient_functions", 256)  # structure -> _GradientFunction
 
 _DENSE, _SLICES, _NONE = 1, 2, 0
-
-
-def nbytes(tensor):
-    """Bytes of an eager tensor's value (0 if its shape is unknown)."""
-    n = tensor.shape.num_elements()
-    return 0 if n is None else n * tensor.dtype.size
 
 
 class Segment:

@@ -41,7 +41,8 @@ _WORK = 0.75  # share of a segment's computed bytes its gradient function holds 
 
 
 def nbytes(tensor):
-    """Bytes of a tensor's value (0 if its shape is unknown)."""
+    """Bytes of a tensor's value (0 if its shape is unknown). (The package's one
+    definition: segments.py, which imports this module, re-exports it.)"""
     n = tensor.shape.num_elements()
     return 0 if n is None else n * tensor.dtype.size
 

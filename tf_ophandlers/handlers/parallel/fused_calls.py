@@ -243,7 +243,7 @@ def run_fused(handler, entry, op, inputs):
 # one small collective over the components, as MirroredStrategy's first step forms its
 # group with every replica present.
 
-_GROUP_OPS = {}  # op type -> (index of group_size, index of group_key), or None
+_GROUP_OPS = {}  # collective op type -> (index of group_size, index of group_key), or None
 _complete = set()  # (group key, group size, components) formed in this process
 _complete_lock = threading.Lock()
 # The instance key of the collective that forms a group: one per group and process, far
@@ -252,13 +252,16 @@ _FORMING_INSTANCE_KEY = 2 ** 30
 
 
 def _group_inputs(op_type):
+    # Only collective op types are remembered: a node's op may be a function's name,
+    # new with every traced function.
+    if not op_type.startswith(_collectives.COLLECTIVE_PREFIXES):
+        return None
     if op_type not in _GROUP_OPS:
         found = None
-        if op_type.startswith(_collectives.COLLECTIVE_PREFIXES):
-            op_def = _op_def_registry.get(op_type)
-            names = [a.name for a in op_def.input_arg] if op_def is not None else []
-            if "group_size" in names and "group_key" in names:
-                found = names.index("group_size"), names.index("group_key")
+        op_def = _op_def_registry.get(op_type)
+        names = [a.name for a in op_def.input_arg] if op_def is not None else []
+        if "group_size" in names and "group_key" in names:
+            found = names.index("group_size"), names.index("group_key")
         _GROUP_OPS[op_type] = found
     return _GROUP_OPS[op_type]
 

@@ -230,7 +230,7 @@ def _record_piece(segment, outputs):
         """The gradient function of the outputs whose gradients are given (the others
         have no gradient: an input reached only from them gets none, so a gather's
         input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
-        key = (structure, mask, kept, layout)
+        key = (structure, mask, kept, layout, _GradientFunction.split_nested)
         fn = _gradients.get(key)
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
@@ -262,7 +262,8 @@ class _GradientFunction:
     """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
     segment's nodes inside."""
 
-    split_nested = True  # split at a narrow place inside (nested.py)
+    # Split at a narrow place inside (nested.py); part of the functions' cache key.
+    split_nested = True
 
     def __init__(self, segment, kinds, output_refs, output_specs, kept=False):
         nodes = [(op, refs) for op, refs in segment.nodes]

@@ -145,6 +145,7 @@ def test_lean_mul_gradients_equal_tensorflows(x_shape, y_shape):
     assert ordered == [one_sided], (ordered, x_shape, y_shape)
 
 
+@pytest.mark.slow
 def test_nested_split_lowers_the_step_peak_of_bottleneck_blocks():
     """BFC peaks, in a subprocess with one thread (peaks repeat to the byte): a stack of
     bottleneck blocks under oh.Recompute with the nested split and without; the step's

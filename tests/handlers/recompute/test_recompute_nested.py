@@ -145,49 +145,57 @@ def test_lean_mul_gradients_equal_tensorflows(x_shape, y_shape):
     assert ordered == [one_sided], (ordered, x_shape, y_shape)
 
 
+_PEAK_CODE = """
+    import gc, sys
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    import tf_ophandlers as oh
+    from tf_ophandlers.handlers.recompute import segments
+    sys.path[:0] = [%r, %r]
+    import recompute_helpers
+    from test_recompute_nested import _bottleneck_net
+    segments._GradientFunction.split_nested = %r
+    rng = np.random.default_rng(0)
+    f, variables = _bottleneck_net(rng, blocks=4, wide=128, narrow=32)
+    x = tf.constant(rng.standard_normal((8, 32, 32, 3)).astype(np.float32))
+    with tf.GradientTape() as ref:
+        want = f(x)
+    expected = [g.numpy() for g in ref.gradient(want, variables)]
+    del ref, want
+    info = tf.config.experimental.get_memory_info
+    rc = oh.Recompute()
+    peaks = []
+    for _ in range(3):
+        gc.collect()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = info("CPU:0")["current"]
+        with oh.GradientTape() as tape:
+            with rc:
+                loss = f(x)
+        grads = tape.gradient(loss, variables)
+        peaks.append(info("CPU:0")["peak"] - base)
+        recompute_helpers.assert_grads(expected, [g.numpy() for g in grads])
+        del grads, tape, loss
+    print(min(peaks[1:]), max(peaks[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_nested_split_lowers_the_step_peak_of_bottleneck_blocks():
-    """BFC peaks, in a subprocess with one thread (peaks repeat to the byte): a stack of
+    """BFC peaks, each configuration in fresh subprocesses with one thread: a stack of
     bottleneck blocks under oh.Recompute with the nested split and without; the step's
-    peak is lower with it, and gradients equal tf.GradientTape's in both."""
-    out = recompute_helpers.run_bfc("""
-        import gc, sys
-        import numpy as np
-        import tensorflow as tf
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-        import tf_ophandlers as oh
-        from tf_ophandlers.handlers.recompute import segments
-        sys.path[:0] = [%r, %r]
-        import recompute_helpers
-        from test_recompute_nested import _bottleneck_net
-        rng = np.random.default_rng(0)
-        f, variables = _bottleneck_net(rng, blocks=4, wide=128, narrow=32)
-        x = tf.constant(rng.standard_normal((8, 32, 32, 3)).astype(np.float32))
-        with tf.GradientTape() as ref:
-            want = f(x)
-        expected = [g.numpy() for g in ref.gradient(want, variables)]
-        del ref, want
-        info = tf.config.experimental.get_memory_info
-        for split in (False, True):
-            segments._GradientFunction.split_nested = split
-            segments._gradients.clear()
-            rc = oh.Recompute()
-            peaks = []
-            for _ in range(4):
-                gc.collect()
-                tf.config.experimental.reset_memory_stats("CPU:0")
-                base = info("CPU:0")["current"]
-                with oh.GradientTape() as tape:
-                    with rc:
-                        loss = f(x)
-                grads = tape.gradient(loss, variables)
-                peaks.append(info("CPU:0")["peak"] - base)
-                recompute_helpers.assert_grads(expected, [g.numpy() for g in grads])
-                del grads, tape, loss
-            print(min(peaks[1:]), max(peaks[1:]))
-    """ % (recompute_helpers.REPO + "/tests/handlers/recompute",
-           recompute_helpers.REPO + "/tests"))
-    (plain, plain_max), (split, split_max) = (
-        [int(v) for v in line.split()] for line in out.split("\n") if line.strip())
-    assert split_max < plain, (plain, plain_max, split, split_max)
+    peak is lower with it, and gradients equal tf.GradientTape's in both. A process's
+    peaks repeat step after step, but between processes they take one of a few values
+    some MB apart (the allocator's best fit among equal-sized free chunks follows their
+    addresses, which move between processes): the lowest of four processes each."""
+    paths = (recompute_helpers.REPO + "/tests/handlers/recompute",
+             recompute_helpers.REPO + "/tests")
+    lowest = {}
+    for on in (False, True):
+        runs = [[int(v) for v in recompute_helpers.run_bfc(
+            _PEAK_CODE % (paths + (on,))).split()] for _ in range(4)]
+        lowest[on] = min(low for low, _ in runs)
+    # (by more than the spread of one configuration's lowest peaks, some 100 KB)
+    assert lowest[True] < lowest[False] - (1 << 20), lowest

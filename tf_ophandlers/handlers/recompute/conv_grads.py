@@ -1,7 +1,7 @@
 """Convolution gradients with a small working set, for `oh.Recompute`'s gradient functions.
 
-TensorFlow's CPU kernels for `Conv2DBackpropFilter` and `Conv2DBackpropInput` allocate a
-scratch buffer of their own (an im2col buffer of up to about 32 MB, the kernels'
+TensorFlow's Eigen CPU kernels for `Conv2DBackpropFilter` and `Conv2DBackpropInput`
+allocate a scratch buffer of their own (an im2col buffer of up to about 32 MB, the kernels'
 `target_working_set_size`), whatever the size of their result: the filter gradient of a
 1x1 convolution over a ResNet50 block at batch 32 (8.4 MB input, a 65 KB result) peaks at
 34 MB, its input gradient (8.4 MB) at 42 MB. In a recomputing backward pass that scratch

@@ -322,6 +322,43 @@ def test_component_failing_in_a_loop_is_cancelled_not_aborted():
     assert result["after"] == [96., 96.], result
 
 
+def test_a_fused_calls_error_names_the_failing_component_not_the_cancelled_one():
+    """The runtime may report a fused call's failure as two root errors, the failing
+    component's and the cancellation of the one that waited for it in a collective, in
+    either order (seen in a full run of the loop test above): the error names the failing
+    component and has its cause's type."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import tf_ophandlers as oh  # pylint: disable=import-outside-toplevel
+    from tf_ophandlers.handlers.parallel import fused_calls  # pylint: disable=import-outside-toplevel
+
+    class Entry:  # (what the error's reading uses of a fused call's entry: its name)
+        name = "oh_parallel_f_x2_0"
+    devices = ["/job:localhost/replica:0/task:0/device:CPU:%d" % i for i in (0, 1)]
+    handler = oh.ParallelHandler(devices)
+    failing = ("(%d) INVALID_ARGUMENT: {{function_node oh_parallel_f_x2_0}} {{function_node "
+               "oh_parallel_f_x2_0_component1}} bad input : Tensor had NaN values\n"
+               "\t [[{{node while/CheckNumerics}}]]\n\t [[component_1]]\n")
+    cancelled = ("(%d) CANCELLED: {{function_node oh_parallel_f_x2_0}} {{function_node "
+                 "oh_parallel_f_x2_0_component0}} Operation was cancelled for BufRendezvous "
+                 "key 101:101:0:0:0:0:0\n\t [[{{node while/CollectiveReduceV2}}]]\n"
+                 "\t [[component_0]]\n")
+    for first_code, parts in ((tf.errors.INVALID_ARGUMENT, (failing % 0, cancelled % 1)),
+                              (tf.errors.CANCELLED, (cancelled % 0, failing % 1))):
+        error = tf.errors.OpError(None, None, "2 root error(s) found.\n  " + "  ".join(parts)
+                                  + "0 successful operations.\n0 derived errors ignored.",
+                                  first_code)
+        assert fused_calls._failed_component(handler, Entry, error) == (  # pylint: disable=protected-access
+            devices[1], tf.errors.INVALID_ARGUMENT)
+    # One root error: its component and code.
+    error = tf.errors.OpError(None, None, failing % 0, tf.errors.INVALID_ARGUMENT)
+    assert fused_calls._failed_component(handler, Entry, error) == (  # pylint: disable=protected-access
+        devices[1], tf.errors.INVALID_ARGUMENT)
+    # No component named: none, the error's own code.
+    error = tf.errors.OpError(None, None, "something else", tf.errors.INTERNAL)
+    assert fused_calls._failed_component(handler, Entry, error) == (  # pylint: disable=protected-access
+        None, tf.errors.INTERNAL)
+
+
 def test_component_failing_before_a_collective_raises_instead_of_hanging():
     result = _run("failure")
     message = result["error"]

@@ -30,6 +30,7 @@ in its collective for component 1. The wrapper has no such edges; every call is 
 its control outputs, so a call without outputs still runs.
 """
 import itertools
+import re
 import threading
 import weakref
 
@@ -220,15 +221,37 @@ def run_fused(handler, entry, op, inputs):
             flat = PHYSICAL.execute(entry.op(), args)
     except _error_codes.OpError as e:
         # As the threaded path reports it: the handler, the op, the component (named
-        # by its copy of the function in the runtime's message).
-        which = [d for i, d in enumerate(handler.components)
-                 if "{{function_node %s}}" % _component_name(entry.name, i) in e.message]
-        raise _error_codes.exception_type_from_error_code(e.error_code)(
+        # by its copy of the function in the runtime's message) and the cause's type.
+        which, code = _failed_component(handler, entry, e)
+        raise _error_codes.exception_type_from_error_code(code)(
             e.node_def, e.op, "oh.ParallelHandler: op %s failed on %s of %s: %s" % (
-                op.type, "component " + which[0] if len(which) == 1 else "a component",
+                op.type, "component " + which if which else "a component",
                 handler.debug_string(), e.message)) from e
     k = entry.num_outputs
     return [flat[i * k:(i + 1) * k] for i in range(n)]
+
+
+# One root error of a runtime message: "(0) INVALID_ARGUMENT: ..." up to the next one.
+_ROOT_ERROR = re.compile(r"\((\d+)\) ([A-Z_]+): ")
+
+
+def _failed_component(handler, entry, error):
+    """(the device of the component that failed, or None if not one; the error code of
+    its failure). The runtime may report the other components' cancellation, which the
+    failure caused, as root errors beside it, in either order: the component and the code
+    are those of the root errors that are not a cancellation, when there are such."""
+    message = error.message
+    names = [(d, "{{function_node %s}}" % _component_name(entry.name, i))
+             for i, d in enumerate(handler.components)]
+    cuts = list(_ROOT_ERROR.finditer(message))
+    parts = [(m.group(2), message[m.end():cuts[k + 1].start() if k + 1 < len(cuts) else None])
+             for k, m in enumerate(cuts)] or [(None, message)]
+    causes = [(c, text) for c, text in parts if c != "CANCELLED"] or parts
+    which = {d for _, text in causes for d, name in names if name in text}
+    code = getattr(_error_codes, causes[0][0], None) if causes[0][0] else None
+    if not isinstance(code, int):
+        code = error.error_code
+    return (next(iter(which)) if len(which) == 1 else None), code
 
 
 # -- collective groups completed before a fused call first runs ---------------------------

@@ -327,8 +327,9 @@ def render_md(results, info, elapsed, steps=3):
          "peak over the kept bytes and the weight gradients.",
          "- The backward pass ends holding every weight gradient. A segment's gradient "
          "function computes its convolutions' gradients as matrix products (one per "
-         "filter tap, chained) instead of TensorFlow's CPU kernels, which allocate a "
-         "scratch buffer of up to 34 MB each (`recompute/conv_grads.py`); oh.GradientTape "
+         "filter tap, chained) instead of TensorFlow's CPU kernels, whose Eigen versions "
+         "allocate a scratch buffer of up to 34 MB each (oneDNN's, used where its custom "
+         "ops are on, do not; `recompute/conv_grads.py`); oh.GradientTape "
          "frees each record once its gradient ran, as TensorFlow's tape does, and keeps "
          "none of a segment's outputs (its gradient function reads none)."]
     return "\n".join(L)

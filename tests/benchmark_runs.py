@@ -5,7 +5,14 @@ main pytest process is mostly single-threaded Python: started when collection fi
 (conftest.py's `pytest_collection_finish`), one at a time at lower priority with one
 intra-op thread, they overlap with the rest of the suite instead of adding ~5 minutes
 at its end. A test waits for its own script's result.
+
+Under pytest-xdist the controller, which runs no test, starts the runs when its workers
+have collected (`pytest_xdist_node_collection_finished`) and publishes each result as a
+file in a directory it names to every worker (`SHARED_DIR_KEY` in the workers' input); a
+worker's test reads its script's result from there. Started from a worker instead, the
+runs would go one after another at the end of that worker's share.
 """
+import json
 import os
 import pathlib
 import re
@@ -13,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
@@ -66,6 +74,9 @@ class _Run:
 _runs = {}
 _lock = threading.Lock()
 _outdir = None
+# Set in an xdist worker: the controller's directory of published results.
+_shared_dir = None
+SHARED_DIR_KEY = "oh_benchmark_runs_dir"
 
 
 def _run_one(run):
@@ -80,6 +91,41 @@ def _run_one(run):
         run.returncode, run.stderr = -1, "%s: %s" % (type(e).__name__, e)
     finally:
         run.done.set()
+        if _publish:
+            _write_result(run)
+
+
+_publish = False  # in an xdist controller: write each result for the workers
+
+
+def _result_path(directory, name):
+    return pathlib.Path(directory) / ("%s.result.json" % name)
+
+
+def _write_result(run):
+    """Publishes `run`'s result for the xdist workers; the rename makes it appear whole."""
+    path = _result_path(_outdir, run.name)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"returncode": run.returncode, "stderr": run.stderr,
+                               "text": run.text, "files": sorted(run.files)}))
+    os.replace(tmp, path)
+
+
+def shared_dir():
+    """In an xdist controller: the directory the results will be published in (created
+    now, before the workers start, so that it can be named in their input)."""
+    global _outdir, _publish  # pylint: disable=global-statement
+    with _lock:
+        if _outdir is None:
+            _outdir = tempfile.mkdtemp(prefix="tfoh-bench-")
+        _publish = True
+        return _outdir
+
+
+def use_shared_dir(directory):
+    """In an xdist worker: read results from the controller's `directory`."""
+    global _shared_dir  # pylint: disable=global-statement
+    _shared_dir = directory
 
 
 def _run_niced(cmd):
@@ -120,8 +166,25 @@ def start(names):
     threading.Thread(target=worker, daemon=True, name="benchmark smoke runs").start()
 
 
+def _published(name):
+    """Waits for the controller's result of `name` (an xdist worker)."""
+    path = _result_path(_shared_dir, name)
+    deadline = time.monotonic() + TIMEOUT * len(BENCHMARKS)
+    while not path.exists():
+        assert time.monotonic() < deadline, "%s: the smoke run did not finish" % name
+        time.sleep(0.5)
+    data = json.loads(path.read_text())
+    run = _Run(name)
+    run.returncode, run.stderr, run.text = data["returncode"], data["stderr"], data["text"]
+    run.files = set(data["files"])
+    run.done.set()
+    return run
+
+
 def result(name):
     """Waits for `name`'s run (starting it now if collection did not) and returns it."""
+    if _shared_dir is not None:
+        return _published(name)
     start([name])
     run = _runs[name]
     # The runs before it in the queue may still be going: wait for all of them.

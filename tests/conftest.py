@@ -144,14 +144,30 @@ def pytest_collection_finish(session):
     names = [item.callspec.params["name"] for item in session.items
              if item.originalname == "test_benchmark_quick_run" and hasattr(item, "callspec")]
     # Under pytest-xdist every worker collects every test but runs only its share; a
-    # run started here would run once per worker. Each test starts its own run instead
-    # (benchmark_runs.result), and the other worker keeps the second core busy.
+    # run started here would run once per worker. The controller starts them instead
+    # (pytest_xdist_node_collection_finished below).
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if names and not session.config.option.collectonly:
-        sys.path.insert(0, os.path.dirname(__file__))
-        import benchmark_runs  # noqa: E402  pylint: disable=import-outside-toplevel
-        benchmark_runs.start(names)
+        _benchmark_runs().start(names)
+
+
+def _benchmark_runs():
+    sys.path.insert(0, os.path.dirname(__file__))
+    import benchmark_runs  # noqa: E402  pylint: disable=import-outside-toplevel
+    return benchmark_runs
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist, in the controller: starts the benchmark smoke runs the workers
+    collected (every worker collects the same tests), publishing their results in the
+    directory named in the workers' input (tests/benchmark_runs.py)."""
+    del node
+    prefix = "tests/test_packaging.py::test_benchmark_quick_run["
+    names = [i[len(prefix):-1] for i in ids if i.startswith(prefix)]
+    if names:
+        _benchmark_runs().start(names)
 
 
 def forget_jvp_dispatch_memos():
@@ -226,12 +242,18 @@ def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and "oh_fuzz_seed" in workerinput:
         fuzz_seed.set_run_seed(workerinput["oh_fuzz_seed"])
+    key = _benchmark_runs().SHARED_DIR_KEY
+    if workerinput is not None and key in workerinput:
+        _benchmark_runs().use_shared_dir(workerinput[key])
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """pytest-xdist, in the controller: passes the run's fuzz seed to each worker."""
+    """pytest-xdist, in the controller: passes the run's fuzz seed to each worker, and
+    the directory where the controller publishes the benchmark smoke runs' results."""
     node.workerinput["oh_fuzz_seed"] = fuzz_seed.run_seed()
+    runs = _benchmark_runs()
+    node.workerinput[runs.SHARED_DIR_KEY] = runs.shared_dir()
 
 
 def pytest_terminal_summary(terminalreporter):

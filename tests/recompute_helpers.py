@@ -40,11 +40,12 @@ def assert_grads(expected, got):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_bfc(code):
+def run_bfc(code, env=None):
     """Runs `code` in a fresh Python with TensorFlow's BFC CPU allocator (so peak memory
-    can be read from its stats) and returns its stdout; a failure shows its output."""
+    can be read from its stats) and returns its stdout; a failure shows its output.
+    `env`: extra environment variables."""
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

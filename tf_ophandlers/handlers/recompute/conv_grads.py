@@ -1,7 +1,7 @@
 """Convolution gradients with a small working set, for `oh.Recompute`'s gradient functions.
 
-TensorFlow's CPU kernels for `Conv2DBackpropFilter` and `Conv2DBackpropInput` allocate a
-scratch buffer of their own (an im2col buffer of up to about 32 MB, the kernels'
+TensorFlow's Eigen CPU kernels for `Conv2DBackpropFilter` and `Conv2DBackpropInput`
+allocate a scratch buffer of their own (an im2col buffer of up to about 32 MB, the kernels'
 `target_working_set_size`), whatever the size of their result: the filter gradient of a
 1x1 convolution over a ResNet50 block at batch 32 (8.4 MB input, a 65 KB result) peaks at
 34 MB, its input gradient (8.4 MB) at 42 MB. In a recomputing backward pass that scratch
@@ -32,14 +32,15 @@ import threading
 
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
-from tensorflow.python.ops import nn_grad
+from tensorflow.python.ops import math_grad, nn_grad
 
 from tf_ophandlers.extend import graph_builder
 
 #: The gradient the segments' gradient functions give `Conv2D` ops
 #: (`graph.gradient_override_map`).
 LEAN_CONV2D = "OhRecomputeLeanConv2D"
-OVERRIDES = {"Conv2D": LEAN_CONV2D}
+LEAN_MUL = "OhRecomputeLeanMul"
+OVERRIDES = {"Conv2D": LEAN_CONV2D, "Mul": LEAN_MUL}
 _registered = []
 _lock = threading.Lock()
 
@@ -49,6 +50,7 @@ def register():
     with _lock:
         if not _registered:
             _ops.RegisterGradient(LEAN_CONV2D)(_lean_conv2d_grad)
+            _ops.RegisterGradient(LEAN_MUL)(_lean_mul_grad)
             _registered.append(True)
 
 
@@ -168,3 +170,34 @@ def replay(graph, nodes, external):
                                     [part, ins[1]], device)
 
     return graph_builder.replay(graph, nodes, external, add=add)
+
+
+def _lean_mul_grad(op, grad):
+    """`Mul`'s gradient (TensorFlow's `_MulGrad`, the same products and sums) where one
+    operand is full-size and the other broadcast (a batch norm's scale): the broadcast
+    operand's gradient, `sum(full * grad)`, is computed first and the full one's,
+    `grad * other`, after it (a control edge). The product then reads the full operand
+    at its last use, so it takes that operand's buffer (the executor forwards it) where
+    in the other order both products and the full operand were alive at once."""
+    x, y = op.inputs[0], op.inputs[1]
+    xs, ys, gs = _static(x), _static(y), _static(grad)
+    if (xs is None or ys is None or gs is None or xs == ys or grad.dtype.is_complex
+            or not grad.dtype.is_floating or isinstance(grad, tf.IndexedSlices)):
+        return math_grad._MulGrad(op, grad)  # pylint: disable=protected-access
+    if xs == gs and len(ys) <= len(xs):
+        full, small, small_shape, first = x, y, ys, False
+    elif ys == gs and len(xs) <= len(ys):
+        full, small, small_shape, first = y, x, xs, True
+    else:
+        return math_grad._MulGrad(op, grad)  # pylint: disable=protected-access
+    rank = len(gs)
+    padded = [1] * (rank - len(small_shape)) + list(small_shape)
+    axes = [i for i in range(rank) if padded[i] == 1 and gs[i] != 1 or i < rank - len(small_shape)]
+    if any(p != 1 and p != g for p, g in zip(padded, gs)):
+        return math_grad._MulGrad(op, grad)  # pylint: disable=protected-access
+    # (TensorFlow's order of the factors: x * grad for y's gradient, grad * y for x's)
+    product = full * grad if not first else grad * full
+    g_small = tf.reshape(tf.reduce_sum(product, axes), small_shape)
+    g_full = grad * small if not first else small * grad
+    g_full.op._add_control_input(g_small.op)  # pylint: disable=protected-access
+    return [g_small, g_full] if first else [g_full, g_small]

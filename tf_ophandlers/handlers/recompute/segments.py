@@ -26,7 +26,7 @@ from tensorflow.python.ops import gradients_util
 from tf_ophandlers.extend import (
     CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
     registries as _registries, tensor_key)
-from tf_ophandlers.handlers.recompute import conv_grads, thinning
+from tf_ophandlers.handlers.recompute import conv_grads, nested, thinning
 from tf_ophandlers.handlers.recompute.thinning import nbytes  # (also evict's, handler's)
 
 #: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
@@ -230,7 +230,7 @@ def _record_piece(segment, outputs):
         """The gradient function of the outputs whose gradients are given (the others
         have no gradient: an input reached only from them gets none, so a gather's
         input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
-        key = (structure, mask, kept, layout)
+        key = (structure, mask, kept, layout, _GradientFunction.split_nested)
         fn = _gradients.get(key)
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
@@ -262,6 +262,9 @@ class _GradientFunction:
     """`tf.function(xs, cs, output gradients) -> gradients of xs`, recomputing the
     segment's nodes inside."""
 
+    # Split at a narrow place inside (nested.py); part of the functions' cache key.
+    split_nested = True
+
     def __init__(self, segment, kinds, output_refs, output_specs, kept=False):
         nodes = [(op, refs) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
@@ -274,6 +277,7 @@ class _GradientFunction:
             c_specs = c_specs + [tf.TensorSpec(t.shape, t.dtype) for ts in saved
                                  if ts is not None for t in ts]
         self.kinds = []
+        self.split = None  # where a nested split cut the nodes (nested.py), if it did
 
         def build(*args):
             xs = list(args[:len(x_specs)])
@@ -293,13 +297,21 @@ class _GradientFunction:
                 # Convolutions' gradients without the CPU kernels' scratch buffers
                 # (conv_grads.py): what they allocate is most of a recomputing
                 # backward pass's working memory besides the weight gradients.
-                with _ops.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
-                    results = conv_grads.replay(
-                        _ops.get_default_graph(), [(op, refs, None) for op, refs in nodes],
-                        ext)
-                outs = [results[n][k] for n, k in output_refs]
-                start = len(_ops.get_default_graph().get_operations())
-                grads = tf.gradients(outs, xs, grad_ys=gs)
+                graph = _ops.get_default_graph()
+                plain = [(op, refs, None) for op, refs in nodes]
+                with graph.gradient_override_map(conv_grads.OVERRIDES):
+                    results = conv_grads.replay(graph, plain, ext)
+                    start = len(graph.get_operations())
+                    # A segment narrowing inside differentiates its two parts one after
+                    # the other (nested.py): their working values are not alive together.
+                    p = nested.cut(nodes, results, output_refs) if self.split_nested else None
+                    if p is None:
+                        grads = tf.gradients([results[n][k] for n, k in output_refs], xs,
+                                             grad_ys=gs)
+                    else:
+                        grads = nested.gradients(graph, plain, ext, results, p, output_refs,
+                                                 gs, xs, conv_grads.replay)
+                    self.split = p
             serialize_heavy(_ops.get_default_graph().get_operations()[start:])
             flat = []
             for g in grads:

@@ -20,6 +20,7 @@ from tf_ophandlers.core import dispatch as _dispatch
 from tf_ophandlers.core import errors
 from tf_ophandlers.core import handler as _handler
 from tf_ophandlers.core import skip_trace
+from tf_ophandlers.core import traceback_switch
 from tf_ophandlers.core import tf_patches
 from tf_ophandlers.core.dispatch import DISPATCHER_DEVICE
 from tf_ophandlers.core.handler import OpHandler
@@ -75,7 +76,7 @@ class _Scope:
     """One open handler scope of a thread (an entry of `state.scopes`)."""
 
     __slots__ = ("target", "previous", "device_scope", "opened", "depth", "traced",
-                 "stack", "graph")
+                 "stack", "graph", "traceback_set")
 
     def __init__(self, target, depth):
         self.target = target        # what opened it: a handler or a stack
@@ -86,6 +87,7 @@ class _Scope:
         self.traced = None          # traced: TensorFlow's attribute scope
         self.stack = None           # the stack it placed ops on
         self.graph = None           # traced: the FuncGraph
+        self.traceback_set = False  # eager: it set the traceback switch (traceback_switch)
 
 
 def _handlers_of(target):
@@ -173,6 +175,7 @@ def _open(target):
         entry.device_scope = _original_context_device(ctx, DISPATCHER_DEVICE)
         entry.device_scope.__enter__()
         skip_trace.acquire()  # while ops go to the dispatcher (core/skip_trace.py)
+        entry.traceback_set = traceback_switch.set_default()  # (core/traceback_switch.py)
     state.scopes.append(entry)
     state.current = stack
     for i, h in enumerate(opened):
@@ -208,6 +211,7 @@ def _abandon(entry, opened):
         if entry.device_scope is not None:
             entry.device_scope.__exit__(None, None, None)
             skip_trace.release()
+            traceback_switch.restore(entry.traceback_set)
 
 
 def _close(entry):
@@ -250,6 +254,7 @@ def _close(entry):
         if entry.device_scope is not None:
             entry.device_scope.__exit__(None, None, None)
             skip_trace.release()
+            traceback_switch.restore(entry.traceback_set)
         _purge_tensor_caches()
         _C.drain()
 

@@ -232,3 +232,39 @@ def test_a_tape_below_sees_the_ops_one_by_one():
 def test_chunk_ops_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="oh.Lazy: chunk_ops"):
         oh.Lazy(chunk_ops=bad)
+
+
+def test_chunks_leave_the_threads_executor_as_it_was():
+    # A chunk runs on the handler's asynchronous executor; the thread's own executor (the
+    # synchronous default, or one the program chose) is current again after each launch:
+    # ops the program runs between launches, and after the scope, run on it.
+    from tensorflow.python.eager import context, executor  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([4, 4], seed=[3, 5])
+
+    def chain(h):
+        for _ in range(12):
+            h = tf.tanh(h) * 1.25
+        return h
+
+    want = chain(x).numpy()
+    seen = []
+    own = executor.new_executor(enable_async=True)
+    for scope in (None, own):
+        if scope is not None:
+            cm = context.executor_scope(scope)
+            cm.__enter__()
+        try:
+            lazy = oh.Lazy(chunk_ops=4)
+            with lazy:
+                h = chain(x)
+                seen.append(context.context().executor.is_async())  # between launches
+                got = h.numpy()
+            seen.append(context.context().executor.is_async())  # after the scope
+            assert lazy.chunks >= 2
+            assert_close(got, want, 1e-6)
+        finally:
+            if scope is not None:
+                cm.__exit__(None, None, None)
+        seen.append(context.context().executor.is_async())
+    own.wait()
+    assert seen == [False, False, False, True, True, False]

@@ -51,9 +51,16 @@ _tape_set_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _RESOURCE = tf.resource
 _RESOURCE_ENUM = tf.resource.as_datatype_enum
 _EagerTensor = _ops.EagerTensor
+_get_executor = pywrap_tfe.TFE_ContextGetExecutorForThread
+_set_executor = pywrap_tfe.TFE_ContextSetExecutorForThread
+_delete_executor = pywrap_tfe.TFE_DeleteExecutor
 
 
 _threads = threading.local()  # .executor: this thread's async executor for chunks
+# A compiled chunk's outputs: ((TensorSpec, spec key), ...) from its function's outputs,
+# or None when a shape is not fully defined. Weak keys: an entry leaves with the
+# function cache's CompiledCall (no tensor is kept).
+_chunk_specs = weakref.WeakKeyDictionary()
 
 
 def _async_executor():
@@ -62,6 +69,23 @@ def _async_executor():
     if ex is None:
         ex = _threads.executor = _executor.new_executor(enable_async=True)
     return ex
+
+
+def _run_async(entry, external):
+    """`entry` called on this thread's asynchronous executor, as under
+    `context.executor_scope`, which wraps the thread's previous executor in an `Executor`
+    whose deletion at the scope's end waits for that executor's pending nodes: a runtime
+    call on every launch of the record path. Here the previous executor's handle (an
+    unowned reference) is put back and freed without waiting; the launch added nothing
+    to that executor."""
+    handle = _context.context()._context_handle  # pylint: disable=protected-access
+    previous = _get_executor(handle)
+    _set_executor(handle, _async_executor().handle())
+    try:
+        return entry.run(PHYSICAL, external)
+    finally:
+        _set_executor(handle, previous)
+        _delete_executor(previous)
 
 
 def _is_stateful(op_type):
@@ -149,6 +173,19 @@ def _spec_key(t):
         return (t._datatype_enum(), t._shape_tuple())  # pylint: disable=protected-access
     shape = t.shape
     return (t.dtype.as_datatype_enum, None if shape.rank is None else tuple(shape.as_list()))
+
+
+def _output_specs(function):
+    """((TensorSpec, spec key), ...) of `function`'s outputs, or None if a shape is not
+    fully defined (a launched chunk's outputs are then awaited)."""
+    specs = []
+    for s in function.outputs:
+        shape = s.shape
+        if not shape.is_fully_defined():
+            return None
+        spec = tf.TensorSpec(shape, s.dtype)
+        specs.append((spec, _spec_key(spec)))
+    return tuple(specs)
 
 
 def _dtype(enum):
@@ -424,9 +461,12 @@ class Lazy(OpHandler):
         roots = []
         for r in self._pending:
             n = r()
-            if (n is not None and n.inputs is not None and not n.failed
-                    and n.next is PHYSICAL and any(o() is not None for o in n.outputs)):
-                roots.append(n)
+            if n is None or n.inputs is None or n.failed or n.next is not PHYSICAL:
+                continue
+            for o in n.outputs:
+                if o() is not None:
+                    roots.append(n)
+                    break
         try:
             if roots:
                 self._run(roots, chunk=True)
@@ -441,17 +481,18 @@ class Lazy(OpHandler):
     def _launch(self, entry, external, order):
         """Calls compiled `entry` on the async executor; its outputs' specs (from the
         function) are kept so that recording goes on without waiting for them."""
-        with _context.executor_scope(_async_executor()):
-            outputs = entry.run(PHYSICAL, external)
+        outputs = _run_async(entry, external)
         self.chunks += 1
         self._chunk_ops_types.append({node.sig[0] for node in order})
-        inflight = self._inflight
-        for t, s in zip(outputs, entry.function.outputs):
-            shape = s.shape
-            if not shape.is_fully_defined():
-                self._wait()  # rare: the shape is only known once computed
-                break
-            inflight[tensor_key(t)] = (t, tf.TensorSpec(shape, s.dtype))
+        specs = _chunk_specs.get(entry, False)
+        if specs is False:
+            specs = _chunk_specs[entry] = _output_specs(entry.function)
+        if specs is None:
+            self._wait()  # rare: a shape is only known once computed
+        else:
+            inflight = self._inflight
+            for t, s in zip(outputs, specs):
+                inflight[tensor_key(t)] = (t,) + s
         return outputs
 
     def _wait(self):
@@ -533,8 +574,11 @@ class Lazy(OpHandler):
         physical = order[-1].next is PHYSICAL
         plan, key, kept, external, specs = lazy_plan(order, needed, not inflight, not physical)
         if inflight:  # a chunk's outputs: the specs its function gives (not awaited)
-            specs = tuple(_spec_key(inflight[tensor_key(t)][1] if tensor_key(t) in inflight
-                                    else t) for t in external)
+            specs = []
+            for t in external:
+                e = inflight.get(tensor_key(t))
+                specs.append(_spec_key(t) if e is None else e[2])
+            specs = tuple(specs)
         # Everything the compiled function depends on (handlers/lazy/compiler.py): op
         # types, attributes, wiring, devices, live outputs, the inputs' dtypes and shapes.
         key = (key, specs, self.jit_compile)

@@ -319,7 +319,7 @@ def onednn_md(results):
                 if "speedup" in s:
                     bullets.append(
                         "- %s, oneDNN on: `oh.DataFormat()` at least %.1fx faster than the "
-                        "channels-first model on oneDNN's NCHW path: %.2fx (IQR %.2f – %.2f) "
+                        "channels-first model on oneDNN's NCHW path: %.3fx (IQR %.2f – %.2f) "
                         "— %s%s" % (title, ONEDNN_TARGET, s["speedup"], s["speedup_q"][0],
                                     s["speedup_q"][1], _common.verdict(
                                         s["speedup"] >= ONEDNN_TARGET),

@@ -159,6 +159,9 @@ def start(names):
         if _outdir is None:
             _outdir = tempfile.mkdtemp(prefix="tfoh-bench-")
         runs = [_runs.setdefault(n, _Run(n)) for n in names]
+        if _publish:  # (before the workers run a test: scheduling follows collection)
+            for n in names:
+                (pathlib.Path(_outdir) / ("%s.queued" % n)).touch()
 
     def worker():
         for run in runs:
@@ -183,9 +186,9 @@ def _published(name):
 
 def result(name):
     """Waits for `name`'s run (starting it now if collection did not) and returns it."""
-    if _shared_dir is not None:
+    if _shared_dir is not None and (pathlib.Path(_shared_dir) / ("%s.queued" % name)).exists():
         return _published(name)
-    start([name])
+    start([name])  # (also a worker's, when its controller did not start this run)
     run = _runs[name]
     # The runs before it in the queue may still be going: wait for all of them.
     assert run.done.wait(TIMEOUT * len(_runs)), "%s: the smoke run did not finish" % name

@@ -164,8 +164,9 @@ def pytest_xdist_node_collection_finished(node, ids):
     collected (every worker collects the same tests), publishing their results in the
     directory named in the workers' input (tests/benchmark_runs.py)."""
     del node
-    prefix = "tests/test_packaging.py::test_benchmark_quick_run["
-    names = [i[len(prefix):-1] for i in ids if i.startswith(prefix)]
+    # (node ids are relative to the rootdir: match the test's name, not the whole path)
+    marker = "test_packaging.py::test_benchmark_quick_run["
+    names = [i.split(marker, 1)[1][:-1] for i in ids if marker in i]
     if names:
         _benchmark_runs().start(names)
 

@@ -37,6 +37,37 @@ def assert_grads(expected, got):
                                    tf.convert_to_tensor(e).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def reference_gradients(f, variables, x):
+    """tf.GradientTape's gradients of `f(x)` with respect to `variables`, as arrays (no
+    tensor of the reference step stays alive)."""
+    with tf.GradientTape() as ref:
+        want = f(x)
+    return [g.numpy() for g in ref.gradient(want, variables)]
+
+
+def step_peaks(f, variables, x, rc, expected, steps):
+    """The BFC CPU allocator's peak over the bytes in use before it, of each of `steps`
+    training steps: `f(x)` under `rc` (an oh.Recompute) inside an oh.GradientTape, its
+    gradients checked against `expected` (run in a process with the BFC allocator:
+    `run_bfc`)."""
+    import gc  # pylint: disable=import-outside-toplevel
+    import tf_ophandlers as oh  # pylint: disable=import-outside-toplevel
+    info = tf.config.experimental.get_memory_info
+    peaks = []
+    for _ in range(steps):
+        gc.collect()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = info("CPU:0")["current"]
+        with oh.GradientTape() as tape:
+            with rc:
+                loss = f(x)
+        grads = tape.gradient(loss, variables)
+        peaks.append(info("CPU:0")["peak"] - base)
+        assert_grads(expected, [g.numpy() for g in grads])
+        del grads, tape, loss
+    return peaks
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

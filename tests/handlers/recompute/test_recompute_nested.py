@@ -146,7 +146,7 @@ def test_lean_mul_gradients_equal_tensorflows(x_shape, y_shape):
 
 
 _PEAK_CODE = """
-    import gc, sys
+    import sys
     import numpy as np
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -160,24 +160,8 @@ _PEAK_CODE = """
     rng = np.random.default_rng(0)
     f, variables = _bottleneck_net(rng, blocks=4, wide=128, narrow=32)
     x = tf.constant(rng.standard_normal((8, 32, 32, 3)).astype(np.float32))
-    with tf.GradientTape() as ref:
-        want = f(x)
-    expected = [g.numpy() for g in ref.gradient(want, variables)]
-    del ref, want
-    info = tf.config.experimental.get_memory_info
-    rc = oh.Recompute()
-    peaks = []
-    for _ in range(3):
-        gc.collect()
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        base = info("CPU:0")["current"]
-        with oh.GradientTape() as tape:
-            with rc:
-                loss = f(x)
-        grads = tape.gradient(loss, variables)
-        peaks.append(info("CPU:0")["peak"] - base)
-        recompute_helpers.assert_grads(expected, [g.numpy() for g in grads])
-        del grads, tape, loss
+    expected = recompute_helpers.reference_gradients(f, variables, x)
+    peaks = recompute_helpers.step_peaks(f, variables, x, oh.Recompute(), expected, 3)
     print(min(peaks[1:]), max(peaks[1:]))
 """
 

@@ -140,7 +140,7 @@ def test_thinning_lowers_the_step_peak_of_a_widening_cnn():
     0`, as before): the step's peak is lower (the best of four steps; with one thread
     the peaks repeat to the byte), and gradients equal tf.GradientTape's in both."""
     out = recompute_helpers.run_bfc("""
-        import gc, sys
+        import sys
         import numpy as np
         import tensorflow as tf
         # One thread each: the executor runs a gradient function's ops in one order, so
@@ -154,26 +154,11 @@ def test_thinning_lowers_the_step_peak_of_a_widening_cnn():
         rng = np.random.default_rng(0)
         f, variables = _widening_net(rng, blocks=6, ch=64, size=32, dense=1024)
         x = tf.constant(rng.standard_normal((8, 32, 32, 3)).astype(np.float32))
-        with tf.GradientTape() as ref:
-            want = f(x)
-        expected = [g.numpy() for g in ref.gradient(want, variables)]
-        del ref, want
-        info = tf.config.experimental.get_memory_info
+        expected = recompute_helpers.reference_gradients(f, variables, x)
         for share in (0.0, 0.25):
             rc = oh.Recompute()
             rc.checkpoint_thinning = share
-            peaks = []
-            for _ in range(5):
-                gc.collect()
-                tf.config.experimental.reset_memory_stats("CPU:0")
-                base = info("CPU:0")["current"]
-                with oh.GradientTape() as tape:
-                    with rc:
-                        loss = f(x)
-                grads = tape.gradient(loss, variables)
-                peaks.append(info("CPU:0")["peak"] - base)
-                recompute_helpers.assert_grads(expected, [g.numpy() for g in grads])
-                del grads, tape, loss
+            peaks = recompute_helpers.step_peaks(f, variables, x, rc, expected, 5)
             print(min(peaks[1:]), rc.stats["thinned"], rc.stats["thinned_bytes"])
     """ % (recompute_helpers.REPO + "/tests/handlers/recompute",
            recompute_helpers.REPO + "/tests"))

@@ -24,16 +24,13 @@ gradient sums a value's uses.
 """
 import tensorflow as tf
 
+from tf_ophandlers.handlers.recompute.thinning import nbytes
+
 # A split needs its frontier to be at most this share of the largest value the segment
 # computes (a narrow place), and each part at least this share of the segment's bytes
 # (a cut near either end saves little, and the prefix is computed twice).
 _NARROW = 0.5
 _BALANCE = 0.25
-
-
-def _nbytes(t):
-    n = t.shape.num_elements()
-    return None if n is None else n * t.dtype.size
 
 
 def cut(nodes, results, output_refs):
@@ -44,12 +41,9 @@ def cut(nodes, results, output_refs):
     n = len(nodes)
     if n < 4:
         return None
-    sizes = []
-    for outs in results:
-        s = [_nbytes(t) for t in outs]
-        if any(b is None for b in s):
-            return None  # (unknown sizes: nothing to plan on)
-        sizes.append(s)
+    if any(t.shape.num_elements() is None for outs in results for t in outs):
+        return None  # (unknown sizes: nothing to plan on)
+    sizes = [[nbytes(t) for t in outs] for outs in results]
     computed = [sum(s) for s in sizes]
     total = sum(computed)
     largest = max((b for s in sizes for b in s), default=0)
@@ -89,7 +83,10 @@ def frontier(nodes, p):
     return sorted({(q, i) for node in nodes[p:] for q, i in node[1] if 0 <= q < p})
 
 
-def _aggregate(parts):
+def aggregate(parts):
+    """The sum of gradient parts (None parts left out; None if none is left), as
+    TensorFlow's tape aggregates them: IndexedSlices parts only stay IndexedSlices
+    (concatenated), anything else is summed dense. (Also segments.py's.)"""
     parts = [g for g in parts if g is not None]
     if not parts:
         return None
@@ -136,5 +133,5 @@ def gradients(graph, nodes, ext, results, p, output_refs, gs, xs, replay):
                 op._add_control_input(gate)  # pylint: disable=protected-access
     refs = sorted(seeds)
     early_xs = tf.gradients([again[q][i] for q, i in refs], list(xs),
-                            grad_ys=[_aggregate(seeds[r]) for r in refs])
-    return [_aggregate([a, b]) for a, b in zip(late_xs, early_xs)]
+                            grad_ys=[aggregate(seeds[r]) for r in refs])
+    return [aggregate([a, b]) for a, b in zip(late_xs, early_xs)]

@@ -381,17 +381,6 @@ def serialize_heavy(ops):
             previous = op
 
 
-def _aggregate(parts):
-    """The sum of gradient parts, as TensorFlow's tape aggregates them: IndexedSlices
-    parts only stay IndexedSlices (concatenated), anything else is summed dense."""
-    if len(parts) == 1:
-        return parts[0]
-    if all(isinstance(p, tf.IndexedSlices) for p in parts):
-        return tf.IndexedSlices(tf.concat([p.values for p in parts], 0),
-                                tf.concat([p.indices for p in parts], 0), parts[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(p) for p in parts])
-
-
 def backprop_kept(nodes, ext, results, output_refs, gs, xs):
     """Reverse mode through a kept segment's nodes (inside its gradient function) with
     the registered gradient functions, given the nodes' forward values `results` as
@@ -410,7 +399,7 @@ def backprop_kept(nodes, ext, results, output_refs, gs, xs):
         grad_fn = _ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
         if grad_fn is None:  # not differentiable
             continue
-        out_grads = [_aggregate(p) if p else
+        out_grads = [nested.aggregate(p) if p else
                      (tf.zeros_like(o) if o.dtype.is_floating or o.dtype.is_complex else None)
                      for o, p in zip(outs, parts)]
         ins = [ext[i] if p < 0 else results[p][i] for p, i in refs]
@@ -423,5 +412,5 @@ def backprop_kept(nodes, ext, results, output_refs, gs, xs):
                 (ext_grads.setdefault(i, []) if p < 0
                  else grads.setdefault((p, i), [])).append(g)
     ids = {id(t): i for i, t in enumerate(ext)}
-    return [_aggregate(ext_grads[ids[id(x)]]) if ids[id(x)] in ext_grads else None
+    return [nested.aggregate(ext_grads[ids[id(x)]]) if ids[id(x)] in ext_grads else None
             for x in xs]

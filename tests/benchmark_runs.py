@@ -98,13 +98,23 @@ def _run_one(run):
 _publish = False  # in an xdist controller: write each result for the workers
 
 
-def _result_path(directory, name):
-    return pathlib.Path(directory) / ("%s.result.json" % name)
+def _shared_file(directory, name, kind):
+    """A run's file in the controller's directory: "queued" (the controller started it)
+    or "result.json" (its result)."""
+    return pathlib.Path(directory) / ("%s.%s" % (name, kind))
+
+
+def _make_outdir():
+    """The directory the runs write their pages in (call with `_lock` held)."""
+    global _outdir  # pylint: disable=global-statement
+    if _outdir is None:
+        _outdir = tempfile.mkdtemp(prefix="tfoh-bench-")
+    return _outdir
 
 
 def _write_result(run):
     """Publishes `run`'s result for the xdist workers; the rename makes it appear whole."""
-    path = _result_path(_outdir, run.name)
+    path = _shared_file(_outdir, run.name, "result.json")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"returncode": run.returncode, "stderr": run.stderr,
                                "text": run.text, "files": sorted(run.files)}))
@@ -114,12 +124,10 @@ def _write_result(run):
 def shared_dir():
     """In an xdist controller: the directory the results will be published in (created
     now, before the workers start, so that it can be named in their input)."""
-    global _outdir, _publish  # pylint: disable=global-statement
+    global _publish  # pylint: disable=global-statement
     with _lock:
-        if _outdir is None:
-            _outdir = tempfile.mkdtemp(prefix="tfoh-bench-")
         _publish = True
-        return _outdir
+        return _make_outdir()
 
 
 def use_shared_dir(directory):
@@ -151,17 +159,15 @@ def _run_niced(cmd):
 
 def start(names):
     """Starts the runs of `names` (benchmark script names) in one background thread."""
-    global _outdir  # pylint: disable=global-statement
     with _lock:
         names = [n for n in names if n in OPTIONS and n not in _runs]
         if not names:
             return
-        if _outdir is None:
-            _outdir = tempfile.mkdtemp(prefix="tfoh-bench-")
+        outdir = _make_outdir()
         runs = [_runs.setdefault(n, _Run(n)) for n in names]
         if _publish:  # (before the workers run a test: scheduling follows collection)
             for n in names:
-                (pathlib.Path(_outdir) / ("%s.queued" % n)).touch()
+                _shared_file(outdir, n, "queued").touch()
 
     def worker():
         for run in runs:
@@ -171,7 +177,7 @@ def start(names):
 
 def _published(name):
     """Waits for the controller's result of `name` (an xdist worker)."""
-    path = _result_path(_shared_dir, name)
+    path = _shared_file(_shared_dir, name, "result.json")
     deadline = time.monotonic() + TIMEOUT * len(BENCHMARKS)
     while not path.exists():
         assert time.monotonic() < deadline, "%s: the smoke run did not finish" % name
@@ -186,7 +192,7 @@ def _published(name):
 
 def result(name):
     """Waits for `name`'s run (starting it now if collection did not) and returns it."""
-    if _shared_dir is not None and (pathlib.Path(_shared_dir) / ("%s.queued" % name)).exists():
+    if _shared_dir is not None and _shared_file(_shared_dir, name, "queued").exists():
         return _published(name)
     start([name])  # (also a worker's, when its controller did not start this run)
     run = _runs[name]

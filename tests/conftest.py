@@ -10,7 +10,8 @@ import tensorflow as tf  # noqa: E402
 
 import tf_ophandlers as oh  # noqa: E402
 
-import fuzz_seed  # noqa: E402  (tests/, on sys.path for this conftest)
+import benchmark_runs  # noqa: E402  (tests/, on sys.path for this conftest)
+import fuzz_seed  # noqa: E402
 
 # Four logical CPUs: two for the parallel handler's tests, a 2x2 mesh for oh.Mesh's. Logical devices must be configured
 # before TensorFlow initializes its context; importing tf_ophandlers does not (the first
@@ -149,13 +150,7 @@ def pytest_collection_finish(session):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if names and not session.config.option.collectonly:
-        _benchmark_runs().start(names)
-
-
-def _benchmark_runs():
-    sys.path.insert(0, os.path.dirname(__file__))
-    import benchmark_runs  # noqa: E402  pylint: disable=import-outside-toplevel
-    return benchmark_runs
+        benchmark_runs.start(names)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -168,7 +163,7 @@ def pytest_xdist_node_collection_finished(node, ids):
     marker = "test_packaging.py::test_benchmark_quick_run["
     names = [i.split(marker, 1)[1][:-1] for i in ids if marker in i]
     if names:
-        _benchmark_runs().start(names)
+        benchmark_runs.start(names)
 
 
 def forget_jvp_dispatch_memos():
@@ -243,9 +238,9 @@ def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and "oh_fuzz_seed" in workerinput:
         fuzz_seed.set_run_seed(workerinput["oh_fuzz_seed"])
-    key = _benchmark_runs().SHARED_DIR_KEY
+    key = benchmark_runs.SHARED_DIR_KEY
     if workerinput is not None and key in workerinput:
-        _benchmark_runs().use_shared_dir(workerinput[key])
+        benchmark_runs.use_shared_dir(workerinput[key])
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -253,8 +248,7 @@ def pytest_configure_node(node):
     """pytest-xdist, in the controller: passes the run's fuzz seed to each worker, and
     the directory where the controller publishes the benchmark smoke runs' results."""
     node.workerinput["oh_fuzz_seed"] = fuzz_seed.run_seed()
-    runs = _benchmark_runs()
-    node.workerinput[runs.SHARED_DIR_KEY] = runs.shared_dir()
+    node.workerinput[benchmark_runs.SHARED_DIR_KEY] = benchmark_runs.shared_dir()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -58,6 +58,20 @@ def test_every_kernel_path(shape, to_last):
     same(move_axis.move_axis(x, to_last), tf.transpose(x, perm_of(len(shape), to_last)))
 
 
+@pytest.mark.parametrize("pixels", range(1, 10))
+@pytest.mark.parametrize("dtype", [tf.float32, tf.int32, tf.uint32])
+def test_three_channel_moves_keep_every_bit(pixels, dtype):
+    # The 3-channel move of 4-byte elements has its own kernel (four pixels per step and a
+    # remainder): every remainder, and bit patterns that arithmetic would change (NaN
+    # payloads, signalling NaNs, negative zero, denormals).
+    bits = np.random.RandomState(pixels).randint(0, 2**32, size=(2, 3, 1, pixels),
+                                                 dtype=np.uint64).astype(np.uint32)
+    bits.flat[:4] = [0x7FC00001, 0x7F800001, 0x80000000, 0x00000001][:bits.size][:4]
+    x = tf.bitcast(tf.constant(bits), dtype)
+    got = tf.bitcast(move_axis.move_axis(x, True), tf.uint32).numpy()
+    np.testing.assert_array_equal(got, np.transpose(bits, (0, 2, 3, 1)))
+
+
 @pytest.mark.parametrize("rank", [3, 4, 5])
 @pytest.mark.parametrize("to_last", [True, False])
 def test_gradient_equals_tf_transpose(rank, to_last):

@@ -290,7 +290,9 @@ def onednn_summary(result):
             # What a handler running exactly the twin's work would reach, and one
             # running the twin's work plus the move of its channels-first input.
             s["bound"] = _common.median([a / b for a, b in zip(t["plain"], t["twin"])])
+            s["bound_q"] = _common.round_ratio_quartiles(t["plain"], t["twin"])
             s["bound_moved"] = _common.median([a / b for a, b in zip(t["plain"], t["moved"])])
+            s["bound_moved_q"] = _common.round_ratio_quartiles(t["plain"], t["moved"])
         s["oh_moved"] = _common.median([a / b for a, b in zip(t["oh"], t["moved"])])
         out[form] = s
     return out
@@ -371,8 +373,32 @@ def main(argv=None):
     onednn = onednn_side_by_side(args)
     elapsed = time.perf_counter() - start
 
+    # oneDNN on, where TensorFlow ran the channels-first model: the speed-up target's panel.
+    onednn_on = [onednn_summary(r) for (setting, _), r in zip(ONEDNN_SETTINGS, onednn)
+                 if setting == "1"]
+    onednn_on = onednn_on[0] if onednn_on and all(
+        "speedup" in onednn_on[0][f] for f, _ in ONEDNN_FORMS) else None
+
+    def draw_onednn(ax):
+        forms = [onednn_on[f] for f, _ in ONEDNN_FORMS]
+        _common.ratio_panel(
+            ax, [title.strip("`") for _, title in ONEDNN_FORMS],
+            [("oh.DataFormat()", "#3b7dd8", [s["speedup"] for s in forms],
+              [s["speedup_q"] for s in forms]),
+             ("bound with the move (twin + input transpose)", "#bbbbbb",
+              [s["bound_moved"] for s in forms], [s["bound_moved_q"] for s in forms]),
+             ("bound (twin alone)", "#777777", [s["bound"] for s in forms],
+              [s["bound_q"] for s in forms])],
+            "speed-up over the NCHW path (log)",
+            "oneDNN on: channels-first model, speed-up over oneDNN's NCHW path",
+            targets=[(0, len(forms) - 1, ONEDNN_TARGET, "target %.1fx" % ONEDNN_TARGET)])
+
     def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 3.6))
+        if onednn_on is not None:
+            fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.8))
+            draw_onednn(ax2)
+        else:
+            fig, ax = plt.subplots(figsize=(7, 3.6))
         xs = np.arange(len(CASES))
         for j, (side, color, label) in enumerate((("twin", "#999999", "channels-last twin"),
                                                    ("oh", "#3b7dd8", "oh.DataFormat()"))):

@@ -9,23 +9,38 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def run_python(code_or_path, timeout=300, check=True, env=None):
-    """Runs `code_or_path` (source text, dedented, or a `pathlib.Path` of a script).
+def _tail(output):
+    # TimeoutExpired carries bytes even for a text-mode run.
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    return (output or "")[-2000:]
 
-    `env`: extra environment variables. With `check`, asserts that it exits with 0 (the
-    tails of its output in the message) and returns its stdout; else returns the
-    `subprocess.CompletedProcess`."""
+
+def run_python(code_or_path, timeout=300, check=True, env=None, args=()):
+    """Runs `code_or_path` (source text, dedented, or a `pathlib.Path` of a script) with
+    command-line arguments `args`.
+
+    `env`: extra environment variables. A run past `timeout` seconds fails the test as a
+    hang. With `check`, asserts that it exits with 0 (the tails of its output in the
+    message) and returns its stdout; else returns the `subprocess.CompletedProcess`."""
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     full_env.update(env or {})
-    args = [sys.executable, str(code_or_path)] if isinstance(code_or_path, pathlib.Path) \
+    argv = [sys.executable, str(code_or_path)] if isinstance(code_or_path, pathlib.Path) \
         else [sys.executable, "-c", textwrap.dedent(code_or_path)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=ROOT)
+    try:
+        proc = subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail("the subprocess hung: no exit in %d s; its output so far: %s%s" % (
+            timeout, _tail(e.stdout), _tail(e.stderr)))
     if not check:
         return proc
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, "exit %d: %s" % (
+        proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:])
     return proc.stdout

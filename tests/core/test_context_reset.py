@@ -6,10 +6,7 @@ context (`context._reset_context()`, e.g. to configure devices anew): the runtim
 move to the new context (its device registered there, no op of the old one reused), or
 ops placed on handler scopes silently run on the CPU without their handler (the new
 context does not know the dispatcher device: soft placement) or in the old context."""
-import os
-import subprocess
-import sys
-import textwrap
+from python_process import run_python
 
 _CHECKS = """
 import numpy as np
@@ -110,8 +107,5 @@ print("ok", len(before))
 
 
 def test_handlers_run_after_eager_context_reset():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHECKS)],
-                          capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith("ok ")
+    stdout = run_python(_CHECKS, timeout=400)
+    assert stdout.strip().splitlines()[-1].startswith("ok ")

@@ -5,16 +5,12 @@ Each case runs in a subprocess with a timeout: a hang or a crash (segfault) fail
 case only, instead of the test session.
 """
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from python_process import run_python
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _PRELUDE = r'''
 import json, sys
@@ -39,12 +35,9 @@ def out(**results):
 
 
 def _run(body, timeout=120):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _PRELUDE + body], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, "exit %d: %s" % (proc.returncode, proc.stderr[-3000:])
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-3000:]
+    stdout = run_python(_PRELUDE + body, timeout=timeout)
+    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == 1, stdout[-3000:]
     return json.loads(lines[0][len("RESULT "):])
 
 

@@ -8,10 +8,6 @@ unrelated TensorFlow error, a crash or a silently wrong shape.
 """
 import asyncio
 import gc
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -22,8 +18,8 @@ import tensorflow as tf
 import tf_ophandlers as oh
 from tf_ophandlers.core import errors as oh_errors
 from conftest import assert_close
+from python_process import run_python
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class Box:
@@ -329,11 +325,8 @@ def test_bad_hook_returns_do_not_crash_the_process():
                 results.append(type(e).__name__)
         print(" ".join(results))
     """)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["HandlerOutputError"] * 5, proc.stdout
+    stdout = run_python(script, timeout=240)
+    assert stdout.split() == ["HandlerOutputError"] * 5, stdout
 
 
 # ---- the same bad returns from a handler nested on another handler ---------------------

@@ -7,13 +7,12 @@ session down. Libraries: tests/native/throwing_handler.cc, small_struct_handler.
 bad_name_handler.cc.
 """
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from python_process import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "tests" / "native"
@@ -32,9 +31,7 @@ def run_script(body, **libs):
         import tf_ophandlers as oh
         LIBS = %r
     """) % (paths,) + textwrap.dedent(body)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=str(ROOT))
+    proc = run_python(script, timeout=300, check=False)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -1,17 +1,13 @@
 """Scope misuse: each scope closes exactly itself or
 raises a clear error and leaves the scopes as they were; tf.py_function under a
 pass-through handler runs its body below the handler."""
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
 from tf_ophandlers.core.state import state
+from python_process import run_python
 
 
 class RaisesOnEnter(oh.OpHandler):
@@ -138,9 +134,7 @@ print("ok")
 
 
 def test_py_function_under_pass_through_handler_does_not_crash():
-    proc = subprocess.run([sys.executable, "-c", PY_FUNCTION], capture_output=True, text=True,
-                          timeout=240, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert run_python(PY_FUNCTION, timeout=240).strip() == "ok"
 
 
 def test_py_function_body_runs_below_the_handler():

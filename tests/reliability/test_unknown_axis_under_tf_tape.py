@@ -4,12 +4,8 @@ tape needs every axis length and aborted the process (tensor_shape.cc "Check fai
 size >= 0"). Now a ValueError naming the handler and the op; oh.GradientTape, and no
 tape at all, keep working. Runs in a subprocess: before the fix it killed the process.
 """
-import os
-import pathlib
-import subprocess
-import sys
+from python_process import run_python
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _SCRIPT = r'''
 import numpy as np
@@ -55,9 +51,6 @@ print("OK")
 
 
 def test_tf_tape_on_an_unknown_axis_is_an_error_not_an_abort():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, "exit %d: %s" % (proc.returncode, proc.stderr[-3000:])
-    lines = proc.stdout.split()
-    assert lines.count("REFUSED") == 2 and lines[-1] == "OK", proc.stdout
+    stdout = run_python(_SCRIPT, timeout=300)
+    lines = stdout.split()
+    assert lines.count("REFUSED") == 2 and lines[-1] == "OK", stdout

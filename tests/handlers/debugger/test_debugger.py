@@ -1,7 +1,6 @@
 """DebuggerHandler against tf.debugging.experimental.enable_dump_debug_info: the same
 programs dumped by both (TensorFlow's in a subprocess, so its op callbacks never run in
 the test process), read back with TensorFlow's DebugDataReader."""
-import collections
 import json
 import os
 import re
@@ -17,6 +16,7 @@ from tensorflow.python.debug.lib import debug_events_reader
 
 import tf_ophandlers as oh
 from conftest import assert_close
+from python_process import run_python
 
 # The programs both dumps run: a Keras CNN whose Lambda layer produces NaN (log of
 # negative numbers) run eagerly, and a tf.function with a cond and a while loop called
@@ -90,11 +90,7 @@ def programs():
 @pytest.fixture(scope="module")
 def tf_dumps(tmp_path_factory):
     roots = [str(tmp_path_factory.mktemp("tf_cnn")), str(tmp_path_factory.mktemp("tf_fn"))]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", _TF_DUMP] + roots, capture_output=True,
-                          text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_python(_TF_DUMP, args=roots, timeout=240).strip().splitlines()[-1])
 
 
 def _reader(root):

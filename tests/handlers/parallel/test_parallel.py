@@ -1,10 +1,7 @@
 """oh.ParallelHandler on two logical CPUs (configured in conftest.py) and on two
 tf.distribute.Server workers."""
 import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -13,6 +10,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from conftest import assert_close, run_threads
+from python_process import run_python
 
 CPUS = ["CPU:0", "CPU:1"]
 
@@ -194,7 +192,6 @@ def test_a_tensor_of_another_parallel_handler_is_an_error():
             x + 1.
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 _REMOTE = r'''
 import socket, tensorflow as tf
 def free_port():
@@ -228,11 +225,7 @@ print("restored", [t.numpy().tolist() for t in parallel.unpack(v.value())])
 
 
 def test_data_parallel_step_across_two_tensorflow_servers():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _REMOTE], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_python(_REMOTE, timeout=300)
     assert "task:0/device:CPU:0" in out and "task:1/device:CPU:0" in out
     # loss_i = (w . x_i)^2 with w.x = -1 and -1: grad = sum_i 2 (w.x_i) x_i
     assert "grad [-8.0, -12.0]" in out
@@ -435,9 +428,7 @@ print("reduced", [float(t) for t in parallel.unpack(y)])
 
 
 def _run(script, *args, timeout=120):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run_python(script, args=args, timeout=timeout, check=False)
 
 
 @pytest.mark.slow  # three subprocesses with a timeout each

@@ -3,13 +3,10 @@ collective meet, so they run at the same time (as TensorFlow's ParallelDevice ru
 them). Each program runs in a subprocess with a timeout (a regression hangs), under our
 handler and under TensorFlow's ParallelDevice, and the results are compared."""
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from python_process import run_python
 
 _PROGRAMS = r'''
 import json, os, sys
@@ -245,16 +242,8 @@ else:
 
 
 def _run(program, timeout=120):
-    root = pathlib.Path(__file__).resolve().parents[3]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    try:
-        proc = subprocess.run([sys.executable, "-c", _PROGRAMS, program], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=root)
-    except subprocess.TimeoutExpired:
-        pytest.fail("program %r hung (no result in %d s)" % (program, timeout))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_python(_PROGRAMS, args=[program], timeout=timeout)
+                      .strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("program", ["eager", "function", "async_scope", "broadcast",

@@ -6,19 +6,15 @@ tf_ophandlers, does not know them). Such a function is replayed into stock ops: 
 results equal the same program run eagerly in the scope (whose pack/unpack are checked
 against TensorFlow's ParallelDevice in test_parallel.py), on local and on remote
 components."""
-import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_ophandlers as oh
+from python_process import run_python
 
 DEVICES = ["CPU:0", "CPU:1"]
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _pack_program(parallel, x):
@@ -107,11 +103,8 @@ with parallel:
 
 @pytest.mark.slow
 def test_pack_and_unpack_in_a_function_on_remote_workers():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _REMOTE], capture_output=True, text=True,
-                          timeout=150, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(l.split(": ", 1) for l in proc.stdout.splitlines() if ": " in l)
+    lines = dict(l.split(": ", 1) for l in run_python(_REMOTE, timeout=150).splitlines()
+                 if ": " in l)
     assert eval(lines["packed"]) == [[4.0, -2.0], [22.0, -38.0]]  # pylint: disable=eval-used
     assert eval(lines["total"]) == [[13.0, -20.0]] * 2  # pylint: disable=eval-used
     assert eval(lines["devices"]) == [  # pylint: disable=eval-used

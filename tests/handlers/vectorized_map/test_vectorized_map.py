@@ -364,14 +364,8 @@ def test_loop_fallback_is_reported_once_per_op_type_quietly(warn):
     reported once per op type through the tf_ophandlers logger (warn=True, the default),
     not at all with warn=False, and TensorFlow's dumps never appear; the gradients equal a
     plain per-example loop."""
-    import os  # pylint: disable=import-outside-toplevel
-    import pathlib  # pylint: disable=import-outside-toplevel
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-    root = pathlib.Path(__file__).resolve().parents[3]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, "-c", _CONV_FALLBACK, warn], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=root)
+    from python_process import run_python  # pylint: disable=import-outside-toplevel
+    proc = run_python(_CONV_FALLBACK, args=[warn], timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "ok"
     # TensorFlow's start-up banner where oneDNN is on (it ignores TF_CPP_MIN_LOG_LEVEL).

@@ -29,14 +29,17 @@ and the ratios:
 Before timing every configuration must give the eager result (allclose), a fresh
 `oh.Lazy()` of an already seen structure must hit the process-wide cache (no compile),
 and `Lazy(jit_compile=True)` must call an XLA-compiled function. The script exits
-non-zero otherwise. Writes the `small_ops` section of docs/benchmarks.md.
+non-zero otherwise. Writes the `small_ops` section of docs/benchmarks.md and
+docs/small_ops.png.
 
     python benchmarks/small_ops.py            # full run (~2 min on 2 loaded cores)
     python benchmarks/small_ops.py --quick    # smoke run (noisy)
 """
 import logging
 import os
+import re
 import sys
+import textwrap
 import time
 
 import _common  # also puts the repository on sys.path
@@ -324,7 +327,7 @@ def summarize(configs):
         rows.append([desc, "%.3f" % (s["t"] * 1e3), "%.3f – %.3f" % (s["q1"] * 1e3,
                                                                     s["q3"] * 1e3),
                      "%.3f" % (s["min"] * 1e3)])
-    figures = []
+    figures, points = [], []
     for title, num, den, target, higher in FIGURES:
         ratios = [a / b for a, b in zip(by[num].times, by[den].times)]
         r = _common.median(ratios)
@@ -332,10 +335,36 @@ def summarize(configs):
         ok = r >= target if higher else r <= target
         figures.append([title, ("≥ %.3gx" if higher else "≤ %.3gx") % target,
                         "%.2fx (IQR %.2f – %.2f)" % (r, q1, q3), _common.verdict(ok)])
-    return rows, figures
+        points.append((title, r, (q1, q3), target, higher))
+    return rows, figures, points
 
 
-def render(info, rows, figures, rounds, elapsed, quick, split=()):
+def draw(plt, points):
+    """Each figure's same-round ratio (bar, IQR whiskers) against its target (red tick),
+    on a log scale: the ratios span 1x to 20x."""
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(points) + 1.2))
+    ys = list(range(len(points)))[::-1]
+    for y, (title, r, (q1, q3), target, higher) in zip(ys, points):
+        ok = r >= target if higher else r <= target
+        ax.barh(y, r, 0.6, color="#3b7dd8" if ok else "#d8743b",
+                xerr=[[max(0.0, r - q1)], [max(0.0, q3 - r)]], capsize=2)
+        ax.plot([target, target], [y - 0.4, y + 0.4], color="tab:red", lw=2)
+        ax.annotate("%.2fx (%s %.3gx)" % (r, "≥" if higher else "≤", target), (max(r, q3), y),
+                    textcoords="offset points", xytext=(4, -3), fontsize=7)
+    labels = [re.sub(r"[`*]", "", title) for title, *_ in points]
+    ax.set_yticks(ys)
+    ax.set_yticklabels([textwrap.shorten(l, 52, placeholder=" …") for l in labels], fontsize=6)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xlim(0.5, max(max(q3 for _, _, (_, q3), _, _ in points),
+                         max(t for *_, t, _ in points)) * 2.5)
+    ax.set_xlabel("ratio (median of same-round ratios, log); red: target; orange bar: missed")
+    ax.set_title("small ops: each figure against its target", fontsize=9)
+    ax.grid(axis="x", alpha=0.3, which="both")
+    return fig
+
+
+def render(info, rows, figures, rounds, elapsed, quick, split=(), image=""):
     method = (
         "One process times every configuration below; after a warm-up pass, each of %d "
         "rounds runs every configuration once in a freshly shuffled order, as 1 untimed + "
@@ -360,7 +389,7 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
         % (rounds, CHUNK_OPS, CHUNK_OPS))
     lines = _common.intro_md("Per-op speed: small ops under each handler (`benchmarks/small_ops.py`)",
                              quick, method, _common.machine_md(info, len(CONFIGS), elapsed),
-                             "")
+                             image)
     lines += ["### Figures", "",
               _common.md_table(["figure", "target", "this run", "verdict"], figures), "",
               "### Times", "",
@@ -386,7 +415,7 @@ def render(info, rows, figures, rounds, elapsed, quick, split=()):
               "The verdicts compare this run's medians with the targets as measured. The "
               "machine was shared with other jobs while measuring (see *Machine*); rerun "
               "on an idle machine before reading a MISS as a regression.", "",
-              "Reproduce: `python benchmarks/small_ops.py` (writes this section)."]
+              "Reproduce: `python benchmarks/small_ops.py` (writes this section and `small_ops.png`)."]
     return "\n".join(lines)
 
 
@@ -403,12 +432,15 @@ def main(argv=None):
         info, lambda: _common.run_rounds(configs, args.rounds, lambda c: c.n))
     split = breakdown(w, 5 if args.quick else 30)
     elapsed = time.perf_counter() - t0
-    rows, figures = summarize(configs)
-    body = render(info, rows, figures, args.rounds, elapsed, args.quick, split)
-    _common.write_section(args.out, SECTION, body)
+    rows, figures, points = summarize(configs)
+    _, png = _common.publish(
+        args.out, SECTION, lambda plt: draw(plt, points),
+        lambda png_name, plotted: (render(
+            info, rows, figures, args.rounds, elapsed, args.quick, split,
+            _common.image_md("each figure against its target", png_name, plotted)), None))
     for f in figures:
         print("%s: %s %s" % (f[0], f[2], f[3]))
-    print("wrote %s (%.0f s)" % (args.out, elapsed))
+    _common.print_wrote(args.out, png, elapsed)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ oh.Recompute computes (`checkpointing_bound`; recompute/conv_grads.py, without t
 kernels' scratch buffers): the weight gradients that exist when the convolution whose
 backward pass needs most runs, plus that backward's peak (run alone), its input
 and output gradient and the residual add's gradient of its input; the ratio oh.GradientTape's peak / bound is the best any
-segmentation can reach. Writes the `recompute-resnet` section of docs/benchmarks.md.
+segmentation can reach. Writes the `recompute-resnet` section of docs/benchmarks.md and
+docs/recompute-resnet.png.
 
     python benchmarks/recompute_resnet.py               # batches 8, 16, 32
     python benchmarks/recompute_resnet.py --batches 8   # one row
@@ -204,7 +205,7 @@ def checkpointing_bound(model, batch):
     return best
 
 
-def render_md(results, info, elapsed, steps=3):
+def render_md(results, info, elapsed, steps=3, image=""):
     mb = 1e6
     rows = []
     dominate = []
@@ -242,6 +243,7 @@ def render_md(results, info, elapsed, steps=3):
          "same steps on a shared, loaded machine (wall-clock indicative only; CPU time "
          "is the process's, all threads)." % (SIZE, SIZE, steps), "",
          _common.machine_md(info, len(KINDS) * len(results), elapsed), "",
+         image, "",
          _common.md_table(("batch", "configuration", "forward peak MB", "kept MB",
                            "step peak MB", "vs same call without Recompute",
                            "vs eager oh.GradientTape", "vs tf.GradientTape",
@@ -335,6 +337,51 @@ def render_md(results, info, elapsed, steps=3):
     return "\n".join(L)
 
 
+def draw(plt, results):
+    """Left: each batch's step peak for oh.GradientTape, oh.Recompute() and
+    tf.GradientTape, with the checkpointing bound; right: the peak ratio against its
+    target and the step-time ratio against TIME_TARGET."""
+    mb = 1e6
+    batches = sorted(results)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 3.8))
+    width = 0.26
+    for j, (kind, color) in enumerate((("tf", "#999999"), ("tape", "#555555"),
+                                       ("recompute", "#3b7dd8"))):
+        xs = [i + (j - 1) * width for i in range(len(batches))]
+        tops = [results[b][kind]["peak"] / mb for b in batches]
+        ax.bar(xs, tops, width * 0.9, color=color, label=NAMES[kind])
+        _common.label_bars(ax, xs, tops, ["%.0f" % t for t in tops], fontsize=7)
+    ax.plot(range(len(batches)), [results[b]["bound"]["bound"] / mb for b in batches],
+            "k_", markersize=40, mew=2, label="checkpointing bound")
+    ax.set_xticks(range(len(batches)))
+    ax.set_xticklabels(["batch %d" % b for b in batches], fontsize=8)
+    ax.set_ylabel("step peak, MB (median of steps)")
+    ax.set_title("ResNet50 (64x64), one eager training step: peak memory", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    peak = [results[b]["tape"]["peak"] / max(results[b]["recompute"]["peak"], 1)
+            for b in batches]
+    peak_q = [(results[b]["tape"]["peak"] / max(results[b]["recompute"]["peak_range"][1], 1),
+               results[b]["tape"]["peak"] / max(results[b]["recompute"]["peak_range"][0], 1))
+              for b in batches]
+    time_ratio = [results[b]["recompute"]["ms"] / results[b]["tape"]["ms"] for b in batches]
+    bound = [results[b]["tape"]["peak"] / results[b]["bound"]["bound"] for b in batches]
+    targets = [(i, i, TARGETS[b], "peak target" if i == min(
+        k for k, c in enumerate(batches) if c in TARGETS) else None)
+        for i, b in enumerate(batches) if b in TARGETS]
+    targets.append((0, len(batches) - 1, TIME_TARGET, "step-time limit %.1fx" % TIME_TARGET))
+    _common.ratio_panel(
+        ax2, ["batch %d" % b for b in batches],
+        [("peak: oh.GradientTape / oh.Recompute() (range over steps)", "#3b7dd8", peak,
+          peak_q),
+         ("peak bound: oh.GradientTape / checkpointing bound", "#bbbbbb", bound,
+          [(v, v) for v in bound]),
+         ("step time: oh.Recompute() / oh.GradientTape", "#d8743b", time_ratio,
+          [(v, v) for v in time_ratio])],
+        "ratio (log)", "peak reduction and step-time cost vs targets",
+        targets=targets)
+    return fig
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="8,16,32")
@@ -357,9 +404,16 @@ def main(argv=None):
     if args.json:  # the raw numbers, to render again without measuring
         with open(args.json, "w") as f:
             json.dump({"results": {str(b): r for b, r in results.items()}, "info": info}, f)
-    body = render_md(results, info, time.perf_counter() - start, args.steps)
-    print(body)
-    _common.write_section(args.out, "recompute-resnet", body)
+    elapsed = time.perf_counter() - start
+
+    def render(png_name, plotted):
+        body = render_md(results, info, elapsed, args.steps,
+                         _common.image_md("ResNet50 step peaks and ratios", png_name, plotted))
+        print(body)
+        return body, None
+    _, png = _common.publish(args.out, "recompute-resnet", lambda plt: draw(plt, results),
+                             render)
+    _common.print_wrote(args.out, png, elapsed)
     return results
 
 

@@ -24,7 +24,6 @@ gradient sums a value's uses.
 """
 import tensorflow as tf
 
-from tf_ophandlers.handlers.recompute import thinning  # (nbytes; thinning imports this module)
 
 # A split needs its frontier to be at most this share of the largest value the segment
 # computes (a narrow place), and each part at least this share of the segment's bytes
@@ -33,12 +32,20 @@ _NARROW = 0.5
 _BALANCE = 0.25
 
 
+def nbytes(tensor):
+    """Bytes of a tensor's value (0 if its shape is unknown). (The package's one
+    definition, here at the bottom of the package's imports: thinning.py and
+    segments.py import it, segments.py re-exports it to evict.py and handler.py.)"""
+    n = tensor.shape.num_elements()
+    return 0 if n is None else n * tensor.dtype.size
+
+
 def sizes(results):
     """Per node, the bytes of its outputs (`results`: the nodes' replayed outputs, or
     anything with static shapes), or None when a size is unknown (nothing to plan on)."""
     if any(t.shape.num_elements() is None for outs in results for t in outs):
         return None
-    return [[thinning.nbytes(t) for t in outs] for outs in results]
+    return [[nbytes(t) for t in outs] for outs in results]
 
 
 def cut(nodes, node_sizes, output_refs):

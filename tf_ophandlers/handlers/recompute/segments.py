@@ -27,7 +27,7 @@ from tf_ophandlers.extend import (
     CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
     registries as _registries, tensor_key)
 from tf_ophandlers.handlers.recompute import conv_grads, nested, thinning
-from tf_ophandlers.handlers.recompute.thinning import nbytes  # (also evict's, handler's)
+from tf_ophandlers.handlers.recompute.nested import nbytes  # (also evict's, handler's)
 
 #: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
 #: backward function takes None for any output gradient: an input reached only from

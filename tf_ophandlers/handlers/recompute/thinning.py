@@ -35,6 +35,7 @@ from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.extend import CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL
 from tf_ophandlers.handlers.recompute import nested
+from tf_ophandlers.handlers.recompute.nested import nbytes
 
 _forwards = LRUCache("recompute.checkpoint_forwards", 256)  # structure -> _Forward
 _MAX_SEGMENTS = 256  # larger batches are not planned (the greedy plan is cubic)
@@ -45,13 +46,6 @@ _WORK = 0.75  # share of a segment's computed bytes its gradient function holds 
 # peaks of single segments by about this much, so a segment a little under the modelled
 # peak may still set the real one.
 _SPLIT_SLACK = 0.1
-
-
-def nbytes(tensor):
-    """Bytes of a tensor's value (0 if its shape is unknown). (The package's one
-    definition: segments.py, which imports this module, re-exports it.)"""
-    n = tensor.shape.num_elements()
-    return 0 if n is None else n * tensor.dtype.size
 
 
 class Recipe:

@@ -26,6 +26,11 @@ pass's peak cost more than the checkpoints it dropped).
 
 A dropped value the program still holds (a weak reference to it resolves) is used as it
 is: dropping it costs nothing then, and saves nothing.
+
+The same simulation decides where a segment's gradient function splits at a narrow
+place (nested.py, a third level: the split reruns part of the segment): only for the
+segments whose backward, unsplit, would come near the peak the simulation finds with
+every segment that can split split (`split_where_it_pays`).
 """
 import weakref
 
@@ -41,10 +46,10 @@ _forwards = LRUCache("recompute.checkpoint_forwards", 256)  # structure -> _Forw
 _MAX_SEGMENTS = 256  # larger batches are not planned (the greedy plan is cubic)
 _WORK = 0.75  # share of a segment's computed bytes its gradient function holds at once
 # The nested split is kept for the segments whose simulated backward, unsplit, comes
-# within this share of the simulated peak (every split segment split): the simulation
-# models a segment's working values as a share of its bytes, which misses the measured
-# peaks of single segments by about this much, so a segment a little under the modelled
-# peak may still set the real one.
+# within this share of the simulated peak (every segment that can split split): the
+# simulation models a segment's working values as a share of its bytes, which misses
+# the measured peaks of single segments by about this much, so a segment a little under
+# the modelled peak may still set the real one.
 _SPLIT_SLACK = 0.1
 
 
@@ -265,9 +270,10 @@ def split_working(segment):
 def split_where_it_pays(segments, fwd, weights, outs, cks, dropped):
     """Turns off the nested split (`nested = False` on their pieces) of the segments
     whose backward, unsplit, stays under the simulated peak of the backward pass with
-    every segment that can split split (by `_SPLIT_SLACK` at least): rerunning their prefix would cost computation
-    and lower no peak (in a CNN, the last stages' segments, whose backward runs before
-    most weight gradients exist). Returns how many segments keep the split."""
+    every segment that can split split (by `_SPLIT_SLACK` at least): rerunning their
+    prefix would cost computation and lower no peak (in a CNN, the last stages'
+    segments, whose backward runs before most weight gradients exist). Returns how many
+    segments keep the split."""
     split = [split_working(s) for s in segments]
     if not any(w is not None for w in split):
         return 0
@@ -285,7 +291,8 @@ def split_where_it_pays(segments, fwd, weights, outs, cks, dropped):
 
 def thin(segments, budget_share, min_bytes):
     """Plans and applies checkpoint thinning over `segments` (recorded together, in
-    forward order, each with `pieces`: its recorded pieces). Returns (checkpoints
+    forward order, each with `pieces`: its recorded pieces), and on the same simulation
+    where their gradient functions split (`split_where_it_pays`). Returns (checkpoints
     dropped, their bytes)."""
     segments = [s for s in segments if s.pieces]
     if len(segments) < 3 or len(segments) > _MAX_SEGMENTS or budget_share <= 0:

@@ -48,6 +48,13 @@ def sizes(results):
     return [[nbytes(t) for t in outs] for outs in results]
 
 
+def node_sizes(segment):
+    """Per node of a `segments.Segment`, the bytes of its outputs, or None when its
+    recorder did not track them (the eager handler does; the graph rewrites do not)."""
+    known = segment.sizes
+    return known if known is not None and len(known) == len(segment.nodes) else None
+
+
 def cut(nodes, node_sizes, output_refs):
     """The node index where the prefix ends (the suffix starts), or None: the position
     whose frontier takes the fewest bytes among those narrow and balanced enough, ties

@@ -76,10 +76,10 @@ class Segment:
         self.pieces = ()
         self.xs = None
         self.out_bytes = 0
-        # The nested split (nested.py): per node the bytes of its outputs (None where a
-        # recorder does not track them), a piece's recorded output refs, and whether its
-        # gradient function splits at a narrow place (None: undecided, it does; False:
-        # the thinning's simulation found it does not lower the backward pass's peak).
+        # The nested split (nested.py): per node the bytes of its outputs (left empty
+        # by recorders that do not track them), a piece's recorded output refs, and
+        # whether its gradient function splits at a narrow place (None: undecided, it
+        # does; False: the thinning's simulation found it lowers no peak).
         self.sizes = []
         self.out_refs = ()
         self.nested = None
@@ -95,13 +95,6 @@ class Segment:
         elif tracked and not self.ext_tracked[i]:
             self.ext_tracked[i] = True
         return i
-
-
-def node_sizes(segment):
-    """Per node of `segment`, the bytes of its outputs, or None when its recorder did
-    not track them (the eager handler does; the graph rewrites do not)."""
-    sizes = segment.sizes
-    return sizes if sizes is not None and len(sizes) == len(segment.nodes) else None
 
 
 _TRACKED, _CONSTANT = "x", "c"
@@ -213,7 +206,7 @@ def _piece(segment, targets, cuts, outputs):
         piece.nodes.append((op, tuple(new_refs)))
         if piece.saved is not None:
             piece.saved.append(segment.saved[n])
-    known = node_sizes(segment)
+    known = nested.node_sizes(segment)
     piece.sizes = None if known is None else [known[n] for n in sorted(needed)]
     back = {(local[n], k): (n, k) for n, k in targets}
     return piece, back, {(local[n], k): outputs[(n, k)] for n, k in targets}

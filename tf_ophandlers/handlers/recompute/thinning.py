@@ -260,7 +260,7 @@ def split_working(segment):
     None when no piece splits (or the sizes are unknown)."""
     saved = 0
     for piece in segment.pieces:
-        found = nested.plan(piece.nodes, piece.sizes, piece.out_refs)
+        found = nested.plan(piece.nodes, nested.node_sizes(piece), piece.out_refs)
         if found is not None:
             _, frontier, prefix, total = found
             saved += _WORK * (total - max(prefix, total - prefix)) - frontier

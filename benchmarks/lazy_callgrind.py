@@ -1,0 +1,83 @@
+"""Instructions per recorded op of `with oh.Lazy(jit_compile=True)` (benchmarks/small_ops.py's
+"Lazy XLA" program), counted with callgrind (load-independent, unlike wall-clock timing;
+docs/benchmarks.md, the R/C arithmetic of the Lazy XLA row).
+
+    python benchmarks/lazy_callgrind.py          # runs itself under valgrind, prints
+    python benchmarks/lazy_callgrind.py --n 4    # fewer counted calls
+    python benchmarks/lazy_callgrind.py --keep /tmp/cg  # keep the files for callgrind_annotate
+
+In one process, 3 untimed and then N counted calls of each configuration, on small_ops'
+x [256, 256] and its chain (`h = tf.tanh(h) * 1.01` 100 times: 200 ops):
+
+  xla      `tf.function(chain, jit_compile=True)(x).numpy()`: C, the compiled call
+  lazyxla  `with oh.Lazy(jit_compile=True): chain(x).numpy()`, a fresh handler per call
+  record   the same, but only `chain(x)` inside the open scope is counted: the 200 ops'
+           recording (and the release of the intermediate tensors), without the scope's
+           enter and exit or the value request
+
+The count covers every thread (the compiled kernels' too) while collection is on. Per
+recorded op: record / 200, and (lazyxla - xla) / 200, which is R of the R/C arithmetic
+(recording plus the scope and the value request's own work, per op).
+Needs valgrind, its headers and gcc.
+"""
+import argparse
+
+import _callgrind
+
+OPS = 200  # per call
+
+
+def chain(tf, h):
+    for _ in range(OPS // 2):
+        h = tf.tanh(h) * 1.01
+    return h
+
+
+def child(helper, n):
+    """Runs under valgrind: counts each configuration's calls."""
+    tf, oh, cg = _callgrind.child_setup(helper)
+    x = tf.random.stateless_uniform([256, 256], seed=[1, 2])
+    xla = tf.function(lambda h: chain(tf, h), jit_compile=True)
+
+    def lazyxla():
+        with oh.Lazy(jit_compile=True):
+            return chain(tf, x).numpy()
+
+    def record(on):
+        with oh.Lazy(jit_compile=True):
+            if on:
+                cg.cg_toggle()
+            h = chain(tf, x)
+            if on:
+                cg.cg_toggle()
+            return h.numpy()
+
+    _callgrind.counted(cg, "xla", lambda: xla(x).numpy(), n, warm=3)
+    _callgrind.counted(cg, "lazyxla", lazyxla, n, warm=3)
+    for _ in range(3):
+        record(False)
+    for _ in range(n):
+        record(True)
+    cg.cg_dump(b"record")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=10, help="counted calls per configuration")
+    p.add_argument("--keep", help="a directory to keep the callgrind output files in")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args.child, args.n)
+    totals = _callgrind.run(__file__, ["--n", str(args.n)], "oh_lazy_callgrind_", args.keep)
+    per_call = {key: total / args.n for key, total in totals.items()}
+    print("xla      %12.0f instr/call" % per_call["xla"])
+    print("lazyxla  %12.0f instr/call" % per_call["lazyxla"])
+    print("record   %12.0f instr/call  %8.0f instr/recorded op"
+          % (per_call["record"], per_call["record"] / OPS))
+    print("(lazyxla - xla) / %d: %8.0f instr/recorded op"
+          % (OPS, (per_call["lazyxla"] - per_call["xla"]) / OPS))
+
+
+if __name__ == "__main__":
+    main()

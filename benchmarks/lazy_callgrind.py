@@ -5,6 +5,8 @@ docs/benchmarks.md, the R/C arithmetic of the Lazy XLA row).
     python benchmarks/lazy_callgrind.py          # runs itself under valgrind, prints
     python benchmarks/lazy_callgrind.py --n 4    # fewer counted calls
     python benchmarks/lazy_callgrind.py --keep /tmp/cg  # keep the files for callgrind_annotate
+    python benchmarks/lazy_callgrind.py --configs record --size 16 --no-jit
+        # a quick look at recording alone (the same record path; no XLA compile or run)
 
 In one process, 3 untimed and then N counted calls of each configuration, on small_ops'
 x [256, 256] and its chain (`h = tf.tanh(h) * 1.01` 100 times: 200 ops):
@@ -33,18 +35,21 @@ def chain(tf, h):
     return h
 
 
-def child(helper, n):
+KEYS = ("xla", "lazyxla", "record")
+
+
+def child(helper, n, keys, size, jit):
     """Runs under valgrind: counts each configuration's calls."""
     tf, oh, cg = _callgrind.child_setup(helper)
-    x = tf.random.stateless_uniform([256, 256], seed=[1, 2])
-    xla = tf.function(lambda h: chain(tf, h), jit_compile=True)
+    x = tf.random.stateless_uniform([size, size], seed=[1, 2])
+    xla = tf.function(lambda h: chain(tf, h), jit_compile=jit)
 
     def lazyxla():
-        with oh.Lazy(jit_compile=True):
+        with oh.Lazy(jit_compile=jit):
             return chain(tf, x).numpy()
 
     def record(on):
-        with oh.Lazy(jit_compile=True):
+        with oh.Lazy(jit_compile=jit):
             if on:
                 cg.cg_toggle()
             h = chain(tf, x)
@@ -52,8 +57,12 @@ def child(helper, n):
                 cg.cg_toggle()
             return h.numpy()
 
-    _callgrind.counted(cg, "xla", lambda: xla(x).numpy(), n, warm=3)
-    _callgrind.counted(cg, "lazyxla", lazyxla, n, warm=3)
+    if "xla" in keys:
+        _callgrind.counted(cg, "xla", lambda: xla(x).numpy(), n, warm=3)
+    if "lazyxla" in keys:
+        _callgrind.counted(cg, "lazyxla", lazyxla, n, warm=3)
+    if "record" not in keys:
+        return
     for _ in range(3):
         record(False)
     for _ in range(n):
@@ -64,19 +73,29 @@ def child(helper, n):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=10, help="counted calls per configuration")
+    p.add_argument("--configs", default=",".join(KEYS), help="comma-separated configurations")
+    p.add_argument("--size", type=int, default=256, help="x is [size, size]")
+    p.add_argument("--no-jit", action="store_true",
+                   help="jit_compile=False on both sides (recording is the same)")
     p.add_argument("--keep", help="a directory to keep the callgrind output files in")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    keys = [k for k in KEYS if k in args.configs.split(",")]
     if args.child:
-        return child(args.child, args.n)
-    totals = _callgrind.run(__file__, ["--n", str(args.n)], "oh_lazy_callgrind_", args.keep)
+        return child(args.child, args.n, keys, args.size, not args.no_jit)
+    flags = ["--n", str(args.n), "--configs", ",".join(keys), "--size", str(args.size)]
+    totals = _callgrind.run(__file__, flags + (["--no-jit"] if args.no_jit else []),
+                            "oh_lazy_callgrind_", args.keep)
     per_call = {key: total / args.n for key, total in totals.items()}
-    print("xla      %12.0f instr/call" % per_call["xla"])
-    print("lazyxla  %12.0f instr/call" % per_call["lazyxla"])
-    print("record   %12.0f instr/call  %8.0f instr/recorded op"
-          % (per_call["record"], per_call["record"] / OPS))
-    print("(lazyxla - xla) / %d: %8.0f instr/recorded op"
-          % (OPS, (per_call["lazyxla"] - per_call["xla"]) / OPS))
+    for key in ("xla", "lazyxla"):
+        if key in per_call:
+            print("%-8s %12.0f instr/call" % (key, per_call[key]))
+    if "record" in per_call:
+        print("record   %12.0f instr/call  %8.0f instr/recorded op"
+              % (per_call["record"], per_call["record"] / OPS))
+    if "xla" in per_call and "lazyxla" in per_call:
+        print("(lazyxla - xla) / %d: %8.0f instr/recorded op"
+              % (OPS, (per_call["lazyxla"] - per_call["xla"]) / OPS))
 
 
 if __name__ == "__main__":

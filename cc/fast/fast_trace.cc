@@ -20,7 +20,10 @@
 // type attribute given by those inputs or passed as a tf.DType (or its enum), every other
 // attribute a bool, int, float, string or list of ints passed as a plain Python value,
 // single-tensor outputs (a list of them when there are several). Anything else
-// calls TensorFlow's function unchanged (its results, errors and recording).
+// calls TensorFlow's function unchanged (its results, errors and recording). The op,
+// placed on the dispatcher by name, is handed to the dispatcher's execute callback
+// directly, with the GIL kept, where TFE_Execute would only route it there
+// (boundary/device.h ExecuteOnDispatcherHeld; else TFE_Execute, the GIL released).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -32,6 +35,7 @@
 #include "absl/container/inlined_vector.h"
 #include "fast/fast_internal.h"
 #include "fast/fast_path.h"
+#include "boundary/device.h"
 #include "boundary/op.h"
 #include "boundary/runtime.h"
 #include "tensorflow/c/eager/c_api_experimental.h"
@@ -56,6 +60,7 @@ PyObject* g_tld_attr = nullptr;  // "_thread_local_data"
 PyObject* g_type_enum_attr = nullptr;  // "_type_enum"
 PyTypeObject* g_dtype_class = nullptr;  // tf.DType (strong), for explicit type attributes
 long long g_taken = 0;  // ops run here, failed or not (skip_trace_stats; GIL held)
+long long g_held = 0;   // of those, run on the dispatcher without TFE_Execute (GIL held)
 
 // The kinds of non-type attribute this path sets itself (others: TensorFlow's function).
 enum class AttrKind { kBool, kInt, kFloat, kString, kIntList, kType };
@@ -469,10 +474,16 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   absl::InlinedVector<TFE_TensorHandle*, 2> out(n_out, nullptr);
   int num_out = n_out;
+  // Placed on the dispatcher: its callback runs here, with the GIL kept (device.h
+  // ExecuteOnDispatcherHeld), unless TensorFlow's TFE_Execute must route the op.
   if (TF_GetCode(status) == TF_OK) {
-    Py_BEGIN_ALLOW_THREADS;
-    TFE_Execute(op, out.data(), &num_out, status);
-    Py_END_ALLOW_THREADS;
+    if (ExecuteOnDispatcherHeld(op, &num_out, out.data(), status)) {
+      ++g_held;
+    } else {
+      Py_BEGIN_ALLOW_THREADS;
+      TFE_Execute(op, out.data(), &num_out, status);
+      Py_END_ALLOW_THREADS;
+    }
   }
   if (op != nullptr) {
     if (TF_GetCode(status) == TF_OK && cached_op == nullptr) {
@@ -520,7 +531,7 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* PySkipTraceStats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:L}", "taken", g_taken);
+  return Py_BuildValue("{s:L,s:L}", "taken", g_taken, "held", g_held);
 }
 
 PyObject* PySkipTraceSetup(PyObject*, PyObject* original) {
@@ -562,7 +573,8 @@ PyMethodDef kTraceModuleMethods[] = {
      "without the stack capture for the common op placed on the dispatcher "
      "(cc/fast/fast_trace.cc)."},
     {"skip_trace_stats", PySkipTraceStats, METH_NOARGS,
-     "skip_trace_stats() -> {taken}: ops skip_trace_execute ran itself."},
+     "skip_trace_stats() -> {taken, held}: ops skip_trace_execute ran itself, and of those "
+     "the ones whose dispatcher callback it called without TFE_Execute."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

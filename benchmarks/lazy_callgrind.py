@@ -17,9 +17,12 @@ x [256, 256] and its chain (`h = tf.tanh(h) * 1.01` 100 times: 200 ops):
            recording (and the release of the intermediate tensors), without the scope's
            enter and exit or the value request
 
-The count covers every thread (the compiled kernels' too) while collection is on. Per
-recorded op: record / 200, and (lazyxla - xla) / 200, which is R of the R/C arithmetic
-(recording plus the scope and the value request's own work, per op).
+Per recorded op: record / 200, the recording thread's instructions (R of the R/C
+arithmetic without the scope's enter and exit and the value request). Collection is
+toggled on the calling thread: the compiled loop's instructions count only as far as
+XLA:CPU runs it on that thread, which differs from run to run by more than the whole
+recording costs, so xla and lazyxla are information, compared by hand without the compiled loop
+(callgrind_annotate's inclusive `xla::LocalExecutable::Run` of a kept run subtracted).
 Needs valgrind, its headers and gcc.
 """
 import argparse
@@ -94,7 +97,8 @@ def main():
         print("record   %12.0f instr/call  %8.0f instr/recorded op"
               % (per_call["record"], per_call["record"] / OPS))
     if "xla" in per_call and "lazyxla" in per_call:
-        print("(lazyxla - xla) / %d: %8.0f instr/recorded op"
+        print("(lazyxla - xla) / %d: %8.0f instr/recorded op (information: includes the "
+              "compiled loop's instructions counted on this thread)"
               % (OPS, (per_call["lazyxla"] - per_call["xla"]) / OPS))
 
 

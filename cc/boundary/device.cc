@@ -13,6 +13,8 @@
 #include "boundary/owners.h"
 #include "boundary/runtime.h"
 #include "boundary/status.h"
+#include "tensorflow/c/eager/tfe_tensorhandle_internal.h"
+#include "tensorflow/core/common_runtime/eager/custom_device.h"
 
 namespace tf_ophandlers {
 namespace {
@@ -285,6 +287,29 @@ bool DeviceShallPin(const TFE_Op* op, TF_Status* s) {
 }
 
 }  // namespace
+
+bool ExecuteOnDispatcherHeld(TFE_Op* op, int* num_outputs, TFE_TensorHandle** outputs,
+                             TF_Status* status) {
+  if (!PythonAlive() || NativeNoGilMayRun() || PyErr_Occurred()) return false;
+  TF_Status* s = ThreadStatus();
+  const char* device = TFE_OpGetDevice(op, s);
+  const int n = TFE_OpGetFlatInputCount(op, s);
+  bool ok = TF_GetCode(s) == TF_OK && device != nullptr && g_device_name == device;
+  for (int i = 0; ok && i < n; ++i) {
+    TFE_TensorHandle* h = TFE_OpGetFlatInput(op, i, s);
+    ok = TF_GetCode(s) == TF_OK && h != nullptr && TFE_TensorHandleDataType(h) != TF_RESOURCE &&
+         (!tensorflow::CustomDeviceTensorHandle::classof(tensorflow::unwrap(h)) ||
+          PayloadOf(h) != nullptr);
+  }
+  if (!ok) {
+    TF_SetStatus(s, TF_OK, "");
+    return false;
+  }
+  // As DeviceExecute once it holds the GIL.
+  DrainPending();
+  RunOnStacks(op, num_outputs, outputs, status);
+  return true;
+}
 
 void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status) {
   TFE_CustomDevice device;

@@ -24,6 +24,21 @@ namespace tf_ophandlers {
 // GIL: not needed (held by the caller, _C.init). Status: the only error report.
 void RegisterDispatcherDevice(TFE_Context* ctx, const char* device_name, TF_Status* status);
 
+// The dispatcher's execute callback for an op the caller built on this thread with the
+// GIL held, placed on the dispatcher by its device name (skip_trace_execute,
+// fast_trace.cc), run without TFE_Execute: TensorFlow's routing of such an op
+// (CustomDeviceOpHandler::Execute) only finds the dispatcher by that name and calls the
+// callback with the same op and output capacity, so the GIL is neither released for
+// TFE_Execute nor taken back by the callback. Only when TensorFlow's placement rules
+// could not send the op elsewhere: no input is a resource or a tensor of another custom
+// device; and not when the callback would run without the GIL (this thread's no-GIL
+// plan, NativeNoGilMayRun) or with a Python exception set. Returns false when it does
+// not qualify (nothing done, `status` untouched: call TFE_Execute); true when the
+// callback ran (`status` and `outputs` as TFE_Execute leaves them). `op` borrowed.
+// GIL: must be held.
+bool ExecuteOnDispatcherHeld(TFE_Op* op, int* num_outputs, TFE_TensorHandle** outputs,
+                             TF_Status* status);
+
 struct OpObject;
 
 // Checks what an execute hook's stack returned for `op` (`result`: a list or tuple of

@@ -20,7 +20,10 @@
 // type attribute given by those inputs or passed as a tf.DType (or its enum), every other
 // attribute a bool, int, float, string or list of ints passed as a plain Python value,
 // single-tensor outputs (a list of them when there are several). Anything else
-// calls TensorFlow's function unchanged (its results, errors and recording).
+// calls TensorFlow's function unchanged (its results, errors and recording). The op,
+// placed on the dispatcher by name, is handed to the dispatcher's execute callback
+// directly, with the GIL kept, where TFE_Execute would only route it there
+// (boundary/device.h ExecuteOnDispatcherHeld; else TFE_Execute, the GIL released).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -32,6 +35,7 @@
 #include "absl/container/inlined_vector.h"
 #include "fast/fast_internal.h"
 #include "fast/fast_path.h"
+#include "boundary/device.h"
 #include "boundary/op.h"
 #include "boundary/runtime.h"
 #include "tensorflow/c/eager/c_api_experimental.h"
@@ -39,9 +43,11 @@
 #include "tensorflow/c/eager/tfe_op_internal.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_def.pb.h"
+#include "tensorflow/python/eager/pywrap_tfe.h"
 
-// lib_pywrap_tensorflow_common.so (TF 2.21), declared in tensorflow/python/eager/pywrap_tfe.h.
-PyObject* TFE_Py_TapeSetIsEmpty();  // new reference to True/False (tapes and accumulators)
+// lib_pywrap_tensorflow_common.so (TF 2.21), which _C links: TFE_Py_TapeSetIsEmpty (a new
+// reference to True/False: tapes and accumulators) and GetEagerContextThreadLocalData
+// (GIL held; the data of the calling thread, owned by TensorFlow) from pywrap_tfe.h.
 namespace tensorflow {
 int MaybeRaiseExceptionFromTFStatus(TF_Status* status, PyObject* exception);
 }  // namespace tensorflow
@@ -51,11 +57,10 @@ namespace {
 
 PyObject* g_original = nullptr;  // TensorFlow's TFE_Py_FastPathExecute (strong)
 PyObject* g_tld_attr = nullptr;  // "_thread_local_data"
-PyObject* g_device_attr = nullptr;  // "device_name"
-PyObject* g_callbacks_attr = nullptr;  // "op_callbacks"
 PyObject* g_type_enum_attr = nullptr;  // "_type_enum"
 PyTypeObject* g_dtype_class = nullptr;  // tf.DType (strong), for explicit type attributes
 long long g_taken = 0;  // ops run here, failed or not (skip_trace_stats; GIL held)
+long long g_held = 0;   // of those, run on the dispatcher without TFE_Execute (GIL held)
 
 // The kinds of non-type attribute this path sets itself (others: TensorFlow's function).
 enum class AttrKind { kBool, kInt, kFloat, kString, kIntList, kType };
@@ -174,40 +179,46 @@ PyObject* Original(PyObject* const* args, Py_ssize_t nargs) {
 
 // The thread's device scope name if it is the dispatcher and no op callback is set;
 // null otherwise (also on an error, cleared: TensorFlow's function then reports it).
-// Returns a new reference.
+// Returns a new reference (conversions may run Python that changes the scope).
 PyObject* DispatcherPlacement(PyObject* ctx) {
-  // The context's `_thread_local_data`, set once in its __init__: kept with the context
-  // (strong references: neither address is reused while cached).
+  // Read from the context's thread-local data itself, as TensorFlow's fast path reads
+  // them (TFE_Py_FastPathExecute_C), not through `ctx._thread_local_data`'s properties
+  // (two pybind calls per op, whose getters read the same struct). A context is asked
+  // only once it has `_thread_local_data`, which its __init__ sets after registering
+  // the defaults a thread's data starts from; the last one seen is kept (a strong
+  // reference: its address is not reused while cached).
   static PyObject* last_ctx = nullptr;
-  static PyObject* last_tld = nullptr;
   if (ctx != last_ctx) {
-    PyObject* fresh = PyObject_GetAttr(ctx, g_tld_attr);
-    if (fresh == nullptr) {
+    PyObject* tld = PyObject_GetAttr(ctx, g_tld_attr);
+    if (tld == nullptr) {
       PyErr_Clear();
       return nullptr;
     }
+    Py_DECREF(tld);
     Py_INCREF(ctx);
     Py_XSETREF(last_ctx, ctx);
-    Py_XSETREF(last_tld, fresh);
   }
-  PyObject* tld = last_tld;
-  Py_INCREF(tld);
-  PyObject* device = PyObject_GetAttr(tld, g_device_attr);
-  PyObject* callbacks = device != nullptr ? PyObject_GetAttr(tld, g_callbacks_attr) : nullptr;
-  Py_DECREF(tld);
-  bool ok = callbacks != nullptr && PyUnicode_Check(device);
-  if (ok) {
-    int empty = PyObject_Not(callbacks);
-    ok = empty == 1;
-  }
-  if (ok) {
-    const char* name = PyUnicode_AsUTF8(device);
-    ok = name != nullptr && g_device_name == name;
-  }
-  Py_XDECREF(callbacks);
-  if (!ok) {
+  tensorflow::EagerContextThreadLocalData* data =
+      tensorflow::GetEagerContextThreadLocalData(ctx);
+  if (data == nullptr) {
     PyErr_Clear();
-    Py_XDECREF(device);
+    return nullptr;
+  }
+  PyObject* device = data->device_name.get();  // borrowed
+  PyObject* callbacks = data->op_callbacks.get();
+  if (device == nullptr || callbacks == nullptr || !PyUnicode_Check(device)) return nullptr;
+  // (a list; anything else is asked as the Python property's `not` would ask it)
+  int empty = PyList_CheckExact(callbacks) ? PyList_GET_SIZE(callbacks) == 0
+                                           : PyObject_Not(callbacks);
+  if (empty != 1) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  Py_INCREF(device);
+  const char* name = PyUnicode_AsUTF8(device);
+  if (name == nullptr || g_device_name != name) {
+    PyErr_Clear();
+    Py_DECREF(device);
     return nullptr;
   }
   return device;
@@ -463,10 +474,16 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   absl::InlinedVector<TFE_TensorHandle*, 2> out(n_out, nullptr);
   int num_out = n_out;
+  // Placed on the dispatcher: its callback runs here, with the GIL kept (device.h
+  // ExecuteOnDispatcherHeld), unless TensorFlow's TFE_Execute must route the op.
   if (TF_GetCode(status) == TF_OK) {
-    Py_BEGIN_ALLOW_THREADS;
-    TFE_Execute(op, out.data(), &num_out, status);
-    Py_END_ALLOW_THREADS;
+    if (ExecuteOnDispatcherHeld(op, &num_out, out.data(), status)) {
+      ++g_held;
+    } else {
+      Py_BEGIN_ALLOW_THREADS;
+      TFE_Execute(op, out.data(), &num_out, status);
+      Py_END_ALLOW_THREADS;
+    }
   }
   if (op != nullptr) {
     if (TF_GetCode(status) == TF_OK && cached_op == nullptr) {
@@ -514,7 +531,7 @@ PyObject* SkipTraceExecute(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* PySkipTraceStats(PyObject*, PyObject*) {
-  return Py_BuildValue("{s:L}", "taken", g_taken);
+  return Py_BuildValue("{s:L,s:L}", "taken", g_taken, "held", g_held);
 }
 
 PyObject* PySkipTraceSetup(PyObject*, PyObject* original) {
@@ -524,12 +541,8 @@ PyObject* PySkipTraceSetup(PyObject*, PyObject* original) {
   }
   if (!RequireInit() || !fast::SetupConvert()) return nullptr;
   g_tld_attr = g_tld_attr ? g_tld_attr : PyUnicode_InternFromString("_thread_local_data");
-  g_device_attr = g_device_attr ? g_device_attr : PyUnicode_InternFromString("device_name");
-  g_callbacks_attr =
-      g_callbacks_attr ? g_callbacks_attr : PyUnicode_InternFromString("op_callbacks");
   g_type_enum_attr = g_type_enum_attr ? g_type_enum_attr : PyUnicode_InternFromString("_type_enum");
-  if (g_tld_attr == nullptr || g_device_attr == nullptr || g_callbacks_attr == nullptr ||
-      g_type_enum_attr == nullptr) {
+  if (g_tld_attr == nullptr || g_type_enum_attr == nullptr) {
     return nullptr;
   }
   if (g_dtype_class == nullptr) {
@@ -560,7 +573,8 @@ PyMethodDef kTraceModuleMethods[] = {
      "without the stack capture for the common op placed on the dispatcher "
      "(cc/fast/fast_trace.cc)."},
     {"skip_trace_stats", PySkipTraceStats, METH_NOARGS,
-     "skip_trace_stats() -> {taken}: ops skip_trace_execute ran itself."},
+     "skip_trace_stats() -> {taken, held}: ops skip_trace_execute ran itself, and of those "
+     "the ones whose dispatcher callback it called without TFE_Execute."},
     {nullptr}};
 
 }  // namespace tf_ophandlers

@@ -71,6 +71,11 @@ bool NativeStackRun(PyObject* stack, PyObject* handler, PyObject* next, const TF
 bool NativeNoGilExecute(const TFE_Op* op, int* num_outputs, TFE_TensorHandle** outputs,
                         TF_Status* status);
 
+// Whether this thread has a current no-GIL plan, so that NativeNoGilExecute may take an
+// op (a caller holding the GIL then lets TensorFlow's TFE_Execute call the dispatcher
+// without it: ExecuteOnDispatcherHeld). GIL: any (thread-local state).
+bool NativeNoGilMayRun();
+
 // Remembers `stack` (its C/C++ handler `handler`, next stack PHYSICAL) as this thread's
 // no-GIL plan if it is state.current. GIL: must be held.
 void RememberNoGilStack(PyObject* stack, PyObject* handler);

@@ -234,6 +234,11 @@ PyObject* PyNoGilForget(PyObject*, PyObject*) {
 uint64_t NativeNoGilOps() { return g_nogil_ops.load(std::memory_order_relaxed); }
 uint64_t NativeNoGilForwardOps() { return g_nogil_forward_ops.load(std::memory_order_relaxed); }
 
+bool NativeNoGilMayRun() {
+  const Plan& plan = t_plan;
+  return plan.stack != nullptr && plan.generation == StacksGeneration();
+}
+
 bool NativeNoGilExecute(const TFE_Op* tfe_op, int* num_outputs, TFE_TensorHandle** outputs,
                         TF_Status* status) {
   Plan& plan = t_plan;

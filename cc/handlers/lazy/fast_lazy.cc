@@ -102,6 +102,24 @@ PyObject* SignatureFor(const char* type, const absl::InlinedVector<TF_DataType, 
   return sig;
 }
 
+// `o.name` (a new reference, or null with an exception set), as PyObject_GetAttr gives
+// it. The handler's own attributes (set in Lazy.__init__) are read from its instance
+// dict when the generic lookup would find them there: its type uses the generic
+// getattr and defines nothing of that name (so no descriptor comes first); otherwise,
+// or when the dict lacks the name, PyObject_GetAttr. Spares the generic lookup's
+// work on each recorded op. GIL: held.
+PyObject* InstanceAttr(PyObject* o, PyObject* name) {
+  PyTypeObject* type = Py_TYPE(o);
+  if (type->tp_getattro == PyObject_GenericGetAttr && _PyType_Lookup(type, name) == nullptr) {
+    PyObject** dict = _PyObject_GetDictPtr(o);
+    PyObject* v = dict != nullptr && *dict != nullptr ? PyDict_GetItemWithError(*dict, name)
+                                                      : nullptr;
+    if (v != nullptr) return Py_NewRef(v);
+    if (PyErr_Occurred()) return nullptr;
+  }
+  return PyObject_GetAttr(o, name);
+}
+
 PyObject* DtypeFor(TF_DataType t) {
   if (t < 0 || t >= kMaxEnum) return nullptr;
   PyObject* d = g_dtype_objs[t];
@@ -138,10 +156,12 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     if (dtype_objs[k] == nullptr) return hook();
   }
   // Inputs as the node keeps them: (node, index) of a pending value, a computed value's
-  // tensor, or the physical tensor itself. Resources run eagerly (the hook).
+  // tensor, or the physical tensor itself. Resources run eagerly (the hook). Each
+  // input's payload is looked up once (`payloads`, null: a physical tensor).
+  absl::InlinedVector<TFOH_Payload*, 4> payloads(n_in, nullptr);
   for (int i = 0; i < n_in; ++i) {
     if (TFE_TensorHandleDataType(in[i]) == TF_RESOURCE) return hook();
-    TFOH_Payload* p = PayloadOf(in[i]);
+    TFOH_Payload* p = payloads[i] = PayloadOf(in[i]);
     if (p != nullptr &&
         (p->kind != TFOH_PAYLOAD_PYTHON || reinterpret_cast<PyObject*>(p->stack) != stack ||
          p->value == nullptr ||
@@ -157,14 +177,14 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     handler.reset();
     return hook();
   };
-  PyRef chunk(handler ? PyObject_GetAttr(handler.get(), g_lazy.s_chunk_ops) : nullptr);
+  PyRef chunk(handler ? InstanceAttr(handler.get(), g_lazy.s_chunk_ops) : nullptr);
   if (!chunk) return decline();
   // With chunk_ops: the ops recorded since the last chunk (-1 without). When a chunk is
   // due the hook launches it first. An execute set on the instance is its hook.
   long recorded = -1;
   if (chunk.get() != Py_None) {
     long limit = PyLong_CheckExact(chunk.get()) ? PyLong_AsLong(chunk.get()) : -1;
-    PyRef r(PyObject_GetAttr(handler.get(), g_lazy.s_recorded));
+    PyRef r(InstanceAttr(handler.get(), g_lazy.s_recorded));
     recorded = r && PyLong_CheckExact(r.get()) ? PyLong_AsLong(r.get()) : -1;
     r.reset();
     if (recorded < 0 || limit < 1 || (recorded > 0 && recorded >= limit)) recorded = -2;
@@ -194,7 +214,7 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
   };
   if (!node_inputs || !refs) return fail(0);
   for (int i = 0; i < n_in; ++i) {
-    TFOH_Payload* p = PayloadOf(in[i]);
+    TFOH_Payload* p = payloads[i];
     PyObject* item;
     if (p != nullptr) {
       PyObject* v = reinterpret_cast<PyObject*>(p->value);
@@ -261,7 +281,7 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     PyObject_GC_UnTrack(r);  // (no callback: nothing to traverse)
     PyList_SET_ITEM(refs.get(), k, r);
   }
-  pending.reset(PyObject_GetAttr(handler.get(), g_lazy.s_pending));
+  pending.reset(InstanceAttr(handler.get(), g_lazy.s_pending));
   node_ref.reset(pending ? PyWeakref_NewRef(n, nullptr) : nullptr);
   if (node_ref) PyObject_GC_UnTrack(node_ref.get());
   producer.reset(node_ref ? InternedString(type) : nullptr);
@@ -283,7 +303,7 @@ bool RunLazy(PyObject* stack, const Decision& d, const TFE_Op* src, const char* 
     if (failed) return fail(n_out);
   } else {
     // As the hook: prune `_pending` when it grew past twice the live nodes.
-    PyRef live(PyObject_GetAttr(handler.get(), g_lazy.s_live_nodes));
+    PyRef live(InstanceAttr(handler.get(), g_lazy.s_live_nodes));
     long n_live = live ? PyLong_AsLong(live.get()) : -1;
     live.reset();
     if (n_live < 0 && PyErr_Occurred()) return fail(n_out);

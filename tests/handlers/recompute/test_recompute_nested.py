@@ -86,10 +86,10 @@ class _Op:  # a node's op: `cut` reads only the nodes' refs
 
 def _chain(widths, outputs=None):
     """Nodes of a chain (node j reads node j - 1; node 0 an input) whose values have
-    `widths` float32 elements, with their outputs' bytes, for `nested.cut`."""
+    `widths` float32 elements, with their output specs, for `nested.cut`."""
     nodes = [(_Op(), ((-1, 0),))] + [(_Op(), ((j - 1, 0),)) for j in range(1, len(widths))]
     results = [[tf.TensorSpec([w], tf.float32)] for w in widths]
-    return nodes, nested.sizes(results), outputs or [(len(widths) - 1, 0)]
+    return nodes, results, outputs or [(len(widths) - 1, 0)]
 
 
 def test_cut_is_after_the_narrowest_value_of_a_balanced_split():
@@ -183,66 +183,3 @@ def test_nested_split_lowers_the_step_peak_of_bottleneck_blocks():
         lowest[on] = min(low for low, _ in runs)
     # (by more than the spread of one configuration's lowest peaks, some 100 KB)
     assert lowest[True] < lowest[False] - (1 << 20), lowest
-
-
-def _growing_weights_net(rng, blocks=4, wide=64, narrow=16, extra=1 << 21):
-    """`_bottleneck_net`'s blocks without its stem (the input has `wide` channels), each
-    also reading a variable of `extra` float32 elements (through its mean, a factor of
-    a per-channel scale): the weight gradients accumulate over the backward pass as
-    ResNet's do, so its simulated peak is at the first blocks' backward and the last
-    blocks' backward runs far below it."""
-    _, variables = _bottleneck_net(rng, blocks=blocks, wide=wide, narrow=narrow)
-    variables = variables[1:]  # (the stem's)
-    per = len(variables) // blocks
-    layers = [variables[k * per:(k + 1) * per] for k in range(blocks)]
-    extras = [tf.Variable((1 + 0.01 * rng.standard_normal(extra)).astype(np.float32))
-              for _ in range(blocks)]
-
-    def g(h):
-        for (w1, s1, b1, w2, s2, b2, w3, s3, b3), e in zip(layers, extras):
-            u = tf.nn.relu(tf.nn.conv2d(h, w1, 1, "SAME") * s1 + b1)
-            u = tf.nn.relu(tf.nn.conv2d(u, w2, 1, "SAME") * (s2 * tf.reduce_mean(e)) + b2)
-            h = tf.nn.relu(h + (tf.nn.conv2d(u, w3, 1, "SAME") * s3 + b3))
-        return tf.reduce_mean(h * h)
-    return g, variables + extras
-
-
-@pytest.mark.parametrize("slack", [None, 1.0])
-def test_nested_split_only_where_it_lowers_the_simulated_peak(monkeypatch, slack):
-    """With weight gradients accumulating over the backward pass, the segments whose
-    backward runs first (far under the simulated peak) are differentiated unsplit and
-    the last one to run splits (the split reruns a prefix: computation spent where no
-    peak is); with the slack at 1 (every segment within the whole peak) the first one
-    splits too, as every segment that could split did before the rule. Gradients equal
-    tf.GradientTape's."""
-    from tf_ophandlers.handlers.recompute import thinning
-    if slack is not None:
-        monkeypatch.setattr(thinning, "_SPLIT_SLACK", slack)
-    rng = np.random.default_rng(5)
-    f, variables = _growing_weights_net(rng)
-    x = tf.constant(rng.standard_normal((8, 32, 32, 64)).astype(np.float32))
-    expected = recompute_helpers.reference_gradients(f, variables, x)
-    ran = []  # the gradient functions run, in the backward pass's order
-    original = recompute_segments._GradientFunction.run
-
-    def spy(self, *args):
-        ran.append(self)
-        return original(self, *args)
-    monkeypatch.setattr(recompute_segments._GradientFunction, "run", spy)
-    recompute_segments._gradients.clear()
-    rc = oh.Recompute()
-    for _ in range(2):  # (the second scope plans its segments on the first's sizes)
-        ran.clear()
-        with oh.GradientTape() as tape:
-            with rc:
-                loss = f(x)
-        recompute_helpers.assert_grads(expected,
-                                       [g.numpy() for g in tape.gradient(loss, variables)])
-    # those of the second step's segments holding a block's three convolutions (the
-    # backward pass runs the last segment first)
-    blocks = [fn for fn in ran if sum(op.type == "Conv2D" for op in
-                                      fn.function.graph.get_operations()) >= 3]
-    assert len(blocks) >= 2, [fn.split for fn in ran]
-    assert blocks[-1].split is not None, [fn.split for fn in blocks]
-    assert (blocks[0].split is None) == (slack is None), [fn.split for fn in blocks]
-    recompute_segments._gradients.clear()  # (functions built while monkeypatched)

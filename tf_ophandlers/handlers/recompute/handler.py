@@ -520,8 +520,8 @@ class Recompute(OpHandler):
                 self._params += nbytes(outputs[0])
         return self._wrap(outputs, tracked)
 
-    def _count_values(self, op_type, sizes):
-        """Counts an op's outputs of `sizes` bytes; returns their sum."""
+    def _count_values(self, op_type, outputs):
+        sizes = [nbytes(o) for o in outputs]
         size = sum(sizes)
         if op_type in EXPENSIVE_OPS:
             self._expensive += size
@@ -529,7 +529,7 @@ class Recompute(OpHandler):
         else:
             self._run += size
         self._computed += size
-        self._count += len(sizes)
+        self._count += len(outputs)
         if sizes and max(sizes) > self._largest_value:
             self._largest_value = max(sizes)
         return size
@@ -625,9 +625,7 @@ class Recompute(OpHandler):
         segment.nodes.append((op, tuple(refs)))
         values = [_Value(o, segment, node, k) for k, o in enumerate(outputs)]
         segment.values.append([weakref.ref(v) for v in values])
-        sizes = [nbytes(o) for o in outputs]
-        segment.sizes.append(sizes)  # (the nested split's plan: thinning.py)
-        segment.bytes += self._count_values(op.type, sizes)
+        segment.bytes += self._count_values(op.type, outputs)
         if keep or (partial and op.type in EXPENSIVE_OPS):
             segment.saved.append(list(outputs))
         elif partial:

@@ -24,6 +24,7 @@ gradient sums a value's uses.
 """
 import tensorflow as tf
 
+from tf_ophandlers.handlers.recompute.thinning import nbytes
 
 # A split needs its frontier to be at most this share of the largest value the segment
 # computes (a narrow place), and each part at least this share of the segment's bytes
@@ -32,48 +33,20 @@ _NARROW = 0.5
 _BALANCE = 0.25
 
 
-def nbytes(tensor):
-    """Bytes of a tensor's value (0 if its shape is unknown). (The package's one
-    definition, here at the bottom of the package's imports: thinning.py and
-    segments.py import it, segments.py re-exports it to evict.py and handler.py.)"""
-    n = tensor.shape.num_elements()
-    return 0 if n is None else n * tensor.dtype.size
-
-
-def sizes(results):
-    """Per node, the bytes of its outputs (`results`: the nodes' replayed outputs, or
-    anything with static shapes), or None when a size is unknown (nothing to plan on)."""
-    if any(t.shape.num_elements() is None for outs in results for t in outs):
-        return None
-    return [[nbytes(t) for t in outs] for outs in results]
-
-
-def node_sizes(segment):
-    """Per node of a `segments.Segment`, the bytes of its outputs, or None when its
-    recorder did not track them (the eager handler does; the graph rewrites do not)."""
-    known = segment.sizes
-    return known if known is not None and len(known) == len(segment.nodes) else None
-
-
-def cut(nodes, node_sizes, output_refs):
+def cut(nodes, results, output_refs):
     """The node index where the prefix ends (the suffix starts), or None: the position
     whose frontier takes the fewest bytes among those narrow and balanced enough, ties
-    broken by the larger smaller part. `node_sizes` are the bytes of the nodes' outputs
-    (`sizes`; None: unknown); `output_refs` the differentiated outputs."""
-    found = plan(nodes, node_sizes, output_refs)
-    return None if found is None else found[0]
-
-
-def plan(nodes, node_sizes, output_refs):
-    """`(p, frontier bytes, prefix bytes, total bytes)` of the split `cut` chooses, or
-    None (the bytes are what the nodes compute: the thinning's plan models the split's
-    working values with them, thinning.split_where_it_pays)."""
+    broken by the larger smaller part. `results` are the nodes' replayed outputs (their
+    static shapes give the sizes); `output_refs` the differentiated outputs."""
     n = len(nodes)
-    if n < 4 or node_sizes is None:
+    if n < 4:
         return None
-    computed = [sum(s) for s in node_sizes]
+    if any(t.shape.num_elements() is None for outs in results for t in outs):
+        return None  # (unknown sizes: nothing to plan on)
+    sizes = [[nbytes(t) for t in outs] for outs in results]
+    computed = [sum(s) for s in sizes]
     total = sum(computed)
-    largest = max((b for s in node_sizes for b in s), default=0)
+    largest = max((b for s in sizes for b in s), default=0)
     if total <= 0 or largest <= 0:
         return None
     last_use = {}  # (node, output) -> last node reading it
@@ -86,7 +59,7 @@ def plan(nodes, node_sizes, output_refs):
     crossing = {}  # values of nodes < p read by a node >= p, with their bytes
     for p in range(1, n):
         prefix += computed[p - 1]
-        for k, b in enumerate(node_sizes[p - 1]):
+        for k, b in enumerate(sizes[p - 1]):
             if last_use.get((p - 1, k), -1) >= p:
                 crossing[(p - 1, k)] = b
         for nk in [nk for nk in crossing if last_use[nk] < p]:
@@ -101,7 +74,7 @@ def plan(nodes, node_sizes, output_refs):
             continue  # (nothing after the cut is differentiated)
         key = (frontier, -smaller)
         if best is None or key < best[0]:
-            best = (key, (p, frontier, prefix, total))
+            best = (key, p)
     return None if best is None else best[1]
 
 

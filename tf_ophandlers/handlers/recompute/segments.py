@@ -27,7 +27,7 @@ from tf_ophandlers.extend import (
     CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL,
     registries as _registries, tensor_key)
 from tf_ophandlers.handlers.recompute import conv_grads, nested, thinning
-from tf_ophandlers.handlers.recompute.nested import nbytes  # (also evict's, handler's)
+from tf_ophandlers.handlers.recompute.thinning import nbytes  # (also evict's, handler's)
 
 #: The op type a segment is recorded as on TensorFlow's tapes (`record_operation`). Its
 #: backward function takes None for any output gradient: an input reached only from
@@ -47,7 +47,7 @@ class Segment:
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
                  "bytes", "saved", "partial", "below", "remat", "remat_ops", "sources",
-                 "pieces", "xs", "out_bytes", "sizes", "out_refs", "nested", "__weakref__")
+                 "pieces", "xs", "out_bytes", "__weakref__")
 
     def __init__(self, keep=False, partial=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
@@ -76,13 +76,6 @@ class Segment:
         self.pieces = ()
         self.xs = None
         self.out_bytes = 0
-        # The nested split (nested.py): per node the bytes of its outputs (left empty
-        # by recorders that do not track them), a piece's recorded output refs, and
-        # whether its gradient function splits at a narrow place (None: undecided, it
-        # does; False: the thinning's simulation found it lowers no peak).
-        self.sizes = []
-        self.out_refs = ()
-        self.nested = None
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""
@@ -206,8 +199,6 @@ def _piece(segment, targets, cuts, outputs):
         piece.nodes.append((op, tuple(new_refs)))
         if piece.saved is not None:
             piece.saved.append(segment.saved[n])
-    known = nested.node_sizes(segment)
-    piece.sizes = None if known is None else [known[n] for n in sorted(needed)]
     back = {(local[n], k): (n, k) for n, k in targets}
     return piece, back, {(local[n], k): outputs[(n, k)] for n, k in targets}
 
@@ -227,7 +218,6 @@ def _record_piece(segment, outputs):
     saved = [] if segment.saved is None else [t for ts in segment.saved if ts is not None
                                               for t in ts]
     refs = [nk for nk, _ in outputs]
-    segment.out_refs = tuple(refs)
     outs = [t for _, t in outputs]
     # The gradient functions need the outputs' specs only: the closure below lives as
     # long as the tapes' record, through this segment's own backward call, and must not
@@ -240,15 +230,12 @@ def _record_piece(segment, outputs):
         """The gradient function of the outputs whose gradients are given (the others
         have no gradient: an input reached only from them gets none, so a gather's
         input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
-        # (the thinning may decide against the nested split after this record:
-        # read when the gradient runs)
-        nested_split = _GradientFunction.split_nested and segment.nested is not False
-        key = (structure, mask, kept, layout, nested_split)
+        key = (structure, mask, kept, layout, _GradientFunction.split_nested)
         fn = _gradients.get(key)
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
                 segment, kinds, [r for r, m in zip(refs, mask) if m],
-                [t for t, m in zip(out_specs, mask) if m], kept, nested_split)
+                [t for t, m in zip(out_specs, mask) if m], kept)
         return fn
 
     def backward(*grads):
@@ -278,8 +265,7 @@ class _GradientFunction:
     # Split at a narrow place inside (nested.py); part of the functions' cache key.
     split_nested = True
 
-    def __init__(self, segment, kinds, output_refs, output_specs, kept=False,
-                 nested_split=True):
+    def __init__(self, segment, kinds, output_refs, output_specs, kept=False):
         nodes = [(op, refs) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
         x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
@@ -318,8 +304,7 @@ class _GradientFunction:
                     start = len(graph.get_operations())
                     # A segment narrowing inside differentiates its two parts one after
                     # the other (nested.py): their working values are not alive together.
-                    p = nested.cut(nodes, nested.sizes(results), output_refs) \
-                        if nested_split else None
+                    p = nested.cut(nodes, results, output_refs) if self.split_nested else None
                     if p is None:
                         grads = tf.gradients([results[n][k] for n, k in output_refs], xs,
                                              grad_ys=gs)

@@ -26,11 +26,6 @@ pass's peak cost more than the checkpoints it dropped).
 
 A dropped value the program still holds (a weak reference to it resolves) is used as it
 is: dropping it costs nothing then, and saves nothing.
-
-The same simulation decides where a segment's gradient function splits at a narrow
-place (nested.py, a third level: the split reruns part of the segment): only for the
-segments whose backward, unsplit, would come near the peak the simulation finds with
-every segment that can split split (`split_where_it_pays`).
 """
 import weakref
 
@@ -39,18 +34,17 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 
 from tf_ophandlers.extend import CompiledCall, current_stack, graph_builder, LRUCache, PHYSICAL
-from tf_ophandlers.handlers.recompute import nested
-from tf_ophandlers.handlers.recompute.nested import nbytes
 
 _forwards = LRUCache("recompute.checkpoint_forwards", 256)  # structure -> _Forward
 _MAX_SEGMENTS = 256  # larger batches are not planned (the greedy plan is cubic)
 _WORK = 0.75  # share of a segment's computed bytes its gradient function holds at once
-# The nested split is kept for the segments whose simulated backward, unsplit, comes
-# within this share of the simulated peak (every segment that can split split): the
-# simulation models a segment's working values as a share of its bytes, which misses
-# the measured peaks of single segments by about this much, so a segment a little under
-# the modelled peak may still set the real one.
-_SPLIT_SLACK = 0.1
+
+
+def nbytes(tensor):
+    """Bytes of a tensor's value (0 if its shape is unknown). (The package's one
+    definition: segments.py, which imports this module, re-exports it.)"""
+    n = tensor.shape.num_elements()
+    return 0 if n is None else n * tensor.dtype.size
 
 
 class Recipe:
@@ -192,9 +186,24 @@ def plan(fwd, weights, outs, cks, budget):
     bytes of its output gradients; `cks` the checkpoints; `budget` bytes computed again
     at most."""
     n = len(fwd)
+    first = [min(c.consumers) for c in cks]
+    # bytes of checkpoints kept at each segment's backward: those used by it or earlier
 
     def peak(dropped):
-        return max(levels(fwd, weights, outs, cks, dropped))
+        kept = [0] * (n + 1)
+        for j, c in enumerate(cks):
+            if j not in dropped:
+                kept[first[j]] += c.bytes
+        again = [0] * n
+        for j in dropped:
+            for k in cks[j].consumers:
+                again[k] += cks[j].bytes
+        best, w, held = 0, 0, sum(kept)
+        for k in range(n - 1, -1, -1):  # the backward pass, last segment first
+            w += weights[k]
+            best = max(best, w + held + again[k] + _WORK * fwd[k] + outs[k])
+            held -= kept[k]
+        return best
 
     def cost(dropped):
         # chain[k]: bytes computed to get segment k's values, its dropped inputs included
@@ -227,77 +236,16 @@ def plan(fwd, weights, outs, cks, budget):
         dropped.add(best[2])
 
 
-def levels(fwd, weights, outs, cks, dropped, working=None):
-    """The simulated bytes alive at each segment's backward (forward order; arguments as
-    `plan`'s, `dropped` the checkpoints dropped): the gradients of the weights of it and
-    every later segment, the checkpoints kept for it or an earlier one, its dropped
-    inputs computed again, its working values (`working`, per segment: by default
-    `_WORK` times its computed bytes) and its output gradients."""
-    n = len(fwd)
-    first = [min(c.consumers) for c in cks]
-    kept = [0] * (n + 1)  # by the first segment using them (kept until its backward)
-    for j, c in enumerate(cks):
-        if j not in dropped:
-            kept[first[j]] += c.bytes
-    again = [0] * n
-    for j in dropped:
-        for k in cks[j].consumers:
-            again[k] += cks[j].bytes
-    if working is None:
-        working = [_WORK * f for f in fwd]
-    out, w, held = [0] * n, 0, sum(kept)
-    for k in range(n - 1, -1, -1):  # the backward pass, last segment first
-        w += weights[k]
-        out[k] = w + held + again[k] + working[k] + outs[k]
-        held -= kept[k]
-    return out
-
-
-def split_working(segment):
-    """The simulated working values of `segment`'s backward with its pieces' gradient
-    functions split at a narrow place (nested.py): a split piece holds at once the
-    values of its larger part and the frontier instead of its whole computation's.
-    None when no piece splits (or the sizes are unknown)."""
-    saved = 0
-    for piece in segment.pieces:
-        found = nested.plan(piece.nodes, nested.node_sizes(piece), piece.out_refs)
-        if found is not None:
-            _, frontier, prefix, total = found
-            saved += _WORK * (total - max(prefix, total - prefix)) - frontier
-    return None if saved <= 0 else _WORK * segment.bytes - saved
-
-
-def split_where_it_pays(segments, fwd, weights, outs, cks, dropped):
-    """Turns off the nested split (`nested = False` on their pieces) of the segments
-    whose backward, unsplit, stays under the simulated peak of the backward pass with
-    every segment that can split split (by `_SPLIT_SLACK` at least): rerunning their
-    prefix would cost computation and lower no peak (in a CNN, the last stages'
-    segments, whose backward runs before most weight gradients exist). Returns how many
-    segments keep the split."""
-    split = [split_working(s) for s in segments]
-    if not any(w is not None for w in split):
-        return 0
-    unsplit = levels(fwd, weights, outs, cks, dropped)
-    lowest = max(levels(fwd, weights, outs, cks, dropped, [
-        _WORK * f if w is None else w for f, w in zip(fwd, split)]))
-    count = 0
-    for s, w, level in zip(segments, split, unsplit):
-        needed = w is not None and level > (1 - _SPLIT_SLACK) * lowest
-        count += needed
-        for piece in s.pieces:
-            piece.nested = needed
-    return count
-
-
 def thin(segments, budget_share, min_bytes):
     """Plans and applies checkpoint thinning over `segments` (recorded together, in
-    forward order, each with `pieces`: its recorded pieces), and on the same simulation
-    where their gradient functions split (`split_where_it_pays`). Returns (checkpoints
+    forward order, each with `pieces`: its recorded pieces). Returns (checkpoints
     dropped, their bytes)."""
     segments = [s for s in segments if s.pieces]
     if len(segments) < 3 or len(segments) > _MAX_SEGMENTS or budget_share <= 0:
         return 0, 0
     cks = checkpoints(segments, min_bytes)
+    if not cks:
+        return 0, 0
     produced = {id(c.tensor) for c in cks}
     fwd = [s.bytes for s in segments]
     weights, outs = [], []
@@ -309,8 +257,7 @@ def thin(segments, budget_share, min_bytes):
                 w += nbytes(t)
         weights.append(w)
         outs.append(s.out_bytes)
-    dropped = plan(fwd, weights, outs, cks, budget_share * sum(fwd)) if cks else set()
-    split_where_it_pays(segments, fwd, weights, outs, cks, dropped)
+    dropped = plan(fwd, weights, outs, cks, budget_share * sum(fwd))
     freed = 0
     for j in dropped:
         c = cks[j]

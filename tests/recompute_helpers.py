@@ -2,12 +2,11 @@
 tanh MLP with its variables, the gradient comparison against tf.GradientTape's, and a
 subprocess runner for BFC peak-memory measurements."""
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import tensorflow as tf
+
+from python_process import run_python
 
 
 def mlp(rng, layers, width=32):
@@ -72,12 +71,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bfc(code, env=None):
-    """Runs `code` in a fresh Python with TensorFlow's BFC CPU allocator (so peak memory
+    """Runs `code` in a new process with TensorFlow's BFC CPU allocator (so peak memory
     can be read from its stats) and returns its stdout; a failure shows its output.
     `env`: extra environment variables."""
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_python(code, env=dict({"TF_CPU_ALLOCATOR_USE_BFC": "true"}, **(env or {})))

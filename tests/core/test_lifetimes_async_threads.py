@@ -1,8 +1,6 @@
 """Lifetimes of handler states, async execution, threads and interpreter exit."""
 import gc
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import weakref
@@ -13,6 +11,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from conftest import assert_close, run_threads
+from python_process import run_python
 
 
 def _rss_kb():
@@ -162,11 +161,7 @@ def test_interpreter_exit_with_live_handler_tensors():
             more = keep[0] * 2.0
         print("ok", float(tf.reduce_sum(more)))
     """)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("ok")
+    assert run_python(script, timeout=240).startswith("ok")
 
 
 @pytest.mark.slow

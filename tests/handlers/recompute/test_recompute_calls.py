@@ -5,10 +5,6 @@ IndexedSlices), an unknown batch dimension, a Keras model, second order, save=, 
 memory lower (TensorFlow's BFC allocator, in a subprocess); a tf.GradientTape around
 keeps the call whole."""
 import contextlib
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import keras
@@ -20,7 +16,6 @@ import tf_ophandlers as oh
 import recompute_helpers
 
 RNG = np.random.default_rng(5)
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 _assert_grads = recompute_helpers.assert_grads
 
 
@@ -141,12 +136,7 @@ def test_called_function_peak_memory_drops():
             np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
         print(p0, p1, rc.stats["call_segments"])
     """
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    plain, recompute, segments = (int(v) for v in proc.stdout.split()[-3:])
+    plain, recompute, segments = (int(v) for v in recompute_helpers.run_bfc(code).split()[-3:])
     assert segments >= 4
     assert plain >= 1.7 * recompute, (plain, recompute)
 

@@ -286,14 +286,8 @@ def test_memory_budget_in_graph_mode_holds_measured_peaks():
             step()
             print(budget, peak(step)[0])
     """
-    import os, subprocess, sys, textwrap  # noqa: E401 (only this test needs them)
-    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [tuple(int(v) for v in line.split()) for line in proc.stdout.split("\n") if line]
+    rows = [tuple(int(v) for v in line.split())
+            for line in recompute_helpers.run_bfc(code).split("\n") if line]
     assert len(rows) == 3
     for budget, peak in rows:
         assert peak <= budget, (budget, peak)

@@ -152,7 +152,8 @@ class _ForkServer:
                     os.kill(started["pid"], signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.close()
+                if self._reply(time.monotonic() + 30) is None:  # (the server's reply)
+                    self.close()
                 pytest.fail("the subprocess hung: no exit in %d s; its output so far: %s%s" % (
                     timeout, _tail(_read(out)), _tail(_read(err))))
             return subprocess.CompletedProcess(argv, ended["returncode"], _read(out), _read(err))

@@ -22,7 +22,7 @@ activations (its *kept*), which say whether activations dominate. Peaks are Tens
 BFC CPU allocator's (`TF_CPU_ALLOCATOR_USE_BFC=true`, `reset_memory_stats`,
 `get_memory_info`) minus the bytes in use before the step (after `gc.collect()`); they
 do not depend on the machine's load, but vary by some MB from step to step (the order in
-which the executor's threads run ops): each figure is the median of `--steps` (3) steps
+which the executor's threads run ops): each figure is the median of `--steps` (5) steps
 after a warm-up step, with the step peaks' range. Step times are of the same steps on a
 shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
 Also a lower bound on any checkpointing's step peak with the convolution gradients
@@ -67,7 +67,7 @@ BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "recompute_noevict"
             "called_recompute": "called"}
 
 
-def measure_batch(batch, size=SIZE, steps=3):
+def measure_batch(batch, size=SIZE, steps=5):
     """{kind: {forward, kept, peak, ms}, gradient_bytes, inference, stats} for one batch
     size; raises AssertionError when a configuration's gradients differ from
     tf.GradientTape's."""
@@ -205,7 +205,7 @@ def checkpointing_bound(model, batch):
     return best
 
 
-def render_md(results, info, elapsed, steps=3, image=""):
+def render_md(results, info, elapsed, steps=5, image=""):
     mb = 1e6
     rows = []
     dominate = []
@@ -385,7 +385,7 @@ def draw(plt, results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="8,16,32")
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per "
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per "
                         "configuration (after one warm-up step)")
     parser.add_argument("--out", default=_common.DEFAULT_MD)
     parser.add_argument("--json", default=None, help="also write the results here")

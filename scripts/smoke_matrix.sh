@@ -18,7 +18,8 @@ ROOT=$PWD
 
 # The C++ paths these exercise: placement and copies, scopes, the Op API, errors crossing
 # the boundary, function replay, and gradients (TensorFlow's tape vs oh.GradientTape,
-# custom gradients, tf.function calls, higher order, a Keras training loop).
+# custom gradients, tf.function calls, higher order, a Keras training loop); and the
+# tests' fork server (tests/fork_server.py) on each Python.
 SMOKE_TESTS=(
   tests/core/test_placement_and_copies.py
   tests/core/test_scopes.py
@@ -30,6 +31,7 @@ SMOKE_TESTS=(
   tests/handlers/gradient_tape/test_gradient_tape.py::test_tf_function_call_under_the_tape
   tests/handlers/gradient_tape/test_gradient_tape.py::test_second_order
   tests/handlers/gradient_tape/test_gradient_tape.py::test_keras_training_loop_matches_tf
+  tests/test_python_process.py
 )
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/tf-ophandlers-smoke.XXXXXX")

@@ -21,6 +21,7 @@ import warnings
 # Python 3.12 warns when a process that has threads forks (the import leaves one
 # OpenBLAS worker); the child is single-threaded until TensorFlow starts its pools.
 warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+_FORK_WARNING_FILTER = warnings.filters[0]
 import tensorflow  # noqa: E402,F401  pylint: disable=unused-import,wrong-import-position
 
 _requests = sys.stdin.buffer
@@ -40,6 +41,8 @@ def _child(request):
     os.dup2(null, 0)
     os.close(null)
     _replies.close()
+    warnings.filters.remove(_FORK_WARNING_FILTER)  # (the code's own warnings are its)
+    getattr(warnings, "_filters_mutated", lambda: None)()  # (as filterwarnings does)
     os.environ.clear()
     os.environ.update(request["environ"])
     sys.argv = list(request["argv"])

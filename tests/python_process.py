@@ -48,7 +48,7 @@ def run_python(code_or_path, timeout=300, check=True, env=None, args=(), fresh=F
     argv += [str(a) for a in args]
     proc = None
     if not fresh and os.environ.get("OH_TEST_FORK_SERVER", "1") != "0":
-        proc = _fork_server(full_env).run(argv, code_or_path, full_env, timeout)
+        proc = _fork_server(full_env).run(argv, full_env, timeout)
     if proc is None:
         try:
             proc = subprocess.run(argv, capture_output=True, text=True,
@@ -125,15 +125,15 @@ class _ForkServer:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, argv, code_or_path, env, timeout):
+    def run(self, argv, env, timeout):
+        """Runs `argv` (`python -c CODE ARGS` or `python SCRIPT ARGS`) as a child."""
         if self._proc is None or self._proc.poll() is not None:
             self._start(env)
-        is_path = isinstance(code_or_path, pathlib.Path)
+        code = argv[2] if argv[1] == "-c" else None
         with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-            request = {"argv": argv[1:] if is_path else ["-c"] + argv[3:],
-                       "code": None if is_path else argv[2],
-                       "path": str(code_or_path) if is_path else None,
+            request = {"argv": ["-c"] + argv[3:] if code is not None else argv[1:],
+                       "code": code, "path": None if code is not None else argv[1],
                        "environ": env, "stdout": out, "stderr": err}
             try:
                 self._proc.stdin.write(json.dumps(request).encode() + b"\n")

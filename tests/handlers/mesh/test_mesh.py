@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tf_ophandlers as oh
 from conftest import assert_close
+from python_process import run_python
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 DIMS = (None, "batch", "model")
@@ -585,15 +586,8 @@ finally:
 def test_training_on_a_mesh_over_two_server_processes(tmp_path):
     """Two tf.distribute.Server processes with two CPUs each form the 2x2 mesh; a client
     process trains the Megatron MLP step on it with the single-device losses."""
-    import os  # pylint: disable=import-outside-toplevel
-    import pathlib  # pylint: disable=import-outside-toplevel
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-    root = pathlib.Path(__file__).resolve().parents[3]
     (tmp_path / "server.py").write_text(_SERVER)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, "-c", _CLIENT, str(tmp_path / "server.py")],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    proc = run_python(_CLIENT, args=[tmp_path / "server.py"], timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [[float(v) for v in line.split()[1:]] for line in proc.stdout.splitlines()
               if line.startswith("loss ")]

@@ -4,13 +4,12 @@ the client connects with tf.config.experimental_connect_to_cluster), each agains
 same training on one device in the same run, and a checkpoint of the fit model's
 per-process weights written and restored."""
 import ast
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from python_process import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -22,11 +21,9 @@ def _numbers(out, prefix):
 
 @pytest.mark.slow
 def test_fit_and_mesh_step_over_two_server_processes_match_one_device():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
     # A hang (a collective whose members never meet) is a failure: the handler's
     # collective timeout (30 s in the example) raises first, this one bounds the rest.
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "two_process_training.py")],
-                          capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    proc = run_python(ROOT / "examples" / "two_process_training.py", timeout=150, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     workers = ["/job:worker/replica:0/task:%d/device:CPU:0" % i for i in range(2)]

@@ -173,19 +173,23 @@ def _busy_seconds():
 
 
 class OtherLoad:
-    """CPU used by everything except this process between start and stop (in cores)."""
+    """CPU used by everything except this process and the children it waited for
+    (a benchmark measuring in subprocesses) between start and stop (in cores)."""
 
     def __init__(self):
         self.busy, self.wall = _busy_seconds(), time.perf_counter()
+        self.own = self._own()
+
+    @staticmethod
+    def _own():
         t = os.times()
-        self.own = t.user + t.system
+        return t.user + t.system + t.children_user + t.children_system
 
     def cores(self):
         busy = _busy_seconds()
         if busy is None or self.busy is None:
             return None
-        t = os.times()
-        own = t.user + t.system - self.own
+        own = self._own() - self.own
         return max(0.0, (busy - self.busy - own) / (time.perf_counter() - self.wall))
 
 

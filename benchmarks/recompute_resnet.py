@@ -23,14 +23,17 @@ BFC CPU allocator's (`TF_CPU_ALLOCATOR_USE_BFC=true`, `reset_memory_stats`,
 `get_memory_info`) minus the bytes in use before the step (after `gc.collect()`); they
 do not depend on the machine's load, but vary by some MB from step to step (the order in
 which the executor's threads run ops): each figure is the median of `--steps` (5) steps
-after a warm-up step, with the step peaks' range. Step times are of the same steps on a
+after a warm-up step, with the step peaks' range. Each batch runs in a process of its
+own, as a training run does (after other batches' steps the allocator's chunks, whose
+slack it counts as in use, changed a step's peak by up to about 15 MB). Step times are of the same steps on a
 shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
 Also a lower bound on any checkpointing's step peak with the convolution gradients
 oh.Recompute computes (`checkpointing_bound`; recompute/conv_grads.py, without the CPU
 kernels' scratch buffers): the weight gradients that exist when the convolution whose
 backward pass needs most runs, plus that backward's peak (run alone), its input
 and output gradient and the residual add's gradient of its input; the ratio oh.GradientTape's peak / bound is the best any
-segmentation can reach. Writes the `recompute-resnet` section of docs/benchmarks.md and
+segmentation can reach. At the batches with a target, the sqrt policy's two settings
+(`join_fraction`, `join_cap`: where segments end) are swept around the default (SWEEP). Writes the `recompute-resnet` section of docs/benchmarks.md and
 docs/recompute-resnet.png.
 
     python benchmarks/recompute_resnet.py               # batches 8, 16, 32
@@ -40,6 +43,9 @@ import argparse
 import gc
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow starts: peak bytes
@@ -56,6 +62,9 @@ SIZE = 64
 # (per batch), at most TIME_TARGET times its step time.
 TARGETS = {16: 2.5, 32: 3.0}
 TIME_TARGET = 1.3
+# The sqrt policy's two settings (join_fraction, join_cap), swept at the batches with a
+# target: finer and coarser segments than the default's, which comes first.
+SWEEP = ((0.5, 2.0), (0.25, 2.0), (1.0, 2.0), (2.0, 4.0), (0.5, 1.0), (0.5, 0.5))
 KINDS = ("tf", "tape", "recompute", "recompute_noevict", "called", "called_recompute")
 NAMES = {"tf": "tf.GradientTape", "tape": "oh.GradientTape",
          "recompute": "oh.GradientTape + oh.Recompute()",
@@ -67,17 +76,18 @@ BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "recompute_noevict"
             "called_recompute": "called"}
 
 
-def measure_batch(batch, size=SIZE, steps=5):
-    """{kind: {forward, kept, peak, ms}, gradient_bytes, inference, stats} for one batch
-    size; raises AssertionError when a configuration's gradients differ from
-    tf.GradientTape's."""
+def measure_batch(batch, size=SIZE, steps=5, sweep=()):
+    """{kind: {forward, kept, peak, ms}, gradient_bytes, inference, stats, sweep} for one
+    batch size; raises AssertionError when a configuration's gradients differ from
+    tf.GradientTape's. `sweep`: (join_fraction, join_cap) settings of the sqrt policy
+    measured as "recompute" is, each with a handler of its own."""
     model, x, y, loss_fn = _resnet50(batch, size)
     info = tf.config.experimental.get_memory_info
     rc, rc_called, rc_noevict = oh.Recompute(), oh.Recompute(), oh.Recompute()
     rc_noevict.evict_min_bytes = None
     called = tf.function(lambda v: loss_fn(y, model(v, training=False)))
 
-    def step(kind):
+    def step(kind, handler=None):
         # Garbage first: a model of an earlier batch (Keras layers form reference
         # cycles) freed by the collector during a step would lower the bytes in use
         # below the base and the peak minus the base under the truth (a first version
@@ -89,7 +99,7 @@ def measure_batch(batch, size=SIZE, steps=5):
         tape = tf.GradientTape() if kind == "tf" else oh.GradientTape()
         with tape:
             if kind in ("recompute", "recompute_noevict"):
-                with rc if kind == "recompute" else rc_noevict:
+                with handler or (rc if kind == "recompute" else rc_noevict):
                     loss = loss_fn(y, model(x, training=False))
             elif kind == "called":
                 loss = called(x)
@@ -106,11 +116,13 @@ def measure_batch(batch, size=SIZE, steps=5):
 
     out = {}
     reference = None
-    for kind in KINDS:
-        step(kind)  # warm-up (a Recompute handler learns the computation's size)
+
+    def measure(kind, handler=None):
+        nonlocal reference
+        step(kind, handler)  # warm-up (a Recompute handler learns the computation's size)
         runs = []
         for _ in range(steps):
-            result, grads = step(kind)
+            result, grads = step(kind, handler)
             if reference is None:
                 reference = [tf.convert_to_tensor(g).numpy() for g in grads]
             else:
@@ -122,8 +134,20 @@ def measure_batch(batch, size=SIZE, steps=5):
             runs.append(result)
         # Peaks vary by some MB from step to step (the order in which the executor's
         # threads run a gradient function's ops): medians, and the peaks' range.
-        out[kind] = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-        out[kind]["peak_range"] = (min(r["peak"] for r in runs), max(r["peak"] for r in runs))
+        m = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        m["peak_range"] = (min(r["peak"] for r in runs), max(r["peak"] for r in runs))
+        return m
+
+    for kind in KINDS:
+        out[kind] = measure(kind)
+    out["sweep"] = []
+    for fraction, cap in sweep:
+        swept = oh.Recompute()
+        swept.join_fraction, swept.join_cap = fraction, cap
+        m = measure("recompute", swept)
+        m.update(join_fraction=fraction, join_cap=cap,
+                 segments=swept.stats["segments"])
+        out["sweep"].append(m)
     gc.collect()
     tf.config.experimental.reset_memory_stats("CPU:0")
     base = info("CPU:0")["current"]
@@ -237,7 +261,8 @@ def render_md(results, info, elapsed, steps=5, image=""):
          "weights=None)`, %dx%d inputs, inference-mode batch norm, eager; one step = loss "
          "and gradients of every weight. Peaks: BFC CPU allocator peak minus the bytes in "
          "use before the step (a `gc.collect()` first), the median of %d steps after a "
-         "warm-up step, and their range (a step's peak varies by some MB with the order "
+         "warm-up step, and their range; each batch in a process of its own, as a "
+         "training run has one (a step's peak varies by some MB with the order "
          "in which the executor's threads run ops). Gradients of every step equal "
          "tf.GradientTape's (rtol 1e-5, atol 1e-6; checked). Step times: medians of the "
          "same steps on a shared, loaded machine (wall-clock indicative only; CPU time "
@@ -298,6 +323,7 @@ def render_md(results, info, elapsed, steps=5, image=""):
                  " (the %.1fx target is out of reach)" % TARGETS[b]
                  if b in TARGETS and r["tape"]["peak"] < TARGETS[b] * r["bound"]["bound"]
                  else "") for b, r in results.items()),
+         ] + _sweep_md(results) + [
          "- Eviction (dropping the values Keras's functional `_run_through_graph` holds "
          "in its `tensor_dict` until the call returns, rematerialized when read): "
          "forward peak without it / with it %s (eager inference peak %s); step peak "
@@ -335,6 +361,46 @@ def render_md(results, info, elapsed, steps=5, image=""):
          "frees each record once its gradient ran, as TensorFlow's tape does, and keeps "
          "none of a segment's outputs (its gradient function reads none)."]
     return "\n".join(L)
+
+
+def _sweep_md(results):
+    """The sweep of the sqrt policy's settings (SWEEP) as a paragraph and a table."""
+    mb = 1e6
+    swept = {b: r["sweep"] for b, r in results.items() if r.get("sweep")}
+    if not swept:
+        return []
+    default = oh.Recompute()
+    rows, best = [], []
+    for b, runs in swept.items():
+        tape = results[b]["tape"]
+        for m in runs:
+            is_default = (m["join_fraction"], m["join_cap"]) == (
+                default.join_fraction, default.join_cap)
+            rows.append(("%d" % b, "%g" % m["join_fraction"], "%g" % m["join_cap"],
+                         "yes" if is_default else "", "%d" % m["segments"],
+                         "%.1f" % (m["peak"] / mb),
+                         "%.0f–%.0f" % (m["peak_range"][0] / mb, m["peak_range"][1] / mb),
+                         "%.2fx" % (tape["peak"] / m["peak"]),
+                         "%.2fx" % (m["ms"] / tape["ms"]),
+                         "%.2fx" % (m["cpu"] / tape["cpu"])))
+        low = min(runs, key=lambda m: m["peak"])
+        best.append("batch %d: join_fraction=%g, join_cap=%g, %.2fx below "
+                     "oh.GradientTape%s" % (
+                         b, low["join_fraction"], low["join_cap"],
+                         tape["peak"] / low["peak"],
+                         " (the default)" if (low["join_fraction"], low["join_cap"]) == (
+                             default.join_fraction, default.join_cap) else ""))
+    return [
+        "", "The sqrt policy's two settings, swept (a handler per setting, measured as "
+        "the `oh.Recompute()` row; segments end at the first join, a residual add, after "
+        "`join_fraction` x sqrt(total x mean value bytes) were computed, or at "
+        "`join_cap` times that without one): smaller segments keep more checkpoints "
+        "alive while the weight gradients accumulate, larger ones recompute more at "
+        "once. Lowest median step peak: %s." % "; ".join(best), "",
+        _common.md_table(("batch", "join_fraction", "join_cap", "default", "segments",
+                          "step peak MB", "step peak range MB", "vs eager oh.GradientTape",
+                          "step time vs oh.GradientTape",
+                          "CPU time vs oh.GradientTape"), rows), ""]
 
 
 def draw(plt, results):
@@ -382,6 +448,17 @@ def draw(plt, results):
     return fig
 
 
+def _measure_in_child(batch, steps):
+    """measure_batch(batch) in a new process (this script with --measure-only)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "batch.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--batches",
+                        str(batch), "--steps", str(steps), "--measure-only", path],
+                       check=True)
+        with open(path) as f:
+            return json.load(f)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="8,16,32")
@@ -389,14 +466,26 @@ def main(argv=None):
                         "configuration (after one warm-up step)")
     parser.add_argument("--out", default=_common.DEFAULT_MD)
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--measure-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     info = _common.machine_info()
     results = {}
 
+    batches = [int(s) for s in args.batches.split(",")]
+    if args.measure_only:
+        b, = batches
+        with open(args.measure_only, "w") as f:
+            json.dump(measure_batch(b, steps=args.steps,
+                                    sweep=SWEEP if b in TARGETS else ()), f)
+        return None
+
     def measure():
-        for b in (int(s) for s in args.batches.split(",")):
-            results[b] = measure_batch(b, steps=args.steps)
+        for b in batches:
+            # Each batch in a process of its own, as a training run has one: the BFC
+            # allocator's chunks after other batches' steps change a step's peak by up
+            # to about 15 MB (the slack it counts as in use).
+            results[b] = _measure_in_child(b, args.steps)
             r = results[b]
             print("batch %d: %s" % (b, ", ".join(
                 "%s peak %.1f MB" % (k, r[k]["peak"] / 1e6) for k in KINDS)), flush=True)

@@ -25,16 +25,18 @@ do not depend on the machine's load, but vary by some MB from step to step (the 
 which the executor's threads run ops): each figure is the median of `--steps` (5) steps
 after a warm-up step, with the step peaks' range. Each batch runs in a process of its
 own, as a training run does (after other batches' steps the allocator's chunks, whose
-slack it counts as in use, changed a step's peak by up to about 15 MB). Step times are of the same steps on a
-shared machine: wall-clock and the process's CPU time (`time.process_time`, all threads).
+slack it counts as in use, changed a step's peak by up to about 15 MB). Step times are
+of the same steps on a shared machine: wall-clock and the process's CPU time
+(`time.process_time`, all threads).
 Also a lower bound on any checkpointing's step peak with the convolution gradients
 oh.Recompute computes (`checkpointing_bound`; recompute/conv_grads.py, without the CPU
 kernels' scratch buffers): the weight gradients that exist when the convolution whose
 backward pass needs most runs, plus that backward's peak (run alone), its input
-and output gradient and the residual add's gradient of its input; the ratio oh.GradientTape's peak / bound is the best any
-segmentation can reach. At the batches with a target, the sqrt policy's two settings
-(`join_fraction`, `join_cap`: where segments end) are swept around the default (SWEEP). Writes the `recompute-resnet` section of docs/benchmarks.md and
-docs/recompute-resnet.png.
+and output gradient and the residual add's gradient of its input; the ratio
+oh.GradientTape's peak / bound is the best any segmentation can reach. At the batches
+with a target, the sqrt policy's two settings (`join_fraction`, `join_cap`: where
+segments end) are swept around the default (SWEEP). Writes the `recompute-resnet`
+section of docs/benchmarks.md and docs/recompute-resnet.png.
 
     python benchmarks/recompute_resnet.py               # batches 8, 16, 32
     python benchmarks/recompute_resnet.py --batches 8   # one row

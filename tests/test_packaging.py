@@ -48,6 +48,29 @@ def test_benchmark_quick_run(name, options, expected):
     assert history is None, text[max(0, history.start() - 200):history.end() + 200]
 
 
+@pytest.mark.slow  # ResNet50 steps in a child process: about a minute
+def test_recompute_resnet_benchmark_measures_a_batch_in_a_child_process(tmp_path):
+    # The ResNet50 page's script has no quick run (its smallest run is this one): each
+    # batch is measured by the script again in a new process (--measure-only), and batch
+    # 16, which has a target, adds the sweep of the policy's settings.
+    out = tmp_path / "page.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "recompute_resnet.py"), "--batches", "16",
+         "--steps", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "| 16 | oh.GradientTape + oh.Recompute() |" in text
+    assert "| batch | join_fraction | join_cap | default |" in text
+    sweep = [line for line in text.splitlines()
+             if re.match(r"\| 16 \| [0-9.]+ \| [0-9.]+ \| (yes)? \|", line)]
+    assert len(sweep) > 1 and sum("| yes |" in line for line in sweep) == 1, sweep
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert images and all((tmp_path / image).exists() for image in images), images
+    history = benchmark_runs.HISTORY.search(text)
+    assert history is None, text[max(0, history.start() - 200):history.end() + 200]
+
+
 # --- Wheels without absolute RUNPATHs, declared dependencies, Pythons 3.10-3.13.
 # `make wheel` / `make smoke` (scripts/) build and install real wheels; these tests check
 # the pieces cheaply: setup.py's link flags, the wheel checker, pyproject's declarations.

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import tensorflow as tf
+from python_process import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
@@ -19,8 +20,7 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
 def test_other_tensorflow_version_is_refused_with_a_clear_message():
     code = ("import tensorflow as tf; tf.__version__ = '2.20.1'\n"
             "import tf_ophandlers")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=240, env=ENV)
+    proc = run_python(code, timeout=240, check=False)
     assert proc.returncode != 0
     assert "ImportError" in proc.stderr
     assert "supports TensorFlow 2.21.x only" in proc.stderr and "2.20.1" in proc.stderr

@@ -90,10 +90,11 @@ def measure_batch(batch, size=SIZE, steps=5, sweep=()):
     called = tf.function(lambda v: loss_fn(y, model(v, training=False)))
 
     def step(kind, handler=None):
-        # Garbage first: a model of an earlier batch (Keras layers form reference
-        # cycles) freed by the collector during a step would lower the bytes in use
-        # below the base and the peak minus the base under the truth (a first version
-        # of this script measured 134 MB instead of about 165 MB so at batch 16).
+        # Garbage first: garbage of an earlier configuration (Keras layers form
+        # reference cycles) freed by the collector during a step would lower the bytes
+        # in use below the base and the peak minus the base under the truth (a first
+        # version of this script, which built every batch's model in one process,
+        # measured 134 MB instead of about 165 MB so at batch 16).
         gc.collect()
         tf.config.experimental.reset_memory_stats("CPU:0")
         base = info("CPU:0")["current"]
@@ -372,14 +373,17 @@ def _sweep_md(results):
     if not swept:
         return []
     default = oh.Recompute()
+    default = (default.join_fraction, default.join_cap)
+
+    def setting(m):
+        return m["join_fraction"], m["join_cap"]
+
     rows, best = [], []
     for b, runs in swept.items():
         tape = results[b]["tape"]
         for m in runs:
-            is_default = (m["join_fraction"], m["join_cap"]) == (
-                default.join_fraction, default.join_cap)
             rows.append(("%d" % b, "%g" % m["join_fraction"], "%g" % m["join_cap"],
-                         "yes" if is_default else "", "%d" % m["segments"],
+                         "yes" if setting(m) == default else "", "%d" % m["segments"],
                          "%.1f" % (m["peak"] / mb),
                          "%.0f–%.0f" % (m["peak_range"][0] / mb, m["peak_range"][1] / mb),
                          "%.2fx" % (tape["peak"] / m["peak"]),
@@ -390,8 +394,7 @@ def _sweep_md(results):
                      "oh.GradientTape%s" % (
                          b, low["join_fraction"], low["join_cap"],
                          tape["peak"] / low["peak"],
-                         " (the default)" if (low["join_fraction"], low["join_cap"]) == (
-                             default.join_fraction, default.join_cap) else ""))
+                         " (the default)" if setting(low) == default else ""))
     return [
         "", "The sqrt policy's two settings, swept (a handler per setting, measured as "
         "the `oh.Recompute()` row; segments end at the first join, a residual add, after "
@@ -470,17 +473,16 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--measure-only", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    start = time.perf_counter()
-    info = _common.machine_info()
-    results = {}
-
     batches = [int(s) for s in args.batches.split(",")]
-    if args.measure_only:
+    if args.measure_only:  # (a child of _measure_in_child: one batch, no page)
         b, = batches
         with open(args.measure_only, "w") as f:
             json.dump(measure_batch(b, steps=args.steps,
                                     sweep=SWEEP if b in TARGETS else ()), f)
         return None
+    start = time.perf_counter()
+    info = _common.machine_info()
+    results = {}
 
     def measure():
         for b in batches:

@@ -5,7 +5,6 @@ import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -13,8 +12,6 @@ import tensorflow as tf
 from python_process import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(
-    [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
 def test_other_tensorflow_version_is_refused_with_a_clear_message():
@@ -53,11 +50,10 @@ def test_recompute_resnet_benchmark_measures_a_batch_in_a_child_process(tmp_path
     # The ResNet50 page's script has no quick run (its smallest run is this one): each
     # batch is measured by the script again in a new process (--measure-only), and batch
     # 16, which has a target, adds the sweep of the policy's settings.
+    # (fresh: the script sets TF_CPU_ALLOCATOR_USE_BFC before it imports TensorFlow)
     out = tmp_path / "page.md"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "recompute_resnet.py"), "--batches", "16",
-         "--steps", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, env=ENV, cwd=ROOT)
+    proc = run_python(ROOT / "benchmarks" / "recompute_resnet.py", timeout=900, check=False,
+                      args=["--batches", "16", "--steps", "1", "--out", out], fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "| 16 | oh.GradientTape + oh.Recompute() |" in text

@@ -94,7 +94,7 @@ THREADS = []  # components handed to worker threads by ours()
 def ours(prog):
     from tf_ophandlers.handlers.parallel import collectives
     submit = collectives._submit
-    collectives._submit = lambda fn, arg: (THREADS.append(arg), submit(fn, arg))
+    collectives._submit = lambda fn, arg, done: (THREADS.append(arg), submit(fn, arg, done))
     parallel = oh.ParallelHandler(DEVICES)
     try:
         with parallel:

@@ -73,7 +73,7 @@ def test_compiled_step_runs_as_one_call_without_component_threads(strategy, monk
     handed to a thread of its own, and losses and weights stay MirroredStrategy's."""
     from tf_ophandlers.handlers.parallel import collectives
 
-    def no_thread(fn, arg):
+    def no_thread(fn, arg, done):
         raise AssertionError("component %r handed to a worker thread" % (arg,))
 
     monkeypatch.setattr(collectives, "_submit", no_thread)
@@ -118,7 +118,7 @@ def test_steps_per_execution_step_runs_as_one_call_and_matches_mirrored_strategy
     (steps=2), one call of 3 (steps=3), the last batch split 2 + 1."""
     from tf_ophandlers.handlers.parallel import collectives
 
-    def no_thread(fn, arg):
+    def no_thread(fn, arg, done):
         raise AssertionError("component %r handed to a worker thread" % (arg,))
 
     def train(scope, steps):

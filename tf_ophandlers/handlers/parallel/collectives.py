@@ -188,10 +188,9 @@ def run_concurrently(handler, below, op, inputs):
             abort_if_first_waits()
         finally:
             st.frames, st.current, st.mode, st.device = [], _PHYSICAL, None, ""
-            finished.put(i)
 
     for i in range(1, n):
-        _submit(run, i)
+        _submit(run, i, finished.put)
     # Component 0 on the calling thread (one thread hand-off less per op).
     try:
         with _sync_executor(), _scope.on_device(handler.components[0]):
@@ -257,25 +256,29 @@ class _Worker:
 
     def _loop(self):
         while True:
-            fn, arg = self.tasks.get()
+            fn, arg, done = self.tasks.get()
             try:
                 fn(arg)
             finally:
+                # Idle again before the caller learns the component finished: its next
+                # op then finds this worker instead of starting another thread.
                 with _idle_lock:
                     _idle.append(self)
+                done(arg)
 
 
 _idle = []  # workers waiting for a component
 _idle_lock = threading.Lock()
 
 
-def _submit(fn, arg):
-    """Runs `fn(arg)` on an idle worker thread."""
+def _submit(fn, arg, done):
+    """Runs `fn(arg)` on an idle worker thread, then `done(arg)` once that worker can
+    take the next component."""
     with _idle_lock:
         worker = _idle.pop() if _idle else None
     if worker is None:
         worker = _Worker()
-    worker.tasks.put((fn, arg))
+    worker.tasks.put((fn, arg, done))
 
 
 @contextlib.contextmanager

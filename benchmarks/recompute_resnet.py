@@ -67,13 +67,16 @@ TIME_TARGET = 1.3
 # The sqrt policy's two settings (join_fraction, join_cap), swept at the batches with a
 # target: finer and coarser segments than the default's, which comes first.
 SWEEP = ((0.5, 2.0), (0.25, 2.0), (1.0, 2.0), (2.0, 4.0), (0.5, 1.0), (0.5, 0.5))
-KINDS = ("tf", "tape", "recompute", "recompute_noevict", "called", "called_recompute")
+KINDS = ("tf", "tape", "recompute", "recompute_noevict", "recompute_in_order", "called",
+         "called_recompute")
 NAMES = {"tf": "tf.GradientTape", "tape": "oh.GradientTape",
          "recompute": "oh.GradientTape + oh.Recompute()",
          "recompute_noevict": "oh.GradientTape + oh.Recompute(), eviction off",
+         "recompute_in_order": "oh.GradientTape + oh.Recompute(), in_order",
          "called": "model in a called tf.function, oh.GradientTape",
          "called_recompute": "model in a called tf.function, + oh.Recompute()"}
 BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "recompute_noevict": "tape",
+            "recompute_in_order": "tape",
             "called": "called",
             "called_recompute": "called"}
 
@@ -87,6 +90,8 @@ def measure_batch(batch, size=SIZE, steps=5, sweep=()):
     info = tf.config.experimental.get_memory_info
     rc, rc_called, rc_noevict = oh.Recompute(), oh.Recompute(), oh.Recompute()
     rc_noevict.evict_min_bytes = None
+    rc_in_order = oh.Recompute()
+    rc_in_order.in_order = True
     called = tf.function(lambda v: loss_fn(y, model(v, training=False)))
 
     def step(kind, handler=None):
@@ -101,8 +106,9 @@ def measure_batch(batch, size=SIZE, steps=5, sweep=()):
         start, cpu = time.perf_counter(), time.process_time()
         tape = tf.GradientTape() if kind == "tf" else oh.GradientTape()
         with tape:
-            if kind in ("recompute", "recompute_noevict"):
-                with handler or (rc if kind == "recompute" else rc_noevict):
+            if kind in ("recompute", "recompute_noevict", "recompute_in_order"):
+                with handler or {"recompute": rc, "recompute_noevict": rc_noevict,
+                                 "recompute_in_order": rc_in_order}[kind]:
                     loss = loss_fn(y, model(x, training=False))
             elif kind == "called":
                 loss = called(x)
@@ -341,6 +347,16 @@ def render_md(results, info, elapsed, steps=5, image=""):
              ", ".join("%.1f MB" % (r["inference"] / mb) for r in results.values()),
              ", ".join("%.1f / %.1f MB" % (r["recompute_noevict"]["peak"] / mb,
                                            r["recompute"]["peak"] / mb)
+                       for r in results.values())),
+         "- `rc.in_order = True` (each gradient function runs its ops one at a time, in "
+         "the order they were made: a value lives from its op to its last use, as in the "
+         "op-by-op tape, at the cost of the parallelism between independent ops): step "
+         "peak %s, step time %s against oh.GradientTape's." % (
+             ", ".join("batch %d %.1f MB (%.2fx below oh.GradientTape)" % (
+                 b, r["recompute_in_order"]["peak"] / mb,
+                 r["tape"]["peak"] / max(r["recompute_in_order"]["peak"], 1))
+                 for b, r in results.items()),
+             ", ".join("%.2fx" % (r["recompute_in_order"]["ms"] / r["tape"]["ms"])
                        for r in results.values())),
          "- Model in a `tf.function` called inside the scope (no Keras dictionary: the "
          "call runs as a segmented rewrite, %s segments), against the same call without "

@@ -208,6 +208,9 @@ class Recompute(OpHandler):
         # at `join_cap` times sqrt(total x mean value bytes) without one.
         self.join_fraction = 0.5
         self.join_cap = 2.0
+        # The gradient functions run their ops one at a time, in the order they were made
+        # (segments.run_in_order): a lower, steadier peak for less parallelism.
+        self.in_order = False
         self._joins = False
         self._windows = []  # per open scope: a Window (traced), None (traced, no tape), False
         self._open = None  # the segment receiving nodes
@@ -395,6 +398,7 @@ class Recompute(OpHandler):
             return  # no tape records now; recorded when one does
         pending, self._pending, self._lagging = self._pending, [], None
         for segment in pending:
+            segment.ordered = self.in_order
             self._record(segment)
         if self.policy == "sqrt" and self.checkpoint_thinning:
             count, size = recompute_thinning.thin(

@@ -47,7 +47,7 @@ class Segment:
 
     __slots__ = ("nodes", "values", "externals", "ext_index", "ext_tracked", "used",
                  "bytes", "saved", "partial", "below", "remat", "remat_ops", "sources",
-                 "pieces", "xs", "out_bytes", "__weakref__")
+                 "pieces", "xs", "out_bytes", "ordered", "__weakref__")
 
     def __init__(self, keep=False, partial=False):
         self.nodes = []  # (op, refs): refs are (-1, external index) or (node, output)
@@ -76,6 +76,9 @@ class Segment:
         self.pieces = ()
         self.xs = None
         self.out_bytes = 0
+        # Its gradient function runs its ops one at a time, in the order they were made
+        # (run_in_order, below).
+        self.ordered = False
 
     def external(self, tensor, tracked):
         """The index of input `tensor`, added if new."""
@@ -183,6 +186,7 @@ def _piece(segment, targets, cuts, outputs):
         needed.add(n)
         stack.extend(p for p, i in segment.nodes[n][1] if p >= 0 and (p, i) not in cuts)
     piece = Segment(keep=segment.saved is not None, partial=segment.partial)
+    piece.ordered = segment.ordered
     local = {}
     for n in sorted(needed):
         op, refs = segment.nodes[n]
@@ -225,17 +229,18 @@ def _record_piece(segment, outputs):
     out_specs = [tf.TensorSpec(t.shape, t.dtype) for t in outs]
     # which nodes' values are arguments (all of a kept segment's, some of a partial one's)
     layout = None if segment.saved is None else tuple(ts is not None for ts in segment.saved)
+    ordered = segment.ordered
 
     def function(mask, kept):
         """The gradient function of the outputs whose gradients are given (the others
         have no gradient: an input reached only from them gets none, so a gather's
         input keeps its IndexedSlices gradient as with TensorFlow's tape)."""
-        key = (structure, mask, kept, layout, _GradientFunction.split_nested)
+        key = (structure, mask, kept, layout, _GradientFunction.split_nested, ordered)
         fn = _gradients.get(key)
         if fn is None:
             fn = _gradients[key] = _GradientFunction(
                 segment, kinds, [r for r, m in zip(refs, mask) if m],
-                [t for t, m in zip(out_specs, mask) if m], kept)
+                [t for t, m in zip(out_specs, mask) if m], kept, ordered)
         return fn
 
     def backward(*grads):
@@ -265,7 +270,8 @@ class _GradientFunction:
     # Split at a narrow place inside (nested.py); part of the functions' cache key.
     split_nested = True
 
-    def __init__(self, segment, kinds, output_refs, output_specs, kept=False):
+    def __init__(self, segment, kinds, output_refs, output_specs, kept=False,
+                 ordered=False):
         nodes = [(op, refs) for op, refs in segment.nodes]
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in segment.externals]
         x_specs = [s for s, k in zip(specs, kinds) if k is _TRACKED]
@@ -312,7 +318,10 @@ class _GradientFunction:
                         grads = nested.gradients(graph, plain, ext, results, p, output_refs,
                                                  gs, xs, conv_grads.replay)
                     self.split = p
-            serialize_heavy(_ops.get_default_graph().get_operations()[start:])
+            if ordered:
+                run_in_order(_ops.get_default_graph().get_operations())
+            else:
+                serialize_heavy(_ops.get_default_graph().get_operations()[start:])
             flat = []
             for g in grads:
                 if g is None:
@@ -364,6 +373,23 @@ HEAVY_GRADIENT_OPS = frozenset((
     "Conv2DBackpropFilter", "Conv2DBackpropInput", "Conv2DBackpropFilterV2",
     "Conv2DBackpropInputV2", "Conv3DBackpropFilterV2", "Conv3DBackpropInputV2",
     "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput"))
+
+
+def run_in_order(ops):
+    """Chains all of a gradient function's `ops` (recomputation and gradients, in
+    creation order, a topological order) with control edges. The executor otherwise
+    runs every op as soon as its inputs exist: the gradient ops that read only
+    recomputed values run during the recomputation, branches side by side, and their
+    results wait, all alive, for the ops that use them. In order, a value lives from its
+    op to its last use, as in the op-by-op tape. It costs the parallelism between
+    independent ops (`Recompute.in_order`)."""
+    previous = None
+    for op in ops:
+        if op.type in ("Const", "Placeholder", "NoOp"):
+            continue
+        if previous is not None:
+            op._add_control_input(previous)  # pylint: disable=protected-access
+        previous = op
 
 
 def serialize_heavy(ops):

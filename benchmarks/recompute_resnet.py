@@ -88,10 +88,12 @@ def measure_batch(batch, size=SIZE, steps=5, sweep=()):
     measured as "recompute" is, each with a handler of its own."""
     model, x, y, loss_fn = _resnet50(batch, size)
     info = tf.config.experimental.get_memory_info
-    rc, rc_called, rc_noevict = oh.Recompute(), oh.Recompute(), oh.Recompute()
-    rc_noevict.evict_min_bytes = None
-    rc_in_order = oh.Recompute()
-    rc_in_order.in_order = True
+    rc_called = oh.Recompute()
+    # The eager Recompute configurations' handlers (each reused across its steps).
+    eager = {"recompute": oh.Recompute(), "recompute_noevict": oh.Recompute(),
+             "recompute_in_order": oh.Recompute()}
+    eager["recompute_noevict"].evict_min_bytes = None
+    eager["recompute_in_order"].in_order = True
     called = tf.function(lambda v: loss_fn(y, model(v, training=False)))
 
     def step(kind, handler=None):
@@ -106,9 +108,8 @@ def measure_batch(batch, size=SIZE, steps=5, sweep=()):
         start, cpu = time.perf_counter(), time.process_time()
         tape = tf.GradientTape() if kind == "tf" else oh.GradientTape()
         with tape:
-            if kind in ("recompute", "recompute_noevict", "recompute_in_order"):
-                with handler or {"recompute": rc, "recompute_noevict": rc_noevict,
-                                 "recompute_in_order": rc_in_order}[kind]:
+            if kind in eager:
+                with handler or eager[kind]:
                     loss = loss_fn(y, model(x, training=False))
             elif kind == "called":
                 loss = called(x)
@@ -164,7 +165,7 @@ def measure_batch(batch, size=SIZE, steps=5, sweep=()):
     out["inference"] = info("CPU:0")["peak"] - base
     out["gradient_bytes"] = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
                                 for v in model.trainable_variables)
-    out["stats"] = dict(rc.stats)
+    out["stats"] = dict(eager["recompute"].stats)
     out["called_segments"] = rc_called.stats["call_segments"]
     out["bound"] = checkpointing_bound(model, batch)
     return out

@@ -13,9 +13,6 @@ import tf_ophandlers as oh
 import recompute_helpers
 from tf_ophandlers.handlers.recompute import segments
 
-_SKIPPED = ("Const", "Placeholder", "NoOp")
-
-
 def _residual_cnn():
     keras.utils.set_random_seed(3)
     inp = keras.Input((16, 16, 3))
@@ -45,7 +42,7 @@ def _chained(function):
     results = {t.op for t in graph.outputs}
     previous, chained = None, True
     for op in graph.get_operations():
-        if op.type in _SKIPPED or op in results:
+        if op.type in segments.UNCHAINED_OPS or op in results:
             continue
         if previous is not None and previous not in op.control_inputs:
             chained = False

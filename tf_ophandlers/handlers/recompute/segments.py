@@ -375,36 +375,38 @@ HEAVY_GRADIENT_OPS = frozenset((
     "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput"))
 
 
-def run_in_order(ops):
-    """Chains all of a gradient function's `ops` (recomputation and gradients, in
-    creation order, a topological order) with control edges. The executor otherwise
-    runs every op as soon as its inputs exist: the gradient ops that read only
-    recomputed values run during the recomputation, branches side by side, and their
-    results wait, all alive, for the ops that use them. In order, a value lives from its
-    op to its last use, as in the op-by-op tape. It costs the parallelism between
-    independent ops (`Recompute.in_order`)."""
+# Ops that compute nothing to wait for: left out of run_in_order's chain.
+UNCHAINED_OPS = frozenset(("Const", "Placeholder", "NoOp"))
+
+
+def _chain(ops):
+    """Each of `ops` (in creation order, a topological order) waits for the one before
+    it (control edges)."""
     previous = None
     for op in ops:
-        if op.type in ("Const", "Placeholder", "NoOp"):
-            continue
         if previous is not None:
             op._add_control_input(previous)  # pylint: disable=protected-access
         previous = op
 
 
+def run_in_order(ops):
+    """Chains all of a gradient function's `ops` (recomputation and gradients) with
+    control edges. The executor otherwise runs every op as soon as its inputs exist:
+    the gradient ops that read only recomputed values run during the recomputation,
+    branches side by side, and their results wait, all alive, for the ops that use
+    them. In order, a value lives from its op to its last use, as in the op-by-op tape.
+    It costs the parallelism between independent ops (`Recompute.in_order`)."""
+    _chain(op for op in ops if op.type not in UNCHAINED_OPS)
+
+
 def serialize_heavy(ops):
-    """Chains the heavy gradient kernels among `ops` (in creation order, a topological
-    order) with control edges, so a gradient function runs one at a time. A segment's
-    gradient is one graph whose executor would otherwise run independent backprops in
-    parallel (the filter and input gradients of a convolution, of parallel branches),
-    each with its scratch buffer: in a ResNet50 step that raised the peak by 20 MB over
-    the op-by-op tape, which runs them one after the other."""
-    previous = None
-    for op in ops:
-        if op.type in HEAVY_GRADIENT_OPS:
-            if previous is not None:
-                op._add_control_input(previous)  # pylint: disable=protected-access
-            previous = op
+    """Chains the heavy gradient kernels among `ops` with control edges, so a gradient
+    function runs one at a time. A segment's gradient is one graph whose executor
+    would otherwise run independent backprops in parallel (the filter and input
+    gradients of a convolution, of parallel branches), each with its scratch buffer: in
+    a ResNet50 step that raised the peak by 20 MB over the op-by-op tape, which runs
+    them one after the other."""
+    _chain(op for op in ops if op.type in HEAVY_GRADIENT_OPS)
 
 
 def backprop_kept(nodes, ext, results, output_refs, gs, xs):

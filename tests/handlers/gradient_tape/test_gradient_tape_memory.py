@@ -141,3 +141,48 @@ def test_tape_keeps_what_tensorflows_tape_keeps():
     """)
     kept = json.loads(out.strip().splitlines()[-1])
     assert kept["oh"] <= 1.05 * kept["tf"], kept
+
+
+def _parts_alive_in_producer_gradient(tape_cls):
+    """A value used twice: its two gradient parts (made by the consumers' gradient
+    functions) are summed before its producer's gradient function runs. Returns how
+    many of the parts are still alive then, and the gradient."""
+    parts = []
+
+    @tf.custom_gradient
+    def consumer(v):
+        def grad(g):
+            part = g * 2.0
+            parts.append(weakref.ref(part))
+            return part
+        return tf.identity(v), grad
+
+    alive = []
+
+    @tf.custom_gradient
+    def producer(v):
+        def grad(g):
+            gc.collect()
+            alive.append(sum(r() is not None for r in parts))
+            return g * 3.0
+        return v * 3.0, grad
+
+    x = tf.random.stateless_normal([64, 64], seed=[5, 6])
+    with tape_cls() as tape:
+        tape.watch(x)
+        y = producer(x)
+        loss = tf.reduce_sum(consumer(y)) + tf.reduce_sum(consumer(y))
+    grad = tape.gradient(loss, x)
+    assert len(parts) == 2, parts
+    return alive, grad
+
+
+def test_gradient_parts_are_freed_once_summed_as_by_tensorflows_tape():
+    # TensorFlow's tape sums a value's gradient parts (AggregateGradients takes their
+    # references) and frees them before the gradient function of the value's producer
+    # runs; a tape holding them through that call holds twice a value's bytes more.
+    want_alive, want = _parts_alive_in_producer_gradient(tf.GradientTape)
+    alive, got = _parts_alive_in_producer_gradient(oh.GradientTape)
+    assert want_alive == [0]
+    assert alive == want_alive
+    np.testing.assert_allclose(got.numpy(), want.numpy())

@@ -337,15 +337,25 @@ class BackwardPass:
         stack = record.stack  # (placed there already: no _entered frame)
         scope = None if stack is _state.current else self._entered(stack)
         if scope is None:  # (no `with` of a null context per record)
-            in_grads = self._call_gradient_function(
-                record, self._output_gradients(record, parts), parts)
+            in_grads = self._call_gradient_function(record, *self._summed(record, parts))
         else:
             with scope:
                 in_grads = self._call_gradient_function(
-                    record, self._output_gradients(record, parts), parts)
+                    record, *self._summed(record, parts))
         for i, g in zip(record.ids[0], in_grads):
             if g is not None and i is not None and i in live:
                 grads.setdefault(i, []).append(g)
+
+    @classmethod
+    def _summed(cls, record, parts):
+        """(output gradients, which outputs had no part), emptying `parts`: the parts
+        of an output used more than once are freed once summed, before its gradient
+        function runs, as TensorFlow's tape frees them (its AggregateGradients takes
+        their references), not held beside the sum through that call."""
+        missing = frozenset(k for k, p in enumerate(parts) if not p)
+        out_grads = cls._output_gradients(record, parts)
+        parts.clear()
+        return out_grads, missing
 
     @staticmethod
     def _output_gradients(record, parts):
@@ -369,14 +379,13 @@ class BackwardPass:
                 out_grads.append(default_gradient.zeros_like(o))
         return out_grads
 
-    def _call_gradient_function(self, record, out_grads, parts=()):
-        """`parts`: the outputs' gradient parts (falsy: none), for a backward reading
+    def _call_gradient_function(self, record, out_grads, missing=frozenset()):
+        """`missing`: the outputs that had no gradient part, for a backward reading
         which were missing."""
         if record.backward is not None:
             if getattr(record.backward, "reads_missing", False):
                 # (a replayed call with tangents: which outputs had no gradient, before
                 # the zeros filled in; core/functions/call_records.densified)
-                missing = frozenset(k for k, p in enumerate(parts) if not p)
                 in_grads = record.backward(*out_grads, missing=missing)
             else:
                 in_grads = record.backward(*out_grads)

@@ -23,9 +23,12 @@ BFC CPU allocator's (`TF_CPU_ALLOCATOR_USE_BFC=true`, `reset_memory_stats`,
 `get_memory_info`) minus the bytes in use before the step (after `gc.collect()`); they
 do not depend on the machine's load, but vary by some MB from step to step (the order in
 which the executor's threads run ops): each figure is the median of `--steps` (5) steps
-after a warm-up step, with the step peaks' range. Each batch runs in a process of its
-own, as a training run does (after other batches' steps the allocator's chunks, whose
-slack it counts as in use, changed a step's peak by up to about 15 MB). Step times are
+after a warm-up step, with the step peaks' range. Each configuration (and each swept
+setting) runs in a process of its own, as a training run does: after other
+configurations' steps the allocator's chunks, whose slack it counts as in use, raised
+a step's peak by up to 15 MB (oh.Recompute() in order at batch 16: 125.9 MB alone,
+140.8 MB after four other configurations). Each process checks its gradients against
+tf.GradientTape's, computed after its measured steps. Step times are
 of the same steps on a shared machine: wall-clock and the process's CPU time
 (`time.process_time`, all threads).
 Also a lower bound on any checkpointing's step peak with the convolution gradients
@@ -42,6 +45,7 @@ section of docs/benchmarks.md and docs/recompute-resnet.png.
     python benchmarks/recompute_resnet.py --batches 8   # one row
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -81,94 +85,180 @@ BASELINE = {"tf": "tf", "tape": "tape", "recompute": "tape", "recompute_noevict"
             "called_recompute": "called"}
 
 
-def measure_batch(batch, size=SIZE, steps=5, sweep=()):
-    """{kind: {forward, kept, peak, ms}, gradient_bytes, inference, stats, sweep} for one
-    batch size; raises AssertionError when a configuration's gradients differ from
-    tf.GradientTape's. `sweep`: (join_fraction, join_cap) settings of the sqrt policy
-    measured as "recompute" is, each with a handler of its own."""
+def _handler(kind, setting=None):
+    """The handler a configuration runs its model under (None: none), used for all its
+    steps; `setting`: (join_fraction, join_cap) of the sqrt policy."""
+    if kind not in ("recompute", "recompute_noevict", "recompute_in_order",
+                    "called_recompute"):
+        return None
+    rc = oh.Recompute()
+    if kind == "recompute_noevict":
+        rc.evict_min_bytes = None
+    elif kind == "recompute_in_order":
+        rc.in_order = True
+    if setting is not None:
+        rc.join_fraction, rc.join_cap = setting
+    return rc
+
+
+def measure_configuration(batch, kind, steps=5, setting=None, size=SIZE):
+    """{forward, kept, peak, ms, cpu, peak_range} of one configuration (a key of NAMES;
+    with `setting`, "recompute" with those sqrt-policy settings) in this process, plus
+    the Recompute handler's `stats`. Raises AssertionError when the gradients of a step
+    differ from tf.GradientTape's, computed in this process after the measured steps
+    (the configuration's steps are the only ones the allocator saw before them)."""
     model, x, y, loss_fn = _resnet50(batch, size)
     info = tf.config.experimental.get_memory_info
-    rc_called = oh.Recompute()
-    # The eager Recompute configurations' handlers (each reused across its steps).
-    eager = {"recompute": oh.Recompute(), "recompute_noevict": oh.Recompute(),
-             "recompute_in_order": oh.Recompute()}
-    eager["recompute_noevict"].evict_min_bytes = None
-    eager["recompute_in_order"].in_order = True
+    handler = _handler(kind, setting)
     called = tf.function(lambda v: loss_fn(y, model(v, training=False)))
 
-    def step(kind, handler=None):
-        # Garbage first: garbage of an earlier configuration (Keras layers form
-        # reference cycles) freed by the collector during a step would lower the bytes
-        # in use below the base and the peak minus the base under the truth (a first
-        # version of this script, which built every batch's model in one process,
-        # measured 134 MB instead of about 165 MB so at batch 16).
+    def step(kind, handler):
+        # Garbage first: garbage freed by the collector during a step (Keras layers form
+        # reference cycles) would lower the bytes in use below the base and the peak
+        # minus the base under the truth.
         gc.collect()
         tf.config.experimental.reset_memory_stats("CPU:0")
         base = info("CPU:0")["current"]
         start, cpu = time.perf_counter(), time.process_time()
         tape = tf.GradientTape() if kind == "tf" else oh.GradientTape()
         with tape:
-            if kind in eager:
-                with handler or eager[kind]:
-                    loss = loss_fn(y, model(x, training=False))
-            elif kind == "called":
-                loss = called(x)
-            elif kind == "called_recompute":
-                with rc_called:
+            if kind.startswith("called"):
+                with handler or contextlib.nullcontext():
                     loss = called(x)
             else:
-                loss = loss_fn(y, model(x, training=False))
+                with handler or contextlib.nullcontext():
+                    loss = loss_fn(y, model(x, training=False))
         forward, kept = info("CPU:0")["peak"] - base, info("CPU:0")["current"] - base
         grads = tape.gradient(loss, model.trainable_variables)
         return dict(forward=forward, kept=kept, peak=info("CPU:0")["peak"] - base,
                     ms=(time.perf_counter() - start) * 1e3,
                     cpu=time.process_time() - cpu), grads
 
-    out = {}
-    reference = None
+    def host(grads):  # (copies: a CPU tensor's .numpy() may share its buffer)
+        return [np.array(tf.convert_to_tensor(g), copy=True) for g in grads]
 
-    def measure(kind, handler=None):
-        nonlocal reference
-        step(kind, handler)  # warm-up (a Recompute handler learns the computation's size)
-        runs = []
-        for _ in range(steps):
-            result, grads = step(kind, handler)
-            if reference is None:
-                reference = [tf.convert_to_tensor(g).numpy() for g in grads]
-            else:
-                for g, r in zip(grads, reference):
-                    np.testing.assert_allclose(
-                        tf.convert_to_tensor(g).numpy(), r, rtol=1e-5, atol=1e-6,
-                        err_msg="ResNet50 batch %d, %s: gradients differ" % (batch, kind))
-            del grads
-            runs.append(result)
-        # Peaks vary by some MB from step to step (the order in which the executor's
-        # threads run a gradient function's ops): medians, and the peaks' range.
-        m = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-        m["peak_range"] = (min(r["peak"] for r in runs), max(r["peak"] for r in runs))
-        return m
+    step(kind, handler)  # warm-up (a Recompute handler learns the computation's size)
+    runs, first = [], None
+    for _ in range(steps):
+        result, grads = step(kind, handler)
+        if first is None:
+            first = host(grads)
+        else:
+            _assert_same(batch, kind, host(grads), first)
+        del grads
+        runs.append(result)
+    _, want = step("tf", None)
+    _assert_same(batch, kind + " against tf.GradientTape", first, host(want))
+    # Peaks vary by some MB from step to step (the order in which the executor's
+    # threads run a gradient function's ops): medians, and the peaks' range.
+    m = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+    m["peak_range"] = (min(r["peak"] for r in runs), max(r["peak"] for r in runs))
+    if handler is not None:
+        m["stats"] = dict(handler.stats)
+    return m
 
-    for kind in KINDS:
-        out[kind] = measure(kind)
-    out["sweep"] = []
-    for fraction, cap in sweep:
-        swept = oh.Recompute()
-        swept.join_fraction, swept.join_cap = fraction, cap
-        m = measure("recompute", swept)
-        m.update(join_fraction=fraction, join_cap=cap,
-                 segments=swept.stats["segments"])
-        out["sweep"].append(m)
+
+def _assert_same(batch, kind, got, want):
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(
+            g, r, rtol=1e-5, atol=1e-6,
+            err_msg="ResNet50 batch %d, %s: gradients differ" % (batch, kind))
+
+
+def measure_extras(batch, size=SIZE):
+    """The eager inference peak, the weight gradients' bytes and `checkpointing_bound`
+    for one batch size, in this process."""
+    model, x, _, _ = _resnet50(batch, size)
+    info = tf.config.experimental.get_memory_info
+    model(x, training=False)
     gc.collect()
     tf.config.experimental.reset_memory_stats("CPU:0")
     base = info("CPU:0")["current"]
     model(x, training=False)
-    out["inference"] = info("CPU:0")["peak"] - base
-    out["gradient_bytes"] = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-                                for v in model.trainable_variables)
-    out["stats"] = dict(eager["recompute"].stats)
-    out["called_segments"] = rc_called.stats["call_segments"]
-    out["bound"] = checkpointing_bound(model, batch)
+    return dict(inference=info("CPU:0")["peak"] - base,
+                gradient_bytes=sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+                                   for v in model.trainable_variables),
+                bound=checkpointing_bound(model, batch))
+
+
+# The configurations whose step time is compared with oh.GradientTape's in one process.
+TIMED = ("recompute", "recompute_in_order")
+
+
+def measure_timing(batch, rounds=8, size=SIZE):
+    """{kind: {wall, wall_iqr, cpu}} for the kinds of TIMED: the step time as a multiple
+    of oh.GradientTape's, measured in one process (no peaks: those need a process per
+    configuration) where each round runs one step of every configuration in a shuffled
+    order; the medians (and IQR) of the rounds' ratios. Two processes' times differ by
+    up to 30% on this machine whatever they run, so a ratio of medians taken in two
+    processes says little."""
+    import random  # pylint: disable=import-outside-toplevel
+    model, x, y, loss_fn = _resnet50(batch, size)
+    handlers = {kind: _handler(kind) for kind in ("tape",) + TIMED}
+    rng = random.Random(batch)
+
+    def step(handler):
+        gc.collect()
+        start, cpu = time.perf_counter(), time.process_time()
+        with oh.GradientTape() as tape:
+            with handler or contextlib.nullcontext():
+                loss = loss_fn(y, model(x, training=False))
+        grads = tape.gradient(loss, model.trainable_variables)
+        del grads
+        return time.perf_counter() - start, time.process_time() - cpu
+
+    for _ in range(2):  # warm-up: traces, and the handlers learn the computation's size
+        for handler in handlers.values():
+            step(handler)
+    ratios = {kind: [] for kind in TIMED}
+    for _ in range(rounds):
+        order = list(handlers)
+        rng.shuffle(order)
+        times = {kind: step(handlers[kind]) for kind in order}
+        for kind in TIMED:
+            ratios[kind].append((times[kind][0] / times["tape"][0],
+                                 times[kind][1] / times["tape"][1]))
+    out = {}
+    for kind, rs in ratios.items():
+        wall = [w for w, _ in rs]
+        out[kind] = dict(wall=float(np.median(wall)),
+                         wall_iqr=(float(np.percentile(wall, 25)),
+                                   float(np.percentile(wall, 75))),
+                         cpu=float(np.median([c for _, c in rs])))
     return out
+
+
+def measure_batch(batch, steps=5, sweep=(), measure=None):
+    """{kind: {forward, kept, peak, ms, ...}, gradient_bytes, inference, stats,
+    called_segments, bound, sweep} for one batch size. Each configuration is measured
+    by `measure(batch, steps, name)` — by default in a process of its own, as a training
+    run has one: the BFC allocator's chunks after other configurations' steps changed a
+    step's peak by up to 15 MB (the slack it counts as in use). `name`: a kind, "extras",
+    "timing" (`measure_timing`) or "sweep:<join_fraction>,<join_cap>"."""
+    measure = measure or _measure_in_child
+    out = {kind: measure(batch, steps, kind) for kind in KINDS}
+    out.update(measure(batch, steps, "extras"))
+    out["timing"] = measure(batch, steps, "timing")
+    out["stats"] = out["recompute"]["stats"]
+    out["called_segments"] = out["called_recompute"]["stats"]["call_segments"]
+    out["sweep"] = []
+    for fraction, cap in sweep:
+        m = measure(batch, steps, "sweep:%r,%r" % (fraction, cap))
+        m.update(join_fraction=fraction, join_cap=cap, segments=m["stats"]["segments"])
+        out["sweep"].append(m)
+    return out
+
+
+def measure_named(batch, steps, name):
+    """One `measure_batch` measurement in this process (see there for `name`)."""
+    if name == "extras":
+        return measure_extras(batch)
+    if name == "timing":
+        return measure_timing(batch)
+    if name.startswith("sweep:"):
+        fraction, cap = (float(v) for v in name[len("sweep:"):].split(","))
+        return measure_configuration(batch, "recompute", steps, (fraction, cap))
+    return measure_configuration(batch, name, steps)
 
 
 def _lean_conv_gradients(strides, padding, of_input):
@@ -239,6 +329,12 @@ def checkpointing_bound(model, batch):
     return best
 
 
+def _time_md(t):
+    """A step-time ratio of `measure_timing` as the page states it."""
+    return "%.2fx (IQR %.2f–%.2f, CPU %.2fx)" % (t["wall"], t["wall_iqr"][0],
+                                                 t["wall_iqr"][1], t["cpu"])
+
+
 def render_md(results, info, elapsed, steps=5, image=""):
     mb = 1e6
     rows = []
@@ -271,12 +367,19 @@ def render_md(results, info, elapsed, steps=5, image=""):
          "weights=None)`, %dx%d inputs, inference-mode batch norm, eager; one step = loss "
          "and gradients of every weight. Peaks: BFC CPU allocator peak minus the bytes in "
          "use before the step (a `gc.collect()` first), the median of %d steps after a "
-         "warm-up step, and their range; each batch in a process of its own, as a "
-         "training run has one (a step's peak varies by some MB with the order "
-         "in which the executor's threads run ops). Gradients of every step equal "
-         "tf.GradientTape's (rtol 1e-5, atol 1e-6; checked). Step times: medians of the "
-         "same steps on a shared, loaded machine (wall-clock indicative only; CPU time "
-         "is the process's, all threads)." % (SIZE, SIZE, steps), "",
+         "warm-up step, and their range; each configuration in a process of its own, "
+         "as a training run has one (the allocator's chunks left by other "
+         "configurations' steps raise a step's peak by up to 15 MB; a step's peak also "
+         "varies by some MB with the order in which the executor's threads run ops). "
+         "Gradients of every step equal tf.GradientTape's in the same process (rtol "
+         "1e-5, atol 1e-6; checked). The table's step times are medians of the same "
+         "steps (wall-clock indicative only: two processes' times differ by up to 30%% "
+         "on this machine whatever they run; CPU time is the process's, all threads); "
+         "the step-time ratios the targets name are measured in one more process per "
+         "batch, where each of 8 rounds runs one step of oh.GradientTape, "
+         "oh.Recompute() and oh.Recompute() in order in a shuffled order (after two "
+         "warm-up rounds): the median of the rounds' ratios, their IQR and the same "
+         "for CPU time." % (SIZE, SIZE, steps), "",
          _common.machine_md(info, len(KINDS) * len(results), elapsed), "",
          image, "",
          _common.md_table(("batch", "configuration", "forward peak MB", "kept MB",
@@ -305,13 +408,12 @@ def render_md(results, info, elapsed, steps=5, image=""):
          "per batch). Measured: %s; against tf.GradientTape: %s." % (
              " and ".join("%.1fx at batch %d" % (t, b) for b, t in sorted(TARGETS.items())),
              TIME_TARGET, "; ".join(
-                 "batch %d %.2fx (%s), step time %.2fx" % (
+                 "batch %d %.2fx (%s), step time %s" % (
                      b, r["tape"]["peak"] / r["recompute"]["peak"],
                      "target %.1fx %s" % (TARGETS[b], "met" if r["tape"]["peak"]
                                           >= TARGETS[b] * r["recompute"]["peak"]
                                           else "**not met**")
-                     if b in TARGETS else "no target",
-                     r["recompute"]["ms"] / r["tape"]["ms"])
+                     if b in TARGETS else "no target", _time_md(r["timing"]["recompute"]))
                  for b, r in results.items()),
              ", ".join("batch %d %.2fx" % (b, r["tf"]["peak"] / r["recompute"]["peak"])
                        for b, r in results.items())),
@@ -357,7 +459,7 @@ def render_md(results, info, elapsed, steps=5, image=""):
                  b, r["recompute_in_order"]["peak"] / mb,
                  r["tape"]["peak"] / max(r["recompute_in_order"]["peak"], 1))
                  for b, r in results.items()),
-             ", ".join("%.2fx" % (r["recompute_in_order"]["ms"] / r["tape"]["ms"])
+             ", ".join(_time_md(r["timing"]["recompute_in_order"])
                        for r in results.values())),
          "- Model in a `tf.function` called inside the scope (no Keras dictionary: the "
          "call runs as a segmented rewrite, %s segments), against the same call without "
@@ -421,8 +523,8 @@ def _sweep_md(results):
         "once. Lowest median step peak: %s." % "; ".join(best), "",
         _common.md_table(("batch", "join_fraction", "join_cap", "default", "segments",
                           "step peak MB", "step peak range MB", "vs eager oh.GradientTape",
-                          "step time vs oh.GradientTape",
-                          "CPU time vs oh.GradientTape"), rows), ""]
+                          "step time vs oh.GradientTape (two processes)",
+                          "CPU time vs oh.GradientTape (two processes)"), rows), ""]
 
 
 def draw(plt, results):
@@ -451,7 +553,8 @@ def draw(plt, results):
     peak_q = [(results[b]["tape"]["peak"] / max(results[b]["recompute"]["peak_range"][1], 1),
                results[b]["tape"]["peak"] / max(results[b]["recompute"]["peak_range"][0], 1))
               for b in batches]
-    time_ratio = [results[b]["recompute"]["ms"] / results[b]["tape"]["ms"] for b in batches]
+    time_ratio = [results[b]["timing"]["recompute"]["wall"] for b in batches]
+    time_q = [tuple(results[b]["timing"]["recompute"]["wall_iqr"]) for b in batches]
     bound = [results[b]["tape"]["peak"] / results[b]["bound"]["bound"] for b in batches]
     targets = [(i, i, TARGETS[b], "peak target" if i == min(
         k for k, c in enumerate(batches) if c in TARGETS) else None)
@@ -463,20 +566,21 @@ def draw(plt, results):
           peak_q),
          ("peak bound: oh.GradientTape / checkpointing bound", "#bbbbbb", bound,
           [(v, v) for v in bound]),
-         ("step time: oh.Recompute() / oh.GradientTape", "#d8743b", time_ratio,
-          [(v, v) for v in time_ratio])],
+         ("step time: oh.Recompute() / oh.GradientTape (IQR over rounds)", "#d8743b",
+          time_ratio, time_q)],
         "ratio (log)", "peak reduction and step-time cost vs targets",
         targets=targets)
     return fig
 
 
-def _measure_in_child(batch, steps):
-    """measure_batch(batch) in a new process (this script with --measure-only)."""
+def _measure_in_child(batch, steps, name):
+    """measure_named(batch, steps, name) in a new process (this script with
+    --measure-only)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "batch.json")
+        path = os.path.join(tmp, "measured.json")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--batches",
-                        str(batch), "--steps", str(steps), "--measure-only", path],
-                       check=True)
+                        str(batch), "--steps", str(steps), "--measure-only", path,
+                        "--configuration", name], check=True)
         with open(path) as f:
             return json.load(f)
 
@@ -489,13 +593,13 @@ def main(argv=None):
     parser.add_argument("--out", default=_common.DEFAULT_MD)
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--measure-only", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--configuration", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     batches = [int(s) for s in args.batches.split(",")]
-    if args.measure_only:  # (a child of _measure_in_child: one batch, no page)
+    if args.measure_only:  # (a child of _measure_in_child: one measurement, no page)
         b, = batches
         with open(args.measure_only, "w") as f:
-            json.dump(measure_batch(b, steps=args.steps,
-                                    sweep=SWEEP if b in TARGETS else ()), f)
+            json.dump(measure_named(b, args.steps, args.configuration), f)
         return None
     start = time.perf_counter()
     info = _common.machine_info()
@@ -503,10 +607,7 @@ def main(argv=None):
 
     def measure():
         for b in batches:
-            # Each batch in a process of its own, as a training run has one: the BFC
-            # allocator's chunks after other batches' steps change a step's peak by up
-            # to about 15 MB (the slack it counts as in use).
-            results[b] = _measure_in_child(b, args.steps)
+            results[b] = measure_batch(b, args.steps, SWEEP if b in TARGETS else ())
             r = results[b]
             print("batch %d: %s" % (b, ", ".join(
                 "%s peak %.1f MB" % (k, r[k]["peak"] / 1e6) for k in KINDS)), flush=True)

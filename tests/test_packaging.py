@@ -45,11 +45,13 @@ def test_benchmark_quick_run(name, options, expected):
     assert history is None, text[max(0, history.start() - 200):history.end() + 200]
 
 
-@pytest.mark.slow  # ResNet50 steps in a child process: about a minute
-def test_recompute_resnet_benchmark_measures_a_batch_in_a_child_process(tmp_path):
+@pytest.mark.slow  # ResNet50 steps in 15 child processes: about four minutes
+def test_recompute_resnet_benchmark_measures_each_configuration_in_a_child_process(
+        tmp_path):
     # The ResNet50 page's script has no quick run (its smallest run is this one): each
-    # batch is measured by the script again in a new process (--measure-only), and batch
-    # 16, which has a target, adds the sweep of the policy's settings.
+    # configuration of a batch is measured by the script again in a new process
+    # (--measure-only), and batch 16, which has a target, adds the sweep of the policy's
+    # settings (a process each).
     # (fresh: the script sets TF_CPU_ALLOCATOR_USE_BFC before it imports TensorFlow)
     out = tmp_path / "page.md"
     proc = run_python(ROOT / "benchmarks" / "recompute_resnet.py", timeout=900, check=False,

@@ -28,9 +28,11 @@ setting) runs in a process of its own, as a training run does: after other
 configurations' steps the allocator's chunks, whose slack it counts as in use, raised
 a step's peak by up to 15 MB (oh.Recompute() in order at batch 16: 125.9 MB alone,
 140.8 MB after four other configurations). Each process checks its gradients against
-tf.GradientTape's, computed after its measured steps. Step times are
+tf.GradientTape's, computed after its measured steps. The table's step times are
 of the same steps on a shared machine: wall-clock and the process's CPU time
-(`time.process_time`, all threads).
+(`time.process_time`, all threads); two processes' times differ by up to 30% whatever
+they run, so the step-time ratios the targets name come from one more process per
+batch (`measure_timing`: rounds of one step per configuration, shuffled).
 Also a lower bound on any checkpointing's step peak with the convolution gradients
 oh.Recompute computes (`checkpointing_bound`; recompute/conv_grads.py, without the CPU
 kernels' scratch buffers): the weight gradients that exist when the convolution whose

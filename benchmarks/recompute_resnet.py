@@ -123,13 +123,9 @@ def measure_configuration(batch, kind, steps=5, setting=None, size=SIZE):
         base = info("CPU:0")["current"]
         start, cpu = time.perf_counter(), time.process_time()
         tape = tf.GradientTape() if kind == "tf" else oh.GradientTape()
-        with tape:
-            if kind.startswith("called"):
-                with handler or contextlib.nullcontext():
-                    loss = called(x)
-            else:
-                with handler or contextlib.nullcontext():
-                    loss = loss_fn(y, model(x, training=False))
+        with tape, handler or contextlib.nullcontext():
+            loss = (called(x) if kind.startswith("called")
+                    else loss_fn(y, model(x, training=False)))
         forward, kept = info("CPU:0")["peak"] - base, info("CPU:0")["current"] - base
         grads = tape.gradient(loss, model.trainable_variables)
         return dict(forward=forward, kept=kept, peak=info("CPU:0")["peak"] - base,
@@ -230,14 +226,14 @@ def measure_timing(batch, rounds=8, size=SIZE):
     return out
 
 
-def measure_batch(batch, steps=5, sweep=(), measure=None):
+def measure_batch(batch, steps=5, sweep=()):
     """{kind: {forward, kept, peak, ms, ...}, gradient_bytes, inference, stats,
     called_segments, bound, sweep} for one batch size. Each configuration is measured
-    by `measure(batch, steps, name)` — by default in a process of its own, as a training
-    run has one: the BFC allocator's chunks after other configurations' steps changed a
+    by `measure_named(batch, steps, name)` in a process of its own, as a training run
+    has one: the BFC allocator's chunks after other configurations' steps changed a
     step's peak by up to 15 MB (the slack it counts as in use). `name`: a kind, "extras",
     "timing" (`measure_timing`) or "sweep:<join_fraction>,<join_cap>"."""
-    measure = measure or _measure_in_child
+    measure = _measure_in_child
     out = {kind: measure(batch, steps, kind) for kind in KINDS}
     out.update(measure(batch, steps, "extras"))
     out["timing"] = measure(batch, steps, "timing")

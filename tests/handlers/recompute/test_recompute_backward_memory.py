@@ -168,8 +168,57 @@ def test_segment_gradient_functions_compute_lean_conv_gradients_and_records_keep
     assert ends.count("Relu") >= 2, ends
     types = {op.type for fn in recompute_segments._gradients.values()  # pylint: disable=protected-access
              for op in fn.function.graph.get_operations()}
-    # (3x3 input gradients keep TensorFlow's kernel: its scratch for them is small)
-    assert "MatMul" in types and "Conv2DBackpropFilter" not in types, types
+    # (3x3 input gradients keep TensorFlow's kernel: its scratch for them is small; so
+    # do 3x3 filter gradients where oneDNN's kernels run: conv_grads.overrides)
+    assert "MatMul" in types, types
+    assert ("Conv2DBackpropFilter" in types) == conv_grads.onednn_kernels(), types
+
+
+@pytest.mark.parametrize("onednn", ["0", "1"], ids=["eigen_kernels", "onednn_kernels"])
+def test_filter_gradients_of_several_taps_take_tensorflows_kernel_only_with_onednn(onednn):
+    """In a subprocess with oneDNN's kernels off and on: a 3x3 convolution's filter
+    gradient in a segment's gradient function is TensorFlow's kernel only with oneDNN's
+    kernels (no Eigen scratch buffer) and only where the executor picks the order; with
+    Eigen's kernels, and in a gradient function run in order (`rc.in_order`), it is the
+    taps' matrix products. The 1x1 convolution's gradients are matrix products in every
+    case. Gradients equal tf.GradientTape's in all four."""
+    out = recompute_helpers.run_python("""
+        import numpy as np
+        import tensorflow as tf
+        import tf_ophandlers as oh
+        from tf_ophandlers.handlers.recompute import conv_grads, segments
+        rng = np.random.default_rng(0)
+        w1 = tf.Variable(rng.standard_normal((3, 3, 3, 8)).astype(np.float32) / 5)
+        w2 = tf.Variable(rng.standard_normal((1, 1, 8, 8)).astype(np.float32) / 3)
+        x = tf.constant(rng.standard_normal((4, 12, 12, 3)).astype(np.float32))
+
+        def f():
+            h = tf.nn.relu(tf.nn.conv2d(x, w1, 1, "SAME"))
+            return tf.reduce_mean(tf.nn.relu(tf.nn.conv2d(h, w2, 1, "SAME")) ** 2)
+        with tf.GradientTape() as ref:
+            want = ref.gradient(f(), [w1, w2])
+        print(int(conv_grads.onednn_kernels()))
+        for in_order in (False, True):
+            segments._gradients.clear()
+            rc = oh.Recompute()
+            rc.in_order = in_order
+            with oh.GradientTape() as tape:
+                with rc:
+                    loss = f()
+            got = tape.gradient(loss, [w1, w2])
+            for g, e in zip(got, want):
+                np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+            types = [op.type for fn in segments._gradients.values()
+                     for op in fn.function.graph.get_operations()]
+            print(int("Conv2DBackpropFilter" in types), types.count("MatMul"))
+    """, env={"TF_ENABLE_ONEDNN_OPTS": onednn})
+    lines = [[int(v) for v in line.split()] for line in out.split("\n") if line.strip()]
+    (on,), (kernel, products), (ordered_kernel, ordered_products) = lines
+    assert on == int(onednn)
+    assert kernel == on, lines
+    assert ordered_kernel == 0, lines
+    # 9 taps and the 1x1 filter gradient with the taps; the 1x1's two products else
+    assert products >= (2 if on else 10) and ordered_products >= 10, lines
 
 
 @pytest.mark.parametrize("onednn", ["0", None], ids=["eigen_kernels", "default_kernels"])

@@ -12,7 +12,10 @@ matrix products whose only allocations are their results:
 - the filter gradient as one `MatMul` per filter tap: the input pixels that tap reads
   (a strided slice of the padded input; for a 1x1 stride-1 convolution the input itself,
   reshaped, no copy) times the output gradient, the taps chained so one slice exists at
-  a time;
+  a time. Where oneDNN's kernels run (`TF_ENABLE_ONEDNN_OPTS`, TensorFlow's default on
+  x86 CPUs with AVX-512 VNNI/BF16 or AMX), a gradient function that is not run in order
+  keeps TensorFlow's kernel for filters of several taps instead (`overrides`): oneDNN's
+  has no Eigen scratch buffer, and is faster than the taps;
 - the input gradient of a 1x1 convolution as the output gradient times the transposed
   filter (strided: placed at the pixels it read, zeros between); other convolutions
   keep TensorFlow's kernel, whose scratch for them is small (the input gradient of a
@@ -33,12 +36,14 @@ import threading
 import tensorflow as tf
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import math_grad, nn_grad
+from tensorflow.python.util import _pywrap_util_port
 
 from tf_ophandlers.extend import graph_builder
 
 #: The gradient the segments' gradient functions give `Conv2D` ops
 #: (`graph.gradient_override_map`).
 LEAN_CONV2D = "OhRecomputeLeanConv2D"
+LEAN_CONV2D_KERNEL_FILTER = "OhRecomputeLeanConv2DKernelFilter"
 LEAN_MUL = "OhRecomputeLeanMul"
 OVERRIDES = {"Conv2D": LEAN_CONV2D, "Mul": LEAN_MUL}
 _registered = []
@@ -50,8 +55,30 @@ def register():
     with _lock:
         if not _registered:
             _ops.RegisterGradient(LEAN_CONV2D)(_lean_conv2d_grad)
+            _ops.RegisterGradient(LEAN_CONV2D_KERNEL_FILTER)(
+                lambda op, grad: _lean_conv2d_grad(op, grad, kernel_filter=True))
             _ops.RegisterGradient(LEAN_MUL)(_lean_mul_grad)
             _registered.append(True)
+
+
+def onednn_kernels():
+    """Whether TensorFlow runs oneDNN's CPU kernels in this process (read once, at its
+    import: `TF_ENABLE_ONEDNN_OPTS`, or the CPU's default)."""
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def overrides(ordered):
+    """The gradient override map of a segment's gradient function. With oneDNN's
+    kernels, a function whose executor picks the order (not `ordered`) takes
+    TensorFlow's filter gradient for convolutions of several taps: oneDNN's kernel
+    allocates no Eigen-sized scratch buffer and runs faster than the taps' slices and
+    chained small products, at the same step peak. A function run in order keeps the
+    taps: there a ResNet50 stage-2 3x3 filter gradient's kernel raised the step peak
+    in some steps (figures: docs/handlers/recompute.md, *Running a gradient function in
+    order*)."""
+    if ordered or not onednn_kernels():
+        return OVERRIDES
+    return {"Conv2D": LEAN_CONV2D_KERNEL_FILTER, "Mul": LEAN_MUL}
 
 
 def _static(tensor):
@@ -67,7 +94,7 @@ def _pads(size, out, k, s, padding):
     return total // 2, total - total // 2
 
 
-def _lean_conv2d_grad(op, grad):
+def _lean_conv2d_grad(op, grad, kernel_filter=False):
     x, w = op.inputs[0], op.inputs[1]
     xs, ws, gs = _static(x), _static(w), _static(grad)
     strides = list(op.get_attr("strides"))
@@ -105,6 +132,11 @@ def _lean_conv2d_grad(op, grad):
             strides=strides, padding=padding.decode(), data_format="NHWC")
     if one_by_one:
         dw = tf.reshape(tf.matmul(tf.reshape(x, [-1, cin]), g2, transpose_a=True), ws)
+        return [dx, dw]
+    if kernel_filter and kh * kw > 1:
+        dw = tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=tf.constant(ws, tf.int32), out_backprop=grad,
+            strides=strides, padding=padding.decode(), data_format="NHWC")
         return [dx, dw]
     top, bottom = _pads(h, ho, kh, sh, padding)
     left, right = _pads(wd, wo, kw, sw, padding)

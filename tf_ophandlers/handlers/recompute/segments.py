@@ -305,7 +305,7 @@ class _GradientFunction:
                 # backward pass's working memory besides the weight gradients.
                 graph = _ops.get_default_graph()
                 plain = [(op, refs, None) for op, refs in nodes]
-                with graph.gradient_override_map(conv_grads.OVERRIDES):
+                with graph.gradient_override_map(conv_grads.overrides(ordered)):
                     results = conv_grads.replay(graph, plain, ext)
                     start = len(graph.get_operations())
                     # A segment narrowing inside differentiates its two parts one after

@@ -266,7 +266,8 @@ def _lean_conv_gradients(strides, padding, of_input):
 
     @tf.function(autograph=False)
     def lean(h, k, g):
-        with tf.compat.v1.get_default_graph().gradient_override_map(conv_grads.OVERRIDES):
+        overrides = conv_grads.overrides(ordered=False)  # (the default's)
+        with tf.compat.v1.get_default_graph().gradient_override_map(overrides):
             o = tf.nn.conv2d(h, k, strides, padding)
         return tf.gradients(o, [h, k] if of_input else [k], grad_ys=g)
     return lean
@@ -416,8 +417,10 @@ def render_md(results, info, elapsed, steps=5, image=""):
              ", ".join("batch %d %.2fx" % (b, r["tf"]["peak"] / r["recompute"]["peak"])
                        for b, r in results.items())),
          "- A lower bound on any checkpointing's step peak with the convolution "
-         "gradients oh.Recompute's gradient functions compute (matrix products without "
-         "the CPU kernels' scratch buffers, `recompute/conv_grads.py`): the convolution "
+         "gradients oh.Recompute's gradient functions compute by default (matrix "
+         "products without the CPU kernels' scratch buffers, and oneDNN's filter kernel "
+         "for kernels of several taps where its custom ops are on, "
+         "`recompute/conv_grads.py`): the convolution "
          "whose backward pass needs most (its gradients' own peak, run alone, plus its input and output gradient, plus the gradient of its "
          "input from a later consumer, the residual add, which exists before this "
          "backward and is summed with its result after it) runs while the gradients "
@@ -476,8 +479,10 @@ def render_md(results, info, elapsed, steps=5, image=""):
          "- The backward pass ends holding every weight gradient. A segment's gradient "
          "function computes its convolutions' gradients as matrix products (one per "
          "filter tap, chained) instead of TensorFlow's CPU kernels, whose Eigen versions "
-         "allocate a scratch buffer of up to 34 MB each (oneDNN's, used where its custom "
-         "ops are on, do not; `recompute/conv_grads.py`); oh.GradientTape "
+         "allocate a scratch buffer of up to 34 MB each; oneDNN's, used where its custom "
+         "ops are on, do not, and there the gradient functions the executor orders take "
+         "their filter gradients for kernels of several taps (`recompute/conv_grads.py`, "
+         "`overrides`); oh.GradientTape "
          "frees each record once its gradient ran, as TensorFlow's tape does, and keeps "
          "none of a segment's outputs (its gradient function reads none)."]
     return "\n".join(L)

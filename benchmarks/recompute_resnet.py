@@ -233,15 +233,14 @@ def measure_batch(batch, steps=5, sweep=()):
     has one: the BFC allocator's chunks after other configurations' steps changed a
     step's peak by up to 15 MB (the slack it counts as in use). `name`: a kind, "extras",
     "timing" (`measure_timing`) or "sweep:<join_fraction>,<join_cap>"."""
-    measure = _measure_in_child
-    out = {kind: measure(batch, steps, kind) for kind in KINDS}
-    out.update(measure(batch, steps, "extras"))
-    out["timing"] = measure(batch, steps, "timing")
+    out = {kind: _measure_in_child(batch, steps, kind) for kind in KINDS}
+    out.update(_measure_in_child(batch, steps, "extras"))
+    out["timing"] = _measure_in_child(batch, steps, "timing")
     out["stats"] = out["recompute"]["stats"]
     out["called_segments"] = out["called_recompute"]["stats"]["call_segments"]
     out["sweep"] = []
     for fraction, cap in sweep:
-        m = measure(batch, steps, "sweep:%r,%r" % (fraction, cap))
+        m = _measure_in_child(batch, steps, "sweep:%r,%r" % (fraction, cap))
         m.update(join_fraction=fraction, join_cap=cap, segments=m["stats"]["segments"])
         out["sweep"].append(m)
     return out

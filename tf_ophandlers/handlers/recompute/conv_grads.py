@@ -46,6 +46,8 @@ LEAN_CONV2D = "OhRecomputeLeanConv2D"
 LEAN_CONV2D_KERNEL_FILTER = "OhRecomputeLeanConv2DKernelFilter"
 LEAN_MUL = "OhRecomputeLeanMul"
 OVERRIDES = {"Conv2D": LEAN_CONV2D, "Mul": LEAN_MUL}
+# The same with TensorFlow's filter gradient for kernels of several taps (`overrides`).
+KERNEL_FILTER_OVERRIDES = {"Conv2D": LEAN_CONV2D_KERNEL_FILTER, "Mul": LEAN_MUL}
 _registered = []
 _lock = threading.Lock()
 
@@ -78,7 +80,7 @@ def overrides(ordered):
     order*)."""
     if ordered or not onednn_kernels():
         return OVERRIDES
-    return {"Conv2D": LEAN_CONV2D_KERNEL_FILTER, "Mul": LEAN_MUL}
+    return KERNEL_FILTER_OVERRIDES
 
 
 def _static(tensor):
